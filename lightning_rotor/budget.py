@@ -1,0 +1,86 @@
+"""Parse and explain activation-memory budgets.
+
+Users write budgets the way they think of memory: `6GiB`, `512MB`, a byte
+count, or a fraction of what the chain needs without recomputation (`0.5`,
+`"50%"`). Fractions need a chain to resolve; everything else does not.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from fractions import Fraction
+from typing import Union
+
+BudgetSpec = Union[int, float, str]
+
+UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+}
+ACCEPTED = (
+    "accepted: an integer number of bytes (8000000), a size with a unit "
+    "('512MiB', '2GB', '1.5GiB'; units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), "
+    "or a fraction of the no-recomputation peak in (0, 1] (0.5 or '50%')"
+)
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+_PERCENT = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*%\s*$")
+
+
+class BudgetError(ValueError):
+    """A budget that cannot be parsed."""
+
+
+def parse_budget(spec: BudgetSpec) -> int | Fraction:
+    """Return bytes (`int`) or a fraction of the no-recomputation peak (`Fraction`)."""
+    if isinstance(spec, bool):
+        raise BudgetError(f"budget {spec!r} is not a size; {ACCEPTED}")
+    if isinstance(spec, int):
+        if spec <= 0:
+            raise BudgetError(f"budget {spec} bytes must be positive; {ACCEPTED}")
+        return spec
+    if isinstance(spec, float):
+        if not math.isfinite(spec) or spec <= 0:
+            raise BudgetError(f"budget {spec!r} must be positive and finite; {ACCEPTED}")
+        if spec <= 1:
+            return Fraction(spec).limit_denominator(10**9)
+        if spec != int(spec):
+            raise BudgetError(f"budget {spec!r} is neither a fraction in (0, 1] nor a whole number of bytes; {ACCEPTED}")
+        return int(spec)
+    if not isinstance(spec, str):
+        raise BudgetError(f"budget {spec!r} has type {type(spec).__name__}; {ACCEPTED}")
+    percent = _PERCENT.match(spec)
+    if percent:
+        value = Fraction(percent.group(1)) / 100
+        if not 0 < value <= 1:
+            raise BudgetError(f"budget {spec!r} must be a percentage in (0%, 100%]; {ACCEPTED}")
+        return value
+    size = _SIZE.match(spec)
+    if not size or size.group(2).lower() not in UNITS:
+        raise BudgetError(f"cannot parse budget {spec!r}; {ACCEPTED}")
+    number, unit = Fraction(size.group(1)), size.group(2).lower()
+    if unit == "" and number <= 1 and "." in size.group(1):
+        return parse_budget(float(number))
+    nbytes = math.floor(number * UNITS[unit])
+    if nbytes <= 0:
+        raise BudgetError(f"budget {spec!r} is less than one byte; {ACCEPTED}")
+    return nbytes
+
+
+def resolve_budget(spec: BudgetSpec | Fraction, reference_peak: int) -> int:
+    """Bytes of a budget; fractions are taken of `reference_peak` (the no-recomputation peak)."""
+    value = spec if isinstance(spec, Fraction) else parse_budget(spec)
+    if isinstance(value, Fraction):
+        return max(1, math.floor(value * reference_peak))
+    return value
+
+
+def format_bytes(nbytes: int | float) -> str:
+    """Human form with binary units: `1.50 GiB`, `512.0 KiB`, `17 B`."""
+    nbytes = float(nbytes)
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{int(nbytes)} B"

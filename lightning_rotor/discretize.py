@@ -1,0 +1,82 @@
+"""Turn a chain and a budget into the integer problem the planners solve.
+
+Both the C++ planner and the Python reference read a `DiscreteChain`, so they
+solve the very same problem and their optima can be compared exactly.
+
+- Memory: `unit = budget // slots` bytes; every size is rounded *up* to whole
+  units, so a schedule that fits in units also fits in bytes (the budget is a
+  hard promise). With the default 500 slots this is rotor's discretisation.
+- Time: every stage time becomes an integer number of ticks, fine enough that
+  no schedule's time loses more than ~1e-10 of its value. A cost is
+  `ticks << count_bits | forward_ops`, so among schedules of equal time the one
+  with fewer forward operations wins: zero-cost stages are never recomputed
+  needlessly. Costs stay below 2**53, so they are exact in a C double too.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from lightning_rotor.chain import Chain
+
+DEFAULT_SLOTS = 500
+
+
+@dataclass(frozen=True)
+class DiscreteChain:
+    length: int
+    unit: int  # bytes per slot
+    slots: int  # budget in slots, a_0 included
+    size: list[int]  # s_0 … s_L in slots
+    saved: list[int]  # sb_1 … sb_L in slots, at index k = sb_{k+1}
+    fwd_tmp: list[int]
+    bwd_tmp: list[int]
+    loss_tmp: int
+    fwd_cost: list[int]  # ticks << count_bits | 1
+    bwd_cost: list[int]  # ticks << count_bits
+    count_bits: int
+    tick: float  # seconds per tick
+
+    def cost_to_time(self, cost: int) -> float:
+        return (cost >> self.count_bits) * self.tick
+
+    def cost_to_forward_ops(self, cost: int) -> int:
+        return cost & ((1 << self.count_bits) - 1)
+
+
+def time_scale(chain: Chain) -> tuple[int, float]:
+    """(count_bits, seconds per tick) so that every schedule's cost fits in 53 bits."""
+    length = chain.length
+    most_forward_ops = length * (length + 1) // 2 + length
+    count_bits = most_forward_ops.bit_length()
+    time_bits = 51 - count_bits
+    bound = length * math.fsum(chain.fwd_time) + math.fsum(chain.bwd_time)
+    tick = bound / 2**time_bits if bound > 0 else 1.0
+    return count_bits, tick
+
+
+def discretize(chain: Chain, budget: int, slots: int = DEFAULT_SLOTS) -> DiscreteChain:
+    if slots < 1:
+        raise ValueError(f"slots must be a positive integer, got {slots}")
+    unit = max(1, budget // slots)
+    count_bits, tick = time_scale(chain)
+
+    def up(x: int) -> int:
+        return -(-x // unit)
+
+    return DiscreteChain(
+        length=chain.length,
+        unit=unit,
+        slots=budget // unit,
+        size=[up(x) for x in chain.sizes],
+        saved=[up(x) for x in chain.saved_size],
+        fwd_tmp=[up(x) for x in chain.fwd_tmp],
+        bwd_tmp=[up(x) for x in chain.bwd_tmp],
+        loss_tmp=up(chain.loss_tmp),
+        fwd_cost=[(round(t / tick) << count_bits) | 1 for t in chain.fwd_time],
+        bwd_cost=[round(t / tick) << count_bits for t in chain.bwd_time],
+        count_bits=count_bits,
+        tick=tick,
+    )
+

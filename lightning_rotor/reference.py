@@ -1,0 +1,143 @@
+"""Pure-Python reference planner: the executable specification of the C++ one.
+
+For tests only: it is slow (memoised recursion, one memory value at a time),
+but short enough to check by eye against shared/design/memory-model.md.
+docs/planner.md derives the recursion.
+
+Subproblem `(s, t, given, m)`: the caller holds `a_s` (outside the subproblem)
+and, when `given`, the gradient `δ_t`; otherwise `t == L` and the loss is still
+to be computed. Compute `δ_s` using at most `m` slots above what the caller
+holds. Two ways to start:
+
+- **Fe s**: record stage `s`, solve `(s+1, t)` with `sb_{s+1}` fewer slots,
+  then `B s`.
+- **checkpoint s → s2**: `Fc s, Fn s+1 … Fn s2-1` reach `a_{s2}`; solve the right
+  part `(s2, t)` with `a_{s2}` held, then the left part `(s, s2, given=True)`.
+  When the loss is pending and `s2 == L`, the right part is the loss on plain `a_L`.
+"""
+
+from __future__ import annotations
+
+import sys
+from functools import lru_cache
+
+from lightning_rotor.chain import Chain
+from lightning_rotor.discretize import DEFAULT_SLOTS, DiscreteChain, discretize
+
+INFEASIBLE = None
+
+
+def solve(d: DiscreteChain) -> tuple[int, list[tuple]] | None:
+    """Least cost and its ops for the whole chain within `d.slots`, or None when nothing fits."""
+    length, size, saved = d.length, d.size, d.saved
+    ft, bt, lt = d.fwd_tmp, d.bwd_tmp, d.loss_tmp
+
+    def fe_need(s: int, t: int, given: bool) -> int:
+        held = size[t] if given else 0
+        need = max(held + saved[s] + ft[s], saved[s] + size[s + 1] + size[s] + bt[s])
+        if not given and s + 1 == length:
+            need = max(need, saved[s] + size[length] + lt)
+        return need
+
+    def forward_need(s: int, s2: int, given: bool, t: int) -> int:
+        held = size[t] if given else 0
+        need = size[s + 1] + ft[s]
+        for j in range(s + 1, s2):
+            need = max(need, size[j] + size[j + 1] + ft[j])
+        return held + need
+
+    @lru_cache(maxsize=None)
+    def best(s: int, t: int, given: bool, m: int) -> tuple[int, tuple] | None:
+        """(cost, choice) where choice is ('Fe',) or ('ck', s2)."""
+        if m < 0:
+            return None
+        found: tuple[int, tuple] | None = None
+        if m >= fe_need(s, t, given):
+            if s + 1 == t:
+                found = (d.fwd_cost[s] + d.bwd_cost[s], ("Fe",))
+            else:
+                sub = best(s + 1, t, given, m - saved[s])
+                if sub is not None:
+                    found = (d.fwd_cost[s] + d.bwd_cost[s] + sub[0], ("Fe",))
+        last = t if not given else t - 1
+        forward = 0
+        for s2 in range(s + 1, last + 1):
+            forward += d.fwd_cost[s2 - 1]
+            if m < forward_need(s, s2, given, t):
+                break  # the forward run only needs more memory as s2 grows
+            if not given and s2 == length:
+                if m < 2 * size[length] + lt:
+                    continue
+                right = 0
+            else:
+                sub = best(s2, t, given, m - size[s2])
+                if sub is None:
+                    continue
+                right = sub[0]
+            left = best(s, s2, True, m)
+            if left is None:
+                continue
+            cost = forward + right + left[0]
+            if found is None or cost < found[0]:
+                found = (cost, ("ck", s2))
+        return found
+
+    def ops(s: int, t: int, given: bool, m: int) -> list[tuple]:
+        _, choice = best(s, t, given, m)
+        if choice[0] == "Fe":
+            if s + 1 == t:
+                middle = [] if given else [("Loss",)]
+            else:
+                middle = ops(s + 1, t, given, m - saved[s])
+            return [("Fe", s), *middle, ("B", s)]
+        s2 = choice[1]
+        forward = [("Fc", s)] + [("Fn", j) for j in range(s + 1, s2)]
+        right = [("Loss",)] if (not given and s2 == length) else ops(s2, t, given, m - size[s2])
+        return forward + right + ops(s, s2, True, m)
+
+    old_limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(old_limit, 10_000))
+    try:
+        root = d.slots - size[0]
+        top = best(0, length, False, root)
+        if top is None:
+            return INFEASIBLE
+        return top[0], ops(0, length, False, root)
+    finally:
+        sys.setrecursionlimit(old_limit)
+
+
+def reference_plan(chain: Chain, budget: int, slots: int | None = DEFAULT_SLOTS) -> tuple[int, list[tuple]] | None:
+    """(cost, ops) at `slots` precision; `slots=None` solves in exact bytes (tiny chains only)."""
+    d = discretize(chain, budget, slots=budget if slots is None else slots)
+    return solve(d)
+
+
+def reference_min_budget(chain: Chain) -> int:
+    """Smallest budget in bytes for which some persistent schedule exists (exact, no rounding)."""
+    length = chain.length
+    size, saved = chain.sizes, chain.saved_size
+    ft, bt, lt = chain.fwd_tmp, chain.bwd_tmp, chain.loss_tmp
+
+    @lru_cache(maxsize=None)
+    def need(s: int, t: int, given: bool) -> int:
+        held = size[t] if given else 0
+        fe = max(held + saved[s] + ft[s], saved[s] + size[s + 1] + size[s] + bt[s])
+        if not given and s + 1 == length:
+            fe = max(fe, saved[s] + size[length] + lt)
+        if s + 1 < t:
+            fe = max(fe, saved[s] + need(s + 1, t, given))
+        result = fe
+        run = size[s + 1] + ft[s]
+        last = t if not given else t - 1
+        for s2 in range(s + 1, last + 1):
+            if s2 > s + 1:
+                run = max(run, size[s2 - 1] + size[s2] + ft[s2 - 1])
+            if not given and s2 == length:
+                right = 2 * size[length] + lt
+            else:
+                right = size[s2] + need(s2, t, given)
+            result = min(result, max(held + run, right, need(s, s2, True)))
+        return result
+
+    return size[0] + need(0, length, False)
