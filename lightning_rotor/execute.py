@@ -1,0 +1,284 @@
+"""Run a plan's ops on real tensors, freeing every value when the memory model says.
+
+Two autograd Functions carry one training step:
+
+- `_Tail` runs the forward ops (everything before `Loss`) and returns an empty
+  token; its backward runs the backward part of the plan (recomputations and
+  `B L-1 … B 0`) and returns `δ_0` to the chain input.
+- `_Head` turns the token into the chain output `a_L` for the caller's loss;
+  its backward only stores `δ_L` for `_Tail`.
+
+The split matters for memory: autograd keeps a Function's incoming gradients
+alive until its backward returns, so one Function receiving `δ_L` would hold it
+through the whole backward phase, which the memory model does not allow. Here
+the engine lets go of `δ_L` as soon as `_Head.backward` has stored it, and the
+plan drops it at `B L-1`.
+
+Parameter gradients accumulate into `.grad` through ordinary `backward` calls
+on each stage's graph, as in unwrapped training. Recomputed stages replay the
+RNG state of their first run (CPU and CUDA), re-enter the autocast state of
+the original forward, and do not update BatchNorm statistics or other buffers
+a second time.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from contextlib import ExitStack
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from lightning_rotor.profile import backward_pairs, check_inplace, detach_value, differentiable, tensors_of, versions
+from lightning_rotor.simulate import FORWARD_OPS, normalize_ops
+
+
+def _label(op: tuple) -> str:
+    return op[0] if len(op) == 1 else f"{op[0]} {op[1]}"
+
+
+class _Autocast:
+    """The autocast state of the original forward, to re-enter when recomputing."""
+
+    def __init__(self) -> None:
+        types = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+        self.state = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in types]
+
+    def enter(self, stack: ExitStack) -> None:
+        for device_type, enabled, dtype in self.state:
+            stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
+
+
+class _Step:
+    """Everything one training step holds: values, graphs, gradients, RNG states."""
+
+    def __init__(self, runner: PlanRunner, value: Any, probe: Any):
+        self.runner = runner
+        self.probe = probe
+        self.plain: dict[int, Any] = {0: value}  # a_k without graph
+        self.graph: dict[int, tuple[Any, Any]] = {}  # ā_k: (leaf input of F_{k-1}, output a_k)
+        self.grads: dict[int, list] = {}  # δ_k, one entry per tensor of a_k
+        self.ran: set[int] = set()
+        self.rng: dict[int, tuple] = {}
+        self.mutated: dict[int, list[torch.Tensor]] = {}
+        self.autocast = _Autocast()
+        self.input_requires_grad = [t.requires_grad for t in tensors_of(value)]
+        self.cuda_devices = sorted({t.device.index or 0 for t in tensors_of(value) if t.device.type == "cuda"})
+
+    def mark(self, op: tuple) -> None:
+        if self.probe is not None and hasattr(self.probe, "mark"):
+            self.probe.mark(_label(op))
+
+    # -- forward ops ----------------------------------------------------------------------
+    def _input(self, k: int, kind: str) -> Any:
+        if k in self.plain:
+            return self.plain[k]
+        if kind != "Fn" and k in self.graph:
+            return self.graph[k][1]
+        raise RuntimeError(f"executor bug: a_{k} is not held for {kind} {k}")
+
+    def _leaf_input(self, k: int, src: Any) -> Any:
+        if k > 0:
+            return detach_value(src, True)
+        flat, spec = tree_flatten(src)
+        it = iter(self.input_requires_grad)
+        leaves = []
+        for t in flat:
+            if isinstance(t, torch.Tensor):
+                d = t.detach()
+                if next(it) and differentiable(d):
+                    d.requires_grad_(True)
+                leaves.append(d)
+            else:
+                leaves.append(t)
+        return tree_unflatten(leaves, spec)
+
+    def forward_op(self, kind: str, k: int) -> None:
+        stage, name = self.runner.stages[k], self.runner.names[k]
+        src = self._input(k, kind)
+        first = k not in self.ran
+        with ExitStack() as stack:
+            if first:
+                self.ran.add(k)
+                if k in self.runner.recomputed:
+                    self._remember(k, stage)
+            else:
+                self._replay(k, stage, stack)
+            before = versions(src)
+            if kind == "Fe":
+                inp = self._leaf_input(k, src)
+                with torch.enable_grad():
+                    out = stage(inp)
+                self.graph[k + 1] = (inp, out)
+            else:
+                with torch.no_grad():
+                    out = stage(src)
+                self.plain[k + 1] = out
+            check_inplace(before, src, k, name)
+        if first and k in self.runner.recomputed:
+            self._find_mutated(k, stage)
+        if kind == "Fn" and k != 0:
+            del self.plain[k]
+
+    def _remember(self, k: int, stage: nn.Module) -> None:
+        cuda = [torch.cuda.get_rng_state(d) for d in self.cuda_devices]
+        self.rng[k] = (torch.get_rng_state(), cuda)
+        self.mutated[k] = [(b, b._version) for b in _plain_buffers(stage)]
+
+    def _find_mutated(self, k: int, stage: nn.Module) -> None:
+        self.mutated[k] = [b for b, v in self.mutated[k] if b._version != v]
+
+    def _replay(self, k: int, stage: nn.Module, stack: ExitStack) -> None:
+        """Recompute exactly as the first run: same RNG, same autocast, buffers untouched."""
+        cpu, cuda = self.rng[k]
+        stack.enter_context(torch.random.fork_rng(devices=self.cuda_devices))
+        torch.set_rng_state(cpu)
+        for d, state in zip(self.cuda_devices, cuda, strict=True):
+            torch.cuda.set_rng_state(state, d)
+        self.autocast.enter(stack)
+        norms = [m for m in stage.modules() if isinstance(m, nn.modules.batchnorm._NormBase)]
+        norms = [m for m in norms if m.training and m.track_running_stats]
+        for m in norms:
+            m.track_running_stats = False
+        stack.callback(_restore_tracking, norms)
+        if self.mutated.get(k):
+            with torch.no_grad():
+                saved = [b.clone() for b in self.mutated[k]]
+            stack.callback(_restore_buffers, self.mutated[k], saved)
+
+    # -- loss boundary ----------------------------------------------------------------------
+    def take_output(self) -> Any:
+        """Hand `a_L` to the caller: a plain one leaves the plan, one with graph stays for `B L-1`."""
+        length = self.runner.length
+        if length in self.graph:
+            return detach_value(self.graph[length][1], False)
+        return self.plain.pop(length)
+
+    # -- backward ops ---------------------------------------------------------------------
+    def backward_op(self, k: int) -> None:
+        inp, out = self.graph.pop(k + 1)
+        outs, gs = backward_pairs(out, self.grads.pop(k + 1))
+        if outs:
+            torch.autograd.backward(outs, gs)
+        del outs, gs, out
+        self.grads[k] = [t.grad if t.requires_grad else None for t in tensors_of(inp)]
+        del inp
+        if k != 0:
+            self.plain.pop(k, None)
+
+    def run(self, ops: Sequence[tuple]) -> None:
+        for op in ops:
+            if op[0] == "B":
+                self.backward_op(op[1])
+            else:
+                self.forward_op(*op)
+            self.mark(op)
+
+    def clear(self) -> None:
+        self.plain.clear()
+        self.graph.clear()
+        self.grads.clear()
+        self.rng.clear()
+        self.probe = None
+
+
+def _plain_buffers(stage: nn.Module) -> list[torch.Tensor]:
+    norms = {id(b) for m in stage.modules() if isinstance(m, nn.modules.batchnorm._NormBase) for b in m.buffers()}
+    return [b for b in stage.buffers() if id(b) not in norms]
+
+
+def _restore_tracking(norms: list[nn.Module]) -> None:
+    for m in norms:
+        m.track_running_stats = True
+
+
+def _restore_buffers(buffers: list[torch.Tensor], saved: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for b, s in zip(buffers, saved, strict=True):
+            b.copy_(s)
+
+
+class _Tail(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, step: _Step, spec: Any, dummy: torch.Tensor, *inputs: Any) -> torch.Tensor:
+        step.plain[0] = tree_unflatten(list(inputs), spec)
+        step.run(step.runner.forward_ops)
+        ctx.step = step
+        ctx.is_tensor = [isinstance(t, torch.Tensor) for t in inputs]
+        return torch.empty(0, device=dummy.device)
+
+    @staticmethod
+    def backward(ctx, token_grad: torch.Tensor) -> tuple:
+        step: _Step = ctx.step
+        try:
+            step.run(step.runner.backward_ops)
+            delta = iter(step.grads.pop(0))
+        finally:
+            step.clear()
+            del ctx.step
+        return (None, None, None, *[next(delta) if is_tensor else None for is_tensor in ctx.is_tensor])
+
+
+class _Head(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, step: _Step, token: torch.Tensor) -> tuple:
+        output = step.take_output()
+        flat, spec = tree_flatten(output)
+        tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+        if len(tensors) != len(flat):
+            raise TypeError("the chain output must be a tensor or a (nested) tuple of tensors")
+        ctx.mark_non_differentiable(*[t for t in tensors if not differentiable(t)])
+        ctx.step = step
+        ctx.spec = spec
+        ctx.set_materialize_grads(False)
+        step.output_spec = spec
+        return tuple(tensors)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None) -> tuple:
+        step: _Step = ctx.step
+        step.grads[step.runner.length] = list(grads)
+        step.mark(("Loss",))
+        del ctx.step
+        return None, torch.empty(0, device=step.runner.token_device)
+
+
+class PlanRunner:
+    """Executes one plan on `stages`; call it like the chain: `runner(a_0) -> a_L`.
+
+    Set `probe` (a `MemoryProbe`) before a call to have it marked after every op,
+    which gives the measured memory curve of the step, op by op.
+    """
+
+    def __init__(self, stages: Sequence[nn.Module], ops: Sequence, names: Sequence[str] | None = None):
+        self.stages = list(stages)
+        self.length = len(self.stages)
+        self.names = list(names) if names is not None else [f"stage{k}" for k in range(self.length)]
+        ops = normalize_ops(ops)
+        if ops.count(("Loss",)) != 1:
+            raise ValueError("a plan has exactly one Loss op")
+        split = ops.index(("Loss",))
+        self.ops = ops
+        self.forward_ops = ops[:split]
+        self.backward_ops = ops[split + 1 :]
+        forwards = Counter(op[1] for op in ops if op[0] in FORWARD_OPS)
+        self.recomputed = {k for k, n in forwards.items() if n > 1}
+        self.probe: Any = None
+        self.token_device = torch.device("cpu")
+
+    def __call__(self, value: Any) -> Any:
+        flat, spec = tree_flatten(value)
+        if not any(isinstance(t, torch.Tensor) for t in flat):
+            raise TypeError("the chain input must be a tensor or a (nested) tuple of tensors")
+        device = next(t.device for t in flat if isinstance(t, torch.Tensor))
+        self.token_device = device
+        step = _Step(self, value, self.probe)
+        if step.probe is not None and hasattr(step.probe, "track"):
+            step.probe.track(value)
+        dummy = torch.empty(0, device=device, requires_grad=True)
+        token = _Tail.apply(step, spec, dummy, *flat)
+        outputs = _Head.apply(step, token)
+        return tree_unflatten(list(outputs), step.output_spec)

@@ -1,0 +1,184 @@
+"""Memory probes: how many activation bytes are alive, exactly.
+
+`MemoryProbe` counts live tensor storages on any device. It is a
+`TorchDispatchMode`: every op's output storages are recorded (weakly), dead
+ones are swept before the next op runs, and the current and peak totals are
+updated after each op. So
+
+- a storage shared by several tensors is counted once, and views are free;
+- parameters, buffers and parameter gradients of the modules given in
+  `exclude` are never counted (they are not activations);
+- tensors that existed before the probe started (the chain input) count only
+  when passed to `track`;
+- the count is deterministic: it depends on the ops run, not on an allocator.
+
+Allocations inside kernels that never become tensors (workspaces) are not
+seen; on CUDA, `CudaMemoryProbe` reads the caching allocator's own statistics,
+which include them.
+
+The autograd engine runs backward ops in the thread that called `backward`
+on CPU (and copies the dispatch mode to its device threads), so a probe
+entered around forward and backward sees both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    """Identity of the storage behind `tensor` (shared by all its views)."""
+    return tensor.untyped_storage()._cdata
+
+
+def _strided(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.layout == torch.strided
+
+
+def storage_bytes(tensors: Any) -> int:
+    """Bytes of the distinct storages behind the tensors in a (nested) structure."""
+    seen: dict[int, int] = {}
+    for t in tree_leaves(tensors):
+        if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+            storage = t.untyped_storage()
+            seen[storage._cdata] = storage.nbytes()
+    return sum(seen.values())
+
+
+class MemoryProbe(TorchDispatchMode):
+    """Exact live activation bytes: `with MemoryProbe(exclude=model) as probe: ...`.
+
+    `probe.current` and `probe.peak` are bytes; `probe.curve` (when
+    `record_curve=True`) is the bytes alive after each op, and `mark(label)`
+    records where in that curve a labelled moment is (e.g. the end of a plan op).
+    """
+
+    def __init__(self, exclude: nn.Module | Iterable[nn.Module | torch.Tensor] = (), *, record_curve: bool = False):
+        super().__init__()
+        if isinstance(exclude, nn.Module):
+            exclude = [exclude]
+        self._fixed: set[int] = set()
+        self._params: list[torch.Tensor] = []
+        for item in exclude:
+            tensors = list(item.parameters()) + list(item.buffers()) if isinstance(item, nn.Module) else [item]
+            for t in tensors:
+                if t.layout == torch.strided:
+                    self._fixed.add(storage_key(t))
+                if isinstance(t, nn.Parameter) or t.requires_grad:
+                    self._params.append(t)
+        self._live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.current = 0
+        self.peak = 0
+        self.ops = 0
+        self.record_curve = record_curve
+        self.curve: list[int] = []
+        self.marks: list[tuple[str, int, int]] = []  # (label, op index, bytes alive)
+
+    # -- accounting -------------------------------------------------------------------------
+    def _excluded(self) -> set[int]:
+        keys = set(self._fixed)
+        for p in self._params:
+            g = p.grad
+            if g is not None and g.layout == torch.strided:
+                keys.add(storage_key(g))
+        return keys
+
+    def _sweep(self) -> None:
+        excluded = self._excluded() if self._params else self._fixed
+        dead = [k for k, (ref, _) in self._live.items() if k in excluded or ref.expired()]
+        for k in dead:
+            self.current -= self._live.pop(k)[1]
+
+    def _add(self, tensors: Any, inputs: set[int] = frozenset()) -> None:
+        for t in tree_leaves(tensors):
+            if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.device.type == "meta":
+                continue
+            storage = t.untyped_storage()
+            key = storage._cdata
+            if key in self._fixed or key in inputs:
+                continue
+            old = self._live.get(key)
+            if old is not None:
+                if not old[0].expired():
+                    continue
+                self.current -= old[1]
+            nbytes = storage.nbytes()
+            self._live[key] = (StorageWeakRef(storage), nbytes)
+            self.current += nbytes
+        self.peak = max(self.peak, self.current)
+
+    def track(self, *tensors: Any) -> None:
+        """Count tensors that existed before the probe (e.g. the chain input `a_0`)."""
+        self._sweep()
+        self._add(tensors)
+
+    def reset_peak(self) -> None:
+        """Start a new peak from what is alive now."""
+        self._sweep()
+        self.peak = self.current
+
+    def mark(self, label: str) -> None:
+        """Remember the bytes alive now under `label` (sweeping first)."""
+        self._sweep()
+        self.marks.append((label, self.ops, self.current))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self._sweep()
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        # an output on an input's storage (a view, an in-place op) is no new allocation
+        inputs = {storage_key(t) for t in tree_leaves((args, kwargs)) if _strided(t)}
+        self._add(out, inputs)
+        self.ops += 1
+        if self.record_curve:
+            self.curve.append(self.current)
+        return out
+
+
+class CudaMemoryProbe:
+    """Activation bytes from the CUDA caching allocator's statistics.
+
+    Peak is `max_memory_allocated` during the block minus what was allocated
+    when it started, plus the bytes of tensors passed to `track` (the chain
+    input, which existed before). Unlike `MemoryProbe` it sees kernel
+    workspaces; like any allocator figure it also sees parameter gradients
+    allocated during the block (zero them with `set_to_none=False` to keep them
+    out) and rounds sizes up to the allocator's blocks.
+    """
+
+    def __init__(self, device: torch.device | str | int | None = None):
+        if not torch.cuda.is_available():
+            raise RuntimeError("CudaMemoryProbe needs CUDA, which is not available; use MemoryProbe on CPU")
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        self._base = 0
+        self._tracked = 0
+        self.peak = 0
+        self.current = 0
+
+    def track(self, *tensors: Any) -> None:
+        self._tracked += storage_bytes(tensors)
+
+    def __enter__(self) -> CudaMemoryProbe:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._base = torch.cuda.memory_allocated(self.device)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.cuda.synchronize(self.device)
+        self.peak = torch.cuda.max_memory_allocated(self.device) - self._base + self._tracked
+        self.current = torch.cuda.memory_allocated(self.device) - self._base + self._tracked
+
+
+def probe_for(device: torch.device, exclude: Any = (), *, record_curve: bool = False) -> MemoryProbe | CudaMemoryProbe:
+    """The probe that measures `device` best: the allocator on CUDA, tensor accounting elsewhere."""
+    if device.type == "cuda":
+        return CudaMemoryProbe(device)
+    return MemoryProbe(exclude, record_curve=record_curve)

@@ -1,0 +1,313 @@
+"""Measure a chain: per-stage times, sizes and transients on the real sample input.
+
+`flatten_stages` turns a (nested) `nn.Sequential` into stages; `profile_chain`
+runs every stage on the sample input and fills a `Chain` exactly as
+shared/design/memory-model.md defines each field:
+
+- `out_size`: bytes of the storages of `a_{k+1}`;
+- `saved_size`: bytes alive after `F_k` with grad recording, `a_{k+1}` plus the
+  graph's saved tensors, not `a_k` nor parameters (`MemoryProbe` accounting);
+- `fwd_tmp`: peak above what is alive after `F_k`, the larger of the runs
+  with and without grad recording;
+- `bwd_tmp`: peak during the backward of `F_k` above the inputs of the
+  backward and `δ_k` (the probe never counts parameter gradients once stored);
+- `loss_tmp`: the loss is the caller's, so it cannot be measured here; the
+  default charges what a softmax cross-entropy needs (see `default_loss_tmp`);
+- `input_size`: bytes of `a_0`, plus `LOSS_HELD` for the caller's loss value,
+  which stays alive through the whole backward (the model has no other place
+  for it).
+
+Times are medians of repeated runs after warm-up, on the current thread
+count. Profiling leaves no trace: parameters, `.grad`, buffers and the RNG
+stream are as they were.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from lightning_rotor.chain import Chain
+from lightning_rotor.memory import MemoryProbe, storage_bytes
+
+LOSS_SLACK = 1024  # bytes for the loss's scalars while it is differentiated
+LOSS_HELD = 256  # bytes of the caller's loss value, alive through the whole backward; charged with a_0
+
+
+class InplaceError(RuntimeError):
+    """A stage modified its input in place, which would corrupt a kept checkpoint."""
+
+
+# -- stages ---------------------------------------------------------------------------------
+def flatten_stages(module: nn.Sequential) -> tuple[list[str], list[nn.Module]]:
+    """Leaves of nested Sequentials, in order; modules with `inplace=True` join the stage before.
+
+    An in-place module (ReLU(inplace=True) after BatchNorm) overwrites its input; as a stage
+    of its own, that input would be a checkpoint it corrupts. Fused, the overwrite stays
+    inside one stage, as in the unwrapped model.
+    """
+    if not isinstance(module, nn.Sequential):
+        raise TypeError(f"expected an nn.Sequential, got {type(module).__name__}")
+    leaves: list[tuple[str, nn.Module]] = []
+
+    def walk(seq: nn.Sequential, prefix: str) -> None:
+        for name, child in seq.named_children():
+            full = f"{prefix}{name}"
+            if isinstance(child, nn.Sequential) and len(child) > 0:
+                walk(child, full + ".")
+            else:
+                leaves.append((full, child))
+
+    walk(module, "")
+    names: list[str] = []
+    groups: list[list[nn.Module]] = []
+    for name, child in leaves:
+        if groups and getattr(child, "inplace", False) is True:
+            groups[-1].append(child)
+            names[-1] = f"{names[-1]}+{name}"
+        else:
+            groups.append([child])
+            names.append(name)
+    if not groups:
+        raise ValueError("cannot checkpoint an empty nn.Sequential: it has no stages")
+    return names, [g[0] if len(g) == 1 else nn.Sequential(*g) for g in groups]
+
+
+# -- values (a tensor or a nested tuple of tensors) -----------------------------------------
+def tensors_of(value: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
+def differentiable(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+def detach_value(value: Any, requires_grad: bool) -> Any:
+    """Aliases of `value` cut from any graph, as leaves that require grad when asked and possible."""
+
+    def leaf(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        d = t.detach()
+        if requires_grad and differentiable(d):
+            d.requires_grad_(True)
+        return d
+
+    return tree_map(leaf, value)
+
+
+def versions(value: Any) -> list[int]:
+    return [t._version for t in tensors_of(value)]
+
+
+def check_inplace(before: list[int], value: Any, k: int, name: str) -> None:
+    if versions(value) != before:
+        raise InplaceError(
+            f"stage {k} ({name}) modified its input in place, which would corrupt a kept checkpoint; "
+            "make the operation out-of-place or put it in the same stage as the module before it"
+        )
+
+
+def backward_pairs(outputs: Any, grads: Sequence[torch.Tensor | None]) -> tuple[list, list]:
+    """(tensors, grads) of the outputs that carry a graph and received a gradient."""
+    outs, gs = [], []
+    for t, g in zip(tensors_of(outputs), grads, strict=True):
+        if t.requires_grad and g is not None:
+            outs.append(t)
+            gs.append(g)
+    return outs, gs
+
+
+# -- profiling ------------------------------------------------------------------------------
+@dataclass
+class Profile:
+    """A measured chain plus how it was measured."""
+
+    chain: Chain
+    seconds: float  # wall time of profiling
+    fwd_spread: list[float] = field(default_factory=list)  # (max - min) / median of each stage's runs
+    bwd_spread: list[float] = field(default_factory=list)
+    repeats: int = 0
+    threads: int = 0
+
+    @property
+    def spread(self) -> float:
+        """Worst relative spread of any stage's timing runs (noise of the measurement)."""
+        return max(self.fwd_spread + self.bwd_spread, default=0.0)
+
+
+def default_loss_tmp(output: Any) -> int:
+    """Transient bytes charged for the loss: two float32 copies of the output, plus scalars.
+
+    A softmax cross-entropy keeps its log-probabilities (float32 even under
+    autocast) and makes their gradient before `δ_L` exists; that is two
+    output-sized float32 tensors above `a_L` and `δ_L`.
+    """
+    total = 0
+    for t in tensors_of(output):
+        if differentiable(t):
+            total += 2 * t.numel() * max(4, t.element_size())
+    return total + LOSS_SLACK
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_spread(samples: list[float]) -> tuple[float, float]:
+    med = statistics.median(samples)
+    return med, (max(samples) - min(samples)) / med if med > 0 else 0.0
+
+
+class _Untouched:
+    """Keep profiling invisible: buffers restored, `.grad` put back, RNG forked."""
+
+    def __init__(self, stages: Sequence[nn.Module], device: torch.device):
+        self.buffers = [b for s in stages for b in s.buffers()]
+        self.params = [p for s in stages for p in s.parameters()]
+        self.devices = [device] if device.type == "cuda" else []
+
+    def __enter__(self) -> _Untouched:
+        with torch.no_grad():
+            self.saved_buffers = [b.clone() for b in self.buffers]
+        self.saved_grads = [p.grad for p in self.params]
+        self.rng = torch.random.fork_rng(devices=self.devices)
+        self.rng.__enter__()
+        return self
+
+    def clear_grads(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def restore_buffers(self) -> None:
+        with torch.no_grad():
+            for b, s in zip(self.buffers, self.saved_buffers, strict=True):
+                b.copy_(s)
+
+    def __exit__(self, *exc: Any) -> None:
+        self.restore_buffers()
+        for p, g in zip(self.params, self.saved_grads, strict=True):
+            p.grad = g
+        self.rng.__exit__(*exc)
+
+
+def profile_chain(
+    stages: Sequence[nn.Module],
+    sample: Any,
+    *,
+    names: Sequence[str] | None = None,
+    repeats: int = 3,
+    warmup: int = 1,
+    loss_tmp: int | Callable[[Any], int] | None = None,
+) -> Profile:
+    """Measure `stages` on `sample` (the chain input `a_0`); see the module docstring."""
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"repeats must be >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
+    names = list(names) if names is not None else [f"stage{k}" for k in range(len(stages))]
+    inputs = tensors_of(sample)
+    if not inputs:
+        raise TypeError("the chain input must be a tensor or a tuple of tensors")
+    device = inputs[0].device
+    exclude = list(stages)
+    start = time.perf_counter()
+    fields: dict[str, list] = {f: [] for f in ("out_size", "saved_size", "fwd_time", "bwd_time", "fwd_tmp", "bwd_tmp")}
+    fwd_spread, bwd_spread = [], []
+    needs_grad = any(t.requires_grad for t in inputs)
+    value = sample
+    with _Untouched(stages, device) as untouched:
+        for k, stage in enumerate(stages):
+            grad_in = needs_grad if k == 0 else True
+
+            def forward(record: bool, stage=stage, k=k, value=value, grad_in=grad_in) -> tuple[Any, Any]:
+                inp = detach_value(value, grad_in and record)
+                before = versions(value)
+                with torch.set_grad_enabled(record):
+                    out = stage(inp)
+                check_inplace(before, value, k, names[k])
+                return inp, out
+
+            # memory without grad recording (Fn / Fc)
+            with MemoryProbe(exclude) as probe:
+                probe.track(value)  # a_k is held before the stage runs; only what comes after counts
+                _, out = forward(False)
+                probe.mark("after")
+            out_size = storage_bytes(out)
+            fwd_tmp = probe.peak - probe.current
+            untouched.restore_buffers()
+            # memory with grad recording (Fe), then its backward (B)
+            with MemoryProbe(exclude) as probe:
+                probe.track(value)
+                base = probe.current
+                inp, out = forward(True)
+                probe.mark("after")
+                fwd_tmp = max(fwd_tmp, probe.peak - probe.current)
+                saved_size = max(probe.current - base, out_size)  # an output aliasing a_k still counts
+                grads = [torch.ones_like(t) if t.requires_grad else None for t in tensors_of(out)]
+                outs, gs = backward_pairs(out, grads)
+                bwd_tmp = 0
+                if outs:
+                    probe.reset_peak()
+                    before_backward = probe.current
+                    untouched.clear_grads()
+                    with torch.autocast(device.type, enabled=False):
+                        torch.autograd.backward(outs, gs)
+                    del outs, gs, grads
+                    bwd_tmp = max(0, probe.peak - before_backward - storage_bytes(value))
+                    untouched.clear_grads()
+                del inp, out
+            untouched.restore_buffers()
+            # times
+            fwd_samples, bwd_samples = [], []
+            for run in range(warmup + repeats):
+                _sync(device)
+                t0 = time.perf_counter()
+                inp, out = forward(True)
+                _sync(device)
+                t1 = time.perf_counter()
+                outs, gs = backward_pairs(out, [torch.ones_like(t) for t in tensors_of(out)])
+                if outs:
+                    _sync(device)
+                    t2 = time.perf_counter()
+                    with torch.autocast(device.type, enabled=False):
+                        torch.autograd.backward(outs, gs)
+                    _sync(device)
+                    t3 = time.perf_counter()
+                else:
+                    t2 = t3 = 0.0
+                untouched.clear_grads()
+                untouched.restore_buffers()
+                if run >= warmup:
+                    fwd_samples.append(t1 - t0)
+                    bwd_samples.append(t3 - t2)
+                del inp, out, outs, gs
+            fwd_time, fs = _median_spread(fwd_samples)
+            bwd_time, bs = _median_spread(bwd_samples)
+            fwd_spread.append(fs)
+            bwd_spread.append(bs)
+            for name, v in zip(
+                ("out_size", "saved_size", "fwd_time", "bwd_time", "fwd_tmp", "bwd_tmp"),
+                (out_size, saved_size, fwd_time, bwd_time, fwd_tmp, bwd_tmp),
+                strict=True,
+            ):
+                fields[name].append(v)
+            # the next stage's sample input
+            with torch.no_grad():
+                value = stage(value)
+            untouched.restore_buffers()
+    if loss_tmp is None:
+        loss_bytes = default_loss_tmp(value)
+    elif callable(loss_tmp):
+        loss_bytes = int(loss_tmp(value))
+    else:
+        loss_bytes = int(loss_tmp)
+    chain = Chain(input_size=storage_bytes(sample) + LOSS_HELD, loss_tmp=loss_bytes, names=names, **fields)
+    seconds = time.perf_counter() - start
+    return Profile(chain, seconds, fwd_spread, bwd_spread, repeats=repeats, threads=torch.get_num_threads())
