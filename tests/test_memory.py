@@ -1,0 +1,105 @@
+"""MemoryProbe: exact, deterministic accounting of live activation storages."""
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_rotor.memory import CudaMemoryProbe, MemoryProbe, storage_bytes
+
+
+def test_counts_new_storages_and_frees_dead_ones():
+    with MemoryProbe() as probe:
+        a = torch.zeros(100)  # 400 bytes
+        b = torch.zeros(50)  # 200 bytes
+        probe.mark("both")
+        del a
+        probe.mark("one")
+    assert probe.marks[0][2] == 600
+    assert probe.marks[1][2] == 200
+    assert probe.peak == 600
+    del b
+
+
+def test_views_and_shared_storage_count_once():
+    with MemoryProbe() as probe:
+        a = torch.zeros(10, 10)
+        v = a.view(100)
+        t = a.t()
+        s = a[2:5]
+        a.add_(1)
+        probe.mark("views")
+    assert probe.marks[0][2] == 400
+    assert storage_bytes((a, v, t, s)) == 400
+
+
+def test_pre_existing_tensors_count_only_when_tracked():
+    x = torch.zeros(1000)
+    with MemoryProbe() as probe:
+        y = x.view(10, 100) * 1  # the view of x is no allocation; y is
+        probe.mark("untracked")
+        probe.track(x)
+        probe.mark("tracked")
+    assert probe.marks[0][2] == 4000
+    assert probe.marks[1][2] == 8000
+    del y
+
+
+def test_parameters_buffers_and_parameter_grads_are_excluded():
+    model = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64))
+    x = torch.randn(8, 64)
+    with MemoryProbe(model) as probe:
+        loss = model(x).sum()
+        loss.backward()
+        probe.mark("after")
+    # only the loss scalar survives; the weight grad (16 KiB) is stored in .grad and not counted
+    assert probe.marks[0][2] == 4
+    assert model[0].weight.grad is not None
+    # the peak saw the backward (grad_input, the weight gradient before it was stored)
+    assert probe.peak >= 8 * 64 * 4 * 2
+
+
+def test_backward_ops_are_seen_and_peak_is_deterministic():
+    def run():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 4))
+        x = torch.randn(16, 32)
+        with MemoryProbe(model, record_curve=True) as probe:
+            probe.track(x)
+            loss = model(x).sum()
+            forward_ops = probe.ops
+            loss.backward()
+        assert probe.ops > forward_ops  # backward ran in this thread, under the probe
+        return probe.peak, probe.curve
+
+    assert run() == run()
+
+
+def test_in_place_on_parameter_grad_is_not_an_allocation():
+    lin = nn.Linear(64, 64)
+    x = torch.randn(16, 64)
+    peaks = []
+    for existing in (False, True):
+        lin.weight.grad = torch.zeros_like(lin.weight) if existing else None
+        lin.bias.grad = torch.zeros_like(lin.bias) if existing else None
+        out = lin(x)
+        with MemoryProbe(lin) as probe:
+            out.sum().backward()
+        peaks.append(probe.peak)
+    assert peaks[0] == peaks[1]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
+def test_cuda_probe_needs_cuda():
+    with pytest.raises(RuntimeError, match="needs CUDA"):
+        CudaMemoryProbe()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_probe_measures_allocator_peak():
+    x = torch.randn(1024, 1024, device="cuda")
+    with CudaMemoryProbe() as probe:
+        probe.track(x)
+        y = x * 2
+        del y
+    assert probe.peak >= 2 * 4 * 1024 * 1024
+    assert probe.current == 4 * 1024 * 1024
