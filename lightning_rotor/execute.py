@@ -260,6 +260,8 @@ class PlanRunner:
         ops = normalize_ops(ops)
         if ops.count(("Loss",)) != 1:
             raise ValueError("a plan has exactly one Loss op")
+        if sorted(op[1] for op in ops if op[0] == "B") != list(range(self.length)):
+            raise ValueError(f"the plan does not fit a chain of {self.length} stages: it needs one B op per stage")
         split = ops.index(("Loss",))
         self.ops = ops
         self.forward_ops = ops[:split]

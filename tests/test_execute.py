@@ -1,0 +1,181 @@
+"""The executor: plans run with the memory model's frees, RNG replay, autocast, buffers, in-place checks."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_rotor.execute import PlanRunner
+from lightning_rotor.memory import MemoryProbe
+from lightning_rotor.profile import InplaceError, flatten_stages, profile_chain
+from lightning_rotor.simulate import simulate
+
+torch.set_num_threads(1)
+
+# every stage recomputed at least once, with checkpoints kept and dropped
+RECOMPUTE_ALL = [("Fc", 0), ("Fn", 1), ("Fn", 2), ("Fe", 3), ("Loss",), ("B", 3), ("Fc", 0), ("Fn", 1), ("Fe", 2),
+                 ("B", 2), ("Fe", 0), ("Fe", 1), ("B", 1), ("B", 0)]
+
+
+class DropLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.Dropout(0.5)
+        self.lin = nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.lin(self.drop(x))
+
+
+def model4():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), DropLinear(), nn.BatchNorm1d(32), nn.Linear(32, 5))
+
+
+def test_a_plan_for_another_chain_length_is_rejected():
+    names, stages = flatten_stages(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
+    with pytest.raises(ValueError, match="2 stages"):
+        PlanRunner(stages, RECOMPUTE_ALL, names)
+
+
+def step(run, model, x, y):
+    loss = F.cross_entropy(run(x), y)
+    loss.backward()
+    return loss.detach()
+
+
+def grads(model):
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_recomputed_plan_matches_plain_bitwise_with_dropout_and_batchnorm():
+    x, y = torch.randn(8, 16), torch.randint(0, 5, (8,))
+    plain, rotor = model4(), model4()
+    torch.manual_seed(3)
+    expected = step(plain, plain, x, y)
+    rng_after_plain = torch.get_rng_state()
+    names, stages = flatten_stages(rotor)
+    runner = PlanRunner(stages, RECOMPUTE_ALL, names)
+    assert runner.recomputed == {0, 1, 2}
+    torch.manual_seed(3)
+    got = step(runner, rotor, x, y)
+    assert torch.equal(torch.get_rng_state(), rng_after_plain)  # the RNG stream is the unwrapped one
+    assert torch.equal(expected, got)
+    for a, b in zip(grads(plain), grads(rotor), strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(plain.buffers(), rotor.buffers(), strict=True):
+        assert torch.equal(a, b)  # running stats and num_batches_tracked updated once
+    assert rotor[2].num_batches_tracked.item() == 1
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_gradient_reaches_the_input_only_when_it_requires_grad(requires_grad):
+    x = torch.randn(8, 16, requires_grad=requires_grad)
+    y = torch.randint(0, 5, (8,))
+    plain, rotor = model4(), model4()
+    plain.eval(), rotor.eval()  # no dropout: compare the input gradient alone
+    step(plain, plain, x, y)
+    expected = None if x.grad is None else x.grad.clone()
+    x.grad = None
+    names, stages = flatten_stages(rotor)
+    step(PlanRunner(stages, RECOMPUTE_ALL, names), rotor, x, y)
+    if requires_grad:
+        assert torch.equal(x.grad, expected)
+    else:
+        assert x.grad is None
+
+
+def test_bf16_autocast_is_reentered_on_recompute():
+    x, y = torch.randn(8, 16), torch.randint(0, 5, (8,))
+    plain, rotor = model4(), model4()
+    names, stages = flatten_stages(rotor)
+    runner = PlanRunner(stages, RECOMPUTE_ALL, names)
+    results = []
+    for run, model in ((plain, plain), (runner, rotor)):
+        torch.manual_seed(3)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = run(x)
+            assert out.dtype == torch.bfloat16
+            loss = F.cross_entropy(out, y)
+        loss.backward()
+        results.append((loss.detach(), grads(model)))
+    assert torch.equal(results[0][0], results[1][0])
+    for a, b in zip(results[0][1], results[1][1], strict=True):
+        assert torch.equal(a, b)
+
+
+class Split(nn.Module):
+    def forward(self, x):
+        return x[:, :8] * 2, x[:, 8:].relu()
+
+
+class Join(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, pair):
+        a, b = pair
+        return self.lin(a) + b
+
+
+def test_tuple_values_flow_through_the_chain():
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 16), Split(), Join(), nn.Linear(8, 5))
+
+    x, y = torch.randn(4, 16), torch.randint(0, 5, (4,))
+    plain, rotor = make(), make()
+    step(plain, plain, x, y)
+    names, stages = flatten_stages(rotor)
+    profile = profile_chain(stages, x, names=names)
+    assert profile.chain.out_size[1] == 4 * 8 * 4 * 2  # both tensors of the pair
+    step(PlanRunner(stages, RECOMPUTE_ALL, names), rotor, x, y)
+    for a, b in zip(grads(plain), grads(rotor), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_measured_memory_after_each_op_follows_the_simulator():
+    x, y = torch.randn(64, 16), torch.randint(0, 5, (64,))
+    rotor = model4()
+    names, stages = flatten_stages(rotor)
+    chain = profile_chain(stages, x, names=names).chain
+    runner = PlanRunner(stages, RECOMPUTE_ALL, names)
+    runner.probe = probe = MemoryProbe(rotor)
+    with probe:
+        step(runner, rotor, x, y)
+    sim = simulate(chain, RECOMPUTE_ALL)
+    measured = [nbytes for _, _, nbytes in probe.marks]
+    assert [label for label, _, _ in probe.marks] == [" ".join(map(str, op)) for op in RECOMPUTE_ALL]
+    assert all(m <= p for m, p in zip(measured, sim.curve, strict=True))
+    assert probe.peak <= sim.peak
+    assert probe.peak >= 0.9 * sim.peak
+
+
+class AddOne(nn.Module):
+    def forward(self, x):
+        return x.add_(1)
+
+
+def test_in_place_stage_at_a_boundary_fails_with_a_clear_error():
+    model = nn.Sequential(nn.Linear(4, 4), AddOne(), nn.Linear(4, 2))
+    names, stages = flatten_stages(model)
+    with pytest.raises(InplaceError, match=r"stage 1 \(1\) modified its input in place"):
+        profile_chain(stages, torch.randn(2, 4), names=names)
+
+
+def test_in_place_modules_are_fused_into_the_stage_before():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(inplace=True), nn.Sequential(nn.ReLU()))
+    names, stages = flatten_stages(model)
+    assert names == ["0", "1+2", "3.0"]
+    rotor = copy.deepcopy(model)
+    x = torch.randn(2, 3, 6, 6)
+    model(x).sum().backward()
+    names, stages = flatten_stages(rotor)
+    out = PlanRunner(stages, [("Fc", 0), ("Fn", 1), ("Fe", 2), ("Loss",), ("B", 2), ("Fc", 0), ("Fe", 1),
+                              ("B", 1), ("Fe", 0), ("B", 0)], names)(x)
+    out.sum().backward()
+    for a, b in zip(model.parameters(), rotor.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)

@@ -1,0 +1,82 @@
+"""The profiler measures the memory model's quantities exactly and leaves no trace."""
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_rotor.profile import default_loss_tmp, flatten_stages, profile_chain
+
+torch.set_num_threads(1)
+
+
+def test_sizes_of_known_stages():
+    # batch 16, width 64, float32: every activation is 4096 bytes
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Dropout(0.5), nn.Flatten(), nn.Linear(64, 8))
+    names, stages = flatten_stages(model)
+    x = torch.randn(16, 64)
+    chain = profile_chain(stages, x, names=names).chain
+    assert chain.names == ["0", "1", "2", "3", "4"]
+    assert chain.input_size >= 4096
+    assert chain.out_size == [4096, 4096, 4096, 4096, 16 * 8 * 4]
+    # Linear keeps its input (a_k, not counted): saved = output alone; ReLU keeps its output
+    assert chain.saved_size[0] == 4096
+    assert chain.saved_size[1] == 4096
+    # Dropout keeps a float mask beside its output
+    assert chain.saved_size[2] == 2 * 4096
+    # Flatten returns a view of its input: the value still counts, nothing else is kept
+    assert chain.saved_size[3] == 4096
+    assert chain.fwd_tmp[0] == 0
+    # backward of the first Linear makes the weight gradient before it is stored in .grad; it is
+    # a transient above δ_0 (charged apart by the model, not computed here as x needs no grad)
+    assert chain.bwd_tmp[0] + 16 * 64 * 4 >= 64 * 64 * 4
+    assert chain.loss_tmp == default_loss_tmp(torch.zeros(16, 8))
+
+
+def test_profiling_leaves_parameters_grads_buffers_and_rng_untouched():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 2))
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 7.0)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    grads = [p.grad for p in model.parameters()]
+    rng = torch.get_rng_state()
+    names, stages = flatten_stages(model)
+    profile_chain(stages, torch.randn(4, 8, generator=torch.Generator().manual_seed(1)), names=names)
+    assert torch.equal(torch.get_rng_state(), rng)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k]), k
+    for p, g in zip(model.parameters(), grads, strict=True):
+        assert p.grad is g and torch.equal(g, torch.full_like(p, 7.0))
+
+
+def test_sizes_are_deterministic_and_times_are_reported_with_their_spread():
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(inplace=True), nn.Flatten(), nn.Linear(288, 4))
+    names, stages = flatten_stages(model)
+    x = torch.randn(2, 3, 8, 8)
+    first = profile_chain(stages, x, names=names, repeats=4, warmup=2)
+    second = profile_chain(stages, x, names=names, repeats=4, warmup=2)
+    for field in ("out_size", "saved_size", "fwd_tmp", "bwd_tmp"):
+        assert getattr(first.chain, field) == getattr(second.chain, field)
+    assert all(t > 0 for t in first.chain.fwd_time + first.chain.bwd_time)
+    assert len(first.fwd_spread) == first.chain.length and first.spread >= 0
+    assert first.seconds > 0 and first.repeats == 4 and first.threads == torch.get_num_threads()
+
+
+def test_bf16_autocast_profile_is_smaller_than_float32():
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    names, stages = flatten_stages(model)
+    x = torch.randn(32, 64)
+    full = profile_chain(stages, x, names=names).chain
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        half = profile_chain(stages, x, names=names).chain
+    assert half.out_size == [s // 2 for s in full.out_size]
+
+
+def test_bad_arguments():
+    names, stages = flatten_stages(nn.Sequential(nn.Linear(2, 2)))
+    with pytest.raises(ValueError, match="repeats"):
+        profile_chain(stages, torch.randn(1, 2), repeats=0)
+    with pytest.raises(TypeError, match="tensor"):
+        profile_chain(stages, "not a tensor")
+    with pytest.raises(TypeError, match="nn.Sequential"):
+        flatten_stages(nn.Linear(2, 2))
