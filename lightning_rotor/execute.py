@@ -32,7 +32,15 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from lightning_rotor.profile import backward_pairs, check_inplace, detach_value, differentiable, tensors_of, versions
+from lightning_rotor.profile import (
+    backward_pairs,
+    check_inplace,
+    detach_value,
+    differentiable,
+    no_cast_cache,
+    tensors_of,
+    versions,
+)
 from lightning_rotor.simulate import FORWARD_OPS, normalize_ops
 
 
@@ -101,6 +109,7 @@ class _Step:
         src = self._input(k, kind)
         first = k not in self.ran
         with ExitStack() as stack:
+            stack.enter_context(no_cast_cache())
             if first:
                 self.ran.add(k)
                 if k in self.runner.recomputed:

@@ -11,8 +11,9 @@ shared/design/memory-model.md defines each field:
   with and without grad recording;
 - `bwd_tmp`: peak during the backward of `F_k` above the inputs of the
   backward and `δ_k` (the probe never counts parameter gradients once stored);
-- `loss_tmp`: the loss is the caller's, so it cannot be measured here; the
-  default charges what a softmax cross-entropy needs (see `default_loss_tmp`);
+- `loss_tmp`: the loss is the caller's; give it as a function of the output
+  to have it measured, or bytes; by default a softmax cross-entropy over the
+  last dimension is measured (`proxy_loss`), in the caller's autocast state;
 - `input_size`: bytes of `a_0`, plus `LOSS_HELD` for the caller's loss value,
   which stays alive through the whole backward (the model has no other place
   for it).
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -103,6 +105,23 @@ def detach_value(value: Any, requires_grad: bool) -> Any:
     return tree_map(leaf, value)
 
 
+class no_cast_cache:
+    """Run a stage without autocast's weight-cast cache.
+
+    The cache keeps low-precision copies of parameters alive until the outermost
+    autocast region exits, which no stage's measurement could charge. Without it,
+    each cast lives exactly as long as the graph that saved it (and is measured
+    with the stage); the values are the same casts, so results are identical.
+    """
+
+    def __enter__(self) -> None:
+        self.enabled = torch.is_autocast_cache_enabled()
+        torch.set_autocast_cache_enabled(False)
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.set_autocast_cache_enabled(self.enabled)
+
+
 def versions(value: Any) -> list[int]:
     return [t._version for t in tensors_of(value)]
 
@@ -143,18 +162,39 @@ class Profile:
         return max(self.fwd_spread + self.bwd_spread, default=0.0)
 
 
-def default_loss_tmp(output: Any) -> int:
-    """Transient bytes charged for the loss: two float32 copies of the output, plus scalars.
+def proxy_loss(output: Any) -> torch.Tensor:
+    """The loss measured when the caller's is unknown: softmax cross-entropy over the last dim.
 
-    A softmax cross-entropy keeps its log-probabilities (float32 even under
-    autocast) and makes their gradient before `δ_L` exists; that is two
-    output-sized float32 tensors above `a_L` and `δ_L`.
+    It is the common classification and language-model loss, and among the hungrier
+    ones (log-probabilities in float32 even under autocast, and their gradient).
+    One-dimensional outputs get a squared error instead.
     """
-    total = 0
+    total = None
     for t in tensors_of(output):
-        if differentiable(t):
-            total += 2 * t.numel() * max(4, t.element_size())
-    return total + LOSS_SLACK
+        if not differentiable(t):
+            continue
+        if t.dim() >= 2:
+            flat = t.reshape(-1, t.shape[-1])
+            part = F.cross_entropy(flat, torch.zeros(flat.shape[0], dtype=torch.long, device=t.device))
+        else:
+            part = F.mse_loss(t, torch.zeros_like(t))
+        total = part if total is None else total + part
+    if total is None:
+        raise TypeError("the chain output has no floating-point tensor to take a loss of")
+    return total
+
+
+def measure_loss_tmp(output: Any, loss_fn: Callable[[Any], torch.Tensor] = proxy_loss) -> int:
+    """Bytes above `a_L` and `δ_L` while `loss_fn(a_L)` runs forward and backward, plus `LOSS_SLACK`."""
+    out = detach_value(output, True)
+    leaves = [t for t in tensors_of(out) if t.requires_grad]
+    with MemoryProbe() as probe:
+        probe.track(out)
+        loss = loss_fn(out)
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+        probe.track(grads)
+        del loss, grads
+    return max(0, probe.peak - 2 * storage_bytes(output)) + LOSS_SLACK
 
 
 def _sync(device: torch.device) -> None:
@@ -206,7 +246,7 @@ def profile_chain(
     names: Sequence[str] | None = None,
     repeats: int = 3,
     warmup: int = 1,
-    loss_tmp: int | Callable[[Any], int] | None = None,
+    loss_tmp: int | Callable[[Any], torch.Tensor] | None = None,
 ) -> Profile:
     """Measure `stages` on `sample` (the chain input `a_0`); see the module docstring."""
     if repeats < 1 or warmup < 0:
@@ -229,7 +269,7 @@ def profile_chain(
             def forward(record: bool, stage=stage, k=k, value=value, grad_in=grad_in) -> tuple[Any, Any]:
                 inp = detach_value(value, grad_in and record)
                 before = versions(value)
-                with torch.set_grad_enabled(record):
+                with torch.set_grad_enabled(record), no_cast_cache():
                     out = stage(inp)
                 check_inplace(before, value, k, names[k])
                 return inp, out
@@ -299,13 +339,12 @@ def profile_chain(
             ):
                 fields[name].append(v)
             # the next stage's sample input
-            with torch.no_grad():
+            with torch.no_grad(), no_cast_cache():
                 value = stage(value)
             untouched.restore_buffers()
-    if loss_tmp is None:
-        loss_bytes = default_loss_tmp(value)
-    elif callable(loss_tmp):
-        loss_bytes = int(loss_tmp(value))
+    if loss_tmp is None or callable(loss_tmp):
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            loss_bytes = measure_loss_tmp(value, loss_tmp or proxy_loss)
     else:
         loss_bytes = int(loss_tmp)
     chain = Chain(input_size=storage_bytes(sample) + LOSS_HELD, loss_tmp=loss_bytes, names=names, **fields)
