@@ -161,9 +161,14 @@ class CudaMemoryProbe:
         self._tracked = 0
         self.peak = 0
         self.current = 0
+        self.marks: list[tuple[str, int, int]] = []  # (label, -1, bytes allocated), like MemoryProbe.marks
 
     def track(self, *tensors: Any) -> None:
         self._tracked += storage_bytes(tensors)
+
+    def mark(self, label: str) -> None:
+        """Remember the bytes allocated now (the allocator's counters need no synchronization)."""
+        self.marks.append((label, -1, torch.cuda.memory_allocated(self.device) - self._base + self._tracked))
 
     def __enter__(self) -> CudaMemoryProbe:
         torch.cuda.synchronize(self.device)

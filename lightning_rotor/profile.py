@@ -11,6 +11,8 @@ shared/design/memory-model.md defines each field:
   with and without grad recording;
 - `bwd_tmp`: peak during the backward of `F_k` above the inputs of the
   backward and `δ_k` (the probe never counts parameter gradients once stored);
+- on CUDA, transients are also read from the caching allocator, which sees
+  kernel workspaces, and the larger figure is kept;
 - `loss_tmp`: the loss is the caller's; give it as a function of the output
   to have it measured, or bytes; by default a softmax cross-entropy over the
   last dimension is measured (`proxy_loss`), in the caller's autocast state;
@@ -202,6 +204,32 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class _AllocatorWatch:
+    """On CUDA, the caching allocator's view of a block: (peak, end) bytes above its start.
+
+    It sees kernel workspaces, which tensor accounting cannot; the profiler keeps
+    the larger of the two figures. Elsewhere it reports nothing.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.on = device.type == "cuda"
+        self.base = 0
+
+    def start(self) -> None:
+        if self.on:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+
+    def stop(self) -> tuple[int, int]:
+        if not self.on:
+            return 0, 0
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - self.base
+        return peak, torch.cuda.memory_allocated(self.device) - self.base
+
+
 def _median_spread(samples: list[float]) -> tuple[float, float]:
     med = statistics.median(samples)
     return med, (max(samples) - min(samples)) / med if med > 0 else 0.0
@@ -261,6 +289,7 @@ def profile_chain(
     fields: dict[str, list] = {f: [] for f in ("out_size", "saved_size", "fwd_time", "bwd_time", "fwd_tmp", "bwd_tmp")}
     fwd_spread, bwd_spread = [], []
     needs_grad = any(t.requires_grad for t in inputs)
+    watch = _AllocatorWatch(device)
     value = sample
     with _Untouched(stages, device) as untouched:
         for k, stage in enumerate(stages):
@@ -277,19 +306,23 @@ def profile_chain(
             # memory without grad recording (Fn / Fc)
             with MemoryProbe(exclude) as probe:
                 probe.track(value)  # a_k is held before the stage runs; only what comes after counts
+                watch.start()
                 _, out = forward(False)
+                peak, end = watch.stop()
                 probe.mark("after")
             out_size = storage_bytes(out)
-            fwd_tmp = probe.peak - probe.current
+            fwd_tmp = max(probe.peak - probe.current, peak - end)
             untouched.restore_buffers()
             # memory with grad recording (Fe), then its backward (B)
             with MemoryProbe(exclude) as probe:
                 probe.track(value)
                 base = probe.current
+                watch.start()
                 inp, out = forward(True)
+                peak, end = watch.stop()
                 probe.mark("after")
-                fwd_tmp = max(fwd_tmp, probe.peak - probe.current)
-                saved_size = max(probe.current - base, out_size)  # an output aliasing a_k still counts
+                fwd_tmp = max(fwd_tmp, probe.peak - probe.current, peak - end)
+                saved_size = max(probe.current - base, out_size, end)  # an output aliasing a_k still counts
                 grads = [torch.ones_like(t) if t.requires_grad else None for t in tensors_of(out)]
                 outs, gs = backward_pairs(out, grads)
                 bwd_tmp = 0
@@ -297,10 +330,12 @@ def profile_chain(
                     probe.reset_peak()
                     before_backward = probe.current
                     untouched.clear_grads()
+                    watch.start()
                     with torch.autocast(device.type, enabled=False):
                         torch.autograd.backward(outs, gs)
+                    peak, _ = watch.stop()
                     del outs, gs, grads
-                    bwd_tmp = max(0, probe.peak - before_backward - storage_bytes(value))
+                    bwd_tmp = max(0, probe.peak - before_backward - storage_bytes(value), peak - storage_bytes(value))
                     untouched.clear_grads()
                 del inp, out
             untouched.restore_buffers()
