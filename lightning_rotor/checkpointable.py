@@ -1,0 +1,349 @@
+"""`Checkpointable`: an nn.Sequential that trains within an activation-memory budget.
+
+On the first training forward for an input signature (shapes, dtypes, devices,
+autocast state) it profiles the stages on that very input, plans the fastest
+schedule within `mem_limit`, and from then on executes the plan. Eval mode and
+`torch.no_grad()` run the plain module.
+
+The budget is resolved to bytes once, on the first signature planned (a
+fraction is taken of that signature's no-recomputation peak), and the same
+bytes bound every later signature: a smaller last batch gets its own plan
+within the same budget.
+
+Automatic budget (`mem_limit=None`): 80% of the memory free when the plan is
+made, on the input's device. On CUDA that is `torch.cuda.mem_get_info`'s free
+bytes; on CPU it is `MemAvailable` from /proc/meminfo (or free pages from
+`os.sysconf` where /proc is missing). The 20% left over is room for what the
+budget does not cover: parameter gradients and optimizer state created by the
+first step, and allocator slack.
+
+Measuring a step (for the Lightning callback, tests and benchmarks)::
+
+    with ckpt.measure_step() as m:      # enter before the forward
+        loss = loss_fn(ckpt(x), y)
+        loss.backward()                 # leave after the backward
+    m.peak          # activation bytes: exact tensor accounting on CPU, allocator on CUDA
+    m.curve         # [(op label, bytes alive after the op)] for the plan's ops
+    m.predicted     # the simulator's bytes after each op, same order
+
+Only that step pays for the probe; other steps run without it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from lightning_rotor.budget import format_bytes, parse_budget, resolve_budget
+from lightning_rotor.chain import Chain
+from lightning_rotor.execute import PlanRunner
+from lightning_rotor.memory import CudaMemoryProbe, MemoryProbe
+
+try:
+    from lightning_rotor.planner import InfeasibleBudget, Plan, min_feasible_budget, plan
+except ImportError:  # TEMPORARY until engineer A's planner lands
+    from lightning_rotor._planner_shim import Plan, plan
+from lightning_rotor.profile import Profile, flatten_stages, profile_chain
+from lightning_rotor.simulate import FORWARD_OPS, no_recompute_peak, simulate
+
+AUTO_FRACTION = 0.8
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes free on `device` now: CUDA free memory, or available RAM for the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def auto_budget(device: torch.device) -> int:
+    """The budget used when `mem_limit=None` (see the module docstring)."""
+    return int(AUTO_FRACTION * available_memory(device))
+
+
+def signature(value: Any) -> str:
+    """What makes a new profile necessary: shapes, dtypes, devices, grad flags, autocast (a string key)."""
+    flat, spec = tree_flatten(value)
+    leaves = tuple(
+        (tuple(t.shape), t.dtype, str(t.device), t.requires_grad) if isinstance(t, torch.Tensor) else repr(t)
+        for t in flat
+    )
+    autocast = tuple(
+        (d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+        for d in ("cpu", "cuda")
+        if d == "cpu" or torch.cuda.is_available()
+    )
+    return repr((str(spec), leaves, autocast))
+
+
+@dataclass
+class Entry:
+    """The profile, plan and runner of one input signature."""
+
+    profile: Profile
+    plan: Plan
+    runner: PlanRunner
+
+    @property
+    def chain(self) -> Chain:
+        return self.profile.chain
+
+    @property
+    def runs(self) -> list[int]:
+        """How many times each stage runs forward in one step (more than 1: recomputed)."""
+        runs = [0] * self.chain.length
+        for op in self.plan.ops:
+            if op[0] in FORWARD_OPS:
+                runs[op[1]] += 1
+        return runs
+
+
+class StepMeasurement:
+    """Measured activation memory of one training step (see `Checkpointable.measure_step`)."""
+
+    def __init__(self, owner: Checkpointable, device: torch.device):
+        self.owner = owner
+        self.device = device
+        self.probe: MemoryProbe | CudaMemoryProbe
+        if device.type == "cuda":
+            self.probe = CudaMemoryProbe(device)
+        else:
+            self.probe = MemoryProbe(owner, record_curve=True)
+        self.entry: Entry | None = None
+        self.peak = 0
+        self.curve: list[tuple[str, int]] = []
+        self.op_peaks: list[int] = []
+
+    def __enter__(self) -> StepMeasurement:
+        self.probe.__enter__()
+        self.owner._measurement = self
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.owner._measurement = None
+        self.probe.__exit__(*exc)
+        self.peak = self.probe.peak
+        marks = getattr(self.probe, "marks", [])
+        self.curve = [(label, nbytes) for label, _, nbytes in marks]
+        if isinstance(self.probe, MemoryProbe):
+            ends = [i for _, i, _ in marks]
+            starts = [0, *ends[:-1]]
+            curve = self.probe.curve
+            spans = zip(starts, ends, marks, strict=True)
+            self.op_peaks = [max(curve[s:e], default=nbytes) for s, e, (_, _, nbytes) in spans]
+        self.owner.last_measurement = self
+
+    @property
+    def predicted(self) -> list[int]:
+        """The simulator's bytes after each op of the measured plan."""
+        if self.entry is None:
+            return []
+        return simulate(self.entry.chain, self.entry.plan.ops).curve
+
+    @property
+    def predicted_peak(self) -> int:
+        return self.entry.plan.peak if self.entry is not None else 0
+
+
+class Checkpointable(nn.Module):
+    """An nn.Sequential trained within `mem_limit` bytes of activation memory.
+
+    `mem_limit`: None (automatic, see the module docstring), bytes (`int`), a size
+    (`"6GiB"`), or a fraction of the no-recomputation peak (`0.5`, `"50%"`).
+    `slots`: the planner's memory precision. `loss_tmp`: what the caller's loss
+    costs: bytes, or the loss as a function of the output, to be measured (default:
+    a softmax cross-entropy over the last dimension is measured). `repeats`, `warmup`:
+    timing runs per stage when profiling.
+
+    After the first training forward: `.chain`, `.plan`, `.profile`, `.summary()`,
+    `.profile_seconds`; `.entries` holds one profile and plan per input signature.
+    `state_dict()` keys are the wrapped module's.
+    """
+
+    def __init__(
+        self,
+        module: nn.Sequential,
+        mem_limit: int | float | str | None = None,
+        *,
+        slots: int = 500,
+        loss_tmp: int | Callable[[Any], torch.Tensor] | None = None,
+        repeats: int = 3,
+        warmup: int = 1,
+    ):
+        if not isinstance(module, nn.Sequential):
+            raise TypeError(
+                f"Checkpointable wraps an nn.Sequential, got {type(module).__name__}; "
+                "express the model as nn.Sequential stages"
+            )
+        super().__init__()
+        if mem_limit is not None:
+            parse_budget(mem_limit)  # bad budgets fail here, with the accepted forms
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+            raise ValueError(f"slots must be a positive integer, got {slots!r}")
+        names, stages = flatten_stages(module)
+        for name, child in module.named_children():
+            self.add_module(name, child)
+        object.__setattr__(self, "module", module)  # not registered: state_dict keys stay the module's
+        object.__setattr__(self, "stages", stages)
+        self.stage_names = names
+        self.mem_limit = mem_limit
+        self.slots = slots
+        self.loss_tmp = loss_tmp
+        self.repeats = repeats
+        self.warmup = warmup
+        self.budget: int | None = None  # bytes, fixed by the first signature planned
+        self.entries: dict[str, Entry] = {}
+        self.last_entry: Entry | None = None
+        self.last_measurement: StepMeasurement | None = None
+        self._measurement: StepMeasurement | None = None
+
+    # -- the forward ------------------------------------------------------------------------
+    def forward(self, *args: Any) -> Any:
+        value = args[0] if len(args) == 1 else args
+        if not self.training or not torch.is_grad_enabled():
+            return self.module(*args)
+        entry = self.prepare_for(value)
+        measurement = self._measurement
+        if measurement is None and not entry.runner.recomputed and all(op[0] == "Fe" for op in entry.runner.forward_ops):
+            return self.module(*args)  # no recomputation: plain autograd frees exactly as the plan does
+        if measurement is not None:
+            measurement.entry = entry
+            entry.runner.probe = measurement.probe
+        try:
+            return entry.runner(value)
+        finally:
+            entry.runner.probe = None
+
+    def prepare_for(self, value: Any) -> Entry:
+        """The profile and plan for `value`'s signature, made now if new (no training step runs).
+
+        Raises `InfeasibleBudget` (with the smallest feasible budget) when the budget is too small.
+        """
+        key = signature(value)
+        entry = self.entries.get(key)
+        if entry is None:
+            entry = self.entries[key] = self._prepare(value)
+        self.last_entry = entry
+        return entry
+
+    def _prepare(self, value: Any) -> Entry:
+        profile = profile_chain(
+            self.stages, value, names=self.stage_names, repeats=self.repeats, warmup=self.warmup, loss_tmp=self.loss_tmp
+        )
+        if self.budget is None:
+            device = next(t.device for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
+            spec = auto_budget(device) if self.mem_limit is None else self.mem_limit
+            self.budget = resolve_budget(spec, no_recompute_peak(profile.chain))
+        chosen = plan(profile.chain, self.budget, slots=self.slots)
+        return Entry(profile, chosen, PlanRunner(self.stages, chosen.ops, self.stage_names))
+
+    # -- what was planned -----------------------------------------------------------------------
+    def _entry(self) -> Entry:
+        if self.last_entry is None:
+            raise RuntimeError("nothing is planned yet: run one training forward first")
+        return self.last_entry
+
+    @property
+    def chain(self) -> Chain:
+        return self._entry().chain
+
+    @property
+    def plan(self) -> Plan:
+        return self._entry().plan
+
+    @property
+    def profile(self) -> Profile:
+        return self._entry().profile
+
+    @property
+    def profile_seconds(self) -> float:
+        """Wall time spent profiling, all signatures together."""
+        return sum(e.profile.seconds for e in self.entries.values())
+
+    def plan_state(self) -> dict[str, Any]:
+        """Profiles and plans as plain data, for checkpoints (`load_plan_state` reads it back)."""
+        return {
+            "budget": self.budget,
+            "entries": [
+                {
+                    "signature": key,
+                    "chain": e.chain.to_dict(),
+                    "plan": e.plan.to_dict(),
+                    "profile_seconds": e.profile.seconds,
+                    "fwd_spread": e.profile.fwd_spread,
+                    "bwd_spread": e.profile.bwd_spread,
+                    "repeats": e.profile.repeats,
+                    "threads": e.profile.threads,
+                }
+                for key, e in self.entries.items()
+            ],
+        }
+
+    def load_plan_state(self, state: dict[str, Any]) -> None:
+        """Reuse saved profiles and plans: inputs with a saved signature skip profiling."""
+        if state.get("budget") is not None:
+            self.budget = int(state["budget"])
+        for item in state.get("entries", []):
+            chain = Chain.from_dict(item["chain"])
+            if chain.length != len(self.stages):
+                raise ValueError(
+                    f"saved plan is for a chain of {chain.length} stages, but this module has {len(self.stages)}"
+                )
+            profile = Profile(
+                chain,
+                float(item.get("profile_seconds", 0.0)),
+                list(item.get("fwd_spread", [])),
+                list(item.get("bwd_spread", [])),
+                repeats=int(item.get("repeats", 0)),
+                threads=int(item.get("threads", 0)),
+            )
+            saved = Plan.from_dict(item["plan"])
+            self.entries[item["signature"]] = Entry(profile, saved, PlanRunner(self.stages, saved.ops, self.stage_names))
+
+    def measure_step(self) -> StepMeasurement:
+        """A context manager measuring the activation memory of the step run inside it."""
+        device = next((p.device for p in self.parameters()), torch.device("cpu"))
+        return StepMeasurement(self, device)
+
+    def summary(self) -> str:
+        """A readable table of the stages and the plan for the last signature."""
+        entry = self._entry()
+        chain, chosen, runs = entry.chain, entry.plan, entry.runs
+        width = max(len(n) for n in chain.names)
+        lines = [
+            f"{'stage':<{width}}  {'out':>10}  {'saved':>10}  {'fwd ms':>8}  {'bwd ms':>8}  runs",
+        ]
+        for k in range(chain.length):
+            lines.append(
+                f"{chain.names[k]:<{width}}  {format_bytes(chain.out_size[k]):>10}  "
+                f"{format_bytes(chain.saved_size[k]):>10}  {chain.fwd_time[k] * 1e3:8.3f}  "
+                f"{chain.bwd_time[k] * 1e3:8.3f}  {runs[k]}{' (recomputed)' if runs[k] > 1 else ''}"
+            )
+        base = chain.no_recompute_time()
+        lines.append(
+            f"budget {format_bytes(chosen.mem_limit)}, predicted peak {format_bytes(chosen.peak)}, "
+            f"predicted step {chosen.time * 1e3:.3f} ms ({chosen.time / base:.2f}x no recomputation)"
+            if base > 0
+            else f"budget {format_bytes(chosen.mem_limit)}, predicted peak {format_bytes(chosen.peak)}"
+        )
+        lines.append(
+            f"profiling took {entry.profile.seconds:.3f} s ({entry.profile.seconds / max(chosen.time, 1e-12):.0f} "
+            f"predicted steps), timing spread up to {entry.profile.spread:.0%} over {entry.profile.repeats} runs"
+        )
+        return "\n".join(lines)
+
+    def extra_repr(self) -> str:
+        return f"stages={len(self.stages)}, mem_limit={self.mem_limit!r}"
