@@ -46,11 +46,13 @@ from lightning_rotor.execute import PlanRunner
 from lightning_rotor.memory import CudaMemoryProbe, MemoryProbe
 
 try:
-    from lightning_rotor.planner import InfeasibleBudget, Plan, min_feasible_budget, plan
+    from lightning_rotor.planner import InfeasibleBudget, Plan, plan
 except ImportError:  # TEMPORARY until engineer A's planner lands
-    from lightning_rotor._planner_shim import Plan, plan
+    from lightning_rotor._planner_shim import InfeasibleBudget, Plan, plan
 from lightning_rotor.profile import Profile, flatten_stages, profile_chain
 from lightning_rotor.simulate import FORWARD_OPS, no_recompute_peak, simulate
+
+__all__ = ["AUTO_FRACTION", "Checkpointable", "Entry", "InfeasibleBudget", "StepMeasurement", "auto_budget"]
 
 AUTO_FRACTION = 0.8
 
@@ -217,7 +219,8 @@ class Checkpointable(nn.Module):
             return self.module(*args)
         entry = self.prepare_for(value)
         measurement = self._measurement
-        if measurement is None and not entry.runner.recomputed and all(op[0] == "Fe" for op in entry.runner.forward_ops):
+        plain = not entry.runner.recomputed and all(op[0] == "Fe" for op in entry.runner.forward_ops)
+        if plain and measurement is None:
             return self.module(*args)  # no recomputation: plain autograd frees exactly as the plan does
         if measurement is not None:
             measurement.entry = entry
@@ -311,7 +314,8 @@ class Checkpointable(nn.Module):
                 threads=int(item.get("threads", 0)),
             )
             saved = Plan.from_dict(item["plan"])
-            self.entries[item["signature"]] = Entry(profile, saved, PlanRunner(self.stages, saved.ops, self.stage_names))
+            runner = PlanRunner(self.stages, saved.ops, self.stage_names)
+            self.entries[item["signature"]] = Entry(profile, saved, runner)
 
     def measure_step(self) -> StepMeasurement:
         """A context manager measuring the activation memory of the step run inside it."""
