@@ -65,22 +65,25 @@ class Embed(nn.Module):
 
 
 def mlp():
+    hidden = [m for _ in range(4) for m in (nn.Linear(64, 64), nn.Tanh())]
     return nn.Sequential(
         nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.BatchNorm1d(64), nn.ReLU(inplace=True),
-        nn.Dropout(0.3), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 10),
+        nn.Dropout(0.3), *hidden, nn.Linear(64, 10),
     )
 
 
 def convnet():
     return nn.Sequential(
         nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
-        nn.Sequential(Block(8), Block(8)), nn.MaxPool2d(2), Block(8), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        nn.Sequential(Block(8), Block(8), Block(8)), nn.MaxPool2d(2), Block(8), Block(8), nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
         nn.Linear(8, 10),
     )
 
 
 def gpt():
-    return nn.Sequential(Embed(50, 16, 8), Attention(16, 8), Attention(16, 8), nn.LayerNorm(16), nn.Linear(16, 50))
+    blocks = [Attention(16, 8) for _ in range(4)]
+    return nn.Sequential(Embed(50, 16, 8), *blocks, nn.LayerNorm(16), nn.Linear(16, 50))
 
 
 MODELS = {
@@ -140,6 +143,7 @@ def test_training_equals_plain_and_stays_within_budget(name, label, budget):
     try:
         ckpt.prepare_for(x)
     except InfeasibleBudget as err:
+        assert label != "min", "planning at the smallest feasible budget must succeed"
         least = min_feasible_budget(chain_of(name))
         assert err.min_feasible == least
         assert str(least) in str(err)
