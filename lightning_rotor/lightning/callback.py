@@ -1,0 +1,344 @@
+"""`RotorCallback`: what rotor decided and what it cost, in the Trainer's loggers.
+
+Every step (through `LightningModule.log`, so `log_every_n_steps` and every logger
+apply; rank zero only):
+
+- `rotor/mem_limit_bytes`, `rotor/predicted_peak_bytes`, `rotor/recomputed_stages`
+  (summed over the wrapped chains);
+- `rotor/measured_peak_bytes`: the activation peak of a sampled step (see below);
+- `rotor/no_recompute_seconds` (Σ forward + backward of the chains as profiled),
+  `rotor/predicted_seconds` (the plans' time), `rotor/predicted_overhead`
+  (`predicted / no_recompute - 1`), `rotor/step_seconds` (wall time of a whole
+  training batch: data, loss and optimizer included) and `rotor/step_overhead`
+  (`step_seconds / no_recompute_seconds - 1`).
+
+Measuring memory costs time (tensor accounting sees every op), so it is a
+sample: the first step that runs each new plan, then every
+`measure_every_n_steps` steps. The value logged is the latest sample; steps
+that were measured do not update `rotor/step_seconds`. On CPU the sample is
+exact tensor accounting of the whole training step (the batch, every
+activation, graph, gradient and transient; not parameters or their
+gradients); on CUDA it is the caching allocator's peak.
+
+Once per plan: the stage table (`rotor/<chain>/stages`, TensorBoard text) and
+the memory curve of one step, bytes alive after each op, predicted by the
+simulator and measured (`rotor/<chain>/memory_curve` as a figure, and the
+scalar series `rotor/<chain>/plan<i>/predicted_bytes` / `measured_bytes`
+indexed by op). At the first plan a summary table is printed through the
+progress bar (rich when installed).
+
+Checkpoints carry the chains and plans under `checkpoint["rotor"]`
+(`lightning_rotor.lightning.state`).
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightning_rotor.budget import format_bytes
+from lightning_rotor.checkpointable import Checkpointable, Entry, StepMeasurement
+from lightning_rotor.lightning.state import STATE_KEY, export_state, import_state, rotor_modules
+from lightning_rotor.memory import MemoryProbe
+from lightning_rotor.simulate import FORWARD_OPS, simulate
+
+
+def op_label(op: tuple) -> str:
+    return op[0] if len(op) == 1 else f"{op[0]} {op[1]}"
+
+
+def stage_rows(entry: Entry) -> list[tuple[str, int, int, float, float, str]]:
+    """(name, out bytes, saved bytes, fwd s, bwd s, decision) per stage of a plan."""
+    chain = entry.chain
+    runs = [0] * chain.length
+    kept = [False] * chain.length
+    for op in entry.plan.ops:
+        if op[0] in FORWARD_OPS:
+            runs[op[1]] += 1
+            kept[op[1]] |= op[0] == "Fc"
+    rows = []
+    for k in range(chain.length):
+        decision = "recompute" if runs[k] > 1 else "keep"
+        if kept[k]:
+            decision += " (checkpoint input)"
+        rows.append((chain.names[k], chain.out_size[k], chain.saved_size[k], chain.fwd_time[k], chain.bwd_time[k],
+                     decision))
+    return rows
+
+
+def stage_markdown(name: str, entry: Entry) -> str:
+    chosen = entry.plan
+    lines = [
+        f"**{name}**: budget {format_bytes(chosen.mem_limit)}, predicted peak {format_bytes(chosen.peak)}, "
+        f"predicted step {chosen.time * 1e3:.2f} ms vs {entry.chain.no_recompute_time() * 1e3:.2f} ms without "
+        f"recomputation",
+        "",
+        "| stage | output | saved | fwd ms | bwd ms | decision |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    for stage, out, saved, fwd, bwd, decision in stage_rows(entry):
+        lines.append(f"| {stage} | {format_bytes(out)} | {format_bytes(saved)} | {fwd * 1e3:.3f} | {bwd * 1e3:.3f} "
+                     f"| {decision} |")
+    return "\n".join(lines)
+
+
+def summary_text(chains: dict[str, Checkpointable]) -> str:
+    """The start-of-training table: one row per chain (rich when installed, plain otherwise)."""
+    header = ("chain", "stages", "budget", "predicted peak", "no-recompute peak", "recomputed", "predicted step",
+              "profiling")
+    rows = []
+    for name, rotor in chains.items():
+        if rotor.last_entry is None:
+            continue
+        entry = rotor.last_entry
+        no_recompute = simulate(entry.chain, [("Fe", k) for k in range(entry.chain.length)] + [("Loss",)]
+                                + [("B", k) for k in reversed(range(entry.chain.length))]).peak
+        base = entry.chain.no_recompute_time()
+        rows.append((name, str(entry.chain.length), format_bytes(entry.plan.mem_limit), format_bytes(entry.plan.peak),
+                     format_bytes(no_recompute), str(recomputed(entry)),
+                     f"{entry.plan.time * 1e3:.1f} ms ({entry.plan.time / base:.2f}x)" if base > 0 else "-",
+                     f"{entry.profile.seconds:.2f} s"))
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
+        lines = ["rotor plan"]
+        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in (header, *rows)]
+        return "\n".join(lines)
+    table = Table(title="rotor plan")
+    for column in header:
+        table.add_column(column)
+    for row in rows:
+        table.add_row(*row)
+    buffer = io.StringIO()
+    Console(file=buffer, width=160, force_terminal=False).print(table)
+    return buffer.getvalue().rstrip()
+
+
+def recomputed(entry: Entry) -> int:
+    """Stages the plan runs forward more than once."""
+    return sum(1 for runs in entry.runs if runs > 1)
+
+
+class RotorCallback(Callback):
+    """Logs rotor's budgets, peaks, times and plans; carries chains in checkpoints.
+
+    `measure_every_n_steps`: how often the activation peak is sampled (0: only the
+    first step of each plan). `log_curves`: log the memory-curve figure and
+    per-op scalars once per plan. `print_summary`: print the plan table at start.
+    """
+
+    def __init__(self, measure_every_n_steps: int = 50, log_curves: bool = True, print_summary: bool = True):
+        if isinstance(measure_every_n_steps, bool) or not isinstance(measure_every_n_steps, int) \
+                or measure_every_n_steps < 0:
+            raise ValueError(f"measure_every_n_steps must be an integer >= 0, got {measure_every_n_steps!r}")
+        self.measure_every_n_steps = measure_every_n_steps
+        self.log_curves = log_curves
+        self.print_summary = print_summary
+        self._pending: dict[str, Any] | None = None
+        self._plans: dict[int, int] = {}  # id(entry) -> plan index, per chain order
+        self._curves_done: set[int] = set()
+        self._measured_once: set[int] = set()
+        self._measurements: list[tuple[str, Checkpointable, StepMeasurement, int]] = []
+        self._steps_since_measure = 0
+        self._t0 = 0.0
+        self._step_seconds: float | None = None
+        self._measured_peak: int | None = None
+        self._printed = False
+        self._warned_unused = False
+        self._batches = 0
+
+    # -- checkpoints ------------------------------------------------------------------------------------
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        if rotor_modules(pl_module):
+            checkpoint[STATE_KEY] = export_state(pl_module)
+
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        self._pending = checkpoint.get(STATE_KEY)
+        if self._pending is not None and rotor_modules(pl_module):
+            self._restore(pl_module)
+
+    def _restore(self, pl_module: pl.LightningModule) -> None:
+        restored, problems = import_state(pl_module, self._pending)
+        self._pending = None
+        if restored:
+            rank_zero_info(f"rotor: chains and plans of {', '.join(restored)} restored from the checkpoint; "
+                           "no profiling for the same input shapes")
+        for problem in problems:
+            rank_zero_warn(f"rotor: checkpoint state not restored for {problem}")
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._pending is not None and rotor_modules(pl_module):
+            self._restore(pl_module)
+
+    # -- measuring a step -------------------------------------------------------------------------------
+    def _wants_measure(self, chains: dict[str, Checkpointable]) -> bool:
+        if not chains or any(not rotor.entries for rotor in chains.values()):
+            return False  # the first batch profiles; a probe would slow and pollute it
+        if any(id(rotor.last_entry) not in self._measured_once for rotor in chains.values()):
+            return True  # the plan in use has not been measured yet
+        n = self.measure_every_n_steps
+        return n > 0 and self._steps_since_measure >= n
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        chains = rotor_modules(pl_module)
+        self._measurements = []
+        if self._wants_measure(chains):
+            for name, rotor in chains.items():
+                m = rotor.measure_step()
+                if isinstance(m.probe, MemoryProbe):
+                    # count the whole step, excluding every parameter of the LightningModule
+                    m.probe = MemoryProbe(pl_module, record_curve=True)
+                m.__enter__()
+                m.probe.track(batch)
+                self._measurements.append((name, rotor, m, len(rotor.entries)))
+            self._steps_since_measure = 0
+        else:
+            self._steps_since_measure += 1
+        self._entries_before = {name: len(rotor.entries) for name, rotor in chains.items()}
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
+        self._t0 = time.perf_counter()
+
+    def _close_measurements(self) -> None:
+        for _, _, m, _ in reversed(self._measurements):
+            if m.owner._measurement is m:
+                m.__exit__(None, None, None)
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._close_measurements()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._close_measurements()
+        self._measurements = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
+        seconds = time.perf_counter() - self._t0
+        self._close_measurements()
+        chains = rotor_modules(pl_module)
+        self._batches += 1
+        if not chains:
+            return
+        planned = {name: rotor for name, rotor in chains.items() if rotor.last_entry is not None}
+        if not planned:
+            if not self._warned_unused:
+                self._warned_unused = True
+                rank_zero_warn(f"rotor: the wrapped chain(s) {', '.join(chains)} did not run in the training "
+                               "forward of the first batch, so nothing was profiled or planned")
+            return
+        profiled = any(len(rotor.entries) != self._entries_before.get(name, 0) for name, rotor in chains.items())
+        measured = self._measurements
+        self._measurements = []
+        if not measured and not profiled:
+            self._step_seconds = seconds
+        for name, rotor, m, before in measured:
+            if len(rotor.entries) != before or m.entry is None:
+                continue  # a new signature was profiled inside the measured step: not a clean sample
+            self._measured_once.add(id(m.entry))
+            self._measured_peak = m.peak
+            if trainer.is_global_zero and self.log_curves and id(m.entry) not in self._curves_done:
+                self._curves_done.add(id(m.entry))
+                self._log_plan(trainer, name, m.entry, m)
+        if trainer.is_global_zero:
+            for name, rotor in planned.items():
+                entry = rotor.last_entry
+                if id(entry) not in self._plans:
+                    self._plans[id(entry)] = sum(1 for _ in rotor.entries) - 1
+                    self._log_stage_table(trainer, name, entry)
+            if self.print_summary and not self._printed:
+                self._printed = True
+                text = summary_text(planned)
+                bar = trainer.progress_bar_callback
+                (bar.print if bar is not None else print)(text)
+        self._log_metrics(pl_module, planned)
+
+    # -- logging ----------------------------------------------------------------------------------------
+    def _log_metrics(self, pl_module: pl.LightningModule, chains: dict[str, Checkpointable]) -> None:
+        entries = [rotor.last_entry for rotor in chains.values()]
+        no_recompute = sum(e.chain.no_recompute_time() for e in entries)
+        predicted = sum(e.plan.time for e in entries)
+        metrics = {
+            "rotor/mem_limit_bytes": float(sum(e.plan.mem_limit for e in entries)),
+            "rotor/predicted_peak_bytes": float(sum(e.plan.peak for e in entries)),
+            "rotor/recomputed_stages": float(sum(recomputed(e) for e in entries)),
+            "rotor/no_recompute_seconds": no_recompute,
+            "rotor/predicted_seconds": predicted,
+        }
+        if no_recompute > 0:
+            metrics["rotor/predicted_overhead"] = predicted / no_recompute - 1
+        if self._measured_peak is not None:
+            metrics["rotor/measured_peak_bytes"] = float(self._measured_peak)
+        if self._step_seconds is not None:
+            metrics["rotor/step_seconds"] = self._step_seconds
+            if no_recompute > 0:
+                metrics["rotor/step_overhead"] = self._step_seconds / no_recompute - 1
+        for key, value in metrics.items():
+            pl_module.log(key, value, on_step=True, on_epoch=False, rank_zero_only=True, batch_size=1)
+
+    def _experiments(self, trainer: pl.Trainer) -> list[Any]:
+        return [logger.experiment for logger in trainer.loggers if hasattr(logger.experiment, "add_scalar")]
+
+    def _log_stage_table(self, trainer: pl.Trainer, name: str, entry: Entry) -> None:
+        text = stage_markdown(name, entry)
+        for experiment in self._experiments(trainer):
+            if hasattr(experiment, "add_text"):
+                experiment.add_text(f"rotor/{name}/stages", text, trainer.global_step)
+
+    def _log_plan(self, trainer: pl.Trainer, name: str, entry: Entry, m: StepMeasurement) -> None:
+        """The memory curve of one step: predicted bytes after each op, and measured where marked."""
+        ops = [op_label(op) for op in entry.plan.ops]
+        predicted = simulate(entry.chain, entry.plan.ops).curve
+        measured: list[tuple[int, int]] = []  # (op index, bytes)
+        j = 0
+        for i, label in enumerate(ops):
+            if j < len(m.curve) and m.curve[j][0] == label:
+                measured.append((i, m.curve[j][1]))
+                j += 1
+        index = self._plans.get(id(entry), len(self._curves_done) - 1)
+        tag = f"rotor/{name}/plan{max(index, 0)}"
+        for experiment in self._experiments(trainer):
+            for i, nbytes in enumerate(predicted):
+                experiment.add_scalar(f"{tag}/predicted_bytes", nbytes, i)
+            for i, nbytes in measured:
+                experiment.add_scalar(f"{tag}/measured_bytes", nbytes, i)
+            if hasattr(experiment, "add_figure"):
+                experiment.add_figure(f"rotor/{name}/memory_curve", curve_figure(name, ops, predicted, measured,
+                                                                                 entry.plan.mem_limit, m.peak),
+                                      trainer.global_step)
+
+
+def curve_figure(name: str, ops: list[str], predicted: list[int], measured: list[tuple[int, int]], mem_limit: int,
+                 measured_peak: int) -> Any:
+    """A matplotlib figure of bytes alive after each op (MiB), with the budget as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    from matplotlib import pyplot as plt
+
+    mib = 2.0**20
+    fig, ax = plt.subplots(figsize=(max(6, len(ops) * 0.18), 3.5))
+    ax.step(range(len(predicted)), [b / mib for b in predicted], where="post", label="predicted (simulator)")
+    if measured:
+        ax.plot([i for i, _ in measured], [b / mib for _, b in measured], "o", markersize=3, label="measured")
+    ax.axhline(mem_limit / mib, color="red", linestyle="--", label=f"budget {format_bytes(mem_limit)}")
+    if measured_peak:
+        label = f"measured peak {format_bytes(measured_peak)}"
+        ax.axhline(measured_peak / mib, color="gray", linestyle=":", label=label)
+    ax.set_xticks(range(len(ops)))
+    ax.set_xticklabels(ops, rotation=90, fontsize=6)
+    ax.set_ylabel("activation MiB after op")
+    ax.set_title(f"rotor memory curve: {name}")
+    ax.legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    return fig

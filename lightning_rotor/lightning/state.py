@@ -1,0 +1,91 @@
+"""Profiled chains and plans inside Lightning checkpoints.
+
+`checkpoint["rotor"]` maps each rotor module's name (its path in the
+LightningModule) to its stage names and `Checkpointable.plan_state()`: the
+budget and, per input signature, the chain and the plan. All of it is plain
+data (lists, dicts, strings, numbers), so checkpoints load with
+`weights_only=True`, and a Trainer without rotor ignores the key. Restoring
+puts the chains back, so resuming with the same shapes skips profiling. When
+the module's budget now resolves to different bytes than the saved one, the
+saved chains are re-planned for the new budget (planning is cheap; profiling
+is what is skipped).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from lightning_rotor.budget import resolve_budget
+from lightning_rotor.chain import Chain, ChainError
+from lightning_rotor.checkpointable import Checkpointable, Entry
+from lightning_rotor.execute import PlanRunner
+from lightning_rotor.simulate import no_recompute_peak
+
+try:
+    from lightning_rotor.planner import plan
+except ImportError:  # TEMPORARY until the planner lands
+    from lightning_rotor._planner_shim import plan
+
+STATE_KEY = "rotor"
+STATE_VERSION = 1
+
+
+def rotor_modules(model: nn.Module) -> dict[str, Checkpointable]:
+    """Every `Checkpointable` in `model` by name, outermost only."""
+    found: dict[str, Checkpointable] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, Checkpointable) and not any(name.startswith(p + ".") for p in found):
+            found[name] = module
+    return found
+
+
+def export_state(model: nn.Module) -> dict[str, Any]:
+    """What `checkpoint["rotor"]` holds for the rotor modules of `model`."""
+    modules = {
+        name: {"stages": list(rotor.stage_names), **rotor.plan_state()} for name, rotor in rotor_modules(model).items()
+    }
+    return {"version": STATE_VERSION, "modules": modules}
+
+
+def _restore_one(rotor: Checkpointable, saved: dict[str, Any]) -> None:
+    entries = saved.get("entries") or []
+    if not entries:
+        return
+    expected = None
+    if rotor.mem_limit is not None:  # the user's budget now, resolved as on the first signature
+        expected = resolve_budget(rotor.mem_limit, no_recompute_peak(Chain.from_dict(entries[0]["chain"])))
+    rotor.load_plan_state(saved)
+    if expected is not None and rotor.budget != expected:
+        rotor.budget = expected
+        for key, entry in list(rotor.entries.items()):
+            chosen = plan(entry.chain, expected, slots=rotor.slots)
+            rotor.entries[key] = Entry(entry.profile, chosen, PlanRunner(rotor.stages, chosen.ops, rotor.stage_names))
+
+
+def import_state(model: nn.Module, state: Any) -> tuple[list[str], list[str]]:
+    """Put saved chains and plans into the rotor modules of `model`.
+
+    Returns (restored names, reasons for what was not restored); a saved chain
+    whose stages differ from the module's is skipped, never forced in.
+    """
+    if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+        version = state.get("version") if isinstance(state, dict) else state
+        return [], [f"checkpoint: unknown rotor state version {version!r} (this release reads {STATE_VERSION})"]
+    restored, problems = [], []
+    modules = rotor_modules(model)
+    for name, saved in (state.get("modules") or {}).items():
+        rotor = modules.get(name)
+        if rotor is None:
+            problems.append(f"{name}: no rotor module of that name in this model")
+        elif list(saved.get("stages", [])) != list(rotor.stage_names):
+            problems.append(f"{name}: the checkpoint's stages differ from the model's; it will be profiled again")
+        else:
+            try:
+                _restore_one(rotor, saved)
+            except (ChainError, KeyError, TypeError, ValueError) as err:
+                problems.append(f"{name}: unreadable saved plan state ({err})")
+                continue
+            restored.append(name)
+    return restored, problems

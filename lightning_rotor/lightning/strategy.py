@@ -1,0 +1,234 @@
+"""`RotorStrategy` and `RotorDDPStrategy`: Lightning strategies that train the model's
+`nn.Sequential` parts with rotor's optimal checkpointing.
+
+Both do what Lightning's own single-device and DDP strategies do, plus one step
+at model setup: once the model is on its device, and before DDP wraps it, the
+Sequentials chosen by the policy in `lightning_rotor.lightning.wrap` are swapped
+for `Checkpointable`s in place (same parameters, same `state_dict` keys). The
+swap happens only when fitting (evaluation runs the plain module anyway) and is
+undone at teardown. A `RotorCallback` is added when the Trainer has none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import nn
+
+from lightning_rotor.budget import format_bytes, parse_budget
+from lightning_rotor.lightning.wrap import Budget, Selector, Wrapped, unwrap, wrap
+
+
+def _check_budget(mem_limit: Budget | Mapping[str, Budget]) -> None:
+    """Fail at construction, in one line, on a budget that cannot be parsed."""
+    values = mem_limit.values() if isinstance(mem_limit, Mapping) else [mem_limit]
+    for value in values:
+        if value is not None:
+            parse_budget(value)
+
+
+class _RotorMixin:
+    """The rotor part shared by the single-device and DDP strategies."""
+
+    def _init_rotor(
+        self,
+        mem_limit: Budget | Mapping[str, Budget],
+        include: Sequence[Selector] | None,
+        exclude: Sequence[Selector],
+        slots: int,
+    ) -> None:
+        _check_budget(mem_limit)
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+            raise ValueError(f"slots must be a positive integer, got {slots!r}")
+        self.mem_limit = dict(mem_limit) if isinstance(mem_limit, Mapping) else mem_limit
+        self.include = None if include is None else list(include)
+        self.exclude = list(exclude or ())
+        self.slots = slots
+        self.wrapped: list[Wrapped] = []
+        self.not_wrapped_reason = ""
+        self._warned = False
+
+    def _add_callback(self, model: pl.LightningModule) -> None:
+        from lightning_rotor.lightning.callback import RotorCallback
+
+        trainer = getattr(model, "_trainer", None)
+        if trainer is not None and not any(isinstance(c, RotorCallback) for c in trainer.callbacks):
+            trainer.callbacks.insert(0, RotorCallback())
+
+    def _wrap_model(self) -> None:
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        if module is None or trainer is None or trainer.state.fn != TrainerFn.FITTING or self.wrapped:
+            return
+        self.wrapped, self.not_wrapped_reason = wrap(
+            module, self.mem_limit, include=self.include, exclude=self.exclude, slots=self.slots
+        )
+        if not self.wrapped:
+            if not self._warned:
+                self._warned = True
+                rank_zero_warn(
+                    f"rotor: nothing to checkpoint, training runs without it: {self.not_wrapped_reason}. "
+                    "Put the layers to checkpoint in an nn.Sequential, or name them with include=[...]."
+                )
+            return
+        parts = ", ".join(
+            f"{w.name} ({len(w.rotor.stages)} stages, budget "
+            f"{w.rotor.mem_limit if not isinstance(w.rotor.mem_limit, int) else format_bytes(w.rotor.mem_limit)})"
+            for w in self.wrapped
+        )
+        rank_zero_info(f"rotor: checkpointing {parts}; profiling on the first training batch")
+
+    def _unwrap_model(self) -> None:
+        if self.wrapped and self.lightning_module is not None:
+            unwrap(self.lightning_module, self.wrapped)
+        self.wrapped = []
+
+
+class RotorStrategy(_RotorMixin, SingleDeviceStrategy):
+    """One device (CUDA with `accelerator="gpu"`, CPU otherwise) with rotor checkpointing.
+
+    `mem_limit`: activation budget of the wrapped chains: None (automatic, see
+    `Checkpointable`), bytes, a size (`"6GiB"`), a fraction of the no-recomputation
+    peak (`0.5`, `"50%"`), or `{name: budget}` per chain. `include` / `exclude`:
+    submodule names (globs allowed), class names or classes overriding which
+    Sequentials are wrapped. `slots`: the planner's memory precision. `device`:
+    leave None to take the Trainer's accelerator and `devices`.
+    """
+
+    strategy_name = "rotor"
+
+    def __init__(
+        self,
+        mem_limit: int | float | str | dict[str, int | float | str | None] | None = None,
+        *,
+        include: list[str | type] | None = None,
+        exclude: list[str | type] | None = None,
+        slots: int = 500,
+        device: str | torch.device | None = None,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ):
+        super().__init__(
+            device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin
+        )
+        self._init_rotor(mem_limit, include, exclude or (), slots)
+        self._device = None if device is None else torch.device(device)
+        self._parallel_devices: list[torch.device] = []
+
+    # The accelerator connector fills `parallel_devices` from `accelerator=` and `devices=`
+    # for strategies that have the attribute; that is how this strategy learns its device.
+    @property
+    def parallel_devices(self) -> list[torch.device]:
+        return [self._device] if self._device is not None else self._parallel_devices
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: list[torch.device]) -> None:
+        devices = [torch.device(d) if not isinstance(d, torch.device) else d for d in devices or []]
+        if len(devices) > 1:
+            raise ValueError(
+                f"RotorStrategy runs on one device but the Trainer asks for {len(devices)}; "
+                "use strategy='rotor_ddp' (or 'rotor_ddp_spawn') for several"
+            )
+        self._parallel_devices = devices
+
+    @property
+    def root_device(self) -> torch.device:
+        devices = self.parallel_devices
+        return devices[0] if devices else torch.device("cpu")
+
+    def connect(self, model: pl.LightningModule) -> None:
+        super().connect(model)
+        self._add_callback(model)
+
+    def _setup_model(self, model: nn.Module) -> nn.Module:
+        self._wrap_model()
+        return super()._setup_model(model)
+
+    def teardown(self) -> None:
+        self._unwrap_model()
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description="single device with rotor checkpointing", override=True
+        )
+
+
+class RotorDDPStrategy(_RotorMixin, DDPStrategy):
+    """Lightning's DDP with rotor checkpointing in every process (same arguments as
+    `RotorStrategy` for rotor; the rest as `DDPStrategy`). The chains are wrapped
+    before DDP wraps the model, so DDP sees the same parameters; every process
+    profiles and plans its own chain."""
+
+    strategy_name = "rotor_ddp"
+
+    def __init__(
+        self,
+        mem_limit: int | float | str | dict[str, int | float | str | None] | None = None,
+        *,
+        include: list[str | type] | None = None,
+        exclude: list[str | type] | None = None,
+        slots: int = 500,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        ddp_comm_state: object | None = None,
+        ddp_comm_hook: Callable | None = None,
+        ddp_comm_wrapper: Callable | None = None,
+        model_averaging_period: int | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **kwargs: Any,
+    ):
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            ddp_comm_state=ddp_comm_state,
+            ddp_comm_hook=ddp_comm_hook,
+            ddp_comm_wrapper=ddp_comm_wrapper,
+            model_averaging_period=model_averaging_period,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+            **kwargs,
+        )
+        self._init_rotor(mem_limit, include, exclude or (), slots)
+
+    def connect(self, model: pl.LightningModule) -> None:
+        super().connect(model)
+        self._add_callback(model)
+
+    def _setup_model(self, model: nn.Module) -> nn.Module:
+        self._wrap_model()
+        return super()._setup_model(model)
+
+    def teardown(self) -> None:
+        self._unwrap_model()
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        for name, start_method in (("rotor_ddp", "popen"), ("rotor_ddp_spawn", "spawn")):
+            strategy_registry.register(
+                name, cls, description=f"DDP with rotor checkpointing, start_method '{start_method}'",
+                start_method=start_method, override=True,
+            )

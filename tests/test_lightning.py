@@ -1,0 +1,295 @@
+"""RotorStrategy and RotorCallback in real Trainer runs (CPU, tiny models, a few steps)."""
+
+from __future__ import annotations
+
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.loggers import TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_rotor.budget import BudgetError
+from lightning_rotor.checkpointable import Checkpointable
+from lightning_rotor.lightning import RotorCallback, RotorDDPStrategy, RotorStrategy
+from lightning_rotor.lightning.state import rotor_modules
+from lightning_rotor.lightning.wrap import find_chains, split_budget, unwrap, wrap
+
+BUDGET = 0.6  # of the no-recomputation peak: forces recomputation in the nets below
+
+
+def make_net() -> nn.Sequential:
+    return nn.Sequential(
+        nn.Linear(12, 48), nn.BatchNorm1d(48), nn.ReLU(),
+        nn.Sequential(nn.Linear(48, 48), nn.Tanh(), nn.Dropout(0.2)),
+        nn.Linear(48, 48), nn.GELU(), nn.Linear(48, 48), nn.Sigmoid(), nn.Linear(48, 5),
+    )
+
+
+class Net(pl.LightningModule):
+    """A chain plus a loss; records losses and the gradients each optimizer step sees."""
+
+    def __init__(self, lr: float = 0.1):
+        super().__init__()
+        torch.manual_seed(1)
+        self.net = make_net()
+        self.lr = lr
+        self.losses: list[float] = []
+        self.grads: list[list[torch.Tensor]] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.net(x).float(), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def on_before_optimizer_step(self, optimizer):
+        self.grads.append([p.grad.detach().clone() for p in self.parameters()])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+class ManualNet(Net):
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        self.losses.append(loss.item())
+        opt.zero_grad()
+        self.manual_backward(loss)
+        self.grads.append([p.grad.detach().clone() for p in self.parameters()])
+        opt.step()
+
+
+class Flat(pl.LightningModule):
+    """Nothing for rotor: no nn.Sequential."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(12, 16), nn.Linear(16, 5)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.b(torch.relu(self.a(x))), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def loader(n: int = 64, batch_size: int = 8) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(n, 12, generator=g), torch.randint(0, 5, (n,), generator=g))
+    return DataLoader(data, batch_size=batch_size)
+
+
+def trainer(tmp_path, strategy="auto", **kw) -> pl.Trainer:
+    kw.setdefault("logger", False)
+    kw.setdefault("max_steps", 3)
+    return pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, default_root_dir=tmp_path,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kw)
+
+
+class Keep(pl.Callback):
+    """Remembers the rotor modules while they are in the model (the strategy unwraps at teardown)."""
+
+    def __init__(self):
+        self.modules: dict[str, Checkpointable] = {}
+        self.entries_at_start: dict[str, list[int]] = {}
+
+    def on_train_start(self, trainer, pl_module):
+        self.modules = rotor_modules(pl_module)
+        self.entries_at_start = {n: [id(e) for e in m.entries.values()] for n, m in self.modules.items()}
+
+
+def events(log_dir) -> EventAccumulator:
+    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "images": 0, "tensors": 0})
+    acc.Reload()
+    return acc
+
+
+# -- the policy ---------------------------------------------------------------------------------------
+def test_find_chains_takes_outermost_plain_sequentials():
+    model = nn.Module()
+    model.body = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
+    model.one = nn.Sequential(nn.Linear(2, 2))  # a single stage: nothing to plan
+    model.head = nn.Linear(2, 2)
+    assert [n for n, _ in find_chains(model)[0]] == ["body"]
+    assert [n for n, _ in find_chains(model, include=["body.1"])[0]] == ["body.1"]
+    chains, why = find_chains(model, exclude=["body"])
+    assert chains == [] and "none is a plain Sequential" in why
+    assert "no nn.Sequential" in find_chains(nn.Linear(2, 2))[1]
+    with pytest.raises(TypeError, match="plain nn.Sequential"):
+        find_chains(model, include=["head"])
+
+
+def test_split_budget_policy():
+    a = nn.Sequential(*[nn.ReLU() for _ in range(3)])
+    b = nn.Sequential(*[nn.Tanh() for _ in range(1)], nn.ReLU())
+    chains = [("a", a), ("b", b)]
+    assert split_budget("50%", chains) == ["50%", "50%"]
+    assert split_budget(1000, chains) == [600, 400]  # in proportion to stages
+    assert split_budget({"a": "1MiB", "b": 0.5}, chains) == ["1MiB", 0.5]
+    with pytest.raises(ValueError, match="no budget for wrapped chain"):
+        split_budget({"a": 100}, chains)
+
+
+def test_wrap_keeps_parameters_and_keys_and_unwrap_restores():
+    model = Net()
+    before_keys = list(model.state_dict())
+    params = list(model.parameters())
+    original = model.net
+    wrapped, _ = wrap(model, 0.5)
+    assert isinstance(model.net, Checkpointable) and wrapped[0].original is original
+    assert list(model.state_dict()) == before_keys
+    assert all(a is b for a, b in zip(model.parameters(), params, strict=True))
+    unwrap(model, wrapped)
+    assert model.net is original and list(model.state_dict()) == before_keys
+
+
+def test_registry_names_and_device_from_accelerator(tmp_path):
+    t = trainer(tmp_path, "rotor")
+    assert isinstance(t.strategy, RotorStrategy) and t.strategy.root_device == torch.device("cpu")
+    spawn = pl.Trainer(strategy="rotor_ddp_spawn", accelerator="cpu", devices=2, logger=False)
+    assert isinstance(spawn.strategy, RotorDDPStrategy) and spawn.strategy._start_method == "spawn"
+    assert isinstance(pl.Trainer(strategy="rotor_ddp", accelerator="cpu", devices=2).strategy, RotorDDPStrategy)
+    with pytest.raises(ValueError, match="rotor_ddp"):
+        pl.Trainer(strategy=RotorStrategy(), accelerator="cpu", devices=2)
+
+
+def test_bad_budget_is_one_line_error():
+    with pytest.raises(BudgetError, match="cannot parse budget 'lots'") as err:
+        RotorStrategy(mem_limit="lots")
+    assert "\n" not in str(err.value)
+    with pytest.raises(BudgetError):
+        RotorStrategy(mem_limit={"net": -3})
+
+
+# -- training equals plain training -------------------------------------------------------------------
+@pytest.mark.parametrize(("precision", "accumulate"), [("32-true", 1), ("bf16-mixed", 1), ("32-true", 2)])
+def test_same_losses_grads_and_buffers_as_plain_training(tmp_path, precision, accumulate):
+    runs = {}
+    for name, strategy in (("plain", "auto"), ("rotor", RotorStrategy(mem_limit=BUDGET))):
+        model, keep = Net(), Keep()
+        torch.manual_seed(7)
+        trainer(tmp_path / name, strategy, precision=precision, accumulate_grad_batches=accumulate,
+                max_steps=3, callbacks=[keep]).fit(model, loader())
+        runs[name] = (model, keep)
+    (plain, _), (rotor, keep) = runs["plain"], runs["rotor"]
+    assert sum(r > 1 for r in keep.modules["net"].last_entry.runs) > 0  # the budget really forces recomputation
+    assert isinstance(rotor.net, nn.Sequential) and not isinstance(rotor.net, Checkpointable)  # unwrapped
+    assert len(rotor.losses) == 3 * accumulate
+    torch.testing.assert_close(rotor.losses, plain.losses, rtol=0, atol=0)
+    for step_a, step_b in zip(rotor.grads, plain.grads, strict=True):
+        for a, b in zip(step_a, step_b, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for (name, a), b in zip(rotor.state_dict().items(), plain.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)  # weights and BatchNorm statistics
+
+
+def test_manual_optimization(tmp_path):
+    runs = {}
+    for name, strategy in (("plain", "auto"), ("rotor", RotorStrategy(mem_limit=BUDGET))):
+        model = ManualNet()
+        torch.manual_seed(7)
+        trainer(tmp_path / name, strategy, max_steps=3).fit(model, loader())
+        runs[name] = model
+    torch.testing.assert_close(runs["rotor"].losses, runs["plain"].losses, rtol=0, atol=0)
+    for a, b in zip(runs["rotor"].parameters(), runs["plain"].parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+# -- logging ------------------------------------------------------------------------------------------
+def test_tensorboard_gets_rotor_scalars_curve_and_stage_table(tmp_path):
+    logger = TensorBoardLogger(tmp_path, name="tb")
+    keep = Keep()
+    trainer(tmp_path, RotorStrategy(mem_limit=BUDGET), logger=logger, log_every_n_steps=1, max_steps=4,
+            callbacks=[keep, RotorCallback(measure_every_n_steps=2)]).fit(Net(), loader())
+    acc = events(logger.log_dir)
+    scalars = acc.Tags()["scalars"]
+    for tag in ("mem_limit_bytes", "predicted_peak_bytes", "measured_peak_bytes", "recomputed_stages",
+                "step_seconds", "step_overhead", "predicted_overhead", "no_recompute_seconds"):
+        assert f"rotor/{tag}" in scalars, tag
+    assert len(acc.Scalars("rotor/mem_limit_bytes")) == 4  # every step
+    rotor = keep.modules["net"]
+    limit = acc.Scalars("rotor/mem_limit_bytes")[-1].value
+    assert limit == rotor.plan.mem_limit
+    measured = acc.Scalars("rotor/measured_peak_bytes")[-1].value
+    assert 0 < measured <= limit  # the budget held in the real step (exact tensor accounting)
+    assert acc.Scalars("rotor/recomputed_stages")[-1].value == sum(r > 1 for r in rotor.last_entry.runs) > 0
+    # the memory curve of one step: predicted after every op, measured where the executor marked it
+    predicted = acc.Scalars("rotor/net/plan0/predicted_bytes")
+    assert [e.step for e in predicted] == list(range(len(rotor.plan.ops)))
+    assert max(e.value for e in predicted) <= limit
+    assert len(acc.Scalars("rotor/net/plan0/measured_bytes")) >= len(rotor.plan.ops) - 1
+    assert "rotor/net/memory_curve" in acc.Tags()["images"]
+    table = acc.Tensors("rotor/net/stages/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "recompute" in table and "| stage |" in table
+
+
+def test_callback_summary_printed(tmp_path, capsys):
+    trainer(tmp_path, RotorStrategy(mem_limit=BUDGET), max_steps=2).fit(Net(), loader())
+    out = capsys.readouterr().out
+    assert "rotor plan" in out and "predicted peak" in out
+
+
+def test_nothing_to_wrap_warns_once_and_trains(tmp_path):
+    model = Flat()
+    before = [p.detach().clone() for p in model.parameters()]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(tmp_path, RotorStrategy(mem_limit="1MiB"), max_steps=2).fit(model, loader())
+    messages = [str(w.message) for w in caught if "nothing to checkpoint" in str(w.message)]
+    assert len(messages) == 1 and "no nn.Sequential" in messages[0]
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+# -- checkpoints --------------------------------------------------------------------------------------
+def test_checkpoint_carries_chains_resume_skips_profiling_and_cross_loads(tmp_path):
+    class SaveMidRun(pl.Callback):
+        def on_train_end(self, trainer, pl_module):
+            trainer.save_checkpoint(tmp_path / "mid.ckpt")
+
+    trainer(tmp_path / "b", RotorStrategy(mem_limit=BUDGET), max_steps=2, callbacks=[SaveMidRun()]).fit(Net(),
+                                                                                                       loader())
+    ckpt = torch.load(tmp_path / "mid.ckpt", weights_only=True)
+    saved = ckpt["rotor"]["modules"]["net"]
+    assert saved["entries"] and saved["entries"][0]["plan"]["ops"]
+    plain_keys = set(Net().state_dict())
+    assert set(ckpt["state_dict"]) == plain_keys  # same keys as a model without rotor
+
+    # resume with rotor: the chain comes from the checkpoint, nothing is profiled
+    keep = Keep()
+    resumed = Net()
+    trainer(tmp_path / "c", RotorStrategy(mem_limit=BUDGET), max_steps=4, callbacks=[keep]).fit(
+        resumed, loader(), ckpt_path=tmp_path / "mid.ckpt")
+    rotor = keep.modules["net"]
+    assert len(keep.entries_at_start["net"]) == 1  # restored before the first batch
+    assert [id(e) for e in rotor.entries.values()] == keep.entries_at_start["net"]  # and never profiled again
+    assert len(resumed.losses) == 2  # steps 3 and 4 only
+
+    # into a Trainer without rotor
+    plain = Net()
+    trainer(tmp_path / "d", max_steps=4).fit(plain, loader(), ckpt_path=tmp_path / "mid.ckpt")
+    assert len(plain.losses) == 2
+    torch.testing.assert_close(plain.losses, resumed.losses, rtol=0, atol=0)
+
+    # a checkpoint made without rotor resumes under rotor
+    class SavePlain(pl.Callback):
+        def on_train_end(self, trainer, pl_module):
+            trainer.save_checkpoint(tmp_path / "plain.ckpt")
+
+    trainer(tmp_path / "e", max_steps=2, callbacks=[SavePlain()]).fit(Net(), loader())
+    assert "rotor" not in torch.load(tmp_path / "plain.ckpt", weights_only=True)
+    again = Net()
+    trainer(tmp_path / "f", RotorStrategy(mem_limit=BUDGET), max_steps=4).fit(again, loader(),
+                                                                              ckpt_path=tmp_path / "plain.ckpt")
+    torch.testing.assert_close(again.losses, resumed.losses, rtol=0, atol=0)
