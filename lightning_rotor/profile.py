@@ -41,8 +41,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 from lightning_rotor.chain import Chain
 from lightning_rotor.memory import MemoryProbe, storage_bytes
 
-LOSS_SLACK = 1024  # bytes for the loss's scalars while it is differentiated
-LOSS_HELD = 256  # bytes of the caller's loss value, alive through the whole backward; charged with a_0
+LOSS_SLACK = 64  # bytes for the loss's scalars while it is differentiated
+LOSS_HELD = 64  # bytes of the caller's loss value, alive through the whole backward; charged with a_0
 
 
 class InplaceError(RuntimeError):
