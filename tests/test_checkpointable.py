@@ -313,3 +313,19 @@ def test_saved_plans_are_reused_without_profiling(monkeypatch):
     assert fresh.budget == ckpt.budget
     with pytest.raises(ValueError, match="stages"):
         Checkpointable(nn.Sequential(nn.Linear(32, 10))).load_plan_state(state)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_training_equals_plain_and_allocator_peak_stays_within_budget():
+    plain, x, y = build("convnet")
+    plain, x, y = plain.cuda(), x.cuda(), y.cuda()
+    ckpt = Checkpointable(copy.deepcopy(plain), "75%")
+    assert torch.allclose(torch.stack(train(plain, x, y)), torch.stack(train(ckpt, x, y)), rtol=1e-5, atol=1e-6)
+    for a, b in zip(plain.parameters(), ckpt.parameters(), strict=True):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-6)
+    ckpt.zero_grad(set_to_none=False)  # gradients stay allocated: the allocator then sees activations only
+    with ckpt.measure_step() as m:
+        loss = loss_of(ckpt(x), y)
+        loss.backward()
+    assert m.peak <= ckpt.plan.mem_limit
+    assert [label for label, _ in m.curve] == [" ".join(map(str, op)) for op in ckpt.plan.ops]
