@@ -1,4 +1,4 @@
-"""`ModelTask`: a LightningModule training a model from `lightning_rotor.models` with cross-entropy.
+"""`ModelTask`: a LightningModule training a model from `lightning_rotor.models` with its own loss.
 
 It is what the configs train: the model is an `nn.Sequential` (`self.model`), so
 `RotorStrategy` finds it as the chain to checkpoint. Image models give
@@ -12,11 +12,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.nn.functional as F
 
-
-def cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1))
+from lightning_rotor.models import get_model, get_spec
 
 
 class ModelTask(pl.LightningModule):
@@ -25,10 +22,9 @@ class ModelTask(pl.LightningModule):
     def __init__(self, model: str = "resnet18", model_kwargs: dict[str, Any] | None = None, lr: float = 0.05,
                  momentum: float = 0.9, weight_decay: float = 0.0):
         super().__init__()
-        from lightning_rotor.models import get_model
-
         self.save_hyperparameters()
         self.model = get_model(model, **(model_kwargs or {}))
+        self.loss = get_spec(model).loss
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)
@@ -36,7 +32,7 @@ class ModelTask(pl.LightningModule):
     def _loss(self, batch: Any, stage: str) -> torch.Tensor:
         x, target = batch
         logits = self.model(x)
-        loss = cross_entropy(logits, target)
+        loss = self.loss(logits, target)
         self.log(f"{stage}/loss", loss, prog_bar=stage == "train")
         if logits.dim() == 2:
             self.log(f"{stage}/accuracy", (logits.argmax(-1) == target).float().mean())

@@ -1,0 +1,80 @@
+"""`lightning-rotor fit|validate|test|predict`: LightningCLI with rotor, on the shipped configs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from lightning_rotor.cli import main as console_main
+from lightning_rotor.lightning.cli import main
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+QUICKSTART = str(CONFIGS / "quickstart.yaml")
+TINY = [  # the quickstart, shrunk to run in seconds
+    "--model.init_args.model_kwargs={width: 4, num_classes: 10}",
+    "--data.init_args.num_samples=64",
+    "--data.init_args.batch_size=8",
+    "--data.init_args.image_size=16",
+    "--trainer.enable_progress_bar=false",
+    "--trainer.enable_model_summary=false",
+    "--trainer.num_sanity_val_steps=0",
+    "--trainer.log_every_n_steps=1",
+]
+
+
+def test_quickstart_fits_and_logs_rotor_scalars(tmp_path):
+    code = main(["fit", "--config", QUICKSTART, "--trainer.max_steps=3", f"--trainer.default_root_dir={tmp_path}",
+                 f"--trainer.logger.init_args.save_dir={tmp_path}", *TINY])
+    assert code == 0
+    runs = list((tmp_path / "quickstart").glob("version_*"))
+    assert len(runs) == 1
+    acc = EventAccumulator(str(runs[0]), size_guidance={"scalars": 0})
+    acc.Reload()
+    scalars = acc.Tags()["scalars"]
+    for tag in ("rotor/mem_limit_bytes", "rotor/predicted_peak_bytes", "rotor/measured_peak_bytes",
+                "rotor/recomputed_stages", "train/loss"):
+        assert tag in scalars, tag
+    assert "rotor/model/memory_curve" in acc.Tags()["images"]
+    limit = acc.Scalars("rotor/mem_limit_bytes")[-1].value
+    assert 0 < acc.Scalars("rotor/measured_peak_bytes")[-1].value <= limit
+    assert (runs[0] / "config.yaml").exists()
+
+
+def test_print_config_shows_the_rotor_strategy(capsys):
+    assert main(["fit", "--config", QUICKSTART, "--print_config"]) == 0
+    config = yaml.safe_load(capsys.readouterr().out)
+    strategy = config["trainer"]["strategy"]
+    assert strategy["class_path"] == "lightning_rotor.lightning.RotorStrategy"
+    assert strategy["init_args"]["mem_limit"] == "75%"
+    assert config["model"]["init_args"]["model"] == "resnet18"
+
+
+@pytest.mark.parametrize("configs", [["gpt.yaml"], ["gpt.yaml", "bf16.yaml"], ["quickstart.yaml", "ddp.yaml"]])
+def test_every_config_parses(capsys, configs):
+    args = [a for name in configs for a in ("--config", str(CONFIGS / name))]
+    assert main(["fit", *args, "--print_config"]) == 0
+    config = yaml.safe_load(capsys.readouterr().out)
+    assert "Rotor" in config["trainer"]["strategy"]["class_path"]
+    if "bf16.yaml" in configs:
+        assert config["trainer"]["precision"] == "bf16-mixed"
+    if "gpt.yaml" in configs:
+        assert config["trainer"]["strategy"]["init_args"]["mem_limit"] == 0.6
+
+
+def test_strategy_name_on_the_command_line(tmp_path, capsys):
+    assert console_main(["fit", "--config", QUICKSTART, "--trainer.strategy=rotor", "--print_config"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["trainer"]["strategy"] == "rotor"
+    code = console_main(["fit", "--config", QUICKSTART, "--trainer.strategy=rotor", "--trainer.max_steps=1",
+                         f"--trainer.default_root_dir={tmp_path}", "--trainer.logger=false", *TINY])
+    assert code == 0
+
+
+def test_infeasible_budget_is_one_line(tmp_path, capsys):
+    code = main(["fit", "--config", QUICKSTART, "--trainer.strategy.init_args.mem_limit=1KiB", "--trainer.max_steps=1",
+                 f"--trainer.default_root_dir={tmp_path}", "--trainer.logger=false", *TINY])
+    assert code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("lightning-rotor: error:") and "smallest feasible budget" in err[-1]
