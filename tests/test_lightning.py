@@ -13,11 +13,12 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_rotor.budget import BudgetError
+from lightning_rotor.budget import BudgetError, resolve_budget
 from lightning_rotor.checkpointable import Checkpointable
 from lightning_rotor.lightning import RotorCallback, RotorDDPStrategy, RotorStrategy
 from lightning_rotor.lightning.state import rotor_modules
 from lightning_rotor.lightning.wrap import find_chains, split_budget, unwrap, wrap
+from lightning_rotor.simulate import no_recompute_peak
 
 BUDGET = 0.6  # of the no-recomputation peak: forces recomputation in the nets below
 
@@ -68,6 +69,21 @@ class ManualNet(Net):
         self.manual_backward(loss)
         self.grads.append([p.grad.detach().clone() for p in self.parameters()])
         opt.step()
+
+
+class TwoChains(Net):
+    """Two chains one after the other, with a plain layer between them."""
+
+    def __init__(self):
+        super().__init__()
+        self.mid = nn.Linear(5, 12)
+        self.tail = make_net()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.tail(torch.relu(self.mid(self.net(x)))), y)
+        self.losses.append(loss.item())
+        return loss
 
 
 class Flat(pl.LightningModule):
@@ -207,6 +223,22 @@ def test_manual_optimization(tmp_path):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def test_two_chains_share_a_fractional_budget(tmp_path):
+    runs = {}
+    keep = Keep()
+    for name, strategy in (("plain", "auto"), ("rotor", RotorStrategy(mem_limit=BUDGET))):
+        model = TwoChains()
+        torch.manual_seed(7)
+        trainer(tmp_path / name, strategy, max_steps=3, callbacks=[keep]).fit(model, loader())
+        runs[name] = model
+    assert sorted(keep.modules) == ["net", "tail"]
+    for rotor in keep.modules.values():  # each chain got the fraction of its own no-recomputation peak
+        assert rotor.plan.mem_limit == resolve_budget(BUDGET, no_recompute_peak(rotor.chain))
+    torch.testing.assert_close(runs["rotor"].losses, runs["plain"].losses, rtol=0, atol=0)
+    for a, b in zip(runs["rotor"].parameters(), runs["plain"].parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 # -- logging ------------------------------------------------------------------------------------------
 def test_tensorboard_gets_rotor_scalars_curve_and_stage_table(tmp_path):
     logger = TensorBoardLogger(tmp_path, name="tb")
@@ -293,3 +325,19 @@ def test_checkpoint_carries_chains_resume_skips_profiling_and_cross_loads(tmp_pa
     trainer(tmp_path / "f", RotorStrategy(mem_limit=BUDGET), max_steps=4).fit(again, loader(),
                                                                               ckpt_path=tmp_path / "plain.ckpt")
     torch.testing.assert_close(again.losses, resumed.losses, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_accelerator_puts_rotor_on_cuda(tmp_path):
+    keep = Keep()
+    strategy = RotorStrategy(mem_limit=BUDGET)
+    runs = {}
+    for name, chosen in (("plain", "auto"), ("rotor", strategy)):
+        model = Net()
+        torch.manual_seed(7)
+        pl.Trainer(strategy=chosen, accelerator="gpu", devices=1, max_steps=3, logger=False, default_root_dir=tmp_path,
+                   enable_checkpointing=False, enable_progress_bar=False, callbacks=[keep]).fit(model, loader())
+        runs[name] = model
+    assert strategy.root_device.type == "cuda"
+    assert next(iter(keep.modules["net"].entries.values())).runner.token_device.type == "cuda"
+    torch.testing.assert_close(runs["rotor"].losses, runs["plain"].losses)
