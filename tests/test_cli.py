@@ -78,3 +78,11 @@ def test_infeasible_budget_is_one_line(tmp_path, capsys):
     assert code == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("lightning-rotor: error:") and "smallest feasible budget" in err[-1]
+
+
+@pytest.mark.parametrize("command", ["validate", "predict"])
+def test_evaluation_subcommands_run_the_plain_model(tmp_path, command):
+    code = console_main([command, "--config", QUICKSTART, f"--trainer.default_root_dir={tmp_path}",
+                         "--trainer.logger=false", "--trainer.limit_val_batches=2", "--trainer.limit_predict_batches=2",
+                         *TINY])
+    assert code == 0
