@@ -337,8 +337,9 @@ def curve_figure(name: str, ops: list[str], predicted: list[int], measured: list
         ax.axhline(measured_peak / mib, color="gray", linestyle=":", label=label)
     ax.set_xticks(range(len(ops)))
     ax.set_xticklabels(ops, rotation=90, fontsize=6)
+    ax.set_ylim(0, max(mem_limit, measured_peak, *predicted) * 1.4 / mib)  # room for the legend above the curve
     ax.set_ylabel("activation MiB after op")
     ax.set_title(f"rotor memory curve: {name}")
-    ax.legend(fontsize=7, loc="upper right")
+    ax.legend(fontsize=7, loc="upper center", ncol=2)
     fig.tight_layout()
     return fig
