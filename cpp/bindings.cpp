@@ -1,0 +1,110 @@
+// Python binding `lightning_rotor._planner`: plain lists in, plain tuples out.
+// lightning_rotor/planner.py is the public API; this module has no torch types.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "planner.hpp"
+
+namespace py = pybind11;
+using rotor::MemChain;
+using rotor::Op;
+using rotor::OpKind;
+using Sizes = std::vector<int64_t>;
+
+namespace {
+
+MemChain make_chain(Sizes size, Sizes saved, Sizes fwd_tmp, Sizes bwd_tmp, int64_t loss_tmp) {
+    MemChain c;
+    c.size = std::move(size);
+    c.saved = std::move(saved);
+    c.fwd_tmp = std::move(fwd_tmp);
+    c.bwd_tmp = std::move(bwd_tmp);
+    c.loss_tmp = loss_tmp;
+    return c;
+}
+
+py::list to_python(const std::vector<Op>& ops) {
+    static const char* names[] = {"Fn", "Fc", "Fe", "Loss", "B"};
+    py::list out;
+    for (const Op& op : ops) {
+        if (op.kind == OpKind::Loss) {
+            out.append(py::make_tuple("Loss"));
+        } else {
+            out.append(py::make_tuple(names[static_cast<int>(op.kind)], op.stage));
+        }
+    }
+    return out;
+}
+
+std::vector<Op> from_python(const py::list& ops) {
+    std::vector<Op> out;
+    out.reserve(ops.size());
+    for (const auto& item : ops) {
+        auto op = item.cast<py::sequence>();
+        auto name = op[0].cast<std::string>();
+        if (name == "Loss") {
+            out.push_back({OpKind::Loss, -1});
+            continue;
+        }
+        OpKind kind;
+        if (name == "Fn") kind = OpKind::Fn;
+        else if (name == "Fc") kind = OpKind::Fc;
+        else if (name == "Fe") kind = OpKind::Fe;
+        else if (name == "B") kind = OpKind::B;
+        else throw std::invalid_argument("unknown op " + name);
+        out.push_back({kind, op[1].cast<int>()});
+    }
+    return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_planner, m) {
+    m.doc() = "C++ core of lightning_rotor's planner (use lightning_rotor.planner).";
+
+    m.def(
+        "solve",
+        [](Sizes size, Sizes saved, Sizes fwd_tmp, Sizes bwd_tmp, int64_t loss_tmp, Sizes fwd_cost, Sizes bwd_cost,
+           int64_t slots) -> py::object {
+            MemChain c = make_chain(std::move(size), std::move(saved), std::move(fwd_tmp), std::move(bwd_tmp), loss_tmp);
+            rotor::Solution sol;
+            {
+                py::gil_scoped_release release;
+                sol = rotor::solve(c, fwd_cost, bwd_cost, slots);
+            }
+            if (!sol.feasible) return py::none();
+            return py::make_tuple(static_cast<int64_t>(sol.cost), to_python(sol.ops));
+        },
+        py::arg("size"), py::arg("saved"), py::arg("fwd_tmp"), py::arg("bwd_tmp"), py::arg("loss_tmp"),
+        py::arg("fwd_cost"), py::arg("bwd_cost"), py::arg("slots"),
+        "(cost, ops) of the least-cost schedule within `slots` units (a_0 included), or None.");
+
+    m.def(
+        "min_budget",
+        [](Sizes size, Sizes saved, Sizes fwd_tmp, Sizes bwd_tmp, int64_t loss_tmp) {
+            return rotor::min_budget(make_chain(size, saved, fwd_tmp, bwd_tmp, loss_tmp));
+        },
+        py::arg("size"), py::arg("saved"), py::arg("fwd_tmp"), py::arg("bwd_tmp"), py::arg("loss_tmp"),
+        "Smallest budget (a_0 included) for which a persistent schedule exists.");
+
+    m.def(
+        "feasible_schedule",
+        [](Sizes size, Sizes saved, Sizes fwd_tmp, Sizes bwd_tmp, int64_t loss_tmp, int64_t budget) -> py::object {
+            rotor::Solution sol = rotor::feasible_schedule(make_chain(size, saved, fwd_tmp, bwd_tmp, loss_tmp), budget);
+            if (!sol.feasible) return py::none();
+            return to_python(sol.ops);
+        },
+        py::arg("size"), py::arg("saved"), py::arg("fwd_tmp"), py::arg("bwd_tmp"), py::arg("loss_tmp"),
+        py::arg("budget"), "Ops of a schedule within `budget` exact units, or None below the minimum.");
+
+    m.def(
+        "replay",
+        [](Sizes size, Sizes saved, Sizes fwd_tmp, Sizes bwd_tmp, int64_t loss_tmp, std::vector<double> fwd_time,
+           std::vector<double> bwd_time, const py::list& ops) {
+            MemChain c = make_chain(size, saved, fwd_tmp, bwd_tmp, loss_tmp);
+            rotor::Replay r = rotor::replay(c, fwd_time, bwd_time, from_python(ops));
+            return py::make_tuple(r.peak, r.time);
+        },
+        py::arg("size"), py::arg("saved"), py::arg("fwd_tmp"), py::arg("bwd_tmp"), py::arg("loss_tmp"),
+        py::arg("fwd_time"), py::arg("bwd_time"), py::arg("ops"), "(peak bytes, seconds) of ops replayed on the chain.");
+}

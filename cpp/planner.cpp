@@ -1,0 +1,481 @@
+// Dynamic program for optimal persistent checkpointing (see planner.hpp, docs/planner.md).
+//
+// Subproblem (s, t, given, m): the caller holds a_s and, when `given`, δ_t
+// (otherwise t == L and the loss is pending); compute δ_s within m units.
+// Its cost as a function of m is a table, contiguous over m, kept only on
+// [m_min, m_full): below m_min nothing fits, and from m_full on the all-record
+// schedule (Fe s … Fe t-1) fits, which is optimal (every stage forward once).
+// Costs are exact integers held in doubles, so min-plus loops vectorize.
+#include "planner.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+#include <string>
+
+namespace rotor {
+namespace {
+
+constexpr double INF = std::numeric_limits<double>::infinity();
+
+// Memory needs of the subproblems, in the chain's units.
+struct Needs {
+    int L;
+    std::vector<int64_t> given;    // [s * (L + 1) + t]: least m for (s, t, given)
+    std::vector<int64_t> pending;  // [s]: least m for (s, L, loss pending)
+    std::vector<int64_t> full_given, full_pending;  // m from which all-record fits
+
+    int64_t g(int s, int t) const { return given[s * (L + 1) + t]; }
+    int64_t fg(int s, int t) const { return full_given[s * (L + 1) + t]; }
+};
+
+// Memory that `Fe s` itself needs inside (s, t): recording, and the backward.
+int64_t fe_need(const MemChain& c, int s, int t, bool given) {
+    const auto& size = c.size;
+    int64_t held = given ? size[t] : 0;
+    int64_t need = std::max(held + c.saved[s] + c.fwd_tmp[s], c.saved[s] + size[s + 1] + size[s] + c.bwd_tmp[s]);
+    if (!given && s + 1 == c.length()) need = std::max(need, c.saved[s] + size[s + 1] + c.loss_tmp);
+    return need;
+}
+
+// Peak of the run Fc s, Fn s+1 … Fn j-1 reaching a_j, where the last step is j-1 -> j.
+inline int64_t run_step(const MemChain& c, int s, int j) {
+    return j == s + 1 ? c.size[s + 1] + c.fwd_tmp[s] : c.size[j - 1] + c.size[j] + c.fwd_tmp[j - 1];
+}
+
+Needs compute_needs(const MemChain& c) {
+    const int L = c.length();
+    const auto& size = c.size;
+    Needs n;
+    n.L = L;
+    n.given.assign(static_cast<size_t>(L + 1) * (L + 1), 0);
+    n.full_given.assign(n.given.size(), 0);
+    n.pending.assign(L + 1, 0);
+    n.full_pending.assign(L + 1, 0);
+    for (int s = L - 1; s >= 0; --s) {
+        for (int t = s + 1; t <= L; ++t) {
+            int64_t held = size[t];
+            int64_t fe = fe_need(c, s, t, true);
+            int64_t full = fe;
+            if (s + 1 < t) {
+                fe = std::max(fe, c.saved[s] + n.g(s + 1, t));
+                full = std::max(full, c.saved[s] + n.fg(s + 1, t));
+            }
+            int64_t best = fe, run = 0;
+            for (int s2 = s + 1; s2 < t; ++s2) {
+                run = std::max(run, run_step(c, s, s2));
+                int64_t need = std::max({held + run, size[s2] + n.g(s2, t), n.g(s, s2)});
+                best = std::min(best, need);
+            }
+            n.given[s * (L + 1) + t] = best;
+            n.full_given[s * (L + 1) + t] = full;
+        }
+        int64_t fe = fe_need(c, s, L, false), full = fe;
+        if (s + 1 < L) {
+            fe = std::max(fe, c.saved[s] + n.pending[s + 1]);
+            full = std::max(full, c.saved[s] + n.full_pending[s + 1]);
+        }
+        int64_t best = fe, run = 0;
+        for (int s2 = s + 1; s2 <= L; ++s2) {
+            run = std::max(run, run_step(c, s, s2));
+            int64_t right = s2 == L ? 2 * size[L] + c.loss_tmp : size[s2] + n.pending[s2];
+            best = std::min(best, std::max({run, right, n.g(s, s2)}));
+        }
+        n.pending[s] = best;
+        n.full_pending[s] = full;
+    }
+    return n;
+}
+
+// Cost over m of one subproblem: INF below lo, data[m - lo] on [lo, hi), `full_cost` from hi on.
+struct Table {
+    int64_t lo = 0, hi = 0;
+    size_t offset = 0;
+    double full_cost = 0;
+};
+
+class Solver {
+   public:
+    Solver(const MemChain& c, const std::vector<int64_t>& fwd_cost, const std::vector<int64_t>& bwd_cost, int64_t top)
+        : c_(c), L_(c.length()), top_(top), needs_(compute_needs(c)) {
+        fc_.assign(fwd_cost.begin(), fwd_cost.end());
+        bc_.assign(bwd_cost.begin(), bwd_cost.end());
+        prefix_.assign(L_ + 1, 0);  // exact integer prefix sums of fwd + bwd
+        fprefix_.assign(L_ + 1, 0);
+        for (int k = 0; k < L_; ++k) {
+            prefix_[k + 1] = prefix_[k] + fwd_cost[k] + bwd_cost[k];
+            fprefix_[k + 1] = fprefix_[k] + fwd_cost[k];
+        }
+        given_.resize(static_cast<size_t>(L_ + 1) * (L_ + 1));
+        pending_.resize(L_ + 1);
+        size_t total = 0;
+        auto layout = [&](Table& tab, int64_t lo, int64_t full, int s, int t) {
+            tab.lo = lo;
+            tab.hi = std::max(lo, std::min(full, top_ + 1));
+            tab.offset = total;
+            tab.full_cost = static_cast<double>(prefix_[t] - prefix_[s]);
+            total += static_cast<size_t>(tab.hi - tab.lo);
+        };
+        for (int s = L_ - 1; s >= 0; --s) {
+            for (int t = s + 1; t <= L_; ++t) layout(G(s, t), needs_.g(s, t), needs_.fg(s, t), s, t);
+            layout(pending_[s], needs_.pending[s], needs_.full_pending[s], s, L_);
+        }
+        data_.assign(total, INF);
+    }
+
+    Solution run() {
+        Solution out;
+        if (top_ < needs_.pending[0]) return out;
+        for (int s = L_ - 1; s >= 0; --s) {
+            for (int t = s + 1; t <= L_; ++t) fill(s, t, true);
+            fill(s, L_, false);
+        }
+        out.feasible = true;
+        out.cost = value(pending_[0], top_);
+        emit(0, L_, false, top_, out.ops);
+        return out;
+    }
+
+   private:
+    const MemChain& c_;
+    int L_;
+    int64_t top_;
+    Needs needs_;
+    std::vector<double> fc_, bc_, data_;
+    std::vector<int64_t> prefix_, fprefix_;
+    std::vector<Table> given_, pending_;
+
+    Table& G(int s, int t) { return given_[s * (L_ + 1) + t]; }
+    Table& T(int s, int t, bool given) { return given ? G(s, t) : pending_[s]; }
+
+    double value(const Table& tab, int64_t m) const {
+        if (m < tab.lo) return INF;
+        if (m >= tab.hi) return tab.full_cost;
+        return data_[tab.offset + (m - tab.lo)];
+    }
+
+    double forward_cost(int s, int s2) const { return static_cast<double>(fprefix_[s2] - fprefix_[s]); }
+
+    // out[m] = min(out[m], c + a(m - shift) + b(m)) for m in [from, to), b optional.
+    // Callers guarantee m - shift >= a.lo and m >= b.lo on the range.
+    void relax(const Table& dst, int64_t from, int64_t to, double c, const Table& a, int64_t shift,
+               const Table* b) {
+        double* out = data_.data() + dst.offset - dst.lo;
+        const int64_t a_end = a.hi + shift, b_end = b ? b->hi : std::numeric_limits<int64_t>::max();
+        for (int64_t x = from; x < to;) {
+            int64_t end = to;
+            const bool in_a = x < a_end, in_b = b && x < b_end;
+            if (in_a) end = std::min(end, a_end);
+            if (in_b) end = std::min(end, b_end);
+            double* o = out + x;
+            const int64_t n = end - x;
+            if (in_a && in_b) {
+                const double* pa = data_.data() + a.offset + (x - shift - a.lo);
+                const double* pb = data_.data() + b->offset + (x - b->lo);
+                for (int64_t i = 0; i < n; ++i) {
+                    double v = c + pa[i] + pb[i];
+                    o[i] = v < o[i] ? v : o[i];
+                }
+            } else if (in_a) {
+                const double* pa = data_.data() + a.offset + (x - shift - a.lo);
+                const double k = c + (b ? b->full_cost : 0.0);
+                for (int64_t i = 0; i < n; ++i) {
+                    double v = k + pa[i];
+                    o[i] = v < o[i] ? v : o[i];
+                }
+            } else if (in_b) {
+                const double* pb = data_.data() + b->offset + (x - b->lo);
+                const double k = c + a.full_cost;
+                for (int64_t i = 0; i < n; ++i) {
+                    double v = k + pb[i];
+                    o[i] = v < o[i] ? v : o[i];
+                }
+            } else {
+                const double v = c + a.full_cost + (b ? b->full_cost : 0.0);
+                for (int64_t i = 0; i < n; ++i) o[i] = v < o[i] ? v : o[i];
+            }
+            x = end;
+        }
+    }
+
+    // First m in [lo, hi) whose cost is <= bound (costs are non-increasing in m), or hi.
+    int64_t first_at_most(const Table& tab, double bound) const {
+        const double* p = data_.data() + tab.offset;
+        int64_t a = 0, b = tab.hi - tab.lo;
+        while (a < b) {
+            int64_t mid = (a + b) / 2;
+            if (p[mid] <= bound) b = mid; else a = mid + 1;
+        }
+        return tab.lo + a;
+    }
+
+    void fill(int s, int t, bool given) {
+        Table& tab = T(s, t, given);
+        if (tab.hi <= tab.lo) return;
+        const int64_t lo = tab.lo, hi = tab.hi;
+        const double step = fc_[s] + bc_[s];
+        // Fe s: record stage s, solve (s+1, t), B s.
+        const int64_t fe = std::max(lo, fe_need(c_, s, t, given));
+        if (s + 1 == t) {
+            double* out = data_.data() + tab.offset - lo;
+            for (int64_t m = fe; m < hi; ++m) out[m] = std::min(out[m], step);
+        } else {
+            const Table& sub = T(s + 1, t, given);
+            relax(tab, std::max(fe, sub.lo + c_.saved[s]), hi, step, sub, c_.saved[s], nullptr);
+        }
+        // Checkpoint s -> s2: Fc s, Fn s+1 … Fn s2-1, then right (s2, t), then left (s, s2).
+        const int64_t held = given ? c_.size[t] : 0;
+        const int last = given ? t - 1 : t;
+        int64_t run = 0;
+        for (int s2 = s + 1; s2 <= last; ++s2) {
+            run = std::max(run, run_step(c_, s, s2));
+            if (held + run >= hi) break;  // longer runs need at least as much
+            const double forward = forward_cost(s, s2);
+            // Any schedule through s2 costs at least all-record plus this forward run:
+            // useful only where the best so far is above that.
+            const int64_t useful_end = first_at_most(tab, tab.full_cost + forward);
+            if (useful_end <= lo) break;  // bounds only grow with s2, costs only fall
+            const Table& left = G(s, s2);
+            int64_t from = std::max({lo, held + run, left.lo});
+            if (!given && s2 == L_) {
+                from = std::max(from, 2 * c_.size[L_] + c_.loss_tmp);
+                relax(tab, from, useful_end, forward, left, 0, nullptr);
+            } else {
+                const Table& right = T(s2, t, given);
+                from = std::max(from, right.lo + c_.size[s2]);
+                relax(tab, from, useful_end, forward, right, c_.size[s2], &left);
+            }
+        }
+    }
+
+    // Re-evaluate the choices at (s, t, m) and emit the ops of the first optimal one
+    // (Fe first, then s2 ascending: the reference planner's order).
+    void emit(int s, int t, bool given, int64_t m, std::vector<Op>& ops) {
+        const double target = value(T(s, t, given), m);
+        if (m >= fe_need(c_, s, t, given)) {
+            double cand = fc_[s] + bc_[s];
+            if (s + 1 < t) cand += value(T(s + 1, t, given), m - c_.saved[s]);
+            if (cand == target) {
+                ops.push_back({OpKind::Fe, s});
+                if (s + 1 == t) {
+                    if (!given) ops.push_back({OpKind::Loss, -1});
+                } else {
+                    emit(s + 1, t, given, m - c_.saved[s], ops);
+                }
+                ops.push_back({OpKind::B, s});
+                return;
+            }
+        }
+        const int64_t held = given ? c_.size[t] : 0;
+        const int last = given ? t - 1 : t;
+        int64_t run = 0;
+        for (int s2 = s + 1; s2 <= last; ++s2) {
+            run = std::max(run, run_step(c_, s, s2));
+            if (held + run > m) break;
+            const bool loss = !given && s2 == L_;
+            double right;
+            if (loss) {
+                right = m >= 2 * c_.size[L_] + c_.loss_tmp ? 0.0 : INF;
+            } else {
+                right = value(T(s2, t, given), m - c_.size[s2]);
+            }
+            const double cand = forward_cost(s, s2) + right + value(G(s, s2), m);
+            if (cand != target) continue;
+            ops.push_back({OpKind::Fc, s});
+            for (int j = s + 1; j < s2; ++j) ops.push_back({OpKind::Fn, j});
+            if (loss) {
+                ops.push_back({OpKind::Loss, -1});
+            } else {
+                emit(s2, t, given, m - c_.size[s2], ops);
+            }
+            emit(s, s2, true, m, ops);
+            return;
+        }
+        throw std::logic_error("planner: no choice reproduces the table value at stage " + std::to_string(s));
+    }
+};
+
+void emit_feasible(const MemChain& c, const Needs& n, int s, int t, bool given, int64_t m, std::vector<Op>& ops) {
+    const int L = c.length();
+    int64_t fe = fe_need(c, s, t, given);
+    if (s + 1 < t) fe = std::max(fe, c.saved[s] + (given ? n.g(s + 1, t) : n.pending[s + 1]));
+    if (m >= fe) {
+        ops.push_back({OpKind::Fe, s});
+        if (s + 1 == t) {
+            if (!given) ops.push_back({OpKind::Loss, -1});
+        } else {
+            emit_feasible(c, n, s + 1, t, given, m - c.saved[s], ops);
+        }
+        ops.push_back({OpKind::B, s});
+        return;
+    }
+    const int64_t held = given ? c.size[t] : 0;
+    const int last = given ? t - 1 : t;
+    int64_t run = 0;
+    for (int s2 = s + 1; s2 <= last; ++s2) {
+        run = std::max(run, run_step(c, s, s2));
+        const bool loss = !given && s2 == L;
+        int64_t right = loss ? 2 * c.size[L] + c.loss_tmp : c.size[s2] + (given ? n.g(s2, t) : n.pending[s2]);
+        if (std::max({held + run, right, n.g(s, s2)}) > m) continue;
+        ops.push_back({OpKind::Fc, s});
+        for (int j = s + 1; j < s2; ++j) ops.push_back({OpKind::Fn, j});
+        if (loss) {
+            ops.push_back({OpKind::Loss, -1});
+        } else {
+            emit_feasible(c, n, s2, t, given, m - c.size[s2], ops);
+        }
+        emit_feasible(c, n, s, s2, true, m, ops);
+        return;
+    }
+    throw std::logic_error("planner: no feasible choice at stage " + std::to_string(s));
+}
+
+// Correctly rounded sum (Shewchuk's partials, as in CPython's math.fsum).
+class ExactSum {
+   public:
+    void add(double x) {
+        size_t i = 0;
+        for (double y : partials_) {
+            if (std::fabs(x) < std::fabs(y)) std::swap(x, y);
+            double hi = x + y;
+            double lo = y - (hi - x);
+            if (lo != 0.0) partials_[i++] = lo;
+            x = hi;
+        }
+        partials_.resize(i);
+        partials_.push_back(x);
+    }
+    double total() const {
+        size_t n = partials_.size();
+        if (n == 0) return 0.0;
+        double hi = partials_[--n], lo = 0.0;
+        while (n > 0) {
+            double x = hi, y = partials_[--n];
+            hi = x + y;
+            double yr = hi - x;
+            lo = y - yr;
+            if (lo != 0.0) break;
+        }
+        if (n > 0 && ((lo < 0 && partials_[n - 1] < 0) || (lo > 0 && partials_[n - 1] > 0))) {
+            double y = lo * 2, x = hi + y;
+            if (y == x - hi) hi = x;
+        }
+        return hi;
+    }
+
+   private:
+    std::vector<double> partials_;
+};
+
+void check_chain(const MemChain& c) {
+    const size_t L = c.saved.size();
+    if (L == 0 || c.size.size() != L + 1 || c.fwd_tmp.size() != L || c.bwd_tmp.size() != L)
+        throw std::invalid_argument("planner: inconsistent chain lengths");
+}
+
+}  // namespace
+
+Solution solve(const MemChain& chain, const std::vector<int64_t>& fwd_cost, const std::vector<int64_t>& bwd_cost,
+               int64_t slots) {
+    check_chain(chain);
+    if (fwd_cost.size() != chain.saved.size() || bwd_cost.size() != chain.saved.size())
+        throw std::invalid_argument("planner: cost lists must have one entry per stage");
+    Solver solver(chain, fwd_cost, bwd_cost, slots - chain.size[0]);
+    return solver.run();
+}
+
+int64_t min_budget(const MemChain& chain) {
+    check_chain(chain);
+    return chain.size[0] + compute_needs(chain).pending[0];
+}
+
+Solution feasible_schedule(const MemChain& chain, int64_t budget) {
+    check_chain(chain);
+    Solution out;
+    Needs n = compute_needs(chain);
+    const int64_t m = budget - chain.size[0];
+    if (m < n.pending[0]) return out;
+    out.feasible = true;
+    emit_feasible(chain, n, 0, chain.length(), false, m, out.ops);
+    return out;
+}
+
+Replay replay(const MemChain& c, const std::vector<double>& fwd_time, const std::vector<double>& bwd_time,
+              const std::vector<Op>& ops) {
+    check_chain(c);
+    const int L = c.length();
+    std::vector<char> plain(L + 1, 0), graph(L + 1, 0), grad(L + 1, 0);
+    plain[0] = 1;
+    int64_t cur = c.size[0], peak = cur;
+    ExactSum time;
+    bool loss_done = false;
+    int next_backward = L - 1;
+    auto fail = [](size_t i, const std::string& why) {
+        return std::invalid_argument("invalid plan: op " + std::to_string(i) + ": " + why);
+    };
+    for (size_t i = 0; i < ops.size(); ++i) {
+        const Op op = ops[i];
+        const int k = op.stage;
+        if (op.kind != OpKind::Loss && (k < 0 || k >= L)) throw fail(i, "stage index out of range");
+        switch (op.kind) {
+            case OpKind::Fn:
+            case OpKind::Fc:
+            case OpKind::Fe: {
+                if (op.kind == OpKind::Fn && !plain[k]) throw fail(i, "Fn needs a plain input");
+                if (!plain[k] && !graph[k]) throw fail(i, "input not held");
+                if (op.kind == OpKind::Fe) {
+                    if (graph[k + 1]) throw fail(i, "output already recorded");
+                    peak = std::max(peak, cur + c.saved[k] + c.fwd_tmp[k]);
+                    graph[k + 1] = 1;
+                    cur += c.saved[k];
+                } else {
+                    if (plain[k + 1]) throw fail(i, "output already held");
+                    peak = std::max(peak, cur + c.size[k + 1] + c.fwd_tmp[k]);
+                    plain[k + 1] = 1;
+                    cur += c.size[k + 1];
+                    if (op.kind == OpKind::Fn && k != 0) {
+                        plain[k] = 0;
+                        cur -= c.size[k];
+                    }
+                }
+                time.add(fwd_time[k]);
+                break;
+            }
+            case OpKind::Loss: {
+                if (loss_done) throw fail(i, "second loss");
+                if (!graph[L] && !plain[L]) throw fail(i, "chain output not held");
+                peak = std::max(peak, cur + c.size[L] + c.loss_tmp);
+                grad[L] = 1;
+                cur += c.size[L];
+                if (!graph[L] && plain[L]) {
+                    plain[L] = 0;
+                    cur -= c.size[L];
+                }
+                loss_done = true;
+                break;
+            }
+            case OpKind::B: {
+                if (!loss_done || k != next_backward) throw fail(i, "backward out of order");
+                if (!graph[k + 1] || !grad[k + 1]) throw fail(i, "backward needs the recorded output and its gradient");
+                if (!plain[k] && !graph[k]) throw fail(i, "backward needs its input");
+                peak = std::max(peak, cur + c.size[k] + c.bwd_tmp[k]);
+                graph[k + 1] = 0;
+                grad[k + 1] = 0;
+                grad[k] = 1;
+                cur += c.size[k] - c.saved[k] - c.size[k + 1];
+                if (plain[k] && k != 0) {
+                    plain[k] = 0;
+                    cur -= c.size[k];
+                }
+                time.add(bwd_time[k]);
+                --next_backward;
+                break;
+            }
+        }
+    }
+    if (!loss_done || next_backward != -1) throw std::invalid_argument("invalid plan: it ends before B 0");
+    return {peak, time.total()};
+}
+
+}  // namespace rotor

@@ -1,0 +1,56 @@
+// Optimal persistent checkpointing schedules for a chain (docs/planner.md).
+//
+// Solves exactly the integer problem of lightning_rotor/discretize.py, with the
+// recursion of lightning_rotor/reference.py (the executable specification).
+// No Python or torch types here: bindings.cpp wraps these for Python.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace rotor {
+
+enum class OpKind : int { Fn = 0, Fc = 1, Fe = 2, Loss = 3, B = 4 };
+
+struct Op {
+    OpKind kind;
+    int stage;  // -1 for Loss
+};
+
+// A chain in integer memory units (slots or bytes) with integer costs.
+// size has L+1 entries (s_0 .. s_L); the per-stage vectors have L entries,
+// saved[k] being sb_{k+1}.
+struct MemChain {
+    std::vector<int64_t> size, saved, fwd_tmp, bwd_tmp;
+    int64_t loss_tmp = 0;
+    int length() const { return static_cast<int>(saved.size()); }
+};
+
+struct Solution {
+    bool feasible = false;
+    double cost = 0;  // exact integer held in a double (< 2**53)
+    std::vector<Op> ops;
+};
+
+// Least-cost schedule within `slots` (a_0 included). fwd_cost/bwd_cost are the
+// integer costs of discretize.py (all sums < 2**53).
+Solution solve(const MemChain& chain, const std::vector<int64_t>& fwd_cost,
+               const std::vector<int64_t>& bwd_cost, int64_t slots);
+
+// Smallest budget (a_0 included) for which some persistent schedule exists.
+int64_t min_budget(const MemChain& chain);
+
+// A schedule that fits in `budget` (exact units), or infeasible when budget < min_budget.
+// Prefers recording (Fe) and short forward runs wherever memory allows.
+Solution feasible_schedule(const MemChain& chain, int64_t budget);
+
+struct Replay {
+    int64_t peak = 0;
+    double time = 0;  // correctly rounded sum of the op times, like Python's math.fsum
+};
+
+// Replays ops under shared/design/memory-model.md; throws std::invalid_argument on an invalid plan.
+Replay replay(const MemChain& chain, const std::vector<double>& fwd_time, const std::vector<double>& bwd_time,
+              const std::vector<Op>& ops);
+
+}  // namespace rotor

@@ -1,0 +1,133 @@
+"""Plan the fastest checkpointing schedule of a chain within a byte budget.
+
+The dynamic program runs in C++ (`lightning_rotor._planner`, cpp/planner.cpp) on
+the integer problem of `discretize`: memory in `slots` units of
+`budget // slots` bytes, every size rounded up, so every plan fits the budget in
+exact bytes. Rounding can make a budget just above the exact minimum look
+infeasible; then the planner falls back to an exact-byte schedule, so planning
+at `min_feasible_budget(chain)` always succeeds. docs/planner.md derives it all.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_rotor import _planner
+from lightning_rotor.budget import BudgetSpec, format_bytes, resolve_budget
+from lightning_rotor.chain import Chain
+from lightning_rotor.discretize import DEFAULT_SLOTS, discretize
+from lightning_rotor.simulate import FORWARD_OPS, no_recompute_peak, normalize_ops
+
+__all__ = ["InfeasibleBudget", "Plan", "min_feasible_budget", "plan"]
+
+
+class InfeasibleBudget(ValueError):
+    """No persistent schedule fits the budget; `.min_feasible` is the smallest budget that does."""
+
+    def __init__(self, mem_limit: int, min_feasible: int) -> None:
+        self.mem_limit = mem_limit
+        self.min_feasible = min_feasible
+        super().__init__(
+            f"budget {format_bytes(mem_limit)} ({mem_limit} bytes) is below the smallest feasible budget "
+            f"{format_bytes(min_feasible)} ({min_feasible} bytes) for this chain; use mem_limit >= {min_feasible}"
+        )
+
+
+@dataclass
+class Plan:
+    """A schedule and what it costs: `time` in seconds and `peak` in bytes, as the simulator replays it."""
+
+    ops: list[tuple]
+    time: float
+    peak: int
+    mem_limit: int
+    slots: int = DEFAULT_SLOTS
+    recomputed_stages: int = 0
+    no_recompute_time: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan JSON of shared/design/memory-model.md (plus planner details)."""
+        return {
+            "mem_limit": self.mem_limit,
+            "time": self.time,
+            "peak": self.peak,
+            "slots": self.slots,
+            "recomputed_stages": self.recomputed_stages,
+            "no_recompute_time": self.no_recompute_time,
+            "ops": [list(op) for op in self.ops],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        if not isinstance(data, dict):
+            raise ValueError(f"a plan must be a JSON object, got {type(data).__name__}")
+        missing = [k for k in ("mem_limit", "time", "peak", "ops") if k not in data]
+        if missing:
+            raise ValueError(f"plan is missing field(s) {', '.join(missing)}")
+        ops = normalize_ops(data["ops"])
+        return cls(
+            ops=ops,
+            time=float(data["time"]),
+            peak=int(data["peak"]),
+            mem_limit=int(data["mem_limit"]),
+            slots=int(data.get("slots", DEFAULT_SLOTS)),
+            recomputed_stages=int(data.get("recomputed_stages", recomputed_stages(ops))),
+            no_recompute_time=float(data.get("no_recompute_time", 0.0)),
+        )
+
+
+def _memory_args(chain: Chain) -> tuple:
+    return chain.sizes, chain.saved_size, chain.fwd_tmp, chain.bwd_tmp, chain.loss_tmp
+
+
+def min_feasible_budget(chain: Chain) -> int:
+    """Smallest budget in bytes (chain input included) for which some persistent schedule exists."""
+    return _planner.min_budget(*_memory_args(chain))
+
+
+def recomputed_stages(ops: list[tuple]) -> int:
+    """How many stages run forward more than once."""
+    counts = Counter(op[1] for op in ops if op[0] in FORWARD_OPS)
+    return sum(1 for n in counts.values() if n > 1)
+
+
+def replay(chain: Chain, ops: list[tuple]) -> tuple[int, float]:
+    """(peak bytes, seconds) of `ops` by the C++ replay (tests compare it with `simulate`)."""
+    return _planner.replay(*_memory_args(chain), chain.fwd_time, chain.bwd_time, list(ops))
+
+
+def plan(chain: Chain, mem_limit: BudgetSpec, *, slots: int = DEFAULT_SLOTS) -> Plan:
+    """The fastest persistent schedule of `chain` whose peak stays within `mem_limit`.
+
+    `mem_limit`: bytes, a size string (`"6GiB"`), or a fraction of the no-recomputation
+    peak (`0.5`, `"50%"`). `slots`: memory precision of the dynamic program.
+    Raises `InfeasibleBudget` when no schedule fits.
+    """
+    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+        raise ValueError(f"slots must be a positive integer, got {slots!r}")
+    budget = resolve_budget(mem_limit, no_recompute_peak(chain))
+    smallest = min_feasible_budget(chain)
+    if budget < smallest:
+        raise InfeasibleBudget(budget, smallest)
+    d = discretize(chain, budget, slots=slots)
+    found = _planner.solve(d.size, d.saved, d.fwd_tmp, d.bwd_tmp, d.loss_tmp, d.fwd_cost, d.bwd_cost, d.slots)
+    candidates = []
+    if found is not None:
+        candidates.append(found[1])
+    fallback = _planner.feasible_schedule(*_memory_args(chain), budget)
+    if fallback is not None:
+        candidates.append(fallback)
+    scored = [(replay(chain, ops), ops) for ops in candidates]
+    (peak, time), ops = min(scored, key=lambda item: item[0][1])  # fastest; the DP's on ties
+    return Plan(
+        ops=ops,
+        time=time,
+        peak=peak,
+        mem_limit=budget,
+        slots=slots,
+        recomputed_stages=recomputed_stages(ops),
+        no_recompute_time=math.fsum([*chain.fwd_time, *chain.bwd_time]),
+    )
