@@ -1,0 +1,136 @@
+"""`lightning-rotor bench` on tiny models: every method gives a row, the outputs are readable, bad input is one line."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+
+from lightning_rotor.bench import main
+
+SMALL_MLP = ["--model", "mlp", "--size", "tiny", "--set", "hidden=128", "--set", "depth=4", "--batch-size", "32"]
+FAST = ["--repeats", "2", "--warmup", "0", "--threads", "1", "--quiet"]
+
+
+def read_rows(path: Path) -> list[dict[str, str]]:
+    with path.open() as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    out = tmp_path_factory.mktemp("bench")
+    capture = pytest.MonkeyPatch()
+    import io
+    import sys
+
+    stdout = io.StringIO()
+    capture.setattr(sys, "stdout", stdout)
+    try:
+        code = main([*SMALL_MLP, *FAST, "--budgets", "min,0.5,1.0", "--out", str(out)])
+    finally:
+        capture.undo()
+    assert code == 0
+    return out, stdout.getvalue()
+
+
+def test_every_method_produces_a_row(bench_run: tuple[Path, str]) -> None:
+    out, _ = bench_run
+    rows = read_rows(out / "mlp.csv")
+    methods = [r["method"] for r in rows]
+    assert methods.count("none") == 1
+    assert [r["budget"] for r in rows if r["method"] == "rotor"] == ["min", "0.5", "1.0"]
+    # tiny mlp: Flatten, 4 x (Linear, ReLU), Linear = 10 stages -> segment counts 2..10
+    assert [int(r["segments"]) for r in rows if r["method"] == "checkpoint_sequential"] == list(range(2, 11))
+    assert methods.count("recompute_all") == 1
+    compiled = [r for r in rows if r["method"] == "compile"]
+    assert [r["budget"] for r in compiled] == ["0.5", "1.0"]
+    for r in compiled:  # where compile cannot run, the row says why
+        assert r["step_ms"] or r["note"].startswith("torch.compile failed")
+    for r in rows:
+        if r["method"] in ("none", "checkpoint_sequential", "recompute_all") or (
+            r["method"] == "rotor" and "infeasible" not in r["note"]
+        ):
+            assert float(r["step_ms"]) > 0 and int(r["measured_peak"]) > 0, r
+
+
+def test_rotor_rows_respect_their_budget_and_prediction(bench_run: tuple[Path, str]) -> None:
+    out, _ = bench_run
+    rows = read_rows(out / "mlp.csv")
+    none = next(r for r in rows if r["method"] == "none")
+    rotor = {r["budget"]: r for r in rows if r["method"] == "rotor"}
+    ran = [r for r in rotor.values() if "infeasible" not in r["note"]]
+    assert ran
+    for r in rotor.values():
+        if "infeasible" in r["note"]:
+            assert "smallest feasible budget" in r["note"]
+            continue
+        assert int(r["measured_peak"]) <= int(r["mem_limit"])
+        # the gap is reported, not asserted: it is an issue-5 target read from the benchmark
+        assert float(r["peak_gap"]) == int(r["measured_peak"]) / int(r["predicted_peak"]) - 1
+        assert float(r["profile_s"]) > 0 and float(r["plan_ms"]) > 0
+    assert int(none["measured_peak"]) > 0
+
+
+def test_checkpointing_lowers_the_measured_peak_of_a_transformer(tmp_path: Path) -> None:
+    args = ["--model", "gpt", "--size", "tiny", "--set", "n_layer=4", "--batch-size", "8", "--budgets", "0.5",
+            "--no-compile", "--out", str(tmp_path), *FAST]  # fmt: skip
+    assert main(args) == 0
+    rows = read_rows(tmp_path / "gpt.csv")
+    peak = {(r["method"], r["budget"] or r["segments"]): int(r["measured_peak"]) for r in rows}
+    none = peak[("none", "")]
+    assert peak[("rotor", "0.5")] < 0.5 * none
+    assert peak[("recompute_all", "7")] < none
+
+
+def test_csv_parses_and_markdown_and_png_are_written(bench_run: tuple[Path, str]) -> None:
+    out, stdout = bench_run
+    rows = read_rows(out / "mlp.csv")
+    for r in rows:
+        for col in ("measured_peak", "predicted_peak", "mem_limit", "segments"):
+            assert r[col] == "" or int(r[col]) >= 0
+        for col in ("step_ms", "spread", "vs_none", "plan_ms", "profile_s", "peak_gap"):
+            assert r[col] == "" or float(r[col]) == float(r[col])  # a number, not NaN
+    png = (out / "mlp.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+    table = [line for line in stdout.splitlines() if line.startswith("|")]
+    assert table[0].startswith("| method | budget |")
+    assert len(table) == 2 + len(rows)
+
+
+def test_import_path_factory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--model", "lightning_rotor.models.mlp:mlp", "--set", "in_features=12", "--set", "hidden=16",
+            "--input-shape", "4,12", "--budgets", "1.0", "--no-compile", "--out", str(tmp_path), *FAST]  # fmt: skip
+    assert main(args) == 0
+    rows = read_rows(tmp_path / "lightning_rotor_models_mlp_mlp.csv")
+    assert {r["method"] for r in rows} == {"none", "rotor", "checkpoint_sequential", "recompute_all"}
+
+
+@pytest.mark.parametrize(
+    "model, expected",
+    [
+        ("no_such_package.models:factory", "cannot import model 'no_such_package.models:factory'"),
+        ("lightning_rotor.models:no_such_factory", "cannot import model"),
+        ("resnet7", "unknown model 'resnet7'"),
+    ],
+)
+def test_bad_model_path_is_a_one_line_error(
+    model: str, expected: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["--model", model, "--out", str(tmp_path), "--quiet"]) != 0
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0] and lines[0].startswith("lightning-rotor bench: error:")
+    assert not list(tmp_path.iterdir())
+
+
+def test_bad_budget_and_bare_sequential_without_shape_are_one_line_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([*SMALL_MLP, "--budgets", "0.5,lots", "--out", str(tmp_path), "--quiet"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "bad budget 'lots'" in err[0]
+    assert main(["--model", "lightning_rotor.models.mlp:mlp", "--out", str(tmp_path), "--quiet"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--input-shape" in err[0]
