@@ -524,6 +524,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--max-segments", type=int, default=None, help="cap checkpoint_sequential's segment counts")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
+    p.add_argument(
+        "--compile-budgets",
+        default=None,
+        help="activation_memory_budget fractions for torch.compile (default: the fractions in --budgets)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--seed", type=int, default=0)
@@ -546,7 +551,8 @@ def run(args: argparse.Namespace) -> list[Row]:
     for name, value in (("--repeats", args.repeats), ("--warmup", args.warmup)):
         if value < (1 if name == "--repeats" else 0):
             raise BenchError(f"{name} must be {'positive' if name == '--repeats' else 'non-negative'}, got {value}")
-    fractions = [] if args.no_compile else _fraction_tokens(budgets)
+    compile_tokens = budgets if args.compile_budgets is None else _budget_tokens(args.compile_budgets)
+    fractions = [] if args.no_compile else _fraction_tokens(compile_tokens)
     with tqdm(total=1, desc=f"bench {args.model}: profiling", disable=args.quiet, file=sys.stderr) as bar:
         methods = eager_methods(w, budgets, args.max_segments)
         bar.update(1)

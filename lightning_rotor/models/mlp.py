@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 # (expansion factor, number of narrow stages after it): stages of very unequal cost and size
-HETERO_PATTERN = ((16, 1), (1, 3), (4, 1), (32, 1), (1, 4), (8, 2))
+HETERO_PATTERN = ((4, 2), (1, 1), (8, 1), (2, 3), (4, 1), (8, 2), (1, 1), (4, 2))
 
 
 class Dense(nn.Module):
