@@ -416,6 +416,49 @@ def markdown(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def targets(rows: list[Row]) -> list[str]:
+    """The issue-5 targets read off the rows, one line each, with the numbers behind the verdict."""
+    ran = [r for r in rows if r.step_ms is not None and r.measured_peak is not None]
+    rotor = [r for r in ran if r.method == "rotor"]
+    seg = [r for r in ran if r.method == "checkpoint_sequential"]
+    none = next((r for r in ran if r.method == "none"), None)
+    lines: list[str] = []
+    if not rotor:
+        return ["no rotor budget planned: no target can be read"]
+    for r in rotor:
+        fits = [c for c in seg if c.measured_peak <= r.measured_peak]
+        if not fits:
+            lines.append(f"budget {r.budget}: no checkpoint_sequential fits in rotor's {format_bytes(r.measured_peak)}")
+            continue
+        best = min(fits, key=lambda c: c.step_ms)
+        verdict = "holds" if r.step_ms <= best.step_ms else "fails"
+        lines.append(
+            f"budget {r.budget}: rotor {r.step_ms:.1f} ms at {format_bytes(r.measured_peak)} vs fastest fitting "
+            f"checkpoint_sequential ({best.segments} segments) {best.step_ms:.1f} ms at "
+            f"{format_bytes(best.measured_peak)}: {r.step_ms / best.step_ms:.3f}x, {verdict}"
+        )
+    if seg:
+        low_r = min(r.measured_peak for r in rotor)
+        low_s = min(c.measured_peak for c in seg)
+        lines.append(
+            f"lowest peak: rotor {format_bytes(low_r)} vs checkpoint_sequential {format_bytes(low_s)}: "
+            f"{'holds' if low_r < low_s else 'fails'}"
+        )
+    top = max(rotor, key=lambda r: r.mem_limit or 0)
+    if none is not None:
+        ratio = top.step_ms / none.step_ms
+        lines.append(
+            f"largest budget ({top.budget}): rotor {top.step_ms:.1f} ms vs none {none.step_ms:.1f} ms = {ratio:.3f}x "
+            f"(target <= 1.03): {'holds' if ratio <= 1.03 else 'fails'}"
+        )
+    gap = max(rotor, key=lambda r: abs(r.peak_gap or 0))
+    lines.append(
+        f"largest measured/predicted gap: {gap.peak_gap:+.1%} (budget {gap.budget}; target < 10%): "
+        f"{'holds' if abs(gap.peak_gap or 0) < 0.10 else 'fails'}"
+    )
+    return lines
+
+
 def write_csv(rows: list[Row], path: Path) -> None:
     with path.open("w", newline="") as f:
         out = csv.DictWriter(f, fieldnames=COLUMNS)
@@ -423,6 +466,22 @@ def write_csv(rows: list[Row], path: Path) -> None:
         for r in rows:
             d = asdict(r)
             out.writerow({c: "" if d[c] is None else d[c] for c in COLUMNS})
+
+
+def read_csv(path: Path) -> list[Row]:
+    """Rows back from a CSV written by `write_csv` (to re-report or re-plot a run)."""
+    ints = ("segments", "mem_limit", "predicted_peak", "measured_peak")
+    floats = ("peak_gap", "step_ms", "spread", "vs_none", "plan_ms", "profile_s")
+    rows = []
+    with path.open() as f:
+        for d in csv.DictReader(f):
+            kw: dict[str, Any] = dict(d)
+            for k in ints:
+                kw[k] = int(d[k]) if d[k] else None
+            for k in floats:
+                kw[k] = float(d[k]) if d[k] else None
+            rows.append(Row(**kw))
+    return rows
 
 
 def write_plot(rows: list[Row], path: Path, title: str) -> None:
@@ -498,7 +557,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Compare rotor with no checkpointing, checkpoint_sequential, recompute-all and torch.compile's "
         "activation_memory_budget on one model: peak activation memory and step time.",
     )
-    p.add_argument("--model", required=True, help=f"registered name ({', '.join(MODELS)}) or pkg.module:factory")
+    p.add_argument("--from-csv", default=None, help="re-report (table, targets, PNG) a CSV of an earlier run")
+    p.add_argument("--model", help=f"registered name ({', '.join(MODELS)}) or pkg.module:factory")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument(
         "--budgets",
@@ -576,8 +636,13 @@ def run(args: argparse.Namespace) -> list[Row]:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.from_csv:
+        rows = read_csv(Path(args.from_csv))
+        args.model = rows[0].model if rows else "?"
+    elif not args.model:
+        parser.error("--model is required (a registered name or pkg.module:factory)")
     try:
-        rows = run(args)
+        rows = rows if args.from_csv else run(args)
     except (BenchError, BudgetError) as err:
         print(f"lightning-rotor bench: error: {err}", file=sys.stderr)
         return 2
@@ -587,10 +652,17 @@ def main(argv: list[str] | None = None) -> int:
     csv_path, png_path = out / f"{stem}.csv", out / f"{stem}.png"
     write_csv(rows, csv_path)
     device = rows[0].device if rows else "?"
-    title = f"{args.model}, batch {args.batch_size}, {device}, {torch.get_num_threads()} threads"
+    title = (
+        f"{args.model}, {device} (from {Path(args.from_csv).name})"
+        if args.from_csv
+        else f"{args.model}, batch {args.batch_size}, {device}, {torch.get_num_threads()} threads"
+    )
     write_plot(rows, png_path, title)
     print(f"## {title}\n")
     print(markdown(rows))
+    print("\nissue-5 targets (medians; see the spread column for noise):")
+    for line in targets(rows):
+        print(f"- {line}")
     print(f"\nwrote {csv_path} and {png_path}")
     return 0
 

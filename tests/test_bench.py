@@ -99,6 +99,16 @@ def test_csv_parses_and_markdown_and_png_are_written(bench_run: tuple[Path, str]
     assert len(table) == 2 + len(rows)
 
 
+def test_a_csv_is_reported_again(bench_run: tuple[Path, str], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out, stdout = bench_run
+    assert main(["--from-csv", str(out / "mlp.csv"), "--out", str(tmp_path)]) == 0
+    again = capsys.readouterr().out
+    table = [line for line in stdout.splitlines() if line.startswith("|")]
+    assert [line for line in again.splitlines() if line.startswith("|")] == table
+    assert "issue-5 targets" in again and (tmp_path / "mlp.png").exists()
+    assert read_rows(tmp_path / "mlp.csv") == read_rows(out / "mlp.csv")
+
+
 def test_import_path_factory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     args = ["--model", "lightning_rotor.models.mlp:mlp", "--set", "in_features=12", "--set", "hidden=16",
             "--input-shape", "4,12", "--budgets", "1.0", "--no-compile", "--out", str(tmp_path), *FAST]  # fmt: skip
