@@ -44,11 +44,7 @@ from lightning_rotor.budget import format_bytes, parse_budget, resolve_budget
 from lightning_rotor.chain import Chain
 from lightning_rotor.execute import PlanRunner
 from lightning_rotor.memory import CudaMemoryProbe, MemoryProbe
-
-try:
-    from lightning_rotor.planner import InfeasibleBudget, Plan, plan
-except ImportError:  # TEMPORARY until engineer A's planner lands
-    from lightning_rotor._planner_shim import InfeasibleBudget, Plan, plan
+from lightning_rotor.planner import InfeasibleBudget, Plan, plan
 from lightning_rotor.profile import Profile, flatten_stages, profile_chain
 from lightning_rotor.simulate import FORWARD_OPS, no_recompute_peak, simulate
 

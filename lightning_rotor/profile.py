@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_rotor.chain import Chain
 from lightning_rotor.memory import MemoryProbe, storage_bytes
+from lightning_rotor.simulate import normalize_ops, simulate
 
 LOSS_SLACK = 64  # bytes for the loss's scalars while it is differentiated
 LOSS_HELD = 64  # bytes of the caller's loss value, alive through the whole backward; charged with a_0
@@ -157,6 +158,33 @@ class Profile:
     bwd_spread: list[float] = field(default_factory=list)
     repeats: int = 0
     threads: int = 0
+    # (without grad, with grad) forward transients per stage; the chain keeps the larger, as the
+    # memory model has one `fwd_tmp` for Fn, Fc and Fe (so Fe peaks of some stages are overestimated)
+    fwd_tmp_modes: list[tuple[int, int]] = field(default_factory=list)
+
+    def peak_by_mode(self, ops: Sequence) -> int:
+        """The peak of `ops` with each forward charged its own mode's transient (not the model's larger one).
+
+        The memory model's `fwd_tmp` is the larger of the two; this tighter figure explains how far
+        below the plan's peak a measured peak may fall. It is not a budget: plans use the model.
+        """
+        chain = self.chain
+        sim = simulate(chain, ops)
+        peak = cur = chain.input_size
+        for op, after in zip(normalize_ops(ops), sim.curve, strict=True):
+            kind = op[0]
+            if kind in ("Fn", "Fc", "Fe"):
+                k = op[1]
+                nograd, grad = self.fwd_tmp_modes[k] if self.fwd_tmp_modes else (chain.fwd_tmp[k],) * 2
+                grown = chain.saved_size[k] + grad if kind == "Fe" else chain.out_size[k] + nograd
+                peak = max(peak, cur + grown)
+            elif kind == "Loss":
+                peak = max(peak, cur + chain.sizes[-1] + chain.loss_tmp)
+            else:
+                k = op[1]
+                peak = max(peak, cur + chain.sizes[k] + chain.bwd_tmp[k])
+            cur = after
+        return peak
 
     @property
     def spread(self) -> float:
@@ -288,6 +316,7 @@ def profile_chain(
     start = time.perf_counter()
     fields: dict[str, list] = {f: [] for f in ("out_size", "saved_size", "fwd_time", "bwd_time", "fwd_tmp", "bwd_tmp")}
     fwd_spread, bwd_spread = [], []
+    modes: list[tuple[int, int]] = []
     needs_grad = any(t.requires_grad for t in inputs)
     watch = _AllocatorWatch(device)
     value = sample
@@ -311,7 +340,7 @@ def profile_chain(
                 peak, end = watch.stop()
                 probe.mark("after")
             out_size = storage_bytes(out)
-            fwd_tmp = max(probe.peak - probe.current, peak - end)
+            tmp_nograd = max(probe.peak - probe.current, peak - end)
             untouched.restore_buffers()
             # memory with grad recording (Fe), then its backward (B)
             with MemoryProbe(exclude) as probe:
@@ -321,7 +350,8 @@ def profile_chain(
                 inp, out = forward(True)
                 peak, end = watch.stop()
                 probe.mark("after")
-                fwd_tmp = max(fwd_tmp, probe.peak - probe.current, peak - end)
+                tmp_grad = max(probe.peak - probe.current, peak - end)
+                fwd_tmp = max(tmp_nograd, tmp_grad)  # the memory model has one transient for both modes
                 saved_size = max(probe.current - base, out_size, end)  # an output aliasing a_k still counts
                 grads = [torch.ones_like(t) if t.requires_grad else None for t in tensors_of(out)]
                 outs, gs = backward_pairs(out, grads)
@@ -366,6 +396,7 @@ def profile_chain(
             fwd_time, fs = _median_spread(fwd_samples)
             bwd_time, bs = _median_spread(bwd_samples)
             fwd_spread.append(fs)
+            modes.append((tmp_nograd, tmp_grad))
             bwd_spread.append(bs)
             for name, v in zip(
                 ("out_size", "saved_size", "fwd_time", "bwd_time", "fwd_tmp", "bwd_tmp"),
@@ -384,4 +415,5 @@ def profile_chain(
         loss_bytes = int(loss_tmp)
     chain = Chain(input_size=storage_bytes(sample) + LOSS_HELD, loss_tmp=loss_bytes, names=names, **fields)
     seconds = time.perf_counter() - start
-    return Profile(chain, seconds, fwd_spread, bwd_spread, repeats=repeats, threads=torch.get_num_threads())
+    threads = torch.get_num_threads()
+    return Profile(chain, seconds, fwd_spread, bwd_spread, repeats=repeats, threads=threads, fwd_tmp_modes=modes)
