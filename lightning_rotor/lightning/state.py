@@ -21,12 +21,8 @@ from lightning_rotor.budget import resolve_budget
 from lightning_rotor.chain import Chain, ChainError
 from lightning_rotor.checkpointable import Checkpointable, Entry
 from lightning_rotor.execute import PlanRunner
+from lightning_rotor.planner import plan
 from lightning_rotor.simulate import no_recompute_peak
-
-try:
-    from lightning_rotor.planner import plan
-except ImportError:  # TEMPORARY until the planner lands
-    from lightning_rotor._planner_shim import plan
 
 STATE_KEY = "rotor"
 STATE_VERSION = 1
