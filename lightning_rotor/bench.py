@@ -499,7 +499,7 @@ def write_plot(rows: list[Row], path: Path, title: str) -> None:
         return [r for r in rows if r.method == method and r.step_ms is not None and r.measured_peak is not None]
 
     mib = 2**20
-    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=90)
+    fig, ax = plt.subplots(figsize=(8.4, 4.2), dpi=80)
     rotor = sorted(pts("rotor"), key=lambda r: r.measured_peak)
     if rotor:
         ax.plot([r.step_ms for r in rotor], [r.measured_peak / mib for r in rotor], "o-", color="C3", label="rotor")
@@ -509,14 +509,14 @@ def write_plot(rows: list[Row], path: Path, title: str) -> None:
     seg = pts("checkpoint_sequential")
     if seg:
         ax.scatter([r.step_ms for r in seg], [r.measured_peak / mib for r in seg], s=18, color="C0",
-                   label="checkpoint_sequential (segments)")  # fmt: skip
+                   label="checkpoint_sequential\n(segment count)")  # fmt: skip
         for r in seg:
             ax.annotate(str(r.segments), (r.step_ms, r.measured_peak / mib), fontsize=6, color="C0",
                         xytext=(2, -7), textcoords="offset points")  # fmt: skip
     comp = sorted(pts("compile"), key=lambda r: r.measured_peak)
     if comp:
         ax.plot([r.step_ms for r in comp], [r.measured_peak / mib for r in comp], "s--", color="C2",
-                label="torch.compile + activation_memory_budget (allocator)")  # fmt: skip
+                label="torch.compile +\nactivation_memory_budget\n(CPU: allocator)")  # fmt: skip
     for method, marker, color in (("none", "*", "k"), ("recompute_all", "X", "C1")):
         for r in pts(method):
             ax.scatter([r.step_ms], [r.measured_peak / mib], marker=marker, s=80, color=color, label=method)
@@ -524,7 +524,7 @@ def write_plot(rows: list[Row], path: Path, title: str) -> None:
     ax.set_ylabel("peak activation memory (MiB)")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
