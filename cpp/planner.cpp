@@ -17,6 +17,7 @@
 namespace rotor {
 namespace {
 
+constexpr int kEndBlock = 8;
 constexpr double INF = std::numeric_limits<double>::infinity();
 
 // Memory needs of the subproblems, in the chain's units.
@@ -117,20 +118,16 @@ class Solver {
             tab.full_cost = static_cast<double>(prefix_[t] - prefix_[s]);
             total += static_cast<size_t>(tab.hi - tab.lo);
         };
-        for (int s = L_ - 1; s >= 0; --s) {
-            for (int t = s + 1; t <= L_; ++t) layout(G(s, t), needs_.g(s, t), needs_.fg(s, t), s, t);
-            layout(pending_[s], needs_.pending[s], needs_.full_pending[s], s, L_);
-        }
+        for_each_given([&](int s, int t) { layout(G(s, t), needs_.g(s, t), needs_.fg(s, t), s, t); });
+        for (int s = L_ - 1; s >= 0; --s) layout(pending_[s], needs_.pending[s], needs_.full_pending[s], s, L_);
         data_.assign(total, INF);
     }
 
     Solution run() {
         Solution out;
         if (top_ < needs_.pending[0]) return out;
-        for (int s = L_ - 1; s >= 0; --s) {
-            for (int t = s + 1; t <= L_; ++t) fill(s, t, true);
-            fill(s, L_, false);
-        }
+        for_each_given([&](int s, int t) { fill(s, t, true); });
+        for (int s = L_ - 1; s >= 0; --s) fill(s, L_, false);
         out.feasible = true;
         out.cost = value(pending_[0], top_);
         emit(0, L_, false, top_, out.ops);
@@ -147,6 +144,18 @@ class Solver {
     std::vector<Table> given_, pending_;
 
     Table& G(int s, int t) { return given_[s * (L_ + 1) + t]; }
+
+    // Visit every given subproblem after those it reads: (s2, t) for s2 > s and (s, s2) for s2 < t.
+    // Ends t come in blocks, so the right parts (column t) and left parts (row s) a block reads
+    // stay in cache; tables are laid out in this same order.
+    template <class Visit>
+    void for_each_given(Visit visit) {
+        for (int t0 = 1; t0 <= L_; t0 += kEndBlock) {
+            const int t1 = std::min(L_ + 1, t0 + kEndBlock);
+            for (int s = t1 - 2; s >= 0; --s)
+                for (int t = std::max(t0, s + 1); t < t1; ++t) visit(s, t);
+        }
+    }
     Table& T(int s, int t, bool given) { return given ? G(s, t) : pending_[s]; }
 
     double value(const Table& tab, int64_t m) const {
@@ -238,13 +247,17 @@ class Solver {
             if (useful_end <= lo) break;  // bounds only grow with s2, costs only fall
             const Table& left = G(s, s2);
             int64_t from = std::max({lo, held + run, left.lo});
+            // The candidate only falls with m: its value at hi - 1 bounds it below on the whole range.
             if (!given && s2 == L_) {
                 from = std::max(from, 2 * c_.size[L_] + c_.loss_tmp);
-                relax(tab, from, useful_end, forward, left, 0, nullptr);
+                const int64_t end = std::min(useful_end, first_at_most(tab, forward + value(left, hi - 1)));
+                relax(tab, from, end, forward, left, 0, nullptr);
             } else {
                 const Table& right = T(s2, t, given);
                 from = std::max(from, right.lo + c_.size[s2]);
-                relax(tab, from, useful_end, forward, right, c_.size[s2], &left);
+                const double floor = forward + value(right, hi - 1 - c_.size[s2]) + value(left, hi - 1);
+                const int64_t end = std::min(useful_end, first_at_most(tab, floor));
+                relax(tab, from, end, forward, right, c_.size[s2], &left);
             }
         }
     }
