@@ -103,7 +103,10 @@ def _from_factory(path: str, kwargs: dict[str, Any], batch_size: int, input_shap
         raise BenchError(
             f"cannot import model {path!r} ({type(err).__name__}: {err}); give a registered name or pkg.module:factory"
         ) from None
-    made = factory(**kwargs)
+    try:
+        made = factory(**kwargs)
+    except TypeError as err:
+        raise BenchError(f"{path} does not accept the size arguments {kwargs}: {err}") from None
     if isinstance(made, ModelSpec):
         return _from_spec(made, kwargs, batch_size)
     if isinstance(made, nn.Sequential):
@@ -607,7 +610,10 @@ def run(args: argparse.Namespace) -> list[Row]:
     if args.threads:
         torch.set_num_threads(args.threads)
     budgets = _budget_tokens(args.budgets)
-    shape = tuple(int(s) for s in args.input_shape.split(",")) if args.input_shape else None
+    try:
+        shape = tuple(int(s) for s in args.input_shape.split(",")) if args.input_shape else None
+    except ValueError:
+        raise BenchError(f"--input-shape expects comma-separated integers (8,3,224,224), got {args.input_shape!r}") from None
     w = load_workload(
         args.model, batch_size=args.batch_size, size=args.size, overrides=_parse_kwargs(args.set),
         input_shape=shape, device=torch.device(args.device) if args.device else None, seed=args.seed,
