@@ -613,7 +613,7 @@ def run(args: argparse.Namespace) -> list[Row]:
     try:
         shape = tuple(int(s) for s in args.input_shape.split(",")) if args.input_shape else None
     except ValueError:
-        raise BenchError(f"--input-shape expects comma-separated integers (8,3,224,224), got {args.input_shape!r}") from None
+        raise BenchError(f"--input-shape expects integers like 8,3,224,224, got {args.input_shape!r}") from None
     w = load_workload(
         args.model, batch_size=args.batch_size, size=args.size, overrides=_parse_kwargs(args.set),
         input_shape=shape, device=torch.device(args.device) if args.device else None, seed=args.seed,
