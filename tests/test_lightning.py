@@ -284,6 +284,16 @@ def test_nothing_to_wrap_warns_once_and_trains(tmp_path):
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
+def test_chain_never_run_in_training_warns(tmp_path):
+    class Unused(Flat):
+        def __init__(self):
+            super().__init__()
+            self.spare = nn.Sequential(nn.Linear(2, 2), nn.ReLU())  # wrappable, but training_step never calls it
+
+    with pytest.warns(UserWarning, match="did not run in the training forward"):
+        trainer(tmp_path, RotorStrategy(mem_limit="1MiB"), max_steps=2).fit(Unused(), loader())
+
+
 # -- checkpoints --------------------------------------------------------------------------------------
 def test_checkpoint_carries_chains_resume_skips_profiling_and_cross_loads(tmp_path):
     class SaveMidRun(pl.Callback):
