@@ -84,8 +84,11 @@ def _memory_args(chain: Chain) -> tuple:
 
 
 def min_feasible_budget(chain: Chain) -> int:
-    """Smallest budget in bytes (chain input included) for which some persistent schedule exists."""
-    return _planner.min_budget(*_memory_args(chain))
+    """Smallest budget in bytes (chain input included) for which some persistent schedule exists.
+
+    At least 1: budgets are positive, even for a chain of empty values.
+    """
+    return max(1, _planner.min_budget(*_memory_args(chain)))
 
 
 def recomputed_stages(ops: list[tuple]) -> int:

@@ -1,0 +1,107 @@
+"""Chain record: validation names the field and the stage; JSON load/save round-trips."""
+
+import json
+import math
+
+import pytest
+
+from lightning_rotor.chain import Chain, ChainError
+
+
+def chain_dict(**changes):
+    data = {
+        "version": 1, "names": ["a", "b", "c"], "input_size": 10,
+        "out_size": [20, 5, 7], "saved_size": [30, 8, 7], "fwd_time": [1.0, 2.0, 0.5],
+        "bwd_time": [3.0, 4.0, 1.0], "fwd_tmp": [3, 1, 0], "bwd_tmp": [4, 2, 0], "loss_tmp": 6,
+    }
+    data.update(changes)
+    return data
+
+
+def test_round_trip(tmp_path):
+    chain = Chain.from_dict(chain_dict())
+    assert chain.length == 3 and chain.sizes == [10, 20, 5, 7]
+    path = tmp_path / "chain.json"
+    chain.save(path)
+    assert Chain.load(path) == chain
+    assert Chain.from_dict(json.loads(path.read_text())).to_dict() == chain.to_dict()
+
+
+@pytest.mark.parametrize("field", ["out_size", "saved_size", "fwd_time", "bwd_time", "fwd_tmp", "bwd_tmp"])
+def test_wrong_list_length_names_field(field):
+    data = chain_dict()
+    data[field] = data[field][:2] if field != "out_size" else data[field] + [1]
+    with pytest.raises(ChainError, match=field if field != "out_size" else "entries but out_size"):
+        Chain.from_dict(data)
+
+
+@pytest.mark.parametrize("field", ["out_size", "saved_size", "fwd_tmp", "bwd_tmp"])
+@pytest.mark.parametrize("bad", [-1, 2.5, "7", True, math.nan])
+def test_bad_size_names_field_and_stage(field, bad):
+    data = chain_dict()
+    data[field] = list(data[field])
+    data[field][1] = bad
+    with pytest.raises(ChainError, match=rf"{field}\[1\]"):
+        Chain.from_dict(data)
+
+
+@pytest.mark.parametrize("field", ["input_size", "loss_tmp"])
+def test_bad_scalar_size(field):
+    with pytest.raises(ChainError, match=field):
+        Chain.from_dict(chain_dict(**{field: -5}))
+
+
+@pytest.mark.parametrize("field", ["fwd_time", "bwd_time"])
+@pytest.mark.parametrize("bad", [-0.1, math.nan, math.inf, "1"])
+def test_bad_time_names_field_and_stage(field, bad):
+    data = chain_dict()
+    data[field] = list(data[field])
+    data[field][2] = bad
+    with pytest.raises(ChainError, match=rf"{field}\[2\]"):
+        Chain.from_dict(data)
+
+
+def test_integral_float_size_accepted():
+    assert Chain.from_dict(chain_dict(input_size=10.0)).input_size == 10
+
+
+def test_saved_smaller_than_output_rejected():
+    with pytest.raises(ChainError, match=r"saved_size\[0\]"):
+        Chain.from_dict(chain_dict(saved_size=[1, 8, 7]))
+
+
+def test_unknown_version():
+    with pytest.raises(ChainError, match="unknown chain version 2"):
+        Chain.from_dict(chain_dict(version=2))
+
+
+def test_missing_and_unknown_fields():
+    data = chain_dict()
+    del data["bwd_time"]
+    with pytest.raises(ChainError, match="missing field.*bwd_time"):
+        Chain.from_dict(data)
+    with pytest.raises(ChainError, match="unknown chain field.*colour"):
+        Chain.from_dict(chain_dict(colour="red"))
+
+
+def test_empty_chain_and_not_an_object():
+    with pytest.raises(ChainError, match="at least one stage"):
+        Chain.from_dict(chain_dict(out_size=[], saved_size=[], fwd_time=[], bwd_time=[], fwd_tmp=[], bwd_tmp=[],
+                                   names=[]))
+    with pytest.raises(ChainError, match="JSON object"):
+        Chain.from_dict([1, 2])
+
+
+def test_load_errors_are_one_line_and_name_the_file(tmp_path):
+    with pytest.raises(ChainError, match="no such chain file") as missing:
+        Chain.load(tmp_path / "absent.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"version": 1,')
+    with pytest.raises(ChainError, match="not valid JSON") as malformed:
+        Chain.load(bad)
+    wrong = tmp_path / "wrong.json"
+    wrong.write_text(json.dumps(chain_dict(fwd_time=[1.0, -2.0, 0.5])))
+    with pytest.raises(ChainError, match=r"wrong.json: fwd_time\[1\]") as invalid:
+        Chain.load(wrong)
+    for err in (missing, malformed, invalid):
+        assert "\n" not in str(err.value)

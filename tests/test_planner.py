@@ -1,0 +1,191 @@
+"""Planner: optimal (same cost as the reference at the same precision), valid, within budget, exact minimum budget."""
+
+import json
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lightning_rotor import _planner
+from lightning_rotor.chain import Chain
+from lightning_rotor.discretize import discretize
+from lightning_rotor.planner import InfeasibleBudget, Plan, min_feasible_budget, plan, replay
+from lightning_rotor.reference import reference_min_budget, reference_plan, solve
+from lightning_rotor.simulate import FORWARD_OPS, no_recompute_ops, no_recompute_peak, simulate
+
+
+@st.composite
+def chains(draw, max_length=7):
+    length = draw(st.integers(1, max_length))
+    size = st.integers(0, 60)
+    out = draw(st.lists(size, min_size=length, max_size=length))
+    extra = draw(st.lists(st.sampled_from([0, 0, 5, 17, 40]), min_size=length, max_size=length))
+    time = st.sampled_from([0.0, 0.0, 0.25, 1.0, 1.5, 3.0, 0.1, 7.0])
+    return Chain(
+        input_size=draw(size),
+        out_size=out,
+        saved_size=[o + e for o, e in zip(out, extra)],
+        fwd_time=draw(st.lists(time, min_size=length, max_size=length)),
+        bwd_time=draw(st.lists(time, min_size=length, max_size=length)),
+        fwd_tmp=draw(st.lists(st.sampled_from([0, 0, 3, 20]), min_size=length, max_size=length)),
+        bwd_tmp=draw(st.lists(st.sampled_from([0, 0, 4, 25]), min_size=length, max_size=length)),
+        loss_tmp=draw(st.sampled_from([0, 6, 30])),
+    )
+
+
+def cpp_solve(chain, budget, slots):
+    d = discretize(chain, budget, slots=slots)
+    return _planner.solve(d.size, d.saved, d.fwd_tmp, d.bwd_tmp, d.loss_tmp, d.fwd_cost, d.bwd_cost, d.slots)
+
+
+def forward_ops(ops):
+    return sum(1 for op in ops if op[0] in FORWARD_OPS)
+
+
+@settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chain=chains(), where=st.floats(0, 1.2), slots=st.sampled_from([3, 8, 40, 500]))
+def test_cpp_equals_reference(chain, where, slots):
+    """Same integer problem in, same optimal cost and the same ops out; the plan replays within budget."""
+    low, high = reference_min_budget(chain), no_recompute_peak(chain)
+    budget = max(1, int(low - 3 + where * (high - low + 6)))
+    expected = solve(discretize(chain, budget, slots=slots))
+    got = cpp_solve(chain, budget, slots)
+    if expected is None:
+        assert got is None
+        return
+    assert got is not None and got[0] == expected[0]
+    assert got[1] == expected[1]
+    sim = simulate(chain, got[1])
+    assert sim.peak <= budget
+    assert replay(chain, got[1]) == (sim.peak, sim.time)
+
+
+@settings(max_examples=400, deadline=None)
+@given(chain=chains(), where=st.floats(-0.2, 1.2))
+def test_plan_within_budget_and_reports_simulated_figures(chain, where):
+    low, high = min_feasible_budget(chain), no_recompute_peak(chain)
+    assert low == max(1, reference_min_budget(chain))
+    budget = max(1, int(low + where * (high - low)))
+    if budget < low:
+        with pytest.raises(InfeasibleBudget):
+            plan(chain, budget)
+        return
+    result = plan(chain, budget)
+    sim = simulate(chain, result.ops)
+    assert sim.peak == result.peak <= budget == result.mem_limit
+    assert sim.time == result.time
+    reference = reference_plan(chain, budget, slots=500)
+    if reference is not None:  # never slower than the 500-slot dynamic program
+        assert result.time <= simulate(chain, reference[1]).time * (1 + 1e-9) + 1e-12
+
+
+@settings(max_examples=200, deadline=None)
+@given(chain=chains())
+def test_min_feasible_budget_plans_and_one_byte_less_does_not(chain):
+    smallest = min_feasible_budget(chain)
+    result = plan(chain, smallest)
+    assert simulate(chain, result.ops).peak <= smallest
+    if smallest > 1:
+        with pytest.raises(InfeasibleBudget) as err:
+            plan(chain, smallest - 1)
+        assert err.value.min_feasible == smallest and err.value.mem_limit == smallest - 1
+        assert f"({smallest} bytes)" in str(err.value)
+
+
+def medium_chain(length=14, seed=3):
+    import random
+
+    rng = random.Random(seed)
+    out = [rng.randint(1, 40) * 1000 for _ in range(length)]
+    return Chain(input_size=5000, out_size=out, saved_size=[o + rng.choice([0, o, 2 * o]) for o in out],
+                 fwd_time=[rng.uniform(0.001, 0.004) for _ in range(length)],
+                 bwd_time=[rng.uniform(0.002, 0.008) for _ in range(length)],
+                 fwd_tmp=[rng.choice([0, 3000]) for _ in range(length)],
+                 bwd_tmp=[rng.choice([0, 8000]) for _ in range(length)], loss_tmp=2000)
+
+
+@pytest.mark.parametrize("fraction", [0.35, 0.5, 0.7, 0.9])
+def test_cost_equals_reference_at_500_slots(fraction):
+    chain = medium_chain()
+    budget = int(fraction * no_recompute_peak(chain))
+    expected = reference_plan(chain, budget, slots=500)
+    got = cpp_solve(chain, budget, 500)
+    assert expected is not None and got[0] == expected[0] and got[1] == expected[1]
+    result = plan(chain, budget)
+    assert result.time <= simulate(chain, expected[1]).time
+    assert result.time > result.no_recompute_time  # this budget does force recomputation
+    assert result.recomputed_stages > 0
+
+
+@pytest.mark.parametrize("budget", [1.0, "100%", 10**12])
+def test_unlimited_memory_gives_no_recompute_plan(budget):
+    chain = medium_chain()
+    result = plan(chain, budget)
+    assert result.ops == no_recompute_ops(chain.length)
+    assert result.recomputed_stages == 0
+    assert result.time == result.no_recompute_time == math.fsum([*chain.fwd_time, *chain.bwd_time])
+
+
+def test_zero_cost_stages_not_recomputed_needlessly():
+    chain = medium_chain()
+    free = Chain.from_dict({**chain.to_dict(), "fwd_time": [0.0] * chain.length, "bwd_time": [0.0] * chain.length})
+    assert plan(free, 10**12).ops == no_recompute_ops(free.length)
+    # Under a tight budget the free stages are recomputed only as much as memory forces.
+    budget = int(0.5 * no_recompute_peak(free))
+    result = plan(free, budget)
+    expected = reference_plan(free, budget)
+    assert forward_ops(result.ops) == forward_ops(expected[1])
+    assert forward_ops(result.ops) == discretize(free, budget).cost_to_forward_ops(cpp_solve(free, budget, 500)[0])
+    # A free reshape stage in a costly chain: recording it costs nothing, so the plan is unchanged by it.
+    mixed = Chain.from_dict({**chain.to_dict(), "fwd_time": [0.0 if k == 5 else t for k, t in enumerate(chain.fwd_time)]})
+    assert plan(mixed, 10**12).ops == no_recompute_ops(mixed.length)
+
+
+def test_fractions_resolve_against_no_recompute_peak():
+    chain = medium_chain()
+    peak = no_recompute_peak(chain)
+    assert plan(chain, 0.5).mem_limit == peak // 2
+    assert plan(chain, "50%").mem_limit == peak // 2
+    assert plan(chain, "0.5").mem_limit == peak // 2
+
+
+def test_more_slots_never_slower():
+    chain = medium_chain()
+    budget = int(0.45 * no_recompute_peak(chain))
+    assert plan(chain, budget, slots=2000).time <= plan(chain, budget, slots=500).time * (1 + 1e-12)
+
+
+def test_infeasible_message():
+    chain = Chain(input_size=2**20, out_size=[2**20] * 3, saved_size=[2**21] * 3, fwd_time=[1.0] * 3,
+                  bwd_time=[1.0] * 3, fwd_tmp=[0] * 3, bwd_tmp=[0] * 3)
+    smallest = min_feasible_budget(chain)
+    with pytest.raises(InfeasibleBudget) as err:
+        plan(chain, "1MiB")
+    assert isinstance(err.value, ValueError)
+    assert err.value.mem_limit == 2**20 and err.value.min_feasible == smallest
+    text = str(err.value)
+    assert "1.00 MiB (1048576 bytes)" in text and f"{smallest} bytes" in text and "\n" not in text
+
+
+def test_plan_dict_round_trip():
+    chain = medium_chain()
+    result = plan(chain, 0.5)
+    data = json.loads(json.dumps(result.to_dict()))
+    assert {"mem_limit", "time", "peak", "ops"} <= set(data)
+    assert data["ops"][0] == list(result.ops[0])
+    assert Plan.from_dict(data) == result
+    with pytest.raises(ValueError, match="missing"):
+        Plan.from_dict({"ops": []})
+
+
+@pytest.mark.parametrize("slots", [0, -1, 2.5, True])
+def test_bad_slots(slots):
+    with pytest.raises(ValueError, match="slots"):
+        plan(medium_chain(), 0.5, slots=slots)
+
+
+def test_cpp_replay_rejects_invalid_plans():
+    chain = medium_chain(3)
+    with pytest.raises(ValueError, match="op 1"):
+        replay(chain, [("Fe", 0), ("B", 0)])

@@ -1,0 +1,67 @@
+"""Simulator: curve, peak and time on a hand-computed chain; invalid plans name the op and the reason."""
+
+import pytest
+
+from lightning_rotor.chain import Chain
+from lightning_rotor.simulate import no_recompute_ops, no_recompute_peak, simulate
+
+
+@pytest.fixture
+def chain():
+    # s = [10, 20, 5], sb = [30, 8]
+    return Chain(input_size=10, out_size=[20, 5], saved_size=[30, 8], fwd_time=[1.0, 2.0], bwd_time=[3.0, 4.0],
+                 fwd_tmp=[3, 1], bwd_tmp=[4, 2], loss_tmp=6)
+
+
+def test_no_recompute_by_hand(chain):
+    sim = simulate(chain, no_recompute_ops(2))
+    # Fe0: 10+30 | Fe1: +8 | Loss: +δ_2 (5) | B1: +δ_1 20 - ā_2 8 - δ_2 5 | B0: +δ_0 10 - ā_1 30 - δ_1 20
+    assert sim.curve == [40, 48, 53, 60, 20]
+    # peaks during: Fe0 43, Fe1 49, Loss 48+5+6=59, B1 53+20+2=75, B0 60+10+4=74
+    assert sim.peak == 75 == no_recompute_peak(chain)
+    assert sim.time == 10.0
+
+
+def test_recompute_plan_by_hand(chain):
+    ops = [("Fc", 0), ("Fn", 1), ("Loss",), ("Fe", 0), ("Fe", 1), ("B", 1), ("B", 0)]
+    sim = simulate(chain, ops)
+    # Fc0 keeps a_0: 30 | Fn1 drops a_1: 15 | Loss drops plain a_2, adds δ_2: 15 | Fe0 45 | Fe1 53 | B1 60 | B0 20
+    assert sim.curve == [30, 15, 15, 45, 53, 60, 20]
+    assert sim.peak == 75
+    assert sim.time == 13.0
+
+
+def test_json_shaped_ops_accepted(chain):
+    ops = [["Fe", 0], ["Fe", 1], ["Loss"], ["B", 1], ["B", 0]]
+    assert simulate(chain, ops).peak == 75
+
+
+@pytest.mark.parametrize(
+    ("ops", "where", "why"),
+    [
+        ([("Fe", 0), ("B", 0)], "op 1 (B 0)", "backward before the loss"),
+        ([("Fe", 0), ("Fe", 1), ("Loss",), ("B", 0)], "op 3 (B 0)", "expected B 1"),
+        ([("Fe", 0), ("Fn", 1)], "op 1 (Fn 1)", "without graph"),
+        ([("Fe", 1)], "op 0 (Fe 1)", "not held"),
+        ([("Fe", 0), ("Fe", 5)], "op 1 (Fe 5)", "out of range"),
+        ([("Fc", 0), ("Loss",)], "op 1 (Loss)", "chain output"),
+        ([("Fe", 0), ("Fe", 1), ("Loss",), ("Loss",)], "op 3 (Loss)", "once"),
+        ([("Fe", 0), ("Fe", 0)], "op 1 (Fe 0)", "already held with its graph"),
+        ([("Fc", 0), ("Fc", 1), ("Loss",), ("B", 1)], "op 3 (B 1)", "with its graph"),
+    ],
+)
+def test_invalid_plans_name_op_and_reason(chain, ops, where, why):
+    with pytest.raises(ValueError, match="invalid plan") as err:
+        simulate(chain, ops)
+    assert where in str(err.value) and why in str(err.value)
+
+
+def test_unfinished_plan_rejected(chain):
+    with pytest.raises(ValueError, match="ends before B 0"):
+        simulate(chain, [("Fe", 0), ("Fe", 1), ("Loss",), ("B", 1)])
+
+
+@pytest.mark.parametrize("op", [("Jump", 1), ("Fe",), ("Loss", 2), ("Fe", "1"), 7])
+def test_malformed_ops_rejected(chain, op):
+    with pytest.raises(ValueError, match="op 0"):
+        simulate(chain, [op])
