@@ -25,8 +25,11 @@ def test_sizes(spec, expected):
     assert resolve_budget(spec, 12345) == expected
 
 
-@pytest.mark.parametrize(("spec", "fraction"), [(0.5, Fraction(1, 2)), ("50%", Fraction(1, 2)), ("0.25", Fraction(1, 4)),
-                                                (1.0, Fraction(1)), ("12.5%", Fraction(1, 8))])
+@pytest.mark.parametrize(
+    ("spec", "fraction"),
+    [(0.5, Fraction(1, 2)), ("50%", Fraction(1, 2)), ("0.25", Fraction(1, 4)), (1.0, Fraction(1)),
+     ("12.5%", Fraction(1, 8))],
+)
 def test_fractions_resolve_against_reference_peak(spec, fraction):
     assert parse_budget(spec) == fraction
     assert resolve_budget(spec, 1000) == int(fraction * 1000)

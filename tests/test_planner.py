@@ -25,7 +25,7 @@ def chains(draw, max_length=7):
     return Chain(
         input_size=draw(size),
         out_size=out,
-        saved_size=[o + e for o, e in zip(out, extra)],
+        saved_size=[o + e for o, e in zip(out, extra, strict=True)],
         fwd_time=draw(st.lists(time, min_size=length, max_size=length)),
         bwd_time=draw(st.lists(time, min_size=length, max_size=length)),
         fwd_tmp=draw(st.lists(st.sampled_from([0, 0, 3, 20]), min_size=length, max_size=length)),
@@ -138,7 +138,8 @@ def test_zero_cost_stages_not_recomputed_needlessly():
     assert forward_ops(result.ops) == forward_ops(expected[1])
     assert forward_ops(result.ops) == discretize(free, budget).cost_to_forward_ops(cpp_solve(free, budget, 500)[0])
     # A free reshape stage in a costly chain: recording it costs nothing, so the plan is unchanged by it.
-    mixed = Chain.from_dict({**chain.to_dict(), "fwd_time": [0.0 if k == 5 else t for k, t in enumerate(chain.fwd_time)]})
+    times = [0.0 if k == 5 else t for k, t in enumerate(chain.fwd_time)]
+    mixed = Chain.from_dict({**chain.to_dict(), "fwd_time": times})
     assert plan(mixed, 10**12).ops == no_recompute_ops(mixed.length)
 
 
