@@ -11,6 +11,7 @@ from lightning_rotor.budget import BudgetError, format_bytes, parse_budget
 from lightning_rotor.chain import Chain, ChainError
 from lightning_rotor.checkpointable import Checkpointable
 from lightning_rotor.lightning import RotorCallback, RotorDDPStrategy, RotorStrategy
+from lightning_rotor.memory import CudaMemoryProbe, MemoryProbe
 from lightning_rotor.planner import InfeasibleBudget, Plan, min_feasible_budget, plan
 from lightning_rotor.profile import InplaceError
 from lightning_rotor.simulate import Simulation, simulate
@@ -22,8 +23,10 @@ __all__ = [
     "Chain",
     "ChainError",
     "Checkpointable",
+    "CudaMemoryProbe",
     "InfeasibleBudget",
     "InplaceError",
+    "MemoryProbe",
     "Plan",
     "RotorCallback",
     "RotorDDPStrategy",
