@@ -18,6 +18,8 @@ namespace rotor {
 namespace {
 
 constexpr int kEndBlock = 8;
+constexpr int kSamples = 2;
+constexpr int64_t kBlock = 32;
 constexpr double INF = std::numeric_limits<double>::infinity();
 
 // Memory needs of the subproblems, in the chain's units.
@@ -109,6 +111,7 @@ class Solver {
             fprefix_[k + 1] = fprefix_[k] + fwd_cost[k];
         }
         given_.resize(static_cast<size_t>(L_ + 1) * (L_ + 1));
+        need_.assign(L_ + 1, 0);
         pending_.resize(L_ + 1);
         size_t total = 0;
         auto layout = [&](Table& tab, int64_t lo, int64_t full, int s, int t) {
@@ -142,6 +145,7 @@ class Solver {
     std::vector<double> fc_, bc_, data_;
     std::vector<int64_t> prefix_, fprefix_;
     std::vector<Table> given_, pending_;
+    std::vector<int64_t> need_;  // per split s2 of the subproblem being filled: memory its forward run needs
 
     Table& G(int s, int t) { return given_[s * (L_ + 1) + t]; }
 
@@ -236,30 +240,68 @@ class Solver {
         // Checkpoint s -> s2: Fc s, Fn s+1 … Fn s2-1, then right (s2, t), then left (s, s2).
         const int64_t held = given ? c_.size[t] : 0;
         const int last = given ? t - 1 : t;
-        int64_t run = 0;
-        for (int s2 = s + 1; s2 <= last; ++s2) {
-            run = std::max(run, run_step(c_, s, s2));
+        int reach = s;  // splits whose forward run fits below hi
+        for (int64_t run = 0; reach < last; ++reach) {
+            run = std::max(run, run_step(c_, s, reach + 1));
             if (held + run >= hi) break;  // longer runs need at least as much
-            const double forward = forward_cost(s, s2);
-            // Any schedule through s2 costs at least all-record plus this forward run:
-            // useful only where the best so far is above that.
-            const int64_t useful_end = first_at_most(tab, tab.full_cost + forward);
-            if (useful_end <= lo) break;  // bounds only grow with s2, costs only fall
-            const Table& left = G(s, s2);
-            int64_t from = std::max({lo, held + run, left.lo});
-            // The candidate only falls with m: its value at hi - 1 bounds it below on the whole range.
-            if (!given && s2 == L_) {
-                from = std::max(from, 2 * c_.size[L_] + c_.loss_tmp);
-                const int64_t end = std::min(useful_end, first_at_most(tab, forward + value(left, hi - 1)));
-                relax(tab, from, end, forward, left, 0, nullptr);
+            need_[reach + 1] = held + run;
+        }
+        // Hints: the best split at a few memory values, relaxed first so that the bounds prune the rest.
+        int hints[kSamples];
+        int n_hints = 0;
+        for (int k = 0; k < kSamples; ++k) {
+            const int64_t m = lo + (hi - 1 - lo) * k / (kSamples - 1);
+            double best = INF;
+            int arg = -1;
+            for (int s2 = s + 1; s2 <= reach && need_[s2] <= m; ++s2) {
+                const double v = candidate(s, t, given, s2, m);
+                if (v < best) best = v, arg = s2;
+            }
+            if (arg >= 0 && std::find(hints, hints + n_hints, arg) == hints + n_hints) hints[n_hints++] = arg;
+        }
+        for (int h = 0; h < n_hints; ++h) split(tab, s, t, given, hints[h], false);
+        for (int s2 = s + 1; s2 <= reach; ++s2) {
+            if (std::find(hints, hints + n_hints, s2) != hints + n_hints) continue;
+            if (!split(tab, s, t, given, s2, true)) break;
+        }
+    }
+
+    // Cost of checkpointing s -> s2 at memory m, whose forward run fits (need_[s2] <= m).
+    double candidate(int s, int t, bool given, int s2, int64_t m) const {
+        const double left = value(given_[s * (L_ + 1) + s2], m);
+        if (!given && s2 == L_) return m >= 2 * c_.size[L_] + c_.loss_tmp ? forward_cost(s, s2) + left : INF;
+        const Table& right = given ? given_[s2 * (L_ + 1) + t] : pending_[s2];
+        return forward_cost(s, s2) + value(right, m - c_.size[s2]) + left;
+    }
+
+    // Relax (s, t) with the split s -> s2 where it can win. With `blocked`, m is walked in blocks
+    // and a block is skipped when the candidate at its top (its least value) cannot beat the best
+    // so far at its bottom (the largest there). Returns false when no later split can win either.
+    bool split(Table& tab, int s, int t, bool given, int s2, bool blocked) {
+        const int64_t lo = tab.lo, hi = tab.hi;
+        const double forward = forward_cost(s, s2);
+        // Any schedule through s2 costs at least all-record plus this forward run.
+        const int64_t useful_end = first_at_most(tab, tab.full_cost + forward);
+        if (useful_end <= lo) return false;  // bounds only grow with s2, costs only fall
+        const Table& left = G(s, s2);
+        const bool loss = !given && s2 == L_;
+        const Table& right = loss ? left : T(s2, t, given);
+        int64_t from = std::max({lo, need_[s2], left.lo});
+        from = std::max(from, loss ? 2 * c_.size[L_] + c_.loss_tmp : right.lo + c_.size[s2]);
+        // The candidate only falls with m: its value at hi - 1 bounds it below on the whole range.
+        const int64_t end = std::min(useful_end, first_at_most(tab, candidate(s, t, given, s2, hi - 1)));
+        const double* cur = data_.data() + tab.offset - lo;
+        const int64_t stride = blocked ? kBlock : end - from;
+        for (int64_t x = from; x < end; x += stride) {
+            const int64_t y = std::min(end, x + stride);
+            if (blocked && candidate(s, t, given, s2, y - 1) >= cur[x]) continue;
+            if (loss) {
+                relax(tab, x, y, forward, left, 0, nullptr);
             } else {
-                const Table& right = T(s2, t, given);
-                from = std::max(from, right.lo + c_.size[s2]);
-                const double floor = forward + value(right, hi - 1 - c_.size[s2]) + value(left, hi - 1);
-                const int64_t end = std::min(useful_end, first_at_most(tab, floor));
-                relax(tab, from, end, forward, right, c_.size[s2], &left);
+                relax(tab, x, y, forward, right, c_.size[s2], &left);
             }
         }
+        return true;
     }
 
     // Re-evaluate the choices at (s, t, m) and emit the ops of the first optimal one
