@@ -15,6 +15,7 @@ from typing import Any
 
 CHAIN_VERSION = 1
 SIZE_FIELDS = ("out_size", "saved_size", "fwd_tmp", "bwd_tmp")
+OPTIONAL_FIELDS = ("fwd_tmp_nograd",)
 TIME_FIELDS = ("fwd_time", "bwd_time")
 STAGE_FIELDS = SIZE_FIELDS + TIME_FIELDS
 
@@ -49,6 +50,10 @@ class Chain:
     """Per-stage costs of a chain of `L` stages, in bytes and seconds.
 
     `out_size[k]` is the size of `a_{k+1}`; `sizes` gives all `s_0 … s_L`.
+    `fwd_tmp[k]` is the transient of `F_k` recording its graph (`Fe`), and
+    `fwd_tmp_nograd[k]` the transient without grad (`Fn`, `Fc`); it defaults to
+    `fwd_tmp`. They differ where a stage saves what is otherwise transient
+    (attention scores), and one figure for both would overcharge one of them.
     """
 
     input_size: int
@@ -60,6 +65,7 @@ class Chain:
     bwd_tmp: list[int]
     loss_tmp: int = 0
     names: list[str] = field(default_factory=list)
+    fwd_tmp_nograd: list[int] | None = None
 
     def __post_init__(self) -> None:
         length = len(self.out_size) if isinstance(self.out_size, (list, tuple)) else None
@@ -78,6 +84,12 @@ class Chain:
                 )
             check = _check_size if name in SIZE_FIELDS else _check_time
             setattr(self, name, [check(v, f"{name}[{k}]") for k, v in enumerate(values)])
+        if self.fwd_tmp_nograd is None:
+            self.fwd_tmp_nograd = list(self.fwd_tmp)
+        elif not isinstance(self.fwd_tmp_nograd, (list, tuple)) or len(self.fwd_tmp_nograd) != length:
+            raise ChainError(f"fwd_tmp_nograd must be a list with one entry per stage ({length})")
+        else:
+            self.fwd_tmp_nograd = [_check_size(v, f"fwd_tmp_nograd[{k}]") for k, v in enumerate(self.fwd_tmp_nograd)]
         self.input_size = _check_size(self.input_size, "input_size")
         self.loss_tmp = _check_size(self.loss_tmp, "loss_tmp")
         if not self.names:
@@ -121,7 +133,7 @@ class Chain:
         missing = [k for k in ("input_size", *STAGE_FIELDS) if k not in data]
         if missing:
             raise ChainError(f"chain is missing field(s) {', '.join(missing)}")
-        known = {"version", "names", "input_size", "loss_tmp", *STAGE_FIELDS}
+        known = {"version", "names", "input_size", "loss_tmp", *STAGE_FIELDS, *OPTIONAL_FIELDS}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ChainError(f"unknown chain field(s) {', '.join(unknown)}; known fields: {', '.join(sorted(known))}")
@@ -129,17 +141,21 @@ class Chain:
             input_size=data["input_size"],
             loss_tmp=data.get("loss_tmp", 0),
             names=list(data.get("names") or []),
+            fwd_tmp_nograd=data.get("fwd_tmp_nograd"),
             **{name: data[name] for name in STAGE_FIELDS},
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        data = {
             "version": CHAIN_VERSION,
             "names": list(self.names),
             "input_size": self.input_size,
             **{name: list(getattr(self, name)) for name in STAGE_FIELDS},
             "loss_tmp": self.loss_tmp,
         }
+        if self.fwd_tmp_nograd != self.fwd_tmp:
+            data["fwd_tmp_nograd"] = list(self.fwd_tmp_nograd)
+        return data
 
     @classmethod
     def load(cls, path: str | Path) -> Chain:

@@ -30,7 +30,8 @@ class DiscreteChain:
     slots: int  # budget in slots, a_0 included
     size: list[int]  # s_0 … s_L in slots
     saved: list[int]  # sb_1 … sb_L in slots, at index k = sb_{k+1}
-    fwd_tmp: list[int]
+    fwd_tmp: list[int]  # recording the graph (Fe)
+    fwd_tmp_nograd: list[int]  # without grad (Fn, Fc)
     bwd_tmp: list[int]
     loss_tmp: int
     fwd_cost: list[int]  # ticks << count_bits | 1
@@ -72,6 +73,7 @@ def discretize(chain: Chain, budget: int, slots: int = DEFAULT_SLOTS) -> Discret
         size=[up(x) for x in chain.sizes],
         saved=[up(x) for x in chain.saved_size],
         fwd_tmp=[up(x) for x in chain.fwd_tmp],
+        fwd_tmp_nograd=[up(x) for x in chain.fwd_tmp_nograd],
         bwd_tmp=[up(x) for x in chain.bwd_tmp],
         loss_tmp=up(chain.loss_tmp),
         fwd_cost=[(round(t / tick) << count_bits) | 1 for t in chain.fwd_time],

@@ -30,7 +30,7 @@ INFEASIBLE = None
 def solve(d: DiscreteChain) -> tuple[int, list[tuple]] | None:
     """Least cost and its ops for the whole chain within `d.slots`, or None when nothing fits."""
     length, size, saved = d.length, d.size, d.saved
-    ft, bt, lt = d.fwd_tmp, d.bwd_tmp, d.loss_tmp
+    ft, ft_ng, bt, lt = d.fwd_tmp, d.fwd_tmp_nograd, d.bwd_tmp, d.loss_tmp
 
     def fe_need(s: int, t: int, given: bool) -> int:
         held = size[t] if given else 0
@@ -41,9 +41,9 @@ def solve(d: DiscreteChain) -> tuple[int, list[tuple]] | None:
 
     def forward_need(s: int, s2: int, given: bool, t: int) -> int:
         held = size[t] if given else 0
-        need = size[s + 1] + ft[s]
+        need = size[s + 1] + ft_ng[s]
         for j in range(s + 1, s2):
-            need = max(need, size[j] + size[j + 1] + ft[j])
+            need = max(need, size[j] + size[j + 1] + ft_ng[j])
         return held + need
 
     @lru_cache(maxsize=None)
@@ -117,7 +117,7 @@ def reference_min_budget(chain: Chain) -> int:
     """Smallest budget in bytes for which some persistent schedule exists (exact, no rounding)."""
     length = chain.length
     size, saved = chain.sizes, chain.saved_size
-    ft, bt, lt = chain.fwd_tmp, chain.bwd_tmp, chain.loss_tmp
+    ft, ft_ng, bt, lt = chain.fwd_tmp, chain.fwd_tmp_nograd, chain.bwd_tmp, chain.loss_tmp
 
     @lru_cache(maxsize=None)
     def need(s: int, t: int, given: bool) -> int:
@@ -128,11 +128,11 @@ def reference_min_budget(chain: Chain) -> int:
         if s + 1 < t:
             fe = max(fe, saved[s] + need(s + 1, t, given))
         result = fe
-        run = size[s + 1] + ft[s]
+        run = size[s + 1] + ft_ng[s]
         last = t if not given else t - 1
         for s2 in range(s + 1, last + 1):
             if s2 > s + 1:
-                run = max(run, size[s2 - 1] + size[s2] + ft[s2 - 1])
+                run = max(run, size[s2 - 1] + size[s2] + ft_ng[s2 - 1])
             if not given and s2 == length:
                 right = 2 * size[length] + lt
             else:

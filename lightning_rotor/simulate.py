@@ -84,7 +84,7 @@ def simulate(chain: Chain, ops: Iterable[Sequence]) -> Simulation:
             else:
                 if k + 1 in plain:
                     raise fail(i, op, f"a_{k + 1} is already held")
-                peak = max(peak, cur + s[k + 1] + chain.fwd_tmp[k])
+                peak = max(peak, cur + s[k + 1] + chain.fwd_tmp_nograd[k])
                 plain.add(k + 1)
                 cur += s[k + 1]
                 if kind == "Fn" and k != 0:
