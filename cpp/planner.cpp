@@ -212,17 +212,6 @@ class Solver {
         }
     }
 
-    // First m in [lo, hi) whose cost is <= bound (costs are non-increasing in m), or hi.
-    int64_t first_at_most(const Table& tab, double bound) const {
-        const double* p = data_.data() + tab.offset;
-        int64_t a = 0, b = tab.hi - tab.lo;
-        while (a < b) {
-            int64_t mid = (a + b) / 2;
-            if (p[mid] <= bound) b = mid; else a = mid + 1;
-        }
-        return tab.lo + a;
-    }
-
     void fill(int s, int t, bool given) {
         Table& tab = T(s, t, given);
         if (tab.hi <= tab.lo) return;
@@ -280,25 +269,37 @@ class Solver {
     bool split(Table& tab, int s, int t, bool given, int s2, bool blocked) {
         const int64_t lo = tab.lo, hi = tab.hi;
         const double forward = forward_cost(s, s2);
-        // Any schedule through s2 costs at least all-record plus this forward run.
-        const int64_t useful_end = first_at_most(tab, tab.full_cost + forward);
-        if (useful_end <= lo) return false;  // bounds only grow with s2, costs only fall
+        double* cur = data_.data() + tab.offset - lo;
+        // Any schedule through s2 costs at least all-record plus this forward run; the best so far
+        // is largest at lo, so if it is below that bound there, no split from here on can win.
+        if (cur[lo] <= tab.full_cost + forward) return false;
         const Table& left = G(s, s2);
         const bool loss = !given && s2 == L_;
         const Table& right = loss ? left : T(s2, t, given);
+        const int64_t shift = loss ? 0 : c_.size[s2];
         int64_t from = std::max({lo, need_[s2], left.lo});
-        from = std::max(from, loss ? 2 * c_.size[L_] + c_.loss_tmp : right.lo + c_.size[s2]);
-        // The candidate only falls with m: its value at hi - 1 bounds it below on the whole range.
-        const int64_t end = std::min(useful_end, first_at_most(tab, candidate(s, t, given, s2, hi - 1)));
-        const double* cur = data_.data() + tab.offset - lo;
-        const int64_t stride = blocked ? kBlock : end - from;
-        for (int64_t x = from; x < end; x += stride) {
-            const int64_t y = std::min(end, x + stride);
-            if (blocked && candidate(s, t, given, s2, y - 1) >= cur[x]) continue;
+        from = std::max(from, loss ? 2 * c_.size[L_] + c_.loss_tmp : right.lo + shift);
+        const double* lp = data_.data() + left.offset - left.lo;
+        const double* rp = data_.data() + right.offset - right.lo - shift;  // rp[m]: right part at m - shift
+        const int64_t stride = blocked ? kBlock : hi - from;
+        for (int64_t x = from; x < hi; x += stride) {
+            const int64_t y = std::min(hi, x + stride);
+            if (blocked) {
+                // The candidate only falls with m: its value at y - 1 is its least on the block.
+                const int64_t m = y - 1;
+                double least = forward + (m < left.hi ? lp[m] : left.full_cost);
+                if (!loss) least += m - shift < right.hi ? rp[m] : right.full_cost;
+                if (least >= cur[x]) continue;
+            }
             if (loss) {
                 relax(tab, x, y, forward, left, 0, nullptr);
+            } else if (y <= left.hi && y - shift <= right.hi) {  // both parts stored on the block
+                for (int64_t m = x; m < y; ++m) {
+                    const double v = forward + rp[m] + lp[m];
+                    cur[m] = v < cur[m] ? v : cur[m];
+                }
             } else {
-                relax(tab, x, y, forward, right, c_.size[s2], &left);
+                relax(tab, x, y, forward, right, shift, &left);
             }
         }
         return true;
