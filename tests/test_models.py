@@ -89,15 +89,16 @@ def test_gpt_rejects_too_long_sequences() -> None:
         model(torch.zeros(1, 5, dtype=torch.long))
 
 
-def test_hetero_stages_differ_in_size() -> None:
-    spec = get_spec("hetero")
-    model = get_model("hetero", **spec.tiny)
+@pytest.mark.parametrize("name, ratio", [("hetero", 8), ("hetero2", 32)])
+def test_hetero_stages_differ_in_size(name: str, ratio: int) -> None:
+    spec = get_spec(name)
+    model = get_model(name, **spec.tiny)
     x, _ = spec.sample(2, **spec.tiny)
-    widths = []
+    sizes = []
     for stage in flatten_stages(model)[1]:
         x = stage(x)
-        widths.append(x.shape[-1])
-    assert max(widths) >= 8 * min(widths)
+        sizes.append(x.numel())
+    assert max(sizes) >= ratio * min(sizes[:-1])  # the last stage is the classifier
 
 
 def test_unknown_model_and_bad_depth_are_clear_errors() -> None:

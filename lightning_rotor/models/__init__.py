@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from lightning_rotor.models.gpt import gpt, lm_loss
-from lightning_rotor.models.mlp import hetero, mlp
+from lightning_rotor.models.mlp import hetero, hetero2, mlp
 from lightning_rotor.models.resnet import resnet, resnet18, resnet50, resnet101
 from lightning_rotor.models.vgg import vgg, vgg11
 
@@ -155,6 +155,14 @@ MODELS: dict[str, ModelSpec] = {
             tiny=dict(in_features=8, dim=8, num_classes=5),
             bench=dict(dim=256),
         ),
+        ModelSpec(
+            "hetero2",
+            hetero2,
+            _hetero_sample,
+            _classify,
+            tiny=dict(in_features=8, dim=8, num_classes=5),
+            bench=dict(dim=1024),
+        ),
     )
 }
 
@@ -188,6 +196,7 @@ __all__ = [
     "get_spec",
     "gpt",
     "hetero",
+    "hetero2",
     "lm_loss",
     "mlp",
     "resnet",

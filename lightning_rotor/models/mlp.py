@@ -1,4 +1,4 @@
-"""Two plain chains: an MLP, and a deliberately heterogeneous chain for benchmarks."""
+"""Plain chains: an MLP, and two deliberately heterogeneous chains for benchmarks."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from torch import nn
 
 # (expansion factor, number of narrow stages after it): stages of very unequal cost and size
 HETERO_PATTERN = ((4, 2), (1, 1), (8, 1), (2, 3), (4, 1), (8, 2), (1, 1), (4, 2))
+# hetero2: expansion factor of each group (cheap stages with large values between costly ones with small values)
+HETERO2_EXPANSIONS = (8, 32, 4, 16, 32, 8)
 
 
 class Dense(nn.Module):
@@ -18,6 +20,36 @@ class Dense(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.tanh(self.linear(x))
+
+
+class Heavy(nn.Module):
+    """Costly, small: Linear, tanh, Linear on a (batch, dim) value."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, dim)
+        self.fc2 = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+class Expand(nn.Module):
+    """Cheap, large: (batch, dim) -> (batch, dim, factor), each feature scaled `factor` ways."""
+
+    def __init__(self, factor: int):
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, factor))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.unsqueeze(-1) * self.scale
+
+
+class Reduce(nn.Module):
+    """Cheap, back to small: GELU on the large value, then the mean over its last dimension."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.gelu(x).mean(dim=-1)
 
 
 def mlp(
@@ -50,5 +82,24 @@ def hetero(
     for expand, narrow in pattern:
         layers += [nn.Linear(dim, expand * dim), nn.GELU(), nn.Linear(expand * dim, dim)]
         layers += [Dense(dim) for _ in range(narrow)]
+    layers.append(nn.Linear(dim, num_classes))
+    return nn.Sequential(*layers)
+
+
+def hetero2(
+    *, in_features: int = 256, dim: int = 1024, num_classes: int = 10, expansions: tuple = HETERO2_EXPANSIONS
+) -> nn.Sequential:
+    """A second heterogeneous chain: stages differ wildly in cost and size, in opposite directions.
+
+    After an input Linear, each group is `Heavy` (two dim x dim matmuls, small output),
+    `Expand` (elementwise, output `e` times larger) and `Reduce` (elementwise, small
+    output), with expansion factors `expansions`. The cheap stages hold the memory and the
+    costly ones the time: a good schedule keeps the small values and recomputes only the
+    cheap stages, while uniform segments (`checkpoint_sequential`) recompute whatever
+    falls inside each segment, costly stages included.
+    """
+    layers: list[nn.Module] = [nn.Linear(in_features, dim)]
+    for factor in expansions:
+        layers += [Heavy(dim), Expand(factor), Reduce()]
     layers.append(nn.Linear(dim, num_classes))
     return nn.Sequential(*layers)
