@@ -133,12 +133,14 @@ class StepMeasurement:
     def __exit__(self, *exc: Any) -> None:
         self.owner._measurement = None
         self.probe.__exit__(*exc)
+        if exc[0] is not None:
+            return  # the step failed (e.g. InfeasibleBudget): let its error through untouched
         self.peak = self.probe.peak
         marks = getattr(self.probe, "marks", [])
         self.curve = [(label, nbytes) for label, _, nbytes in marks]
         if isinstance(self.probe, MemoryProbe):
             ends = [i for _, i, _ in marks]
-            starts = [0, *ends[:-1]]
+            starts = [0, *ends[:-1]][: len(ends)]
             curve = self.probe.curve
             spans = zip(starts, ends, marks, strict=True)
             self.op_peaks = [max(curve[s:e], default=nbytes) for s, e, (_, _, nbytes) in spans]
