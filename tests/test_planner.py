@@ -190,3 +190,13 @@ def test_cpp_replay_rejects_invalid_plans():
     chain = medium_chain(3)
     with pytest.raises(ValueError, match="op 1"):
         replay(chain, [("Fe", 0), ("B", 0)])
+
+
+def test_exact_fallback_when_slot_rounding_finds_nothing():
+    """At coarse precision the rounded DP finds no plan at the exact minimum; the exact-byte schedule does."""
+    chain = medium_chain()
+    smallest = min_feasible_budget(chain)
+    assert cpp_solve(chain, smallest, 7) is None  # rounding every size up to 1/7 of the budget
+    result = plan(chain, smallest, slots=7)
+    sim = simulate(chain, result.ops)
+    assert sim.peak == result.peak <= smallest and sim.time == result.time
