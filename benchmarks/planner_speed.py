@@ -44,6 +44,7 @@ def bench_chain(length: int, seed: int = 0) -> Chain:
         fwd_time=[rng.uniform(0.5e-3, 4e-3) for _ in range(length)],
         bwd_time=[rng.uniform(1e-3, 8e-3) for _ in range(length)],
         fwd_tmp=[rng.choice([0, 0, rng.randint(1, 8) * MiB]) for _ in range(length)],
+        fwd_tmp_nograd=[rng.choice([0, 0, rng.randint(1, 8) * MiB]) for _ in range(length)],
         bwd_tmp=[rng.choice([0, rng.randint(1, 8) * MiB]) for _ in range(length)],
         loss_tmp=MiB,
     )
@@ -65,7 +66,7 @@ def timed_plan(chain: Chain, budget: int, repeats: int) -> list[float]:
 def timed_solve(chain: Chain, budget: int, repeats: int) -> list[float]:
     """The C++ dynamic program alone (plus its pybind11 call), like the yardstick's timing."""
     d = discretize(chain, budget)
-    args = (d.size, d.saved, d.fwd_tmp, d.bwd_tmp, d.loss_tmp, d.fwd_cost, d.bwd_cost, d.slots)
+    args = (d.size, d.saved, d.fwd_tmp, d.fwd_tmp_nograd, d.bwd_tmp, d.loss_tmp, d.fwd_cost, d.bwd_cost, d.slots)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -85,7 +86,8 @@ def compile_yardstick(workdir: Path) -> Path:
 
 def yardstick_input(chain: Chain, budget: int, slots: int = 500) -> str:
     d = discretize(chain, budget, slots=slots)
-    rows = [[d.length, d.slots, d.loss_tmp], d.size, d.saved, d.fwd_tmp, d.bwd_tmp, d.fwd_cost, d.bwd_cost]
+    rows = [[d.length, d.slots, d.loss_tmp], d.size, d.saved, d.fwd_tmp, d.fwd_tmp_nograd, d.bwd_tmp, d.fwd_cost,
+            d.bwd_cost]
     return "\n".join(" ".join(str(x) for x in row) for row in rows) + "\n"
 
 
@@ -97,7 +99,8 @@ def run_yardstick(exe: Path, text: str) -> tuple[int | None, float]:
 
 def planner_cost(chain: Chain, budget: int, slots: int = 500) -> int | None:
     d = discretize(chain, budget, slots=slots)
-    found = _planner.solve(d.size, d.saved, d.fwd_tmp, d.bwd_tmp, d.loss_tmp, d.fwd_cost, d.bwd_cost, d.slots)
+    found = _planner.solve(d.size, d.saved, d.fwd_tmp, d.fwd_tmp_nograd, d.bwd_tmp, d.loss_tmp, d.fwd_cost,
+                           d.bwd_cost, d.slots)
     return None if found is None else found[0]
 
 
@@ -120,7 +123,7 @@ print(before, high_water())
 def planner_memory(chain: Chain, budget: int) -> tuple[int, int]:
     """(peak RSS bytes before, after) the C++ dynamic program in a fresh process that loads only the extension."""
     d = discretize(chain, budget)
-    args = [d.size, d.saved, d.fwd_tmp, d.bwd_tmp, d.loss_tmp, d.fwd_cost, d.bwd_cost, d.slots]
+    args = [d.size, d.saved, d.fwd_tmp, d.fwd_tmp_nograd, d.bwd_tmp, d.loss_tmp, d.fwd_cost, d.bwd_cost, d.slots]
     code = MEMORY_PROBE.format(so=_planner.__file__)
     out = subprocess.run([sys.executable, "-c", code], input=json.dumps(args), capture_output=True, text=True,
                          check=True).stdout.split()

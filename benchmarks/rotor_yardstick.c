@@ -6,7 +6,7 @@
  *
  * Input on stdin (integers, whitespace separated):
  *   L slots loss_tmp
- *   size[0..L]  saved[0..L-1]  fwd_tmp[0..L-1]  bwd_tmp[0..L-1]
+ *   size[0..L]  saved[0..L-1]  fwd_tmp[0..L-1]  fwd_tmp_nograd[0..L-1]  bwd_tmp[0..L-1]
  *   fwd_cost[0..L-1]  bwd_cost[0..L-1]
  * Output: "<optimal cost> <seconds spent in the dynamic program>" or "infeasible <seconds>".
  * Build: gcc -O2 -o rotor_yardstick rotor_yardstick.c
@@ -17,7 +17,7 @@
 
 static const double INF = 1e300;
 static long L, M;
-static long *size, *saved, *ftmp, *btmp, loss_tmp;
+static long *size, *saved, *ftmp, *ftmp_ng, *btmp, loss_tmp;
 static double *fcost, *bcost;
 static double *given_cost;   /* given_cost[(m * (L + 1) + s) * (L + 1) + t] */
 static double *pending_cost; /* pending_cost[m * (L + 1) + s]: t = L, loss still to compute */
@@ -50,7 +50,7 @@ static double best(long m, long s, long t, int given) {
     double forward = 0;
     for (long s2 = s + 1; s2 <= last; s2++) {
         forward += fcost[s2 - 1];
-        long step = s2 == s + 1 ? size[s + 1] + ftmp[s] : size[s2 - 1] + size[s2] + ftmp[s2 - 1];
+        long step = s2 == s + 1 ? size[s + 1] + ftmp_ng[s] : size[s2 - 1] + size[s2] + ftmp_ng[s2 - 1];
         run = max2(run, step);
         if (m < held + run) break;
         double right;
@@ -81,12 +81,14 @@ int main(void) {
     size = malloc(sizeof(long) * (L + 1));
     saved = malloc(sizeof(long) * L);
     ftmp = malloc(sizeof(long) * L);
+    ftmp_ng = malloc(sizeof(long) * L);
     btmp = malloc(sizeof(long) * L);
     fcost = malloc(sizeof(double) * L);
     bcost = malloc(sizeof(double) * L);
     for (long k = 0; k <= L; k++) size[k] = read_long();
     for (long k = 0; k < L; k++) saved[k] = read_long();
     for (long k = 0; k < L; k++) ftmp[k] = read_long();
+    for (long k = 0; k < L; k++) ftmp_ng[k] = read_long();
     for (long k = 0; k < L; k++) btmp[k] = read_long();
     for (long k = 0; k < L; k++) fcost[k] = (double)read_long();
     for (long k = 0; k < L; k++) bcost[k] = (double)read_long();

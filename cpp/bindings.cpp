@@ -13,11 +13,12 @@ using Sizes = std::vector<int64_t>;
 
 namespace {
 
-MemChain make_chain(Sizes size, Sizes saved, Sizes fwd_tmp, Sizes bwd_tmp, int64_t loss_tmp) {
+MemChain make_chain(Sizes size, Sizes saved, Sizes fwd_tmp, Sizes fwd_tmp_nograd, Sizes bwd_tmp, int64_t loss_tmp) {
     MemChain c;
     c.size = std::move(size);
     c.saved = std::move(saved);
     c.fwd_tmp = std::move(fwd_tmp);
+    c.fwd_tmp_nograd = std::move(fwd_tmp_nograd);
     c.bwd_tmp = std::move(bwd_tmp);
     c.loss_tmp = loss_tmp;
     return c;
@@ -64,9 +65,10 @@ PYBIND11_MODULE(_planner, m) {
 
     m.def(
         "solve",
-        [](Sizes size, Sizes saved, Sizes fwd_tmp, Sizes bwd_tmp, int64_t loss_tmp, Sizes fwd_cost, Sizes bwd_cost,
+        [](Sizes size, Sizes saved, Sizes fwd_tmp, Sizes fwd_tmp_nograd, Sizes bwd_tmp, int64_t loss_tmp, Sizes fwd_cost, Sizes bwd_cost,
            int64_t slots) -> py::object {
-            MemChain c = make_chain(std::move(size), std::move(saved), std::move(fwd_tmp), std::move(bwd_tmp), loss_tmp);
+            MemChain c = make_chain(std::move(size), std::move(saved), std::move(fwd_tmp), std::move(fwd_tmp_nograd),
+                                    std::move(bwd_tmp), loss_tmp);
             rotor::Solution sol;
             {
                 py::gil_scoped_release release;
@@ -75,36 +77,36 @@ PYBIND11_MODULE(_planner, m) {
             if (!sol.feasible) return py::none();
             return py::make_tuple(static_cast<int64_t>(sol.cost), to_python(sol.ops));
         },
-        py::arg("size"), py::arg("saved"), py::arg("fwd_tmp"), py::arg("bwd_tmp"), py::arg("loss_tmp"),
+        py::arg("size"), py::arg("saved"), py::arg("fwd_tmp"), py::arg("fwd_tmp_nograd"), py::arg("bwd_tmp"), py::arg("loss_tmp"),
         py::arg("fwd_cost"), py::arg("bwd_cost"), py::arg("slots"),
         "(cost, ops) of the least-cost schedule within `slots` units (a_0 included), or None.");
 
     m.def(
         "min_budget",
-        [](Sizes size, Sizes saved, Sizes fwd_tmp, Sizes bwd_tmp, int64_t loss_tmp) {
-            return rotor::min_budget(make_chain(size, saved, fwd_tmp, bwd_tmp, loss_tmp));
+        [](Sizes size, Sizes saved, Sizes fwd_tmp, Sizes fwd_tmp_nograd, Sizes bwd_tmp, int64_t loss_tmp) {
+            return rotor::min_budget(make_chain(size, saved, fwd_tmp, fwd_tmp_nograd, bwd_tmp, loss_tmp));
         },
-        py::arg("size"), py::arg("saved"), py::arg("fwd_tmp"), py::arg("bwd_tmp"), py::arg("loss_tmp"),
+        py::arg("size"), py::arg("saved"), py::arg("fwd_tmp"), py::arg("fwd_tmp_nograd"), py::arg("bwd_tmp"), py::arg("loss_tmp"),
         "Smallest budget (a_0 included) for which a persistent schedule exists.");
 
     m.def(
         "feasible_schedule",
-        [](Sizes size, Sizes saved, Sizes fwd_tmp, Sizes bwd_tmp, int64_t loss_tmp, int64_t budget) -> py::object {
-            rotor::Solution sol = rotor::feasible_schedule(make_chain(size, saved, fwd_tmp, bwd_tmp, loss_tmp), budget);
+        [](Sizes size, Sizes saved, Sizes fwd_tmp, Sizes fwd_tmp_nograd, Sizes bwd_tmp, int64_t loss_tmp, int64_t budget) -> py::object {
+            rotor::Solution sol = rotor::feasible_schedule(make_chain(size, saved, fwd_tmp, fwd_tmp_nograd, bwd_tmp, loss_tmp), budget);
             if (!sol.feasible) return py::none();
             return to_python(sol.ops);
         },
-        py::arg("size"), py::arg("saved"), py::arg("fwd_tmp"), py::arg("bwd_tmp"), py::arg("loss_tmp"),
+        py::arg("size"), py::arg("saved"), py::arg("fwd_tmp"), py::arg("fwd_tmp_nograd"), py::arg("bwd_tmp"), py::arg("loss_tmp"),
         py::arg("budget"), "Ops of a schedule within `budget` exact units, or None below the minimum.");
 
     m.def(
         "replay",
-        [](Sizes size, Sizes saved, Sizes fwd_tmp, Sizes bwd_tmp, int64_t loss_tmp, std::vector<double> fwd_time,
+        [](Sizes size, Sizes saved, Sizes fwd_tmp, Sizes fwd_tmp_nograd, Sizes bwd_tmp, int64_t loss_tmp, std::vector<double> fwd_time,
            std::vector<double> bwd_time, const py::list& ops) {
-            MemChain c = make_chain(size, saved, fwd_tmp, bwd_tmp, loss_tmp);
+            MemChain c = make_chain(size, saved, fwd_tmp, fwd_tmp_nograd, bwd_tmp, loss_tmp);
             rotor::Replay r = rotor::replay(c, fwd_time, bwd_time, from_python(ops));
             return py::make_tuple(r.peak, r.time);
         },
-        py::arg("size"), py::arg("saved"), py::arg("fwd_tmp"), py::arg("bwd_tmp"), py::arg("loss_tmp"),
+        py::arg("size"), py::arg("saved"), py::arg("fwd_tmp"), py::arg("fwd_tmp_nograd"), py::arg("bwd_tmp"), py::arg("loss_tmp"),
         py::arg("fwd_time"), py::arg("bwd_time"), py::arg("ops"), "(peak bytes, seconds) of ops replayed on the chain.");
 }

@@ -44,7 +44,7 @@ int64_t fe_need(const MemChain& c, int s, int t, bool given) {
 
 // Peak of the run Fc s, Fn s+1 … Fn j-1 reaching a_j, where the last step is j-1 -> j.
 inline int64_t run_step(const MemChain& c, int s, int j) {
-    return j == s + 1 ? c.size[s + 1] + c.fwd_tmp[s] : c.size[j - 1] + c.size[j] + c.fwd_tmp[j - 1];
+    return j == s + 1 ? c.size[s + 1] + c.fwd_tmp_nograd[s] : c.size[j - 1] + c.size[j] + c.fwd_tmp_nograd[j - 1];
 }
 
 Needs compute_needs(const MemChain& c) {
@@ -426,7 +426,8 @@ class ExactSum {
 
 void check_chain(const MemChain& c) {
     const size_t L = c.saved.size();
-    if (L == 0 || c.size.size() != L + 1 || c.fwd_tmp.size() != L || c.bwd_tmp.size() != L)
+    if (L == 0 || c.size.size() != L + 1 || c.fwd_tmp.size() != L || c.fwd_tmp_nograd.size() != L ||
+        c.bwd_tmp.size() != L)
         throw std::invalid_argument("planner: inconsistent chain lengths");
 }
 
@@ -487,7 +488,7 @@ Replay replay(const MemChain& c, const std::vector<double>& fwd_time, const std:
                     cur += c.saved[k];
                 } else {
                     if (plain[k + 1]) throw fail(i, "output already held");
-                    peak = std::max(peak, cur + c.size[k + 1] + c.fwd_tmp[k]);
+                    peak = std::max(peak, cur + c.size[k + 1] + c.fwd_tmp_nograd[k]);
                     plain[k + 1] = 1;
                     cur += c.size[k + 1];
                     if (op.kind == OpKind::Fn && k != 0) {

@@ -19,9 +19,10 @@ struct Op {
 
 // A chain in integer memory units (slots or bytes) with integer costs.
 // size has L+1 entries (s_0 .. s_L); the per-stage vectors have L entries,
-// saved[k] being sb_{k+1}.
+// saved[k] being sb_{k+1}. fwd_tmp is the transient of a recording forward (Fe),
+// fwd_tmp_nograd that of a forward without grad (Fn, Fc).
 struct MemChain {
-    std::vector<int64_t> size, saved, fwd_tmp, bwd_tmp;
+    std::vector<int64_t> size, saved, fwd_tmp, fwd_tmp_nograd, bwd_tmp;
     int64_t loss_tmp = 0;
     int length() const { return static_cast<int>(saved.size()); }
 };

@@ -80,7 +80,7 @@ class Plan:
 
 
 def _memory_args(chain: Chain) -> tuple:
-    return chain.sizes, chain.saved_size, chain.fwd_tmp, chain.bwd_tmp, chain.loss_tmp
+    return chain.sizes, chain.saved_size, chain.fwd_tmp, chain.fwd_tmp_nograd, chain.bwd_tmp, chain.loss_tmp
 
 
 def min_feasible_budget(chain: Chain) -> int:
@@ -116,7 +116,8 @@ def plan(chain: Chain, mem_limit: BudgetSpec, *, slots: int = DEFAULT_SLOTS) -> 
     if budget < smallest:
         raise InfeasibleBudget(budget, smallest)
     d = discretize(chain, budget, slots=slots)
-    found = _planner.solve(d.size, d.saved, d.fwd_tmp, d.bwd_tmp, d.loss_tmp, d.fwd_cost, d.bwd_cost, d.slots)
+    found = _planner.solve(d.size, d.saved, d.fwd_tmp, d.fwd_tmp_nograd, d.bwd_tmp, d.loss_tmp, d.fwd_cost, d.bwd_cost,
+                           d.slots)
     candidates = []
     if found is not None:
         candidates.append(found[1])

@@ -105,3 +105,14 @@ def test_load_errors_are_one_line_and_name_the_file(tmp_path):
         Chain.load(wrong)
     for err in (missing, malformed, invalid):
         assert "\n" not in str(err.value)
+
+
+def test_fwd_tmp_nograd_optional_and_checked():
+    chain = Chain.from_dict(chain_dict())
+    assert chain.fwd_tmp_nograd == chain.fwd_tmp and "fwd_tmp_nograd" not in chain.to_dict()
+    lean = Chain.from_dict(chain_dict(fwd_tmp_nograd=[1, 0, 0]))
+    assert Chain.from_dict(lean.to_dict()).fwd_tmp_nograd == [1, 0, 0]
+    with pytest.raises(ChainError, match=r"fwd_tmp_nograd\[2\]"):
+        Chain.from_dict(chain_dict(fwd_tmp_nograd=[1, 0, -4]))
+    with pytest.raises(ChainError, match="fwd_tmp_nograd"):
+        Chain.from_dict(chain_dict(fwd_tmp_nograd=[1, 0]))

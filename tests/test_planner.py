@@ -29,6 +29,8 @@ def chains(draw, max_length=7):
         fwd_time=draw(st.lists(time, min_size=length, max_size=length)),
         bwd_time=draw(st.lists(time, min_size=length, max_size=length)),
         fwd_tmp=draw(st.lists(st.sampled_from([0, 0, 3, 20]), min_size=length, max_size=length)),
+        fwd_tmp_nograd=draw(st.one_of(st.none(), st.lists(st.sampled_from([0, 2, 9, 30]), min_size=length,
+                                                           max_size=length))),
         bwd_tmp=draw(st.lists(st.sampled_from([0, 0, 4, 25]), min_size=length, max_size=length)),
         loss_tmp=draw(st.sampled_from([0, 6, 30])),
     )
@@ -36,7 +38,8 @@ def chains(draw, max_length=7):
 
 def cpp_solve(chain, budget, slots):
     d = discretize(chain, budget, slots=slots)
-    return _planner.solve(d.size, d.saved, d.fwd_tmp, d.bwd_tmp, d.loss_tmp, d.fwd_cost, d.bwd_cost, d.slots)
+    return _planner.solve(d.size, d.saved, d.fwd_tmp, d.fwd_tmp_nograd, d.bwd_tmp, d.loss_tmp, d.fwd_cost, d.bwd_cost,
+                          d.slots)
 
 
 def forward_ops(ops):

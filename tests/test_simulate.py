@@ -65,3 +65,11 @@ def test_unfinished_plan_rejected(chain):
 def test_malformed_ops_rejected(chain, op):
     with pytest.raises(ValueError, match="op 0"):
         simulate(chain, [op])
+
+
+def test_forward_without_grad_uses_its_own_transient(chain):
+    lean = Chain.from_dict({**chain.to_dict(), "fwd_tmp_nograd": [50, 1]})
+    ops = [("Fc", 0), ("Fn", 1), ("Loss",), ("Fe", 0), ("Fe", 1), ("B", 1), ("B", 0)]
+    # Fc0 now peaks at 10 + 20 + 50 = 80; recording forwards keep fwd_tmp (Fe0: 15 + 30 + 3)
+    assert simulate(lean, ops).peak == 80
+    assert simulate(lean, no_recompute_ops(2)).peak == 75
