@@ -10,9 +10,8 @@ from __future__ import annotations
 import math
 import re
 from fractions import Fraction
-from typing import Union
 
-BudgetSpec = Union[int, float, str]
+BudgetSpec = int | float | str
 
 UNITS = {
     "": 1, "b": 1,
@@ -47,7 +46,9 @@ def parse_budget(spec: BudgetSpec) -> int | Fraction:
         if spec <= 1:
             return Fraction(spec).limit_denominator(10**9)
         if spec != int(spec):
-            raise BudgetError(f"budget {spec!r} is neither a fraction in (0, 1] nor a whole number of bytes; {ACCEPTED}")
+            raise BudgetError(
+                f"budget {spec!r} is neither a fraction in (0, 1] nor a whole number of bytes; {ACCEPTED}"
+            )
         return int(spec)
     if not isinstance(spec, str):
         raise BudgetError(f"budget {spec!r} has type {type(spec).__name__}; {ACCEPTED}")

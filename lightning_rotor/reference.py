@@ -19,7 +19,7 @@ holds. Two ways to start:
 from __future__ import annotations
 
 import sys
-from functools import lru_cache
+from functools import cache
 
 from lightning_rotor.chain import Chain
 from lightning_rotor.discretize import DEFAULT_SLOTS, DiscreteChain, discretize
@@ -46,7 +46,7 @@ def solve(d: DiscreteChain) -> tuple[int, list[tuple]] | None:
             need = max(need, size[j] + size[j + 1] + ft_ng[j])
         return held + need
 
-    @lru_cache(maxsize=None)
+    @cache
     def best(s: int, t: int, given: bool, m: int) -> tuple[int, tuple] | None:
         """(cost, choice) where choice is ('Fe',) or ('ck', s2)."""
         if m < 0:
@@ -119,7 +119,7 @@ def reference_min_budget(chain: Chain) -> int:
     size, saved = chain.sizes, chain.saved_size
     ft, ft_ng, bt, lt = chain.fwd_tmp, chain.fwd_tmp_nograd, chain.bwd_tmp, chain.loss_tmp
 
-    @lru_cache(maxsize=None)
+    @cache
     def need(s: int, t: int, given: bool) -> int:
         held = size[t] if given else 0
         fe = max(held + saved[s] + ft[s], saved[s] + size[s + 1] + size[s] + bt[s])
