@@ -7,8 +7,10 @@ shared/design/memory-model.md defines each field:
 - `out_size`: bytes of the storages of `a_{k+1}`;
 - `saved_size`: bytes alive after `F_k` with grad recording, `a_{k+1}` plus the
   graph's saved tensors, not `a_k` nor parameters (`MemoryProbe` accounting);
-- `fwd_tmp`: peak above what is alive after `F_k`, the larger of the runs
-  with and without grad recording;
+- `fwd_tmp`: peak above what is alive after `F_k` run recording its graph
+  (`Fe`); `fwd_tmp_nograd`: the same for `F_k` run without grad (`Fn`, `Fc`).
+  They differ where a stage saves for backward what is otherwise transient
+  (attention scores); one figure for both would overcharge one mode;
 - `bwd_tmp`: peak during the backward of `F_k` above the inputs of the
   backward and `δ_k` (the probe never counts parameter gradients once stored);
 - on CUDA, transients are also read from the caching allocator, which sees
@@ -40,7 +42,6 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_rotor.chain import Chain
 from lightning_rotor.memory import MemoryProbe, storage_bytes
-from lightning_rotor.simulate import normalize_ops, simulate
 
 LOSS_SLACK = 64  # bytes for the loss's scalars while it is differentiated
 LOSS_HELD = 64  # bytes of the caller's loss value, alive through the whole backward; charged with a_0
@@ -158,33 +159,6 @@ class Profile:
     bwd_spread: list[float] = field(default_factory=list)
     repeats: int = 0
     threads: int = 0
-    # (without grad, with grad) forward transients per stage; the chain keeps the larger, as the
-    # memory model has one `fwd_tmp` for Fn, Fc and Fe (so Fe peaks of some stages are overestimated)
-    fwd_tmp_modes: list[tuple[int, int]] = field(default_factory=list)
-
-    def peak_by_mode(self, ops: Sequence) -> int:
-        """The peak of `ops` with each forward charged its own mode's transient (not the model's larger one).
-
-        The memory model's `fwd_tmp` is the larger of the two; this tighter figure explains how far
-        below the plan's peak a measured peak may fall. It is not a budget: plans use the model.
-        """
-        chain = self.chain
-        sim = simulate(chain, ops)
-        peak = cur = chain.input_size
-        for op, after in zip(normalize_ops(ops), sim.curve, strict=True):
-            kind = op[0]
-            if kind in ("Fn", "Fc", "Fe"):
-                k = op[1]
-                nograd, grad = self.fwd_tmp_modes[k] if self.fwd_tmp_modes else (chain.fwd_tmp[k],) * 2
-                grown = chain.saved_size[k] + grad if kind == "Fe" else chain.out_size[k] + nograd
-                peak = max(peak, cur + grown)
-            elif kind == "Loss":
-                peak = max(peak, cur + chain.sizes[-1] + chain.loss_tmp)
-            else:
-                k = op[1]
-                peak = max(peak, cur + chain.sizes[k] + chain.bwd_tmp[k])
-            cur = after
-        return peak
 
     @property
     def spread(self) -> float:
@@ -314,9 +288,9 @@ def profile_chain(
     device = inputs[0].device
     exclude = list(stages)
     start = time.perf_counter()
-    fields: dict[str, list] = {f: [] for f in ("out_size", "saved_size", "fwd_time", "bwd_time", "fwd_tmp", "bwd_tmp")}
+    names_of_fields = ("out_size", "saved_size", "fwd_time", "bwd_time", "fwd_tmp", "fwd_tmp_nograd", "bwd_tmp")
+    fields: dict[str, list] = {f: [] for f in names_of_fields}
     fwd_spread, bwd_spread = [], []
-    modes: list[tuple[int, int]] = []
     needs_grad = any(t.requires_grad for t in inputs)
     watch = _AllocatorWatch(device)
     value = sample
@@ -350,8 +324,7 @@ def profile_chain(
                 inp, out = forward(True)
                 peak, end = watch.stop()
                 probe.mark("after")
-                tmp_grad = max(probe.peak - probe.current, peak - end)
-                fwd_tmp = max(tmp_nograd, tmp_grad)  # the memory model has one transient for both modes
+                fwd_tmp = max(probe.peak - probe.current, peak - end)
                 saved_size = max(probe.current - base, out_size, end)  # an output aliasing a_k still counts
                 grads = [torch.ones_like(t) if t.requires_grad else None for t in tensors_of(out)]
                 outs, gs = backward_pairs(out, grads)
@@ -396,11 +369,10 @@ def profile_chain(
             fwd_time, fs = _median_spread(fwd_samples)
             bwd_time, bs = _median_spread(bwd_samples)
             fwd_spread.append(fs)
-            modes.append((tmp_nograd, tmp_grad))
             bwd_spread.append(bs)
             for name, v in zip(
-                ("out_size", "saved_size", "fwd_time", "bwd_time", "fwd_tmp", "bwd_tmp"),
-                (out_size, saved_size, fwd_time, bwd_time, fwd_tmp, bwd_tmp),
+                names_of_fields,
+                (out_size, saved_size, fwd_time, bwd_time, fwd_tmp, tmp_nograd, bwd_tmp),
                 strict=True,
             ):
                 fields[name].append(v)
@@ -416,4 +388,4 @@ def profile_chain(
     chain = Chain(input_size=storage_bytes(sample) + LOSS_HELD, loss_tmp=loss_bytes, names=names, **fields)
     seconds = time.perf_counter() - start
     threads = torch.get_num_threads()
-    return Profile(chain, seconds, fwd_spread, bwd_spread, repeats=repeats, threads=threads, fwd_tmp_modes=modes)
+    return Profile(chain, seconds, fwd_spread, bwd_spread, repeats=repeats, threads=threads)
