@@ -94,6 +94,19 @@ class _RotorMixin:
             unwrap(self.lightning_module, self.wrapped)
         self.wrapped = []
 
+    # Lightning hooks, shared by both strategies (the mixin comes first in their MRO).
+    def connect(self, model: pl.LightningModule) -> None:
+        super().connect(model)
+        self._add_callback(model)
+
+    def _setup_model(self, model: nn.Module) -> nn.Module:
+        self._wrap_model()
+        return super()._setup_model(model)
+
+    def teardown(self) -> None:
+        self._unwrap_model()
+        super().teardown()
+
 
 class RotorStrategy(_RotorMixin, SingleDeviceStrategy):
     """One device (CUDA with `accelerator="gpu"`, CPU otherwise) with rotor checkpointing.
@@ -148,18 +161,6 @@ class RotorStrategy(_RotorMixin, SingleDeviceStrategy):
         devices = self.parallel_devices
         return devices[0] if devices else torch.device("cpu")
 
-    def connect(self, model: pl.LightningModule) -> None:
-        super().connect(model)
-        self._add_callback(model)
-
-    def _setup_model(self, model: nn.Module) -> nn.Module:
-        self._wrap_model()
-        return super()._setup_model(model)
-
-    def teardown(self) -> None:
-        self._unwrap_model()
-        super().teardown()
-
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         strategy_registry.register(
@@ -212,18 +213,6 @@ class RotorDDPStrategy(_RotorMixin, DDPStrategy):
             **kwargs,
         )
         self._init_rotor(mem_limit, include, exclude or (), slots)
-
-    def connect(self, model: pl.LightningModule) -> None:
-        super().connect(model)
-        self._add_callback(model)
-
-    def _setup_model(self, model: nn.Module) -> nn.Module:
-        self._wrap_model()
-        return super()._setup_model(model)
-
-    def teardown(self) -> None:
-        self._unwrap_model()
-        super().teardown()
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:

@@ -94,32 +94,17 @@ class ModelSpec:
 MODELS: dict[str, ModelSpec] = {
     spec.name: spec
     for spec in (
-        ModelSpec(
-            "resnet18",
-            resnet18,
-            _images,
-            _classify,
-            tiny=dict(width=4, num_classes=10, image_size=32),
-            bench=dict(image_size=64),
-            sample_only=("image_size",),
-        ),
-        ModelSpec(
-            "resnet50",
-            resnet50,
-            _images,
-            _classify,
-            tiny=dict(width=4, num_classes=10, image_size=32),
-            bench=dict(image_size=64),
-            sample_only=("image_size",),
-        ),
-        ModelSpec(
-            "resnet101",
-            resnet101,
-            _images,
-            _classify,
-            tiny=dict(width=4, num_classes=10, image_size=32),
-            bench=dict(image_size=64),
-            sample_only=("image_size",),
+        *(
+            ModelSpec(
+                name,
+                build,
+                _images,
+                _classify,
+                tiny=dict(width=4, num_classes=10, image_size=32),
+                bench=dict(image_size=64),
+                sample_only=("image_size",),
+            )
+            for name, build in (("resnet18", resnet18), ("resnet50", resnet50), ("resnet101", resnet101))
         ),
         ModelSpec(
             "vgg11",
