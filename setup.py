@@ -10,7 +10,8 @@ setup(
             ["cpp/planner.cpp", "cpp/bindings.cpp"],
             include_dirs=["cpp"],
             cxx_std=17,
-            extra_compile_args=["-O3"],
+            extra_compile_args=["-O3", "-pthread"],
+            extra_link_args=["-pthread"],
             depends=["cpp/planner.hpp"],
         )
     ],

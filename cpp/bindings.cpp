@@ -66,20 +66,23 @@ PYBIND11_MODULE(_planner, m) {
     m.def(
         "solve",
         [](Sizes size, Sizes saved, Sizes fwd_tmp, Sizes fwd_tmp_nograd, Sizes bwd_tmp, int64_t loss_tmp, Sizes fwd_cost, Sizes bwd_cost,
-           int64_t slots) -> py::object {
+           int64_t slots, int threads) -> py::object {
             MemChain c = make_chain(std::move(size), std::move(saved), std::move(fwd_tmp), std::move(fwd_tmp_nograd),
                                     std::move(bwd_tmp), loss_tmp);
             rotor::Solution sol;
             {
                 py::gil_scoped_release release;
-                sol = rotor::solve(c, fwd_cost, bwd_cost, slots);
+                sol = rotor::solve(c, fwd_cost, bwd_cost, slots, threads);
             }
             if (!sol.feasible) return py::none();
             return py::make_tuple(static_cast<int64_t>(sol.cost), to_python(sol.ops));
         },
         py::arg("size"), py::arg("saved"), py::arg("fwd_tmp"), py::arg("fwd_tmp_nograd"), py::arg("bwd_tmp"), py::arg("loss_tmp"),
-        py::arg("fwd_cost"), py::arg("bwd_cost"), py::arg("slots"),
-        "(cost, ops) of the least-cost schedule within `slots` units (a_0 included), or None.");
+        py::arg("fwd_cost"), py::arg("bwd_cost"), py::arg("slots"), py::arg("threads") = 0,
+        "(cost, ops) of the least-cost schedule within `slots` units (a_0 included), or None.\n"
+        "`threads` <= 0: default_threads(); the result does not depend on it.");
+
+    m.def("default_threads", &rotor::default_threads, "Threads solve() uses by default: min(2, hardware threads).");
 
     m.def(
         "min_budget",

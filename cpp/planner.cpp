@@ -9,10 +9,12 @@
 #include "planner.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <thread>
 
 namespace rotor {
 namespace {
@@ -102,6 +104,7 @@ class Solver {
    public:
     Solver(const MemChain& c, const std::vector<int64_t>& fwd_cost, const std::vector<int64_t>& bwd_cost, int64_t top)
         : c_(c), L_(c.length()), top_(top), needs_(compute_needs(c)) {
+        need_.assign(L_ + 1, 0);
         fc_.assign(fwd_cost.begin(), fwd_cost.end());
         bc_.assign(bwd_cost.begin(), bwd_cost.end());
         prefix_.assign(L_ + 1, 0);  // exact integer prefix sums of fwd + bwd
@@ -111,7 +114,6 @@ class Solver {
             fprefix_[k + 1] = fprefix_[k] + fwd_cost[k];
         }
         given_.resize(static_cast<size_t>(L_ + 1) * (L_ + 1));
-        need_.assign(L_ + 1, 0);
         pending_.resize(L_ + 1);
         size_t total = 0;
         auto layout = [&](Table& tab, int64_t lo, int64_t full, int s, int t) {
@@ -126,11 +128,16 @@ class Solver {
         data_.assign(total, INF);
     }
 
-    Solution run() {
+    Solution run(int threads) {
         Solution out;
         if (top_ < needs_.pending[0]) return out;
-        for_each_given([&](int s, int t) { fill(s, t, true); });
-        for (int s = L_ - 1; s >= 0; --s) fill(s, L_, false);
+        threads = std::max(1, std::min(threads, kEndBlock));
+        if (threads == 1) {
+            for_each_given([&](int s, int t) { fill(s, t, true, need_); });
+        } else {
+            fill_given_parallel(threads);
+        }
+        for (int s = L_ - 1; s >= 0; --s) fill(s, L_, false, need_);
         out.feasible = true;
         out.cost = value(pending_[0], top_);
         emit(0, L_, false, top_, out.ops);
@@ -145,7 +152,7 @@ class Solver {
     std::vector<double> fc_, bc_, data_;
     std::vector<int64_t> prefix_, fprefix_;
     std::vector<Table> given_, pending_;
-    std::vector<int64_t> need_;  // per split s2 of the subproblem being filled: memory its forward run needs
+    std::vector<int64_t> need_;  // scratch of fill() on one thread (see fill)
 
     Table& G(int s, int t) { return given_[s * (L_ + 1) + t]; }
 
@@ -161,6 +168,43 @@ class Solver {
         }
     }
     Table& T(int s, int t, bool given) { return given ? G(s, t) : pending_[s]; }
+
+    // The same fill as for_each_given, on `threads` threads, each table computed exactly as on one
+    // thread (so the results are bit-identical). Inside a block of end points, thread k owns a
+    // contiguous range of columns t and walks the rows s descending like the serial order. (s, t)
+    // reads (s2, t) for s2 > s (same thread, done earlier), (s, s2) for s2 < t in this block (same
+    // thread earlier, or a lower thread's columns on row s: wait for that thread to finish row s), and
+    // tables of earlier blocks (thread 0 waits for every thread to finish the previous block; the
+    // others wait on thread 0 transitively).
+    void fill_given_parallel(int threads) {
+        std::vector<std::atomic<int64_t>> done(threads);  // rows finished so far, over all blocks
+        for (auto& d : done) d.store(0);
+        auto wait = [](const std::atomic<int64_t>& a, int64_t at_least) {
+            for (int spins = 0; a.load(std::memory_order_acquire) < at_least; ++spins)
+                if (spins > 64) std::this_thread::yield();
+        };
+        auto work = [&](int k) {
+            std::vector<int64_t> need(L_ + 1, 0);
+            int64_t base = 0;  // rows of the blocks before this one
+            for (int t0 = 1; t0 <= L_; t0 += kEndBlock) {
+                const int t1 = std::min(L_ + 1, t0 + kEndBlock);
+                const int width = t1 - t0;
+                const int c0 = t0 + width * k / threads, c1 = t0 + width * (k + 1) / threads;
+                if (k == 0) wait(done[threads - 1], base);
+                int64_t row = base;
+                for (int s = t1 - 2; s >= 0; --s, ++row) {
+                    if (k > 0) wait(done[k - 1], row + 1);
+                    for (int t = std::max(c0, s + 1); t < c1; ++t) fill(s, t, true, need);
+                    done[k].store(row + 1, std::memory_order_release);
+                }
+                base = row;
+            }
+        };
+        std::vector<std::thread> pool;
+        for (int k = 1; k < threads; ++k) pool.emplace_back(work, k);
+        work(0);
+        for (auto& th : pool) th.join();
+    }
 
     double value(const Table& tab, int64_t m) const {
         if (m < tab.lo) return INF;
@@ -212,7 +256,8 @@ class Solver {
         }
     }
 
-    void fill(int s, int t, bool given) {
+    // `need_` is this thread's scratch: per split s2, the memory its forward run needs.
+    void fill(int s, int t, bool given, std::vector<int64_t>& need_) {
         Table& tab = T(s, t, given);
         if (tab.hi <= tab.lo) return;
         const int64_t lo = tab.lo, hi = tab.hi;
@@ -248,10 +293,10 @@ class Solver {
             }
             if (arg >= 0 && std::find(hints, hints + n_hints, arg) == hints + n_hints) hints[n_hints++] = arg;
         }
-        for (int h = 0; h < n_hints; ++h) split(tab, s, t, given, hints[h], false);
+        for (int h = 0; h < n_hints; ++h) split(tab, s, t, given, hints[h], false, need_);
         for (int s2 = s + 1; s2 <= reach; ++s2) {
             if (std::find(hints, hints + n_hints, s2) != hints + n_hints) continue;
-            if (!split(tab, s, t, given, s2, true)) break;
+            if (!split(tab, s, t, given, s2, true, need_)) break;
         }
     }
 
@@ -266,7 +311,7 @@ class Solver {
     // Relax (s, t) with the split s -> s2 where it can win. With `blocked`, m is walked in blocks
     // and a block is skipped when the candidate at its top (its least value) cannot beat the best
     // so far at its bottom (the largest there). Returns false when no later split can win either.
-    bool split(Table& tab, int s, int t, bool given, int s2, bool blocked) {
+    bool split(Table& tab, int s, int t, bool given, int s2, bool blocked, const std::vector<int64_t>& need_) {
         const int64_t lo = tab.lo, hi = tab.hi;
         const double forward = forward_cost(s, s2);
         double* cur = data_.data() + tab.offset - lo;
@@ -433,13 +478,19 @@ void check_chain(const MemChain& c) {
 
 }  // namespace
 
+int default_threads() {
+    const unsigned hw = std::thread::hardware_concurrency();
+    return hw >= 2 ? 2 : 1;
+}
+
 Solution solve(const MemChain& chain, const std::vector<int64_t>& fwd_cost, const std::vector<int64_t>& bwd_cost,
-               int64_t slots) {
+               int64_t slots, int threads) {
     check_chain(chain);
     if (fwd_cost.size() != chain.saved.size() || bwd_cost.size() != chain.saved.size())
         throw std::invalid_argument("planner: cost lists must have one entry per stage");
     Solver solver(chain, fwd_cost, bwd_cost, slots - chain.size[0]);
-    return solver.run();
+    if (threads <= 0) threads = default_threads();
+    return solver.run(threads);
 }
 
 int64_t min_budget(const MemChain& chain) {

@@ -34,9 +34,13 @@ struct Solution {
 };
 
 // Least-cost schedule within `slots` (a_0 included). fwd_cost/bwd_cost are the
-// integer costs of discretize.py (all sums < 2**53).
+// integer costs of discretize.py (all sums < 2**53). The tables are filled on
+// `threads` threads (<= 0: default_threads()); the result does not depend on it.
 Solution solve(const MemChain& chain, const std::vector<int64_t>& fwd_cost,
-               const std::vector<int64_t>& bwd_cost, int64_t slots);
+               const std::vector<int64_t>& bwd_cost, int64_t slots, int threads = 0);
+
+// min(2, std::thread::hardware_concurrency()), at least 1.
+int default_threads();
 
 // Smallest budget (a_0 included) for which some persistent schedule exists.
 int64_t min_budget(const MemChain& chain);

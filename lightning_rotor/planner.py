@@ -102,22 +102,25 @@ def replay(chain: Chain, ops: list[tuple]) -> tuple[int, float]:
     return _planner.replay(*_memory_args(chain), chain.fwd_time, chain.bwd_time, list(ops))
 
 
-def plan(chain: Chain, mem_limit: BudgetSpec, *, slots: int = DEFAULT_SLOTS) -> Plan:
+def plan(chain: Chain, mem_limit: BudgetSpec, *, slots: int = DEFAULT_SLOTS, threads: int | None = None) -> Plan:
     """The fastest persistent schedule of `chain` whose peak stays within `mem_limit`.
 
     `mem_limit`: bytes, a size string (`"6GiB"`), or a fraction of the no-recomputation
     peak (`0.5`, `"50%"`). `slots`: memory precision of the dynamic program.
-    Raises `InfeasibleBudget` when no schedule fits.
+    `threads`: threads filling its tables (None: min(2, hardware threads)); the plan
+    does not depend on it. Raises `InfeasibleBudget` when no schedule fits.
     """
     if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
         raise ValueError(f"slots must be a positive integer, got {slots!r}")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"threads must be a positive integer or None, got {threads!r}")
     budget = resolve_budget(mem_limit, no_recompute_peak(chain))
     smallest = min_feasible_budget(chain)
     if budget < smallest:
         raise InfeasibleBudget(budget, smallest)
     d = discretize(chain, budget, slots=slots)
     found = _planner.solve(d.size, d.saved, d.fwd_tmp, d.fwd_tmp_nograd, d.bwd_tmp, d.loss_tmp, d.fwd_cost, d.bwd_cost,
-                           d.slots)
+                           d.slots, threads=threads or 0)
     candidates = []
     if found is not None:
         candidates.append(found[1])
