@@ -5,6 +5,7 @@
 - L = 150 at 40% of the no-recomputation peak, 500 slots: `plan()` (whole Python call)
   against benchmarks/rotor_yardstick.c (-O2, memory-major O(M·L³), its DP time only),
   compiled here with gcc and fed the same DiscreteChain; their optimal costs must be equal.
+  The DP alone is timed on the default threads (min(2, hardware threads)) and on one thread.
 - L = 400 at 40%: `plan()` wall time.
 - L = 400: peak resident memory of a fresh process running the C++ DP (VmHWM from /proc/self/status).
 Figures are medians with min..max over the repeats. docs/planner.md records a run.
@@ -63,14 +64,16 @@ def timed_plan(chain: Chain, budget: int, repeats: int) -> list[float]:
     return times
 
 
-def timed_solve(chain: Chain, budget: int, repeats: int) -> list[float]:
-    """The C++ dynamic program alone (plus its pybind11 call), like the yardstick's timing."""
+def timed_solve(chain: Chain, budget: int, repeats: int, threads: int = 0) -> list[float]:
+    """The C++ dynamic program alone (plus its pybind11 call), like the yardstick's timing.
+
+    `threads`: 0 for the default (min(2, hardware threads)), 1 for a single thread."""
     d = discretize(chain, budget)
     args = (d.size, d.saved, d.fwd_tmp, d.fwd_tmp_nograd, d.bwd_tmp, d.loss_tmp, d.fwd_cost, d.bwd_cost, d.slots)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        _planner.solve(*args)
+        _planner.solve(*args, threads=threads)
         times.append(time.perf_counter() - start)
     return times
 
@@ -154,16 +157,22 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     plan_times = timed_plan(chain, budget, args.repeats)
     solve_times = timed_solve(chain, budget, args.repeats)
+    single_times = timed_solve(chain, budget, args.repeats, threads=1)
     speedup = statistics.median(yard_times) / statistics.median(plan_times)
     dp_speedup = statistics.median(yard_times) / statistics.median(solve_times)
+    single_speedup = statistics.median(yard_times) / statistics.median(single_times)
+    threads = _planner.default_threads()
     print(f"L={args.length}, budget {budget} bytes (40% of no-recompute peak), 500 slots; equal optimal cost {ours}")
     print(f"  yardstick (gcc -O2, DP only): {spread(yard_times)}")
     print(f"  lightning_rotor plan():       {spread(plan_times)}")
-    print(f"  lightning_rotor DP only:      {spread(solve_times)}")
-    print(f"  speedup (median/median): whole plan() {speedup:.1f}x, DP against DP {dp_speedup:.1f}x")
+    print(f"  lightning_rotor DP only, {threads} thread(s): {spread(solve_times)}")
+    print(f"  lightning_rotor DP only, 1 thread:    {spread(single_times)}")
+    print(f"  speedup (median/median): whole plan() {speedup:.1f}x, DP against DP {dp_speedup:.1f}x "
+          f"({threads} thread(s)), {single_speedup:.1f}x (1 thread)")
     results["compare"] = {"length": args.length, "budget": budget, "cost": ours, "yardstick_s": yard_times,
-                          "plan_s": plan_times, "solve_s": solve_times, "speedup": speedup,
-                          "dp_speedup": dp_speedup}
+                          "plan_s": plan_times, "solve_s": solve_times, "solve_1thread_s": single_times,
+                          "threads": threads, "speedup": speedup, "dp_speedup": dp_speedup,
+                          "dp_speedup_1thread": single_speedup}
 
     large = bench_chain(args.large)
     large_budget = int(0.4 * no_recompute_peak(large))
