@@ -11,7 +11,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <condition_variable>
 #include <limits>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -179,9 +181,28 @@ class Solver {
     void fill_given_parallel(int threads) {
         std::vector<std::atomic<int64_t>> done(threads);  // rows finished so far, over all blocks
         for (auto& d : done) d.store(0);
-        auto wait = [](const std::atomic<int64_t>& a, int64_t at_least) {
-            for (int spins = 0; a.load(std::memory_order_acquire) < at_least; ++spins)
-                if (spins > 64) std::this_thread::yield();
+        // Spin briefly, then sleep: on a machine whose other cores are busy, a spinning waiter
+        // would take CPU time from the thread it waits for. `sleepers` and `done` are both
+        // sequentially consistent, so a publisher that sees no sleeper is seen by the sleeper's check.
+        std::mutex mutex;
+        std::condition_variable wake;
+        std::atomic<int> sleepers{0};
+        auto wait = [&](const std::atomic<int64_t>& a, int64_t at_least) {
+            for (int spins = 0; spins < 2000; ++spins)
+                if (a.load() >= at_least) return;
+            sleepers.fetch_add(1);
+            {
+                std::unique_lock<std::mutex> lock(mutex);
+                wake.wait(lock, [&] { return a.load() >= at_least; });
+            }
+            sleepers.fetch_sub(1);
+        };
+        auto publish = [&](std::atomic<int64_t>& a, int64_t value) {
+            a.store(value);
+            if (sleepers.load() > 0) {
+                std::lock_guard<std::mutex> lock(mutex);
+                wake.notify_all();
+            }
         };
         auto work = [&](int k) {
             std::vector<int64_t> need(L_ + 1, 0);
@@ -195,7 +216,7 @@ class Solver {
                 for (int s = t1 - 2; s >= 0; --s, ++row) {
                     if (k > 0) wait(done[k - 1], row + 1);
                     for (int t = std::max(c0, s + 1); t < c1; ++t) fill(s, t, true, need);
-                    done[k].store(row + 1, std::memory_order_release);
+                    publish(done[k], row + 1);
                 }
                 base = row;
             }
