@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from training import train
 
 from lightning_rotor.budget import BudgetError
 from lightning_rotor.checkpointable import Checkpointable, auto_budget
@@ -101,20 +102,6 @@ def loss_of(out, y):
     return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
 
-def train(model, x, y, steps=3):
-    torch.manual_seed(2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    losses = []
-    for step in range(steps):
-        opt.zero_grad()
-        loss = loss_of(model(x), y)
-        loss.backward()
-        if step < steps - 1:
-            opt.step()
-        losses.append(loss.detach())
-    return losses
-
-
 def chain_of(name):
     model, x, _ = build(name)
     ckpt = Checkpointable(model, None)
@@ -151,9 +138,9 @@ def test_training_equals_plain_and_stays_within_budget(name, label, budget):
         assert err.min_feasible == least
         assert str(least) in str(err)
         pytest.skip(f"{label} is below the smallest feasible budget {least}; InfeasibleBudget raised as it must")
-    expected = train(plain, x, y)
-    got = train(ckpt, x, y)
-    assert torch.equal(torch.stack(expected), torch.stack(got))
+    expected = train(plain, x, y, loss_of)
+    got = train(ckpt, x, y, loss_of)
+    assert torch.equal(expected, got)
     for (n, a), (m, b) in zip(plain.named_parameters(), ckpt.named_parameters(), strict=True):
         assert n == m and torch.equal(a.grad, b.grad), n
     for (n, a), (m, b) in zip(plain.named_buffers(), ckpt.named_buffers(), strict=True):
@@ -320,7 +307,7 @@ def test_cuda_training_equals_plain_and_allocator_peak_stays_within_budget():
     plain, x, y = build("convnet")
     plain, x, y = plain.cuda(), x.cuda(), y.cuda()
     ckpt = Checkpointable(copy.deepcopy(plain), "75%")
-    assert torch.allclose(torch.stack(train(plain, x, y)), torch.stack(train(ckpt, x, y)), rtol=1e-5, atol=1e-6)
+    assert torch.allclose(train(plain, x, y, loss_of), train(ckpt, x, y, loss_of), rtol=1e-5, atol=1e-6)
     for a, b in zip(plain.parameters(), ckpt.parameters(), strict=True):
         assert torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-6)
     ckpt.zero_grad(set_to_none=False)  # gradients stay allocated: the allocator then sees activations only

@@ -11,6 +11,7 @@ import copy
 
 import pytest
 import torch
+from training import train
 
 from lightning_rotor.checkpointable import Checkpointable
 from lightning_rotor.models import MODELS
@@ -51,20 +52,6 @@ def budget_for(name, label):
     return label
 
 
-def train(model, x, y, loss_fn, steps=3):
-    torch.manual_seed(2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    losses = []
-    for step in range(steps):
-        opt.zero_grad()
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        if step < steps - 1:
-            opt.step()
-        losses.append(loss.detach())
-    return torch.stack(losses)
-
-
 def check_measured_peak(ckpt, measured):
     """Measured peak within the budget, at most the prediction, and within 10% of it."""
     chosen = ckpt.plan
@@ -84,7 +71,7 @@ def test_model_trains_like_plain_within_budget(name, label):
         least = min_feasible_budget(chain_of(name))
         assert err.min_feasible == least and str(least) in str(err)
         pytest.skip(f"{label} of the no-recomputation peak is below the smallest feasible budget {least}")
-    assert torch.equal(train(plain, x, y, loss_fn), train(ckpt, x, y, loss_fn))
+    assert torch.equal(train(plain, x, y, loss_fn, lr=0.05), train(ckpt, x, y, loss_fn, lr=0.05))
     for (n, a), (m, b) in zip(plain.named_parameters(), ckpt.named_parameters(), strict=True):
         assert n == m and torch.equal(a.grad, b.grad), n
     for (n, a), (m, b) in zip(plain.named_buffers(), ckpt.named_buffers(), strict=True):

@@ -1,0 +1,18 @@
+"""A few optimizer steps, the same for a plain model and its rotor-wrapped copy."""
+
+import torch
+
+
+def train(model, x, y, loss_fn, steps=3, lr=0.1):
+    """Losses of `steps` SGD steps; after the last one the gradients are left in `.grad`."""
+    torch.manual_seed(2)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    losses = []
+    for step in range(steps):
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        if step < steps - 1:
+            opt.step()
+        losses.append(loss.detach())
+    return torch.stack(losses)
