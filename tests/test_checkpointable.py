@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from training import train
+from training import assert_same_state, train
 
 from lightning_rotor.budget import BudgetError
 from lightning_rotor.checkpointable import Checkpointable, auto_budget
@@ -141,10 +141,7 @@ def test_training_equals_plain_and_stays_within_budget(name, label, budget):
     expected = train(plain, x, y, loss_of)
     got = train(ckpt, x, y, loss_of)
     assert torch.equal(expected, got)
-    for (n, a), (m, b) in zip(plain.named_parameters(), ckpt.named_parameters(), strict=True):
-        assert n == m and torch.equal(a.grad, b.grad), n
-    for (n, a), (m, b) in zip(plain.named_buffers(), ckpt.named_buffers(), strict=True):
-        assert n == m and torch.equal(a, b), n
+    assert_same_state(plain, ckpt)
     # a steady-state step, measured on real tensors
     ckpt.zero_grad()
     with ckpt.measure_step() as m:

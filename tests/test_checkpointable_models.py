@@ -11,7 +11,7 @@ import copy
 
 import pytest
 import torch
-from training import train
+from training import assert_same_state, train
 
 from lightning_rotor.checkpointable import Checkpointable
 from lightning_rotor.models import MODELS
@@ -72,10 +72,7 @@ def test_model_trains_like_plain_within_budget(name, label):
         assert err.min_feasible == least and str(least) in str(err)
         pytest.skip(f"{label} of the no-recomputation peak is below the smallest feasible budget {least}")
     assert torch.equal(train(plain, x, y, loss_fn, lr=0.05), train(ckpt, x, y, loss_fn, lr=0.05))
-    for (n, a), (m, b) in zip(plain.named_parameters(), ckpt.named_parameters(), strict=True):
-        assert n == m and torch.equal(a.grad, b.grad), n
-    for (n, a), (m, b) in zip(plain.named_buffers(), ckpt.named_buffers(), strict=True):
-        assert n == m and torch.equal(a, b), n
+    assert_same_state(plain, ckpt)
     ckpt.zero_grad()
     with ckpt.measure_step() as m:
         loss = loss_fn(ckpt(x), y)

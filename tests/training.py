@@ -16,3 +16,11 @@ def train(model, x, y, loss_fn, steps=3, lr=0.1):
             opt.step()
         losses.append(loss.detach())
     return torch.stack(losses)
+
+
+def assert_same_state(plain, wrapped):
+    """Every parameter gradient and every buffer bitwise equal, under the same names."""
+    for (n, a), (m, b) in zip(plain.named_parameters(), wrapped.named_parameters(), strict=True):
+        assert n == m and torch.equal(a.grad, b.grad), n
+    for (n, a), (m, b) in zip(plain.named_buffers(), wrapped.named_buffers(), strict=True):
+        assert n == m and torch.equal(a, b), n
