@@ -120,8 +120,11 @@ class Chain:
         return [self.input_size, *self.out_size]
 
     def no_recompute_time(self) -> float:
-        """Time of one step with unlimited memory: every stage once forward, once backward."""
-        return math.fsum(self.fwd_time) + math.fsum(self.bwd_time)
+        """Time of one step with unlimited memory: every stage once forward, once backward.
+
+        One correctly rounded sum, as `simulate` adds op times, so the two agree exactly.
+        """
+        return math.fsum([*self.fwd_time, *self.bwd_time])
 
     @classmethod
     def from_dict(cls, data: Any) -> Chain:

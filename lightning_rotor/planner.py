@@ -10,7 +10,6 @@ at `min_feasible_budget(chain)` always succeeds. docs/planner.md derives it all.
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -136,5 +135,5 @@ def plan(chain: Chain, mem_limit: BudgetSpec, *, slots: int = DEFAULT_SLOTS, thr
         mem_limit=budget,
         slots=slots,
         recomputed_stages=recomputed_stages(ops),
-        no_recompute_time=math.fsum([*chain.fwd_time, *chain.bwd_time]),
+        no_recompute_time=chain.no_recompute_time(),
     )
