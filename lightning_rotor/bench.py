@@ -234,8 +234,7 @@ def rotor_methods(w: Workload, budgets: list[str], row: Callable[..., Row]) -> l
         r.predicted_peak = entry.plan.peak
         r.plan_ms = entry.plan.time * 1e3
         r.profile_s = ckpt.profile_seconds
-        recomputed = sum(1 for n in entry.runs if n > 1)
-        r.note = f"{recomputed} of {len(entry.runs)} stages recomputed"
+        r.note = f"{entry.plan.recomputed_stages} of {entry.chain.length} stages recomputed"
         methods.append(Method(r, ckpt))
     return methods
 

@@ -101,7 +101,7 @@ def summary_text(chains: dict[str, Checkpointable]) -> str:
                                 + [("B", k) for k in reversed(range(entry.chain.length))]).peak
         base = entry.chain.no_recompute_time()
         rows.append((name, str(entry.chain.length), format_bytes(entry.plan.mem_limit), format_bytes(entry.plan.peak),
-                     format_bytes(no_recompute), str(recomputed(entry)),
+                     format_bytes(no_recompute), str(entry.plan.recomputed_stages),
                      f"{entry.plan.time * 1e3:.1f} ms ({entry.plan.time / base:.2f}x)" if base > 0 else "-",
                      f"{entry.profile.seconds:.2f} s"))
     try:
@@ -120,11 +120,6 @@ def summary_text(chains: dict[str, Checkpointable]) -> str:
     buffer = io.StringIO()
     Console(file=buffer, width=160, force_terminal=False).print(table)
     return buffer.getvalue().rstrip()
-
-
-def recomputed(entry: Entry) -> int:
-    """Stages the plan runs forward more than once."""
-    return sum(1 for runs in entry.runs if runs > 1)
 
 
 class RotorCallback(Callback):
@@ -271,7 +266,7 @@ class RotorCallback(Callback):
         metrics = {
             "rotor/mem_limit_bytes": float(sum(e.plan.mem_limit for e in entries)),
             "rotor/predicted_peak_bytes": float(sum(e.plan.peak for e in entries)),
-            "rotor/recomputed_stages": float(sum(recomputed(e) for e in entries)),
+            "rotor/recomputed_stages": float(sum(e.plan.recomputed_stages for e in entries)),
             "rotor/no_recompute_seconds": no_recompute,
             "rotor/predicted_seconds": predicted,
         }
