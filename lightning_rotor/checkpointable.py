@@ -42,6 +42,7 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_rotor.budget import format_bytes, parse_budget, resolve_budget
 from lightning_rotor.chain import Chain
+from lightning_rotor.discretize import check_slots
 from lightning_rotor.execute import PlanRunner
 from lightning_rotor.memory import CudaMemoryProbe, MemoryProbe
 from lightning_rotor.planner import InfeasibleBudget, Plan, plan
@@ -191,8 +192,7 @@ class Checkpointable(nn.Module):
         super().__init__()
         if mem_limit is not None:
             parse_budget(mem_limit)  # bad budgets fail here, with the accepted forms
-        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
-            raise ValueError(f"slots must be a positive integer, got {slots!r}")
+        check_slots(slots)
         names, stages = flatten_stages(module)
         for name, child in module.named_children():
             self.add_module(name, child)

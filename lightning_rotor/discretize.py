@@ -57,9 +57,15 @@ def time_scale(chain: Chain) -> tuple[int, float]:
     return count_bits, tick
 
 
+def check_slots(slots: object) -> int:
+    """Validate the planner's memory precision (one place, for every entry point)."""
+    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+        raise ValueError(f"slots must be a positive integer, got {slots!r}")
+    return slots
+
+
 def discretize(chain: Chain, budget: int, slots: int = DEFAULT_SLOTS) -> DiscreteChain:
-    if slots < 1:
-        raise ValueError(f"slots must be a positive integer, got {slots}")
+    check_slots(slots)
     unit = max(1, budget // slots)
     count_bits, tick = time_scale(chain)
 

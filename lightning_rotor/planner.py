@@ -17,7 +17,7 @@ from typing import Any
 from lightning_rotor import _planner
 from lightning_rotor.budget import BudgetSpec, format_bytes, resolve_budget
 from lightning_rotor.chain import Chain
-from lightning_rotor.discretize import DEFAULT_SLOTS, discretize
+from lightning_rotor.discretize import DEFAULT_SLOTS, check_slots, discretize
 from lightning_rotor.simulate import FORWARD_OPS, no_recompute_peak, normalize_ops
 
 __all__ = ["InfeasibleBudget", "Plan", "min_feasible_budget", "plan"]
@@ -109,8 +109,7 @@ def plan(chain: Chain, mem_limit: BudgetSpec, *, slots: int = DEFAULT_SLOTS, thr
     `threads`: threads filling its tables (None: min(2, hardware threads)); the plan
     does not depend on it. Raises `InfeasibleBudget` when no schedule fits.
     """
-    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
-        raise ValueError(f"slots must be a positive integer, got {slots!r}")
+    check_slots(slots)
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise ValueError(f"threads must be a positive integer or None, got {threads!r}")
     budget = resolve_budget(mem_limit, no_recompute_peak(chain))

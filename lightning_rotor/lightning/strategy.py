@@ -27,6 +27,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_rotor.budget import format_bytes, parse_budget
+from lightning_rotor.discretize import check_slots
 from lightning_rotor.lightning.wrap import Budget, Selector, Wrapped, unwrap, wrap
 
 
@@ -49,8 +50,7 @@ class _RotorMixin:
         slots: int,
     ) -> None:
         _check_budget(mem_limit)
-        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
-            raise ValueError(f"slots must be a positive integer, got {slots!r}")
+        check_slots(slots)
         self.mem_limit = dict(mem_limit) if isinstance(mem_limit, Mapping) else mem_limit
         self.include = None if include is None else list(include)
         self.exclude = list(exclude or ())
