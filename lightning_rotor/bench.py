@@ -46,7 +46,7 @@ from lightning_rotor.budget import BudgetError, format_bytes, parse_budget
 from lightning_rotor.checkpointable import Checkpointable, InfeasibleBudget
 from lightning_rotor.memory import probe_for, storage_bytes
 from lightning_rotor.models import MODELS, ModelSpec
-from lightning_rotor.profile import flatten_stages
+from lightning_rotor.profile import flatten_stages, synchronize
 
 DEFAULT_BUDGETS = "min,0.25,0.5,0.75,1.0"
 COLUMNS = (
@@ -256,11 +256,6 @@ def eager_methods(w: Workload, budgets: list[str], max_segments: int | None) -> 
 
 
 # -- measuring ------------------------------------------------------------------------------
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def train_step(w: Workload, forward: Callable[[torch.Tensor], Any], seed: int) -> None:
     """Forward, loss and backward from the same seed; parameter gradients dropped first."""
     w.model.zero_grad(set_to_none=True)
@@ -330,10 +325,10 @@ def run_interleaved(w: Workload, methods: list[Method], repeats: int, warmup: in
         bar.update(warmup + 1)
     for _ in range(repeats):
         for m in live:
-            _sync(w.device)
+            synchronize(w.device)
             start = time.perf_counter()
             train_step(w, m.forward, seed)
-            _sync(w.device)
+            synchronize(w.device)
             m.row.times.append(time.perf_counter() - start)
             bar.update(1)
     for m in live:
@@ -372,10 +367,10 @@ def run_compiled(w: Workload, fractions: list[str], repeats: int, warmup: int, s
                     r.measured_peak = measure_peak(w, compiled, seed)
                     r.note = f"compiled in {compile_s:.0f} s"
                 for _ in range(repeats):
-                    _sync(w.device)
+                    synchronize(w.device)
                     start = time.perf_counter()
                     train_step(w, compiled, seed)
-                    _sync(w.device)
+                    synchronize(w.device)
                     r.times.append(time.perf_counter() - start)
             _summarize(r)
         except Exception as err:  # noqa: BLE001 - any compile failure is a result to report, not a crash

@@ -201,7 +201,8 @@ def measure_loss_tmp(output: Any, loss_fn: Callable[[Any], torch.Tensor] = proxy
     return max(0, probe.peak - 2 * storage_bytes(output)) + LOSS_SLACK
 
 
-def _sync(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for queued device work, so wall-clock times measure it (a no-op off CUDA)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -345,18 +346,18 @@ def profile_chain(
             # times
             fwd_samples, bwd_samples = [], []
             for run in range(warmup + repeats):
-                _sync(device)
+                synchronize(device)
                 t0 = time.perf_counter()
                 inp, out = forward(True)
-                _sync(device)
+                synchronize(device)
                 t1 = time.perf_counter()
                 outs, gs = backward_pairs(out, [torch.ones_like(t) for t in tensors_of(out)])
                 if outs:
-                    _sync(device)
+                    synchronize(device)
                     t2 = time.perf_counter()
                     with torch.autocast(device.type, enabled=False):
                         torch.autograd.backward(outs, gs)
-                    _sync(device)
+                    synchronize(device)
                     t3 = time.perf_counter()
                 else:
                     t2 = t3 = 0.0
