@@ -1,0 +1,129 @@
+"""The operations of a schedule: one `Op` type for the simulator, planner, executor and reports.
+
+docs/memory-model.md defines the kinds: `Fn`, `Fc`, `Fe` (forwards), `Loss` and `B`
+(backward). An `Op` is a tuple, `("Fe", 2)` or `("Loss",)`, so it compares equal
+to the JSON form of a plan and to what the C++ planner returns; `kind` is an
+`OpKind` and `stage` the stage index (None for `Loss`). Code that acts on ops
+dispatches on every kind explicitly (see `OpKind`), so a new kind cannot fall
+through as another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from enum import Enum
+from typing import Any
+
+
+class OpKind(str, Enum):
+    """What an op does (docs/memory-model.md, "Operations")."""
+
+    FN = "Fn"  # forward without grad, forget the input
+    FC = "Fc"  # forward without grad, keep the input (checkpoint)
+    FE = "Fe"  # forward recording the graph
+    LOSS = "Loss"
+    B = "B"  # backward of one stage
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __hash__(self) -> int:  # equal to its string, so hash like it too
+        return str.__hash__(self)
+
+    @property
+    def is_forward(self) -> bool:
+        return self in FORWARD_KINDS
+
+
+FORWARD_KINDS = frozenset({OpKind.FN, OpKind.FC, OpKind.FE})
+
+
+class Op(tuple):
+    """One schedule operation: `Op("Fe", 2)`, `Op("Loss")`; a tuple in JSON shape."""
+
+    __slots__ = ()
+
+    def __new__(cls, kind: OpKind | str, stage: int | None = None) -> Op:
+        kind = OpKind(kind)
+        if kind is OpKind.LOSS:
+            if stage is not None:
+                raise ValueError("Loss takes no stage index")
+            return tuple.__new__(cls, (kind,))
+        if isinstance(stage, bool) or not isinstance(stage, int):
+            raise ValueError(f"{kind.value} needs one integer stage index, got {stage!r}")
+        return tuple.__new__(cls, (kind, stage))
+
+    @property
+    def kind(self) -> OpKind:
+        return self[0]
+
+    @property
+    def stage(self) -> int | None:
+        return self[1] if len(self) == 2 else None
+
+    @property
+    def label(self) -> str:
+        """`"Fe 2"`, `"Loss"`: how logs, plots and errors name the op."""
+        return self.kind.value if self.stage is None else f"{self.kind.value} {self.stage}"
+
+    def to_json(self) -> list[Any]:
+        return [self.kind.value] if self.stage is None else [self.kind.value, self.stage]
+
+    def __repr__(self) -> str:
+        return f"Op({self.label})"
+
+    def __reduce__(self) -> tuple:
+        return (Op, (self.kind.value, self.stage))
+
+
+def parse_ops(items: Iterable[Any]) -> list[Op]:
+    """Ops from JSON-shaped items (`["Fe", 2]`, `["Loss"]`, `"Loss"`, `Op`); `ValueError` names the bad one."""
+    out: list[Op] = []
+    kinds = ", ".join(k.value for k in OpKind)
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            item = (item,)
+        if not isinstance(item, (list, tuple)) or not item or not isinstance(item[0], str):
+            raise ValueError(f"op {i} {item!r}: unknown op; ops are {kinds}")
+        try:
+            kind = OpKind(item[0])
+        except ValueError:
+            raise ValueError(f"op {i} {list(item)!r}: unknown op; ops are {kinds}") from None
+        if kind is OpKind.LOSS and len(item) != 1:
+            raise ValueError(f"op {i} {list(item)!r}: Loss takes no stage index")
+        if kind is not OpKind.LOSS and (len(item) != 2 or isinstance(item[1], bool) or not isinstance(item[1], int)):
+            raise ValueError(f"op {i} {list(item)!r}: {kind.value} needs one integer stage index")
+        out.append(Op(kind, None if kind is OpKind.LOSS else item[1]))
+    return out
+
+
+def forward_counts(ops: Iterable[Op], length: int) -> list[int]:
+    """How many times each of `length` stages runs forward in `ops` (more than 1: recomputed)."""
+    runs = [0] * length
+    for op in ops:
+        if op.kind.is_forward:
+            runs[op.stage] += 1
+    return runs
+
+
+def recomputed_stages(ops: Iterable[Op]) -> int:
+    """How many stages run forward more than once."""
+    counts: dict[int, int] = {}
+    for op in ops:
+        if op.kind.is_forward:
+            counts[op.stage] = counts.get(op.stage, 0) + 1
+    return sum(1 for n in counts.values() if n > 1)
+
+
+def no_recompute_ops(length: int) -> list[Op]:
+    """`Fe 0 … Fe L-1, Loss, B L-1 … B 0`: the fastest schedule, at unlimited memory."""
+    return [Op(OpKind.FE, k) for k in range(length)] + [Op(OpKind.LOSS)] + [
+        Op(OpKind.B, k) for k in reversed(range(length))
+    ]
+
+
+def is_no_recompute(ops: Iterable[Op]) -> bool:
+    """True when every forward records its graph once: the schedule plain autograd runs."""
+    ops = list(ops)
+    length = sum(1 for op in ops if op.kind is OpKind.B)
+    return ops == no_recompute_ops(length)
