@@ -54,7 +54,7 @@ struct Replay {
     double time = 0;  // correctly rounded sum of the op times, like Python's math.fsum
 };
 
-// Replays ops under shared/design/memory-model.md; throws std::invalid_argument on an invalid plan.
+// Replays ops under docs/memory-model.md; throws std::invalid_argument on an invalid plan.
 Replay replay(const MemChain& chain, const std::vector<double>& fwd_time, const std::vector<double>& bwd_time,
               const std::vector<Op>& ops);
 

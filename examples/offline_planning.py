@@ -3,7 +3,7 @@
     python examples/offline_planning.py                  # profiles a small ResNet first, saves chain.json
     python examples/offline_planning.py path/chain.json  # or plans a chain you saved
 
-A chain (shared/design/memory-model.md) is what profiling measured: per-stage times
+A chain (docs/memory-model.md) is what profiling measured: per-stage times
 and sizes. Planning needs only that, so budgets can be explored on a laptop for a
 model that trains elsewhere. Save a chain from a training run with
 `Checkpointable.chain.save(path)`, or from a Lightning checkpoint's `["rotor"]` entry.

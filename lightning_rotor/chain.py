@@ -1,6 +1,6 @@
 """The `Chain` record: measured costs of a sequence of stages.
 
-This is the only thing the planner ever sees (shared/design/memory-model.md):
+This is the only thing the planner ever sees (docs/memory-model.md):
 numbers, never tensors. Validation is strict because a chain file is user
 input, and a bad number would otherwise surface as a wrong plan much later.
 """

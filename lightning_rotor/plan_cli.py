@@ -1,7 +1,7 @@
 """`lightning-rotor plan CHAIN.json --mem-limit SIZE [--json] [--slots N]`.
 
 Plans a saved chain offline: a readable summary by default, the plan JSON of
-shared/design/memory-model.md with `--json`. Exit codes: 0 planned, 1 bad
+docs/memory-model.md with `--json`. Exit codes: 0 planned, 1 bad
 input (file, JSON, chain, budget), 2 infeasible budget or bad arguments.
 """
 
@@ -59,7 +59,7 @@ def summary(chain: Chain, result: Plan, source: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="Plan the fastest checkpointing schedule of a chain.")
-    parser.add_argument("chain", help="chain JSON file (shared/design/memory-model.md)")
+    parser.add_argument("chain", help="chain JSON file (docs/memory-model.md)")
     parser.add_argument("--mem-limit", required=True,
                         help="activation budget: bytes, '6GiB', '512MB', or a fraction of the "
                              "no-recomputation peak ('0.5', '50%%')")

@@ -48,7 +48,7 @@ class Plan:
     no_recompute_time: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        """The plan JSON of shared/design/memory-model.md (plus planner details)."""
+        """The plan JSON of docs/memory-model.md (plus planner details)."""
         return {
             "mem_limit": self.mem_limit,
             "time": self.time,

@@ -2,7 +2,7 @@
 
 `flatten_stages` turns a (nested) `nn.Sequential` into stages; `profile_chain`
 runs every stage on the sample input and fills a `Chain` exactly as
-shared/design/memory-model.md defines each field:
+docs/memory-model.md defines each field:
 
 - `out_size`: bytes of the storages of `a_{k+1}`;
 - `saved_size`: bytes alive after `F_k` with grad recording, `a_{k+1}` plus the

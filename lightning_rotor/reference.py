@@ -1,7 +1,7 @@
 """Pure-Python reference planner: the executable specification of the C++ one.
 
 For tests only: it is slow (memoised recursion, one memory value at a time),
-but short enough to check by eye against shared/design/memory-model.md.
+but short enough to check by eye against docs/memory-model.md.
 docs/planner.md derives the recursion.
 
 Subproblem `(s, t, given, m)`: the caller holds `a_s` (outside the subproblem)

@@ -1,6 +1,6 @@
 """Replay a schedule on a chain under the memory model's rules.
 
-The simulator is the referee (shared/design/memory-model.md): a plan is valid
+The simulator is the referee (docs/memory-model.md): a plan is valid
 when it replays here within its budget, and the planner's reported peak and
 time must equal what this module computes.
 """
