@@ -116,7 +116,7 @@ class StepMeasurement:
     def __init__(self, owner: Checkpointable, device: torch.device):
         self.owner = owner
         self.device = device
-        self.probe: MemoryProbe | CudaMemoryProbe
+        self.probe: MemoryProbe | CudaMemoryProbe | None  # None once the step is measured
         if device.type == "cuda":
             self.probe = CudaMemoryProbe(device)
         else:
@@ -133,16 +133,17 @@ class StepMeasurement:
 
     def __exit__(self, *exc: Any) -> None:
         self.owner._measurement = None
-        self.probe.__exit__(*exc)
+        probe, self.probe = self.probe, None  # plain figures only from here: the module stays copyable
+        probe.__exit__(*exc)
         if exc[0] is not None:
             return  # the step failed (e.g. InfeasibleBudget): let its error through untouched
-        self.peak = self.probe.peak
-        marks = getattr(self.probe, "marks", [])
+        self.peak = probe.peak
+        marks = getattr(probe, "marks", [])
         self.curve = [(label, nbytes) for label, _, nbytes in marks]
-        if isinstance(self.probe, MemoryProbe):
+        if isinstance(probe, MemoryProbe):
             ends = [i for _, i, _ in marks]
             starts = [0, *ends[:-1]][: len(ends)]
-            curve = self.probe.curve
+            curve = probe.curve
             spans = zip(starts, ends, marks, strict=True)
             self.op_peaks = [max(curve[s:e], default=nbytes) for s, e, (_, _, nbytes) in spans]
         self.owner.last_measurement = self
@@ -349,3 +350,9 @@ class Checkpointable(nn.Module):
 
     def extra_repr(self) -> str:
         return f"stages={len(self.stages)}, mem_limit={self.mem_limit!r}"
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Copies and pickles leave out a step measurement in progress (its probe holds storage handles)."""
+        state = dict(self.__dict__)
+        state["_measurement"] = None
+        return state

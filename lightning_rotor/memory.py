@@ -80,6 +80,7 @@ class MemoryProbe(TorchDispatchMode):
         self.record_curve = record_curve
         self.curve: list[int] = []
         self.marks: list[tuple[str, int, int]] = []  # (label, op index, bytes alive)
+        self._closed = False
 
     # -- accounting -------------------------------------------------------------------------
     def _excluded(self) -> set[int]:
@@ -128,6 +129,27 @@ class MemoryProbe(TorchDispatchMode):
         """Remember the bytes alive now under `label` (sweeping first)."""
         self._sweep()
         self.marks.append((label, self.ops, self.current))
+
+    def __enter__(self) -> MemoryProbe:
+        if self._closed:
+            raise RuntimeError("a MemoryProbe measures one block and is closed; make a new MemoryProbe")
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self.close()
+
+    def close(self) -> None:
+        """Drop every storage handle, keeping the figures (`peak`, `current`, `curve`, `marks`).
+
+        Raw storage handles (`StorageWeakRef`) must not outlive the block: a copy
+        of one (`copy.deepcopy`, pickling a module that holds the probe) would
+        free the same weak reference twice and corrupt the heap.
+        """
+        self._closed = True
+        self._live = {}
+        self._fixed = set()
+        self._params = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self._sweep()
