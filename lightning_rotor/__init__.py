@@ -2,21 +2,46 @@
 
 The flow of one training run: a chain's stages are profiled into a `Chain`,
 `plan` finds the fastest schedule within a budget, and `Checkpointable`
-executes it. `RotorStrategy` does all of that for a LightningModule's
-`nn.Sequential` parts. Importing this package registers the strategy names
-`"rotor"`, `"rotor_ddp"` and `"rotor_ddp_spawn"` for `Trainer(strategy=...)`.
+executes it. `RotorStrategy` does all of that for a LightningModule.
+
+Names are imported on first use, so `import lightning_rotor` (and the `plan`
+command) loads neither torch nor Lightning, matplotlib or TensorBoard. It does
+register the strategy names `"rotor"`, `"rotor_ddp"` and `"rotor_ddp_spawn"` for
+`Trainer(strategy=...)`: at once if Lightning is loaded, else as soon as it is.
 """
 
-from lightning_rotor.budget import BudgetError, format_bytes, parse_budget
-from lightning_rotor.chain import Chain, ChainError
-from lightning_rotor.checkpointable import Checkpointable
-from lightning_rotor.lightning import RotorCallback, RotorDDPStrategy, RotorStrategy
-from lightning_rotor.memory import CudaMemoryProbe, MemoryProbe
-from lightning_rotor.planner import InfeasibleBudget, Plan, min_feasible_budget, plan
-from lightning_rotor.profile import InplaceError
-from lightning_rotor.simulate import Simulation, simulate
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from lightning_rotor import _autoregister
 
 __version__ = "0.1.0"
+
+_HOMES = {
+    "BudgetError": "budget",
+    "format_bytes": "budget",
+    "parse_budget": "budget",
+    "Chain": "chain",
+    "ChainError": "chain",
+    "Checkpointable": "checkpointable",
+    "RotorCallback": "lightning",
+    "RotorDDPStrategy": "lightning",
+    "RotorStrategy": "lightning",
+    "CudaMemoryProbe": "memory",
+    "MemoryProbe": "memory",
+    "Op": "ops",
+    "OpKind": "ops",
+    "InfeasibleBudget": "planner",
+    "Plan": "planner",
+    "min_feasible_budget": "planner",
+    "plan": "planner",
+    "InplaceError": "profile",
+    "Simulation": "simulate",
+    "simulate": "simulate",
+    "Stages": "stages",
+}
 
 __all__ = [
     "BudgetError",
@@ -27,14 +52,46 @@ __all__ = [
     "InfeasibleBudget",
     "InplaceError",
     "MemoryProbe",
+    "Op",
+    "OpKind",
     "Plan",
     "RotorCallback",
     "RotorDDPStrategy",
     "RotorStrategy",
     "Simulation",
+    "Stages",
     "format_bytes",
     "min_feasible_budget",
     "parse_budget",
     "plan",
     "simulate",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'lightning_rotor' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"lightning_rotor.{home}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])
+
+
+_autoregister.install()
+
+
+if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
+    from lightning_rotor.budget import BudgetError, format_bytes, parse_budget
+    from lightning_rotor.chain import Chain, ChainError
+    from lightning_rotor.checkpointable import Checkpointable
+    from lightning_rotor.lightning import RotorCallback, RotorDDPStrategy, RotorStrategy
+    from lightning_rotor.memory import CudaMemoryProbe, MemoryProbe
+    from lightning_rotor.ops import Op, OpKind
+    from lightning_rotor.planner import InfeasibleBudget, Plan, min_feasible_budget, plan
+    from lightning_rotor.profile import InplaceError
+    from lightning_rotor.simulate import Simulation, simulate
+    from lightning_rotor.stages import Stages

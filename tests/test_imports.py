@@ -1,0 +1,57 @@
+"""`import lightning_rotor` stays light, and still registers the strategy names with Lightning."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+HEAVY = ("torch", "lightning", "matplotlib", "tensorboard")
+
+
+def run(code: str) -> str:
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_import_loads_nothing_heavy():
+    out = run(f"import sys, lightning_rotor; print([m for m in {HEAVY!r} if m in sys.modules])")
+    assert out == "[]"
+
+
+def test_plan_command_loads_nothing_heavy(tmp_path):
+    chain = ROOT / "examples" / "heterogeneous.json"
+    code = (
+        "import sys, contextlib, io\n"
+        "from lightning_rotor.cli import main\n"
+        f"with contextlib.redirect_stdout(io.StringIO()): rc = main(['plan', {str(chain)!r}, '--mem-limit', '1TiB'])\n"
+        f"print(rc, [m for m in {HEAVY!r} if m in sys.modules])"
+    )
+    assert run(code) == "0 []"
+
+
+@pytest.mark.parametrize(
+    "imports",
+    [
+        "import lightning_rotor; import lightning",
+        "import lightning; import lightning_rotor",
+        "import lightning_rotor; from lightning.pytorch import Trainer",
+        "import lightning_rotor.lightning; import lightning_rotor",
+        "from lightning_rotor.lightning.strategy import RotorStrategy; import lightning_rotor",
+    ],
+)
+def test_strategy_names_registered_in_any_import_order(imports):
+    code = f"{imports}\nfrom lightning.pytorch.strategies import StrategyRegistry\n" \
+           "print(all(n in StrategyRegistry for n in ('rotor', 'rotor_ddp', 'rotor_ddp_spawn')))"
+    assert run(code) == "True"
+
+
+def test_lazy_names_resolve():
+    import lightning_rotor
+
+    for name in lightning_rotor.__all__:
+        assert getattr(lightning_rotor, name) is not None
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        lightning_rotor.nope  # noqa: B018
