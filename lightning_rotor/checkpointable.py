@@ -32,7 +32,7 @@ Only that step pays for the probe; other steps run without it.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -211,16 +211,35 @@ class Checkpointable(nn.Module):
         self.last_measurement: StepMeasurement | None = None
         self._measurement: StepMeasurement | None = None
 
+    # -- the wrapped Sequential's container API ---------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.module)
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        return iter(self.module)
+
+    def __getitem__(self, index: int | slice) -> nn.Module:
+        """The wrapped Sequential's module at `index` (a slice gives an nn.Sequential, as Sequential does)."""
+        return self.module[index]
+
     # -- the forward ------------------------------------------------------------------------
     def forward(self, *args: Any) -> Any:
+        """Train within the budget; several inputs reach the first stage as one tuple, at every budget.
+
+        (nn.Sequential passes one value from stage to stage, so `rotor(a, b)`
+        means the chain input `(a, b)`, whether the plan recomputes or not, and
+        in eval mode.)
+        """
+        if not args:
+            raise TypeError("Checkpointable needs the chain input: call it with one tensor or several")
         value = args[0] if len(args) == 1 else args
         if not self.training or not torch.is_grad_enabled():
-            return self.module(*args)
+            return self.module(value)
         entry = self.prepare_for(value)
         measurement = self._measurement
         plain = not entry.runner.recomputed and all(op[0] == "Fe" for op in entry.runner.forward_ops)
         if plain and measurement is None:
-            return self.module(*args)  # no recomputation: plain autograd frees exactly as the plan does
+            return self.module(value)  # no recomputation: plain autograd frees exactly as the plan does
         if measurement is not None:
             measurement.entry = entry
             entry.runner.probe = measurement.probe

@@ -210,9 +210,36 @@ def _restore_buffers(buffers: list[torch.Tensor], saved: list[torch.Tensor]) -> 
             b.copy_(s)
 
 
+UNSUPPORTED_BACKWARD = (
+    "rotor runs the chain's backward itself and accumulates parameter gradients into .grad, so "
+    "torch.autograd.grad, backward(inputs=...) and create_graph=True are not supported while the plan "
+    "recomputes; call loss.backward() (or use a budget at which nothing is recomputed)"
+)
+SECOND_BACKWARD = (
+    "rotor's recomputing chain can be backpropagated only once per forward (retain_graph=True does not keep "
+    "it); run the forward again for another backward"
+)
+
+
+def _check_backward_call(step: _Step | None) -> None:
+    """Refuse, before any gradient is written, a backward the plan cannot serve as plain autograd would.
+
+    `autograd.grad` and `backward(inputs=...)` (the engine then only wants some
+    gradients: `_is_checkpoint_valid()` is False) would get nothing back or
+    gradients in `.grad` of every parameter; `create_graph=True` (grad mode on
+    in backward) would get gradients without graph.
+    """
+    if step is None:
+        raise RuntimeError(SECOND_BACKWARD)
+    if not torch.autograd._is_checkpoint_valid() or torch.is_grad_enabled():
+        raise RuntimeError(UNSUPPORTED_BACKWARD)
+
+
 class _Tail(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, step: _Step, spec: Any, dummy: torch.Tensor, *inputs: Any) -> torch.Tensor:
+    def forward(ctx, step: _Step, spec: Any, dummy: torch.Tensor, n_inputs: int, *args: Any) -> torch.Tensor:
+        # args: the chain input's leaves, then the stages' parameters (edges only, see `_check_backward_call`)
+        inputs, ctx.n_params = args[:n_inputs], len(args) - n_inputs
         step.plain[0] = tree_unflatten(list(inputs), spec)
         step.run(step.runner.forward_ops)
         ctx.step = step
@@ -228,7 +255,8 @@ class _Tail(torch.autograd.Function):
         finally:
             step.clear()
             del ctx.step
-        return (None, None, None, *[next(delta) if is_tensor else None for is_tensor in ctx.is_tensor])
+        deltas = [next(delta) if is_tensor else None for is_tensor in ctx.is_tensor]
+        return (None, None, None, None, *deltas, *[None] * ctx.n_params)
 
 
 class _Head(torch.autograd.Function):
@@ -248,7 +276,8 @@ class _Head(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None) -> tuple:
-        step: _Step = ctx.step
+        step: _Step | None = getattr(ctx, "step", None)
+        _check_backward_call(step)
         step.grads[step.runner.length] = list(grads)
         step.mark(("Loss",))
         del ctx.step
@@ -280,6 +309,15 @@ class PlanRunner:
         self.probe: Any = None
         self.token_device = torch.device("cpu")
 
+    def _parameters(self) -> list[torch.Tensor]:
+        """The stages' trainable parameters, once each: graph edges that let `autograd.grad` reach the plan."""
+        seen: dict[int, torch.Tensor] = {}
+        for stage in self.stages:
+            for p in stage.parameters():
+                if p.requires_grad:
+                    seen.setdefault(id(p), p)
+        return list(seen.values())
+
     def __call__(self, value: Any) -> Any:
         flat, spec = tree_flatten(value)
         if not any(isinstance(t, torch.Tensor) for t in flat):
@@ -290,6 +328,6 @@ class PlanRunner:
         if step.probe is not None and hasattr(step.probe, "track"):
             step.probe.track(value)
         dummy = torch.empty(0, device=device, requires_grad=True)
-        token = _Tail.apply(step, spec, dummy, *flat)
+        token = _Tail.apply(step, spec, dummy, len(flat), *flat, *self._parameters())
         outputs = _Head.apply(step, token)
         return tree_unflatten(list(outputs), step.output_spec)

@@ -167,3 +167,128 @@ def test_callback_deep_copying_the_module_during_fit(tmp_path):
     lit_trainer(tmp_path, strategy=RotorStrategy(mem_limit=0.5), enable_checkpointing=False,
                 callbacks=[copies]).fit(LitNet(), lit_loader())
     assert copies.copies == 9
+
+
+# -- 3. autograd calls other than loss.backward() ------------------------------------------------------
+def tanh_net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[m for _ in range(5) for m in (nn.Linear(24, 24), nn.Tanh())], nn.Linear(24, 4))
+
+
+AUTOGRAD_CALLS = {
+    "grad of params": lambda loss, model, x: torch.autograd.grad(loss, list(model.parameters())),
+    "grad of params, allow_unused": lambda loss, model, x: torch.autograd.grad(
+        loss, list(model.parameters()), allow_unused=True),
+    "grad of input": lambda loss, model, x: torch.autograd.grad(loss, x),
+    "backward(inputs=)": lambda loss, model, x: loss.backward(inputs=[model[0].weight]),
+    "create_graph": lambda loss, model, x: torch.autograd.grad(loss, x, create_graph=True)[0].sum().backward(),
+    "retain_graph twice": lambda loss, model, x: (loss.backward(retain_graph=True), loss.backward()),
+}
+
+
+def _autograd_result(model: nn.Module, x: torch.Tensor, y: torch.Tensor, call) -> list:
+    model.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_(True)
+    out = call(F.cross_entropy(model(x), y), model, x)
+    returned = [t for t in (out if isinstance(out, tuple) else ()) if isinstance(t, torch.Tensor) or t is None]
+    return returned + [p.grad for p in model.parameters()] + [x.grad]
+
+
+def _same(a: list, b: list) -> bool:
+    return len(a) == len(b) and all((u is None and v is None) or (u is not None and v is not None and torch.equal(u, v))
+                                    for u, v in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("name", list(AUTOGRAD_CALLS))
+def test_autograd_variants_are_refused_with_one_clear_error_when_the_plan_recomputes(name):
+    rotor = Checkpointable(tanh_net(), 0.5)
+    x, y = data()
+    step(rotor, x, y)
+    assert rotor.plan.recomputed_stages > 0
+    rotor.zero_grad(set_to_none=True)
+    xr = x.clone().requires_grad_(True)
+    loss = F.cross_entropy(rotor(xr), y)
+    match = "once per forward" if name == "retain_graph twice" else "not supported while the plan recomputes"
+    with pytest.raises(RuntimeError, match=match) as err:
+        AUTOGRAD_CALLS[name](loss, rotor, xr)
+    assert "\n" not in str(err.value)
+    if name != "retain_graph twice":  # refused before any gradient was written
+        assert all(p.grad is None for p in rotor.parameters()) and xr.grad is None
+
+
+@pytest.mark.parametrize("name", list(AUTOGRAD_CALLS))
+def test_autograd_variants_behave_as_plain_when_nothing_is_recomputed(name):
+    plain, rotor = tanh_net(), Checkpointable(tanh_net(), 1.0)
+    x, y = data()
+    step(rotor, x, y)
+    assert rotor.plan.recomputed_stages == 0
+    assert _same(_autograd_result(plain, x, y, AUTOGRAD_CALLS[name]),
+                 _autograd_result(rotor, x, y, AUTOGRAD_CALLS[name]))
+
+
+def test_backward_of_a_loss_not_through_the_chain_is_untouched():
+    """backward(inputs=...) of parameters outside the chain never reaches rotor: plain behaviour."""
+    rotor, head = Checkpointable(tanh_net(), 0.5), nn.Linear(4, 4)
+    x, y = data()
+    step(rotor, x, y)
+    rotor.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(head(rotor(x)), y)
+    loss.backward(inputs=[head.weight])
+    assert head.weight.grad is not None and head.bias.grad is None
+    assert all(p.grad is None for p in rotor.parameters())
+
+
+# -- 6. the wrapped Sequential's container API and several inputs --------------------------------------
+def test_wrapped_sequential_iterates_indexes_and_has_a_length():
+    seq = tanh_net()
+    rotor = Checkpointable(seq, 0.5)
+    assert len(rotor) == len(seq) == 11
+    assert list(rotor) == list(seq)
+    assert rotor[0] is seq[0] and rotor[-1] is seq[-1]
+    part = rotor[2:5]
+    assert isinstance(part, nn.Sequential) and list(part) == list(seq)[2:5]
+    with pytest.raises(IndexError):
+        rotor[11]
+
+
+class Pair(nn.Module):
+    """A first stage taking two tensors, as one tuple (an nn.Sequential passes one value along)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(24, 24), nn.Linear(24, 24)
+
+    def forward(self, pair):
+        a, b = pair
+        return torch.tanh(self.a(a) + self.b(b))
+
+
+def pair_net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(Pair(), *[m for _ in range(5) for m in (nn.Linear(24, 24), nn.Tanh())], nn.Linear(24, 4))
+
+
+@pytest.mark.parametrize("budget", [None, 1.0, 0.6])
+def test_several_inputs_reach_the_first_stage_as_one_tuple_at_every_budget(budget):
+    plain = pair_net()
+    rotor = Checkpointable(pair_net(), budget)
+    g = torch.Generator().manual_seed(3)
+    a, b, y = torch.randn(16, 24, generator=g), torch.randn(16, 24, generator=g), torch.randint(0, 4, (16,))
+    losses = []
+    for model in (plain, rotor):
+        model.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model((a, b)) if model is plain else model(a, b), y)
+        loss.backward()
+        losses.append(loss.detach())
+    assert (rotor.plan.recomputed_stages > 0) == (budget == 0.6)
+    assert torch.equal(*losses)
+    for p, q in zip(plain.parameters(), rotor.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+    rotor.eval()
+    with torch.no_grad():
+        assert torch.equal(rotor(a, b), plain((a, b)))
+
+
+def test_no_input_is_one_clear_error():
+    with pytest.raises(TypeError, match="needs the chain input"):
+        Checkpointable(tanh_net(), 0.5)()
