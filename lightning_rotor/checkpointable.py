@@ -31,6 +31,7 @@ Only that step pays for the probe; other steps run without it.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -71,6 +72,21 @@ def available_memory(device: torch.device) -> int:
 def auto_budget(device: torch.device) -> int:
     """The budget used when `mem_limit=None` (see the module docstring)."""
     return int(AUTO_FRACTION * available_memory(device))
+
+
+def stage_fingerprints(stages: list[nn.Module]) -> list[str]:
+    """A short digest per stage of its module types and parameter/buffer names, shapes and dtypes.
+
+    Cheap (no forward); it tells a saved plan of this very chain from one of
+    another model whose stage count or names happen to match.
+    """
+    prints = []
+    for stage in stages:
+        parts = [type(m).__qualname__ for m in stage.modules()]
+        tensors = [*stage.named_parameters(), *stage.named_buffers()]
+        parts += [f"{n}:{tuple(t.shape)}:{t.dtype}" for n, t in tensors]
+        prints.append(hashlib.sha1(repr(parts).encode()).hexdigest()[:16])
+    return prints
 
 
 def signature(value: Any) -> str:
@@ -298,6 +314,8 @@ class Checkpointable(nn.Module):
         """Profiles and plans as plain data, for checkpoints (`load_plan_state` reads it back)."""
         return {
             "budget": self.budget,
+            "stage_names": list(self.stage_names),
+            "fingerprints": stage_fingerprints(self.stages),
             "entries": [
                 {
                     "signature": key,
@@ -314,14 +332,21 @@ class Checkpointable(nn.Module):
         }
 
     def load_plan_state(self, state: dict[str, Any]) -> None:
-        """Reuse saved profiles and plans: inputs with a saved signature skip profiling."""
-        if state.get("budget") is not None:
-            self.budget = int(state["budget"])
+        """Reuse saved profiles and plans: inputs with a saved signature skip profiling.
+
+        The saved stages must be these stages (same names, module types, parameter
+        and buffer shapes and dtypes, see `stage_fingerprints`): a plan made for
+        another model would break the budget. On any mismatch nothing is loaded and
+        a one-line ValueError says why; the module then profiles on its next forward.
+        """
+        self._check_saved_stages(state)
+        entries = {}
         for item in state.get("entries", []):
             chain = Chain.from_dict(item["chain"])
-            if chain.length != len(self.stages):
+            if chain.length != len(self.stages) or list(chain.names) != list(self.stage_names):
                 raise ValueError(
-                    f"saved plan is for a chain of {chain.length} stages, but this module has {len(self.stages)}"
+                    f"saved plan is for a chain of {chain.length} stages {list(chain.names)[:4]}..., but this module "
+                    f"has {len(self.stages)} stages {list(self.stage_names)[:4]}...; nothing loaded"
                 )
             profile = Profile(
                 chain,
@@ -333,7 +358,23 @@ class Checkpointable(nn.Module):
             )
             saved = Plan.from_dict(item["plan"])
             runner = PlanRunner(self.stages, saved.ops, self.stage_names)
-            self.entries[item["signature"]] = Entry(profile, saved, runner)
+            entries[str(item["signature"])] = Entry(profile, saved, runner)
+        if state.get("budget") is not None:
+            self.budget = int(state["budget"])
+        self.entries.update(entries)
+
+    def _check_saved_stages(self, state: dict[str, Any]) -> None:
+        names, prints = state.get("stage_names"), state.get("fingerprints")
+        if names is None or prints is None:
+            raise ValueError("saved plan state has no stage fingerprints (an older release made it); nothing loaded")
+        if list(names) != list(self.stage_names):
+            raise ValueError(f"saved plan is for stages {list(names)[:4]}..., but this module has "
+                             f"{list(self.stage_names)[:4]}...; nothing loaded")
+        ours = stage_fingerprints(self.stages)
+        differ = [n for n, a, b in zip(self.stage_names, prints, ours, strict=True) if a != b]
+        if differ:
+            raise ValueError(f"saved plan is for other stages: {', '.join(differ[:4])} differ in module types or "
+                             "parameter/buffer shapes or dtypes; nothing loaded")
 
     def measure_step(self) -> StepMeasurement:
         """A context manager measuring the activation memory of the step run inside it."""

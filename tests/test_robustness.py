@@ -292,3 +292,84 @@ def test_several_inputs_reach_the_first_stage_as_one_tuple_at_every_budget(budge
 def test_no_input_is_one_clear_error():
     with pytest.raises(TypeError, match="needs the chain input"):
         Checkpointable(tanh_net(), 0.5)()
+
+
+# -- 4. a saved plan must be this chain's ---------------------------------------------------------------
+def wide_net(width: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    hidden = [m for _ in range(4) for m in (nn.Linear(width, width), nn.Tanh())]
+    return nn.Sequential(nn.Linear(24, width), nn.Tanh(), *hidden, nn.Linear(width, 4))
+
+
+def test_plan_of_another_model_with_the_same_stage_names_is_refused():
+    x, y = data()
+    small = Checkpointable(wide_net(16), 0.5)
+    step(small, x, y)
+    state = small.plan_state()
+    big = Checkpointable(wide_net(256), 0.8)
+    assert big.stage_names == small.stage_names
+    with pytest.raises(ValueError, match="differ in module types or parameter/buffer shapes") as err:
+        big.load_plan_state(state)
+    assert "\n" not in str(err.value)
+    assert big.entries == {} and big.budget is None  # nothing forced in: the next forward profiles
+    with big.measure_step() as m:
+        step(big, x, y)
+    assert m.peak <= big.plan.mem_limit
+    twin = Checkpointable(wide_net(16), 0.5)  # the same chain loads
+    twin.load_plan_state(state)
+    assert twin.entries.keys() == small.entries.keys() and twin.budget == small.budget
+
+
+def test_plan_state_without_fingerprints_is_not_loaded():
+    x, y = data()
+    rotor = Checkpointable(wide_net(16), 0.5)
+    step(rotor, x, y)
+    state = rotor.plan_state()
+    del state["fingerprints"]
+    fresh = Checkpointable(wide_net(16), 0.5)
+    with pytest.raises(ValueError, match="no stage fingerprints"):
+        fresh.load_plan_state(state)
+    assert fresh.entries == {}
+
+
+class WideLit(LitNet):
+    def __init__(self, width: int):
+        super().__init__()
+        self.net = wide_net(width)
+
+
+def test_checkpoint_of_another_model_is_profiled_again_with_a_warning(tmp_path):
+    class Save(pl.Callback):
+        def on_train_end(self, trainer, pl_module):
+            trainer.save_checkpoint(tmp_path / "small.ckpt")
+
+    lit_trainer(tmp_path / "a", strategy=RotorStrategy(mem_limit=0.5), enable_checkpointing=False,
+                callbacks=[Save()]).fit(WideLit(16), lit_loader())
+    big = WideLit(256)
+    ckpt = torch.load(tmp_path / "small.ckpt", weights_only=True)
+    ckpt["state_dict"] = big.state_dict()  # the weights fit; only the rotor state is the small model's
+    torch.save(ckpt, tmp_path / "mixed.ckpt")
+    with pytest.warns(UserWarning, match="saved plan state not used .*differ.*profiled again"):
+        lit_trainer(tmp_path / "b", strategy=RotorStrategy(mem_limit=0.8), enable_checkpointing=False,
+                    max_steps=4).fit(big, lit_loader(), ckpt_path=tmp_path / "mixed.ckpt")
+
+
+# -- 5. resuming with a budget that cannot be met -------------------------------------------------------
+def test_resume_with_an_infeasible_budget_fails_as_a_fresh_run_does(tmp_path):
+    from lightning_rotor.planner import InfeasibleBudget
+
+    class Save(pl.Callback):
+        def on_train_end(self, trainer, pl_module):
+            trainer.save_checkpoint(tmp_path / "mid.ckpt")
+
+    lit_trainer(tmp_path / "a", strategy=RotorStrategy(mem_limit=0.6), enable_checkpointing=False,
+                max_steps=2, callbacks=[Save()]).fit(LitNet(), lit_loader())
+    with pytest.raises(InfeasibleBudget) as fresh:
+        lit_trainer(tmp_path / "b", strategy=RotorStrategy(mem_limit="1KiB"), enable_checkpointing=False,
+                    max_steps=4).fit(LitNet(), lit_loader())
+    resumed_model = LitNet()
+    with pytest.raises(InfeasibleBudget) as resumed:
+        lit_trainer(tmp_path / "c", strategy=RotorStrategy(mem_limit="1KiB"), enable_checkpointing=False,
+                    max_steps=4).fit(resumed_model, lit_loader(), ckpt_path=tmp_path / "mid.ckpt")
+    assert resumed.value.min_feasible == fresh.value.min_feasible
+    assert resumed.value.mem_limit == fresh.value.mem_limit == 1024

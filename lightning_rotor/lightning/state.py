@@ -21,7 +21,7 @@ from lightning_rotor.budget import resolve_budget
 from lightning_rotor.chain import Chain, ChainError
 from lightning_rotor.checkpointable import Checkpointable, Entry
 from lightning_rotor.execute import PlanRunner
-from lightning_rotor.planner import plan
+from lightning_rotor.planner import InfeasibleBudget, plan
 from lightning_rotor.simulate import no_recompute_peak
 
 STATE_KEY = "rotor"
@@ -52,12 +52,18 @@ def _restore_one(rotor: Checkpointable, saved: dict[str, Any]) -> None:
     expected = None
     if rotor.mem_limit is not None:  # the user's budget now, resolved as on the first signature
         expected = resolve_budget(rotor.mem_limit, no_recompute_peak(Chain.from_dict(entries[0]["chain"])))
+    before = dict(rotor.entries), rotor.budget
     rotor.load_plan_state(saved)
     if expected is not None and rotor.budget != expected:
+        try:  # a budget that cannot be met raises here, as it does on a fresh run's first step
+            chosen = {key: plan(entry.chain, expected, slots=rotor.slots) for key, entry in rotor.entries.items()}
+        except InfeasibleBudget:
+            rotor.entries, rotor.budget = before
+            raise
         rotor.budget = expected
         for key, entry in list(rotor.entries.items()):
-            chosen = plan(entry.chain, expected, slots=rotor.slots)
-            rotor.entries[key] = Entry(entry.profile, chosen, PlanRunner(rotor.stages, chosen.ops, rotor.stage_names))
+            ops = chosen[key].ops
+            rotor.entries[key] = Entry(entry.profile, chosen[key], PlanRunner(rotor.stages, ops, rotor.stage_names))
 
 
 def import_state(model: nn.Module, state: Any) -> tuple[list[str], list[str]]:
@@ -80,8 +86,10 @@ def import_state(model: nn.Module, state: Any) -> tuple[list[str], list[str]]:
         else:
             try:
                 _restore_one(rotor, saved)
+            except InfeasibleBudget:
+                raise  # the budget now asked for cannot be met: fail as a fresh run does
             except (ChainError, KeyError, TypeError, ValueError) as err:
-                problems.append(f"{name}: unreadable saved plan state ({err})")
+                problems.append(f"{name}: saved plan state not used ({err}); it will be profiled again")
                 continue
             restored.append(name)
     return restored, problems
