@@ -15,10 +15,11 @@ the engine lets go of `δ_L` as soon as `_Head.backward` has stored it, and the
 plan drops it at `B L-1`.
 
 Parameter gradients accumulate into `.grad` through ordinary `backward` calls
-on each stage's graph, as in unwrapped training. Recomputed stages replay the
-RNG state of their first run (CPU and CUDA), re-enter the autocast state of
-the original forward, and do not update BatchNorm statistics or other buffers
-a second time.
+on each stage's graph, as in unwrapped training. Recomputed stages draw the
+random numbers of their first run (CPU and CUDA) from private generators, never
+rewinding the process-wide one (lightning_rotor/rng.py), re-enter the autocast
+state of the original forward, and do not update BatchNorm statistics or other
+buffers a second time.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from lightning_rotor.profile import (
     tensors_of,
     versions,
 )
+from lightning_rotor.rng import RecordRandom, ReplayRandom
 from lightning_rotor.simulate import FORWARD_OPS, normalize_ops
 
 
@@ -70,11 +72,10 @@ class _Step:
         self.graph: dict[int, tuple[Any, Any]] = {}  # ā_k: (leaf input of F_{k-1}, output a_k)
         self.grads: dict[int, list] = {}  # δ_k, one entry per tensor of a_k
         self.ran: set[int] = set()
-        self.rng: dict[int, tuple] = {}
+        self.rng: dict[int, list] = {}  # per recomputed stage: the generator state before each random op
         self.mutated: dict[int, list[torch.Tensor]] = {}
         self.autocast = _Autocast()
         self.input_requires_grad = [t.requires_grad for t in tensors_of(value)]
-        self.cuda_devices = sorted({t.device.index or 0 for t in tensors_of(value) if t.device.type == "cuda"})
 
     def mark(self, op: tuple) -> None:
         if self.probe is not None and hasattr(self.probe, "mark"):
@@ -113,7 +114,7 @@ class _Step:
             if first:
                 self.ran.add(k)
                 if k in self.runner.recomputed:
-                    self._remember(k, stage)
+                    self._remember(k, stage, stack)
             else:
                 self._replay(k, stage, stack)
             before = versions(src)
@@ -132,9 +133,8 @@ class _Step:
         if kind == "Fn" and k != 0:
             del self.plain[k]
 
-    def _remember(self, k: int, stage: nn.Module) -> None:
-        cuda = [torch.cuda.get_rng_state(d) for d in self.cuda_devices]
-        self.rng[k] = (torch.get_rng_state(), cuda)
+    def _remember(self, k: int, stage: nn.Module, stack: ExitStack) -> None:
+        self.rng[k] = stack.enter_context(RecordRandom()).states  # see lightning_rotor/rng.py
         self.mutated[k] = [(b, b._version) for b in _plain_buffers(stage)]
 
     def _find_mutated(self, k: int, stage: nn.Module) -> None:
@@ -142,11 +142,7 @@ class _Step:
 
     def _replay(self, k: int, stage: nn.Module, stack: ExitStack) -> None:
         """Recompute exactly as the first run: same RNG, same autocast, buffers untouched."""
-        cpu, cuda = self.rng[k]
-        stack.enter_context(torch.random.fork_rng(devices=self.cuda_devices))
-        torch.set_rng_state(cpu)
-        for d, state in zip(self.cuda_devices, cuda, strict=True):
-            torch.cuda.set_rng_state(state, d)
+        stack.enter_context(ReplayRandom(self.rng[k], self.runner.names[k]))  # the default generator is untouched
         self.autocast.enter(stack)
         norms = [m for m in stage.modules() if isinstance(m, nn.modules.batchnorm._NormBase)]
         norms = [m for m in norms if m.training and m.track_running_stats]

@@ -6,6 +6,9 @@ import copy
 import gc
 import io
 import pickle
+import sys
+import threading
+import time
 
 import lightning.pytorch as pl
 import pytest
@@ -373,3 +376,110 @@ def test_resume_with_an_infeasible_budget_fails_as_a_fresh_run_does(tmp_path):
                     max_steps=4).fit(resumed_model, lit_loader(), ckpt_path=tmp_path / "mid.ckpt")
     assert resumed.value.min_feasible == fresh.value.min_feasible
     assert resumed.value.mem_limit == fresh.value.mem_limit == 1024
+
+
+# -- 2. threads: replays draw their first run's numbers, and the process-wide generator is never rewound ----
+class FixedDropout(nn.Module):
+    """Dropout with given masks, computed as nn.Dropout computes it on CPU (input * mask / (1 - p))."""
+
+    def __init__(self, p: float, masks: list[torch.Tensor]):
+        super().__init__()
+        self.p, self.masks = p, iter(masks)
+
+    def forward(self, x):
+        return x * next(self.masks).to(x.dtype).div_(1 - self.p)
+
+
+def dropout_calls(model: nn.Module) -> dict[nn.Module, list[torch.Tensor]]:
+    """Every output of every nn.Dropout of `model`, in call order (first run, then recomputations)."""
+    calls: dict[nn.Module, list[torch.Tensor]] = {}
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            calls[m] = []
+            m.register_forward_hook(lambda mod, inp, out: calls[mod].append(out.detach().clone()))
+    return calls
+
+
+def train_recording(seed: int, steps: int, results: dict, start: threading.Barrier) -> None:
+    """Rotor training at a recomputing budget; per step the weights before it, the first-run masks, the grads."""
+    rotor = Checkpointable(dropout_net(seed), 0.4)
+    x, y = data(seed)
+    step(rotor, x, y)  # profiles and plans
+    assert rotor.plan.recomputed_stages > 0
+    opt = torch.optim.SGD(rotor.parameters(), lr=0.1)
+    calls = dropout_calls(rotor)
+    record = []
+    start.wait()
+    for _ in range(steps):
+        weights = copy.deepcopy(rotor.module.state_dict())
+        for c in calls.values():
+            c.clear()
+        step(rotor, x, y)
+        replays_equal = all(torch.equal(c[0], later) for c in calls.values() for later in c[1:])
+        recomputed = sum(len(c) > 1 for c in calls.values())
+        masks = [c[0] != 0 for c in calls.values()]
+        record.append((weights, masks, grads(rotor), replays_equal, recomputed))
+        opt.step()
+    results[seed] = record
+
+
+def expected_grads(seed: int, weights: dict, masks: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The plain model's gradients with the given dropout masks."""
+    model = dropout_net(seed)
+    model.load_state_dict(weights)
+    it = iter(masks)
+    for i, m in enumerate(model):
+        if isinstance(m, nn.Dropout):
+            model[i] = FixedDropout(m.p, [next(it)])
+    step(model, *data(seed))
+    return grads(model)
+
+
+@pytest.fixture
+def often_switching_threads():
+    """Switch threads every 10 µs instead of 5 ms, so that the steps of two threads interleave finely."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    yield
+    sys.setswitchinterval(before)
+
+
+def test_two_threads_training_concurrently_replay_their_own_random_numbers(often_switching_threads):
+    results: dict = {}
+    start = threading.Barrier(2)
+    threads = [threading.Thread(target=train_recording, args=(seed, 20, results, start)) for seed in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(results) == [0, 1]  # both threads finished without an error
+    for seed, record in results.items():
+        for weights, masks, got, replays_equal, recomputed in record:
+            assert recomputed > 0 and replays_equal
+            for a, b in zip(expected_grads(seed, weights, masks), got, strict=True):
+                assert torch.equal(a, b)
+
+
+def test_a_thread_drawing_random_numbers_during_training_sees_no_repeats():
+    drawn: list[torch.Tensor] = []
+    done = threading.Event()
+
+    start = threading.Barrier(2)  # drawing starts after the first step: profiling forks the generator (documented)
+
+    def draw():
+        start.wait()
+        while not done.is_set():
+            drawn.append(torch.rand(64, dtype=torch.float64))
+            time.sleep(1e-4)
+
+    results: dict = {}
+    drawer = threading.Thread(target=draw)
+    trainer = threading.Thread(target=train_recording, args=(0, 12, results, start))
+    drawer.start()
+    trainer.start()
+    trainer.join()
+    done.set()
+    drawer.join()
+    assert 0 in results and len(drawn) > 10
+    values = torch.cat(drawn)
+    assert values.unique().numel() == values.numel()  # 53-bit doubles: a repeat means a rewound generator

@@ -1,0 +1,159 @@
+"""Replaying a stage's random numbers without rewinding the process-wide generator.
+
+A recomputed stage must draw the same random numbers (dropout masks) as its
+first run, or its gradients are wrong. Rewinding the default generator for the
+replay (`torch.random.fork_rng` + `set_rng_state`) would do that in one thread,
+but the default generator is shared by every thread of the process: another
+thread drawing meanwhile would get repeated numbers, and its draws would shift
+the replayed ones.
+
+So the default generator is never rewound. Instead, during the first run of a
+stage that the plan recomputes, `RecordRandom` notes, immediately before each
+op that draws random numbers (aten ops tagged `nondeterministic_seeded`:
+`bernoulli_` under dropout, `normal_`, `rand`, `randperm`, fused attention with
+dropout, ...), the state of the generator that op draws from. On a replay,
+`ReplayRandom` hands each such op a private `torch.Generator` set to that
+state: the op's own `generator` argument, or the same op's overload that takes
+one (`rand.default` -> `rand.generator`).
+
+One lock, `RNG_LOCK`, is held from each snapshot to the end of its op, so
+rotor threads cannot draw between the two. What remains:
+
+- a thread that is not running a rotor step and draws from the same generator
+  exactly between a snapshot and its op shifts that op's numbers, and the
+  replay then draws what the first run would have drawn without it (the
+  default generator still never repeats a number);
+- ops that draw but take no generator in any overload (`native_dropout`, the
+  fused CUDA attention kernels, cuDNN RNNs: CUDA only; on CPU dropout is
+  `bernoulli_`) are replayed by setting the default generator of their
+  device to the snapshot and restoring its state right after, under the lock;
+  a non-rotor thread drawing on that device in that window sees repeated
+  numbers.
+
+Only stages that the plan recomputes run under these modes (one Python
+dispatch per op of their forward runs); other stages run as they are.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["RNG_LOCK", "RecordRandom", "ReplayRandom"]
+
+RNG_LOCK = threading.RLock()
+
+_SEEDED = torch.Tag.nondeterministic_seeded
+_WITH_GENERATOR: dict[Any, Any] = {}  # op -> the overload taking `generator` (itself, a sibling, or None)
+
+
+def _takes_generator(op: Any) -> bool:
+    return any(a.name == "generator" for a in op._schema.arguments)
+
+
+def _with_generator(op: Any) -> Any:
+    """`op` if it takes a generator, else its overload with the same arguments plus one, else None."""
+    if op in _WITH_GENERATOR:
+        return _WITH_GENERATOR[op]
+    found = None
+    if _takes_generator(op):
+        found = op
+    else:
+        names = [a.name for a in op._schema.arguments]
+        packet = op.overloadpacket
+        for name in packet.overloads():
+            other = getattr(packet, name)
+            if _takes_generator(other) and [a.name for a in other._schema.arguments if a.name != "generator"] == names:
+                found = other
+                break
+    _WITH_GENERATOR[op] = found
+    return found
+
+
+def _device(args: Any, kwargs: dict) -> torch.device:
+    for t in tree_leaves((args, kwargs)):
+        if isinstance(t, torch.Tensor):
+            return t.device
+    device = kwargs.get("device")
+    return torch.device(device) if device is not None else torch.device("cpu")
+
+
+def _default_generator(device: torch.device) -> torch.Generator:
+    if device.type == "cpu":
+        return torch.default_generator
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return torch.cuda.default_generators[index]
+    raise RuntimeError(
+        f"rotor replays random numbers on CPU and CUDA only, and a recomputed stage draws some on {device}; "
+        "use a budget at which nothing is recomputed, or run the stage without randomness"
+    )
+
+
+def _source(kwargs: dict, device: torch.device) -> torch.Generator:
+    """The generator the op draws from: its own argument, or its device's default generator."""
+    generator = kwargs.get("generator")
+    return generator if generator is not None else _default_generator(device)
+
+
+class RecordRandom(TorchDispatchMode):
+    """First run of a recomputed stage: remember the generator state each random op draws from."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.states: list[tuple[torch.device, torch.Tensor]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _SEEDED not in func.tags:
+            return func(*args, **kwargs)
+        device = _device(args, kwargs)
+        source = _source(kwargs, device)
+        with RNG_LOCK:
+            self.states.append((device, source.get_state()))
+            return func(*args, **kwargs)
+
+
+class ReplayRandom(TorchDispatchMode):
+    """A recomputation: each random op draws from a private generator set to its first run's state."""
+
+    def __init__(self, states: list[tuple[torch.device, torch.Tensor]], stage: str):
+        super().__init__()
+        self.states = iter(states)
+        self.stage = stage
+        self.private: dict[torch.device, torch.Generator] = {}
+
+    def _next_state(self, device: torch.device) -> torch.Tensor:
+        recorded = next(self.states, None)
+        if recorded is None or recorded[0] != device:
+            raise RuntimeError(
+                f"stage {self.stage} draws different random numbers when recomputed than in its first run "
+                "(its random ops depend on something other than its input); it cannot be recomputed exactly"
+            )
+        return recorded[1]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _SEEDED not in func.tags:
+            return func(*args, **kwargs)
+        device = _device(args, kwargs)
+        state = self._next_state(device)
+        op = _with_generator(func)
+        if op is not None:
+            private = self.private.get(device)
+            if private is None:
+                private = self.private[device] = torch.Generator(device=device)
+            private.set_state(state)
+            return op(*args, **{**kwargs, "generator": private})
+        source = _source(kwargs, device)
+        with RNG_LOCK:  # no generator argument anywhere: set the source, then put it back as it was
+            now = source.get_state()
+            source.set_state(state)
+            try:
+                return func(*args, **kwargs)
+            finally:
+                source.set_state(now)

@@ -1,0 +1,71 @@
+"""RecordRandom / ReplayRandom: a replay draws its first run's numbers and never moves the default generator."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_rotor.rng import RecordRandom, ReplayRandom
+
+X = torch.randn(4, 8)
+USER = torch.Generator()
+
+RANDOM_CALLS = {
+    "dropout": lambda: F.dropout(X, 0.2, True),
+    "alpha_dropout": lambda: F.alpha_dropout(X, 0.2, True),
+    "native_dropout (no generator overload)": lambda: torch.native_dropout(X, 0.3, True)[0],
+    "rrelu": lambda: F.rrelu(X, training=True),
+    "rand_like": lambda: torch.rand_like(X),
+    "randn_like": lambda: torch.randn_like(X),
+    "randint_like": lambda: torch.randint_like(X, 10),
+    "rand": lambda: torch.rand(3),
+    "randn float64": lambda: torch.randn(3, dtype=torch.float64),
+    "randperm": lambda: torch.randperm(5),
+    "randint": lambda: torch.randint(0, 9, (4,)),
+    "multinomial": lambda: torch.multinomial(torch.ones(5), 2),
+    "bernoulli": lambda: torch.bernoulli(torch.full((3,), 0.5)),
+    "poisson": lambda: torch.poisson(torch.ones(3)),
+    "normal": lambda: torch.normal(torch.zeros(3), 1.0),
+    "sdpa with dropout": lambda: F.scaled_dot_product_attention(X[None, None], X[None, None], X[None, None],
+                                                                dropout_p=0.3),
+    "a user's generator": lambda: torch.rand(3, generator=USER),
+    "two draws": lambda: torch.rand(2) + F.dropout(torch.ones(2), 0.5, True),
+}
+
+
+@pytest.mark.parametrize("name", list(RANDOM_CALLS))
+def test_replay_draws_the_first_runs_numbers_and_leaves_the_generators_alone(name):
+    call = RANDOM_CALLS[name]
+    torch.manual_seed(0)
+    USER.manual_seed(1)
+    record = RecordRandom()
+    with record:
+        first = call()
+    assert record.states
+    after_first = torch.get_rng_state(), USER.get_state()
+    plain = call()  # what the next draw would be without a replay in between
+    torch.set_rng_state(after_first[0])
+    USER.set_state(after_first[1])
+    for _ in range(2):
+        with ReplayRandom(record.states, "0"):
+            assert torch.equal(call(), first)
+        assert torch.equal(torch.get_rng_state(), after_first[0]) and torch.equal(USER.get_state(), after_first[1])
+    assert torch.equal(call(), plain)
+
+
+def test_recording_does_not_change_what_is_drawn():
+    torch.manual_seed(0)
+    plain = F.dropout(torch.ones(64), 0.5, True)
+    torch.manual_seed(0)
+    with RecordRandom():
+        recorded = F.dropout(torch.ones(64), 0.5, True)
+    assert torch.equal(plain, recorded)
+
+
+def test_a_replay_drawing_more_than_the_first_run_is_one_clear_error():
+    record = RecordRandom()
+    with record:
+        torch.rand(2)
+    with pytest.raises(RuntimeError, match="stage 3 draws different random numbers when recomputed"):
+        with ReplayRandom(record.states, "3"):
+            torch.rand(2)
+            torch.rand(2)
