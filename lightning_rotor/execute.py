@@ -306,11 +306,17 @@ class PlanRunner:
         self.token_device = torch.device("cpu")
 
     def _parameters(self) -> list[torch.Tensor]:
-        """The stages' trainable parameters, once each: graph edges that let `autograd.grad` reach the plan."""
+        """The stages' trainable parameters, once each: graph edges that let `autograd.grad` reach the plan.
+
+        The engine calls a parameter's accumulator once more through such an edge
+        (with no gradient), which would run its post-accumulate-grad hooks twice;
+        parameters with such hooks are left out (`autograd.grad` of those alone
+        is then not detected).
+        """
         seen: dict[int, torch.Tensor] = {}
         for stage in self.stages:
             for p in stage.parameters():
-                if p.requires_grad:
+                if p.requires_grad and not getattr(p, "_post_accumulate_grad_hooks", None):
                     seen.setdefault(id(p), p)
         return list(seen.values())
 

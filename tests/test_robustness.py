@@ -483,3 +483,16 @@ def test_a_thread_drawing_random_numbers_during_training_sees_no_repeats():
     assert 0 in results and len(drawn) > 10
     values = torch.cat(drawn)
     assert values.unique().numel() == values.numel()  # 53-bit doubles: a repeat means a rewound generator
+
+
+def test_post_accumulate_grad_hooks_run_once_per_backward_as_in_plain_training():
+    rotor = Checkpointable(tanh_net(), 0.5)
+    x, y = data()
+    step(rotor, x, y)
+    assert rotor.plan.recomputed_stages > 0
+    seen: list[tuple[int, bool]] = []
+    for i, p in enumerate(rotor.parameters()):
+        p.register_post_accumulate_grad_hook(lambda q, i=i: seen.append((i, q.grad is not None)))
+    step(rotor, x, y)
+    n = len(list(rotor.parameters()))
+    assert sorted(seen) == [(i, True) for i in range(n)]
