@@ -32,26 +32,49 @@ class BudgetError(ValueError):
     """A budget that cannot be parsed."""
 
 
+MAX_BUDGET = 2**62  # bytes; the planner adds sizes in 64-bit integers
+
+
+def _whole_bytes(nbytes: int, spec: object) -> int:
+    if nbytes < 1:
+        raise BudgetError(f"budget {spec!r} is less than one byte; {ACCEPTED}")
+    if nbytes > MAX_BUDGET:
+        raise BudgetError(f"budget {spec!r} is more than the largest supported budget, 4 EiB (2**62 bytes); {ACCEPTED}")
+    return nbytes
+
+
+def _number(value: Fraction, spec: object) -> int | Fraction:
+    """A plain number: a fraction of the peak when in (0, 1], else a whole number of bytes."""
+    if value <= 0:
+        raise BudgetError(f"budget {spec!r} must be positive; {ACCEPTED}")
+    if value <= 1:
+        return value
+    if value.denominator != 1:
+        raise BudgetError(f"budget {spec!r} is neither a fraction in (0, 1] nor a whole number of bytes; {ACCEPTED}")
+    return _whole_bytes(int(value), spec)
+
+
 def parse_budget(spec: BudgetSpec) -> int | Fraction:
-    """Return bytes (`int`) or a fraction of the no-recomputation peak (`Fraction`)."""
+    """Return bytes (`int`) or a fraction of the no-recomputation peak (`Fraction`).
+
+    A string means what the same number means: `"0.5"` and `0.5`, `"5e-1"` and `0.5`,
+    `"8000000"` and `8000000`; an integer (`1`, `"1"`) is bytes, a decimal (`1.0`, `"1.0"`) in (0, 1]
+    is a fraction.
+    """
     if isinstance(spec, bool):
         raise BudgetError(f"budget {spec!r} is not a size; {ACCEPTED}")
     if isinstance(spec, int):
         if spec <= 0:
             raise BudgetError(f"budget {spec} bytes must be positive; {ACCEPTED}")
-        return spec
+        return _whole_bytes(spec, spec)
     if isinstance(spec, float):
-        if not math.isfinite(spec) or spec <= 0:
+        if not math.isfinite(spec):
             raise BudgetError(f"budget {spec!r} must be positive and finite; {ACCEPTED}")
-        if spec <= 1:
-            return Fraction(spec).limit_denominator(10**9)
-        if spec != int(spec):
-            raise BudgetError(
-                f"budget {spec!r} is neither a fraction in (0, 1] nor a whole number of bytes; {ACCEPTED}"
-            )
-        return int(spec)
+        return _number(Fraction(repr(spec)), spec)
     if not isinstance(spec, str):
         raise BudgetError(f"budget {spec!r} has type {type(spec).__name__}; {ACCEPTED}")
+    if spec.strip().startswith("-"):
+        raise BudgetError(f"budget {spec!r} must be positive; {ACCEPTED}")
     percent = _PERCENT.match(spec)
     if percent:
         value = Fraction(percent.group(1)) / 100
@@ -61,13 +84,14 @@ def parse_budget(spec: BudgetSpec) -> int | Fraction:
     size = _SIZE.match(spec)
     if not size or size.group(2).lower() not in UNITS:
         raise BudgetError(f"cannot parse budget {spec!r}; {ACCEPTED}")
-    number, unit = Fraction(size.group(1)), size.group(2).lower()
-    if unit == "" and number <= 1 and "." in size.group(1):
-        return parse_budget(float(number))
-    nbytes = math.floor(number * UNITS[unit])
-    if nbytes <= 0:
-        raise BudgetError(f"budget {spec!r} is less than one byte; {ACCEPTED}")
-    return nbytes
+    text, unit = size.group(1), size.group(2).lower()
+    exponent = int(text.lower().partition("e")[2] or 0)
+    if len(text) > 40 or abs(exponent) > 40:  # beyond any real budget; keeps Fraction from huge powers of ten
+        raise BudgetError(f"budget {spec!r} is out of range; {ACCEPTED}")
+    number = Fraction(text)
+    if unit == "":
+        return _whole_bytes(int(text), spec) if text.isdigit() else _number(number, spec)
+    return _whole_bytes(math.floor(number * UNITS[unit]), spec)
 
 
 def resolve_budget(spec: BudgetSpec | Fraction, reference_peak: int) -> int:

@@ -48,3 +48,28 @@ def test_format_bytes():
     assert format_bytes(3 * 2**29) == "1.50 GiB"
     assert format_bytes(17) == "17 B"
     assert format_bytes(1437696) == "1.37 MiB"
+
+
+@pytest.mark.parametrize("spec", [1e19, 1e20, "1e19", "1e400", 2**64, 2**63, "1e999999999", "9" * 60, "-50%", "-0.5",
+                                  1.5, "1.5", "2.5e0"])
+def test_out_of_range_and_negative_budgets_get_one_line(spec):
+    with pytest.raises(BudgetError) as err:
+        parse_budget(spec)
+    assert "\n" not in str(err.value) and "accepted:" in str(err.value)
+
+
+@pytest.mark.parametrize(("text", "number"), [("1.5", 1.5), ("5e-1", 0.5), ("0.5", 0.5), ("1.0", 1.0), ("1e3", 1e3),
+                                              ("1", 1), ("2", 2)])
+def test_a_string_means_what_its_number_means(text, number):
+    try:
+        expected = parse_budget(number)
+    except BudgetError:
+        with pytest.raises(BudgetError):
+            parse_budget(text)
+        return
+    assert parse_budget(text) == expected
+
+
+def test_largest_budget_is_accepted():
+    assert parse_budget(2**62) == 2**62
+    assert parse_budget(str(2**62)) == 2**62
