@@ -42,7 +42,7 @@ from lightning_rotor.profile import (
     tensors_of,
     versions,
 )
-from lightning_rotor.rng import RecordRandom, ReplayRandom
+from lightning_rotor.rng import GeneratorWatch, RecordRandom, ReplayFrom, ReplayRandom
 from lightning_rotor.simulate import FORWARD_OPS, normalize_ops
 
 
@@ -76,6 +76,8 @@ class _Step:
         self.mutated: dict[int, list[torch.Tensor]] = {}
         self.autocast = _Autocast()
         self.input_requires_grad = [t.requires_grad for t in tensors_of(value)]
+        cuda = {t.device for t in tensors_of(value) if t.device.type == "cuda"}
+        self.rng_devices = [torch.device("cpu"), *sorted(cuda, key=str)]
 
     def mark(self, op: tuple) -> None:
         if self.probe is not None and hasattr(self.probe, "mark"):
@@ -130,19 +132,38 @@ class _Step:
             check_inplace(before, src, k, name)
         if first and k in self.runner.recomputed:
             self._find_mutated(k, stage)
+            self._learn_quiet(k)
         if kind == "Fn" and k != 0:
             del self.plain[k]
 
     def _remember(self, k: int, stage: nn.Module, stack: ExitStack) -> None:
-        self.rng[k] = stack.enter_context(RecordRandom()).states  # see lightning_rotor/rng.py
+        """Before a recomputed stage's first run: how to replay its random numbers (lightning_rotor/rng.py)."""
+        if k in self.runner.quiet:
+            self.rng[k] = GeneratorWatch(self.rng_devices)
+        else:
+            self.rng[k] = stack.enter_context(RecordRandom()).states
         self.mutated[k] = [(b, b._version) for b in _plain_buffers(stage)]
+
+    def _learn_quiet(self, k: int) -> None:
+        record = self.rng[k]
+        if isinstance(record, GeneratorWatch):
+            if record.moved():
+                self.runner.quiet.discard(k)  # it drew (or another thread did): record it from the next step
+            else:
+                self.rng[k] = []
+        elif not record:
+            self.runner.quiet.add(k)  # drew nothing: from the next step, no mode on its first run
 
     def _find_mutated(self, k: int, stage: nn.Module) -> None:
         self.mutated[k] = [b for b, v in self.mutated[k] if b._version != v]
 
     def _replay(self, k: int, stage: nn.Module, stack: ExitStack) -> None:
         """Recompute exactly as the first run: same RNG, same autocast, buffers untouched."""
-        stack.enter_context(ReplayRandom(self.rng[k], self.runner.names[k]))  # the default generator is untouched
+        record = self.rng[k]  # the default generators are never rewound
+        if isinstance(record, GeneratorWatch):
+            stack.enter_context(ReplayFrom(record))
+        elif record:
+            stack.enter_context(ReplayRandom(record, self.runner.names[k]))
         self.autocast.enter(stack)
         norms = [m for m in stage.modules() if isinstance(m, nn.modules.batchnorm._NormBase)]
         norms = [m for m in norms if m.training and m.track_running_stats]
@@ -302,6 +323,7 @@ class PlanRunner:
         self.backward_ops = ops[split + 1 :]
         forwards = Counter(op[1] for op in ops if op[0] in FORWARD_OPS)
         self.recomputed = {k for k, n in forwards.items() if n > 1}
+        self.quiet: set[int] = set()  # recomputed stages whose last recorded first run drew no random number
         self.probe: Any = None
         self.token_device = torch.device("cpu")
 

@@ -31,7 +31,14 @@ rotor threads cannot draw between the two. What remains:
   numbers.
 
 Only stages that the plan recomputes run under these modes (one Python
-dispatch per op of their forward runs); other stages run as they are.
+dispatch per op of their forward runs); other stages run as they are. A
+recomputed stage whose recorded first run drew nothing is *quiet*: later steps
+run it with no mode at all, only comparing the default generators' states
+before and after its first run (`GeneratorWatch`). Should they have moved (the
+stage drew after all, or another thread drew meanwhile), that step replays the
+stage from one private generator per device set to the states before its first
+run (`ReplayFrom`: exact unless another thread drew meanwhile), and the next
+step records it again.
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["RNG_LOCK", "RecordRandom", "ReplayRandom"]
+__all__ = ["RNG_LOCK", "GeneratorWatch", "RecordRandom", "ReplayFrom", "ReplayRandom"]
 
 RNG_LOCK = threading.RLock()
 
@@ -156,4 +163,47 @@ class ReplayRandom(TorchDispatchMode):
             try:
                 return func(*args, **kwargs)
             finally:
+                source.set_state(now)
+
+
+class GeneratorWatch:
+    """The default generators' states of some devices, to tell whether anything drew from them since."""
+
+    def __init__(self, devices: list[torch.device]):
+        self.states = [(d, _default_generator(d).get_state()) for d in devices]
+
+    def moved(self) -> bool:
+        return any(not torch.equal(_default_generator(d).get_state(), state) for d, state in self.states)
+
+
+class ReplayFrom(TorchDispatchMode):
+    """A recomputation drawing, in order, from private generators set to the states a `GeneratorWatch` saw."""
+
+    def __init__(self, watch: GeneratorWatch):
+        super().__init__()
+        self.private: dict[torch.device, torch.Generator] = {}
+        for device, state in watch.states:
+            self.private[device] = torch.Generator(device=device)
+            self.private[device].set_state(state)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _SEEDED not in func.tags or kwargs.get("generator") is not None:
+            return func(*args, **kwargs)
+        device = _device(args, kwargs)
+        private = self.private.get(device)
+        if private is None:
+            private = self.private[device] = torch.Generator(device=device)
+            private.set_state(_default_generator(device).get_state())
+        op = _with_generator(func)
+        if op is not None:
+            return op(*args, **{**kwargs, "generator": private})
+        source = _default_generator(device)
+        with RNG_LOCK:
+            now = source.get_state()
+            source.set_state(private.get_state())
+            try:
+                return func(*args, **kwargs)
+            finally:
+                private.set_state(source.get_state())
                 source.set_state(now)

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_rotor.rng import RecordRandom, ReplayRandom
+from lightning_rotor.rng import GeneratorWatch, RecordRandom, ReplayFrom, ReplayRandom
 
 X = torch.randn(4, 8)
 USER = torch.Generator()
@@ -69,3 +69,16 @@ def test_a_replay_drawing_more_than_the_first_run_is_one_clear_error():
         with ReplayRandom(record.states, "3"):
             torch.rand(2)
             torch.rand(2)
+
+
+def test_replay_from_a_watch_draws_the_same_sequence_and_leaves_the_generator_alone():
+    torch.manual_seed(0)
+    watch = GeneratorWatch([torch.device("cpu")])
+    assert not watch.moved()
+    first = [F.dropout(torch.ones(16), 0.5, True), torch.rand(3), torch.native_dropout(X, 0.3, True)[0]]
+    assert watch.moved()
+    after = torch.get_rng_state()
+    with ReplayFrom(watch):
+        again = [F.dropout(torch.ones(16), 0.5, True), torch.rand(3), torch.native_dropout(X, 0.3, True)[0]]
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    assert torch.equal(torch.get_rng_state(), after)

@@ -496,3 +496,39 @@ def test_post_accumulate_grad_hooks_run_once_per_backward_as_in_plain_training()
     step(rotor, x, y)
     n = len(list(rotor.parameters()))
     assert sorted(seen) == [(i, True) for i in range(n)]
+
+
+class SometimesDropout(nn.Module):
+    """Draws random numbers only when `active` (control flow that changes between steps)."""
+
+    active = False
+
+    def forward(self, x):
+        return F.dropout(x, 0.5, True) if SometimesDropout.active else x
+
+
+def test_a_stage_that_starts_drawing_later_is_still_replayed_exactly():
+    """Quiet stages (no random number in their recorded first run) run with no mode; when they start drawing,
+    that step replays them from the generator states before their first run, and they are recorded again."""
+    torch.manual_seed(0)
+    layers = [m for _ in range(5) for m in (nn.Linear(24, 24), nn.Tanh(), SometimesDropout())]
+    plain = nn.Sequential(*layers, nn.Linear(24, 4))
+    rotor = Checkpointable(copy.deepcopy(plain), 0.4)
+    x, y = data()
+    quiet = []
+    try:
+        for active in (False, False, True, True, False, False):
+            SometimesDropout.active = active
+            for model in (plain, rotor):
+                torch.manual_seed(11)
+                step(model, x, y)
+            for a, b in zip(grads(plain), grads(rotor), strict=True):
+                assert torch.equal(a, b)
+            quiet.append(len(rotor.last_entry.runner.quiet))
+    finally:
+        SometimesDropout.active = False
+    recomputed = len(rotor.last_entry.runner.recomputed)
+    assert recomputed > 0
+    # all quiet after an inactive step; the stages holding dropout are recorded again once they drew
+    assert quiet[0] == quiet[1] == quiet[4] == quiet[5] == recomputed
+    assert quiet[2] < recomputed and quiet[3] < recomputed
