@@ -20,6 +20,10 @@ TIME_FIELDS = ("fwd_time", "bwd_time")
 STAGE_FIELDS = SIZE_FIELDS + TIME_FIELDS
 
 
+MAX_BYTES = 2**62  # every size, and all of them together: the planner adds them in 64-bit integers
+MAX_SECONDS = 1e12  # a bound on the planner's time scale (length x Σ fwd_time + Σ bwd_time)
+
+
 class ChainError(ValueError):
     """A chain record that breaks the memory model's rules."""
 
@@ -27,12 +31,12 @@ class ChainError(ValueError):
 def _check_size(value: Any, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ChainError(f"{where} must be a non-negative integer number of bytes, got {value!r}")
-    if isinstance(value, float):
-        if not math.isfinite(value) or value != int(value):
-            raise ChainError(f"{where} must be a non-negative integer number of bytes, got {value!r}")
-        value = int(value)
+    if isinstance(value, float) and (not math.isfinite(value) or value != int(value)):
+        raise ChainError(f"{where} must be a non-negative integer number of bytes, got {value!r}")
     if value < 0:
         raise ChainError(f"{where} must be a non-negative integer number of bytes, got {value!r}")
+    if value > MAX_BYTES:
+        raise ChainError(f"{where} is {value!r} bytes, more than the 2**62 bytes (4 EiB) a chain may hold")
     return int(value)
 
 
@@ -92,7 +96,15 @@ class Chain:
             self.fwd_tmp_nograd = [_check_size(v, f"fwd_tmp_nograd[{k}]") for k, v in enumerate(self.fwd_tmp_nograd)]
         self.input_size = _check_size(self.input_size, "input_size")
         self.loss_tmp = _check_size(self.loss_tmp, "loss_tmp")
-        if not self.names:
+        total = self.input_size + self.loss_tmp + sum(sum(getattr(self, f)) for f in (*SIZE_FIELDS, "fwd_tmp_nograd"))
+        if total > MAX_BYTES:
+            raise ChainError(f"the chain's sizes add up to {total} bytes, more than the 2**62 bytes (4 EiB) the "
+                             "planner adds up exactly")
+        horizon = length * sum(self.fwd_time) + sum(self.bwd_time)  # inf, not an error, when it overflows
+        if not horizon <= MAX_SECONDS:
+            raise ChainError(f"the chain's times are too large: {length} x Σ fwd_time + Σ bwd_time = {horizon:g} s; "
+                             f"at most {MAX_SECONDS:g} s is accepted")
+        if self.names is None or (isinstance(self.names, (list, tuple)) and not self.names):
             self.names = [f"stage{k}" for k in range(length)]
         if not isinstance(self.names, (list, tuple)) or len(self.names) != length:
             raise ChainError(f"names must be a list of {length} strings, one per stage")
@@ -131,7 +143,7 @@ class Chain:
         if not isinstance(data, dict):
             raise ChainError(f"a chain must be a JSON object, got {type(data).__name__}")
         version = data.get("version", CHAIN_VERSION)
-        if version != CHAIN_VERSION:
+        if isinstance(version, bool) or version != CHAIN_VERSION:
             raise ChainError(f"unknown chain version {version!r}; this release reads version {CHAIN_VERSION}")
         missing = [k for k in ("input_size", *STAGE_FIELDS) if k not in data]
         if missing:
@@ -143,7 +155,7 @@ class Chain:
         return cls(
             input_size=data["input_size"],
             loss_tmp=data.get("loss_tmp", 0),
-            names=list(data.get("names") or []),
+            names=data.get("names"),
             fwd_tmp_nograd=data.get("fwd_tmp_nograd"),
             **{name: data[name] for name in STAGE_FIELDS},
         )
@@ -165,15 +177,21 @@ class Chain:
         """Read a chain JSON file; every failure is a one-line `ChainError` naming the file."""
         path = Path(path)
         try:
-            text = path.read_text()
+            text = path.read_text(encoding="utf-8")
         except FileNotFoundError:
             raise ChainError(f"{path}: no such chain file") from None
+        except UnicodeDecodeError as err:
+            raise ChainError(f"{path}: not UTF-8 text (byte {err.start}); a chain file is JSON in UTF-8") from None
         except OSError as err:
             raise ChainError(f"{path}: cannot read chain file ({err.strerror})") from None
         try:
             data = json.loads(text)
         except json.JSONDecodeError as err:
             raise ChainError(f"{path}: not valid JSON ({err.msg} at line {err.lineno} column {err.colno})") from None
+        except RecursionError:
+            raise ChainError(f"{path}: JSON nested too deeply; a chain is one object of lists and numbers") from None
+        except ValueError:  # an integer literal longer than Python converts
+            raise ChainError(f"{path}: a JSON number has too many digits to be a size or a time") from None
         try:
             return cls.from_dict(data)
         except ChainError as err:

@@ -69,8 +69,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _join_mem_limit(argv: list[str]) -> list[str]:
+    """`--mem-limit -50%` as `--mem-limit=-50%`: argparse would take `-50%` for an option and never show our error."""
+    out: list[str] = []
+    it = iter(argv)
+    for arg in it:
+        if arg == "--mem-limit":
+            value = next(it, None)
+            out.append(arg if value is None else f"{arg}={value}")
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(_join_mem_limit(list(sys.argv[1:] if argv is None else argv)))
     if args.slots < 1:
         print(f"{PROG}: --slots must be a positive integer, got {args.slots}", file=sys.stderr)
         return 2

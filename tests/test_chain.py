@@ -2,6 +2,7 @@
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -116,3 +117,36 @@ def test_fwd_tmp_nograd_optional_and_checked():
         Chain.from_dict(chain_dict(fwd_tmp_nograd=[1, 0, -4]))
     with pytest.raises(ChainError, match="fwd_tmp_nograd"):
         Chain.from_dict(chain_dict(fwd_tmp_nograd=[1, 0]))
+
+
+def _hostile(tmp_path, name: str, text: str | bytes) -> Path:
+    path = tmp_path / f"{name}.json"
+    (path.write_bytes if isinstance(text, bytes) else path.write_text)(text)
+    return path
+
+
+def _with(**changes) -> str:
+    return json.dumps(chain_dict(**changes))
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (_with(out_size=[2**63, 1, 1], saved_size=[2**63, 1, 1]), "more than the 2**62 bytes"),
+        (_with(out_size=[2**61] * 3, saved_size=[2**61] * 3), "add up to"),
+        (_with(fwd_tmp=[1e300, 0, 0]), "1e+300 bytes, more than"),
+        (_with(fwd_time=[1.7e308] * 3), "times are too large"),
+        (_with(names=5), "names must be a list"),
+        (_with(names="abc"), "names must be a list"),
+        (_with(names=[1, 2, 3]), "names must be strings"),
+        (_with(loss_tmp=float("nan")), "loss_tmp must be"),
+        (_with(version=True), "unknown chain version"),
+        (b'{"names": ["\xe9"]}', "not UTF-8"),
+        ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+        ('{"input_size": ' + "9" * 5000 + "}", "too many digits"),
+    ],
+)
+def test_hostile_chain_files_get_one_line(tmp_path, text, message):
+    with pytest.raises(ChainError) as err:
+        Chain.load(_hostile(tmp_path, "hostile", text))
+    assert message in str(err.value) and "\n" not in str(err.value) and "hostile.json" in str(err.value)

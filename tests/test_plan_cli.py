@@ -93,3 +93,9 @@ def test_compact_ops():
     ops = [("Fe", 0), ("Fe", 1), ("Fc", 2), ("Fn", 3), ("Fn", 4), ("Loss",), ("Fe", 2), ("B", 4), ("B", 3), ("B", 2),
            ("B", 1), ("B", 0)]
     assert compact_ops(ops) == "Fe0-1 Fc2 Fn3-4 Loss Fe2 B4..0"
+
+
+def test_negative_budget_reaches_our_error(capsys):
+    assert main([str(EXAMPLES / "heterogeneous.json"), "--mem-limit", "-50%"]) == 1
+    err = capsys.readouterr().err
+    assert "must be positive" in err and "accepted:" in err and len(err.strip().splitlines()) == 1
