@@ -86,3 +86,52 @@ def test_evaluation_subcommands_run_the_plain_model(tmp_path, command):
                          "--trainer.logger=false", "--trainer.limit_val_batches=2", "--trainer.limit_predict_batches=2",
                          *TINY])
     assert code == 0
+
+
+def _config(tmp_path, text: str) -> str:
+    path = tmp_path / "extra.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--config", "YAML:trainer:\n  strategy:\n    class_path: lightning_rotor.RotorStrategy\n    init_args:\n"
+                     "      mem_limit: lots\n"],
+        ["--trainer.strategy.mem_limit=lots"],
+        ["--trainer.strategy=rotor", "--trainer.strategy.mem_limit=lots"],
+    ],
+)
+def test_unparsable_budget_is_one_line(tmp_path, capfd, extra):
+    extra = [_config(tmp_path, e[5:]) if e.startswith("YAML:") else e for e in extra]
+    code = main(["fit", "--config", QUICKSTART, "--trainer.max_steps=1", f"--trainer.default_root_dir={tmp_path}",
+                 *extra, *TINY])
+    err = capfd.readouterr().err.strip()
+    assert code in (1, 2)
+    assert err.startswith("lightning-rotor: error: cannot parse budget 'lots'") and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--config", "YAML:trainer:\n  strategy:\n    class_path: rotor\n    init_args:\n      mem_limit: 40%\n"],
+        ["--config", "YAML:trainer:\n  strategy: rotor\n", "--trainer.strategy.mem_limit=40%"],
+        ["--trainer.strategy=rotor", "--trainer.strategy.mem_limit=40%"],
+        ["--trainer.strategy", "rotor", "--trainer.strategy.mem_limit=40%"],
+    ],
+)
+def test_strategy_name_takes_nested_options(tmp_path, capsys, extra):
+    extra = [_config(tmp_path, e[5:]) if e.startswith("YAML:") else e for e in extra]
+    assert main(["fit", "--config", QUICKSTART, *extra, "--print_config"]) == 0
+    strategy = yaml.safe_load(capsys.readouterr().out)["trainer"]["strategy"]
+    assert strategy["class_path"] == "lightning_rotor.lightning.RotorStrategy"
+    assert strategy["init_args"]["mem_limit"] == "40%"
+
+
+def test_ddp_spawn_name_keeps_its_start_method(capsys):
+    assert main(["fit", "--config", QUICKSTART, "--trainer.strategy=rotor_ddp_spawn", "--trainer.strategy.slots=400",
+                 "--print_config"]) == 0
+    strategy = yaml.safe_load(capsys.readouterr().out)["trainer"]["strategy"]
+    assert strategy["class_path"] == "lightning_rotor.lightning.RotorDDPStrategy"
+    assert strategy["init_args"]["start_method"] == "spawn"
