@@ -17,18 +17,26 @@ state: the op's own `generator` argument, or the same op's overload that takes
 one (`rand.default` -> `rand.generator`).
 
 One lock, `RNG_LOCK`, is held from each snapshot to the end of its op, so
-rotor threads cannot draw between the two. What remains:
+rotor threads' recorded ops cannot draw between the two. Ops that fill an
+existing tensor (`bernoulli_`, which is dropout on CPU, `uniform_`, `normal_`,
+...) are made exact whatever other threads do: the op first draws from the
+default generator (which so moves on exactly as without rotor), then fills
+the tensor again from the snapshot with a private generator. What remains:
 
-- a thread that is not running a rotor step and draws from the same generator
-  exactly between a snapshot and its op shifts that op's numbers, and the
-  replay then draws what the first run would have drawn without it (the
-  default generator still never repeats a number);
+- an op that makes a new tensor (`rand`, `randn`, `bernoulli(p)`,
+  `multinomial`, `rrelu`'s noise, ...) draws from the default generator
+  itself: a draw from the same generator by any thread that is not inside a
+  recorded op (a thread outside rotor, or a stage the plan does not recompute)
+  landing between the snapshot and the op shifts the op's numbers, and its
+  replay is then not exact. The window is one GIL hand-over wide, so a thread
+  drawing continuously does hit it; the generator still never repeats a
+  number to anyone;
 - ops that draw but take no generator in any overload (`native_dropout`, the
   fused CUDA attention kernels, cuDNN RNNs: CUDA only; on CPU dropout is
-  `bernoulli_`) are replayed by setting the default generator of their
-  device to the snapshot and restoring its state right after, under the lock;
-  a non-rotor thread drawing on that device in that window sees repeated
-  numbers.
+  `bernoulli_`) have the same window on their first run, and are replayed by
+  setting the default generator of their device to the snapshot and restoring
+  its state right after, under the lock: a thread outside rotor drawing on that
+  device in that window sees repeated numbers.
 
 Only stages that the plan recomputes run under these modes (one Python
 dispatch per op of their forward runs); other stages run as they are. A
@@ -81,6 +89,19 @@ def _with_generator(op: Any) -> Any:
     return found
 
 
+def _overwrites_first(op: Any, args: Any, kwargs: dict) -> bool:
+    """Whether `op` writes its random numbers into its first argument, which no other argument shares."""
+    first = op._schema.arguments[0]
+    if first.alias_info is None or not first.alias_info.is_write or not args:
+        return False
+    target = args[0]
+    if not isinstance(target, torch.Tensor):
+        return False
+    ptr = target.untyped_storage().data_ptr()
+    others = [t for t in tree_leaves((args[1:], kwargs)) if isinstance(t, torch.Tensor)]
+    return all(t.untyped_storage().data_ptr() != ptr for t in others)
+
+
 def _device(args: Any, kwargs: dict) -> torch.device:
     for t in tree_leaves((args, kwargs)):
         if isinstance(t, torch.Tensor):
@@ -113,6 +134,7 @@ class RecordRandom(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.states: list[tuple[torch.device, torch.Tensor]] = []
+        self.private: dict[torch.device, torch.Generator] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -120,9 +142,22 @@ class RecordRandom(TorchDispatchMode):
             return func(*args, **kwargs)
         device = _device(args, kwargs)
         source = _source(kwargs, device)
+        overwrite = _with_generator(func) is func and _overwrites_first(func, args, kwargs)
         with RNG_LOCK:
-            self.states.append((device, source.get_state()))
-            return func(*args, **kwargs)
+            state = source.get_state()
+            self.states.append((device, state))
+            if not overwrite:
+                return func(*args, **kwargs)
+            # The op fills an existing tensor (bernoulli_ under dropout, uniform_, normal_, ...): let it draw
+            # from `source` (which moves on exactly as without rotor), then fill the tensor again from `state`
+            # with a private generator. Its numbers are then those of `state` even if another thread drew
+            # from `source` in between, and a replay from `state` is exact.
+            func(*args, **kwargs)
+            private = self.private.get(device)
+            if private is None:
+                private = self.private[device] = torch.Generator(device=device)
+            private.set_state(state)
+            return func(*args, **{**kwargs, "generator": private})
 
 
 class ReplayRandom(TorchDispatchMode):

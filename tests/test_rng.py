@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_rotor.rng import GeneratorWatch, RecordRandom, ReplayFrom, ReplayRandom
 
@@ -82,3 +83,24 @@ def test_replay_from_a_watch_draws_the_same_sequence_and_leaves_the_generator_al
         again = [F.dropout(torch.ones(16), 0.5, True), torch.rand(3), torch.native_dropout(X, 0.3, True)[0]]
     assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
     assert torch.equal(torch.get_rng_state(), after)
+
+
+class Interfere(TorchDispatchMode):
+    """Another draw from the default generator just before every random op: a thread drawing in the window."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if torch.Tag.nondeterministic_seeded in func.tags and (kwargs or {}).get("generator") is None:
+            torch.empty(4).uniform_()
+        return func(*args, **(kwargs or {}))
+
+
+def test_an_op_filling_a_tensor_is_exact_even_when_another_draw_lands_before_it():
+    torch.manual_seed(0)
+    plain = F.dropout(torch.ones(64), 0.5, True)  # bernoulli_ on a new mask
+    torch.manual_seed(0)
+    record = RecordRandom()
+    with Interfere(), record:
+        first = F.dropout(torch.ones(64), 0.5, True)
+    assert torch.equal(first, plain)  # the numbers of the state before the interfering draw
+    with ReplayRandom(record.states, "0"):
+        assert torch.equal(F.dropout(torch.ones(64), 0.5, True), first)

@@ -483,6 +483,11 @@ def test_a_thread_drawing_random_numbers_during_training_sees_no_repeats():
     assert 0 in results and len(drawn) > 10
     values = torch.cat(drawn)
     assert values.unique().numel() == values.numel()  # 53-bit doubles: a repeat means a rewound generator
+    # and the busy thread did not shift the dropout masks (bernoulli_ fills a tensor: exact whatever others draw)
+    for weights, masks, got, replays_equal, recomputed in results[0]:
+        assert recomputed > 0 and replays_equal
+        for a, b in zip(expected_grads(0, weights, masks), got, strict=True):
+            assert torch.equal(a, b)
 
 
 def test_post_accumulate_grad_hooks_run_once_per_backward_as_in_plain_training():
