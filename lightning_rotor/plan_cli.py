@@ -14,7 +14,7 @@ import sys
 from lightning_rotor.budget import BudgetError, format_bytes
 from lightning_rotor.chain import Chain, ChainError
 from lightning_rotor.discretize import DEFAULT_SLOTS
-from lightning_rotor.planner import InfeasibleBudget, Plan, plan
+from lightning_rotor.planner import InfeasibleBudget, Plan, PlannerTooLarge, plan
 
 PROG = "lightning-rotor plan"
 
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: infeasible: {err}", file=sys.stderr)
         print(f"smallest feasible budget: {err.min_feasible} bytes ({format_bytes(err.min_feasible)})")
         return 2
-    except (ChainError, BudgetError) as err:
+    except (ChainError, BudgetError, PlannerTooLarge) as err:
         print(f"{PROG}: {err}", file=sys.stderr)
         return 1
     if args.json:

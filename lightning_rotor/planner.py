@@ -10,6 +10,7 @@ at `min_feasible_budget(chain)` always succeeds. docs/planner.md derives it all.
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +21,49 @@ from lightning_rotor.chain import Chain
 from lightning_rotor.discretize import DEFAULT_SLOTS, check_slots, discretize
 from lightning_rotor.simulate import FORWARD_OPS, no_recompute_peak, normalize_ops
 
-__all__ = ["InfeasibleBudget", "Plan", "min_feasible_budget", "plan"]
+__all__ = ["InfeasibleBudget", "Plan", "PlannerTooLarge", "min_feasible_budget", "plan", "planner_memory_estimate"]
+
+
+class PlannerTooLarge(MemoryError):
+    """The planner's tables for this chain would not fit in the memory available."""
+
+
+TABLE_ENTRY_BYTES = 8  # one double per (subproblem, memory slot)
+
+
+def planner_memory_estimate(length: int, slots: int) -> int:
+    """Upper bound on the planner's table bytes: one entry per subproblem (s, t) and memory slot.
+
+    There are L(L+1)/2 "given" subproblems and L with the loss pending, each tabulated over at most
+    `slots + 1` memory values; pruning usually stores fewer (docs/planner.md has measured figures).
+    """
+    subproblems = length * (length + 1) // 2 + length
+    return subproblems * (slots + 1) * TABLE_ENTRY_BYTES
+
+
+def available_ram() -> int | None:
+    """Bytes of RAM available now (Linux `MemAvailable`, else free pages), or None when unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_planner_memory(length: int, slots: int) -> None:
+    """Refuse, in one line, a chain whose tables could exceed the memory available (before allocating)."""
+    need, have = planner_memory_estimate(length, slots), available_ram()
+    if have is not None and need > have:
+        raise PlannerTooLarge(
+            f"planning {length} stages at slots={slots} may need up to {format_bytes(need)} of tables, more than the "
+            f"{format_bytes(have)} available; lower slots (memory grows as L^2 x slots) or merge stages into fewer"
+        )
 
 
 class InfeasibleBudget(ValueError):
@@ -116,6 +159,7 @@ def plan(chain: Chain, mem_limit: BudgetSpec, *, slots: int = DEFAULT_SLOTS, thr
     smallest = min_feasible_budget(chain)
     if budget < smallest:
         raise InfeasibleBudget(budget, smallest)
+    check_planner_memory(chain.length, slots)
     d = discretize(chain, budget, slots=slots)
     found = _planner.solve(d.size, d.saved, d.fwd_tmp, d.fwd_tmp_nograd, d.bwd_tmp, d.loss_tmp, d.fwd_cost, d.bwd_cost,
                            d.slots, threads=threads or 0)

@@ -203,3 +203,22 @@ def test_exact_fallback_when_slot_rounding_finds_nothing():
     result = plan(chain, smallest, slots=7)
     sim = simulate(chain, result.ops)
     assert sim.peak == result.peak <= smallest and sim.time == result.time
+
+
+def test_chain_too_large_for_memory_is_refused_before_planning():
+    from lightning_rotor.planner import PlannerTooLarge, available_ram, planner_memory_estimate
+
+    have = available_ram()
+    length = 50
+    slots = have // planner_memory_estimate(length, 1) * 2 + 10  # tables of more bytes than are available
+    chain = Chain(input_size=1, out_size=[1] * length, saved_size=[1] * length, fwd_time=[1.0] * length,
+                  bwd_time=[1.0] * length, fwd_tmp=[0] * length, bwd_tmp=[0] * length)
+    with pytest.raises(PlannerTooLarge) as err:
+        plan(chain, 10**9, slots=slots)
+    assert "may need up to" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_memory_estimate_bounds_the_tables():
+    from lightning_rotor.planner import planner_memory_estimate
+
+    assert planner_memory_estimate(400, 500) == (400 * 401 // 2 + 400) * 501 * 8
