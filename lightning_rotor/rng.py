@@ -21,7 +21,10 @@ rotor threads' recorded ops cannot draw between the two. Ops that fill an
 existing tensor (`bernoulli_`, which is dropout on CPU, `uniform_`, `normal_`,
 ...) are made exact whatever other threads do: the op first draws from the
 default generator (which so moves on exactly as without rotor), then fills
-the tensor again from the snapshot with a private generator. What remains:
+the tensor again from the snapshot with a private generator. That second fill
+costs one more random op, so it is done only while other Python threads are
+alive (`threading.active_count() > 1`; a process with one thread has nobody to
+draw in between). What remains:
 
 - an op that makes a new tensor (`rand`, `randn`, `bernoulli(p)`,
   `multinomial`, `rrelu`'s noise, ...) draws from the default generator
@@ -142,7 +145,11 @@ class RecordRandom(TorchDispatchMode):
             return func(*args, **kwargs)
         device = _device(args, kwargs)
         source = _source(kwargs, device)
-        overwrite = _with_generator(func) is func and _overwrites_first(func, args, kwargs)
+        overwrite = (
+            threading.active_count() > 1  # alone, nothing can draw between the snapshot and the op
+            and _with_generator(func) is func
+            and _overwrites_first(func, args, kwargs)
+        )
         with RNG_LOCK:
             state = source.get_state()
             self.states.append((device, state))

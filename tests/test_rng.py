@@ -1,5 +1,7 @@
 """RecordRandom / ReplayRandom: a replay draws its first run's numbers and never moves the default generator."""
 
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -94,7 +96,18 @@ class Interfere(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_an_op_filling_a_tensor_is_exact_even_when_another_draw_lands_before_it():
+@pytest.fixture
+def another_thread():
+    """A second Python thread alive (idle): the refill of tensor-filling ops is done only then."""
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait)
+    thread.start()
+    yield
+    stop.set()
+    thread.join()
+
+
+def test_an_op_filling_a_tensor_is_exact_even_when_another_draw_lands_before_it(another_thread):
     torch.manual_seed(0)
     plain = F.dropout(torch.ones(64), 0.5, True)  # bernoulli_ on a new mask
     torch.manual_seed(0)
