@@ -46,9 +46,10 @@ from lightning_rotor.chain import Chain
 from lightning_rotor.discretize import check_slots
 from lightning_rotor.execute import PlanRunner
 from lightning_rotor.memory import CudaMemoryProbe, MemoryProbe
+from lightning_rotor.ops import forward_counts, is_no_recompute
 from lightning_rotor.planner import InfeasibleBudget, Plan, plan
 from lightning_rotor.profile import Profile, flatten_stages, profile_chain
-from lightning_rotor.simulate import FORWARD_OPS, no_recompute_peak, simulate
+from lightning_rotor.simulate import no_recompute_peak, simulate
 
 __all__ = ["AUTO_FRACTION", "Checkpointable", "Entry", "InfeasibleBudget", "StepMeasurement", "auto_budget"]
 
@@ -119,11 +120,7 @@ class Entry:
     @property
     def runs(self) -> list[int]:
         """How many times each stage runs forward in one step (more than 1: recomputed)."""
-        runs = [0] * self.chain.length
-        for op in self.plan.ops:
-            if op[0] in FORWARD_OPS:
-                runs[op[1]] += 1
-        return runs
+        return forward_counts(self.plan.ops, self.chain.length)
 
 
 class StepMeasurement:
@@ -253,7 +250,7 @@ class Checkpointable(nn.Module):
             return self.module(value)
         entry = self.prepare_for(value)
         measurement = self._measurement
-        plain = not entry.runner.recomputed and all(op[0] == "Fe" for op in entry.runner.forward_ops)
+        plain = is_no_recompute(entry.plan.ops)
         if plain and measurement is None:
             return self.module(value)  # no recomputation: plain autograd frees exactly as the plan does
         if measurement is not None:

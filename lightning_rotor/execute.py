@@ -24,7 +24,6 @@ buffers a second time.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 from contextlib import ExitStack
 from typing import Any
@@ -33,6 +32,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from lightning_rotor.ops import Op, OpKind, parse_ops, recomputed_stage_set
 from lightning_rotor.profile import (
     backward_pairs,
     check_inplace,
@@ -43,11 +43,6 @@ from lightning_rotor.profile import (
     versions,
 )
 from lightning_rotor.rng import GeneratorWatch, RecordRandom, ReplayFrom, ReplayRandom
-from lightning_rotor.simulate import FORWARD_OPS, normalize_ops
-
-
-def _label(op: tuple) -> str:
-    return op[0] if len(op) == 1 else f"{op[0]} {op[1]}"
 
 
 class _Autocast:
@@ -81,7 +76,7 @@ class _Step:
 
     def mark(self, op: tuple) -> None:
         if self.probe is not None and hasattr(self.probe, "mark"):
-            self.probe.mark(_label(op))
+            self.probe.mark(op.label)
 
     # -- forward ops ----------------------------------------------------------------------
     def _input(self, k: int, kind: str) -> Any:
@@ -107,7 +102,7 @@ class _Step:
                 leaves.append(t)
         return tree_unflatten(leaves, spec)
 
-    def forward_op(self, kind: str, k: int) -> None:
+    def forward_op(self, kind: OpKind, k: int) -> None:
         stage, name = self.runner.stages[k], self.runner.names[k]
         src = self._input(k, kind)
         first = k not in self.ran
@@ -120,7 +115,7 @@ class _Step:
             else:
                 self._replay(k, stage, stack)
             before = versions(src)
-            if kind == "Fe":
+            if kind is OpKind.FE:
                 inp = self._leaf_input(k, src)
                 with torch.enable_grad():
                     out = stage(inp)
@@ -195,12 +190,15 @@ class _Step:
         if k != 0:
             self.plain.pop(k, None)
 
-    def run(self, ops: Sequence[tuple]) -> None:
+    def run(self, ops: Sequence[Op]) -> None:
         for op in ops:
-            if op[0] == "B":
-                self.backward_op(op[1])
-            else:
-                self.forward_op(*op)
+            kind = op.kind
+            if kind is OpKind.FN or kind is OpKind.FC or kind is OpKind.FE:
+                self.forward_op(kind, op.stage)
+            elif kind is OpKind.B:
+                self.backward_op(op.stage)
+            else:  # Loss splits the plan in PlanRunner; any other kind has no executor yet
+                raise RuntimeError(f"executor has no rule for op {op.label} here")
             self.mark(op)
 
     def clear(self) -> None:
@@ -296,7 +294,7 @@ class _Head(torch.autograd.Function):
         step: _Step | None = getattr(ctx, "step", None)
         _check_backward_call(step)
         step.grads[step.runner.length] = list(grads)
-        step.mark(("Loss",))
+        step.mark(Op(OpKind.LOSS))
         del ctx.step
         return None, torch.empty(0, device=step.runner.token_device)
 
@@ -312,17 +310,16 @@ class PlanRunner:
         self.stages = list(stages)
         self.length = len(self.stages)
         self.names = list(names) if names is not None else [f"stage{k}" for k in range(self.length)]
-        ops = normalize_ops(ops)
-        if ops.count(("Loss",)) != 1:
+        ops = parse_ops(ops)
+        if ops.count(Op(OpKind.LOSS)) != 1:
             raise ValueError("a plan has exactly one Loss op")
-        if sorted(op[1] for op in ops if op[0] == "B") != list(range(self.length)):
+        if sorted(op.stage for op in ops if op.kind is OpKind.B) != list(range(self.length)):
             raise ValueError(f"the plan does not fit a chain of {self.length} stages: it needs one B op per stage")
-        split = ops.index(("Loss",))
+        split = ops.index(Op(OpKind.LOSS))
         self.ops = ops
         self.forward_ops = ops[:split]
         self.backward_ops = ops[split + 1 :]
-        forwards = Counter(op[1] for op in ops if op[0] in FORWARD_OPS)
-        self.recomputed = {k for k, n in forwards.items() if n > 1}
+        self.recomputed = recomputed_stage_set(ops)
         self.quiet: set[int] = set()  # recomputed stages whose last recorded first run drew no random number
         self.probe: Any = None
         self.token_device = torch.device("cpu")

@@ -106,13 +106,18 @@ def forward_counts(ops: Iterable[Op], length: int) -> list[int]:
     return runs
 
 
-def recomputed_stages(ops: Iterable[Op]) -> int:
-    """How many stages run forward more than once."""
+def recomputed_stage_set(ops: Iterable[Op]) -> set[int]:
+    """The stages that run forward more than once."""
     counts: dict[int, int] = {}
     for op in ops:
         if op.kind.is_forward:
             counts[op.stage] = counts.get(op.stage, 0) + 1
-    return sum(1 for n in counts.values() if n > 1)
+    return {k for k, n in counts.items() if n > 1}
+
+
+def recomputed_stages(ops: Iterable[Op]) -> int:
+    """How many stages run forward more than once."""
+    return len(recomputed_stage_set(ops))
 
 
 def no_recompute_ops(length: int) -> list[Op]:

@@ -11,7 +11,6 @@ at `min_feasible_budget(chain)` always succeeds. docs/planner.md derives it all.
 from __future__ import annotations
 
 import os
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +18,8 @@ from lightning_rotor import _planner
 from lightning_rotor.budget import BudgetSpec, format_bytes, resolve_budget
 from lightning_rotor.chain import Chain
 from lightning_rotor.discretize import DEFAULT_SLOTS, check_slots, discretize
-from lightning_rotor.simulate import FORWARD_OPS, no_recompute_peak, normalize_ops
+from lightning_rotor.ops import Op, parse_ops, recomputed_stages
+from lightning_rotor.simulate import no_recompute_peak
 
 __all__ = ["InfeasibleBudget", "Plan", "PlannerTooLarge", "min_feasible_budget", "plan", "planner_memory_estimate"]
 
@@ -82,7 +82,7 @@ class InfeasibleBudget(ValueError):
 class Plan:
     """A schedule and what it costs: `time` in seconds and `peak` in bytes, as the simulator replays it."""
 
-    ops: list[tuple]
+    ops: list[Op]
     time: float
     peak: int
     mem_limit: int
@@ -99,7 +99,7 @@ class Plan:
             "slots": self.slots,
             "recomputed_stages": self.recomputed_stages,
             "no_recompute_time": self.no_recompute_time,
-            "ops": [list(op) for op in self.ops],
+            "ops": [op.to_json() for op in self.ops],
         }
 
     @classmethod
@@ -109,7 +109,7 @@ class Plan:
         missing = [k for k in ("mem_limit", "time", "peak", "ops") if k not in data]
         if missing:
             raise ValueError(f"plan is missing field(s) {', '.join(missing)}")
-        ops = normalize_ops(data["ops"])
+        ops = parse_ops(data["ops"])
         return cls(
             ops=ops,
             time=float(data["time"]),
@@ -133,13 +133,7 @@ def min_feasible_budget(chain: Chain) -> int:
     return max(1, _planner.min_budget(*_memory_args(chain)))
 
 
-def recomputed_stages(ops: list[tuple]) -> int:
-    """How many stages run forward more than once."""
-    counts = Counter(op[1] for op in ops if op[0] in FORWARD_OPS)
-    return sum(1 for n in counts.values() if n > 1)
-
-
-def replay(chain: Chain, ops: list[tuple]) -> tuple[int, float]:
+def replay(chain: Chain, ops: list[Op]) -> tuple[int, float]:
     """(peak bytes, seconds) of `ops` by the C++ replay (tests compare it with `simulate`)."""
     return _planner.replay(*_memory_args(chain), chain.fwd_time, chain.bwd_time, list(ops))
 
@@ -165,10 +159,10 @@ def plan(chain: Chain, mem_limit: BudgetSpec, *, slots: int = DEFAULT_SLOTS, thr
                            d.slots, threads=threads or 0)
     candidates = []
     if found is not None:
-        candidates.append(found[1])
+        candidates.append(parse_ops(found[1]))
     fallback = _planner.feasible_schedule(*_memory_args(chain), budget)
     if fallback is not None:
-        candidates.append(fallback)
+        candidates.append(parse_ops(fallback))
     scored = [(replay(chain, ops), ops) for ops in candidates]
     (peak, time), ops = min(scored, key=lambda item: item[0][1])  # fastest; the DP's on ties
     return Plan(

@@ -8,45 +8,27 @@ time must equal what this module computes.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
-from typing import NamedTuple
+from collections.abc import Iterable
+from typing import Any, NamedTuple
 
 from lightning_rotor.chain import Chain
+from lightning_rotor.ops import Op, OpKind, no_recompute_ops, parse_ops
 
-FORWARD_OPS = ("Fn", "Fc", "Fe")
-OP_NAMES = (*FORWARD_OPS, "Loss", "B")
+__all__ = ["Simulation", "no_recompute_ops", "no_recompute_peak", "simulate"]
 
 
 class Simulation(NamedTuple):
-    """Peak bytes, total seconds, and bytes held after each op."""
+    """Peak bytes, total seconds, bytes held after each op, and the peak during each op."""
 
     peak: int
     time: float
     curve: list[int]
+    op_peaks: list[int]
 
 
-def normalize_ops(ops: Iterable[Sequence]) -> list[tuple]:
-    """Turn JSON-shaped ops (`["Fe", 2]`, `["Loss"]`) into tuples, checking their form."""
-    out: list[tuple] = []
-    for i, op in enumerate(ops):
-        if isinstance(op, str):
-            op = (op,)
-        if not isinstance(op, (list, tuple)) or not op or op[0] not in OP_NAMES:
-            raise ValueError(f"op {i} {op!r}: unknown op; ops are {', '.join(OP_NAMES)}")
-        if op[0] == "Loss":
-            if len(op) != 1:
-                raise ValueError(f"op {i} {list(op)!r}: Loss takes no stage index")
-            out.append(("Loss",))
-            continue
-        if len(op) != 2 or isinstance(op[1], bool) or not isinstance(op[1], int):
-            raise ValueError(f"op {i} {list(op)!r}: {op[0]} needs one integer stage index")
-        out.append((op[0], op[1]))
-    return out
-
-
-def simulate(chain: Chain, ops: Iterable[Sequence]) -> Simulation:
+def simulate(chain: Chain, ops: Iterable[Any]) -> Simulation:
     """Replay `ops` on `chain`; raise `ValueError` naming the first op at fault."""
-    ops = normalize_ops(ops)
+    ops = parse_ops(ops)
     length = chain.length
     s = chain.sizes
     sb = [0, *chain.saved_size]  # sb[k] is the bytes of the recorded value ā_k
@@ -57,53 +39,51 @@ def simulate(chain: Chain, ops: Iterable[Sequence]) -> Simulation:
     peak = cur
     times: list[float] = []
     curve: list[int] = []
+    op_peaks: list[int] = []
     loss_done = False
     next_backward = length - 1
 
-    def fail(i: int, op: tuple, why: str) -> ValueError:
-        name = op[0] if len(op) == 1 else f"{op[0]} {op[1]}"
-        return ValueError(f"invalid plan: op {i} ({name}): {why}")
+    def fail(i: int, op: Op, why: str) -> ValueError:
+        return ValueError(f"invalid plan: op {i} ({op.label}): {why}")
 
     for i, op in enumerate(ops):
-        kind = op[0]
-        if kind != "Loss":
-            k = op[1]
-            if not 0 <= k < length:
-                raise fail(i, op, f"stage index out of range 0..{length - 1}")
-        if kind in FORWARD_OPS:
-            if kind == "Fn" and k not in plain:
+        kind, k = op.kind, op.stage
+        if k is not None and not 0 <= k < length:
+            raise fail(i, op, f"stage index out of range 0..{length - 1}")
+        if kind is OpKind.FN or kind is OpKind.FC or kind is OpKind.FE:
+            if kind is OpKind.FN and k not in plain:
                 raise fail(i, op, f"needs a_{k} held without graph")
             if k not in plain and k not in graph:
                 raise fail(i, op, f"needs a_{k}, which is not held")
-            if kind == "Fe":
+            if kind is OpKind.FE:
                 if k + 1 in graph:
                     raise fail(i, op, f"a_{k + 1} is already held with its graph")
-                peak = max(peak, cur + sb[k + 1] + chain.fwd_tmp[k])
+                during = cur + sb[k + 1] + chain.fwd_tmp[k]
                 graph.add(k + 1)
                 cur += sb[k + 1]
             else:
                 if k + 1 in plain:
                     raise fail(i, op, f"a_{k + 1} is already held")
-                peak = max(peak, cur + s[k + 1] + chain.fwd_tmp_nograd[k])
+                during = cur + s[k + 1] + chain.fwd_tmp_nograd[k]
                 plain.add(k + 1)
                 cur += s[k + 1]
-                if kind == "Fn" and k != 0:
+                if kind is OpKind.FN and k != 0:
                     plain.discard(k)
                     cur -= s[k]
             times.append(chain.fwd_time[k])
-        elif kind == "Loss":
+        elif kind is OpKind.LOSS:
             if loss_done:
                 raise fail(i, op, "the loss is computed once per step")
             if length not in graph and length not in plain:
                 raise fail(i, op, f"needs the chain output a_{length}, which is not held")
-            peak = max(peak, cur + s[length] + chain.loss_tmp)
+            during = cur + s[length] + chain.loss_tmp
             grads.add(length)
             cur += s[length]
             if length not in graph:
                 plain.discard(length)
                 cur -= s[length]
             loss_done = True
-        else:  # B
+        elif kind is OpKind.B:
             if not loss_done:
                 raise fail(i, op, "backward before the loss")
             if k != next_backward:
@@ -114,7 +94,7 @@ def simulate(chain: Chain, ops: Iterable[Sequence]) -> Simulation:
                 raise fail(i, op, f"needs the gradient δ_{k + 1}")
             if k not in plain and k not in graph:
                 raise fail(i, op, f"needs a_{k}, which is not held")
-            peak = max(peak, cur + s[k] + chain.bwd_tmp[k])
+            during = cur + s[k] + chain.bwd_tmp[k]
             graph.discard(k + 1)
             grads.discard(k + 1)
             grads.add(k)
@@ -124,18 +104,17 @@ def simulate(chain: Chain, ops: Iterable[Sequence]) -> Simulation:
                 cur -= s[k]
             times.append(chain.bwd_time[k])
             next_backward -= 1
+        else:
+            raise fail(i, op, f"the simulator has no rule for {kind.value} ops")
+        peak = max(peak, during)
+        op_peaks.append(during)
         curve.append(cur)
     if not loss_done or next_backward != -1:
         raise ValueError(
             f"invalid plan: it ends before B 0 (next expected: {'Loss' if not loss_done else f'B {next_backward}'}); "
             "a plan must end holding δ_0"
         )
-    return Simulation(peak=peak, time=math.fsum(times), curve=curve)
-
-
-def no_recompute_ops(length: int) -> list[tuple]:
-    """`Fe 0 … Fe L-1, Loss, B L-1 … B 0`: the fastest schedule, at unlimited memory."""
-    return [("Fe", k) for k in range(length)] + [("Loss",)] + [("B", k) for k in reversed(range(length))]
+    return Simulation(peak=peak, time=math.fsum(times), curve=curve, op_peaks=op_peaks)
 
 
 def no_recompute_peak(chain: Chain) -> int:

@@ -10,9 +10,10 @@ from hypothesis import strategies as st
 from lightning_rotor import _planner
 from lightning_rotor.chain import Chain
 from lightning_rotor.discretize import discretize
+from lightning_rotor.ops import FORWARD_KINDS
 from lightning_rotor.planner import InfeasibleBudget, Plan, min_feasible_budget, plan, replay
 from lightning_rotor.reference import reference_min_budget, reference_plan, solve
-from lightning_rotor.simulate import FORWARD_OPS, no_recompute_ops, no_recompute_peak, simulate
+from lightning_rotor.simulate import no_recompute_ops, no_recompute_peak, simulate
 
 
 @st.composite
@@ -43,7 +44,7 @@ def cpp_solve(chain, budget, slots):
 
 
 def forward_ops(ops):
-    return sum(1 for op in ops if op[0] in FORWARD_OPS)
+    return sum(1 for op in ops if op[0] in FORWARD_KINDS)
 
 
 @settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -73,3 +73,29 @@ def test_forward_without_grad_uses_its_own_transient(chain):
     # Fc0 now peaks at 10 + 20 + 50 = 80; recording forwards keep fwd_tmp (Fe0: 15 + 30 + 3)
     assert simulate(lean, ops).peak == 80
     assert simulate(lean, no_recompute_ops(2)).peak == 75
+
+
+def test_op_peaks_bound_each_op_and_reach_the_peak():
+    from lightning_rotor.ops import no_recompute_ops
+
+    chain = Chain(input_size=10, out_size=[20, 5], saved_size=[30, 8], fwd_time=[1.0, 1.0], bwd_time=[1.0, 1.0],
+                  fwd_tmp=[3, 1], bwd_tmp=[4, 2], loss_tmp=6)
+    sim = simulate(chain, no_recompute_ops(2))
+    assert len(sim.op_peaks) == len(sim.curve) == 5
+    assert max(sim.op_peaks) == sim.peak
+    assert all(p >= c for p, c in zip(sim.op_peaks, sim.curve, strict=True))
+    assert sim.op_peaks[0] == 10 + 30 + 3  # Fe 0: a_0, then ā_1 and its transient
+
+
+def test_ops_are_one_type_from_json_to_plan():
+    from lightning_rotor.ops import Op, OpKind, parse_ops
+
+    ops = parse_ops([["Fc", 0], ["Fn", 1], ["Loss"], ["B", 1]])
+    assert [op.label for op in ops] == ["Fc 0", "Fn 1", "Loss", "B 1"]
+    assert ops[0] == ("Fc", 0) and ops[2] == ("Loss",) and ops[2].stage is None
+    assert ops[1].kind is OpKind.FN and ops[1].kind.is_forward and not ops[3].kind.is_forward
+    assert [op.to_json() for op in ops] == [["Fc", 0], ["Fn", 1], ["Loss"], ["B", 1]]
+    with pytest.raises(ValueError, match="unknown op"):
+        parse_ops([["Offload", 1]])
+    with pytest.raises(ValueError, match="Loss takes no stage"):
+        Op("Loss", 3)

@@ -46,22 +46,18 @@ from lightning_rotor.budget import format_bytes
 from lightning_rotor.checkpointable import Checkpointable, Entry, StepMeasurement
 from lightning_rotor.lightning.state import STATE_KEY, export_state, import_state, rotor_modules
 from lightning_rotor.memory import MemoryProbe
-from lightning_rotor.simulate import FORWARD_OPS, simulate
-
-
-def op_label(op: tuple) -> str:
-    return op[0] if len(op) == 1 else f"{op[0]} {op[1]}"
+from lightning_rotor.ops import OpKind, forward_counts
+from lightning_rotor.simulate import no_recompute_peak, simulate
 
 
 def stage_rows(entry: Entry) -> list[tuple[str, int, int, float, float, str]]:
     """(name, out bytes, saved bytes, fwd s, bwd s, decision) per stage of a plan."""
     chain = entry.chain
-    runs = [0] * chain.length
+    runs = forward_counts(entry.plan.ops, chain.length)
     kept = [False] * chain.length
     for op in entry.plan.ops:
-        if op[0] in FORWARD_OPS:
-            runs[op[1]] += 1
-            kept[op[1]] |= op[0] == "Fc"
+        if op.kind is OpKind.FC:
+            kept[op.stage] = True
     rows = []
     for k in range(chain.length):
         decision = "recompute" if runs[k] > 1 else "keep"
@@ -97,8 +93,7 @@ def summary_text(chains: dict[str, Checkpointable]) -> str:
         if rotor.last_entry is None:
             continue
         entry = rotor.last_entry
-        no_recompute = simulate(entry.chain, [("Fe", k) for k in range(entry.chain.length)] + [("Loss",)]
-                                + [("B", k) for k in reversed(range(entry.chain.length))]).peak
+        no_recompute = no_recompute_peak(entry.chain)
         base = entry.chain.no_recompute_time()
         rows.append((name, str(entry.chain.length), format_bytes(entry.plan.mem_limit), format_bytes(entry.plan.peak),
                      format_bytes(no_recompute), str(entry.plan.recomputed_stages),
@@ -292,7 +287,7 @@ class RotorCallback(Callback):
 
     def _log_plan(self, trainer: pl.Trainer, name: str, entry: Entry, m: StepMeasurement) -> None:
         """The memory curve of one step: predicted bytes after each op, and measured where marked."""
-        ops = [op_label(op) for op in entry.plan.ops]
+        ops = [op.label for op in entry.plan.ops]
         predicted = simulate(entry.chain, entry.plan.ops).curve
         measured: list[tuple[int, int]] = []  # (op index, bytes)
         j = 0
