@@ -126,18 +126,28 @@ class Entry:
 class StepMeasurement:
     """Measured activation memory of one training step (see `Checkpointable.measure_step`)."""
 
-    def __init__(self, owner: Checkpointable, device: torch.device):
+    def __init__(self, owner: Checkpointable, device: torch.device,
+                 probe: MemoryProbe | CudaMemoryProbe | None = None):
         self.owner = owner
         self.device = device
         self.probe: MemoryProbe | CudaMemoryProbe | None  # None once the step is measured
-        if device.type == "cuda":
+        if probe is not None:
+            self.probe = probe
+        elif device.type == "cuda":
             self.probe = CudaMemoryProbe(device)
         else:
             self.probe = MemoryProbe(owner, record_curve=True)
         self.entry: Entry | None = None
-        self.peak = 0
+        self.peak = 0  # the whole measured block
+        self.chain_peak = 0  # while this chain's ops ran (the figure of a per-chain plot)
         self.curve: list[tuple[str, int]] = []
         self.op_peaks: list[int] = []
+        self.start_op = 0  # the probe's op count when the chain's first op began
+
+    @property
+    def is_open(self) -> bool:
+        """True between `__enter__` and `__exit__`: the owner's training steps are being measured."""
+        return self.owner._measurement is self
 
     def __enter__(self) -> StepMeasurement:
         self.probe.__enter__()
@@ -155,10 +165,11 @@ class StepMeasurement:
         self.curve = [(label, nbytes) for label, _, nbytes in marks]
         if isinstance(probe, MemoryProbe):
             ends = [i for _, i, _ in marks]
-            starts = [0, *ends[:-1]][: len(ends)]
+            starts = [self.start_op, *ends[:-1]][: len(ends)]
             curve = probe.curve
             spans = zip(starts, ends, marks, strict=True)
             self.op_peaks = [max(curve[s:e], default=nbytes) for s, e, (_, _, nbytes) in spans]
+        self.chain_peak = max(self.op_peaks or [nbytes for _, nbytes in self.curve], default=0)
         self.owner.last_measurement = self
 
     @property
@@ -255,6 +266,7 @@ class Checkpointable(nn.Module):
             return self.module(value)  # no recomputation: plain autograd frees exactly as the plan does
         if measurement is not None:
             measurement.entry = entry
+            measurement.start_op = getattr(measurement.probe, "ops", 0)
             entry.runner.probe = measurement.probe
         try:
             return entry.runner(value)
@@ -373,10 +385,34 @@ class Checkpointable(nn.Module):
             raise ValueError(f"saved plan is for other stages: {', '.join(differ[:4])} differ in module types or "
                              "parameter/buffer shapes or dtypes; nothing loaded")
 
-    def measure_step(self) -> StepMeasurement:
-        """A context manager measuring the activation memory of the step run inside it."""
+    def measure_step(self, probe: MemoryProbe | CudaMemoryProbe | None = None) -> StepMeasurement:
+        """A context manager measuring the activation memory of the step run inside it.
+
+        `probe`: what measures (default: tensor accounting of this module's activations on CPU,
+        the allocator on CUDA); give a wider `MemoryProbe` to count the whole training step.
+        """
         device = next((p.device for p in self.parameters()), torch.device("cpu"))
-        return StepMeasurement(self, device)
+        return StepMeasurement(self, device, probe)
+
+    def replan(self, mem_limit: int | float | str) -> None:
+        """Plan every saved chain again for `mem_limit` (profiles are kept; planning is cheap).
+
+        Raises `InfeasibleBudget` before changing anything when some chain cannot meet it.
+        A fraction is taken of the first chain's no-recomputation peak, as on a first step.
+        """
+        parse_budget(mem_limit)
+        entries = list(self.entries.items())
+        if not entries:
+            self.mem_limit, self.budget = mem_limit, None
+            return
+        budget = resolve_budget(mem_limit, no_recompute_peak(entries[0][1].chain))
+        chosen = {key: plan(entry.chain, budget, slots=self.slots) for key, entry in entries}
+        self.mem_limit, self.budget = mem_limit, budget
+        for key, entry in entries:
+            self.entries[key] = Entry(entry.profile, chosen[key], PlanRunner(self.stages, chosen[key].ops,
+                                                                             self.stage_names))
+            if self.last_entry is entry:
+                self.last_entry = self.entries[key]
 
     def summary(self) -> str:
         """A readable table of the stages and the plan for the last signature."""

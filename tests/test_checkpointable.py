@@ -322,3 +322,45 @@ def test_infeasible_budget_inside_measure_step_is_not_masked():
     with pytest.raises(InfeasibleBudget, match="smallest feasible budget"):
         with ckpt.measure_step():
             ckpt(x).sum().backward()
+
+
+def test_replan_changes_the_budget_or_nothing():
+    model, x, _ = build("mlp")
+    ckpt = Checkpointable(model, 1.0)
+    ckpt.prepare_for(x)
+    least = min_feasible_budget(ckpt.chain)
+    before = ckpt.plan
+    with pytest.raises(InfeasibleBudget) as err:
+        ckpt.replan(least - 1)
+    assert err.value.min_feasible == least
+    assert ckpt.plan is before and ckpt.mem_limit == 1.0  # nothing changed
+    ckpt.replan(least)
+    assert ckpt.plan.mem_limit == least and ckpt.budget == least and ckpt.plan.peak <= least
+    assert ckpt.plan.recomputed_stages > 0
+    with pytest.raises(BudgetError):
+        ckpt.replan("lots")
+
+
+def test_measure_step_takes_a_probe_and_reports_the_chains_own_peak():
+    from lightning_rotor.memory import MemoryProbe
+
+    model, x, y = build("mlp")
+    ckpt = Checkpointable(model, "50%")
+    ckpt.prepare_for(x)
+    big = torch.ones(1_000_000)  # alive before the chain runs: the whole-step peak counts it
+    wide = MemoryProbe(ckpt, record_curve=True)
+    with ckpt.measure_step(probe=wide) as m:
+        wide.track(big)
+        assert m.is_open
+        loss_of(ckpt(x), y).backward()
+    assert not m.is_open and m.probe is None
+    assert m.chain_peak == max(m.op_peaks) and len(m.op_peaks) == len(ckpt.plan.ops)
+    assert storage_of(big) < m.chain_peak <= m.peak  # the wide probe counts `big` through the chain's ops
+    with ckpt.measure_step() as own:
+        loss_of(ckpt(x), y).backward()
+    assert own.chain_peak <= own.peak <= ckpt.plan.mem_limit < storage_of(big)
+    assert own.chain_peak == m.chain_peak - storage_of(big)  # the same step, less `big`
+
+
+def storage_of(t):
+    return t.untyped_storage().nbytes()

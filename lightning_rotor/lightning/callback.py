@@ -183,10 +183,9 @@ class RotorCallback(Callback):
         self._measurements = []
         if self._wants_measure(chains):
             for name, rotor in chains.items():
-                m = rotor.measure_step()
-                if isinstance(m.probe, MemoryProbe):
-                    # count the whole step, excluding every parameter of the LightningModule
-                    m.probe = MemoryProbe(pl_module, record_curve=True)
+                # on CPU count the whole step, excluding every parameter of the LightningModule
+                wide = MemoryProbe(pl_module, record_curve=True) if pl_module.device.type != "cuda" else None
+                m = rotor.measure_step(probe=wide)
                 m.__enter__()
                 m.probe.track(batch)
                 self._measurements.append((name, rotor, m, len(rotor.entries)))
@@ -200,7 +199,7 @@ class RotorCallback(Callback):
 
     def _close_measurements(self) -> None:
         for _, _, m, _ in reversed(self._measurements):
-            if m.owner._measurement is m:
+            if m.is_open:
                 m.__exit__(None, None, None)
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -19,9 +19,8 @@ from torch import nn
 
 from lightning_rotor.budget import resolve_budget
 from lightning_rotor.chain import Chain, ChainError
-from lightning_rotor.checkpointable import Checkpointable, Entry
-from lightning_rotor.execute import PlanRunner
-from lightning_rotor.planner import InfeasibleBudget, plan
+from lightning_rotor.checkpointable import Checkpointable
+from lightning_rotor.planner import InfeasibleBudget
 from lightning_rotor.simulate import no_recompute_peak
 
 STATE_KEY = "rotor"
@@ -56,14 +55,10 @@ def _restore_one(rotor: Checkpointable, saved: dict[str, Any]) -> None:
     rotor.load_plan_state(saved)
     if expected is not None and rotor.budget != expected:
         try:  # a budget that cannot be met raises here, as it does on a fresh run's first step
-            chosen = {key: plan(entry.chain, expected, slots=rotor.slots) for key, entry in rotor.entries.items()}
+            rotor.replan(rotor.mem_limit)
         except InfeasibleBudget:
             rotor.entries, rotor.budget = before
             raise
-        rotor.budget = expected
-        for key, entry in list(rotor.entries.items()):
-            ops = chosen[key].ops
-            rotor.entries[key] = Entry(entry.profile, chosen[key], PlanRunner(rotor.stages, ops, rotor.stage_names))
 
 
 def import_state(model: nn.Module, state: Any) -> tuple[list[str], list[str]]:
