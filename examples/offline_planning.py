@@ -25,11 +25,13 @@ from lightning_rotor.simulate import no_recompute_peak, simulate
 def profile_resnet(path: Path) -> Chain:
     """Measure a small ResNet-18 on one batch and save its chain to `path`."""
     from lightning_rotor.models import example_input, get_model
-    from lightning_rotor.profile import flatten_stages, profile_chain
+    from lightning_rotor.profile import profile_chain
+    from lightning_rotor.stages import sequential_stages
 
     model = get_model("resnet18", width=8, num_classes=10)
     x, _ = example_input("resnet18", 16, image_size=32, num_classes=10)
-    names, stages = flatten_stages(model)
+    stages = sequential_stages(model)
+    names = list(stages.names)
     chain = profile_chain(stages, x, names=names).chain
     chain.save(path)
     print(f"profiled {len(names)} stages, saved {path}")

@@ -46,7 +46,8 @@ from lightning_rotor.budget import BudgetError, format_bytes, parse_budget
 from lightning_rotor.checkpointable import Checkpointable, InfeasibleBudget
 from lightning_rotor.memory import probe_for, storage_bytes
 from lightning_rotor.models import MODELS, ModelSpec
-from lightning_rotor.profile import flatten_stages, synchronize
+from lightning_rotor.profile import synchronize
+from lightning_rotor.stages import sequential_stages
 
 DEFAULT_BUDGETS = "min,0.25,0.5,0.75,1.0"
 COLUMNS = (
@@ -74,7 +75,8 @@ class Workload:
     stages: list[nn.Module] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.stage_names, self.stages = flatten_stages(self.model)
+        found = sequential_stages(self.model)
+        self.stage_names, self.stages = list(found.names), list(found.modules)
         self.model.train()
 
 

@@ -48,8 +48,9 @@ from lightning_rotor.execute import PlanRunner
 from lightning_rotor.memory import CudaMemoryProbe, MemoryProbe
 from lightning_rotor.ops import forward_counts, is_no_recompute
 from lightning_rotor.planner import InfeasibleBudget, Plan, plan
-from lightning_rotor.profile import Profile, flatten_stages, profile_chain
+from lightning_rotor.profile import Profile, profile_chain
 from lightning_rotor.simulate import no_recompute_peak, simulate
+from lightning_rotor.stages import Stages, sequential_stages
 
 __all__ = ["AUTO_FRACTION", "Checkpointable", "Entry", "InfeasibleBudget", "StepMeasurement", "auto_budget"]
 
@@ -201,29 +202,33 @@ class Checkpointable(nn.Module):
 
     def __init__(
         self,
-        module: nn.Sequential,
+        module: nn.Module,
         mem_limit: int | float | str | None = None,
         *,
+        stages: Stages | None = None,
         slots: int = 500,
         loss_tmp: int | Callable[[Any], torch.Tensor] | None = None,
         repeats: int = 3,
         warmup: int = 1,
     ):
-        if not isinstance(module, nn.Sequential):
+        if stages is None and not isinstance(module, nn.Sequential):
             raise TypeError(
                 f"Checkpointable wraps an nn.Sequential, got {type(module).__name__}; "
-                "express the model as nn.Sequential stages"
+                "express the model as nn.Sequential stages, or pass the stages a discovery step found (stages=...)"
             )
+        if stages is not None and not isinstance(stages, Stages):
+            raise TypeError(f"stages must be a lightning_rotor.Stages, got {type(stages).__name__}")
         super().__init__()
         if mem_limit is not None:
             parse_budget(mem_limit)  # bad budgets fail here, with the accepted forms
         check_slots(slots)
-        names, stages = flatten_stages(module)
-        for name, child in module.named_children():
-            self.add_module(name, child)
+        stages = sequential_stages(module) if stages is None else stages
+        for name, child in module._modules.items():  # every entry, repeats too: state_dict keys stay the module's
+            if child is not None:
+                self.add_module(name, child)
         object.__setattr__(self, "module", module)  # not registered: state_dict keys stay the module's
         object.__setattr__(self, "stages", stages)
-        self.stage_names = names
+        self.stage_names = list(stages.names)
         self.mem_limit = mem_limit
         self.slots = slots
         self.loss_tmp = loss_tmp

@@ -1,7 +1,7 @@
 """Measure a chain: per-stage times, sizes and transients on the real sample input.
 
-`flatten_stages` turns a (nested) `nn.Sequential` into stages; `profile_chain`
-runs every stage on the sample input and fills a `Chain` exactly as
+`profile_chain` runs every stage (found by a discovery step, `lightning_rotor.stages`)
+on the sample input and fills a `Chain` exactly as
 docs/memory-model.md defines each field:
 
 - `out_size`: bytes of the storages of `a_{k+1}`;
@@ -49,41 +49,6 @@ LOSS_HELD = 64  # bytes of the caller's loss value, alive through the whole back
 
 class InplaceError(RuntimeError):
     """A stage modified its input in place, which would corrupt a kept checkpoint."""
-
-
-# -- stages ---------------------------------------------------------------------------------
-def flatten_stages(module: nn.Sequential) -> tuple[list[str], list[nn.Module]]:
-    """Leaves of nested Sequentials, in order; modules with `inplace=True` join the stage before.
-
-    An in-place module (ReLU(inplace=True) after BatchNorm) overwrites its input; as a stage
-    of its own, that input would be a checkpoint it corrupts. Fused, the overwrite stays
-    inside one stage, as in the unwrapped model.
-    """
-    if not isinstance(module, nn.Sequential):
-        raise TypeError(f"expected an nn.Sequential, got {type(module).__name__}")
-    leaves: list[tuple[str, nn.Module]] = []
-
-    def walk(seq: nn.Sequential, prefix: str) -> None:
-        for name, child in seq.named_children():
-            full = f"{prefix}{name}"
-            if isinstance(child, nn.Sequential) and len(child) > 0:
-                walk(child, full + ".")
-            else:
-                leaves.append((full, child))
-
-    walk(module, "")
-    names: list[str] = []
-    groups: list[list[nn.Module]] = []
-    for name, child in leaves:
-        if groups and getattr(child, "inplace", False) is True:
-            groups[-1].append(child)
-            names[-1] = f"{names[-1]}+{name}"
-        else:
-            groups.append([child])
-            names.append(name)
-    if not groups:
-        raise ValueError("cannot checkpoint an empty nn.Sequential: it has no stages")
-    return names, [g[0] if len(g) == 1 else nn.Sequential(*g) for g in groups]
 
 
 # -- values (a tensor or a nested tuple of tensors) -----------------------------------------

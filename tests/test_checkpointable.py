@@ -364,3 +364,24 @@ def test_measure_step_takes_a_probe_and_reports_the_chains_own_peak():
 
 def storage_of(t):
     return t.untyped_storage().nbytes()
+
+
+@pytest.mark.parametrize("budget", ["min", 1.0])
+def test_a_module_used_twice_trains_like_plain(budget):
+    def build_repeated():
+        torch.manual_seed(0)
+        shared = nn.Linear(32, 32)
+        return nn.Sequential(nn.Linear(32, 32), nn.Tanh(), shared, nn.Tanh(), shared, nn.Tanh(), nn.Linear(32, 10))
+
+    x, y = torch.randn(64, 32), torch.randint(0, 10, (64,))
+    plain = build_repeated()
+    ckpt = Checkpointable(build_repeated(), None)
+    assert len(ckpt.stages) == 7 and ckpt.stages[2] is ckpt.stages[4]
+    assert list(ckpt.state_dict()) == list(plain.state_dict())
+    ckpt.prepare_for(x)
+    ckpt.replan(min_feasible_budget(ckpt.chain) if budget == "min" else budget)
+    losses = train(ckpt, x, y, loss_of, steps=3)
+    expected = train(plain, x, y, loss_of, steps=3)
+    assert torch.equal(losses, expected)
+    assert_same_state(plain, ckpt)
+    assert (ckpt.plan.recomputed_stages > 0) == (budget == "min")

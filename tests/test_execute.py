@@ -9,8 +9,9 @@ from torch import nn
 
 from lightning_rotor.execute import PlanRunner
 from lightning_rotor.memory import MemoryProbe
-from lightning_rotor.profile import InplaceError, flatten_stages, profile_chain
+from lightning_rotor.profile import InplaceError, profile_chain
 from lightning_rotor.simulate import simulate
+from lightning_rotor.stages import sequential_stages
 
 torch.set_num_threads(1)
 
@@ -35,7 +36,8 @@ def model4():
 
 
 def test_a_plan_for_another_chain_length_is_rejected():
-    names, stages = flatten_stages(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
+    stages = sequential_stages(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
+    names = list(stages.names)
     with pytest.raises(ValueError, match="2 stages"):
         PlanRunner(stages, RECOMPUTE_ALL, names)
 
@@ -56,7 +58,8 @@ def test_recomputed_plan_matches_plain_bitwise_with_dropout_and_batchnorm():
     torch.manual_seed(3)
     expected = step(plain, plain, x, y)
     rng_after_plain = torch.get_rng_state()
-    names, stages = flatten_stages(rotor)
+    stages = sequential_stages(rotor)
+    names = list(stages.names)
     runner = PlanRunner(stages, RECOMPUTE_ALL, names)
     assert runner.recomputed == {0, 1, 2}
     torch.manual_seed(3)
@@ -79,7 +82,8 @@ def test_gradient_reaches_the_input_only_when_it_requires_grad(requires_grad):
     step(plain, plain, x, y)
     expected = None if x.grad is None else x.grad.clone()
     x.grad = None
-    names, stages = flatten_stages(rotor)
+    stages = sequential_stages(rotor)
+    names = list(stages.names)
     step(PlanRunner(stages, RECOMPUTE_ALL, names), rotor, x, y)
     if requires_grad:
         assert torch.equal(x.grad, expected)
@@ -90,7 +94,8 @@ def test_gradient_reaches_the_input_only_when_it_requires_grad(requires_grad):
 def test_bf16_autocast_is_reentered_on_recompute():
     x, y = torch.randn(8, 16), torch.randint(0, 5, (8,))
     plain, rotor = model4(), model4()
-    names, stages = flatten_stages(rotor)
+    stages = sequential_stages(rotor)
+    names = list(stages.names)
     runner = PlanRunner(stages, RECOMPUTE_ALL, names)
     results = []
     for run, model in ((plain, plain), (runner, rotor)):
@@ -129,7 +134,8 @@ def test_tuple_values_flow_through_the_chain():
     x, y = torch.randn(4, 16), torch.randint(0, 5, (4,))
     plain, rotor = make(), make()
     step(plain, plain, x, y)
-    names, stages = flatten_stages(rotor)
+    stages = sequential_stages(rotor)
+    names = list(stages.names)
     profile = profile_chain(stages, x, names=names)
     assert profile.chain.out_size[1] == 4 * 8 * 4 * 2  # both tensors of the pair
     step(PlanRunner(stages, RECOMPUTE_ALL, names), rotor, x, y)
@@ -140,7 +146,8 @@ def test_tuple_values_flow_through_the_chain():
 def test_measured_memory_after_each_op_follows_the_simulator():
     x, y = torch.randn(64, 16), torch.randint(0, 5, (64,))
     rotor = model4()
-    names, stages = flatten_stages(rotor)
+    stages = sequential_stages(rotor)
+    names = list(stages.names)
     chain = profile_chain(stages, x, names=names).chain
     runner = PlanRunner(stages, RECOMPUTE_ALL, names)
     runner.probe = probe = MemoryProbe(rotor)
@@ -161,19 +168,22 @@ class AddOne(nn.Module):
 
 def test_in_place_stage_at_a_boundary_fails_with_a_clear_error():
     model = nn.Sequential(nn.Linear(4, 4), AddOne(), nn.Linear(4, 2))
-    names, stages = flatten_stages(model)
+    stages = sequential_stages(model)
+    names = list(stages.names)
     with pytest.raises(InplaceError, match=r"stage 1 \(1\) modified its input in place"):
         profile_chain(stages, torch.randn(2, 4), names=names)
 
 
 def test_in_place_modules_are_fused_into_the_stage_before():
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(inplace=True), nn.Sequential(nn.ReLU()))
-    names, stages = flatten_stages(model)
+    stages = sequential_stages(model)
+    names = list(stages.names)
     assert names == ["0", "1+2", "3.0"]
     rotor = copy.deepcopy(model)
     x = torch.randn(2, 3, 6, 6)
     model(x).sum().backward()
-    names, stages = flatten_stages(rotor)
+    stages = sequential_stages(rotor)
+    names = list(stages.names)
     out = PlanRunner(stages, [("Fc", 0), ("Fn", 1), ("Fe", 2), ("Loss",), ("B", 2), ("Fc", 0), ("Fe", 1),
                               ("B", 1), ("Fe", 0), ("B", 0)], names)(x)
     out.sum().backward()

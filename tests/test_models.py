@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from lightning_rotor.models import MODELS, example_input, get_model, get_spec, resnet
-from lightning_rotor.profile import flatten_stages
+from lightning_rotor.stages import sequential_stages
 
 
 def n_params(model: nn.Module) -> int:
@@ -44,7 +44,7 @@ def test_every_model_is_a_sequential_that_trains_on_its_sample(name: str) -> Non
     assert loss.ndim == 0 and torch.isfinite(loss)
     loss.backward()
     assert all(p.grad is not None for p in model.parameters())
-    names, stages = flatten_stages(model)
+    stages = sequential_stages(model)
     assert len(stages) >= 5  # a chain worth checkpointing
 
 
@@ -62,7 +62,7 @@ def test_resnet_shapes_and_stages() -> None:
     model = get_model("resnet50", width=8, num_classes=7)
     x, _ = example_input("resnet50", 2, width=8, num_classes=7, image_size=64)
     assert model(x).shape == (2, 7)
-    names, _ = flatten_stages(model)
+    names = list(sequential_stages(model).names)
     # conv, bn fused with its in-place relu, pool, 16 bottlenecks, pool, flatten, fc
     assert len(names) == 3 + 16 + 3
     assert names[1] == "stem.1+stem.2"
@@ -95,7 +95,7 @@ def test_hetero_stages_differ_in_size(name: str, ratio: int) -> None:
     model = get_model(name, **spec.tiny)
     x, _ = spec.sample(2, **spec.tiny)
     sizes = []
-    for stage in flatten_stages(model)[1]:
+    for stage in sequential_stages(model).modules:
         x = stage(x)
         sizes.append(x.numel())
     assert max(sizes) >= ratio * min(sizes[:-1])  # the last stage is the classifier

@@ -4,7 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_rotor.profile import LOSS_SLACK, flatten_stages, profile_chain
+from lightning_rotor.profile import LOSS_SLACK, profile_chain
+from lightning_rotor.stages import sequential_stages
 
 torch.set_num_threads(1)
 
@@ -12,7 +13,8 @@ torch.set_num_threads(1)
 def test_sizes_of_known_stages():
     # batch 16, width 64, float32: every activation is 4096 bytes
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Dropout(0.5), nn.Flatten(), nn.Linear(64, 8))
-    names, stages = flatten_stages(model)
+    stages = sequential_stages(model)
+    names = list(stages.names)
     x = torch.randn(16, 64)
     chain = profile_chain(stages, x, names=names).chain
     assert chain.names == ["0", "1", "2", "3", "4"]
@@ -41,7 +43,8 @@ def test_profiling_leaves_parameters_grads_buffers_and_rng_untouched():
     state = {k: v.clone() for k, v in model.state_dict().items()}
     grads = [p.grad for p in model.parameters()]
     rng = torch.get_rng_state()
-    names, stages = flatten_stages(model)
+    stages = sequential_stages(model)
+    names = list(stages.names)
     profile_chain(stages, torch.randn(4, 8, generator=torch.Generator().manual_seed(1)), names=names)
     assert torch.equal(torch.get_rng_state(), rng)
     for k, v in model.state_dict().items():
@@ -52,7 +55,8 @@ def test_profiling_leaves_parameters_grads_buffers_and_rng_untouched():
 
 def test_sizes_are_deterministic_and_times_are_reported_with_their_spread():
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(inplace=True), nn.Flatten(), nn.Linear(288, 4))
-    names, stages = flatten_stages(model)
+    stages = sequential_stages(model)
+    names = list(stages.names)
     x = torch.randn(2, 3, 8, 8)
     first = profile_chain(stages, x, names=names, repeats=4, warmup=2)
     second = profile_chain(stages, x, names=names, repeats=4, warmup=2)
@@ -65,7 +69,8 @@ def test_sizes_are_deterministic_and_times_are_reported_with_their_spread():
 
 def test_bf16_autocast_profile_is_smaller_than_float32():
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
-    names, stages = flatten_stages(model)
+    stages = sequential_stages(model)
+    names = list(stages.names)
     x = torch.randn(32, 64)
     full = profile_chain(stages, x, names=names).chain
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -74,10 +79,10 @@ def test_bf16_autocast_profile_is_smaller_than_float32():
 
 
 def test_bad_arguments():
-    names, stages = flatten_stages(nn.Sequential(nn.Linear(2, 2)))
+    stages = sequential_stages(nn.Sequential(nn.Linear(2, 2)))
     with pytest.raises(ValueError, match="repeats"):
         profile_chain(stages, torch.randn(1, 2), repeats=0)
     with pytest.raises(TypeError, match="tensor"):
         profile_chain(stages, "not a tensor")
     with pytest.raises(TypeError, match="nn.Sequential"):
-        flatten_stages(nn.Linear(2, 2))
+        sequential_stages(nn.Linear(2, 2))

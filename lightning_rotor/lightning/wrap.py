@@ -30,7 +30,7 @@ from torch import nn
 
 from lightning_rotor.budget import parse_budget
 from lightning_rotor.checkpointable import Checkpointable
-from lightning_rotor.profile import flatten_stages
+from lightning_rotor.stages import sequential_stages
 
 Budget = int | float | str | None
 Selector = str | type
@@ -50,7 +50,7 @@ def is_candidate(module: nn.Module) -> bool:
     if not isinstance(module, nn.Sequential) or type(module).forward is not nn.Sequential.forward:
         return False
     try:
-        return len(flatten_stages(module)[0]) >= 2
+        return len(sequential_stages(module)) >= 2
     except ValueError:
         return False
 
@@ -124,7 +124,7 @@ def split_budget(mem_limit: Budget | Mapping[str, Budget], chains: Sequence[tupl
     value = parse_budget(mem_limit)
     if isinstance(value, Fraction):
         return [mem_limit] * len(chains)
-    stages = [len(flatten_stages(seq)[0]) for _, seq in chains]
+    stages = [len(sequential_stages(seq)) for _, seq in chains]
     total = sum(stages)
     return [max(1, value * n // total) for n in stages]
 

@@ -4,7 +4,7 @@ Layout: `stem` (conv, BatchNorm, in-place ReLU, max-pool), `layer1..layer4`
 (Sequentials of residual blocks), `head` (average pool, flatten, linear). Flattened
 into stages this gives conv, bn+relu, pool, one stage per residual block, then the
 head's three leaves. The in-place ReLU after the stem's BatchNorm is fused into the
-BatchNorm's stage by `flatten_stages`; inside blocks it stays within the block.
+BatchNorm's stage by `sequential_stages`; inside blocks it stays within the block.
 
 `width` scales every channel count (64 is the standard network), so tests can
 build tiny ones.
