@@ -39,7 +39,10 @@ draw in between). What remains:
   `bernoulli_`) have the same window on their first run, and are replayed by
   setting the default generator of their device to the snapshot and restoring
   its state right after, under the lock: a thread outside rotor drawing on that
-  device in that window sees repeated numbers.
+  device in that window sees repeated numbers;
+- profiling (the first training forward of each new input signature,
+  `profile.profile_chain`) still forks the RNG around its runs, so a thread
+  drawing during profiling may see numbers again afterwards.
 
 Only stages that the plan recomputes run under these modes (one Python
 dispatch per op of their forward runs); other stages run as they are. A
