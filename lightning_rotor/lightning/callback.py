@@ -285,50 +285,66 @@ class RotorCallback(Callback):
                 experiment.add_text(f"rotor/{name}/stages", text, trainer.global_step)
 
     def _log_plan(self, trainer: pl.Trainer, name: str, entry: Entry, m: StepMeasurement) -> None:
-        """The memory curve of one step: predicted bytes after each op, and measured where marked."""
+        """The memory curve of one step: predicted bytes after and during each op, and measured where marked."""
         ops = [op.label for op in entry.plan.ops]
-        predicted = simulate(entry.chain, entry.plan.ops).curve
-        measured: list[tuple[int, int]] = []  # (op index, bytes)
+        sim = simulate(entry.chain, entry.plan.ops)
+        measured: list[tuple[int, int, int]] = []  # (op index, bytes after, peak during)
         j = 0
         for i, label in enumerate(ops):
             if j < len(m.curve) and m.curve[j][0] == label:
-                measured.append((i, m.curve[j][1]))
+                during = m.op_peaks[j] if j < len(m.op_peaks) else m.curve[j][1]
+                measured.append((i, m.curve[j][1], during))
                 j += 1
         index = self._plans.get(id(entry), len(self._curves_done) - 1)
         tag = f"rotor/{name}/plan{max(index, 0)}"
         for experiment in self._experiments(trainer):
-            for i, nbytes in enumerate(predicted):
+            for i, nbytes in enumerate(sim.curve):
                 experiment.add_scalar(f"{tag}/predicted_bytes", nbytes, i)
-            for i, nbytes in measured:
-                experiment.add_scalar(f"{tag}/measured_bytes", nbytes, i)
+            for i, nbytes in enumerate(sim.op_peaks):
+                experiment.add_scalar(f"{tag}/predicted_op_peak_bytes", nbytes, i)
+            for i, after, during in measured:
+                experiment.add_scalar(f"{tag}/measured_bytes", after, i)
+                experiment.add_scalar(f"{tag}/measured_op_peak_bytes", during, i)
             if hasattr(experiment, "add_figure"):
-                experiment.add_figure(f"rotor/{name}/memory_curve", curve_figure(name, ops, predicted, measured,
-                                                                                 entry.plan.mem_limit, m.peak),
-                                      trainer.global_step)
+                figure = curve_figure(name, ops, sim.curve, sim.op_peaks, measured, entry.plan.mem_limit,
+                                      m.chain_peak)
+                experiment.add_figure(f"rotor/{name}/memory_curve", figure, trainer.global_step)
 
 
-def curve_figure(name: str, ops: list[str], predicted: list[int], measured: list[tuple[int, int]], mem_limit: int,
-                 measured_peak: int) -> Any:
-    """A matplotlib figure of bytes alive after each op (MiB), with the budget as a line."""
+def curve_figure(name: str, ops: list[str], predicted: list[int], predicted_peaks: list[int],
+                 measured: list[tuple[int, int, int]], mem_limit: int, measured_peak: int) -> Any:
+    """Bytes alive after each op and the peak during it (MiB), predicted and measured, against the budget.
+
+    `measured` holds (op index, bytes after, peak during); `measured_peak` is this chain's measured peak.
+    """
     import matplotlib
 
     matplotlib.use("Agg", force=False)
     from matplotlib import pyplot as plt
 
     mib = 2.0**20
-    fig, ax = plt.subplots(figsize=(max(6, len(ops) * 0.18), 3.5))
-    ax.step(range(len(predicted)), [b / mib for b in predicted], where="post", label="predicted (simulator)")
+    x = range(len(ops))
+    fig, ax = plt.subplots(figsize=(max(6, len(ops) * 0.18), 3.8))
+    ax.step(x, [b / mib for b in predicted], where="mid", label="predicted after op")
+    ax.plot(x, [b / mib for b in predicted_peaks], "_", markersize=8, color="tab:blue", label="predicted op peak")
+    predicted_peak = max(predicted_peaks, default=0)
+    ax.axhline(predicted_peak / mib, color="tab:blue", linestyle=":",
+               label=f"predicted peak {format_bytes(predicted_peak)}")
     if measured:
-        ax.plot([i for i, _ in measured], [b / mib for _, b in measured], "o", markersize=3, label="measured")
+        ax.plot([i for i, _, _ in measured], [b / mib for _, b, _ in measured], "o", markersize=3,
+                color="tab:orange", label="measured after op")
+        ax.plot([i for i, _, _ in measured], [b / mib for _, _, b in measured], "^", markersize=3,
+                color="tab:orange", label="measured op peak")
     ax.axhline(mem_limit / mib, color="red", linestyle="--", label=f"budget {format_bytes(mem_limit)}")
     if measured_peak:
-        label = f"measured peak {format_bytes(measured_peak)}"
-        ax.axhline(measured_peak / mib, color="gray", linestyle=":", label=label)
-    ax.set_xticks(range(len(ops)))
+        ax.axhline(measured_peak / mib, color="gray", linestyle="-.",
+                   label=f"measured peak {format_bytes(measured_peak)}")
+    ax.set_xticks(list(x))
     ax.set_xticklabels(ops, rotation=90, fontsize=6)
-    ax.set_ylim(0, max(mem_limit, measured_peak, *predicted) * 1.4 / mib)  # room for the legend above the curve
-    ax.set_ylabel("activation MiB after op")
+    top = max(mem_limit, measured_peak, predicted_peak, *predicted, *(b for _, _, b in measured))
+    ax.set_ylim(0, top * 1.45 / mib)  # room for the legend above the curve
+    ax.set_ylabel("activation MiB")
     ax.set_title(f"rotor memory curve: {name}")
-    ax.legend(fontsize=7, loc="upper center", ncol=2)
+    ax.legend(fontsize=6, loc="upper center", ncol=3)
     fig.tight_layout()
     return fig
