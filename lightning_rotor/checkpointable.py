@@ -239,6 +239,8 @@ class Checkpointable(nn.Module):
         self.last_entry: Entry | None = None
         self.last_measurement: StepMeasurement | None = None
         self._measurement: StepMeasurement | None = None
+        # called as (stages done, stages, seconds) while a new input signature is profiled
+        self.on_profile_progress: Callable[[int, int, float], None] | None = None
 
     # -- the wrapped Sequential's container API ---------------------------------------------------
     def __len__(self) -> int:
@@ -292,7 +294,8 @@ class Checkpointable(nn.Module):
 
     def _prepare(self, value: Any) -> Entry:
         profile = profile_chain(
-            self.stages, value, names=self.stage_names, repeats=self.repeats, warmup=self.warmup, loss_tmp=self.loss_tmp
+            self.stages, value, names=self.stage_names, repeats=self.repeats, warmup=self.warmup,
+            loss_tmp=self.loss_tmp, progress=self.on_profile_progress,
         )
         if self.budget is None:
             device = next(t.device for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))

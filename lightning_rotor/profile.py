@@ -243,8 +243,12 @@ def profile_chain(
     repeats: int = 3,
     warmup: int = 1,
     loss_tmp: int | Callable[[Any], torch.Tensor] | None = None,
+    progress: Callable[[int, int, float], None] | None = None,
 ) -> Profile:
-    """Measure `stages` on `sample` (the chain input `a_0`); see the module docstring."""
+    """Measure `stages` on `sample` (the chain input `a_0`); see the module docstring.
+
+    `progress(stages_done, stages, seconds)` is called after each stage, for a progress line.
+    """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
     names = list(names) if names is not None else [f"stage{k}" for k in range(len(stages))]
@@ -346,6 +350,8 @@ def profile_chain(
             with torch.no_grad(), no_cast_cache():
                 value = stage(value)
             untouched.restore_buffers()
+            if progress is not None:
+                progress(k + 1, len(stages), time.perf_counter() - start)
     if loss_tmp is None or callable(loss_tmp):
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             loss_bytes = measure_loss_tmp(value, loss_tmp or proxy_loss)

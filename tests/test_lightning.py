@@ -351,3 +351,38 @@ def test_gpu_accelerator_puts_rotor_on_cuda(tmp_path):
     assert strategy.root_device.type == "cuda"
     assert next(iter(keep.modules["net"].entries.values())).runner.token_device.type == "cuda"
     torch.testing.assert_close(runs["rotor"].losses, runs["plain"].losses)
+
+
+class Slow(nn.Module):
+    """A stage slow enough that profiling the first batch takes over a second."""
+
+    def forward(self, x):
+        import time
+
+        time.sleep(0.2)
+        return x * 1.0
+
+
+class SlowNet(Net):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(12, 16), Slow(), nn.Tanh(), nn.Linear(16, 5))
+
+
+def test_slow_profiling_shows_progress(tmp_path, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO):
+        trainer(tmp_path, RotorStrategy(mem_limit=1.0), max_steps=1).fit(SlowNet(), loader())
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("rotor: profiling net:")]
+    assert lines, [r.getMessage() for r in caplog.records]
+    assert lines[-1].startswith("rotor: profiling net: 4/4 stages, ") and lines[-1].endswith(" s")
+    assert float(lines[-1].split(", ")[1][:-2]) >= 1.0
+
+
+def test_fast_profiling_prints_no_progress(tmp_path, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO):
+        trainer(tmp_path, RotorStrategy(mem_limit=1.0), max_steps=1).fit(Net(), loader())
+    assert not [r for r in caplog.records if "rotor: profiling net:" in r.getMessage()]

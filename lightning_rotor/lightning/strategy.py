@@ -31,6 +31,27 @@ from lightning_rotor.discretize import check_slots
 from lightning_rotor.lightning.wrap import Budget, Selector, Wrapped, unwrap, wrap
 
 
+class ProfileProgress:
+    """A rank-zero line while a chain's first batch is profiled, once profiling has taken over a second.
+
+    At most one line a second, and always one when the profile ends, so a slow first step
+    shows what it is doing (stage count and elapsed time).
+    """
+
+    def __init__(self, name: str, after_seconds: float = 1.0):
+        self.name = name
+        self.after_seconds = after_seconds
+        self.shown = 0.0
+
+    def __call__(self, done: int, total: int, seconds: float) -> None:
+        if done == 1:
+            self.shown = 0.0
+        if seconds < self.after_seconds or (done < total and seconds - self.shown < 1.0):
+            return
+        self.shown = seconds
+        rank_zero_info(f"rotor: profiling {self.name}: {done}/{total} stages, {seconds:.1f} s")
+
+
 def _check_budget(mem_limit: Budget | Mapping[str, Budget]) -> None:
     """Fail at construction, in one line, on a budget that cannot be parsed."""
     values = mem_limit.values() if isinstance(mem_limit, Mapping) else [mem_limit]
@@ -82,6 +103,8 @@ class _RotorMixin:
                     "Put the layers to checkpoint in an nn.Sequential, or name them with include=[...]."
                 )
             return
+        for w in self.wrapped:
+            w.rotor.on_profile_progress = ProfileProgress(w.name)
         parts = ", ".join(
             f"{w.name} ({len(w.rotor.stages)} stages, budget "
             f"{w.rotor.mem_limit if not isinstance(w.rotor.mem_limit, int) else format_bytes(w.rotor.mem_limit)})"
