@@ -1,0 +1,144 @@
+"""Measuring the bench's methods: peaks by exact tensor accounting, steps timed interleaved."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from lightning_rotor.bench.methods import Method, Row
+from lightning_rotor.bench.workload import Workload
+from lightning_rotor.budget import format_bytes, parse_budget
+from lightning_rotor.memory import probe_for, storage_bytes
+from lightning_rotor.profile import synchronize
+
+
+def train_step(w: Workload, forward: Callable[[torch.Tensor], Any], seed: int) -> None:
+    """Forward, loss and backward from the same seed; parameter gradients dropped first."""
+    w.model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    loss = w.loss(forward(w.x), w.y)
+    loss.backward()
+
+
+def measure_peak(w: Workload, forward: Callable[[torch.Tensor], Any], seed: int) -> int:
+    """Activation bytes at the step's peak, the chain input included (see the module docstring)."""
+    w.model.zero_grad(set_to_none=True)
+    probe = probe_for(w.device, exclude=w.model)
+    with probe:
+        probe.track(w.x)
+        torch.manual_seed(seed)
+        loss = w.loss(forward(w.x), w.y)
+        loss.backward()
+        del loss
+    return probe.peak
+
+
+def allocator_peak(w: Workload, forward: Callable[[torch.Tensor], Any], seed: int) -> int:
+    """Peak of the CPU allocator during a step, from torch.profiler's memory events (for compiled code).
+
+    Parameter gradients are allocated before the step (zeros) so the figure, like the
+    tensor accounting, holds activations only.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    for p in w.model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    torch.manual_seed(seed)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        loss = w.loss(forward(w.x), w.y)
+        loss.backward()
+        del loss
+    # the raw allocation records, in time order (the FunctionEvent view folds allocations into ops)
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=_start_ns)
+    current = peak = 0
+    for e in events:
+        current += e.nbytes()
+        peak = max(peak, current)
+    w.model.zero_grad(set_to_none=True)
+    return peak + storage_bytes(w.x)
+
+
+def _start_ns(event: Any) -> int:
+    return event.start_ns()
+
+
+def _summarize(r: Row) -> None:
+    if r.times:
+        med = statistics.median(r.times)
+        r.step_ms = med * 1e3
+        r.step_ms_min = min(r.times) * 1e3
+        r.spread = (max(r.times) - min(r.times)) / med if med > 0 else 0.0
+
+
+def run_interleaved(w: Workload, methods: list[Method], repeats: int, warmup: int, seed: int, bar: Any) -> None:
+    """Warm up, measure memory once, then time `repeats` rounds of one step per method."""
+    live = [m for m in methods if m.forward is not None]
+    for m in live:
+        for _ in range(warmup):
+            train_step(w, m.forward, seed)
+        m.row.measured_peak = measure_peak(w, m.forward, seed)
+        bar.update(warmup + 1)
+    for _ in range(repeats):
+        for m in live:
+            synchronize(w.device)
+            start = time.perf_counter()
+            train_step(w, m.forward, seed)
+            synchronize(w.device)
+            m.row.times.append(time.perf_counter() - start)
+            bar.update(1)
+    for m in live:
+        _summarize(m.row)
+
+
+def run_compiled(w: Workload, fractions: list[str], repeats: int, warmup: int, seed: int, bar: Any) -> list[Row]:
+    """`torch.compile` at each activation-memory budget, each in its own block; failures become notes."""
+    rows: list[Row] = []
+    eager_alloc: int | None = None
+    for token in fractions:
+        r = Row(w.name, str(w.device), "compile", budget=token)
+        rows.append(r)
+        try:
+            import torch._dynamo
+            import torch._functorch.config as functorch_config
+
+            fraction = float(parse_budget(token))
+            if w.device.type == "cpu" and eager_alloc is None:
+                eager_alloc = allocator_peak(w, w.model, seed)
+            torch._dynamo.reset()
+            with functorch_config.patch(activation_memory_budget=fraction):
+                compiled = torch.compile(w.model)
+                start = time.perf_counter()
+                train_step(w, compiled, seed)  # compiles forward and backward under this budget
+                compile_s = time.perf_counter() - start
+                for _ in range(warmup):
+                    train_step(w, compiled, seed)
+                if w.device.type == "cpu":
+                    r.measured_peak = allocator_peak(w, compiled, seed)
+                    r.note = (
+                        f"CPU allocator via torch.profiler (eager none the same way: {format_bytes(eager_alloc)}); "
+                        f"compiled in {compile_s:.0f} s"
+                    )
+                else:
+                    r.measured_peak = measure_peak(w, compiled, seed)
+                    r.note = f"compiled in {compile_s:.0f} s"
+                for _ in range(repeats):
+                    synchronize(w.device)
+                    start = time.perf_counter()
+                    train_step(w, compiled, seed)
+                    synchronize(w.device)
+                    r.times.append(time.perf_counter() - start)
+            _summarize(r)
+        except Exception as err:  # noqa: BLE001 - any compile failure is a result to report, not a crash
+            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            r.note = f"torch.compile failed: {type(err).__name__}: {first[:160]}"
+            r.times.clear()
+        finally:
+            torch._dynamo.reset() if "torch._dynamo" in sys.modules else None
+        bar.update(warmup + repeats + 2)
+    return rows

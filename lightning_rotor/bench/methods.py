@@ -1,0 +1,111 @@
+"""The configurations a bench compares, each a `Row` to fill and a step to run."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
+
+from lightning_rotor.bench.workload import Workload
+from lightning_rotor.budget import format_bytes, parse_budget
+from lightning_rotor.checkpointable import Checkpointable, InfeasibleBudget
+
+COLUMNS = (
+    "model", "device", "method", "budget", "segments", "mem_limit", "predicted_peak", "measured_peak", "peak_gap",
+    "step_ms", "step_ms_min", "spread", "vs_none", "plan_ms", "profile_s", "note",
+)  # fmt: skip
+
+
+@dataclass
+class Row:
+    """One measured configuration; missing figures are None (e.g. an infeasible budget)."""
+
+    model: str
+    device: str
+    method: str
+    budget: str = ""
+    segments: int | None = None
+    mem_limit: int | None = None
+    predicted_peak: int | None = None
+    measured_peak: int | None = None
+    peak_gap: float | None = None
+    step_ms: float | None = None
+    step_ms_min: float | None = None
+    spread: float | None = None
+    vs_none: float | None = None
+    plan_ms: float | None = None
+    profile_s: float | None = None
+    note: str = ""
+    times: list[float] = field(default_factory=list, repr=False)
+
+
+@dataclass
+class Method:
+    row: Row
+    forward: Callable[[torch.Tensor], Any] | None  # None: nothing to run (infeasible, failed)
+
+
+def _each_checkpointed(stages: list[nn.Module]) -> Callable[[torch.Tensor], Any]:
+    def forward(x: torch.Tensor) -> Any:
+        for stage in stages:
+            x = checkpoint(stage, x, use_reentrant=False)
+        return x
+
+    return forward
+
+
+def _segments(seq: nn.Sequential, n: int) -> Callable[[torch.Tensor], Any]:
+    return lambda x: checkpoint_sequential(seq, n, x, use_reentrant=False)
+
+
+def rotor_methods(w: Workload, budgets: list[str], row: Callable[..., Row]) -> list[Method]:
+    """One `Checkpointable` per budget, profiled and planned before any timing."""
+    methods: list[Method] = []
+    smallest: int | None = None
+    for token in budgets:
+        if token == "min":
+            if smallest is None:
+                try:  # a 1-byte budget is refused with the smallest feasible one
+                    Checkpointable(w.model, 1).prepare_for(w.x)
+                except InfeasibleBudget as err:
+                    smallest = err.min_feasible
+            spec: Any = smallest
+        else:
+            spec = parse_budget(token)
+            spec = float(spec) if not isinstance(spec, int) else spec
+        ckpt = Checkpointable(w.model, spec)
+        r = row("rotor", budget=token)
+        try:
+            entry = ckpt.prepare_for(w.x)
+        except InfeasibleBudget as err:
+            r.mem_limit = getattr(err, "mem_limit", None)
+            r.note = f"infeasible; smallest feasible budget {format_bytes(err.min_feasible)}"
+            methods.append(Method(r, None))
+            continue
+        r.mem_limit = entry.plan.mem_limit
+        r.predicted_peak = entry.plan.peak
+        r.plan_ms = entry.plan.time * 1e3
+        r.profile_s = ckpt.profile_seconds
+        r.note = f"{entry.plan.recomputed_stages} of {entry.chain.length} stages recomputed"
+        methods.append(Method(r, ckpt))
+    return methods
+
+
+def eager_methods(w: Workload, budgets: list[str], max_segments: int | None) -> list[Method]:
+    dev = str(w.device)
+
+    def row(method: str, **kw: Any) -> Row:  # noqa: E306
+        return Row(w.name, dev, method, **kw)
+
+    seq = nn.Sequential(*w.stages)
+    n = len(w.stages)
+    methods = [Method(row("none"), w.model)]
+    methods += rotor_methods(w, budgets, row)
+    top = n if max_segments is None else min(n, max_segments)
+    methods += [Method(row("checkpoint_sequential", segments=s), _segments(seq, s)) for s in range(2, top + 1)]
+    methods.append(Method(row("recompute_all", segments=n), _each_checkpointed(w.stages)))
+    return methods

@@ -1,0 +1,158 @@
+"""The bench's output: a markdown table, the checks read off the rows, CSV and a plot."""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+from lightning_rotor.bench.methods import COLUMNS, Row
+from lightning_rotor.budget import format_bytes
+
+
+def _fmt(col: str, v: Any) -> str:
+    if v is None:
+        return ""
+    if col in ("mem_limit", "predicted_peak", "measured_peak"):
+        return format_bytes(v)
+    if col in ("peak_gap", "spread"):
+        return f"{v:+.1%}" if col == "peak_gap" else f"{v:.0%}"
+    if col == "vs_none":
+        return f"{v:.3f}x"
+    if col in ("step_ms", "step_ms_min", "plan_ms"):
+        return f"{v:.1f}"
+    if col == "profile_s":
+        return f"{v:.2f}"
+    return str(v)
+
+
+TABLE = (
+    ("method", "method"), ("budget", "budget"), ("segments", "segments"), ("mem_limit", "budget bytes"),
+    ("predicted_peak", "predicted peak"), ("measured_peak", "measured peak"), ("peak_gap", "gap"),
+    ("step_ms", "step ms (median)"), ("step_ms_min", "min"), ("spread", "spread"), ("vs_none", "vs none"),
+    ("plan_ms", "plan ms"),
+    ("profile_s", "profile s"), ("note", "note"),
+)  # fmt: skip
+
+
+def markdown(rows: list[Row]) -> str:
+    lines = ["| " + " | ".join(h for _, h in TABLE) + " |", "|" + "---|" * len(TABLE)]
+    for r in rows:
+        lines.append("| " + " | ".join(_fmt(c, getattr(r, c)) for c, _ in TABLE) + " |")
+    return "\n".join(lines)
+
+
+def checks(rows: list[Row], stat: str = "step_ms") -> list[str]:
+    """What rotor promises against the others, read off the rows (`stat`: median "step_ms" or "step_ms_min").
+
+    One line each: rotor against the fastest checkpoint_sequential that fits in its memory, the lowest
+    peaks, rotor at its largest budget against no checkpointing, and measured against predicted peaks.
+    """
+    ran = [replace(r, step_ms=getattr(r, stat)) for r in rows if getattr(r, stat) is not None]
+    ran = [r for r in ran if r.measured_peak is not None]
+    rotor = [r for r in ran if r.method == "rotor"]
+    seg = [r for r in ran if r.method == "checkpoint_sequential"]
+    none = next((r for r in ran if r.method == "none"), None)
+    lines: list[str] = []
+    if not rotor:
+        return ["no rotor budget planned: no target can be read"]
+    for r in rotor:
+        fits = [c for c in seg if c.measured_peak <= r.measured_peak]
+        if not fits:
+            lines.append(f"budget {r.budget}: no checkpoint_sequential fits in rotor's {format_bytes(r.measured_peak)}")
+            continue
+        best = min(fits, key=lambda c: c.step_ms)
+        verdict = "holds" if r.step_ms <= best.step_ms else "fails"
+        lines.append(
+            f"budget {r.budget}: rotor {r.step_ms:.1f} ms at {format_bytes(r.measured_peak)} vs fastest fitting "
+            f"checkpoint_sequential ({best.segments} segments) {best.step_ms:.1f} ms at "
+            f"{format_bytes(best.measured_peak)}: {r.step_ms / best.step_ms:.3f}x, {verdict}"
+        )
+    if seg:
+        low_r = min(r.measured_peak for r in rotor)
+        low_s = min(c.measured_peak for c in seg)
+        lines.append(
+            f"lowest peak: rotor {format_bytes(low_r)} vs checkpoint_sequential {format_bytes(low_s)}: "
+            f"{'holds' if low_r < low_s else 'fails'}"
+        )
+    top = max(rotor, key=lambda r: r.mem_limit or 0)
+    if none is not None:
+        ratio = top.step_ms / none.step_ms
+        lines.append(
+            f"largest budget ({top.budget}): rotor {top.step_ms:.1f} ms vs none {none.step_ms:.1f} ms = {ratio:.3f}x "
+            f"(target <= 1.03): {'holds' if ratio <= 1.03 else 'fails'}"
+        )
+    gap = max(rotor, key=lambda r: abs(r.peak_gap or 0))
+    lines.append(
+        f"largest measured/predicted gap: {gap.peak_gap:+.1%} (budget {gap.budget}; target < 10%): "
+        f"{'holds' if abs(gap.peak_gap or 0) < 0.10 else 'fails'}"
+    )
+    return lines
+
+
+def write_csv(rows: list[Row], path: Path) -> None:
+    with path.open("w", newline="") as f:
+        out = csv.DictWriter(f, fieldnames=COLUMNS)
+        out.writeheader()
+        for r in rows:
+            d = asdict(r)
+            out.writerow({c: "" if d[c] is None else d[c] for c in COLUMNS})
+
+
+def read_csv(path: Path) -> list[Row]:
+    """Rows back from a CSV written by `write_csv` (to re-report or re-plot a run)."""
+    ints = ("segments", "mem_limit", "predicted_peak", "measured_peak")
+    floats = ("peak_gap", "step_ms", "step_ms_min", "spread", "vs_none", "plan_ms", "profile_s")
+    rows = []
+    with path.open() as f:
+        for d in csv.DictReader(f):
+            kw: dict[str, Any] = dict(d)
+            for k in ints:
+                kw[k] = int(d[k]) if d[k] else None
+            for k in floats:
+                kw[k] = float(d[k]) if d.get(k) else None
+            rows.append(Row(**kw))
+    return rows
+
+
+def write_plot(rows: list[Row], path: Path, title: str) -> None:
+    """Peak activation memory against step time: rotor as a curve, the others as points."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def pts(method: str) -> list[Row]:
+        return [r for r in rows if r.method == method and r.step_ms is not None and r.measured_peak is not None]
+
+    mib = 2**20
+    fig, ax = plt.subplots(figsize=(8.4, 4.2), dpi=80)
+    rotor = sorted(pts("rotor"), key=lambda r: r.measured_peak)
+    if rotor:
+        ax.plot([r.step_ms for r in rotor], [r.measured_peak / mib for r in rotor], "o-", color="C3", label="rotor")
+        for r in rotor:
+            ax.annotate(r.budget, (r.step_ms, r.measured_peak / mib), fontsize=7, xytext=(3, 3),
+                        textcoords="offset points")  # fmt: skip
+    seg = pts("checkpoint_sequential")
+    if seg:
+        ax.scatter([r.step_ms for r in seg], [r.measured_peak / mib for r in seg], s=18, color="C0",
+                   label="checkpoint_sequential\n(segment count)")  # fmt: skip
+        for r in seg:
+            ax.annotate(str(r.segments), (r.step_ms, r.measured_peak / mib), fontsize=6, color="C0",
+                        xytext=(2, -7), textcoords="offset points")  # fmt: skip
+    comp = sorted(pts("compile"), key=lambda r: r.measured_peak)
+    if comp:
+        ax.plot([r.step_ms for r in comp], [r.measured_peak / mib for r in comp], "s--", color="C2",
+                label="torch.compile +\nactivation_memory_budget\n(CPU: allocator)")  # fmt: skip
+    for method, marker, color in (("none", "*", "k"), ("recompute_all", "X", "C1")):
+        for r in pts(method):
+            ax.scatter([r.step_ms], [r.measured_peak / mib], marker=marker, s=80, color=color, label=method)
+    ax.set_xlabel("step time, median (ms)")
+    ax.set_ylabel("peak activation memory (MiB)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

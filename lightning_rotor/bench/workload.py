@@ -1,0 +1,124 @@
+"""The workload every bench method trains on: one model, one batch, one loss."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_rotor.models import MODELS, ModelSpec
+from lightning_rotor.stages import sequential_stages
+
+
+class BenchError(ValueError):
+    """Bad bench input (model path, budgets, sizes): reported as one line."""
+
+
+# -- the workload ---------------------------------------------------------------------------
+@dataclass
+class Workload:
+    """One model, one batch, one loss: what every method trains on."""
+
+    name: str
+    model: nn.Sequential
+    x: torch.Tensor
+    y: torch.Tensor | None
+    loss: Callable[[Any, Any], torch.Tensor]
+    device: torch.device
+    stage_names: list[str] = field(default_factory=list)
+    stages: list[nn.Module] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        found = sequential_stages(self.model)
+        self.stage_names, self.stages = list(found.names), list(found.modules)
+        self.model.train()
+
+
+def _square_loss(output: Any, _target: Any) -> torch.Tensor:
+    return output.float().pow(2).mean()
+
+
+def parse_kwargs(items: list[str]) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise BenchError(f"--set expects KEY=VALUE (e.g. --set n_layer=4), got {item!r}")
+        try:
+            kwargs[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            kwargs[key] = value
+    return kwargs
+
+
+def _from_factory(path: str, kwargs: dict[str, Any], batch_size: int, input_shape: tuple[int, ...] | None) -> tuple:
+    module_name, _, attr = path.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise BenchError(
+            f"cannot import model {path!r} ({type(err).__name__}: {err}); give a registered name or pkg.module:factory"
+        ) from None
+    try:
+        made = factory(**kwargs)
+    except TypeError as err:
+        raise BenchError(f"{path} does not accept the size arguments {kwargs}: {err}") from None
+    if isinstance(made, ModelSpec):
+        return _from_spec(made, kwargs, batch_size)
+    if isinstance(made, nn.Sequential):
+        if input_shape is None:
+            raise BenchError(f"{path} returned an nn.Sequential; give --input-shape (e.g. --input-shape 8,3,224,224)")
+        return made, torch.randn(*input_shape, generator=torch.Generator().manual_seed(0)), None, _square_loss
+    if isinstance(made, tuple) and made and isinstance(made[0], nn.Sequential) and len(made) in (2, 3):
+        loss = made[2] if len(made) == 3 else _square_loss
+        return made[0], made[1], None, (lambda out, _y: loss(out)) if len(made) == 3 else loss
+    raise BenchError(
+        f"{path} returned {type(made).__name__}; a factory returns a ModelSpec, an nn.Sequential, "
+        "or (nn.Sequential, input[, loss_fn])"
+    )
+
+
+def _from_spec(spec: ModelSpec, kwargs: dict[str, Any], batch_size: int) -> tuple:
+    try:
+        model = spec.build(**spec.model_kwargs(kwargs))
+    except TypeError as err:
+        raise BenchError(f"bad size arguments for model {spec.name!r}: {err}") from None
+    x, y = spec.sample(batch_size, seed=0, **kwargs)
+    return model, x, y, spec.loss
+
+
+def load_workload(
+    model: str,
+    *,
+    batch_size: int,
+    size: str = "bench",
+    overrides: dict[str, Any] | None = None,
+    input_shape: tuple[int, ...] | None = None,
+    device: torch.device | None = None,
+    seed: int = 0,
+) -> Workload:
+    """Build MODEL (a registered name, or `pkg.module:factory`) and its batch on `device`."""
+    if batch_size < 1:
+        raise BenchError(f"--batch-size must be a positive integer, got {batch_size}")
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(seed)
+    if ":" in model:
+        built, x, y, loss = _from_factory(model, dict(overrides or {}), batch_size, input_shape)
+    elif model in MODELS:
+        spec = MODELS[model]
+        kwargs = {"tiny": spec.tiny, "bench": spec.bench, "full": {}}[size] | dict(overrides or {})
+        built, x, y, loss = _from_spec(spec, kwargs, batch_size)
+    else:
+        raise BenchError(
+            f"unknown model {model!r}; give a registered name ({', '.join(MODELS)}) "
+            "or an import path pkg.module:factory"
+        )
+    built = built.to(device)
+    x = x.to(device)
+    y = y.to(device) if isinstance(y, torch.Tensor) else y
+    return Workload(model, built, x, y, loss, device)
