@@ -386,3 +386,24 @@ def test_fast_profiling_prints_no_progress(tmp_path, caplog):
     with caplog.at_level(logging.INFO):
         trainer(tmp_path, RotorStrategy(mem_limit=1.0), max_steps=1).fit(Net(), loader())
     assert not [r for r in caplog.records if "rotor: profiling net:" in r.getMessage()]
+
+
+@pytest.mark.parametrize(
+    "state",
+    [
+        None, 5, {"version": 1, "modules": 5}, {"version": 1, "modules": {"net": "garbage"}},
+        {"version": 1, "modules": {"net": {"stages": 7}}},
+        {"version": 1, "modules": {"net": {"stages": ["0", "1"], "entries": 5}}},
+        {"version": 1, "modules": {"net": {"stages": ["0", "1"], "entries": [{"chain": 3}]}}},
+        {"version": 1, "modules": {"net": {"stages": ["0", "1"], "stage_names": ["0", "1"], "fingerprints": [1, 2],
+                                           "entries": [5]}}},
+    ],
+)
+def test_malformed_plan_states_are_reported_not_raised(state):
+    from lightning_rotor.lightning.state import import_state
+
+    model = nn.Module()
+    model.net = Checkpointable(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), 0.5)
+    restored, problems = import_state(model, state)
+    assert restored == [] and len(problems) == 1 and "\n" not in problems[0]
+    assert model.net.entries == {}

@@ -72,10 +72,15 @@ def import_state(model: nn.Module, state: Any) -> tuple[list[str], list[str]]:
         return [], [f"checkpoint: unknown rotor state version {version!r} (this release reads {STATE_VERSION})"]
     restored, problems = [], []
     modules = rotor_modules(model)
-    for name, saved in (state.get("modules") or {}).items():
+    saved_modules = state.get("modules") or {}
+    if not isinstance(saved_modules, dict):
+        return [], [f"checkpoint: malformed rotor state (modules is a {type(saved_modules).__name__}, not a mapping)"]
+    for name, saved in saved_modules.items():
         rotor = modules.get(name)
         if rotor is None:
             problems.append(f"{name}: no rotor module of that name in this model")
+        elif not isinstance(saved, dict) or not isinstance(saved.get("stages", []), list):
+            problems.append(f"{name}: malformed saved plan state; it will be profiled again")
         elif list(saved.get("stages", [])) != list(rotor.stage_names):
             problems.append(f"{name}: the checkpoint's stages differ from the model's; it will be profiled again")
         else:
@@ -83,7 +88,7 @@ def import_state(model: nn.Module, state: Any) -> tuple[list[str], list[str]]:
                 _restore_one(rotor, saved)
             except InfeasibleBudget:
                 raise  # the budget now asked for cannot be met: fail as a fresh run does
-            except (ChainError, KeyError, TypeError, ValueError) as err:
+            except (ChainError, KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
                 problems.append(f"{name}: saved plan state not used ({err}); it will be profiled again")
                 continue
             restored.append(name)
