@@ -32,7 +32,6 @@ Only that step pays for the probe; other steps run without it.
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -47,7 +46,7 @@ from lightning_rotor.discretize import check_slots
 from lightning_rotor.execute import PlanRunner
 from lightning_rotor.memory import CudaMemoryProbe, MemoryProbe
 from lightning_rotor.ops import forward_counts, is_no_recompute
-from lightning_rotor.planner import InfeasibleBudget, Plan, plan
+from lightning_rotor.planner import InfeasibleBudget, Plan, available_ram, plan
 from lightning_rotor.profile import Profile, profile_chain
 from lightning_rotor.simulate import no_recompute_peak, simulate
 from lightning_rotor.stages import Stages, sequential_stages
@@ -61,14 +60,7 @@ def available_memory(device: torch.device) -> int:
     """Bytes free on `device` now: CUDA free memory, or available RAM for the CPU."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return available_ram() or 0
 
 
 def auto_budget(device: torch.device) -> int:
