@@ -111,12 +111,6 @@ class Chain:
         if not all(isinstance(n, str) for n in self.names):
             raise ChainError("names must be strings")
         self.names = list(self.names)
-        for k in range(length):
-            if self.saved_size[k] < self.out_size[k]:
-                raise ChainError(
-                    f"saved_size[{k}]={self.saved_size[k]} is smaller than out_size[{k}]="
-                    f"{self.out_size[k]}; saved size includes the stage's output"
-                )
 
     @property
     def length(self) -> int:

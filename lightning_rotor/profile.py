@@ -103,6 +103,17 @@ def check_inplace(before: list[int], value: Any, k: int, name: str) -> None:
         )
 
 
+def passed_through(inp: Any, out: Any) -> int:
+    """Bytes of a tuple output's storages that are input tensors returned as they are (carried skips).
+
+    A single-tensor output is left alone: it counts in full, as before.
+    """
+    if isinstance(out, torch.Tensor):
+        return 0
+    ins = {id(t) for t in tensors_of(inp)}
+    return storage_bytes([t for t in tensors_of(out) if id(t) in ins])
+
+
 def backward_pairs(outputs: Any, grads: Sequence[torch.Tensor | None]) -> tuple[list, list]:
     """(tensors, grads) of the outputs that carry a graph and received a gradient."""
     outs, gs = [], []
@@ -295,7 +306,9 @@ def profile_chain(
                 peak, end = watch.stop()
                 probe.mark("after")
                 fwd_tmp = max(probe.peak - probe.current, peak - end)
-                saved_size = max(probe.current - base, out_size, end)  # an output aliasing a_k still counts
+                # an output aliasing a_k still counts, except tensors passed through unchanged (a skip
+                # carried across the stage): they are a_k's, held beside ā_{k+1} from Fe k to B k
+                saved_size = max(probe.current - base, out_size - passed_through(inp, out), end)
                 grads = [torch.ones_like(t) if t.requires_grad else None for t in tensors_of(out)]
                 outs, gs = backward_pairs(out, grads)
                 bwd_tmp = 0
