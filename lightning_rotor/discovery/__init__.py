@@ -1,0 +1,172 @@
+"""Discovery: find the chain `a_{k+1} = F_k(a_k)` in a model as users write it.
+
+Three producers of `Stages` (lightning_rotor/stages.py), picked by `how`:
+
+- "sequential": an `nn.Sequential`'s leaves (`sequential_stages`);
+- "graph": a torch.fx trace on the sample, cut where few tensors cross
+  (`lightning_rotor.discovery.graph`); the chain input is the forward's tensor
+  arguments, non-tensor arguments are fixed and checked on every call;
+- "modules": the longest run of sibling blocks seen in one real forward
+  (`lightning_rotor.discovery.modules`); the rest of the forward runs as written.
+
+"auto" tries them in that order (an `nn.Sequential` with a plain forward is
+sequential; otherwise the graph; where tracing fails or finds a value-dependent
+branch in the top-level forward, the modules), and says in `Discovery.notes`
+why a fallback was taken. docs/discovery.md states the guarantees and limits.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_rotor.discovery.graph import (
+    DEFAULT_MAX_CARRY,
+    DiscoveryError,
+    GraphChain,
+    GuardFailed,
+    ValueBranch,
+    trace_chain,
+)
+from lightning_rotor.discovery.modules import ChainDiverged, ModuleRun, find_runs
+from lightning_rotor.stages import Stages, sequential_stages
+
+__all__ = [
+    "HOWS", "ChainDiverged", "Discovery", "DiscoveryError", "GuardFailed", "ValueBranch", "block_types",
+    "discover", "discover_chain",
+]
+
+HOWS = ("auto", "sequential", "graph", "modules")
+
+
+@dataclass
+class Discovery:
+    """What discovery found: the stages and how a call of the module becomes the chain input."""
+
+    stages: Stages
+    graph: GraphChain | None = None  # how="graph": the whole forward is the chain
+    run: ModuleRun | None = None  # how="modules": only this run of blocks is the chain
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def kind(self) -> str:
+        return self.stages.kind
+
+
+def block_types(module: nn.Module) -> tuple[type, ...]:
+    """Classes worth keeping whole in a stage: user classes (not torch.nn's) with parameters, used twice or more."""
+    counts: dict[type, int] = {}
+    for sub in module.modules():
+        cls = type(sub)
+        if sub is module or cls.__module__.startswith("torch.") or not any(True for _ in sub.parameters()):
+            continue
+        counts[cls] = counts.get(cls, 0) + 1
+    return tuple(cls for cls, n in counts.items() if n >= 2)
+
+
+def _bind(module: nn.Module, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    sig = inspect.signature(module.forward)
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in sig.parameters.values()):
+        raise DiscoveryError(f"{type(module).__name__}.forward takes *args or **kwargs, which graph discovery "
+                             "cannot name; use how='modules'")
+    bound = sig.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def _graph(module: nn.Module, args: Sequence[Any], kwargs: dict[str, Any],
+           checkpoint_modules: Sequence[type] | None, max_carry: int) -> Discovery:
+    leaf_types = tuple(checkpoint_modules) if checkpoint_modules is not None else block_types(module)
+    bound = _bind(module, args, kwargs)
+    was_training = module.training
+    module.train()  # stages are for training: trace the training path (dropout on, BatchNorm batch statistics)
+    try:
+        chain = trace_chain(module, bound, leaf_types=leaf_types, max_carry=max_carry)
+    finally:
+        module.train(was_training)
+    notes = [f"graph: {len(chain.stages)} stages, {chain.guards} shape guard(s)"]
+    if chain.leaves:
+        notes.append("kept whole (value-dependent branch inside): " + ", ".join(chain.leaves))
+    notes += chain.cuts
+    stages = Stages(tuple(chain.names), tuple(chain.stages), kind="graph", notes=tuple(notes))
+    return Discovery(stages, graph=chain, notes=notes)
+
+
+def _modules(module: nn.Module, args: Sequence[Any], kwargs: dict[str, Any],
+             checkpoint_modules: Sequence[type] | None) -> Discovery:
+    was_training = module.training
+    module.train()
+    try:
+        runs = find_runs(module, args, kwargs, checkpoint_modules=checkpoint_modules)
+    finally:
+        module.train(was_training)
+    if not runs:
+        which = f" of {[t.__name__ for t in checkpoint_modules]}" if checkpoint_modules else ""
+        raise DiscoveryError(f"no run of two or more sibling blocks{which} calling one another in "
+                             f"{type(module).__name__}'s forward")
+    run = runs[0]
+    stages = run.stages()
+    return Discovery(stages, run=run, notes=list(stages.notes))
+
+
+def discover_chain(
+    module: nn.Module,
+    sample_args: Sequence[Any] | Any,
+    how: str = "auto",
+    checkpoint_modules: Sequence[type] | set[type] | None = None,
+    *,
+    sample_kwargs: dict[str, Any] | None = None,
+    max_carry: int = DEFAULT_MAX_CARRY,
+) -> Discovery:
+    """Find the chain in `module` on a sample call `module(*sample_args, **sample_kwargs)`.
+
+    Leaves no trace: buffers and the RNG stream are as before. Raises `DiscoveryError`
+    (or `ValueBranch`, with file and line) when `how` cannot find a chain.
+    """
+    if how not in HOWS:
+        raise ValueError(f"how={how!r} is not a discovery method; use one of {', '.join(HOWS)}")
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"discover needs an nn.Module, got {type(module).__name__}")
+    args = tuple(sample_args) if isinstance(sample_args, (tuple, list)) else (sample_args,)
+    kwargs = dict(sample_kwargs or {})
+    types = tuple(checkpoint_modules) if checkpoint_modules else None
+    if types is not None and not all(isinstance(t, type) and issubclass(t, nn.Module) for t in types):
+        raise TypeError(f"checkpoint_modules must be nn.Module classes, got {list(checkpoint_modules)!r}")
+    plain_sequential = isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward
+    if how == "sequential" or (how == "auto" and plain_sequential and types is None):
+        if not plain_sequential:
+            raise DiscoveryError(f"how='sequential' needs a plain nn.Sequential, got {type(module).__name__}; "
+                                 "use how='graph' or 'modules'")
+        stages = sequential_stages(module)
+        return Discovery(stages, notes=[f"sequential: {len(stages)} stages"])
+    if how == "modules":
+        return _modules(module, args, kwargs, types)
+    if how == "graph":
+        return _graph(module, args, kwargs, types, max_carry)
+    try:
+        found = _graph(module, args, kwargs, types, max_carry)
+        if len(found.stages) >= 2:
+            return found
+        why = f"the graph gave {len(found.stages)} stage"
+    except (DiscoveryError, torch.fx.proxy.TraceError, TypeError, NotImplementedError, AttributeError,
+            RuntimeError, AssertionError) as err:
+        why = f"graph discovery failed: {str(err).splitlines()[0][:300]}"
+    found = _modules(module, args, kwargs, types)
+    found.notes.insert(0, why + "; module-level discovery used instead")
+    return found
+
+
+def discover(
+    module: nn.Module,
+    sample_args: Sequence[Any] | Any,
+    how: str = "auto",
+    checkpoint_modules: Sequence[type] | set[type] | None = None,
+    **options: Any,
+) -> Stages:
+    """The stages of `module`'s chain (see `discover_chain`, which also says how to call them)."""
+    return discover_chain(module, sample_args, how, checkpoint_modules, **options).stages

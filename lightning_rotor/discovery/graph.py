@@ -1,0 +1,446 @@
+"""Graph discovery: trace a module with torch.fx on its sample input and cut the graph into stages.
+
+The tracer (`ShapeTracer`) runs every traced op on the real sample alongside the
+symbolic trace, so Python control flow on shapes (`assert T <= block_size`,
+`if x.dim() == 4`, `B, T = idx.size()`) is answered from the sample. Each answer
+becomes a guard node in the graph, checked on every call: a later input that
+would take the other branch raises `GuardFailed` instead of running the wrong
+code. A branch on tensor values inside a submodule makes that submodule one
+opaque stage part (a leaf, run as the user's module); one in the top-level
+forward raises `ValueBranch` with the file and line.
+
+Cuts go where at most `max_carry` tensors cross and no later op writes in place
+into what crosses (nor into anything sharing its storage). Parameters and
+buffers are read inside stages (`get_attr` is repeated in every stage that needs
+it), never carried. Each stage is a `GraphModule` built on the user's module, so
+it calls the user's own submodules and parameters. torch.export is not used: it
+would turn BatchNorm into a plain op whose running-stat updates escape the
+executor's recomputation guard.
+"""
+
+from __future__ import annotations
+
+import builtins
+import inspect
+import operator
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.fx import _symbolic_trace
+from torch.fx.node import map_aggregate, map_arg
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__))
+DEFAULT_MAX_CARRY = 6
+
+
+class DiscoveryError(RuntimeError):
+    """No chain could be found the way asked (the message says why)."""
+
+
+class ValueBranch(DiscoveryError):
+    """Python control flow on tensor values in the top-level forward: no single graph holds for all inputs."""
+
+
+class GuardFailed(RuntimeError):
+    """An input takes another branch than the sample the chain was discovered on."""
+
+
+class _SubmoduleBranch(Exception):  # internal: retry with `qualname` as a leaf
+    def __init__(self, qualname: str):
+        self.qualname = qualname
+
+
+def _user_frame() -> str:
+    """file:line of the innermost frame outside torch and this package (the user's code)."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
+        if not path.startswith(_HERE) and not path.startswith(_TORCH):
+            return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "<unknown>"
+
+
+def _guard_bool(value: Any, expected: bool, where: str) -> None:
+    if bool(value) != expected:
+        raise GuardFailed(
+            f"input takes the other branch at {where} (was {expected} on the sample the chain was discovered on); "
+            "run discovery again on such an input, or make the branch independent of the input"
+        )
+
+
+def _guard_eq(value: Any, expected: Any, where: str) -> None:
+    if value != expected:
+        raise GuardFailed(
+            f"input gives {value!r} at {where} where the sample gave {expected!r} (fixed into the traced graph); "
+            "run discovery again on such an input"
+        )
+
+
+_GUARDS = (_guard_bool, _guard_eq)
+_SHAPE_ATTRS = {"shape", "dtype", "device", "ndim", "is_cuda", "layout", "requires_grad"}
+_SHAPE_METHODS = {"size", "dim", "numel", "ndimension", "nelement", "is_floating_point", "is_contiguous",
+                  "get_device", "element_size"}
+
+
+class ShapeProxy(fx.Proxy):
+    """A proxy whose concrete sample value answers Python questions on shapes (with a guard)."""
+
+    def _value(self) -> Any:
+        return self.tracer.values[self.node]
+
+    def _shape_only(self, what: str) -> Any:
+        tracer = self.tracer
+        if tracer.data[self.node]:
+            where = _user_frame()
+            if tracer.branch_stack:
+                raise _SubmoduleBranch(tracer.branch_stack[-1])
+            raise ValueBranch(
+                f"{where}: {what} depends on tensor values in the top-level forward, so no single traced graph "
+                "holds for every input; move the branch into a submodule (it then runs whole inside one stage), "
+                "or use module-level discovery (how='modules')"
+            )
+        return self._value()
+
+    def __bool__(self) -> bool:
+        answer = bool(self._shape_only("a Python branch"))
+        self.tracer.create_proxy("call_function", _guard_bool, (self, answer, _user_frame()), {})
+        return answer
+
+    def __index__(self) -> int:
+        answer = operator.index(self._shape_only("a Python integer"))
+        self.tracer.create_proxy("call_function", _guard_eq, (self, answer, _user_frame()), {})
+        return answer
+
+    def __int__(self) -> int:
+        return self.__index__()
+
+    def __len__(self) -> int:
+        n = len(self._value())  # a length is structure or shape, never tensor values
+        length = self.tracer.create_proxy("call_function", builtins.len, (self,), {})
+        self.tracer.create_proxy("call_function", _guard_eq, (length, n, _user_frame()), {})
+        return n
+
+    def __iter__(self):
+        return iter([self[i] for i in range(len(self))])
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr in _SHAPE_ATTRS:
+            return self.tracer.create_proxy("call_function", builtins.getattr, (self, attr), {})
+        return super().__getattr__(attr)
+
+
+def _is_data(node_value: Any) -> bool:
+    return any(isinstance(v, torch.Tensor) for v in _leaves(node_value))
+
+
+def _leaves(value: Any) -> list[Any]:
+    out: list[Any] = []
+    map_aggregate(value, out.append)
+    return out
+
+
+class _real_modules:
+    """Run real module calls while tracing: fx patches `nn.Module.__call__`, this restores it for a moment."""
+
+    def __enter__(self) -> None:
+        self.patched = nn.Module.__call__, nn.Module.__getattr__
+        nn.Module.__call__ = _symbolic_trace._orig_module_call
+        nn.Module.__getattr__ = _symbolic_trace._orig_module_getattr
+
+    def __exit__(self, *exc: Any) -> None:
+        nn.Module.__call__, nn.Module.__getattr__ = self.patched
+
+
+class ShapeTracer(fx.Tracer):
+    """torch.fx tracer that runs each op on the sample (see the module docstring)."""
+
+    def __init__(self, sample: dict[str, Any], leaves: set[str], leaf_types: tuple[type, ...]):
+        super().__init__(autowrap_functions=())
+        self.sample = sample
+        self.leaves = leaves
+        self.leaf_types = leaf_types
+        self.values: dict[fx.Node, Any] = {}
+        self.data: dict[fx.Node, bool] = {}
+        self.branch_stack: list[str] = []
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return ShapeProxy(node, self)
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        if qualname in self.leaves or (self.leaf_types and isinstance(m, self.leaf_types)):
+            return True
+        return super().is_leaf_module(m, qualname)
+
+    def call_module(self, m: nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        qualname = self.path_of_module(m)
+        if self.is_leaf_module(m, qualname):
+            return super().call_module(m, forward, args, kwargs)
+        self.branch_stack.append(qualname)
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        finally:
+            self.branch_stack.pop()
+
+    def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
+        proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
+        node = proxy.node
+        if kind == "placeholder":
+            if target in self.sample:  # concrete (non-tensor) arguments get no sample value
+                value = self.sample[target]
+                self.values[node], self.data[node] = value, _is_data(value)
+            return proxy
+        if kind == "get_attr":
+            value = self.root
+            for part in str(target).split("."):
+                value = getattr(value, part)
+            self.values[node], self.data[node] = value, isinstance(value, torch.Tensor)
+            return proxy
+        if any(a not in self.values for a in node.all_input_nodes):  # fx's own checks on concrete args
+            return proxy  # no value: `_cut` drops these (`GraphChain.chain_input` checks the constants)
+        vals = map_arg((node.args, node.kwargs), self.values.__getitem__)
+        inputs: list[fx.Node] = []
+        map_arg((node.args, node.kwargs), inputs.append)
+        with torch.no_grad():
+            if kind == "call_function":
+                value = target(*vals[0], **vals[1])
+            elif kind == "call_method":
+                value = getattr(vals[0][0], target)(*vals[0][1:], **vals[1])
+            elif kind == "call_module":
+                with _real_modules():
+                    value = self.root.get_submodule(target)(*vals[0], **vals[1])
+            else:
+                value = None
+        self.values[node] = value
+        if kind == "call_function" and target is builtins.getattr and node.args[1] in _SHAPE_ATTRS:
+            self.data[node] = False
+        elif kind == "call_method" and target in _SHAPE_METHODS:
+            self.data[node] = False
+        elif _is_data(value):
+            self.data[node] = True
+        else:
+            self.data[node] = any(self.data.get(n, False) for n in inputs)
+        return proxy
+
+
+# -- cutting ---------------------------------------------------------------------------------
+_INPLACE_FUNCTIONS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.imatmul,
+                      operator.setitem}
+
+
+def _writes_into(node: fx.Node, root: nn.Module) -> fx.Node | None:
+    """The node whose value `node` overwrites in place, if any."""
+    if not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    first = node.args[0]
+    if node.op == "call_method" and str(node.target).endswith("_") and not str(node.target).endswith("__"):
+        return first
+    if node.op == "call_function":
+        name = getattr(node.target, "__name__", "")
+        if node.target in _INPLACE_FUNCTIONS or node.kwargs.get("inplace") is True:
+            return first
+        if name.endswith("_") and not name.endswith("__"):
+            return first
+    if node.op == "call_module" and getattr(root.get_submodule(str(node.target)), "inplace", False) is True:
+        return first
+    return None
+
+
+def _storage(value: Any) -> int | None:
+    if isinstance(value, torch.Tensor):
+        try:
+            return value.untyped_storage().data_ptr()
+        except RuntimeError:
+            return None
+    return None
+
+
+def _is_weighty(node: fx.Node) -> bool:
+    """Worth a stage of its own: a submodule call, or a matrix product or convolution."""
+    if node.op == "call_module":
+        return True
+    name = getattr(node.target, "__name__", str(node.target))
+    return any(w in name for w in ("matmul", "linear", "conv", "bmm", "mm", "attention", "einsum"))
+
+
+@dataclass
+class GraphChain:
+    """The traced graph cut into stages, and how call arguments become the chain input."""
+
+    stages: list[nn.Module]
+    names: list[str]
+    cuts: list[str] = field(default_factory=list)  # per boundary: what crosses it
+    guards: int = 0
+    leaves: list[str] = field(default_factory=list)
+    tensor_args: list[str] = field(default_factory=list)  # forward parameters that are the chain input, in order
+    constants: dict[str, Any] = field(default_factory=dict)  # non-tensor arguments fixed at discovery
+
+    def chain_input(self, bound: dict[str, Any]) -> Any:
+        """a_0 from the forward's bound arguments; non-tensor arguments must equal the sample's."""
+        for name, expected in self.constants.items():
+            got = bound.get(name, expected)
+            if not (got is expected or (type(got) is type(expected) and got == expected)):
+                raise GuardFailed(f"argument {name}={got!r} differs from {expected!r} given when the chain was "
+                                  "discovered (non-tensor arguments are fixed into the traced graph)")
+        values = [bound[n] for n in self.tensor_args]
+        return values[0] if len(values) == 1 else tuple(values)
+
+
+def trace_chain(
+    module: nn.Module,
+    bound: dict[str, Any],
+    *,
+    leaf_types: Sequence[type] = (),
+    max_carry: int = DEFAULT_MAX_CARRY,
+    max_retries: int = 32,
+) -> GraphChain:
+    """Trace `module` on the bound sample arguments (name -> value) and cut it into stages."""
+    tensor_args = [n for n, v in bound.items() if isinstance(v, torch.Tensor)]
+    constants = {n: v for n, v in bound.items() if not isinstance(v, torch.Tensor)}
+    leaves: set[str] = set()
+    rng = [torch.device("cuda", i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    saved = {n: b.detach().clone() for n, b in module.named_buffers()}
+    for _ in range(max_retries):
+        tracer = ShapeTracer({n: bound[n] for n in tensor_args}, leaves, tuple(leaf_types))
+        try:
+            with torch.random.fork_rng(devices=rng):
+                graph = tracer.trace(module, concrete_args=constants or None)
+            break
+        except _SubmoduleBranch as branch:
+            leaves.add(branch.qualname)
+        finally:
+            with torch.no_grad():
+                for n, b in module.named_buffers():
+                    if n in saved:
+                        b.copy_(saved[n])
+    else:
+        raise DiscoveryError(f"tracing {type(module).__name__} kept finding value-dependent branches")
+    chain = _cut(module, graph, tracer, max_carry)
+    chain.leaves = sorted(leaves)
+    chain.tensor_args = tensor_args
+    chain.constants = constants
+    return chain
+
+
+def _cut(root: nn.Module, graph: fx.Graph, tracer: ShapeTracer, max_carry: int) -> GraphChain:
+    nodes = list(graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder" and n in tracer.values]
+    dead = [n for n in nodes if n.op == "placeholder" and n not in tracer.values]  # concrete args
+    output = next(n for n in nodes if n.op == "output")
+    body = [n for n in nodes if n.op not in ("placeholder", "output", "get_attr") and n in tracer.values]
+    pos = {n: i for i, n in enumerate(body)}
+    for n in placeholders:
+        pos[n] = -1
+    last_use: dict[fx.Node, int] = {}
+    for i, n in enumerate(body):
+        for a in n.all_input_nodes:
+            last_use[a] = i
+    for a in output.all_input_nodes:
+        last_use[a] = len(body)
+    # in-place writes forbid cuts between the written value's first alias and the write
+    blocked = [False] * len(body)
+    by_storage: dict[int, int] = {}
+    for n in [*placeholders, *body]:
+        s = _storage(tracer.values.get(n))
+        if s is not None and s not in by_storage:
+            by_storage[s] = pos[n]
+    for j, n in enumerate(body):
+        target = _writes_into(n, root)
+        if target is None or target.op == "get_attr":
+            continue
+        s = _storage(tracer.values.get(target))
+        start = by_storage.get(s, pos.get(target, -1)) if s is not None else pos.get(target, -1)
+        for c in range(max(start, 0), j):
+            blocked[c] = True
+        if start < 0:  # writes into the chain input: no cut before the write
+            for c in range(0, j):
+                blocked[c] = True
+
+    def live_after(i: int) -> list[fx.Node]:
+        return [n for n in [*placeholders, *body[: i + 1]] if last_use.get(n, -2) > i]
+
+    cuts: list[int] = []
+    weight = False
+    for i, n in enumerate(body[:-1]):
+        weight = weight or _is_weighty(n)
+        if not weight or blocked[i]:
+            continue
+        live = live_after(i)
+        if sum(_is_data(tracer.values.get(v)) for v in live) > max_carry:
+            continue
+        cuts.append(i)
+        weight = False
+    if cuts and not any(_is_weighty(n) for n in body[cuts[-1] + 1:]):
+        cuts.pop()  # a trailing stage without a submodule call or product joins the one before
+    bounds = [-1, *cuts, len(body) - 1]
+    stages, names, crossing = [], [], []
+    for k in range(len(bounds) - 1):
+        lo, hi = bounds[k] + 1, bounds[k + 1]
+        inputs = placeholders if k == 0 else live_after(bounds[k])
+        last = k == len(bounds) - 2
+        outputs = None if last else live_after(hi)
+        stages.append(_stage_module(root, body[lo: hi + 1], inputs, outputs, output, dead, k))
+        mods = [str(n.target) for n in body[lo: hi + 1] if n.op == "call_module"]
+        names.append(_stage_name(mods, body[lo: hi + 1], k))
+        if not last:
+            crossing.append(f"after {names[-1]}: " + ", ".join(
+                f"{v.name}{_shape_str(tracer.values.get(v))}" for v in outputs))
+    guards = sum(1 for n in body if n.op == "call_function" and n.target in _GUARDS)
+    return GraphChain(stages, _unique(names), crossing, guards)
+
+
+def _shape_str(value: Any) -> str:
+    return f"{list(value.shape)}" if isinstance(value, torch.Tensor) else f"={value!r}"[:24]
+
+
+def _stage_name(mods: list[str], nodes: list[fx.Node], k: int) -> str:
+    if not mods:
+        return nodes[0].name
+    return mods[0] if len(mods) == 1 else f"{mods[0]}..{mods[-1]}"
+
+
+def _unique(names: list[str]) -> list[str]:
+    seen: dict[str, int] = {}
+    out = []
+    for n in names:
+        seen[n] = seen.get(n, 0) + 1
+        out.append(n if seen[n] == 1 else f"{n}#{seen[n]}")
+    return out
+
+
+def _stage_module(root: nn.Module, nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node] | None,
+                  output: fx.Node, dead: list[fx.Node], k: int) -> fx.GraphModule:
+    """F_k as a GraphModule on the user's module: a_k (one value or a tuple) in, a_{k+1} out."""
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    a = g.placeholder("a")
+    if len(inputs) == 1:
+        env[inputs[0]] = a
+    else:
+        for i, n in enumerate(inputs):
+            env[n] = g.call_function(operator.getitem, (a, i))
+
+    def lookup(n: fx.Node) -> fx.Node:
+        if n not in env:
+            if n.op == "get_attr":
+                env[n] = g.get_attr(str(n.target))
+            elif n in dead:
+                raise DiscoveryError(f"stage {k} needs concrete argument {n.name}")
+            else:
+                raise DiscoveryError(f"stage {k} uses {n.name}, which does not cross into it (discovery bug)")
+        return env[n]
+
+    for n in nodes:
+        env[n] = g.node_copy(n, lookup)
+    if outputs is None:
+        g.output(map_arg(output.args[0], lookup))
+    elif len(outputs) == 1:
+        g.output(lookup(outputs[0]))
+    else:
+        g.output(tuple(lookup(n) for n in outputs))
+    return fx.GraphModule(root, g, class_name=f"Stage{k}")

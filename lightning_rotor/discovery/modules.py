@@ -1,0 +1,305 @@
+"""Module-level discovery: runs of sibling blocks seen in one real forward.
+
+Where tracing fails (Hugging Face transformers models, Python control flow on
+values), rotor can still checkpoint the part of the model that is a chain: a run
+of sibling blocks (children of one module, typically a `ModuleList`) called one
+after another, where each call's first argument is the previous call's output,
+the other arguments are the same objects for every call of the run, and nothing
+but the next block uses a block's output. `find_runs` observes one forward with
+hooks and a `TorchFunctionMode` (which sees every use of a block's output) and
+returns such runs.
+
+At run time (`ModuleRun.install`), the first block's call runs the whole chain
+(the caller's plan over the stages) and every later call is checked: its input
+must be what the previous call returned and its other arguments the same; any
+divergence raises `ChainDiverged`. Intermediate calls return a placeholder
+tensor that refuses every torch operation, so a forward that uses a block's
+output elsewhere (e.g. `output_hidden_states=True`) fails loudly instead of
+reading a wrong value. The last call returns the chain output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.module import _global_forward_hooks
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from lightning_rotor.stages import Stages
+
+
+class ChainDiverged(RuntimeError):
+    """A forward called the blocks of a module-level chain differently from the observed forward."""
+
+
+class _Pending(torch.Tensor):
+    """What an intermediate block call returns: any torch operation on it raises (see module docstring)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        raise ChainDiverged(
+            "the output of a block inside a module-level rotor chain was used outside the next block "
+            f"({getattr(func, '__name__', func)}); rotor runs the whole run of blocks at once, so only the last "
+            "block's output exists. Turn off what reads intermediate outputs (e.g. output_hidden_states) or "
+            "checkpoint_modules that exclude those blocks"
+        )
+
+
+def _pending() -> torch.Tensor:
+    return torch.Tensor._make_subclass(_Pending, torch.empty(0))
+
+
+def _same(a: Any, b: Any) -> bool:
+    """The same object, or equal plain values (ints, strings, None)."""
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return False
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # noqa: BLE001 (objects whose == is not a plain bool are not the same constant)
+        return False
+
+
+@dataclass
+class _Call:
+    name: str
+    module: nn.Module
+    parent: str
+    depth: int
+    args: tuple
+    kwargs: dict
+    output: Any = None
+    index: int = 0
+
+
+class _Uses(TorchFunctionMode):
+    """Which open block calls each torch operation's tensor arguments were used in."""
+
+    def __init__(self, open_calls: list[int]):
+        super().__init__()
+        self.open_calls = open_calls
+        self.uses: dict[int, list[tuple[int, ...]]] = {}  # id(tensor) -> open-call stacks of its uses
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        stack = tuple(self.open_calls)
+        for t in tree_flatten((args, kwargs))[0]:
+            if isinstance(t, torch.Tensor):
+                self.uses.setdefault(id(t), []).append(stack)
+        return func(*args, **kwargs)
+
+
+@dataclass
+class ModuleRun:
+    """A run of sibling blocks: stage k is `blocks[k](x, *args, **kwargs)` with this forward's other arguments."""
+
+    parent: str
+    names: list[str]
+    blocks: list[nn.Module]
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    _state: dict = field(default_factory=dict, repr=False)
+
+    def stages(self) -> Stages:
+        notes = (f"module-level run under {self.parent or '<root>'}: {len(self.blocks)} blocks, "
+                 "checked on every call",)
+        return Stages(tuple(self.names), tuple(_BlockStage(self, k) for k in range(len(self.blocks))),
+                      kind="modules", notes=notes)
+
+    # -- run time -----------------------------------------------------------------------------
+    def install(self, run_chain: Callable[[Any], Any]) -> None:
+        """Replace the blocks' forwards: block 0 runs `run_chain(x)` over the stages, later calls are checked."""
+        if self._state.get("installed"):
+            raise RuntimeError("this module-level chain is installed already")
+        originals = [b.__dict__.get("forward") for b in self.blocks]
+        self._state.update(installed=True, originals=originals, next=0, inside=0, token=None, output=None,
+                           run_chain=run_chain)
+        for k, block in enumerate(self.blocks):
+            if any(block is b for b in self.blocks[:k]):
+                raise ChainDiverged(f"block {self.names[k]} is the same module as an earlier block of the run; "
+                                    "a module-level chain cannot tell its calls apart")
+            block.forward = _Patched(self, k, type(block).forward.__get__(block))
+
+    def uninstall(self) -> None:
+        for block, original in zip(self.blocks, self._state.get("originals", []), strict=False):
+            if original is None:
+                block.__dict__.pop("forward", None)
+            else:
+                block.forward = original
+        self._state.clear()
+
+    @contextmanager
+    def _inside(self):
+        self._state["inside"] += 1
+        try:
+            yield
+        finally:
+            self._state["inside"] -= 1
+
+    def _call(self, k: int, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        try:
+            return self._checked_call(k, original, args, kwargs)
+        except ChainDiverged:
+            self._state.update(next=0, token=None, output=None)  # the next forward starts afresh
+            raise
+
+    def _checked_call(self, k: int, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        state = self._state
+        if state["inside"] or not (self.blocks[k].training and torch.is_grad_enabled()):
+            if state["next"] != 0 and not state["inside"]:
+                raise ChainDiverged(f"{self.names[k]} ran in eval mode or without grad while the chain "
+                                    f"expected {self.names[state['next']]} next")
+            return original(*args, **kwargs)
+        if not args:
+            raise ChainDiverged(f"{self.names[k]} was called without a positional input; the chain observed "
+                                "the hidden state as the first positional argument")
+        x, rest = args[0], args[1:]
+        if k != state["next"]:
+            raise ChainDiverged(f"{self.names[k]} was called while the chain expected "
+                                f"{self.names[state['next']]} (blocks must run in the observed order, each once)")
+        if k == 0:
+            self.args, self.kwargs = rest, dict(kwargs)
+            state["output"] = state["run_chain"](x)
+        else:
+            if x is not state["token"]:
+                raise ChainDiverged(f"{self.names[k]} got an input that is not the previous block's output; "
+                                    "the forward changes the hidden state between blocks")
+            if len(rest) != len(self.args) or set(kwargs) != set(self.kwargs) or not all(
+                _same(a, b) for a, b in zip(rest, self.args, strict=True)
+            ) or not all(_same(kwargs[n], self.kwargs[n]) for n in kwargs):
+                raise ChainDiverged(f"{self.names[k]} got other arguments than {self.names[0]} in the same "
+                                    "forward; a module-level chain needs the same non-hidden arguments for every block")
+        last = k == len(self.blocks) - 1
+        if not last and (self.blocks[k]._forward_hooks or _global_forward_hooks):
+            raise ChainDiverged(
+                f"a forward hook on {self.names[k]} would see its output, which a module-level rotor chain does not "
+                "make (only the last block's output exists); turn off what records block outputs "
+                "(e.g. output_hidden_states) while training with rotor"
+            )
+        state["next"] = 0 if last else k + 1
+        if last:
+            out, state["output"], state["token"] = state["output"], None, None
+            return out
+        state["token"] = _pending()
+        return state["token"]
+
+
+class _Patched:
+    """A block's instance-level forward while its chain is installed."""
+
+    def __init__(self, run: ModuleRun, k: int, original: Callable[..., Any]):
+        self.run, self.k, self.original = run, k, original
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.run._call(self.k, self.original, args, kwargs)
+
+
+class _BlockStage(nn.Module):
+    """Stage k of a module-level run: the user's block, with the current forward's other arguments."""
+
+    def __init__(self, run: ModuleRun, k: int):
+        super().__init__()
+        self.block = run.blocks[k]
+        object.__setattr__(self, "run", run)
+        self.k = k
+
+    def forward(self, x: Any) -> Any:
+        run = self.run
+        if not run._state.get("installed"):
+            return self.block(x, *run.args, **run.kwargs)
+        with run._inside():
+            return self.block(x, *run.args, **run.kwargs)
+
+
+def find_runs(
+    module: nn.Module, args: Sequence[Any], kwargs: dict[str, Any] | None = None,
+    *, checkpoint_modules: Sequence[type] | None = None, min_blocks: int = 2,
+) -> list[ModuleRun]:
+    """Runs of sibling blocks in one observed forward of `module` (no trace left: buffers and RNG restored)."""
+    kwargs = kwargs or {}
+    calls: list[_Call] = []
+    open_calls: list[int] = []
+    names = {id(m): n for n, m in module.named_modules(remove_duplicate=False) if n}
+    handles = []
+
+    def pre(mod: nn.Module, a: tuple, kw: dict) -> None:
+        name = names.get(id(mod), "?")
+        parent = calls[open_calls[-1]].name if open_calls else ""
+        calls.append(_Call(name, mod, parent, len(open_calls), a, kw, index=len(calls)))
+        open_calls.append(len(calls) - 1)
+
+    def post(mod: nn.Module, a: tuple, kw: dict, out: Any) -> None:
+        calls[open_calls.pop()].output = out
+
+    seen: set[int] = set()
+    for _, sub in module.named_modules():
+        if sub is module or id(sub) in seen:
+            continue
+        seen.add(id(sub))
+        handles.append(sub.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(sub.register_forward_hook(post, with_kwargs=True))
+    saved = {n: b.detach().clone() for n, b in module.named_buffers()}
+    devices = [torch.device("cuda", i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    uses = _Uses(open_calls)
+    try:
+        with torch.random.fork_rng(devices=devices), torch.no_grad(), uses:
+            module(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+        with torch.no_grad():
+            for n, b in module.named_buffers():
+                if n in saved:
+                    b.copy_(saved[n])
+    return _runs(calls, uses.uses, checkpoint_modules, min_blocks)
+
+
+def _runs(calls: list[_Call], uses: dict[int, list[tuple[int, ...]]], types: Sequence[type] | None,
+          min_blocks: int) -> list[ModuleRun]:
+    by_parent: dict[tuple[str, int], list[_Call]] = {}
+    for c in calls:
+        by_parent.setdefault((c.parent, c.depth), []).append(c)
+    runs: list[ModuleRun] = []
+    for (parent, _), siblings in by_parent.items():
+        current: list[_Call] = []
+        for c in [*siblings, None]:
+            usable = c is not None and (types is None or isinstance(c.module, tuple(types))) and bool(c.args) \
+                and isinstance(c.args[0], torch.Tensor) and isinstance(c.output, torch.Tensor)
+            if usable and current and _continues(current[-1], c, uses):
+                current.append(c)
+                continue
+            if len(current) >= min_blocks:
+                runs.append(ModuleRun(parent, [b.name for b in current], [b.module for b in current]))
+            current = [c] if usable else []
+    # most parameters first (the run covering the model's blocks, not one block's inner layers)
+    runs.sort(key=lambda r: (-_parameters(r.blocks), -len(r.blocks), r.parent.count(".")))
+    return runs
+
+
+def _parameters(blocks: list[nn.Module]) -> int:
+    seen: dict[int, int] = {}
+    for b in blocks:
+        for p in b.parameters():
+            seen[id(p)] = p.numel()
+    return sum(seen.values())
+
+
+def _continues(prev: _Call, c: _Call, uses: dict[int, list[tuple[int, ...]]]) -> bool:
+    if c.args[0] is not prev.output or any(c.module is b for b in (prev.module,)):
+        return False
+    rest_a, rest_b = prev.args[1:], c.args[1:]
+    if len(rest_a) != len(rest_b) or set(prev.kwargs) != set(c.kwargs):
+        return False
+    if not all(_same(a, b) for a, b in zip(rest_a, rest_b, strict=True)):
+        return False
+    if not all(_same(prev.kwargs[n], c.kwargs[n]) for n in c.kwargs):
+        return False
+    # the previous output may be used only inside the next call
+    return all(c.index in stack for stack in uses.get(id(prev.output), []))
