@@ -1,4 +1,9 @@
-"""`Checkpointable`: an nn.Sequential that trains within an activation-memory budget.
+"""`Checkpointable`: a module that trains within an activation-memory budget.
+
+An `nn.Sequential` is a chain as it stands; any other module's chain is
+discovered on its first training call (`discover=`: "auto", "graph",
+"modules"; docs/discovery.md), and the module's own forward runs in eval mode
+and under `no_grad`.
 
 On the first training forward for an input signature (shapes, dtypes, devices,
 autocast state) it profiles the stages on that very input, plans the fastest
@@ -32,9 +37,9 @@ Only that step pays for the probe; other steps run without it.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -50,6 +55,9 @@ from lightning_rotor.planner import InfeasibleBudget, Plan, available_ram, plan
 from lightning_rotor.profile import Profile, profile_chain
 from lightning_rotor.simulate import no_recompute_peak, simulate
 from lightning_rotor.stages import Stages, sequential_stages
+
+if TYPE_CHECKING:
+    from lightning_rotor.discovery import Discovery
 
 __all__ = ["AUTO_FRACTION", "Checkpointable", "Entry", "InfeasibleBudget", "StepMeasurement", "auto_budget"]
 
@@ -178,7 +186,12 @@ class StepMeasurement:
 
 
 class Checkpointable(nn.Module):
-    """An nn.Sequential trained within `mem_limit` bytes of activation memory.
+    """A module (an nn.Sequential, or any module whose chain is discovered) trained within `mem_limit` bytes.
+
+    `discover`: how a module that is not a plain nn.Sequential becomes a chain, on its first
+    training call: "auto" (default), "graph" (torch.fx, the whole forward is the chain),
+    "modules" (a run of sibling blocks; the rest of the forward runs as written), or
+    "sequential". `checkpoint_modules`: block classes kept whole in one stage each.
 
     `mem_limit`: None (automatic, see the module docstring), bytes (`int`), a size
     (`"6GiB"`), or a fraction of the no-recomputation peak (`0.5`, `"50%"`).
@@ -198,29 +211,55 @@ class Checkpointable(nn.Module):
         mem_limit: int | float | str | None = None,
         *,
         stages: Stages | None = None,
+        discover: str | None = None,
+        checkpoint_modules: Iterable[type[nn.Module]] | None = None,
         slots: int = 500,
         loss_tmp: int | Callable[[Any], torch.Tensor] | None = None,
         repeats: int = 3,
         warmup: int = 1,
     ):
-        if stages is None and not isinstance(module, nn.Sequential):
-            raise TypeError(
-                f"Checkpointable wraps an nn.Sequential, got {type(module).__name__}; "
-                "express the model as nn.Sequential stages, or pass the stages a discovery step found (stages=...)"
-            )
+        from lightning_rotor.discovery import HOWS
+
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"Checkpointable wraps an nn.Module, got {type(module).__name__}")
         if stages is not None and not isinstance(stages, Stages):
             raise TypeError(f"stages must be a lightning_rotor.Stages, got {type(stages).__name__}")
+        if discover is not None and discover not in HOWS:
+            raise ValueError(f"discover={discover!r} is not a discovery method; use one of {', '.join(HOWS)}")
+        if stages is not None and discover is not None:
+            raise ValueError("give stages= (found already) or discover= (found on the first training call), not both")
+        types = tuple(checkpoint_modules) if checkpoint_modules else None
+        if types is not None and not all(isinstance(t, type) and issubclass(t, nn.Module) for t in types):
+            raise TypeError(f"checkpoint_modules must be nn.Module classes, got {list(checkpoint_modules)!r}")
+        plain_sequential = isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward
+        if stages is None and discover is None:
+            discover = "sequential" if plain_sequential and types is None else "auto"
+        if discover == "auto" and plain_sequential and types is None:
+            discover = "sequential"
+        if discover == "sequential" and not plain_sequential:
+            raise TypeError(f"discover='sequential' needs a plain nn.Sequential, got {type(module).__name__}; "
+                            "use discover='auto', 'graph' or 'modules'")
         super().__init__()
         if mem_limit is not None:
             parse_budget(mem_limit)  # bad budgets fail here, with the accepted forms
         check_slots(slots)
-        stages = sequential_stages(module) if stages is None else stages
+        if discover == "sequential":
+            stages = sequential_stages(module)
         for name, child in module._modules.items():  # every entry, repeats too: state_dict keys stay the module's
             if child is not None:
                 self.add_module(name, child)
+        for name, param in module._parameters.items():  # the module's own parameters and buffers, same objects
+            if param is not None:
+                self.register_parameter(name, param)
+        for name, buf in module._buffers.items():
+            if buf is not None:
+                self.register_buffer(name, buf, persistent=name not in module._non_persistent_buffers_set)
         object.__setattr__(self, "module", module)  # not registered: state_dict keys stay the module's
-        object.__setattr__(self, "stages", stages)
-        self.stage_names = list(stages.names)
+        object.__setattr__(self, "stages", stages)  # None until the first training call when discovering
+        self.discover = None if discover == "sequential" else discover  # None: the stages are known
+        self.checkpoint_modules = types
+        self.discovery: Discovery | None = None
+        self.stage_names = list(stages.names) if stages is not None else []
         self.mem_limit = mem_limit
         self.slots = slots
         self.loss_tmp = loss_tmp
@@ -235,6 +274,9 @@ class Checkpointable(nn.Module):
         self.on_profile_progress: Callable[[int, int, float], None] | None = None
 
     # -- the wrapped Sequential's container API ---------------------------------------------------
+    def __bool__(self) -> bool:
+        return True  # a module, even where the wrapped one has no len()
+
     def __len__(self) -> int:
         return len(self.module)
 
@@ -246,23 +288,59 @@ class Checkpointable(nn.Module):
         return self.module[index]
 
     # -- the forward ------------------------------------------------------------------------
-    def forward(self, *args: Any) -> Any:
-        """Train within the budget; several inputs reach the first stage as one tuple, at every budget.
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Train within the budget; eval mode and `no_grad` run the wrapped module's own forward.
 
-        (nn.Sequential passes one value from stage to stage, so `rotor(a, b)`
-        means the chain input `(a, b)`, whether the plan recomputes or not, and
-        in eval mode.)
+        A plain `nn.Sequential` passes one value from stage to stage, so there `rotor(a, b)`
+        means the chain input `(a, b)`, at every budget and in eval mode. Any other module
+        is called as written (`rotor(idx, targets=None)`); its chain is discovered on the
+        first training call (`discover=`, docs/discovery.md).
         """
-        if not args:
-            raise TypeError("Checkpointable needs the chain input: call it with one tensor or several")
-        value = args[0] if len(args) == 1 else args
+        if self.stages is not None and self.discovery is None:  # an nn.Sequential, or stages given
+            if kwargs:
+                raise TypeError(f"a chain of stages takes its input positionally, got keyword(s) {sorted(kwargs)}")
+            if not args:
+                raise TypeError("Checkpointable needs the chain input: call it with one tensor or several")
+            value = args[0] if len(args) == 1 else args
+            if not self.training or not torch.is_grad_enabled():
+                return self.module(value)
+            return self._run(value, lambda: self.module(value))
         if not self.training or not torch.is_grad_enabled():
-            return self.module(value)
+            return self.module(*args, **kwargs)  # the user's forward, as written (traced code freezes `training`)
+        found = self.discovery if self.discovery is not None else self.discover_on(*args, **kwargs)
+        if found.graph is not None:
+            bound = _bind_call(self.module, args, kwargs)
+            value = found.graph.chain_input(bound)
+            return self._run(value, lambda: self.module(*args, **kwargs))
+        run = found.run
+        run.install(lambda value: self._run(value, lambda: _run_stages(self.stages, value)))
+        try:
+            return self.module(*args, **kwargs)
+        finally:
+            run.uninstall()
+
+    def discover_on(self, *args: Any, **kwargs: Any) -> Discovery:
+        """Find the chain on a call's arguments now (the first training call does it otherwise).
+
+        Raises `DiscoveryError` (or `ValueBranch`, naming file and line) when no chain is found.
+        """
+        from lightning_rotor.discovery import discover_chain
+
+        if self.discover is None:
+            raise RuntimeError("this Checkpointable was given its stages; there is nothing to discover")
+        found = discover_chain(self.module, args, self.discover, self.checkpoint_modules, sample_kwargs=kwargs)
+        self.discovery = found
+        object.__setattr__(self, "stages", found.stages)
+        self.stage_names = list(found.stages.names)
+        return found
+
+    def _run(self, value: Any, plain_call: Callable[[], Any]) -> Any:
+        """The chain on its input `a_0`: profile and plan if new, then the plan (or `plain_call`)."""
         entry = self.prepare_for(value)
         measurement = self._measurement
         plain = is_no_recompute(entry.plan.ops)
         if plain and measurement is None:
-            return self.module(value)  # no recomputation: plain autograd frees exactly as the plan does
+            return plain_call()  # no recomputation: plain autograd frees exactly as the plan does
         if measurement is not None:
             measurement.entry = entry
             measurement.start_op = getattr(measurement.probe, "ops", 0)
@@ -277,6 +355,8 @@ class Checkpointable(nn.Module):
 
         Raises `InfeasibleBudget` (with the smallest feasible budget) when the budget is too small.
         """
+        if self.stages is None:
+            raise RuntimeError("the chain is not discovered yet: run one training forward (or discover_on) first")
         key = signature(value)
         entry = self.entries.get(key)
         if entry is None:
@@ -321,6 +401,8 @@ class Checkpointable(nn.Module):
 
     def plan_state(self) -> dict[str, Any]:
         """Profiles and plans as plain data, for checkpoints (`load_plan_state` reads it back)."""
+        if self.stages is None:
+            return {"budget": self.budget, "stage_names": [], "fingerprints": [], "entries": []}
         return {
             "budget": self.budget,
             "stage_names": list(self.stage_names),
@@ -442,10 +524,25 @@ class Checkpointable(nn.Module):
         return "\n".join(lines)
 
     def extra_repr(self) -> str:
-        return f"stages={len(self.stages)}, mem_limit={self.mem_limit!r}"
+        stages = len(self.stages) if self.stages is not None else f"found on the first call ({self.discover})"
+        return f"stages={stages}, mem_limit={self.mem_limit!r}"
 
     def __getstate__(self) -> dict[str, Any]:
         """Copies and pickles leave out a step measurement in progress (its probe holds storage handles)."""
         state = dict(self.__dict__)
         state["_measurement"] = None
         return state
+
+
+def _bind_call(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    import inspect
+
+    bound = inspect.signature(module.forward).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def _run_stages(stages: Stages, value: Any) -> Any:
+    for stage in stages:
+        value = stage(value)
+    return value

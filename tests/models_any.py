@@ -253,6 +253,7 @@ def gpt2(n_layer=2, n_embd=16, n_head=2, vocab_size=64, n_positions=32):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(vocab_size=vocab_size, n_positions=n_positions, n_embd=n_embd, n_layer=n_layer,
-                        n_head=n_head, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+                        n_head=n_head, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1,
+                        use_cache=False)  # training: no key-value cache, as gradient checkpointing requires
     config._attn_implementation = "eager"
     return GPT2LMHeadModel(config)

@@ -156,7 +156,10 @@ def discover_chain(
     except (DiscoveryError, torch.fx.proxy.TraceError, TypeError, NotImplementedError, AttributeError,
             RuntimeError, AssertionError) as err:
         why = f"graph discovery failed: {str(err).splitlines()[0][:300]}"
-    found = _modules(module, args, kwargs, types)
+    try:
+        found = _modules(module, args, kwargs, types)
+    except DiscoveryError as err:
+        raise DiscoveryError(f"nothing to checkpoint in {type(module).__name__}: {why}, and {err}") from None
     found.notes.insert(0, why + "; module-level discovery used instead")
     return found
 

@@ -197,8 +197,9 @@ class ShapeTracer(fx.Tracer):
             return proxy
         if kind == "get_attr":
             value = self.root
-            for part in str(target).split("."):
-                value = getattr(value, part)
+            with _real_modules():  # fx patches Module.__getattr__ to make proxies of parameters while tracing
+                for part in str(target).split("."):
+                    value = getattr(value, part)
             self.values[node], self.data[node] = value, isinstance(value, torch.Tensor)
             return proxy
         if any(a not in self.values for a in node.all_input_nodes):  # fx's own checks on concrete args

@@ -80,18 +80,23 @@ class _Call:
 
 
 class _Uses(TorchFunctionMode):
-    """Which open block calls each torch operation's tensor arguments were used in."""
+    """Which open block calls the block outputs were used in, by torch operations.
+
+    Only outputs of finished calls are followed (`outputs`, kept alive by their `_Call`),
+    so an id is never that of a dead temporary reused by Python.
+    """
 
     def __init__(self, open_calls: list[int]):
         super().__init__()
         self.open_calls = open_calls
-        self.uses: dict[int, list[tuple[int, ...]]] = {}  # id(tensor) -> open-call stacks of its uses
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.uses: dict[int, list[tuple[int, ...]]] = {}  # id(output) -> open-call stacks of its uses
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         stack = tuple(self.open_calls)
         for t in tree_flatten((args, kwargs))[0]:
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor) and self.outputs.get(id(t)) is t:
                 self.uses.setdefault(id(t), []).append(stack)
         return func(*args, **kwargs)
 
@@ -165,6 +170,7 @@ class ModuleRun:
             raise ChainDiverged(f"{self.names[k]} was called while the chain expected "
                                 f"{self.names[state['next']]} (blocks must run in the observed order, each once)")
         if k == 0:
+            check_arguments(self.names[0], rest, kwargs)
             self.args, self.kwargs = rest, dict(kwargs)
             state["output"] = state["run_chain"](x)
         else:
@@ -226,6 +232,7 @@ def find_runs(
     kwargs = kwargs or {}
     calls: list[_Call] = []
     open_calls: list[int] = []
+    uses = _Uses(open_calls)
     names = {id(m): n for n, m in module.named_modules(remove_duplicate=False) if n}
     handles = []
 
@@ -237,6 +244,8 @@ def find_runs(
 
     def post(mod: nn.Module, a: tuple, kw: dict, out: Any) -> None:
         calls[open_calls.pop()].output = out
+        if isinstance(out, torch.Tensor):
+            uses.outputs[id(out)] = out
 
     seen: set[int] = set()
     for _, sub in module.named_modules():
@@ -247,7 +256,6 @@ def find_runs(
         handles.append(sub.register_forward_hook(post, with_kwargs=True))
     saved = {n: b.detach().clone() for n, b in module.named_buffers()}
     devices = [torch.device("cuda", i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
-    uses = _Uses(open_calls)
     try:
         with torch.random.fork_rng(devices=devices), torch.no_grad(), uses:
             module(*args, **kwargs)
@@ -281,6 +289,18 @@ def _runs(calls: list[_Call], uses: dict[int, list[tuple[int, ...]]], types: Seq
     # most parameters first (the run covering the model's blocks, not one block's inner layers)
     runs.sort(key=lambda r: (-_parameters(r.blocks), -len(r.blocks), r.parent.count(".")))
     return runs
+
+
+def check_arguments(name: str, args: tuple, kwargs: dict) -> None:
+    """Refuse a key-value cache among a block's other arguments: each call appends to it, so a recomputed
+    block would append twice (Hugging Face models build one unless `use_cache=False`)."""
+    for value in [*args, *kwargs.values()]:
+        if value is not None and type(value).__name__.endswith("Cache"):
+            raise ChainDiverged(
+                f"{name} is called with a {type(value).__name__}, which every block call appends to, so a "
+                "recomputed block would append twice; train with use_cache=False (e.g. model.config.use_cache = "
+                "False), as gradient checkpointing requires"
+            )
 
 
 def _parameters(blocks: list[nn.Module]) -> int:
