@@ -42,7 +42,7 @@ int64_t fe_need(const MemChain& c, int s, int t, bool given) {
     const auto& size = c.size;
     int64_t held = given ? size[t] : 0;
     int64_t need = std::max(held + c.saved[s] + c.fwd_tmp[s], c.saved[s] + size[s + 1] + size[s] + c.bwd_tmp[s]);
-    if (!given && s + 1 == c.length()) need = std::max(need, c.saved[s] + size[s + 1] + c.loss_tmp);
+    if (!given && s + 1 == c.length()) need = std::max(need, c.saved[s] + size[s + 1] + c.loss_tmp_graph);
     return need;
 }
 
@@ -574,7 +574,7 @@ Replay replay(const MemChain& c, const std::vector<double>& fwd_time, const std:
             case OpKind::Loss: {
                 if (loss_done) throw fail(i, "second loss");
                 if (!graph[L] && !plain[L]) throw fail(i, "chain output not held");
-                peak = std::max(peak, cur + c.size[L] + c.loss_tmp);
+                peak = std::max(peak, cur + c.size[L] + (graph[L] ? c.loss_tmp_graph : c.loss_tmp));
                 grad[L] = 1;
                 cur += c.size[L];
                 if (!graph[L] && plain[L]) {

@@ -21,9 +21,13 @@ struct Op {
 // size has L+1 entries (s_0 .. s_L); the per-stage vectors have L entries,
 // saved[k] being sb_{k+1}. fwd_tmp is the transient of a recording forward (Fe),
 // fwd_tmp_nograd that of a forward without grad (Fn, Fc).
+// bwd_tmp is signed (chain version 2): B k peaks at cur + size[k] + bwd_tmp[k], where the
+// release of the part of a_{k+1} its graph does not keep is folded into bwd_tmp (Chain.bwd_net).
+// loss_tmp is the loss on a plain a_L, loss_tmp_graph on a_L held with its graph.
 struct MemChain {
     std::vector<int64_t> size, saved, fwd_tmp, fwd_tmp_nograd, bwd_tmp;
     int64_t loss_tmp = 0;
+    int64_t loss_tmp_graph = 0;
     int length() const { return static_cast<int>(saved.size()); }
 };
 

@@ -13,9 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-CHAIN_VERSION = 1
+CHAIN_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 SIZE_FIELDS = ("out_size", "saved_size", "fwd_tmp", "bwd_tmp")
-OPTIONAL_FIELDS = ("fwd_tmp_nograd",)
+SIGNED_FIELDS = ("bwd_tmp",)  # version 2: may be negative (autograd frees as it goes), down to -s_k
+OPTIONAL_FIELDS = ("fwd_tmp_nograd", "out_free", "loss_tmp_kept")
+V2_FIELDS = ("out_free", "loss_tmp_kept")  # fields a version-1 file cannot have
 TIME_FIELDS = ("fwd_time", "bwd_time")
 STAGE_FIELDS = SIZE_FIELDS + TIME_FIELDS
 
@@ -40,6 +43,20 @@ def _check_size(value: Any, where: str) -> int:
     return int(value)
 
 
+def _check_signed(value: Any, where: str, lowest: int) -> int:
+    """A byte count that may be negative, down to `lowest` (a peak is never below the state it starts from)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+        isinstance(value, float) and (not math.isfinite(value) or value != int(value))
+    ):
+        raise ChainError(f"{where} must be an integer number of bytes, got {value!r}")
+    if abs(value) > MAX_BYTES:
+        raise ChainError(f"{where} is {value!r} bytes, beyond the 2**62 bytes (4 EiB) a chain may hold")
+    if value < lowest:
+        raise ChainError(f"{where}={int(value)} is below {lowest}: the peak of an op cannot be below what is held "
+                         "when it starts")
+    return int(value)
+
+
 def _check_time(value: Any, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ChainError(f"{where} must be a non-negative number of seconds, got {value!r}")
@@ -58,6 +75,14 @@ class Chain:
     `fwd_tmp_nograd[k]` the transient without grad (`Fn`, `Fc`); it defaults to
     `fwd_tmp`. They differ where a stage saves what is otherwise transient
     (attention scores), and one figure for both would overcharge one of them.
+
+    Version 2 (docs/memory-model.md, part 2): `B k` peaks at
+    `cur - out_free[k] + s_k + bwd_tmp[k]`, where `out_free[k]` is the part of
+    `a_{k+1}` its own graph does not keep (released before the backward) and
+    `bwd_tmp[k]` may be negative (autograd frees saved tensors node by node);
+    `Loss` peaks at `cur + s_L + loss_tmp` on a plain `a_L` handed to the loss,
+    `cur + s_L + loss_tmp_kept` when part of `a_L` stays alive through it.
+    Defaults (`out_free` 0, `loss_tmp_kept = loss_tmp`) give version 1's meaning.
     """
 
     input_size: int
@@ -70,6 +95,8 @@ class Chain:
     loss_tmp: int = 0
     names: list[str] = field(default_factory=list)
     fwd_tmp_nograd: list[int] | None = None
+    out_free: list[int] | None = None
+    loss_tmp_kept: int | None = None
 
     def __post_init__(self) -> None:
         length = len(self.out_size) if isinstance(self.out_size, (list, tuple)) else None
@@ -86,6 +113,8 @@ class Chain:
                     f"{name} has {len(values)} entries but out_size has {length}; "
                     "every per-stage list must have one entry per stage"
                 )
+            if name in SIGNED_FIELDS:
+                continue  # checked below, against the sizes
             check = _check_size if name in SIZE_FIELDS else _check_time
             setattr(self, name, [check(v, f"{name}[{k}]") for k, v in enumerate(values)])
         if self.fwd_tmp_nograd is None:
@@ -95,8 +124,25 @@ class Chain:
         else:
             self.fwd_tmp_nograd = [_check_size(v, f"fwd_tmp_nograd[{k}]") for k, v in enumerate(self.fwd_tmp_nograd)]
         self.input_size = _check_size(self.input_size, "input_size")
-        self.loss_tmp = _check_size(self.loss_tmp, "loss_tmp")
-        total = self.input_size + self.loss_tmp + sum(sum(getattr(self, f)) for f in (*SIZE_FIELDS, "fwd_tmp_nograd"))
+        sizes = self.sizes
+        self.bwd_tmp = [_check_signed(v, f"bwd_tmp[{k}]", -sizes[k]) for k, v in enumerate(self.bwd_tmp)]
+        self.loss_tmp = _check_signed(self.loss_tmp, "loss_tmp", -sizes[-1])
+        if self.loss_tmp_kept is None:
+            self.loss_tmp_kept = self.loss_tmp
+        else:
+            self.loss_tmp_kept = _check_signed(self.loss_tmp_kept, "loss_tmp_kept", -sizes[-1])
+        if self.out_free is None:
+            self.out_free = [0] * length
+        elif not isinstance(self.out_free, (list, tuple)) or len(self.out_free) != length:
+            raise ChainError(f"out_free must be a list with one entry per stage ({length})")
+        else:
+            self.out_free = [_check_size(v, f"out_free[{k}]") for k, v in enumerate(self.out_free)]
+        for k in range(length):
+            if self.out_free[k] > min(self.out_size[k], self.saved_size[k]):
+                raise ChainError(f"out_free[{k}]={self.out_free[k]} is larger than out_size[{k}]={self.out_size[k]} "
+                                 f"or saved_size[{k}]={self.saved_size[k]}; only the stage's own output is released")
+        total = self.input_size + abs(self.loss_tmp) + abs(self.loss_tmp_kept) + sum(
+            sum(abs(v) for v in getattr(self, f)) for f in (*SIZE_FIELDS, "fwd_tmp_nograd", "out_free"))
         if total > MAX_BYTES:
             raise ChainError(f"the chain's sizes add up to {total} bytes, more than the 2**62 bytes (4 EiB) the "
                              "planner adds up exactly")
@@ -125,6 +171,20 @@ class Chain:
         """`s_0 … s_L`: bytes of every value of the chain, input first."""
         return [self.input_size, *self.out_size]
 
+    @property
+    def bwd_net(self) -> list[int]:
+        """What `B k` adds to the bytes held when it starts, beside `s_k`: `bwd_tmp[k] - out_free[k]` (signed).
+
+        The planners' `B k` charge is `cur + s_k + bwd_net[k]`; the release of the free
+        part of `a_{k+1}` is folded in, so version-1 chains (nothing free) keep their figures.
+        """
+        return [t - f for t, f in zip(self.bwd_tmp, self.out_free, strict=True)]
+
+    @property
+    def loss_tmp_graph(self) -> int:
+        """`loss_tmp` for a chain output held with its graph: plain when the graph keeps none of `a_L`."""
+        return self.loss_tmp if self.out_free[-1] == self.out_size[-1] else self.loss_tmp_kept
+
     def no_recompute_time(self) -> float:
         """Time of one step with unlimited memory: every stage once forward, once backward.
 
@@ -136,9 +196,10 @@ class Chain:
     def from_dict(cls, data: Any) -> Chain:
         if not isinstance(data, dict):
             raise ChainError(f"a chain must be a JSON object, got {type(data).__name__}")
-        version = data.get("version", CHAIN_VERSION)
-        if isinstance(version, bool) or version != CHAIN_VERSION:
-            raise ChainError(f"unknown chain version {version!r}; this release reads version {CHAIN_VERSION}")
+        version = data.get("version", 1)  # files before versioning are version 1
+        if isinstance(version, bool) or version not in READABLE_VERSIONS:
+            raise ChainError(f"unknown chain version {version!r}; this release reads versions "
+                             f"{', '.join(map(str, READABLE_VERSIONS))}")
         missing = [k for k in ("input_size", *STAGE_FIELDS) if k not in data]
         if missing:
             raise ChainError(f"chain is missing field(s) {', '.join(missing)}")
@@ -146,11 +207,21 @@ class Chain:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ChainError(f"unknown chain field(s) {', '.join(unknown)}; known fields: {', '.join(sorted(known))}")
+        if version == 1:
+            # version 1: transients are non-negative and nothing of a recorded output is released
+            v2 = [k for k in V2_FIELDS if k in data]
+            if v2:
+                raise ChainError(f"field(s) {', '.join(v2)} need chain version 2; this file says version 1")
+            for k, v in enumerate(data["bwd_tmp"] if isinstance(data["bwd_tmp"], (list, tuple)) else []):
+                _check_size(v, f"bwd_tmp[{k}]")
+            _check_size(data.get("loss_tmp", 0), "loss_tmp")
         return cls(
             input_size=data["input_size"],
             loss_tmp=data.get("loss_tmp", 0),
             names=data.get("names"),
             fwd_tmp_nograd=data.get("fwd_tmp_nograd"),
+            out_free=data.get("out_free"),
+            loss_tmp_kept=data.get("loss_tmp_kept"),
             **{name: data[name] for name in STAGE_FIELDS},
         )
 
@@ -164,6 +235,10 @@ class Chain:
         }
         if self.fwd_tmp_nograd != self.fwd_tmp:
             data["fwd_tmp_nograd"] = list(self.fwd_tmp_nograd)
+        if any(self.out_free):
+            data["out_free"] = list(self.out_free)
+        if self.loss_tmp_kept != self.loss_tmp:
+            data["loss_tmp_kept"] = self.loss_tmp_kept
         return data
 
     @classmethod

@@ -6,6 +6,8 @@ solve the very same problem and their optima can be compared exactly.
 - Memory: `unit = budget // slots` bytes; every size is rounded *up* to whole
   units, so a schedule that fits in units also fits in bytes (the budget is a
   hard promise). With the default 500 slots this is rotor's discretisation.
+  Signed figures (version-2 `bwd_tmp`, `loss_tmp`) are rounded up too: a sum of
+  ceilings is at least the ceiling of the sum.
 - Time: every stage time becomes an integer number of ticks, fine enough that
   no schedule's time loses more than ~1e-10 of its value. A cost is
   `ticks << count_bits | forward_ops`, so among schedules of equal time the one
@@ -32,8 +34,9 @@ class DiscreteChain:
     saved: list[int]  # sb_1 … sb_L in slots, at index k = sb_{k+1}
     fwd_tmp: list[int]  # recording the graph (Fe)
     fwd_tmp_nograd: list[int]  # without grad (Fn, Fc)
-    bwd_tmp: list[int]
-    loss_tmp: int
+    bwd_tmp: list[int]  # Chain.bwd_net: B k peaks at cur + s_k + bwd_tmp[k] (signed)
+    loss_tmp: int  # Loss on a plain a_L (signed)
+    loss_tmp_graph: int  # Loss on a_L held with its graph (Chain.loss_tmp_graph)
     fwd_cost: list[int]  # ticks << count_bits | 1
     bwd_cost: list[int]  # ticks << count_bits
     count_bits: int
@@ -80,8 +83,9 @@ def discretize(chain: Chain, budget: int, slots: int = DEFAULT_SLOTS) -> Discret
         saved=[up(x) for x in chain.saved_size],
         fwd_tmp=[up(x) for x in chain.fwd_tmp],
         fwd_tmp_nograd=[up(x) for x in chain.fwd_tmp_nograd],
-        bwd_tmp=[up(x) for x in chain.bwd_tmp],
+        bwd_tmp=[up(x) for x in chain.bwd_net],  # ceil of signed figures: sums of ceilings stay safe
         loss_tmp=up(chain.loss_tmp),
+        loss_tmp_graph=up(chain.loss_tmp_graph),
         fwd_cost=[(round(t / tick) << count_bits) | 1 for t in chain.fwd_time],
         bwd_cost=[round(t / tick) << count_bits for t in chain.bwd_time],
         count_bits=count_bits,

@@ -34,11 +34,12 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_rotor.ops import Op, OpKind, parse_ops, recomputed_stage_set
 from lightning_rotor.profile import (
-    backward_pairs,
+    backward_from_edges,
     check_inplace,
     detach_value,
     differentiable,
     no_cast_cache,
+    output_edges,
     tensors_of,
     versions,
 )
@@ -65,6 +66,7 @@ class _Step:
         self.probe = probe
         self.plain: dict[int, Any] = {0: value}  # a_k without graph
         self.graph: dict[int, tuple[Any, Any]] = {}  # ā_k: (leaf input of F_{k-1}, output a_k)
+        self.released: dict[int, list] = {}  # ā_k whose value was let go: the output edges to backpropagate from
         self.grads: dict[int, list] = {}  # δ_k, one entry per tensor of a_k
         self.ran: set[int] = set()
         self.rng: dict[int, list] = {}  # per recomputed stage: the generator state before each random op
@@ -175,16 +177,22 @@ class _Step:
         """Hand `a_L` to the caller: a plain one leaves the plan, one with graph stays for `B L-1`."""
         length = self.runner.length
         if length in self.graph:
-            return detach_value(self.graph[length][1], False)
+            # the plan keeps only the graph: a_L lives as long as the caller's loss (or the graph) needs it
+            inp, out = self.graph[length]
+            self.released[length] = output_edges(out)
+            self.graph[length] = (inp, None)
+            return detach_value(out, False)
         return self.plain.pop(length)
 
     # -- backward ops ---------------------------------------------------------------------
     def backward_op(self, k: int) -> None:
         inp, out = self.graph.pop(k + 1)
-        outs, gs = backward_pairs(out, self.grads.pop(k + 1))
-        if outs:
-            torch.autograd.backward(outs, gs)
-        del outs, gs, out
+        edges = self.released.pop(k + 1, None)
+        if edges is None:
+            edges = output_edges(out)
+        del out  # the value of a_{k+1} goes before the backward: only what the graph saved stays
+        backward_from_edges(edges, self.grads.pop(k + 1))
+        del edges
         self.grads[k] = [t.grad if t.requires_grad else None for t in tensors_of(inp)]
         del inp
         if k != 0:
@@ -204,6 +212,7 @@ class _Step:
     def clear(self) -> None:
         self.plain.clear()
         self.graph.clear()
+        self.released.clear()
         self.grads.clear()
         self.rng.clear()
         self.probe = None

@@ -10,7 +10,12 @@ updated after each op. So
   `exclude` are never counted (they are not activations);
 - tensors that existed before the probe started (the chain input) count only
   when passed to `track`;
-- the count is deterministic: it depends on the ops run, not on an allocator.
+- the count is deterministic: it depends on the ops run, not on an allocator;
+- a fresh gradient that autograd stores as a parameter's `.grad` without a copy
+  (the first backward after `.grad` was None) is a parameter gradient from the
+  moment it exists: the peak of the op that made it is settled at the next
+  sweep, without it. A gradient added into an existing `.grad` is a real
+  transient and counts.
 
 Allocations inside kernels that never become tensors (workspaces) are not
 seen; on CUDA, `CudaMemoryProbe` reads the caching allocator's own statistics,
@@ -75,7 +80,8 @@ class MemoryProbe(TorchDispatchMode):
                     self._params.append(t)
         self._live: dict[int, tuple[StorageWeakRef, int]] = {}
         self.current = 0
-        self.peak = 0
+        self._peak = 0
+        self._pending = 0  # bytes after the last op, before the sweep that tells which became a .grad
         self.ops = 0
         self.record_curve = record_curve
         self.curve: list[int] = []
@@ -91,9 +97,30 @@ class MemoryProbe(TorchDispatchMode):
                 keys.add(storage_key(g))
         return keys
 
+    @property
+    def peak(self) -> int:
+        """Most bytes alive at once so far."""
+        if not self._closed:
+            self._sweep()
+        return max(self._peak, self._pending)
+
+    @peak.setter
+    def peak(self, value: int) -> None:
+        self._peak = value
+        self._pending = 0
+
     def _sweep(self) -> None:
         excluded = self._excluded() if self._params else self._fixed
-        dead = [k for k, (ref, _) in self._live.items() if k in excluded or ref.expired()]
+        became_grad = 0
+        dead = []
+        for k, (ref, nbytes) in self._live.items():
+            if k in excluded:  # stored as a parameter's .grad since the last op: never an activation
+                dead.append(k)
+                became_grad += nbytes
+            elif ref.expired():
+                dead.append(k)
+        self._peak = max(self._peak, self._pending - became_grad)
+        self._pending = 0
         for k in dead:
             self.current -= self._live.pop(k)[1]
 
@@ -113,7 +140,7 @@ class MemoryProbe(TorchDispatchMode):
             nbytes = storage.nbytes()
             self._live[key] = (StorageWeakRef(storage), nbytes)
             self.current += nbytes
-        self.peak = max(self.peak, self.current)
+        self._pending = max(self._pending, self.current)
 
     def track(self, *tensors: Any) -> None:
         """Count tensors that existed before the probe (e.g. the chain input `a_0`)."""
@@ -123,7 +150,7 @@ class MemoryProbe(TorchDispatchMode):
     def reset_peak(self) -> None:
         """Start a new peak from what is alive now."""
         self._sweep()
-        self.peak = self.current
+        self._peak = self.current
 
     def mark(self, label: str) -> None:
         """Remember the bytes alive now under `label` (sweeping first)."""
@@ -137,6 +164,7 @@ class MemoryProbe(TorchDispatchMode):
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
+        self._sweep()
         self.close()
 
     def close(self) -> None:

@@ -38,13 +38,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from lightning_rotor.chain import Chain
 from lightning_rotor.memory import MemoryProbe, storage_bytes
 
-LOSS_SLACK = 64  # bytes for the loss's scalars while it is differentiated
-LOSS_HELD = 64  # bytes of the caller's loss value, alive through the whole backward; charged with a_0
+LOSS_HELD = 64  # bytes of the caller's loss value when the loss is not measured (given as bytes); charged with a_0
 
 
 class InplaceError(RuntimeError):
@@ -124,6 +124,49 @@ def backward_pairs(outputs: Any, grads: Sequence[torch.Tensor | None]) -> tuple[
     return outs, gs
 
 
+def output_edges(outputs: Any) -> list[GradientEdge | None]:
+    """Where each output tensor's gradient enters the graph (None: no graph).
+
+    Backpropagating from the edges instead of the tensors lets the caller drop the
+    output values first: their storage is freed unless the graph saved it, as plain
+    autograd frees an output nothing needs (Megatron's output deallocation, done by
+    reference counting instead of by hand).
+    """
+    return [get_gradient_edge(t) if t.requires_grad else None for t in tensors_of(outputs)]
+
+
+def backward_from_edges(edges: Sequence[GradientEdge | None], grads: Sequence[torch.Tensor | None]) -> None:
+    """Backpropagate `grads` from output `edges` (see `output_edges`); nothing when no edge has a gradient."""
+    roots, gs = [], []
+    for e, g in zip(edges, grads, strict=True):
+        if e is not None and g is not None:
+            roots.append(e)
+            gs.append(g)
+    if roots:
+        torch.autograd.backward(roots, gs)
+
+
+class _HandOver(torch.autograd.Function):
+    """Give tensors to a loss as outputs of a graph node that keeps nothing, and catch their gradient.
+
+    The executor's `_Head` does the same; measuring the loss through it charges the
+    loss what it costs when the caller writes `loss_fn(model(x), y)`.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, box: dict, dummy: torch.Tensor) -> tuple:
+        tensors = box.pop("tensors")
+        ctx.box = box
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(*[t for t in tensors if not differentiable(t)])
+        return tuple(tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> tuple:
+        ctx.box["grads"] = grads
+        return None, None
+
+
 # -- profiling ------------------------------------------------------------------------------
 @dataclass
 class Profile:
@@ -164,17 +207,46 @@ def proxy_loss(output: Any) -> torch.Tensor:
     return total
 
 
-def measure_loss_tmp(output: Any, loss_fn: Callable[[Any], torch.Tensor] = proxy_loss) -> int:
-    """Bytes above `a_L` and `δ_L` while `loss_fn(a_L)` runs forward and backward, plus `LOSS_SLACK`."""
-    out = detach_value(output, True)
-    leaves = [t for t in tensors_of(out) if t.requires_grad]
+def _loss_peak(output: Any, loss_fn: Callable[[Any], torch.Tensor], keep: bool) -> tuple[int, int]:
+    """(peak bytes, loss value bytes) of `loss_fn` on a fresh copy of `a_L`, `a_L` and `δ_L` included.
+
+    The loss value bytes count the value and the gradient `backward()` seeds it with:
+    the caller holds both until its backward returns.
+
+    The copy is handed to the loss and dropped (`keep=False`, a plain `a_L`), or kept
+    alive throughout (`keep=True`, an `a_L` whose storage a stage's graph also holds).
+    """
+    flat, spec = tree_flatten(output)
+    copies = [t.detach().clone() if isinstance(t, torch.Tensor) else t for t in flat]
     with MemoryProbe() as probe:
-        probe.track(out)
-        loss = loss_fn(out)
-        grads = torch.autograd.grad(loss, leaves, allow_unused=True)
-        probe.track(grads)
-        del loss, grads
-    return max(0, probe.peak - 2 * storage_bytes(output)) + LOSS_SLACK
+        probe.track(copies)
+        box = {"tensors": [t for t in copies if isinstance(t, torch.Tensor)]}
+        kept = list(box["tensors"]) if keep else None
+        del copies
+        dummy = torch.empty(0, requires_grad=True)
+        handed = iter(_HandOver.apply(box, dummy))
+        holder = [tree_unflatten([next(handed) if isinstance(t, torch.Tensor) else t for t in flat], spec)]
+        del handed
+        loss = loss_fn(holder.pop())
+        value_bytes = 2 * storage_bytes(loss)  # the value and the gradient backward seeds it with, both held to the end
+        loss.backward()
+        probe.track(box.get("grads"))
+        del loss, kept, box
+    return probe.peak, value_bytes
+
+
+def measure_loss_tmp(output: Any, loss_fn: Callable[[Any], torch.Tensor] = proxy_loss) -> tuple[int, int, int]:
+    """(`loss_tmp`, `loss_tmp_kept`, loss value bytes): the loss's peak above `a_L`, `δ_L` and its value.
+
+    `loss_tmp` hands a plain `a_L` to the loss, which may free it before its backward
+    (cross-entropy keeps its log-probabilities, not its input); `loss_tmp_kept` keeps
+    `a_L` alive throughout, as when a stage's graph also saved it. Both are signed. The
+    loss value stays alive through the whole backward; the chain charges it with `a_0`.
+    """
+    size = storage_bytes(output)
+    (plain, value), (kept, _) = (_loss_peak(output, loss_fn, keep) for keep in (False, True))
+    plain, kept = plain - 2 * size - value, kept - 2 * size - value
+    return max(-size, plain), max(-size, plain, kept), value
 
 
 def synchronize(device: torch.device) -> None:
@@ -246,6 +318,62 @@ class _Untouched:
         self.rng.__exit__(*exc)
 
 
+def _measure_recorded(
+    forward: Callable[[bool], tuple[Any, Any]],
+    value: Any,
+    exclude: list[nn.Module],
+    watch: _AllocatorWatch,
+    untouched: _Untouched,
+    accumulate: bool,
+    params: list[torch.Tensor],
+) -> tuple[int, int, int, int]:
+    """(fwd_tmp, saved bytes, out_free, backward peak above a_k) of one stage run `Fe` then `B`.
+
+    The backward runs as the executor runs it: δ_{k+1} made, the output values dropped
+    (only the graph's own saved tensors keep their storage), then backpropagation from
+    the output edges. `accumulate`: parameter gradients already stored (zeros), so new
+    ones are added into them, as from the second step without `zero_grad(set_to_none=True)`.
+    """
+    untouched.clear_grads()
+    if accumulate:
+        for p in params:
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+    a_k = storage_bytes(value)
+    with MemoryProbe(exclude) as probe:
+        probe.track(value)
+        base = probe.current
+        watch.start()
+        held = list(forward(True))  # [leaf input, output]
+        peak, end = watch.stop()
+        probe.mark("after")
+        fwd_tmp = max(probe.peak - probe.current, peak - end)
+        # what the recording leaves alive beside a_k: an output that is a view of a_k, or tensors of
+        # a_k passed through unchanged (a carried skip), add nothing, since ā_{k+1} is only ever held
+        # beside a_k (Fe k to B k); their storage is a_k's, so releasing the output never frees them
+        saved = max(probe.current - base, end)
+        grads = [torch.ones_like(t) if t.requires_grad else None for t in tensors_of(held[1])]
+        edges = output_edges(held[1])
+        probe.mark("with δ")
+        with_delta = probe.current
+        del held[1]  # the executor keeps the edges, not the values
+        probe.reset_peak()
+        out_free = with_delta - probe.current
+        watch.start()
+        with torch.autocast(value_device(value).type, enabled=False):
+            backward_from_edges(edges, grads)
+        alloc_peak, _ = watch.stop()
+        del edges, grads, held
+        bwd_peak = max(probe.peak - a_k, probe.current - a_k, with_delta - out_free - a_k + alloc_peak)
+    untouched.clear_grads()
+    untouched.restore_buffers()
+    return fwd_tmp, saved, out_free, bwd_peak
+
+
+def value_device(value: Any) -> torch.device:
+    return tensors_of(value)[0].device
+
+
 def profile_chain(
     stages: Sequence[nn.Module],
     sample: Any,
@@ -269,7 +397,8 @@ def profile_chain(
     device = inputs[0].device
     exclude = list(stages)
     start = time.perf_counter()
-    names_of_fields = ("out_size", "saved_size", "fwd_time", "bwd_time", "fwd_tmp", "fwd_tmp_nograd", "bwd_tmp")
+    names_of_fields = ("out_size", "saved_size", "fwd_time", "bwd_time", "fwd_tmp", "fwd_tmp_nograd", "bwd_tmp",
+                       "out_free")
     fields: dict[str, list] = {f: [] for f in names_of_fields}
     fwd_spread, bwd_spread = [], []
     needs_grad = any(t.requires_grad for t in inputs)
@@ -297,34 +426,21 @@ def profile_chain(
             out_size = storage_bytes(out)
             tmp_nograd = max(probe.peak - probe.current, peak - end)
             untouched.restore_buffers()
-            # memory with grad recording (Fe), then its backward (B)
-            with MemoryProbe(exclude) as probe:
-                probe.track(value)
-                base = probe.current
-                watch.start()
-                inp, out = forward(True)
-                peak, end = watch.stop()
-                probe.mark("after")
-                fwd_tmp = max(probe.peak - probe.current, peak - end)
-                # an output aliasing a_k still counts, except tensors passed through unchanged (a skip
-                # carried across the stage): they are a_k's, held beside ā_{k+1} from Fe k to B k
-                saved_size = max(probe.current - base, out_size - passed_through(inp, out), end)
-                grads = [torch.ones_like(t) if t.requires_grad else None for t in tensors_of(out)]
-                outs, gs = backward_pairs(out, grads)
-                bwd_tmp = 0
-                if outs:
-                    probe.reset_peak()
-                    before_backward = probe.current
-                    untouched.clear_grads()
-                    watch.start()
-                    with torch.autocast(device.type, enabled=False):
-                        torch.autograd.backward(outs, gs)
-                    peak, _ = watch.stop()
-                    del outs, gs, grads
-                    bwd_tmp = max(0, probe.peak - before_backward - storage_bytes(value), peak - storage_bytes(value))
-                    untouched.clear_grads()
-                del inp, out
-            untouched.restore_buffers()
+            # memory with grad recording (Fe), then its backward (B): once with no parameter gradient
+            # stored yet (autograd stores a fresh one as .grad), once accumulating into stored ones
+            # (a real transient); the larger backward figure is kept, as either may happen in training
+            recorded = [
+                _measure_recorded(forward, value, exclude, watch, untouched, accumulate, list(stage.parameters()))
+                for accumulate in (False, True)
+            ]
+            fwd_tmp, saved_size = recorded[0][:2]
+            out_free = min(r[2] for r in recorded)
+            # B k peaks at cur - out_free + s_k + bwd_tmp (docs/memory-model.md, part 2), cur holding
+            # a_k, ā_{k+1} (saved_size) and δ_{k+1} (out_size): bwd_tmp is the measured peak above that
+            # for k = 0, s_0 also carries the loss value (charged with a_0, fixed below)
+            s_k = storage_bytes(value)
+            held_at_b = saved_size + out_size - out_free
+            bwd_tmp = max(-s_k, max(r[3] - held_at_b - s_k for r in recorded))
             # times
             fwd_samples, bwd_samples = [], []
             for run in range(warmup + repeats):
@@ -355,7 +471,7 @@ def profile_chain(
             bwd_spread.append(bs)
             for name, v in zip(
                 names_of_fields,
-                (out_size, saved_size, fwd_time, bwd_time, fwd_tmp, tmp_nograd, bwd_tmp),
+                (out_size, saved_size, fwd_time, bwd_time, fwd_tmp, tmp_nograd, bwd_tmp, out_free),
                 strict=True,
             ):
                 fields[name].append(v)
@@ -367,10 +483,14 @@ def profile_chain(
                 progress(k + 1, len(stages), time.perf_counter() - start)
     if loss_tmp is None or callable(loss_tmp):
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            loss_bytes = measure_loss_tmp(value, loss_tmp or proxy_loss)
+            loss_bytes, loss_kept, held = measure_loss_tmp(value, loss_tmp or proxy_loss)
     else:
-        loss_bytes = int(loss_tmp)
-    chain = Chain(input_size=storage_bytes(sample) + LOSS_HELD, loss_tmp=loss_bytes, names=names, **fields)
+        loss_bytes = loss_kept = int(loss_tmp)
+        held = LOSS_HELD
+    # the loss value lives from the loss to the end of the step; a_0 carries it (a few bytes too early)
+    s_0 = storage_bytes(sample) + held
+    fields["bwd_tmp"][0] = max(-s_0, fields["bwd_tmp"][0] - held)  # measured above a δ_0 without the loss value
+    chain = Chain(input_size=s_0, loss_tmp=loss_bytes, loss_tmp_kept=loss_kept, names=names, **fields)
     seconds = time.perf_counter() - start
     threads = torch.get_num_threads()
     return Profile(chain, seconds, fwd_spread, bwd_spread, repeats=repeats, threads=threads)

@@ -14,6 +14,10 @@ holds. Two ways to start:
 - **checkpoint s → s2**: `Fc s, Fn s+1 … Fn s2-1` reach `a_{s2}`; solve the right
   part `(s2, t)` with `a_{s2}` held, then the left part `(s, s2, given=True)`.
   When the loss is pending and `s2 == L`, the right part is the loss on plain `a_L`.
+
+`B s` is charged `sb_{s+1} + s_{s+1} + s_s + bwd_net_s` (the free part of `a_{s+1}`
+released inside `bwd_net`), the loss on a recorded `a_L` `sb_L + s_L + loss_tmp_graph`
+(docs/memory-model.md, part 2).
 """
 
 from __future__ import annotations
@@ -30,13 +34,13 @@ INFEASIBLE = None
 def solve(d: DiscreteChain) -> tuple[int, list[tuple]] | None:
     """Least cost and its ops for the whole chain within `d.slots`, or None when nothing fits."""
     length, size, saved = d.length, d.size, d.saved
-    ft, ft_ng, bt, lt = d.fwd_tmp, d.fwd_tmp_nograd, d.bwd_tmp, d.loss_tmp
+    ft, ft_ng, bt, lt, ltg = d.fwd_tmp, d.fwd_tmp_nograd, d.bwd_tmp, d.loss_tmp, d.loss_tmp_graph
 
     def fe_need(s: int, t: int, given: bool) -> int:
         held = size[t] if given else 0
         need = max(held + saved[s] + ft[s], saved[s] + size[s + 1] + size[s] + bt[s])
         if not given and s + 1 == length:
-            need = max(need, saved[s] + size[length] + lt)
+            need = max(need, saved[s] + size[length] + ltg)
         return need
 
     def forward_need(s: int, s2: int, given: bool, t: int) -> int:
@@ -117,14 +121,15 @@ def reference_min_budget(chain: Chain) -> int:
     """Smallest budget in bytes for which some persistent schedule exists (exact, no rounding)."""
     length = chain.length
     size, saved = chain.sizes, chain.saved_size
-    ft, ft_ng, bt, lt = chain.fwd_tmp, chain.fwd_tmp_nograd, chain.bwd_tmp, chain.loss_tmp
+    ft, ft_ng, bt, lt = chain.fwd_tmp, chain.fwd_tmp_nograd, chain.bwd_net, chain.loss_tmp
+    ltg = chain.loss_tmp_graph
 
     @cache
     def need(s: int, t: int, given: bool) -> int:
         held = size[t] if given else 0
         fe = max(held + saved[s] + ft[s], saved[s] + size[s + 1] + size[s] + bt[s])
         if not given and s + 1 == length:
-            fe = max(fe, saved[s] + size[length] + lt)
+            fe = max(fe, saved[s] + size[length] + ltg)
         if s + 1 < t:
             fe = max(fe, saved[s] + need(s + 1, t, given))
         result = fe

@@ -34,6 +34,8 @@ def simulate(chain: Chain, ops: Iterable[Any]) -> Simulation:
     sb = [0, *chain.saved_size]  # sb[k] is the bytes of the recorded value ā_k
     plain = {0}  # values a_k held without graph; a_0 is the caller's and always held
     graph: set[int] = set()  # ā_k: value a_k with the graph of F_{k-1}
+    released: set[int] = set()  # ā_k whose free part (out_free[k-1]) is already let go
+    free = [0, *chain.out_free]  # free[k]: bytes of a_k that ā_k's own graph does not keep
     grads: set[int] = set()  # δ_k
     cur = s[0]
     peak = cur
@@ -76,12 +78,17 @@ def simulate(chain: Chain, ops: Iterable[Any]) -> Simulation:
                 raise fail(i, op, "the loss is computed once per step")
             if length not in graph and length not in plain:
                 raise fail(i, op, f"needs the chain output a_{length}, which is not held")
-            during = cur + s[length] + chain.loss_tmp
-            grads.add(length)
-            cur += s[length]
-            if length not in graph:
+            # a_L is handed to the loss: plain, it leaves the plan; with its graph, the plan keeps only the graph
+            if length in graph:
+                during = cur + s[length] + chain.loss_tmp_graph
+                released.add(length)
+                cur -= free[length]
+            else:
+                during = cur + s[length] + chain.loss_tmp
                 plain.discard(length)
                 cur -= s[length]
+            grads.add(length)
+            cur += s[length]
             loss_done = True
         elif kind is OpKind.B:
             if not loss_done:
@@ -94,11 +101,14 @@ def simulate(chain: Chain, ops: Iterable[Any]) -> Simulation:
                 raise fail(i, op, f"needs the gradient δ_{k + 1}")
             if k not in plain and k not in graph:
                 raise fail(i, op, f"needs a_{k}, which is not held")
+            if k + 1 not in released:  # the free part of a_{k+1} is let go before the backward runs
+                cur -= free[k + 1]
+            released.discard(k + 1)
             during = cur + s[k] + chain.bwd_tmp[k]
             graph.discard(k + 1)
             grads.discard(k + 1)
             grads.add(k)
-            cur += s[k] - sb[k + 1] - s[k + 1]
+            cur += s[k] - (sb[k + 1] - free[k + 1]) - s[k + 1]
             if k in plain and k != 0:
                 plain.discard(k)
                 cur -= s[k]

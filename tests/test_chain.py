@@ -73,8 +73,34 @@ def test_saved_smaller_than_output_accepted():
 
 
 def test_unknown_version():
-    with pytest.raises(ChainError, match="unknown chain version 2"):
-        Chain.from_dict(chain_dict(version=2))
+    with pytest.raises(ChainError, match="unknown chain version 3; this release reads versions 1, 2"):
+        Chain.from_dict(chain_dict(version=3))
+
+
+def test_version_1_files_keep_their_meaning():
+    old = Chain.from_dict(chain_dict())
+    assert old.out_free == [0, 0, 0] and old.loss_tmp_kept == old.loss_tmp == 6
+    assert old.bwd_net == old.bwd_tmp  # nothing released: B k charged exactly as version 1 says
+    assert old.to_dict()["version"] == 2 and "out_free" not in old.to_dict()
+    with pytest.raises(ChainError, match="out_free need chain version 2"):
+        Chain.from_dict(chain_dict(out_free=[0, 0, 0]))
+    with pytest.raises(ChainError, match=r"bwd_tmp\[1\] must be a non-negative"):
+        Chain.from_dict(chain_dict(bwd_tmp=[4, -2, 0]))
+
+
+def test_version_2_signed_transients_and_released_outputs():
+    data = chain_dict(version=2, bwd_tmp=[4, -20, -5], loss_tmp=-7, loss_tmp_kept=3, out_free=[20, 0, 7])
+    chain = Chain.from_dict(data)
+    assert chain.bwd_net == [4 - 20, -20, -5 - 7]
+    assert chain.loss_tmp_graph == chain.loss_tmp == -7  # the last stage's graph keeps none of a_L
+    assert Chain.from_dict(chain.to_dict()) == chain
+    assert Chain.from_dict(dict(data, out_free=[20, 0, 0])).loss_tmp_graph == 3
+    with pytest.raises(ChainError, match=r"bwd_tmp\[1\]=-21 is below -20"):  # s_1 = 20: peak below its start
+        Chain.from_dict(dict(data, bwd_tmp=[4, -21, 0]))
+    with pytest.raises(ChainError, match="loss_tmp=-8 is below -7"):
+        Chain.from_dict(dict(data, loss_tmp=-8))
+    with pytest.raises(ChainError, match=r"out_free\[1\]=6 is larger than out_size\[1\]=5"):
+        Chain.from_dict(dict(data, out_free=[0, 6, 0]))
 
 
 def test_missing_and_unknown_fields():

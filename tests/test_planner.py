@@ -23,8 +23,18 @@ def chains(draw, max_length=7):
     out = draw(st.lists(size, min_size=length, max_size=length))
     extra = draw(st.lists(st.sampled_from([0, 0, 5, 17, 40]), min_size=length, max_size=length))
     time = st.sampled_from([0.0, 0.0, 0.25, 1.0, 1.5, 3.0, 0.1, 7.0])
+    input_size = draw(size)
+    sizes = [input_size, *out]
+    bwd_tmp = draw(st.lists(st.sampled_from([0, 0, 4, 25]), min_size=length, max_size=length))
+    loss_tmp = draw(st.sampled_from([0, 6, 30]))
+    version2 = {}
+    if draw(st.booleans()):  # version 2: signed transients, released outputs, a loss that keeps a_L
+        fraction = st.sampled_from([0.0, 0.5, 1.0])
+        bwd_tmp = [b - int(draw(fraction) * sizes[k]) for k, b in enumerate(bwd_tmp)]
+        loss_tmp -= int(draw(fraction) * sizes[-1])
+        version2 = dict(out_free=[int(draw(fraction) * o) for o in out], loss_tmp_kept=loss_tmp + draw(size))
     return Chain(
-        input_size=draw(size),
+        input_size=input_size,
         out_size=out,
         saved_size=[o + e for o, e in zip(out, extra, strict=True)],
         fwd_time=draw(st.lists(time, min_size=length, max_size=length)),
@@ -32,15 +42,16 @@ def chains(draw, max_length=7):
         fwd_tmp=draw(st.lists(st.sampled_from([0, 0, 3, 20]), min_size=length, max_size=length)),
         fwd_tmp_nograd=draw(st.one_of(st.none(), st.lists(st.sampled_from([0, 2, 9, 30]), min_size=length,
                                                            max_size=length))),
-        bwd_tmp=draw(st.lists(st.sampled_from([0, 0, 4, 25]), min_size=length, max_size=length)),
-        loss_tmp=draw(st.sampled_from([0, 6, 30])),
+        bwd_tmp=bwd_tmp,
+        loss_tmp=loss_tmp,
+        **version2,
     )
 
 
 def cpp_solve(chain, budget, slots):
     d = discretize(chain, budget, slots=slots)
     return _planner.solve(d.size, d.saved, d.fwd_tmp, d.fwd_tmp_nograd, d.bwd_tmp, d.loss_tmp, d.fwd_cost, d.bwd_cost,
-                          d.slots)
+                          d.slots, loss_tmp_graph=d.loss_tmp_graph)
 
 
 def forward_ops(ops):

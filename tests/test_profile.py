@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_rotor.profile import LOSS_SLACK, profile_chain
+from lightning_rotor.profile import profile_chain
 from lightning_rotor.stages import sequential_stages
 
 torch.set_num_threads(1)
@@ -25,14 +25,22 @@ def test_sizes_of_known_stages():
     assert chain.saved_size[1] == 4096
     # Dropout keeps a float mask beside its output
     assert chain.saved_size[2] == 2 * 4096
-    # Flatten returns a view of its input: the value still counts, nothing else is kept
-    assert chain.saved_size[3] == 4096
+    # Flatten returns a view of its input: a_k's storage, held beside ā_{k+1} anyway, adds nothing
+    assert chain.saved_size[3] == 0
     assert chain.fwd_tmp[0] == 0
     # backward of the first Linear makes the weight gradient before it is stored in .grad; it is
     # a transient above δ_0 (charged apart by the model, not computed here as x needs no grad)
     assert chain.bwd_tmp[0] + 16 * 64 * 4 >= 64 * 64 * 4
-    # cross-entropy keeps float32 log-probabilities and makes their gradient: two output-sized tensors
-    assert chain.loss_tmp >= 2 * 16 * 8 * 4 + LOSS_SLACK
+    # what each stage's own graph does not keep of its output is released before its backward:
+    # Linear and Dropout outputs (not saved), not ReLU's (saved) nor Flatten's (a view of its input)
+    assert chain.out_free == [4096, 0, 4096, 0, 16 * 8 * 4]
+    # the view's backward makes δ_3 (a copy of δ_4 in the input's .grad) and nothing else
+    assert chain.bwd_tmp[3] == 0
+    # cross-entropy keeps float32 log-probabilities and makes their gradient; a plain a_L handed to it is
+    # freed after its forward (one output-sized tensor above a_L and δ_L), a kept one is not (two)
+    assert chain.loss_tmp >= 16 * 8 * 4
+    assert chain.loss_tmp_kept >= 2 * 16 * 8 * 4
+    assert chain.loss_tmp_kept - chain.loss_tmp <= 16 * 8 * 4
 
 
 def test_profiling_leaves_parameters_grads_buffers_and_rng_untouched():

@@ -99,3 +99,18 @@ def test_ops_are_one_type_from_json_to_plan():
         parse_ops([["Offload", 1]])
     with pytest.raises(ValueError, match="Loss takes no stage"):
         Op("Loss", 3)
+
+
+def test_version_2_releases_free_outputs_and_charges_signed_transients(chain):
+    # chain version 2: both outputs are free (their graphs keep neither), transients below δ_k, a loss below a_L
+    tight = Chain(input_size=10, out_size=[20, 5], saved_size=[30, 8], fwd_time=[1.0, 2.0], bwd_time=[3.0, 4.0],
+                  fwd_tmp=[3, 1], bwd_tmp=[-10, -5], loss_tmp=-5, loss_tmp_kept=6, out_free=[20, 5])
+    sim = simulate(tight, no_recompute_ops(2))
+    # Fe0 40 | Fe1 48 | Loss 48+5-5 during, lets a_2 go, adds δ_2: 48 | B1 48+20-5 = 63 during, then 48+20-3-5 = 60
+    # | B0 lets a_1 go (20): 40, during 40+10-10, then 40+10-10-20 = 20
+    assert sim.curve == [40, 48, 48, 60, 20]
+    assert sim.op_peaks == [43, 49, 48, 63, 40]
+    assert sim.peak == 63 < simulate(chain, no_recompute_ops(2)).peak == 75
+    # a graph that keeps part of a_2 makes the loss charge loss_tmp_kept, and a_2 stays until B 1
+    kept = Chain(**{**tight.__dict__, "out_free": [20, 0]})
+    assert simulate(kept, no_recompute_ops(2)).op_peaks[2] == 48 + 5 + 6

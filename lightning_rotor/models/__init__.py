@@ -20,6 +20,7 @@ from torch.nn import functional as F
 
 from lightning_rotor.models.gpt import gpt, lm_loss
 from lightning_rotor.models.mlp import hetero, hetero2, mlp
+from lightning_rotor.models.mobilenet import mobilenet
 from lightning_rotor.models.resnet import resnet, resnet18, resnet50, resnet101
 from lightning_rotor.models.vgg import vgg, vgg11
 
@@ -116,6 +117,15 @@ MODELS: dict[str, ModelSpec] = {
             sample_only=("image_size",),
         ),
         ModelSpec(
+            "mobilenet",
+            mobilenet,
+            _images,
+            _classify,
+            tiny=dict(width=4, head=8, num_classes=10, image_size=32),
+            bench=dict(width=16, head=40, image_size=64),
+            sample_only=("image_size",),
+        ),
+        ModelSpec(
             "gpt",
             gpt,
             _tokens,
@@ -184,6 +194,7 @@ __all__ = [
     "hetero2",
     "lm_loss",
     "mlp",
+    "mobilenet",
     "resnet",
     "resnet18",
     "resnet50",
