@@ -15,12 +15,11 @@ fraction is taken of that signature's no-recomputation peak), and the same
 bytes bound every later signature: a smaller last batch gets its own plan
 within the same budget.
 
-Automatic budget (`mem_limit=None`): 80% of the memory free when the plan is
-made, on the input's device. On CUDA that is `torch.cuda.mem_get_info`'s free
-bytes; on CPU it is `MemAvailable` from /proc/meminfo (or free pages from
-`os.sysconf` where /proc is missing). The 20% left over is room for what the
-budget does not cover: parameter gradients and optimizer state created by the
-first step, and allocator slack.
+Automatic budget (`mem_limit=None`): on CUDA, 90% of the memory free when the
+plan is made minus what the first optimizer step will still allocate (a
+gradient and two optimizer states per trainable parameter); on the CPU, the
+no-recomputation peak: nothing is recomputed, since free RAM says nothing about
+what training may use (`lightning_rotor.shared_budget`).
 
 Measuring a step (for the Lightning callback, tests and benchmarks)::
 
@@ -37,6 +36,7 @@ Only that step pays for the probe; other steps run without it.
 from __future__ import annotations
 
 import hashlib
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -51,29 +51,20 @@ from lightning_rotor.discretize import check_slots
 from lightning_rotor.execute import PlanRunner
 from lightning_rotor.memory import CudaMemoryProbe, MemoryProbe
 from lightning_rotor.ops import forward_counts, is_no_recompute
-from lightning_rotor.planner import InfeasibleBudget, Plan, available_ram, plan
+from lightning_rotor.planner import InfeasibleBudget, Plan, plan
 from lightning_rotor.profile import Profile, profile_chain
+from lightning_rotor.shared_budget import SharedBudget, auto_total
 from lightning_rotor.simulate import no_recompute_peak, simulate
 from lightning_rotor.stages import Stages, sequential_stages
 
 if TYPE_CHECKING:
     from lightning_rotor.discovery import Discovery
 
-__all__ = ["AUTO_FRACTION", "Checkpointable", "Entry", "InfeasibleBudget", "StepMeasurement", "auto_budget"]
+__all__ = ["Checkpointable", "Entry", "InfeasibleBudget", "StepMeasurement", "auto_budget"]
 
-AUTO_FRACTION = 0.8
-
-
-def available_memory(device: torch.device) -> int:
-    """Bytes free on `device` now: CUDA free memory, or available RAM for the CPU."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    return available_ram() or 0
-
-
-def auto_budget(device: torch.device) -> int:
-    """The budget used when `mem_limit=None` (see the module docstring)."""
-    return int(AUTO_FRACTION * available_memory(device))
+def auto_budget(device: torch.device, parameters: Iterable[nn.Parameter] = ()) -> int | None:
+    """The budget used when `mem_limit=None` in bytes on CUDA; None elsewhere, meaning the no-recompute peak."""
+    return auto_total(device, parameters)
 
 
 def stage_fingerprints(stages: list[nn.Module]) -> list[str]:
@@ -217,6 +208,7 @@ class Checkpointable(nn.Module):
         loss_tmp: int | Callable[[Any], torch.Tensor] | None = None,
         repeats: int = 3,
         warmup: int = 1,
+        fallback_plain: bool = False,
     ):
         from lightning_rotor.discovery import HOWS
 
@@ -259,6 +251,8 @@ class Checkpointable(nn.Module):
         self.discover = None if discover == "sequential" else discover  # None: the stages are known
         self.checkpoint_modules = types
         self.discovery: Discovery | None = None
+        self.fallback_plain = fallback_plain  # no chain found: warn once and run the module's forward as written
+        self.no_chain = ""  # why no chain was found, when falling back
         self.stage_names = list(stages.names) if stages is not None else []
         self.mem_limit = mem_limit
         self.slots = slots
@@ -266,6 +260,8 @@ class Checkpointable(nn.Module):
         self.repeats = repeats
         self.warmup = warmup
         self.budget: int | None = None  # bytes, fixed by the first signature planned
+        self.shared: SharedBudget | None = None  # set by whoever splits one budget over several chains
+        self.shared_name = ""
         self.entries: dict[str, Entry] = {}
         self.last_entry: Entry | None = None
         self.last_measurement: StepMeasurement | None = None
@@ -305,9 +301,20 @@ class Checkpointable(nn.Module):
             if not self.training or not torch.is_grad_enabled():
                 return self.module(value)
             return self._run(value, lambda: self.module(value))
-        if not self.training or not torch.is_grad_enabled():
+        if not self.training or not torch.is_grad_enabled() or self.no_chain:
             return self.module(*args, **kwargs)  # the user's forward, as written (traced code freezes `training`)
-        found = self.discovery if self.discovery is not None else self.discover_on(*args, **kwargs)
+        found = self.discovery
+        if found is None:
+            from lightning_rotor.discovery import DiscoveryError
+
+            try:
+                found = self.discover_on(*args, **kwargs)
+            except DiscoveryError as err:
+                if not self.fallback_plain:
+                    raise
+                self.no_chain = str(err)
+                warnings.warn(f"rotor: {type(self.module).__name__} runs without checkpointing: {err}", stacklevel=2)
+                return self.module(*args, **kwargs)
         if found.graph is not None:
             bound = _bind_call(self.module, args, kwargs)
             value = found.graph.chain_input(bound)
@@ -371,8 +378,13 @@ class Checkpointable(nn.Module):
         )
         if self.budget is None:
             device = next(t.device for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
-            spec = auto_budget(device) if self.mem_limit is None else self.mem_limit
-            self.budget = resolve_budget(spec, no_recompute_peak(profile.chain))
+            if self.shared is not None:  # one budget for several chains, split by need
+                self.budget = self.shared.share(self.shared_name, self, profile.chain, device, self.parameters())
+            elif self.mem_limit is None:
+                total = auto_budget(device, self.parameters())
+                self.budget = no_recompute_peak(profile.chain) if total is None else total
+            else:
+                self.budget = resolve_budget(self.mem_limit, no_recompute_peak(profile.chain))
         chosen = plan(profile.chain, self.budget, slots=self.slots)
         return Entry(profile, chosen, PlanRunner(self.stages, chosen.ops, self.stage_names))
 

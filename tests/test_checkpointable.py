@@ -223,13 +223,12 @@ def test_summary_and_profiling_cost():
     assert ckpt.profile.repeats == 3
 
 
-def test_auto_budget_is_most_of_available_memory():
-    budget = auto_budget(torch.device("cpu"))
-    assert budget > 0
+def test_auto_budget_on_cpu_is_the_no_recompute_peak_never_free_ram():
+    assert auto_budget(torch.device("cpu")) is None
     model, x, y = build("mlp")
     ckpt = Checkpointable(model)
     loss_of(ckpt(x), y).backward()
-    assert ckpt.plan.mem_limit == pytest.approx(budget, rel=0.2)
+    assert ckpt.plan.mem_limit == no_recompute_peak(ckpt.chain)
     assert ckpt.plan.recomputed_stages == 0
 
 

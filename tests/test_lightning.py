@@ -17,7 +17,9 @@ from lightning_rotor.budget import BudgetError, resolve_budget
 from lightning_rotor.checkpointable import Checkpointable
 from lightning_rotor.lightning import RotorCallback, RotorDDPStrategy, RotorStrategy
 from lightning_rotor.lightning.state import rotor_modules
-from lightning_rotor.lightning.wrap import find_chains, split_budget, unwrap, wrap
+from lightning_rotor.lightning.wrap import find_chains, unwrap, wrap
+from lightning_rotor.planner import min_feasible_budget
+from lightning_rotor.shared_budget import InfeasibleTotal, split_by_need
 from lightning_rotor.simulate import no_recompute_peak
 
 BUDGET = 0.6  # of the no-recomputation peak: forces recomputation in the nets below
@@ -147,15 +149,15 @@ def test_find_chains_takes_outermost_plain_sequentials():
         find_chains(model, include=["head"])
 
 
-def test_split_budget_policy():
-    a = nn.Sequential(*[nn.ReLU() for _ in range(3)])
-    b = nn.Sequential(*[nn.Tanh() for _ in range(1)], nn.ReLU())
-    chains = [("a", a), ("b", b)]
-    assert split_budget("50%", chains) == ["50%", "50%"]
-    assert split_budget(1000, chains) == [600, 400]  # in proportion to stages
-    assert split_budget({"a": "1MiB", "b": 0.5}, chains) == ["1MiB", 0.5]
-    with pytest.raises(ValueError, match="no budget for wrapped chain"):
-        split_budget({"a": 100}, chains)
+def test_one_budget_is_split_by_need_and_an_infeasible_total_names_chains_and_the_smallest_total():
+    needs = {"features": (300, 1000), "head": (50, 100)}  # (smallest feasible, no-recompute peak)
+    shares = split_by_need(700, needs)
+    assert shares == {"features": 300 + 350 * 700 // 750, "head": 50 + 350 * 50 // 750}
+    assert sum(shares.values()) <= 700
+    assert split_by_need(2000, needs)["head"] >= 100  # enough for both: no chain recomputes
+    with pytest.raises(InfeasibleTotal, match=r"smallest feasible budget .*\(350 bytes\) \(the total\) for chains "
+                                              r"'features' \(>= 300 B\), 'head' \(>= 50 B\); use mem_limit >= 350"):
+        split_by_need(349, needs)
 
 
 def test_wrap_keeps_parameters_and_keys_and_unwrap_restores():
@@ -232,8 +234,11 @@ def test_two_chains_share_a_fractional_budget(tmp_path):
         trainer(tmp_path / name, strategy, max_steps=3, callbacks=[keep]).fit(model, loader())
         runs[name] = model
     assert sorted(keep.modules) == ["net", "tail"]
-    for rotor in keep.modules.values():  # each chain got the fraction of its own no-recomputation peak
-        assert rotor.plan.mem_limit == resolve_budget(BUDGET, no_recompute_peak(rotor.chain))
+    # one budget, the fraction of the chains' summed no-recomputation peaks, split by need
+    total = resolve_budget(BUDGET, sum(no_recompute_peak(r.chain) for r in keep.modules.values()))
+    assert sum(r.plan.mem_limit for r in keep.modules.values()) <= total
+    assert sum(r.plan.mem_limit for r in keep.modules.values()) >= total - len(keep.modules)
+    assert all(r.plan.mem_limit >= min_feasible_budget(r.chain) for r in keep.modules.values())
     torch.testing.assert_close(runs["rotor"].losses, runs["plain"].losses, rtol=0, atol=0)
     for a, b in zip(runs["rotor"].parameters(), runs["plain"].parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)

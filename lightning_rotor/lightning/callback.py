@@ -106,7 +106,7 @@ def summary_text(chains: dict[str, Checkpointable]) -> str:
         widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
         lines = ["rotor plan"]
         lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in (header, *rows)]
-        return "\n".join(lines)
+        return "\n".join([*lines, *discovery_lines(chains)])
     table = Table(title="rotor plan")
     for column in header:
         table.add_column(column)
@@ -114,7 +114,23 @@ def summary_text(chains: dict[str, Checkpointable]) -> str:
         table.add_row(*row)
     buffer = io.StringIO()
     Console(file=buffer, width=160, force_terminal=False).print(table)
-    return buffer.getvalue().rstrip()
+    return "\n".join([buffer.getvalue().rstrip(), *discovery_lines(chains)])
+
+
+def discovery_lines(chains: dict[str, Checkpointable]) -> list[str]:
+    """How each chain was found: its stages and, for discovered chains, the cut points and guards."""
+    lines = []
+    for name, rotor in chains.items():
+        if rotor.stages is None:
+            continue
+        stages = rotor.stages
+        shown = ", ".join(stages.names[:12]) + (f", … ({len(stages)} in all)" if len(stages) > 12 else "")
+        lines.append(f"{name}: {stages.kind} chain of {len(stages)} stages: {shown}")
+        notes = list(rotor.discovery.notes) if rotor.discovery is not None else list(stages.notes)
+        lines += [f"  {note}" for note in notes[:16]]
+        if len(notes) > 16:
+            lines.append(f"  … {len(notes) - 16} more cut points")
+    return lines
 
 
 class RotorCallback(Callback):
@@ -204,6 +220,9 @@ class RotorCallback(Callback):
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._close_measurements()
+        shared = {id(r.shared): r.shared for r in rotor_modules(pl_module).values() if r.shared is not None}
+        for budget in shared.values():  # a total too small for the chains that ran: before any optimizer step
+            budget.check()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._close_measurements()

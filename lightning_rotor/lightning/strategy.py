@@ -1,9 +1,10 @@
-"""`RotorStrategy` and `RotorDDPStrategy`: Lightning strategies that train the model's
-`nn.Sequential` parts with rotor's optimal checkpointing.
+"""`RotorStrategy` and `RotorDDPStrategy`: Lightning strategies that train the model
+with rotor's optimal checkpointing.
 
 Both do what Lightning's own single-device and DDP strategies do, plus one step
 at model setup: once the model is on its device, and before DDP wraps it, the
-Sequentials chosen by the policy in `lightning_rotor.lightning.wrap` are swapped
+parts chosen by the policy in `lightning_rotor.lightning.wrap` (the model itself,
+whose chain is discovered on the first batch, or its `nn.Sequential`s) are swapped
 for `Checkpointable`s in place (same parameters, same `state_dict` keys). The
 swap happens only when fitting (evaluation runs the plain module anyway) and is
 undone at teardown. A `RotorCallback` is added when the Trainer has none.
@@ -27,6 +28,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_rotor.budget import format_bytes, parse_budget
+from lightning_rotor.discovery import HOWS
 from lightning_rotor.discretize import check_slots
 from lightning_rotor.lightning.wrap import Budget, Selector, Wrapped, unwrap, wrap
 
@@ -69,9 +71,19 @@ class _RotorMixin:
         include: Sequence[Selector] | None,
         exclude: Sequence[Selector],
         slots: int,
+        discover: str = "auto",
+        checkpoint_modules: Sequence[str | type] | None = None,
     ) -> None:
         _check_budget(mem_limit)
         check_slots(slots)
+        if discover not in HOWS:
+            raise ValueError(f"discover={discover!r} is not a discovery method; use one of {', '.join(HOWS)}")
+        if checkpoint_modules is not None and (isinstance(checkpoint_modules, (str, type)) or not all(
+                isinstance(c, (str, type)) for c in checkpoint_modules)):
+            raise TypeError(f"checkpoint_modules must be a list of classes, class paths or class names, "
+                            f"got {checkpoint_modules!r}")
+        self.discover = discover
+        self.checkpoint_modules = None if checkpoint_modules is None else list(checkpoint_modules)
         self.mem_limit = dict(mem_limit) if isinstance(mem_limit, Mapping) else mem_limit
         self.include = None if include is None else list(include)
         self.exclude = list(exclude or ())
@@ -93,24 +105,32 @@ class _RotorMixin:
         if module is None or trainer is None or trainer.state.fn != TrainerFn.FITTING or self.wrapped:
             return
         self.wrapped, self.not_wrapped_reason = wrap(
-            module, self.mem_limit, include=self.include, exclude=self.exclude, slots=self.slots
+            module, self.mem_limit, include=self.include, exclude=self.exclude, slots=self.slots,
+            discover=self.discover, checkpoint_modules=self.checkpoint_modules,
         )
         if not self.wrapped:
             if not self._warned:
                 self._warned = True
                 rank_zero_warn(
                     f"rotor: nothing to checkpoint, training runs without it: {self.not_wrapped_reason}. "
-                    "Put the layers to checkpoint in an nn.Sequential, or name them with include=[...]."
+                    "Put the model in a submodule (self.model = ...), or name what to wrap with include=[...]."
                 )
             return
         for w in self.wrapped:
             w.rotor.on_profile_progress = ProfileProgress(w.name)
+        budget = self.mem_limit
+        if isinstance(budget, Mapping):
+            total = "per-chain budgets"
+        elif budget is None:
+            total = "an automatic budget"
+        else:
+            total = f"budget {format_bytes(budget) if isinstance(budget, int) else budget}"
         parts = ", ".join(
-            f"{w.name} ({len(w.rotor.stages)} stages, budget "
-            f"{w.rotor.mem_limit if not isinstance(w.rotor.mem_limit, int) else format_bytes(w.rotor.mem_limit)})"
+            f"{w.name} ({len(w.rotor.stages)} stages)" if w.rotor.stages is not None
+            else f"{w.name} ({type(w.original).__name__}, chain found on the first batch)"
             for w in self.wrapped
         )
-        rank_zero_info(f"rotor: checkpointing {parts}; profiling on the first training batch")
+        rank_zero_info(f"rotor: checkpointing {parts} within {total}; profiling on the first training batch")
 
     def _unwrap_model(self) -> None:
         if self.wrapped and self.lightning_module is not None:
@@ -134,11 +154,16 @@ class _RotorMixin:
 class RotorStrategy(_RotorMixin, SingleDeviceStrategy):
     """One device (CUDA with `accelerator="gpu"`, CPU otherwise) with rotor checkpointing.
 
-    `mem_limit`: activation budget of the wrapped chains: None (automatic, see
-    `Checkpointable`), bytes, a size (`"6GiB"`), a fraction of the no-recomputation
-    peak (`0.5`, `"50%"`), or `{name: budget}` per chain. `include` / `exclude`:
-    submodule names (globs allowed), class names or classes overriding which
-    Sequentials are wrapped. `slots`: the planner's memory precision. `device`:
+    `mem_limit`: ONE activation budget for the whole model, split over its chains by
+    need: None (automatic: on CUDA free memory minus parameter gradients and optimizer
+    state, with a 10% margin; on CPU the no-recomputation peak), bytes, a size
+    (`"6GiB"`), a fraction of the no-recomputation peak (`0.5`, `"50%"`), or
+    `{name: budget}` per chain. `discover`: "auto" (the model's chain is discovered on
+    the first batch; its plain Sequentials are taken as they are), "graph", "modules",
+    or "sequential" (only nn.Sequential parts, as before). `checkpoint_modules`: block
+    classes (classes, class paths or names) each kept whole in one stage.
+    `include` / `exclude`: submodule names (globs allowed), class names or classes
+    overriding what is wrapped. `slots`: the planner's memory precision. `device`:
     leave None to take the Trainer's accelerator and `devices`.
     """
 
@@ -151,6 +176,8 @@ class RotorStrategy(_RotorMixin, SingleDeviceStrategy):
         include: list[str | type] | None = None,
         exclude: list[str | type] | None = None,
         slots: int = 500,
+        discover: str = "auto",
+        checkpoint_modules: list[str | type] | None = None,
         device: str | torch.device | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         checkpoint_io: CheckpointIO | None = None,
@@ -159,7 +186,7 @@ class RotorStrategy(_RotorMixin, SingleDeviceStrategy):
         super().__init__(
             device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin
         )
-        self._init_rotor(mem_limit, include, exclude or (), slots)
+        self._init_rotor(mem_limit, include, exclude or (), slots, discover, checkpoint_modules)
         self._device = None if device is None else torch.device(device)
         self._parallel_devices: list[torch.device] = []
 
@@ -206,6 +233,8 @@ class RotorDDPStrategy(_RotorMixin, DDPStrategy):
         include: list[str | type] | None = None,
         exclude: list[str | type] | None = None,
         slots: int = 500,
+        discover: str = "auto",
+        checkpoint_modules: list[str | type] | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -235,7 +264,7 @@ class RotorDDPStrategy(_RotorMixin, DDPStrategy):
             start_method=start_method,
             **kwargs,
         )
-        self._init_rotor(mem_limit, include, exclude or (), slots)
+        self._init_rotor(mem_limit, include, exclude or (), slots, discover, checkpoint_modules)
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:

@@ -1,39 +1,44 @@
-"""Which `nn.Sequential` parts of a model rotor takes over, and with what budget.
+"""Which parts of a model rotor takes over, and with what budget.
 
-Policy (docs/lightning.md):
+Policy (docs/lightning.md, docs/discovery.md):
 
-- candidates are `nn.Sequential` submodules whose `forward` is `nn.Sequential.forward`
-  (a subclass with its own forward means something else than "run the stages in order")
-  and that have at least two stages once nested Sequentials are flattened;
-- the outermost candidates are wrapped: a Sequential inside a wrapped one becomes
-  stages of it (rotor plans across the whole chain), never a second chain;
+- `discover="sequential"`: candidates are `nn.Sequential` submodules whose `forward` is
+  `nn.Sequential.forward` with at least two stages once nested Sequentials are
+  flattened; the outermost are wrapped;
+- `discover="auto"` (the strategy's default), `"graph"`, `"modules"`: the outermost
+  submodules that are either such a Sequential or a module of a class of your own
+  (not torch's) with parameters; the latter's chain is discovered on its first training
+  call (the whole forward with `"graph"`, a run of blocks with `"modules"`, the better of
+  the two that works with `"auto"`). With `"auto"`, a Sequential of fewer than
+  `MIN_AUTO_STAGES` stages (a classifier head) is not wrapped on its own beside
+  another chain;
 - `include` (names, globs or classes) replaces the search: exactly the matching
   submodules are wrapped; `exclude` removes matches and everything below them;
-- one budget for several chains: a fraction (`0.5`, `"50%"`) is given to each chain as
-  the same fraction of its own no-recomputation peak, so the total is split in
-  proportion to what each chain needs; a byte budget is split in proportion to the
-  number of stages (activations are unknown before the first batch); a dict
-  `{name: budget}` sets each chain's budget itself.
+- one budget for all chains (`lightning_rotor.shared_budget`): each chain's minimum
+  first, the rest in proportion to need; a dict `{name: budget}` sets each chain's
+  budget itself.
 
-Wrapping swaps a `Checkpointable` in where the Sequential stood: same parameter
-objects, same `state_dict` keys. `unwrap` puts the user's Sequentials back.
+Wrapping swaps a `Checkpointable` in where the module stood: same parameter objects,
+same `state_dict` keys. `unwrap` puts the user's modules back.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import importlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from fractions import Fraction
 
 from torch import nn
 
-from lightning_rotor.budget import parse_budget
 from lightning_rotor.checkpointable import Checkpointable
+from lightning_rotor.discovery import HOWS
+from lightning_rotor.shared_budget import SharedBudget
 from lightning_rotor.stages import sequential_stages
 
 Budget = int | float | str | None
 Selector = str | type
+MIN_AUTO_STAGES = 4  # "auto" leaves a shorter Sequential (a head) alone beside another chain
 
 
 @dataclass
@@ -41,18 +46,31 @@ class Wrapped:
     """One swapped-in chain: where it stands, what stood there, and the rotor module."""
 
     name: str
-    original: nn.Sequential
+    original: nn.Module
     rotor: Checkpointable
 
 
 def is_candidate(module: nn.Module) -> bool:
     """A plain `nn.Sequential` (no custom forward) with at least two stages."""
+    return _stage_count(module) >= 2
+
+
+def _stage_count(module: nn.Module) -> int:
     if not isinstance(module, nn.Sequential) or type(module).forward is not nn.Sequential.forward:
-        return False
+        return 0
     try:
-        return len(sequential_stages(module)) >= 2
+        return len(sequential_stages(module))
     except ValueError:
+        return 0
+
+
+def is_user_model(module: nn.Module) -> bool:
+    """A module of a class of the user's own (not torch's, not a container) with parameters: a model to discover."""
+    cls = type(module)
+    if cls.__module__.startswith("torch.") or isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.ParameterList,
+                                                                    nn.ParameterDict)):
         return False
+    return any(True for _ in module.parameters())
 
 
 def _matches(name: str, module: nn.Module, selectors: Sequence[Selector]) -> bool:
@@ -66,10 +84,13 @@ def _matches(name: str, module: nn.Module, selectors: Sequence[Selector]) -> boo
 
 
 def find_chains(
-    model: nn.Module, include: Sequence[Selector] | None = None, exclude: Sequence[Selector] = ()
-) -> tuple[list[tuple[str, nn.Sequential]], str]:
+    model: nn.Module, include: Sequence[Selector] | None = None, exclude: Sequence[Selector] = (),
+    discover: str = "sequential",
+) -> tuple[list[tuple[str, nn.Module]], str]:
     """The submodules to wrap (outermost first, in module order) and, when none, why not."""
-    found: list[tuple[str, nn.Sequential]] = []
+    if discover not in HOWS:
+        raise ValueError(f"discover={discover!r} is not a discovery method; use one of {', '.join(HOWS)}")
+    found: list[tuple[str, nn.Module]] = []
     skipped: set[str] = set()
     seen_sequential = 0
     for name, module in model.named_modules():
@@ -82,17 +103,23 @@ def find_chains(
         if exclude and _matches(name, module, exclude):
             skipped.add(name)
             continue
+        plain = isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward
         if include is not None:
             if not _matches(name, module, include):
                 continue
-            if not isinstance(module, nn.Sequential) or type(module).forward is not nn.Sequential.forward:
-                raise TypeError(
-                    f"include matched {name!r}, a {type(module).__name__}; rotor wraps plain nn.Sequential modules only"
-                )
-        elif not is_candidate(module):
+            if discover == "sequential" and not plain:
+                raise TypeError(f"include matched {name!r}, a {type(module).__name__}; with discover='sequential' "
+                                "rotor wraps plain nn.Sequential modules only (discover='auto' takes any model)")
+            if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+                raise TypeError(f"include matched {name!r}, a {type(module).__name__}, which is never called; name "
+                                "the module whose forward loops over it, or its block class in checkpoint_modules")
+        elif not (is_candidate(module) or (discover != "sequential" and is_user_model(module))):
             continue
         found.append((name, module))
         skipped.add(name)
+    if discover == "auto" and include is None and len(found) > 1:
+        big = [(n, m) for n, m in found if not 2 <= _stage_count(m) < MIN_AUTO_STAGES]
+        found = big or found  # a head is wrapped only when it is all there is
     if found:
         return found, ""
     cls = type(model).__name__
@@ -105,28 +132,45 @@ def find_chains(
         )
     else:
         why = f"{cls} has no nn.Sequential submodule"
+    if discover != "sequential" and include is None:
+        why += " and no submodule of a class of your own with parameters to discover a chain in"
     return [], why
 
 
-def split_budget(mem_limit: Budget | Mapping[str, Budget], chains: Sequence[tuple[str, nn.Sequential]]) -> list[Budget]:
-    """Each chain's share of one budget, by the policy in the module docstring."""
-    names = [name for name, _ in chains]
-    if isinstance(mem_limit, Mapping):
-        unknown = sorted(set(mem_limit) - set(names))
-        if unknown:
-            raise ValueError(f"mem_limit names {unknown} but the wrapped chains are {names}")
-        missing = [n for n in names if n not in mem_limit]
-        if missing:
-            raise ValueError(f"mem_limit gives no budget for wrapped chain(s) {missing}; give one per chain: {names}")
-        return [mem_limit[n] for n in names]
-    if mem_limit is None or len(chains) == 1:
-        return [mem_limit] * len(chains)
-    value = parse_budget(mem_limit)
-    if isinstance(value, Fraction):
-        return [mem_limit] * len(chains)
-    stages = [len(sequential_stages(seq)) for _, seq in chains]
-    total = sum(stages)
-    return [max(1, value * n // total) for n in stages]
+def resolve_block_types(model: nn.Module, checkpoint_modules: Sequence[str | type] | None) -> tuple[type, ...] | None:
+    """Classes from `checkpoint_modules` (classes, dotted class paths, or class names found in `model`)."""
+    if not checkpoint_modules:
+        return None
+    here = {type(m).__name__: type(m) for m in model.modules()}
+    types: list[type] = []
+    for item in checkpoint_modules:
+        if isinstance(item, type):
+            types.append(item)
+        elif isinstance(item, str) and item in here:
+            types.append(here[item])
+        elif isinstance(item, str) and "." in item:
+            module_name, _, cls_name = item.rpartition(".")
+            try:
+                types.append(getattr(importlib.import_module(module_name), cls_name))
+            except (ImportError, AttributeError):
+                raise ValueError(f"checkpoint_modules: cannot import {item!r}") from None
+        else:
+            own = sorted(n for n, c in here.items() if not c.__module__.startswith("torch."))
+            raise ValueError(f"checkpoint_modules names {item!r}, which is no class of a submodule of "
+                             f"{type(model).__name__}; give a class, a class path, or one of: {', '.join(own)}")
+    if not all(isinstance(t, type) and issubclass(t, nn.Module) for t in types):
+        raise TypeError(f"checkpoint_modules must name nn.Module classes, got {types!r}")
+    return tuple(types)
+
+
+def check_budget_names(mem_limit: Mapping[str, Budget], names: Sequence[str]) -> None:
+    """A per-chain budget dict must name exactly the wrapped chains."""
+    unknown = sorted(set(mem_limit) - set(names))
+    if unknown:
+        raise ValueError(f"mem_limit names {unknown} but the wrapped chains are {list(names)}")
+    missing = [n for n in names if n not in mem_limit]
+    if missing:
+        raise ValueError(f"mem_limit gives no budget for wrapped chain(s) {missing}; give one per chain: {list(names)}")
 
 
 def _set(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -142,18 +186,32 @@ def wrap(
     include: Sequence[Selector] | None = None,
     exclude: Sequence[Selector] = (),
     slots: int = 500,
+    discover: str = "sequential",
+    checkpoint_modules: Sequence[str | type] | None = None,
 ) -> tuple[list[Wrapped], str]:
-    """Swap `Checkpointable`s in for the chosen Sequentials of `model`, in place."""
-    chains, why = find_chains(model, include, exclude)
+    """Swap `Checkpointable`s in for the chosen submodules of `model`, in place, under one budget."""
+    chains, why = find_chains(model, include, exclude, discover)
+    types = resolve_block_types(model, checkpoint_modules)
+    shared = None
+    if isinstance(mem_limit, Mapping):
+        check_budget_names(mem_limit, [name for name, _ in chains])
+    elif chains:
+        shared = SharedBudget(mem_limit, [name for name, _ in chains])
     wrapped = []
-    for (name, seq), budget in zip(chains, split_budget(mem_limit, chains), strict=True):
-        rotor = Checkpointable(seq, budget, slots=slots)
+    for name, module in chains:
+        budget = mem_limit[name] if isinstance(mem_limit, Mapping) else mem_limit
+        plain = is_candidate(module) and (types is None or discover == "sequential")
+        how = None if plain and discover in ("auto", "sequential") else discover
+        rotor = Checkpointable(module, budget, slots=slots, discover=how, checkpoint_modules=types,
+                               fallback_plain=discover == "auto" and include is None)
+        if shared is not None:
+            rotor.shared, rotor.shared_name = shared, name
         _set(model, name, rotor)
-        wrapped.append(Wrapped(name, seq, rotor))
+        wrapped.append(Wrapped(name, module, rotor))
     return wrapped, why
 
 
 def unwrap(model: nn.Module, wrapped: Sequence[Wrapped]) -> None:
-    """Put the user's Sequentials back where `wrap` put rotor modules."""
+    """Put the user's modules back where `wrap` put rotor modules."""
     for item in reversed(wrapped):
         _set(model, item.name, item.original)

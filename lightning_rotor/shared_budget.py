@@ -1,0 +1,144 @@
+"""One activation budget for a whole model with several chains.
+
+Each chain learns its needs on its first training call (its smallest feasible budget
+`min` and its no-recomputation peak `need`). The total is split by need: every chain
+gets its `min` first, and what is left is shared in proportion to `need - min` (a
+chain never gets more than its `need`: past it, bytes buy nothing). A fraction
+(`"50%"`) means that fraction of the sum of the chains' no-recomputation peaks.
+
+Chains run one after another in a forward, so the split is only complete once every
+chain has run once; when a later chain joins, the earlier ones are planned again for
+their new share (planning is cheap, profiles are kept). A total below the sum of the
+minimums raises `InfeasibleTotal`, which names the chain and the smallest total.
+
+Automatic total (`None`): on CUDA, the device's free memory minus what the first
+optimizer step will still allocate for parameters (a gradient and `OPTIMIZER_STATES`
+states per trainable parameter without one yet), times `AUTO_MARGIN`; on any other
+device the chains' no-recomputation peaks (no recomputation: a CPU has no device
+memory to protect, and free RAM says nothing about what training may use).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from fractions import Fraction
+
+import torch
+from torch import nn
+
+from lightning_rotor.budget import BudgetSpec, format_bytes, parse_budget
+from lightning_rotor.chain import Chain
+from lightning_rotor.planner import InfeasibleBudget, min_feasible_budget
+from lightning_rotor.simulate import no_recompute_peak
+
+__all__ = ["AUTO_MARGIN", "OPTIMIZER_STATES", "InfeasibleTotal", "SharedBudget", "auto_total", "split_by_need"]
+
+AUTO_MARGIN = 0.9  # of the CUDA memory left for activations: allocator fragmentation and kernel workspaces
+OPTIMIZER_STATES = 2  # per parameter, as Adam keeps (SGD with momentum keeps 1): assumed before the optimizer runs
+
+
+class InfeasibleTotal(InfeasibleBudget):
+    """The whole model's budget is below the sum of its chains' smallest feasible budgets."""
+
+    def __init__(self, total: int, needs: dict[str, tuple[int, int]]):
+        smallest = sum(m for m, _ in needs.values())
+        self.mem_limit, self.min_feasible, self.needs = total, smallest, dict(needs)
+        if len(needs) == 1:
+            where = f"for chain {next(iter(needs))!r}"
+        else:
+            each = ", ".join(f"{n!r} (>= {format_bytes(m)})" for n, (m, _) in needs.items())
+            where = f"(the total) for chains {each}"
+        ValueError.__init__(
+            self,
+            f"budget {format_bytes(total)} ({total} bytes) is below the smallest feasible budget "
+            f"{format_bytes(smallest)} ({smallest} bytes) {where}; use mem_limit >= {smallest}",
+        )
+
+
+def split_by_need(total: int, needs: dict[str, tuple[int, int]]) -> dict[str, int]:
+    """Shares of `total` bytes: each chain's minimum first, the rest in proportion to `need - min`."""
+    smallest = sum(m for m, _ in needs.values())
+    if total < smallest:
+        raise InfeasibleTotal(total, needs)
+    spare = total - smallest
+    room = {name: max(0, need - m) for name, (m, need) in needs.items()}
+    wanted = sum(room.values())
+    if wanted <= spare:  # everyone can run without recomputation; the rest is left over
+        return {name: m + room[name] + (spare - wanted) // len(needs) for name, (m, _) in needs.items()}
+    return {name: m + spare * room[name] // wanted for name, (m, _) in needs.items()}
+
+
+def auto_total(device: torch.device, parameters: Iterable[nn.Parameter]) -> int | None:
+    """The automatic total in bytes on CUDA (see the module docstring); None elsewhere (no recomputation)."""
+    if device.type != "cuda":
+        return None
+    free = torch.cuda.mem_get_info(device)[0]
+    seen: set[int] = set()
+    to_come = 0
+    for p in parameters:
+        if id(p) in seen or not p.requires_grad or p.device != device:
+            continue
+        seen.add(id(p))
+        nbytes = p.numel() * p.element_size()
+        to_come += (p.grad is None) * nbytes + OPTIMIZER_STATES * nbytes
+    return max(0, int(AUTO_MARGIN * (free - to_come)))
+
+
+class SharedBudget:
+    """The one budget of several chains (see the module docstring); chains join with `share`."""
+
+    def __init__(self, total: BudgetSpec | None, names: Iterable[str] = ()):
+        self.total = total
+        self.value = None if total is None else parse_budget(total)
+        self.names = list(names)  # every chain that will join (its share waits for its first call)
+        self.needs: dict[str, tuple[int, int]] = {}
+        self.members: dict[str, object] = {}
+        self.auto_bytes: int | None = None  # the CUDA automatic total, measured once
+        self.short = False  # the chains known so far need more than the total; raised once all have joined
+
+    def total_bytes(self) -> int:
+        """The total in bytes for the chains known so far."""
+        peaks = sum(need for _, need in self.needs.values())
+        if isinstance(self.value, Fraction):
+            return int(self.value * peaks)
+        if isinstance(self.value, int):
+            return self.value
+        return self.auto_bytes if self.auto_bytes is not None else peaks
+
+    def share(self, name: str, rotor: object, chain: Chain, device: torch.device,
+              parameters: Iterable[nn.Parameter] = ()) -> int:
+        """Register chain `name` (profiled as `chain`) and return its share in bytes.
+
+        Chains that joined before are planned again for their new share; raises
+        `InfeasibleTotal` before changing anything when the total cannot be met.
+        """
+        if self.value is None and self.auto_bytes is None:
+            self.auto_bytes = auto_total(device, parameters)
+        needs = dict(self.needs)
+        needs[name] = (min_feasible_budget(chain), no_recompute_peak(chain))
+        before = self.needs
+        self.needs = needs
+        waiting = [n for n in self.names if n not in needs]
+        try:
+            shares = split_by_need(self.total_bytes(), needs)
+        except InfeasibleTotal:
+            if not waiting:
+                self.needs = before
+                raise
+            # other chains have not run yet: the smallest total is known only once they have (`check`);
+            # until then this chain runs at its own smallest budget, so that they can be measured
+            self.short = True
+            shares = {n: m for n, (m, _) in needs.items()}
+        self.members[name] = rotor
+        for other, member in self.members.items():
+            if other != name and getattr(member, "budget", None) not in (None, shares[other]):
+                member.replan(shares[other])
+        return shares[name]
+
+    def check(self) -> None:
+        """After the first batch: raise `InfeasibleTotal` (all chains that ran, and the smallest total)."""
+        if self.short and self.needs:
+            total = self.total_bytes()
+            if total < sum(m for m, _ in self.needs.values()):
+                raise InfeasibleTotal(total, self.needs)
+            self.short = False
