@@ -26,6 +26,12 @@ _HOMES = {
     "Chain": "chain",
     "ChainError": "chain",
     "Checkpointable": "checkpointable",
+    "ChainDiverged": "discovery",
+    "DiscoveryError": "discovery",
+    "GuardFailed": "discovery",
+    "ValueBranch": "discovery",
+    "discover": "discovery",
+    "discover_chain": "discovery",
     "RotorCallback": "lightning",
     "RotorDDPStrategy": "lightning",
     "RotorStrategy": "lightning",
@@ -38,6 +44,7 @@ _HOMES = {
     "min_feasible_budget": "planner",
     "plan": "planner",
     "InplaceError": "profile",
+    "InfeasibleTotal": "shared_budget",
     "Simulation": "simulate",
     "simulate": "simulate",
     "Stages": "stages",
@@ -46,10 +53,14 @@ _HOMES = {
 __all__ = [
     "BudgetError",
     "Chain",
+    "ChainDiverged",
     "ChainError",
     "Checkpointable",
     "CudaMemoryProbe",
+    "DiscoveryError",
+    "GuardFailed",
     "InfeasibleBudget",
+    "InfeasibleTotal",
     "InplaceError",
     "MemoryProbe",
     "Op",
@@ -60,6 +71,9 @@ __all__ = [
     "RotorStrategy",
     "Simulation",
     "Stages",
+    "ValueBranch",
+    "discover",
+    "discover_chain",
     "format_bytes",
     "min_feasible_budget",
     "parse_budget",
@@ -88,10 +102,19 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from lightning_rotor.budget import BudgetError, format_bytes, parse_budget
     from lightning_rotor.chain import Chain, ChainError
     from lightning_rotor.checkpointable import Checkpointable
+    from lightning_rotor.discovery import (
+        ChainDiverged,
+        DiscoveryError,
+        GuardFailed,
+        ValueBranch,
+        discover,
+        discover_chain,
+    )
     from lightning_rotor.lightning import RotorCallback, RotorDDPStrategy, RotorStrategy
     from lightning_rotor.memory import CudaMemoryProbe, MemoryProbe
     from lightning_rotor.ops import Op, OpKind
     from lightning_rotor.planner import InfeasibleBudget, Plan, min_feasible_budget, plan
     from lightning_rotor.profile import InplaceError
+    from lightning_rotor.shared_budget import InfeasibleTotal
     from lightning_rotor.simulate import Simulation, simulate
     from lightning_rotor.stages import Stages
