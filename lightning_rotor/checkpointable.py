@@ -535,6 +535,23 @@ class Checkpointable(nn.Module):
         )
         return "\n".join(lines)
 
+    def _apply(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Checkpointable:
+        """`.to()`, `.double()`, ...: a discovered graph chain is found again on the next training call.
+
+        Its stages read the module's own buffers through copies of the references taken at
+        discovery; a conversion replaces buffer tensors, so those references would be stale.
+        """
+        self.module._apply(fn, *args, **kwargs)  # its children are ours; its own tensors are registered here too
+        for name in self._parameters:
+            self._parameters[name] = self.module._parameters[name]
+        for name in self._buffers:
+            self._buffers[name] = self.module._buffers[name]
+        if self.discovery is not None and self.discovery.graph is not None:
+            self.discovery = None
+            object.__setattr__(self, "stages", None)
+            self.stage_names, self.entries, self.last_entry = [], {}, None
+        return self
+
     def extra_repr(self) -> str:
         stages = len(self.stages) if self.stages is not None else f"found on the first call ({self.discover})"
         return f"stages={stages}, mem_limit={self.mem_limit!r}"

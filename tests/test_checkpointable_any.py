@@ -154,3 +154,29 @@ def test_bad_arguments_are_one_line_errors():
         Checkpointable(model, checkpoint_modules=["Block"])
     with pytest.raises(TypeError, match="wraps an nn.Module, got function"):
         Checkpointable(lambda x: x)
+
+
+def test_conversion_after_discovery_finds_the_chain_again_on_the_new_tensors():
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+            self.register_buffer("scale", torch.full((8,), 3.0))
+            self.bias = nn.Parameter(torch.zeros(8))
+
+        def forward(self, x):
+            return self.b(self.a(x) * self.scale + self.bias)
+
+    torch.manual_seed(0)
+    plain = Scaled()
+    rotor = Checkpointable(copy.deepcopy(plain), 10**9, repeats=1, warmup=0)
+    x = torch.randn(4, 8)
+    rotor(x).sum().backward()
+    assert rotor.discovery is not None
+    plain.double()
+    rotor.double()
+    assert rotor.scale is rotor.module.scale and rotor.scale.dtype == torch.float64
+    assert rotor.bias is rotor.module.bias and rotor.discovery is None  # found again on the next call
+    out = rotor(x.double())
+    assert out.dtype == torch.float64 and torch.equal(out, plain(x.double()))
+    assert list(rotor.state_dict()) == list(plain.state_dict())

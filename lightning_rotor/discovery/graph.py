@@ -187,6 +187,13 @@ class ShapeTracer(fx.Tracer):
         finally:
             self.branch_stack.pop()
 
+    def _attr_value(self, node: fx.Node) -> None:
+        value = self.root
+        with _real_modules():  # fx patches Module.__getattr__ to make proxies of parameters while tracing
+            for part in str(node.target).split("."):
+                value = getattr(value, part)
+        self.values[node], self.data[node] = value, isinstance(value, torch.Tensor)
+
     def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
         proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
         node = proxy.node
@@ -196,12 +203,11 @@ class ShapeTracer(fx.Tracer):
                 self.values[node], self.data[node] = value, _is_data(value)
             return proxy
         if kind == "get_attr":
-            value = self.root
-            with _real_modules():  # fx patches Module.__getattr__ to make proxies of parameters while tracing
-                for part in str(target).split("."):
-                    value = getattr(value, part)
-            self.values[node], self.data[node] = value, isinstance(value, torch.Tensor)
+            self._attr_value(node)
             return proxy
+        for a in node.all_input_nodes:  # fx makes get_attr nodes for tensor constants (buffers) without a proxy
+            if a.op == "get_attr" and a not in self.values:
+                self._attr_value(a)
         if any(a not in self.values for a in node.all_input_nodes):  # fx's own checks on concrete args
             return proxy  # no value: `_cut` drops these (`GraphChain.chain_input` checks the constants)
         vals = map_arg((node.args, node.kwargs), self.values.__getitem__)
