@@ -55,6 +55,10 @@ class _Autocast:
 
     def enter(self, stack: ExitStack) -> None:
         for device_type, enabled, dtype in self.state:
+            if torch.is_autocast_enabled(device_type) == enabled and (
+                not enabled or torch.get_autocast_dtype(device_type) == dtype
+            ):
+                continue  # already in that state: entering it again only costs time on short stages
             stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
 
 
@@ -139,7 +143,7 @@ class _Step:
             self.rng[k] = GeneratorWatch(self.rng_devices)
         else:
             self.rng[k] = stack.enter_context(RecordRandom()).states
-        self.mutated[k] = [(b, b._version) for b in _plain_buffers(stage)]
+        self.mutated[k] = [(b, b._version) for b in self.runner.plain_buffers(k)]
 
     def _learn_quiet(self, k: int) -> None:
         record = self.rng[k]
@@ -162,11 +166,11 @@ class _Step:
         elif record:
             stack.enter_context(ReplayRandom(record, self.runner.names[k]))
         self.autocast.enter(stack)
-        norms = [m for m in stage.modules() if isinstance(m, nn.modules.batchnorm._NormBase)]
-        norms = [m for m in norms if m.training and m.track_running_stats]
-        for m in norms:
-            m.track_running_stats = False
-        stack.callback(_restore_tracking, norms)
+        norms = [m for m in self.runner.norms(k) if m.training and m.track_running_stats]
+        if norms:
+            for m in norms:
+                m.track_running_stats = False
+            stack.callback(_restore_tracking, norms)
         if self.mutated.get(k):
             with torch.no_grad():
                 saved = [b.clone() for b in self.mutated[k]]
@@ -191,7 +195,8 @@ class _Step:
         if edges is None:
             edges = output_edges(out)
         del out  # the value of a_{k+1} goes before the backward: only what the graph saved stays
-        backward_from_edges(edges, self.grads.pop(k + 1))
+        # δ_{k+1} goes once the node receiving it has run; δ_L is the caller's loss gradient, left alone
+        backward_from_edges(edges, self.grads.pop(k + 1), free_grads=k + 1 < self.runner.length)
         del edges
         self.grads[k] = [t.grad if t.requires_grad else None for t in tensors_of(inp)]
         del inp
@@ -332,6 +337,20 @@ class PlanRunner:
         self.quiet: set[int] = set()  # recomputed stages whose last recorded first run drew no random number
         self.probe: Any = None
         self.token_device = torch.device("cpu")
+        self._norms: dict[int, list[nn.Module]] = {}
+        self._plain_buffers: dict[int, list[torch.Tensor]] = {}
+
+    def norms(self, k: int) -> list[nn.Module]:
+        """Stage k's normalization modules with running statistics (found once: replays are per op)."""
+        if k not in self._norms:
+            self._norms[k] = [m for m in self.stages[k].modules() if isinstance(m, nn.modules.batchnorm._NormBase)]
+        return self._norms[k]
+
+    def plain_buffers(self, k: int) -> list[torch.Tensor]:
+        """Stage k's buffers outside normalization modules (found once)."""
+        if k not in self._plain_buffers:
+            self._plain_buffers[k] = _plain_buffers(self.stages[k])
+        return self._plain_buffers[k]
 
     def _parameters(self) -> list[torch.Tensor]:
         """The stages' trainable parameters, once each: graph edges that let `autograd.grad` reach the plan.

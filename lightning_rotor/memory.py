@@ -11,11 +11,12 @@ updated after each op. So
 - tensors that existed before the probe started (the chain input) count only
   when passed to `track`;
 - the count is deterministic: it depends on the ops run, not on an allocator;
-- a fresh gradient that autograd stores as a parameter's `.grad` without a copy
-  (the first backward after `.grad` was None) is a parameter gradient from the
-  moment it exists: the peak of the op that made it is settled at the next
-  sweep, without it. A gradient added into an existing `.grad` is a real
-  transient and counts.
+- a fresh parameter gradient counts until it is stored as `.grad` (autograd
+  stores it without a copy when `.grad` was None, but only after a view op or
+  two, by which time the op that made it has been counted) or, when `.grad`
+  exists, until it has been added into it and freed;
+- a storage emptied in place (`resize_(0)`, the executor's release of a consumed
+  gradient) stops counting when `storage_emptied` reports it.
 
 Allocations inside kernels that never become tensors (workspaces) are not
 seen; on CUDA, `CudaMemoryProbe` reads the caching allocator's own statistics,
@@ -28,6 +29,7 @@ entered around forward and backward sees both.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -57,6 +59,20 @@ def storage_bytes(tensors: Any) -> int:
     return sum(seen.values())
 
 
+_ACTIVE: weakref.WeakSet = weakref.WeakSet()  # probes inside their block
+
+
+def storage_emptied(storage: torch.UntypedStorage) -> None:
+    """Tell the active probes that `storage` was emptied in place (`resize_(0)`) while references remain.
+
+    A probe sees storages die by reference counting; one freed by resizing (the
+    executor's release of a consumed gradient) would otherwise count until its last
+    reference goes.
+    """
+    for probe in list(_ACTIVE):
+        probe._forget(storage._cdata)
+
+
 class MemoryProbe(TorchDispatchMode):
     """Exact live activation bytes: `with MemoryProbe(exclude=model) as probe: ...`.
 
@@ -80,8 +96,7 @@ class MemoryProbe(TorchDispatchMode):
                     self._params.append(t)
         self._live: dict[int, tuple[StorageWeakRef, int]] = {}
         self.current = 0
-        self._peak = 0
-        self._pending = 0  # bytes after the last op, before the sweep that tells which became a .grad
+        self.peak = 0
         self.ops = 0
         self.record_curve = record_curve
         self.curve: list[int] = []
@@ -97,30 +112,9 @@ class MemoryProbe(TorchDispatchMode):
                 keys.add(storage_key(g))
         return keys
 
-    @property
-    def peak(self) -> int:
-        """Most bytes alive at once so far."""
-        if not self._closed:
-            self._sweep()
-        return max(self._peak, self._pending)
-
-    @peak.setter
-    def peak(self, value: int) -> None:
-        self._peak = value
-        self._pending = 0
-
     def _sweep(self) -> None:
         excluded = self._excluded() if self._params else self._fixed
-        became_grad = 0
-        dead = []
-        for k, (ref, nbytes) in self._live.items():
-            if k in excluded:  # stored as a parameter's .grad since the last op: never an activation
-                dead.append(k)
-                became_grad += nbytes
-            elif ref.expired():
-                dead.append(k)
-        self._peak = max(self._peak, self._pending - became_grad)
-        self._pending = 0
+        dead = [k for k, (ref, _) in self._live.items() if k in excluded or ref.expired()]
         for k in dead:
             self.current -= self._live.pop(k)[1]
 
@@ -140,7 +134,7 @@ class MemoryProbe(TorchDispatchMode):
             nbytes = storage.nbytes()
             self._live[key] = (StorageWeakRef(storage), nbytes)
             self.current += nbytes
-        self._pending = max(self._pending, self.current)
+        self.peak = max(self.peak, self.current)
 
     def track(self, *tensors: Any) -> None:
         """Count tensors that existed before the probe (e.g. the chain input `a_0`)."""
@@ -150,21 +144,26 @@ class MemoryProbe(TorchDispatchMode):
     def reset_peak(self) -> None:
         """Start a new peak from what is alive now."""
         self._sweep()
-        self._peak = self.current
+        self.peak = self.current
 
     def mark(self, label: str) -> None:
         """Remember the bytes alive now under `label` (sweeping first)."""
         self._sweep()
         self.marks.append((label, self.ops, self.current))
 
+    def _forget(self, key: int) -> None:
+        if key in self._live:
+            self.current -= self._live.pop(key)[1]
+
     def __enter__(self) -> MemoryProbe:
         if self._closed:
             raise RuntimeError("a MemoryProbe measures one block and is closed; make a new MemoryProbe")
+        _ACTIVE.add(self)
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
-        self._sweep()
+        _ACTIVE.discard(self)
         self.close()
 
     def close(self) -> None:

@@ -42,7 +42,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from lightning_rotor.chain import Chain
-from lightning_rotor.memory import MemoryProbe, storage_bytes
+from lightning_rotor.memory import MemoryProbe, storage_bytes, storage_emptied
 
 LOSS_HELD = 64  # bytes of the caller's loss value when the loss is not measured (given as bytes); charged with a_0
 
@@ -135,15 +135,60 @@ def output_edges(outputs: Any) -> list[GradientEdge | None]:
     return [get_gradient_edge(t) if t.requires_grad else None for t in tensors_of(outputs)]
 
 
-def backward_from_edges(edges: Sequence[GradientEdge | None], grads: Sequence[torch.Tensor | None]) -> None:
-    """Backpropagate `grads` from output `edges` (see `output_edges`); nothing when no edge has a gradient."""
+def backward_from_edges(
+    edges: Sequence[GradientEdge | None], grads: Sequence[torch.Tensor | None], *, free_grads: bool = False
+) -> None:
+    """Backpropagate `grads` from output `edges` (see `output_edges`); nothing when no edge has a gradient.
+
+    `free_grads`: free each gradient's storage as soon as the node that receives it has
+    run, as the engine frees a gradient between nodes of one backward, instead of
+    holding it until the whole stage's backward returns. Only for gradients the caller
+    owns alone: a storage anything else references is left alone, and so is a gradient
+    that a leaf's accumulator may store as its `.grad`.
+    """
     roots, gs = [], []
     for e, g in zip(edges, grads, strict=True):
         if e is not None and g is not None:
             roots.append(e)
             gs.append(g)
-    if roots:
+    if not roots:
+        return
+    handles = []
+    if free_grads:
+        receivers: dict[int, tuple[Any, list[torch.Tensor]]] = {}
+        for e, g in zip(roots, gs, strict=True):
+            if e.node.name() != _ACCUMULATE_GRAD:
+                receivers.setdefault(id(e.node), (e.node, []))[1].append(g)
+        handles = [node.register_hook(_FreeConsumed(owned)) for node, owned in receivers.values()]
+    try:
         torch.autograd.backward(roots, gs)
+    finally:
+        for h in handles:
+            h.remove()
+
+
+_ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
+
+
+class _FreeConsumed:
+    """Node post-hook: free the storage of gradients the node has consumed, when only they hold it."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        self.tensors = tensors
+
+    def __call__(self, grad_inputs: Sequence[torch.Tensor | None], *_: Any) -> None:
+        # a node may pass a gradient on as it is (an add, a view): then the next nodes still need it
+        passed = {g.untyped_storage().data_ptr() for g in grad_inputs if isinstance(g, torch.Tensor)}
+        for t in self.tensors:
+            if t.layout != torch.strided:
+                continue
+            storage = t.untyped_storage()
+            if storage.data_ptr() in passed or storage.nbytes() == 0:
+                continue
+            if torch._C._storage_Use_Count(storage._cdata) == 2:  # this tensor and `storage` itself
+                storage.resize_(0)
+                storage_emptied(storage)
+        self.tensors = []
 
 
 class _HandOver(torch.autograd.Function):
@@ -326,6 +371,7 @@ def _measure_recorded(
     untouched: _Untouched,
     accumulate: bool,
     params: list[torch.Tensor],
+    free_grads: bool,
 ) -> tuple[int, int, int, int]:
     """(fwd_tmp, saved bytes, out_free, backward peak above a_k) of one stage run `Fe` then `B`.
 
@@ -333,6 +379,7 @@ def _measure_recorded(
     (only the graph's own saved tensors keep their storage), then backpropagation from
     the output edges. `accumulate`: parameter gradients already stored (zeros), so new
     ones are added into them, as from the second step without `zero_grad(set_to_none=True)`.
+    `free_grads`: δ_{k+1} is freed once consumed, as the executor does below the last stage.
     """
     untouched.clear_grads()
     if accumulate:
@@ -361,7 +408,7 @@ def _measure_recorded(
         out_free = with_delta - probe.current
         watch.start()
         with torch.autocast(value_device(value).type, enabled=False):
-            backward_from_edges(edges, grads)
+            backward_from_edges(edges, grads, free_grads=free_grads)
         alloc_peak, _ = watch.stop()
         del edges, grads, held
         bwd_peak = max(probe.peak - a_k, probe.current - a_k, with_delta - out_free - a_k + alloc_peak)
@@ -430,7 +477,8 @@ def profile_chain(
             # stored yet (autograd stores a fresh one as .grad), once accumulating into stored ones
             # (a real transient); the larger backward figure is kept, as either may happen in training
             recorded = [
-                _measure_recorded(forward, value, exclude, watch, untouched, accumulate, list(stage.parameters()))
+                _measure_recorded(forward, value, exclude, watch, untouched, accumulate, list(stage.parameters()),
+                                  free_grads=k + 1 < len(stages))
                 for accumulate in (False, True)
             ]
             fwd_tmp, saved_size = recorded[0][:2]

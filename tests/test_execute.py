@@ -9,6 +9,7 @@ from torch import nn
 
 from lightning_rotor.execute import PlanRunner
 from lightning_rotor.memory import MemoryProbe
+from lightning_rotor.ops import no_recompute_ops
 from lightning_rotor.profile import InplaceError, profile_chain
 from lightning_rotor.simulate import simulate
 from lightning_rotor.stages import sequential_stages
@@ -18,6 +19,8 @@ torch.set_num_threads(1)
 # every stage recomputed at least once, with checkpoints kept and dropped
 RECOMPUTE_ALL = [("Fc", 0), ("Fn", 1), ("Fn", 2), ("Fe", 3), ("Loss",), ("B", 3), ("Fc", 0), ("Fn", 1), ("Fe", 2),
                  ("B", 2), ("Fe", 0), ("Fe", 1), ("B", 1), ("B", 0)]
+RECOMPUTE_3 = [("Fc", 0), ("Fn", 1), ("Fe", 2), ("Loss",), ("B", 2), ("Fc", 0), ("Fe", 1), ("B", 1), ("Fe", 0),
+               ("B", 0)]
 
 
 class DropLinear(nn.Module):
@@ -200,3 +203,54 @@ def test_executor_refuses_an_op_it_has_no_rule_for():
     step = _Step(runner, torch.ones(1, 2), None)
     with pytest.raises(RuntimeError, match="no rule for op Loss"):
         step.run([Op(OpKind.LOSS)])
+
+
+def _peak_of(run, model, x, y):
+    model.zero_grad(set_to_none=True)
+    probe = MemoryProbe(model)
+    with probe:
+        probe.track(x)
+        loss = F.cross_entropy(run(x), y)
+        loss.backward()
+        del loss
+    return probe.peak
+
+
+class LinearGelu(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x):
+        return F.gelu(self.lin(x))
+
+
+def wide_chain():
+    # the peaks are in the backwards: a_{k+1} not saved by its stage must be gone before B k, δ_{k+1} once
+    # the node receiving it ran (GELU's, before the Linear makes its gradients), the logits with the loss
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 256), LinearGelu(256), nn.Linear(256, 200))
+
+
+def test_no_recompute_plan_holds_what_plain_autograd_holds():
+    """Releasing unsaved outputs, consumed gradients and the handed-over a_L: the plan uses what autograd uses."""
+    x, y = torch.randn(512, 16), torch.randint(0, 200, (512,))
+    model = wide_chain()
+    stages = sequential_stages(model)
+    names = list(stages.names)
+    chain = profile_chain(stages, x, names=names).chain
+    ops = no_recompute_ops(len(names))
+    plain = _peak_of(model, model, x, y)
+    runner = _peak_of(PlanRunner(stages, ops, names), model, x, y)
+    assert runner == plain
+    assert simulate(chain, ops).peak == plain
+    assert chain.out_free == [512 * 256 * 4, 512 * 256 * 4, 512 * 200 * 4]
+
+
+def test_recomputed_stages_run_exactly_as_simulated():
+    x, y = torch.randn(512, 16), torch.randint(0, 200, (512,))
+    model = wide_chain()
+    stages = sequential_stages(model)
+    names = list(stages.names)
+    chain = profile_chain(stages, x, names=names).chain
+    assert _peak_of(PlanRunner(stages, RECOMPUTE_3, names), model, x, y) == simulate(chain, RECOMPUTE_3).peak
