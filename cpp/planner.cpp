@@ -22,7 +22,6 @@ namespace rotor {
 namespace {
 
 constexpr int kEndBlock = 8;
-constexpr int kSamples = 2;
 constexpr int64_t kBlock = 32;
 constexpr double INF = std::numeric_limits<double>::infinity();
 
@@ -301,38 +300,14 @@ class Solver {
             if (held + run >= hi) break;  // longer runs need at least as much
             need_[reach + 1] = held + run;
         }
-        // Hints: the best split at a few memory values, relaxed first so that the bounds prune the rest.
-        int hints[kSamples];
-        int n_hints = 0;
-        for (int k = 0; k < kSamples; ++k) {
-            const int64_t m = lo + (hi - 1 - lo) * k / (kSamples - 1);
-            double best = INF;
-            int arg = -1;
-            for (int s2 = s + 1; s2 <= reach && need_[s2] <= m; ++s2) {
-                const double v = candidate(s, t, given, s2, m);
-                if (v < best) best = v, arg = s2;
-            }
-            if (arg >= 0 && std::find(hints, hints + n_hints, arg) == hints + n_hints) hints[n_hints++] = arg;
-        }
-        for (int h = 0; h < n_hints; ++h) split(tab, s, t, given, hints[h], false, need_);
-        for (int s2 = s + 1; s2 <= reach; ++s2) {
-            if (std::find(hints, hints + n_hints, s2) != hints + n_hints) continue;
-            if (!split(tab, s, t, given, s2, true, need_)) break;
-        }
+        for (int s2 = s + 1; s2 <= reach; ++s2)
+            if (!split(tab, s, t, given, s2, need_)) break;
     }
 
-    // Cost of checkpointing s -> s2 at memory m, whose forward run fits (need_[s2] <= m).
-    double candidate(int s, int t, bool given, int s2, int64_t m) const {
-        const double left = value(given_[s * (L_ + 1) + s2], m);
-        if (!given && s2 == L_) return m >= 2 * c_.size[L_] + c_.loss_tmp ? forward_cost(s, s2) + left : INF;
-        const Table& right = given ? given_[s2 * (L_ + 1) + t] : pending_[s2];
-        return forward_cost(s, s2) + value(right, m - c_.size[s2]) + left;
-    }
-
-    // Relax (s, t) with the split s -> s2 where it can win. With `blocked`, m is walked in blocks
-    // and a block is skipped when the candidate at its top (its least value) cannot beat the best
-    // so far at its bottom (the largest there). Returns false when no later split can win either.
-    bool split(Table& tab, int s, int t, bool given, int s2, bool blocked, const std::vector<int64_t>& need_) {
+    // Relax (s, t) with the split s -> s2 where it can win: m is walked in blocks, and a block is
+    // skipped when the candidate at its top (its least value) cannot beat the best so far at its
+    // bottom (the largest there). Returns false when no later split can win either.
+    bool split(Table& tab, int s, int t, bool given, int s2, const std::vector<int64_t>& need_) {
         const int64_t lo = tab.lo, hi = tab.hi;
         const double forward = forward_cost(s, s2);
         double* cur = data_.data() + tab.offset - lo;
@@ -347,16 +322,12 @@ class Solver {
         from = std::max(from, loss ? 2 * c_.size[L_] + c_.loss_tmp : right.lo + shift);
         const double* lp = data_.data() + left.offset - left.lo;
         const double* rp = data_.data() + right.offset - right.lo - shift;  // rp[m]: right part at m - shift
-        const int64_t stride = blocked ? kBlock : hi - from;
-        for (int64_t x = from; x < hi; x += stride) {
-            const int64_t y = std::min(hi, x + stride);
-            if (blocked) {
-                // The candidate only falls with m: its value at y - 1 is its least on the block.
-                const int64_t m = y - 1;
-                double least = forward + (m < left.hi ? lp[m] : left.full_cost);
-                if (!loss) least += m - shift < right.hi ? rp[m] : right.full_cost;
-                if (least >= cur[x]) continue;
-            }
+        for (int64_t x = from; x < hi; x += kBlock) {
+            const int64_t y = std::min(hi, x + kBlock);
+            // The candidate only falls with m: its value at y - 1 is its least on the block.
+            double least = forward + (y - 1 < left.hi ? lp[y - 1] : left.full_cost);
+            if (!loss) least += y - 1 - shift < right.hi ? rp[y - 1] : right.full_cost;
+            if (least >= cur[x]) continue;
             if (loss) {
                 relax(tab, x, y, forward, left, 0, nullptr);
             } else if (y <= left.hi && y - shift <= right.hi) {  // both parts stored on the block
