@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.autograd.graph import GradientEdge, _engine_run_backward, get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from lightning_rotor.chain import Chain
@@ -53,6 +53,8 @@ class InplaceError(RuntimeError):
 
 # -- values (a tensor or a nested tuple of tensors) -----------------------------------------
 def tensors_of(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):  # the common case, without pytree's cost (the executor calls this per op)
+        return [value]
     return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
 
 
@@ -71,7 +73,7 @@ def detach_value(value: Any, requires_grad: bool) -> Any:
             d.requires_grad_(True)
         return d
 
-    return tree_map(leaf, value)
+    return leaf(value) if isinstance(value, torch.Tensor) else tree_map(leaf, value)
 
 
 class no_cast_cache:
@@ -161,7 +163,9 @@ def backward_from_edges(
                 receivers.setdefault(id(e.node), (e.node, []))[1].append(g)
         handles = [node.register_hook(_FreeConsumed(owned)) for node, owned in receivers.values()]
     try:
-        torch.autograd.backward(roots, gs)
+        # the engine itself: `torch.autograd.backward` would only re-check shapes the edges already match
+        # (δ_{k+1} is made for these very outputs), at a cost that shows on short stages
+        _engine_run_backward(tuple(roots), tuple(gs), False, False, (), allow_unreachable=True, accumulate_grad=True)
     finally:
         for h in handles:
             h.remove()
