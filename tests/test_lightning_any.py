@@ -1,17 +1,19 @@
 """RotorStrategy on models as users write them, through a real Trainer (CPU)."""
 
+from pathlib import Path
+
 import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from models_any import GPT, Block
+from models_any import GPT, BasicBlock, Block
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_rotor.checkpointable import Checkpointable
 from lightning_rotor.lightning import RotorStrategy
 from lightning_rotor.lightning.state import rotor_modules
-from lightning_rotor.lightning.wrap import find_chains
+from lightning_rotor.lightning.wrap import find_chains, resolve_block_types
 from lightning_rotor.shared_budget import InfeasibleTotal
 
 torch.set_num_threads(1)
@@ -152,3 +154,28 @@ def test_bad_discover_and_checkpoint_modules_are_one_line_errors():
         RotorStrategy(discover="all")
     with pytest.raises(TypeError, match="checkpoint_modules must be a list of classes, class paths or class names"):
         RotorStrategy(checkpoint_modules="Block")
+
+
+def test_discover_and_checkpoint_modules_from_yaml(tmp_path, capsys):
+    import yaml
+
+    from lightning_rotor.lightning.cli import main
+
+    config = tmp_path / "rotor.yaml"
+    config.write_text(
+        "trainer:\n"
+        "  strategy:\n"
+        "    class_path: rotor\n"
+        "    init_args:\n"
+        "      mem_limit: 50%\n"
+        "      discover: graph\n"
+        "      checkpoint_modules: [Block, lightning_rotor.bench.any_models.BasicBlock]\n"
+    )
+    quickstart = str(Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml")
+    assert main(["fit", "--config", quickstart, "--config", str(config), "--print_config"]) == 0
+    strategy = yaml.safe_load(capsys.readouterr().out)["trainer"]["strategy"]
+    assert strategy["class_path"] == "lightning_rotor.lightning.RotorStrategy"
+    assert strategy["init_args"]["discover"] == "graph"
+    assert strategy["init_args"]["checkpoint_modules"] == ["Block", "lightning_rotor.bench.any_models.BasicBlock"]
+    made = RotorStrategy(**{k: v for k, v in strategy["init_args"].items() if k in ("discover", "checkpoint_modules")})
+    assert resolve_block_types(GPTTask(), made.checkpoint_modules) == (Block, BasicBlock)

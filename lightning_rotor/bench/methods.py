@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -62,6 +63,38 @@ def _segments(seq: nn.Sequential, n: int) -> Callable[[torch.Tensor], Any]:
     return lambda x: checkpoint_sequential(seq, n, x, use_reentrant=False)
 
 
+def _per_block(model: nn.Module, block: type) -> Callable[..., Any]:
+    """Full activation checkpointing as torchtitan and FSDP policies do it: every `block` through
+    `torch.utils.checkpoint`, the rest of the model as written."""
+    blocks = [m for m in model.modules() if isinstance(m, block)]
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        originals = [b.__dict__.get("forward") for b in blocks]
+        for b in blocks:
+            b.forward = partial(checkpoint, type(b).forward.__get__(b), use_reentrant=False)
+        try:
+            return model(*args, **kwargs)
+        finally:
+            for b, original in zip(blocks, originals, strict=True):
+                if original is None:
+                    del b.forward
+                else:
+                    b.forward = original
+
+    return forward
+
+
+def _prepare(w: Workload, ckpt: Checkpointable) -> Any:
+    """Profile and plan: a Sequential on its input; a model as written through one training step (discovery)."""
+    if w.stages:
+        return ckpt.prepare_for(w.x)
+    try:
+        w.loss(ckpt(w.x), w.y).backward()
+    finally:
+        w.model.zero_grad(set_to_none=True)
+    return ckpt.last_entry
+
+
 def rotor_methods(w: Workload, budgets: list[str], row: Callable[..., Row]) -> list[Method]:
     """One `Checkpointable` per budget, profiled and planned before any timing."""
     methods: list[Method] = []
@@ -70,7 +103,7 @@ def rotor_methods(w: Workload, budgets: list[str], row: Callable[..., Row]) -> l
         if token == "min":
             if smallest is None:
                 try:  # a 1-byte budget is refused with the smallest feasible one
-                    Checkpointable(w.model, 1).prepare_for(w.x)
+                    _prepare(w, Checkpointable(w.model, 1))
                 except InfeasibleBudget as err:
                     smallest = err.min_feasible
             spec: Any = smallest
@@ -80,7 +113,7 @@ def rotor_methods(w: Workload, budgets: list[str], row: Callable[..., Row]) -> l
         ckpt = Checkpointable(w.model, spec)
         r = row("rotor", budget=token)
         try:
-            entry = ckpt.prepare_for(w.x)
+            entry = _prepare(w, ckpt)
         except InfeasibleBudget as err:
             r.mem_limit = getattr(err, "mem_limit", None)
             r.note = f"infeasible; smallest feasible budget {format_bytes(err.min_feasible)}"
@@ -101,10 +134,23 @@ def eager_methods(w: Workload, budgets: list[str], max_segments: int | None) -> 
     def row(method: str, **kw: Any) -> Row:  # noqa: E306
         return Row(w.name, dev, method, **kw)
 
+    methods = [Method(row("none"), w.model)]
+    if not w.stages:  # a model as written: per-block checkpointing is the uniform scheme to beat
+        if w.block is None:
+            return [*methods, *rotor_methods(w, budgets, row)]
+        from lightning_rotor.bench.measure import measure_peak
+
+        per_block = _per_block(w.model, w.block)
+        peak = measure_peak(w, per_block, 0)  # rotor is also planned for exactly this many bytes ("per_block")
+        tokens = [*budgets, str(peak)]
+        methods += rotor_methods(w, tokens, row)
+        methods[-1].row.budget = "per_block"
+        r = row("per_block", note=f"torch.utils.checkpoint around every {w.block.__name__}")
+        methods.append(Method(r, per_block))
+        return methods
+    methods += rotor_methods(w, budgets, row)
     seq = nn.Sequential(*w.stages)
     n = len(w.stages)
-    methods = [Method(row("none"), w.model)]
-    methods += rotor_methods(w, budgets, row)
     top = n if max_segments is None else min(n, max_segments)
     methods += [Method(row("checkpoint_sequential", segments=s), _segments(seq, s)) for s in range(2, top + 1)]
     methods.append(Method(row("recompute_all", segments=n), _each_checkpointed(w.stages)))

@@ -57,7 +57,7 @@ def checks(rows: list[Row], stat: str = "step_ms") -> list[str]:
     lines: list[str] = []
     if not rotor:
         return ["no rotor budget planned: no target can be read"]
-    for r in rotor:
+    for r in rotor if seg else []:
         fits = [c for c in seg if c.measured_peak <= r.measured_peak]
         if not fits:
             lines.append(f"budget {r.budget}: no checkpoint_sequential fits in rotor's {format_bytes(r.measured_peak)}")
@@ -75,6 +75,23 @@ def checks(rows: list[Row], stat: str = "step_ms") -> list[str]:
         lines.append(
             f"lowest peak: rotor {format_bytes(low_r)} vs checkpoint_sequential {format_bytes(low_s)}: "
             f"{'holds' if low_r < low_s else 'fails'}"
+        )
+    block = next((r for r in ran if r.method == "per_block"), None)
+    if block is not None:  # models as written: full activation checkpointing, one checkpoint per block
+        fits = [r for r in rotor if r.measured_peak <= block.measured_peak]
+        if fits:
+            best = min(fits, key=lambda r: r.step_ms)
+            lines.append(
+                f"at per_block's peak {format_bytes(block.measured_peak)}: rotor (budget {best.budget}) "
+                f"{best.step_ms:.1f} ms vs per_block {block.step_ms:.1f} ms = {best.step_ms / block.step_ms:.3f}x: "
+                f"{'holds' if best.step_ms <= block.step_ms else 'fails'}"
+            )
+        else:
+            lines.append(f"no rotor budget fits in per_block's peak {format_bytes(block.measured_peak)}")
+        low_r = min(r.measured_peak for r in rotor)
+        lines.append(
+            f"lowest peak: rotor {format_bytes(low_r)} vs per_block {format_bytes(block.measured_peak)}: "
+            f"{'holds' if low_r < block.measured_peak else 'fails'}"
         )
     top = max(rotor, key=lambda r: r.mem_limit or 0)
     if none is not None:

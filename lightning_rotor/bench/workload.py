@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_rotor.bench.any_models import ANY_MODELS
 from lightning_rotor.models import MODELS, ModelSpec
 from lightning_rotor.stages import sequential_stages
 
@@ -25,17 +26,19 @@ class Workload:
     """One model, one batch, one loss: what every method trains on."""
 
     name: str
-    model: nn.Sequential
+    model: nn.Module  # an nn.Sequential, or a model as written (`any_models`: rotor discovers its chain)
     x: torch.Tensor
     y: torch.Tensor | None
     loss: Callable[[Any, Any], torch.Tensor]
     device: torch.device
     stage_names: list[str] = field(default_factory=list)
-    stages: list[nn.Module] = field(default_factory=list)
+    stages: list[nn.Module] = field(default_factory=list)  # empty for a model that is not a plain Sequential
+    block: type | None = None  # the block class per-block checkpointing wraps (models as written)
 
     def __post_init__(self) -> None:
-        found = sequential_stages(self.model)
-        self.stage_names, self.stages = list(found.names), list(found.modules)
+        if isinstance(self.model, nn.Sequential) and type(self.model).forward is nn.Sequential.forward:
+            found = sequential_stages(self.model)
+            self.stage_names, self.stages = list(found.names), list(found.modules)
         self.model.train()
 
 
@@ -107,18 +110,27 @@ def load_workload(
         raise BenchError(f"--batch-size must be a positive integer, got {batch_size}")
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(seed)
+    block = None
     if ":" in model:
         built, x, y, loss = _from_factory(model, dict(overrides or {}), batch_size, input_shape)
+    elif model in ANY_MODELS:
+        try:
+            built, x, y, loss, block = ANY_MODELS[model](batch_size, **dict(overrides or {}))
+        except TypeError as err:
+            raise BenchError(f"bad size arguments for model {model!r}: {err}") from None
+        except ImportError as err:
+            raise BenchError(f"model {model!r} needs {err.name or 'a missing package'} (pip install "
+                             "lightning-rotor[test-models])") from None
     elif model in MODELS:
         spec = MODELS[model]
         kwargs = {"tiny": spec.tiny, "bench": spec.bench, "full": {}}[size] | dict(overrides or {})
         built, x, y, loss = _from_spec(spec, kwargs, batch_size)
     else:
         raise BenchError(
-            f"unknown model {model!r}; give a registered name ({', '.join(MODELS)}) "
+            f"unknown model {model!r}; give a registered name ({', '.join([*MODELS, *ANY_MODELS])}) "
             "or an import path pkg.module:factory"
         )
     built = built.to(device)
     x = x.to(device)
     y = y.to(device) if isinstance(y, torch.Tensor) else y
-    return Workload(model, built, x, y, loss, device)
+    return Workload(model, built, x, y, loss, device, block=block)
