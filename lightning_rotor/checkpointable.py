@@ -35,6 +35,7 @@ Only that step pays for the probe; other steps run without it.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -49,7 +50,7 @@ from lightning_rotor.budget import format_bytes, parse_budget, resolve_budget
 from lightning_rotor.chain import Chain
 from lightning_rotor.discretize import check_slots
 from lightning_rotor.execute import PlanRunner
-from lightning_rotor.memory import CudaMemoryProbe, MemoryProbe
+from lightning_rotor.memory import CudaMemoryProbe, MemoryProbe, storage_bytes
 from lightning_rotor.ops import forward_counts, is_no_recompute
 from lightning_rotor.planner import InfeasibleBudget, Plan, plan
 from lightning_rotor.profile import Profile, profile_chain
@@ -251,6 +252,8 @@ class Checkpointable(nn.Module):
         self.discover = None if discover == "sequential" else discover  # None: the stages are known
         self.checkpoint_modules = types
         self.discovery: Discovery | None = None
+        self.outside: dict[str, tuple[int, int]] = {}  # module-level chains: per call signature, see _measure_outside
+        self._outside_now: tuple[int, int] | None = None
         self.fallback_plain = fallback_plain  # no chain found: warn once and run the module's forward as written
         self.no_chain = ""  # why no chain was found, when falling back
         self.stage_names = list(stages.names) if stages is not None else []
@@ -320,11 +323,60 @@ class Checkpointable(nn.Module):
             value = found.graph.chain_input(bound)
             return self._run(value, lambda: self.module(*args, **kwargs))
         run = found.run
+        key = signature((args, kwargs))
+        if key not in self.outside:
+            self.outside[key] = self._measure_outside(args, kwargs)
+        self._outside_now = self.outside[key]
         run.install(lambda value: self._run(value, lambda: _run_stages(self.stages, value)))
         try:
             return self.module(*args, **kwargs)
         finally:
             run.uninstall()
+
+    def _measure_outside(self, args: tuple, kwargs: dict[str, Any]) -> tuple[int, int]:
+        """What a module-level chain's budget must also hold: (bytes the forward keeps from before the run,
+        peak bytes of the rest of the forward, a loss and their backward above what is alive after the run).
+
+        One forward with the blocks run without grad and the rest recorded, a cross-entropy
+        stand-in for the caller's loss (`profile.proxy_loss`) and its backward down to the run's
+        output; parameters' `.grad`, buffers and the RNG stream are put back.
+        """
+        from lightning_rotor.profile import proxy_loss
+
+        run = self.discovery.run
+        probe = MemoryProbe(self.module)
+        seen: dict[str, int] = {}
+
+        def blocks_without_grad(value: Any) -> Any:
+            seen["before"] = probe.current - storage_bytes(value)
+            with torch.no_grad():
+                out = _run_stages(self.stages, value)
+            probe.reset_peak()
+            seen["after"] = probe.current
+            return out
+
+        params = list(self.module.parameters())
+        grads = [p.grad for p in params]
+        buffers = {n: b.detach().clone() for n, b in self.module.named_buffers()}
+        devices = [t.device for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        cuda = sorted({d for d in devices if d.type == "cuda"}, key=str)
+        run.install(blocks_without_grad)
+        try:
+            with torch.random.fork_rng(devices=cuda), probe:
+                output = self.module(*args, **kwargs)
+                loss = proxy_loss(output)
+                if loss.requires_grad:
+                    loss.backward()
+                del output, loss
+        finally:
+            run.uninstall()
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g
+            with torch.no_grad():
+                for n, b in self.module.named_buffers():
+                    if n in buffers:
+                        b.copy_(buffers[n])
+        return max(0, seen.get("before", 0)), max(0, probe.peak - seen.get("after", probe.peak))
 
     def discover_on(self, *args: Any, **kwargs: Any) -> Discovery:
         """Find the chain on a call's arguments now (the first training call does it otherwise).
@@ -376,6 +428,16 @@ class Checkpointable(nn.Module):
             self.stages, value, names=self.stage_names, repeats=self.repeats, warmup=self.warmup,
             loss_tmp=self.loss_tmp, progress=self.on_profile_progress,
         )
+        if self.discovery is not None and self.discovery.run is not None and self._outside_now is not None:
+            # a module-level chain: the rest of the forward is charged too, kept bytes with the input and
+            # the forward after the run, the loss and their backward as the chain's loss
+            before, tail = self._outside_now
+            chain = profile.chain
+            tail_tmp = tail - chain.out_size[-1]
+            profile.chain = dataclasses.replace(
+                chain, input_size=chain.input_size + before, loss_tmp=max(chain.loss_tmp, tail_tmp),
+                loss_tmp_kept=max(chain.loss_tmp_kept, tail_tmp),
+            )
         if self.budget is None:
             device = next(t.device for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
             if self.shared is not None:  # one budget for several chains, split by need
@@ -550,6 +612,7 @@ class Checkpointable(nn.Module):
             self.discovery = None
             object.__setattr__(self, "stages", None)
             self.stage_names, self.entries, self.last_entry = [], {}, None
+        self.outside = {}  # measured in the old dtype or device
         return self
 
     def extra_repr(self) -> str:
