@@ -5,22 +5,29 @@ on the sample input and fills a `Chain` exactly as
 docs/memory-model.md defines each field:
 
 - `out_size`: bytes of the storages of `a_{k+1}`;
-- `saved_size`: bytes alive after `F_k` with grad recording, `a_{k+1}` plus the
-  graph's saved tensors, not `a_k` nor parameters (`MemoryProbe` accounting);
+- `saved_size`: bytes alive after `F_k` with grad recording beside `a_k`: `a_{k+1}`
+  plus the graph's saved tensors, not `a_k` nor parameters (`MemoryProbe`
+  accounting); an output that is a view of `a_k`, or tensors of `a_k` passed
+  through, add nothing (`ā_{k+1}` is only ever held beside `a_k`);
+- `out_free`: bytes freed when the output values are dropped and the graph kept
+  (what the graph does not save), as the executor does before `B k`;
 - `fwd_tmp`: peak above what is alive after `F_k` run recording its graph
   (`Fe`); `fwd_tmp_nograd`: the same for `F_k` run without grad (`Fn`, `Fc`).
   They differ where a stage saves for backward what is otherwise transient
   (attention scores); one figure for both would overcharge one mode;
-- `bwd_tmp`: peak during the backward of `F_k` above the inputs of the
-  backward and `δ_k` (the probe never counts parameter gradients once stored);
+- `bwd_tmp` (signed): the peak of the backward of `F_k`, run as the executor
+  runs it (values released, backpropagated from the output edges, `δ_{k+1}`
+  freed once consumed below the last stage), above `cur - out_free + s_k`;
+  measured with parameter gradients absent and already stored, the larger kept;
 - on CUDA, transients are also read from the caching allocator, which sees
   kernel workspaces, and the larger figure is kept;
-- `loss_tmp`: the loss is the caller's; give it as a function of the output
-  to have it measured, or bytes; by default a softmax cross-entropy over the
-  last dimension is measured (`proxy_loss`), in the caller's autocast state;
-- `input_size`: bytes of `a_0`, plus `LOSS_HELD` for the caller's loss value,
-  which stays alive through the whole backward (the model has no other place
-  for it).
+- `loss_tmp`, `loss_tmp_kept` (signed): the loss is the caller's; give it as a
+  function of the output to have it measured, or bytes; by default a softmax
+  cross-entropy over the last dimension is measured (`proxy_loss`), in the
+  caller's autocast state, on a plain `a_L` handed over and on one kept alive;
+- `input_size`: bytes of `a_0`, plus the loss value and its seed gradient, which
+  stay alive through the whole backward (the model has no other place for them;
+  `LOSS_HELD` bytes when the loss is given as bytes).
 
 Times are medians of repeated runs after warm-up, on the current thread
 count. Profiling leaves no trace: parameters, `.grad`, buffers and the RNG
@@ -103,17 +110,6 @@ def check_inplace(before: list[int], value: Any, k: int, name: str) -> None:
             f"stage {k} ({name}) modified its input in place, which would corrupt a kept checkpoint; "
             "make the operation out-of-place or put it in the same stage as the module before it"
         )
-
-
-def passed_through(inp: Any, out: Any) -> int:
-    """Bytes of a tuple output's storages that are input tensors returned as they are (carried skips).
-
-    A single-tensor output is left alone: it counts in full, as before.
-    """
-    if isinstance(out, torch.Tensor):
-        return 0
-    ins = {id(t) for t in tensors_of(inp)}
-    return storage_bytes([t for t in tensors_of(out) if id(t) in ins])
 
 
 def backward_pairs(outputs: Any, grads: Sequence[torch.Tensor | None]) -> tuple[list, list]:
