@@ -255,6 +255,7 @@ class Checkpointable(nn.Module):
         self.outside: dict[str, tuple[int, int]] = {}  # module-level chains: per call signature, see _measure_outside
         self._outside_now: tuple[int, int] | None = None
         self.fallback_plain = fallback_plain  # no chain found: warn once and run the module's forward as written
+        self.distributed = False  # set under DDP: a parameter shared by two stages is refused (`shared_parameters`)
         self.no_chain = ""  # why no chain was found, when falling back
         self.stage_names = list(stages.names) if stages is not None else []
         self.mem_limit = mem_limit
@@ -423,7 +424,40 @@ class Checkpointable(nn.Module):
         self.last_entry = entry
         return entry
 
+    def shared_parameters(self) -> dict[str, list[str]]:
+        """Parameters whose gradient several stages add to (tied weights), by name, with their users.
+
+        The executor runs each stage's backward on its own, so such a parameter's gradient is
+        accumulated once per stage; DDP all-reduces it at the first, and the others are missed.
+        A stage of a module-level run shares also with the forward outside the run.
+        """
+        names = {id(p): n for n, p in self.module.named_parameters(remove_duplicate=True)}
+        users: dict[int, list[str]] = {}
+        inside: set[int] = set()
+        for name, stage in zip(self.stage_names, self.stages, strict=True):
+            for p in {id(p) for p in stage.parameters()}:
+                users.setdefault(p, []).append(name)
+                inside.add(p)
+        if self.discovery is not None and self.discovery.run is not None:
+            staged = {id(m) for stage in self.stages for m in stage.modules()}
+            for module in self.module.modules():
+                if id(module) in staged or any(id(m) in staged for m in module.children()):
+                    continue
+                for p in module.parameters(recurse=False):
+                    if id(p) in inside:
+                        users[id(p)].append("(outside the run)")
+        return {names.get(p, "?"): u for p, u in users.items() if len(u) > 1}
+
     def _prepare(self, value: Any) -> Entry:
+        if self.distributed:
+            shared = self.shared_parameters()
+            if shared:
+                name, users = next(iter(shared.items()))
+                raise RuntimeError(
+                    f"rotor under DDP: parameter {name!r} is used by stages {', '.join(users)} (tied weights); "
+                    "DDP would all-reduce its gradient after the first stage's backward and miss the rest. "
+                    "Untie it, or train this model with DDP without rotor"
+                )
         profile = profile_chain(
             self.stages, value, names=self.stage_names, repeats=self.repeats, warmup=self.warmup,
             loss_tmp=self.loss_tmp, progress=self.on_profile_progress,

@@ -118,6 +118,7 @@ class _RotorMixin:
             return
         for w in self.wrapped:
             w.rotor.on_profile_progress = ProfileProgress(w.name)
+            w.rotor.distributed = isinstance(self, DDPStrategy)
         budget = self.mem_limit
         if isinstance(budget, Mapping):
             total = "per-chain budgets"
