@@ -179,3 +179,22 @@ def test_discover_and_checkpoint_modules_from_yaml(tmp_path, capsys):
     assert strategy["init_args"]["checkpoint_modules"] == ["Block", "lightning_rotor.bench.any_models.BasicBlock"]
     made = RotorStrategy(**{k: v for k, v in strategy["init_args"].items() if k in ("discover", "checkpoint_modules")})
     assert resolve_block_types(GPTTask(), made.checkpoint_modules) == (Block, BasicBlock)
+
+
+def test_resume_with_two_chains_keeps_the_split_of_one_byte_budget(tmp_path):
+    class Save(pl.Callback):
+        def on_train_end(self, trainer, pl_module):
+            trainer.save_checkpoint(tmp_path / "mid.ckpt")
+
+    first = Keep()
+    fit(tmp_path / "a", CNNTask(), images(), RotorStrategy(mem_limit=600_000, discover="sequential"),
+        callbacks=[Save(), first])
+    before = {name: r.plan.mem_limit for name, r in first.modules.items()}
+    assert sorted(before) == ["features", "head"] and sum(before.values()) <= 600_000
+    resumed = Keep()
+    trainer = pl.Trainer(strategy=RotorStrategy(mem_limit=600_000, discover="sequential"), accelerator="cpu",
+                         devices=1, default_root_dir=tmp_path / "b", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, max_steps=4, callbacks=[resumed])
+    trainer.fit(CNNTask(), images(), ckpt_path=tmp_path / "mid.ckpt")
+    after = {name: r.plan.mem_limit for name, r in resumed.modules.items()}
+    assert after == before  # each chain its share again, never the whole total each

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from lightning_rotor.budget import resolve_budget
@@ -47,6 +48,19 @@ def export_state(model: nn.Module) -> dict[str, Any]:
 def _restore_one(rotor: Checkpointable, saved: dict[str, Any]) -> None:
     entries = saved.get("entries") or []
     if not entries:
+        return
+    if rotor.shared is not None:  # one budget over several chains: this chain's share, as on a first batch
+        before = dict(rotor.entries), rotor.budget
+        rotor.load_plan_state(saved)
+        chain = Chain.from_dict(entries[0]["chain"])
+        device = next((p.device for p in rotor.parameters()), torch.device("cpu"))
+        try:
+            share = rotor.shared.share(rotor.shared_name, rotor, chain, device, rotor.parameters())
+            if share != rotor.budget:
+                rotor.replan(share)
+        except InfeasibleBudget:
+            rotor.entries, rotor.budget = before
+            raise
         return
     expected = None
     if rotor.mem_limit is not None:  # the user's budget now, resolved as on the first signature
