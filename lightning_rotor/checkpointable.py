@@ -256,6 +256,7 @@ class Checkpointable(nn.Module):
         self._outside_now: tuple[int, int] | None = None
         self.fallback_plain = fallback_plain  # no chain found: warn once and run the module's forward as written
         self.distributed = False  # set under DDP: a parameter shared by two stages is refused (`shared_parameters`)
+        self.on_discovered: Callable[[Checkpointable], None] | None = None  # called once the stages are found
         self.no_chain = ""  # why no chain was found, when falling back
         self.stage_names = list(stages.names) if stages is not None else []
         self.mem_limit = mem_limit
@@ -392,6 +393,9 @@ class Checkpointable(nn.Module):
         self.discovery = found
         object.__setattr__(self, "stages", found.stages)
         self.stage_names = list(found.stages.names)
+        hook, self.on_discovered = self.on_discovered, None
+        if hook is not None:  # e.g. plans saved in a checkpoint, restored now that the stages are known
+            hook(self)
         return found
 
     def _run(self, value: Any, plain_call: Callable[[], Any]) -> Any:

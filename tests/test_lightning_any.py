@@ -198,3 +198,23 @@ def test_resume_with_two_chains_keeps_the_split_of_one_byte_budget(tmp_path):
     trainer.fit(CNNTask(), images(), ckpt_path=tmp_path / "mid.ckpt")
     after = {name: r.plan.mem_limit for name, r in resumed.modules.items()}
     assert after == before  # each chain its share again, never the whole total each
+
+
+def test_resume_restores_a_discovered_chains_plans_once_it_is_found_again(tmp_path):
+    class Save(pl.Callback):
+        def on_train_end(self, trainer, pl_module):
+            trainer.save_checkpoint(tmp_path / "mid.ckpt")
+
+    first = Keep()
+    fit(tmp_path / "a", GPTTask(), tokens(), RotorStrategy(mem_limit="50%"), callbacks=[Save(), first])
+    saved = torch.load(tmp_path / "mid.ckpt", weights_only=True)["rotor"]["modules"]["model"]
+    assert saved["stages"] == first.modules["model"].stage_names and saved["entries"]
+    resumed, model = Keep(), GPTTask()
+    trainer = pl.Trainer(strategy=RotorStrategy(mem_limit="50%"), accelerator="cpu", devices=1, logger=False,
+                         default_root_dir=tmp_path / "b", enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, max_steps=5, callbacks=[resumed])
+    trainer.fit(model, tokens(), ckpt_path=tmp_path / "mid.ckpt")
+    rotor = resumed.modules["model"]
+    assert len(model.losses) == 2 and rotor.discovery.kind == "graph"
+    assert rotor.profile_seconds == first.modules["model"].profile_seconds  # the saved profile, not a new one
+    assert rotor.plan.ops == first.modules["model"].plan.ops

@@ -13,6 +13,8 @@ is what is skipped).
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -75,6 +77,25 @@ def _restore_one(rotor: Checkpointable, saved: dict[str, Any]) -> None:
             raise
 
 
+def _restore_after_discovery(name: str, saved: dict[str, Any]) -> Callable[[Checkpointable], None]:
+    """Put a discovered chain's saved plans back once discovery has found its stages again."""
+
+    def restore(rotor: Checkpointable) -> None:
+        if list(saved.get("stages", [])) != list(rotor.stage_names):
+            warnings.warn(f"rotor: {name}: the checkpoint's stages differ from the ones found now; "
+                          "it will be profiled again", stacklevel=2)
+            return
+        try:
+            _restore_one(rotor, saved)
+        except InfeasibleBudget:
+            raise
+        except (ChainError, KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
+            warnings.warn(f"rotor: {name}: saved plan state not used ({err}); it will be profiled again",
+                          stacklevel=2)
+
+    return restore
+
+
 def import_state(model: nn.Module, state: Any) -> tuple[list[str], list[str]]:
     """Put saved chains and plans into the rotor modules of `model`.
 
@@ -95,6 +116,9 @@ def import_state(model: nn.Module, state: Any) -> tuple[list[str], list[str]]:
             problems.append(f"{name}: no rotor module of that name in this model")
         elif not isinstance(saved, dict) or not isinstance(saved.get("stages", []), list):
             problems.append(f"{name}: malformed saved plan state; it will be profiled again")
+        elif rotor.stages is None and saved.get("stages"):
+            rotor.on_discovered = _restore_after_discovery(name, saved)  # stages are known after the first call
+            restored.append(name)
         elif list(saved.get("stages", [])) != list(rotor.stage_names):
             problems.append(f"{name}: the checkpoint's stages differ from the model's; it will be profiled again")
         else:
