@@ -191,12 +191,15 @@ def bench_resnet(batch_size: int, layers: tuple[int, ...] = (2, 2, 2, 2), width:
     return ResNet(layers=tuple(layers), width=width), x, y, F.cross_entropy, BasicBlock
 
 
-def bench_gpt(batch_size: int, n_layer: int = 6, n_embd: int = 256, n_head: int = 4, block_size: int = 256,
-              vocab_size: int = 2048) -> tuple[nn.Module, torch.Tensor, torch.Tensor, Callable, type]:
+def bench_gpt(
+    batch_size: int, n_layer: int = 6, n_embd: int = 256, n_head: int = 4, block_size: int = 256,
+    vocab_size: int = 2048, dropout: float = 0.1,
+) -> tuple[nn.Module, torch.Tensor, torch.Tensor, Callable, type]:
     """The nanoGPT-style GPT on `block_size` tokens, next-token cross-entropy."""
     g = torch.Generator().manual_seed(0)
     data = torch.randint(vocab_size, (batch_size, block_size + 1), generator=g)
-    model = GPT(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
+    model = GPT(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
+                dropout=dropout)
     return model, data[:, :-1].contiguous(), data[:, 1:].contiguous(), _tokens_loss, Block
 
 
