@@ -177,3 +177,18 @@ def test_hostile_chain_files_get_one_line(tmp_path, text, message):
     with pytest.raises(ChainError) as err:
         Chain.load(_hostile(tmp_path, "hostile", text))
     assert message in str(err.value) and "\n" not in str(err.value) and "hostile.json" in str(err.value)
+
+
+def test_version_1_example_files_plan_as_before():
+    """The example chains are version 1: they load with their old meaning and plan to the figures the README shows."""
+    from lightning_rotor.planner import min_feasible_budget, plan
+
+    root = Path(__file__).resolve().parent.parent / "examples"
+    chain = Chain.load(root / "resnet50_b32.json")
+    assert json.loads((root / "resnet50_b32.json").read_text())["version"] == 1
+    assert chain.out_free == [0] * chain.length and chain.bwd_net == chain.bwd_tmp
+    assert min_feasible_budget(chain) == 892731392
+    result = plan(chain, "50%")
+    assert (result.mem_limit, result.peak, result.recomputed_stages) == (2101772288, 2032730112, 6)
+    for name in ("gpt2_small_b8.json", "heterogeneous.json"):
+        assert Chain.load(root / name).to_dict()["version"] == 2  # written back as version 2, same figures
