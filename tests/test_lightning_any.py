@@ -218,3 +218,36 @@ def test_resume_restores_a_discovered_chains_plans_once_it_is_found_again(tmp_pa
     assert len(model.losses) == 2 and rotor.discovery.kind == "graph"
     assert rotor.profile_seconds == first.modules["model"].profile_seconds  # the saved profile, not a new one
     assert rotor.plan.ops == first.modules["model"].plan.ops
+
+
+class GPT2Task(GPTTask):
+    """A transformers GPT-2 from a small config: tracing fails, module-level discovery takes its blocks."""
+
+    def __init__(self):
+        pl.LightningModule.__init__(self)
+        from lightning_rotor.bench.any_models import gpt2
+
+        torch.manual_seed(0)
+        self.model = gpt2(n_layer=4, n_embd=32, n_head=2, vocab_size=64, n_positions=32)
+        self.losses, self.grads = [], []
+
+    def training_step(self, batch, batch_idx):
+        idx, targets = batch
+        logits = self.model(idx).logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        self.losses.append(loss.detach())
+        return loss
+
+
+def test_transformers_gpt2_through_a_trainer_equals_plain_training(tmp_path):
+    pytest.importorskip("transformers")
+    plain, rotor, keep = GPT2Task(), GPT2Task(), Keep()
+    fit(tmp_path / "plain", plain, tokens())
+    fit(tmp_path / "rotor", rotor, tokens(), RotorStrategy(mem_limit="50%"), callbacks=[keep])
+    wrapped = keep.modules["model"]
+    assert wrapped.discovery.kind == "modules" and wrapped.stage_names == [f"transformer.h.{i}" for i in range(4)]
+    assert sum(r > 1 for r in wrapped.last_entry.runs) > 0
+    torch.testing.assert_close(rotor.losses, plain.losses, rtol=0, atol=0)
+    for step_a, step_b in zip(rotor.grads, plain.grads, strict=True):
+        for a, b in zip(step_a, step_b, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
