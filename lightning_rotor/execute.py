@@ -338,6 +338,7 @@ class PlanRunner:
         self.probe: Any = None
         self.token_device = torch.device("cpu")
         self._norms: dict[int, list[nn.Module]] = {}
+        self._all_params: list[torch.Tensor] | None = None
         self._plain_buffers: dict[int, list[torch.Tensor]] = {}
 
     def norms(self, k: int) -> list[nn.Module]:
@@ -360,12 +361,13 @@ class PlanRunner:
         parameters with such hooks are left out (`autograd.grad` of those alone
         is then not detected).
         """
-        seen: dict[int, torch.Tensor] = {}
-        for stage in self.stages:
-            for p in stage.parameters():
-                if p.requires_grad and not getattr(p, "_post_accumulate_grad_hooks", None):
+        if self._all_params is None:  # the module walk once; requires_grad and hooks are read every step
+            seen: dict[int, torch.Tensor] = {}
+            for stage in self.stages:
+                for p in stage.parameters():
                     seen.setdefault(id(p), p)
-        return list(seen.values())
+            self._all_params = list(seen.values())
+        return [p for p in self._all_params if p.requires_grad and not getattr(p, "_post_accumulate_grad_hooks", None)]
 
     def __call__(self, value: Any) -> Any:
         flat, spec = tree_flatten(value)

@@ -69,8 +69,9 @@ def storage_emptied(storage: torch.UntypedStorage) -> None:
     executor's release of a consumed gradient) would otherwise count until its last
     reference goes.
     """
-    for probe in list(_ACTIVE):
-        probe._forget(storage._cdata)
+    if _ACTIVE:
+        for probe in list(_ACTIVE):
+            probe._forget(storage._cdata)
 
 
 class MemoryProbe(TorchDispatchMode):
