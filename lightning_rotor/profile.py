@@ -154,9 +154,19 @@ def backward_from_edges(
     handles = []
     if free_grads:
         receivers: dict[int, tuple[Any, list[torch.Tensor]]] = {}
+        shared: dict[int, int] = {}
+        for g in gs:
+            if g.layout == torch.strided:
+                ptr = g.untyped_storage().data_ptr()
+                shared[ptr] = shared.get(ptr, 0) + 1
         for e, g in zip(roots, gs, strict=True):
-            if e.node.name() != _ACCUMULATE_GRAD:
-                receivers.setdefault(id(e.node), (e.node, []))[1].append(g)
+            # a leaf's accumulator keeps the gradient itself, and a gradient given to several roots is still
+            # needed after the first has run: both stay untouched
+            if e.node.name() == _ACCUMULATE_GRAD or g.layout != torch.strided:
+                continue
+            if shared[g.untyped_storage().data_ptr()] > 1:
+                continue
+            receivers.setdefault(id(e.node), (e.node, []))[1].append(g)
         handles = [node.register_hook(_FreeConsumed(owned)) for node, owned in receivers.values()]
     try:
         # the engine itself: `torch.autograd.backward` would only re-check shapes the edges already match

@@ -254,3 +254,33 @@ def test_recomputed_stages_run_exactly_as_simulated():
     names = list(stages.names)
     chain = profile_chain(stages, x, names=names).chain
     assert _peak_of(PlanRunner(stages, RECOMPUTE_3, names), model, x, y) == simulate(chain, RECOMPUTE_3).peak
+
+
+class Twice(nn.Module):
+    def forward(self, x):
+        return x * 2, x * 2
+
+
+class Both(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, pair):
+        a, b = pair
+        return self.lin(a) * b
+
+
+def test_gradients_shared_by_several_outputs_are_not_freed_early():
+    """δ tensors that share storage (or are one tensor for two outputs) stay until every receiving node ran."""
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 16), Twice(), Both(), nn.Linear(16, 5))
+
+    x, y = torch.randn(8, 16), torch.randint(0, 5, (8,))
+    plain, rotor = make(), make()
+    step(plain, plain, x, y)
+    stages = sequential_stages(rotor)
+    step(PlanRunner(stages, no_recompute_ops(4), list(stages.names)), rotor, x, y)
+    for a, b in zip(grads(plain), grads(rotor), strict=True):
+        assert torch.equal(a, b)
