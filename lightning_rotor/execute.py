@@ -43,7 +43,7 @@ from lightning_rotor.profile import (
     tensors_of,
     versions,
 )
-from lightning_rotor.rng import GeneratorWatch, RecordRandom, ReplayFrom, ReplayRandom
+from lightning_rotor.rng import GeneratorWatch, RecordRandom, ReplayFrom, ReplayRandom, Rewind, alone
 
 
 class _Autocast:
@@ -139,7 +139,7 @@ class _Step:
 
     def _remember(self, k: int, stage: nn.Module, stack: ExitStack) -> None:
         """Before a recomputed stage's first run: how to replay its random numbers (lightning_rotor/rng.py)."""
-        if k in self.runner.quiet:
+        if k in self.runner.quiet or alone():  # alone: no mode now, rewind on the replay (lightning_rotor/rng.py)
             self.rng[k] = GeneratorWatch(self.rng_devices)
         else:
             self.rng[k] = stack.enter_context(RecordRandom()).states
@@ -152,6 +152,7 @@ class _Step:
                 self.runner.quiet.discard(k)  # it drew (or another thread did): record it from the next step
             else:
                 self.rng[k] = []
+                self.runner.quiet.add(k)
         elif not record:
             self.runner.quiet.add(k)  # drew nothing: from the next step, no mode on its first run
 
@@ -162,7 +163,7 @@ class _Step:
         """Recompute exactly as the first run: same RNG, same autocast, buffers untouched."""
         record = self.rng[k]  # the default generators are never rewound
         if isinstance(record, GeneratorWatch):
-            stack.enter_context(ReplayFrom(record))
+            stack.enter_context(Rewind(record) if alone() else ReplayFrom(record))
         elif record:
             stack.enter_context(ReplayRandom(record, self.runner.names[k]))
         self.autocast.enter(stack)

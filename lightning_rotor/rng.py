@@ -23,8 +23,8 @@ existing tensor (`bernoulli_`, which is dropout on CPU, `uniform_`, `normal_`,
 default generator (which so moves on exactly as without rotor), then fills
 the tensor again from the snapshot with a private generator. That second fill
 costs one more random op, so it is done only while other Python threads are
-alive (`threading.active_count() > 1`; a process with one thread has nobody to
-draw in between). What remains:
+alive (not `alone()`, below: a process with no other thread that may draw has
+nobody to draw in between). What remains:
 
 - an op that makes a new tensor (`rand`, `randn`, `bernoulli(p)`,
   `multinomial`, `rrelu`'s noise, ...) draws from the default generator
@@ -53,6 +53,15 @@ stage drew after all, or another thread drew meanwhile), that step replays the
 stage from one private generator per device set to the states before its first
 run (`ReplayFrom`: exact unless another thread drew meanwhile), and the next
 step records it again.
+
+A process whose only thread that may draw is the training thread (`alone()`: every
+other Python thread is a daemon, as tqdm's monitor and TensorBoard's writer are; the
+usual training loop) pays for none of this: a recomputed stage's first run only notes the generators' states
+(`GeneratorWatch`), and its replay rewinds the default generators to them and
+puts them back afterwards (`Rewind`), with no dispatch mode, as
+torch.utils.checkpoint does. Should another thread appear between the two, the
+replay takes `ReplayFrom` instead, which is exact since nobody could draw during
+the first run.
 """
 
 from __future__ import annotations
@@ -64,7 +73,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["RNG_LOCK", "GeneratorWatch", "RecordRandom", "ReplayFrom", "ReplayRandom"]
+__all__ = ["RNG_LOCK", "GeneratorWatch", "RecordRandom", "ReplayFrom", "ReplayRandom", "Rewind", "alone"]
 
 RNG_LOCK = threading.RLock()
 
@@ -149,7 +158,7 @@ class RecordRandom(TorchDispatchMode):
         device = _device(args, kwargs)
         source = _source(kwargs, device)
         overwrite = (
-            threading.active_count() > 1  # alone, nothing can draw between the snapshot and the op
+            not alone()  # alone, nothing can draw between the snapshot and the op
             and _with_generator(func) is func
             and _overwrites_first(func, args, kwargs)
         )
@@ -219,6 +228,43 @@ class GeneratorWatch:
 
     def moved(self) -> bool:
         return any(not torch.equal(_default_generator(d).get_state(), state) for d, state in self.states)
+
+
+def alone() -> bool:
+    """Whether no other thread may draw while a generator is rewound: every other Python thread is a daemon.
+
+    Daemon threads are a process's services (tqdm's monitor, TensorBoard's event writer, a
+    DataLoader's pin-memory thread) and draw no random numbers; a thread that trains or
+    samples is an ordinary thread, and its presence selects the exact per-op modes.
+    """
+    current = threading.current_thread()
+    return all(t is current or t.daemon for t in threading.enumerate())
+
+
+class Rewind:
+    """A recomputation in a process with one thread: no mode, the default generators rewound and put back.
+
+    Rewinding is what torch.utils.checkpoint does; alone, it is exact and disturbs no one (the
+    generators end where they were), and the stage runs with no Python dispatch per op.
+    """
+
+    def __init__(self, watch: GeneratorWatch):
+        self.watch = watch
+        self.now: list[tuple[torch.device, torch.Tensor]] = []
+
+    def __enter__(self) -> Rewind:
+        RNG_LOCK.acquire()
+        self.now = [(d, _default_generator(d).get_state()) for d, _ in self.watch.states]
+        for device, state in self.watch.states:
+            _default_generator(device).set_state(state)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            for device, state in self.now:
+                _default_generator(device).set_state(state)
+        finally:
+            RNG_LOCK.release()
 
 
 class ReplayFrom(TorchDispatchMode):

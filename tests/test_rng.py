@@ -1,13 +1,16 @@
 """RecordRandom / ReplayRandom: a replay draws its first run's numbers and never moves the default generator."""
 
+import copy
 import threading
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
-from lightning_rotor.rng import GeneratorWatch, RecordRandom, ReplayFrom, ReplayRandom
+from lightning_rotor.checkpointable import Checkpointable
+from lightning_rotor.rng import GeneratorWatch, RecordRandom, ReplayFrom, ReplayRandom, Rewind, alone
 
 X = torch.randn(4, 8)
 USER = torch.Generator()
@@ -85,6 +88,73 @@ def test_replay_from_a_watch_draws_the_same_sequence_and_leaves_the_generator_al
         again = [F.dropout(torch.ones(16), 0.5, True), torch.rand(3), torch.native_dropout(X, 0.3, True)[0]]
     assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
     assert torch.equal(torch.get_rng_state(), after)
+
+
+def test_rewind_draws_the_watched_sequence_and_puts_the_generator_back():
+    torch.manual_seed(0)
+    watch = GeneratorWatch([torch.device("cpu")])
+    first = [F.dropout(torch.ones(16), 0.5, True), torch.native_dropout(X, 0.3, True)[0]]
+    after = torch.get_rng_state()
+    with Rewind(watch):
+        again = [F.dropout(torch.ones(16), 0.5, True), torch.native_dropout(X, 0.3, True)[0]]
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    assert torch.equal(torch.get_rng_state(), after)
+
+
+class DropBlock(nn.Module):
+    """A stage with dropout that notes the dispatch mode each of its forwards runs under."""
+
+    modes: list = []
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.drop = nn.Linear(32, 32), nn.Dropout(0.3)
+
+    def forward(self, x):
+        DropBlock.modes.append(_get_current_dispatch_mode())
+        return torch.tanh(self.drop(self.lin(x)))
+
+
+@pytest.mark.parametrize("other", [None, "daemon", "thread"])
+def test_alone_recomputed_dropout_stages_run_with_no_mode_and_train_like_plain(other):
+    """No other thread that may draw (none, or only a daemon service thread): the first run only notes the
+    generator and the replay rewinds it (no per-op dispatch). An ordinary thread selects the exact modes."""
+    stop = threading.Event()
+    if other is not None:
+        threading.Thread(target=stop.wait, daemon=other == "daemon").start()
+    try:
+        assert alone() == (other != "thread")
+        modes_seen = _train_and_note_modes()
+    finally:
+        stop.set()
+    assert modes_seen == ({None} if other != "thread" else {None, RecordRandom, ReplayRandom})
+
+
+def _train_and_note_modes():
+    torch.manual_seed(0)
+    plain = nn.Sequential(*[DropBlock() for _ in range(6)], nn.Linear(32, 4))
+    rotor = Checkpointable(copy.deepcopy(plain), 0.6, repeats=1, warmup=0)
+    x, y = torch.randn(64, 32), torch.randint(4, (64,))
+
+    def step(model):
+        torch.manual_seed(5)
+        model.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        return torch.get_rng_state()
+
+    step(rotor)  # profiles and plans
+    assert rotor.plan.recomputed_stages > 0
+    seen = set()
+    for _ in range(2):
+        DropBlock.modes.clear()
+        after_rotor = step(rotor)
+        assert len(DropBlock.modes) > 6  # some stages ran twice: recomputed
+        seen |= {m if m is None else type(m) for m in DropBlock.modes}
+        after_plain = step(plain)
+        assert torch.equal(after_rotor, after_plain)  # the generator ends where plain training leaves it
+        for a, b in zip(plain.parameters(), rotor.parameters(), strict=True):
+            assert torch.equal(a.grad, b.grad)
+    return seen
 
 
 class Interfere(TorchDispatchMode):
