@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from training import assert_same_state, train
+from training import assert_same_state, check_measured_peak, train
 
 from lightning_rotor.budget import BudgetError
 from lightning_rotor.checkpointable import Checkpointable, auto_budget
@@ -114,13 +114,6 @@ def budgets(name):
     chain = chain_of(name)
     least, full = min_feasible_budget(chain), no_recompute_peak(chain)
     return [("min", least), ("25%", "25%"), ("50%", "50%"), ("75%", "75%"), ("unlimited", 10 * full)]
-
-
-def check_measured_peak(ckpt, measured):
-    """Measured peak within the budget, at most the prediction, and within 10% of it."""
-    chosen = ckpt.plan
-    assert measured <= chosen.mem_limit
-    assert 0.9 * chosen.peak <= measured <= chosen.peak, (measured, chosen.peak)
 
 
 CASES = [(name, label, budget) for name in MODELS for label, budget in budgets(name)]

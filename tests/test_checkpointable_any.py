@@ -12,7 +12,7 @@ import pytest
 import torch
 from models_any import GPT, Block, Gated, ResNet, UNet, gpt2
 from torch import nn
-from training import assert_same_state, train
+from training import assert_same_state, measured_step, train
 
 from lightning_rotor.checkpointable import Checkpointable
 from lightning_rotor.discovery import ChainDiverged, GuardFailed
@@ -79,9 +79,7 @@ def test_any_model_trains_like_plain_within_budget(name, label):
     assert rotor.discovery.kind == kind and len(rotor.stages) in counts, rotor.stages.names
     assert torch.equal(train(plain, x, y, loss_fn, lr=0.05), losses)
     assert_same_state(plain, rotor)
-    rotor.zero_grad()
-    with rotor.measure_step() as m:
-        loss_fn(rotor(x), y).backward()
+    m = measured_step(rotor, x, y, loss_fn)
     assert m.peak <= rotor.plan.mem_limit
     assert m.peak >= 0.85 * rotor.plan.peak, (m.peak, rotor.plan.peak)
 
@@ -144,9 +142,7 @@ def test_value_branch_at_top_level_falls_back_to_modules_and_fails_clearly_on_th
     assert_same_state(plain, rotor)
     assert rotor.discovery.kind == "modules" and "graph discovery failed" in rotor.discovery.notes[0]
     assert rotor.stage_names == ["b", "blocks.0", "blocks.1", "blocks.2", "c"]
-    rotor.zero_grad()
-    with rotor.measure_step() as m:
-        loss_fn(rotor(x), y).backward()
+    m = measured_step(rotor, x, y, loss_fn)
     assert m.peak <= rotor.plan.mem_limit
     with torch.no_grad():
         rotor.a.bias.fill_(-50.0)  # now the branch is skipped: `b` is not called before the blocks

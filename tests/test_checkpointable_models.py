@@ -11,7 +11,7 @@ import copy
 
 import pytest
 import torch
-from training import assert_same_state, train
+from training import assert_same_state, check_measured_peak, train
 
 from lightning_rotor.checkpointable import Checkpointable
 from lightning_rotor.models import MODELS
@@ -50,13 +50,6 @@ def budget_for(name, label):
     if label == "unlimited":
         return 10 * no_recompute_peak(chain)
     return label
-
-
-def check_measured_peak(ckpt, measured):
-    """Measured peak within the budget, at most the prediction, and within 10% of it."""
-    chosen = ckpt.plan
-    assert measured <= chosen.mem_limit
-    assert 0.9 * chosen.peak <= measured <= chosen.peak, (measured, chosen.peak)
 
 
 @pytest.mark.parametrize("label", BUDGETS)

@@ -24,3 +24,18 @@ def assert_same_state(plain, wrapped):
         assert n == m and torch.equal(a.grad, b.grad), n
     for (n, a), (m, b) in zip(plain.named_buffers(), wrapped.named_buffers(), strict=True):
         assert n == m and torch.equal(a, b), n
+
+
+def measured_step(model, x, y, loss_fn):
+    """One training step of a rotor-wrapped model measured on real tensors (`Checkpointable.measure_step`)."""
+    model.zero_grad()
+    with model.measure_step() as m:
+        loss_fn(model(x), y).backward()
+    return m
+
+
+def check_measured_peak(ckpt, measured):
+    """Measured peak within the budget, at most the prediction, and within 10% of it."""
+    chosen = ckpt.plan
+    assert measured <= chosen.mem_limit
+    assert 0.9 * chosen.peak <= measured <= chosen.peak, (measured, chosen.peak)
