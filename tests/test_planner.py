@@ -222,7 +222,7 @@ def test_chain_too_large_for_memory_is_refused_before_planning():
 
     have = available_ram()
     length = 50
-    slots = have // planner_memory_estimate(length, 1) * 2 + 10  # tables of more bytes than are available
+    slots = 8 * have // planner_memory_estimate(length, 1) + 10  # tables of about 4x the bytes available
     chain = Chain(input_size=1, out_size=[1] * length, saved_size=[1] * length, fwd_time=[1.0] * length,
                   bwd_time=[1.0] * length, fwd_tmp=[0] * length, bwd_tmp=[0] * length)
     with pytest.raises(PlannerTooLarge) as err:
