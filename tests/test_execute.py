@@ -114,6 +114,17 @@ def test_bf16_autocast_is_reentered_on_recompute():
         assert torch.equal(a, b)
 
 
+def assert_runner_trains_like_plain(make, ops, x, y):
+    """One step of a fresh model, plainly and through a PlanRunner of `ops`: every gradient bitwise equal."""
+    plain, rotor = make(), make()
+    step(plain, plain, x, y)
+    stages = sequential_stages(rotor)
+    step(PlanRunner(stages, ops, list(stages.names)), rotor, x, y)
+    for a, b in zip(grads(plain), grads(rotor), strict=True):
+        assert torch.equal(a, b)
+    return stages
+
+
 class Split(nn.Module):
     def forward(self, x):
         return x[:, :8] * 2, x[:, 8:].relu()
@@ -135,15 +146,9 @@ def test_tuple_values_flow_through_the_chain():
         return nn.Sequential(nn.Linear(16, 16), Split(), Join(), nn.Linear(8, 5))
 
     x, y = torch.randn(4, 16), torch.randint(0, 5, (4,))
-    plain, rotor = make(), make()
-    step(plain, plain, x, y)
-    stages = sequential_stages(rotor)
-    names = list(stages.names)
-    profile = profile_chain(stages, x, names=names)
+    stages = assert_runner_trains_like_plain(make, RECOMPUTE_ALL, x, y)
+    profile = profile_chain(stages, x, names=list(stages.names))
     assert profile.chain.out_size[1] == 4 * 8 * 4 * 2  # both tensors of the pair
-    step(PlanRunner(stages, RECOMPUTE_ALL, names), rotor, x, y)
-    for a, b in zip(grads(plain), grads(rotor), strict=True):
-        assert torch.equal(a, b)
 
 
 def test_measured_memory_after_each_op_follows_the_simulator():
@@ -278,9 +283,4 @@ def test_gradients_shared_by_several_outputs_are_not_freed_early():
         return nn.Sequential(nn.Linear(16, 16), Twice(), Both(), nn.Linear(16, 5))
 
     x, y = torch.randn(8, 16), torch.randint(0, 5, (8,))
-    plain, rotor = make(), make()
-    step(plain, plain, x, y)
-    stages = sequential_stages(rotor)
-    step(PlanRunner(stages, no_recompute_ops(4), list(stages.names)), rotor, x, y)
-    for a, b in zip(grads(plain), grads(rotor), strict=True):
-        assert torch.equal(a, b)
+    assert_runner_trains_like_plain(make, no_recompute_ops(4), x, y)
