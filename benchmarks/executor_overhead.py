@@ -19,18 +19,8 @@ from torch.utils.checkpoint import checkpoint_sequential
 
 from lightning_rotor.bench.uniform import checkpoint_sequential_ops
 from lightning_rotor.execute import PlanRunner
+from lightning_rotor.models.mlp import Dense  # tanh(Linear(x)): a short stage
 from lightning_rotor.stages import sequential_stages
-
-
-class Block(nn.Module):
-    """tanh(Linear(x)): a short stage."""
-
-    def __init__(self, width: int):
-        super().__init__()
-        self.linear = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.linear(x))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model = nn.Sequential(*[Block(args.width) for _ in range(args.stages)])
+    model = nn.Sequential(*[Dense(args.width) for _ in range(args.stages)])
     x = torch.randn(args.batch, args.width)
     stages = sequential_stages(model)
     runner = PlanRunner(stages, checkpoint_sequential_ops(args.stages, args.segments), list(stages.names))

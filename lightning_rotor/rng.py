@@ -242,7 +242,7 @@ def alone() -> bool:
 
 
 class Rewind:
-    """A recomputation in a process with one thread: no mode, the default generators rewound and put back.
+    """A recomputation while `alone()`: no mode, the default generators rewound and put back.
 
     Rewinding is what torch.utils.checkpoint does; alone, it is exact and disturbs no one (the
     generators end where they were), and the stage runs with no Python dispatch per op.

@@ -114,6 +114,13 @@ def test_bf16_autocast_is_reentered_on_recompute():
         assert torch.equal(a, b)
 
 
+def profiled(model, x):
+    """The model's stages, their names and the chain profiled on `x`."""
+    stages = sequential_stages(model)
+    names = list(stages.names)
+    return stages, names, profile_chain(stages, x, names=names).chain
+
+
 def assert_runner_trains_like_plain(make, ops, x, y):
     """One step of a fresh model, plainly and through a PlanRunner of `ops`: every gradient bitwise equal."""
     plain, rotor = make(), make()
@@ -154,9 +161,7 @@ def test_tuple_values_flow_through_the_chain():
 def test_measured_memory_after_each_op_follows_the_simulator():
     x, y = torch.randn(64, 16), torch.randint(0, 5, (64,))
     rotor = model4()
-    stages = sequential_stages(rotor)
-    names = list(stages.names)
-    chain = profile_chain(stages, x, names=names).chain
+    stages, names, chain = profiled(rotor, x)
     runner = PlanRunner(stages, RECOMPUTE_ALL, names)
     runner.probe = probe = MemoryProbe(rotor)
     with probe:
@@ -241,9 +246,7 @@ def test_no_recompute_plan_holds_what_plain_autograd_holds():
     """Releasing unsaved outputs, consumed gradients and the handed-over a_L: the plan uses what autograd uses."""
     x, y = torch.randn(512, 16), torch.randint(0, 200, (512,))
     model = wide_chain()
-    stages = sequential_stages(model)
-    names = list(stages.names)
-    chain = profile_chain(stages, x, names=names).chain
+    stages, names, chain = profiled(model, x)
     ops = no_recompute_ops(len(names))
     plain = _peak_of(model, model, x, y)
     runner = _peak_of(PlanRunner(stages, ops, names), model, x, y)
@@ -255,9 +258,7 @@ def test_no_recompute_plan_holds_what_plain_autograd_holds():
 def test_recomputed_stages_run_exactly_as_simulated():
     x, y = torch.randn(512, 16), torch.randint(0, 200, (512,))
     model = wide_chain()
-    stages = sequential_stages(model)
-    names = list(stages.names)
-    chain = profile_chain(stages, x, names=names).chain
+    stages, names, chain = profiled(model, x)
     assert _peak_of(PlanRunner(stages, RECOMPUTE_3, names), model, x, y) == simulate(chain, RECOMPUTE_3).peak
 
 
