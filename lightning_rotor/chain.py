@@ -13,12 +13,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-CHAIN_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+CHAIN_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 SIZE_FIELDS = ("out_size", "saved_size", "fwd_tmp", "bwd_tmp")
 SIGNED_FIELDS = ("bwd_tmp",)  # version 2: may be negative (autograd frees as it goes), down to -s_k
-OPTIONAL_FIELDS = ("fwd_tmp_nograd", "out_free", "loss_tmp_kept")
+OPTIONAL_FIELDS = ("fwd_tmp_nograd", "out_free", "loss_tmp_kept", "in_free")
 V2_FIELDS = ("out_free", "loss_tmp_kept")  # fields a version-1 file cannot have
+V3_FIELDS = ("in_free",)  # fields a version-1 or version-2 file cannot have
 TIME_FIELDS = ("fwd_time", "bwd_time")
 STAGE_FIELDS = SIZE_FIELDS + TIME_FIELDS
 
@@ -83,6 +84,11 @@ class Chain:
     `Loss` peaks at `cur + s_L + loss_tmp` on a plain `a_L` handed to the loss,
     `cur + s_L + loss_tmp_kept` when part of `a_L` stays alive through it.
     Defaults (`out_free` 0, `loss_tmp_kept = loss_tmp`) give version 1's meaning.
+
+    Version 3: `in_free[k]` is the part of `a_k` that neither the graph of `F_{k-1}`
+    nor that of `F_k` keeps; it is released right after the last forward of stage
+    `k` before `B k` (always an `Fe k` in a persistent schedule). `in_free[0]` is 0
+    (the caller's `a_0` is never dropped); the default, all zeros, gives version 2's meaning.
     """
 
     input_size: int
@@ -97,6 +103,7 @@ class Chain:
     fwd_tmp_nograd: list[int] | None = None
     out_free: list[int] | None = None
     loss_tmp_kept: int | None = None
+    in_free: list[int] | None = None
 
     def __post_init__(self) -> None:
         length = len(self.out_size) if isinstance(self.out_size, (list, tuple)) else None
@@ -141,8 +148,25 @@ class Chain:
             if self.out_free[k] > min(self.out_size[k], self.saved_size[k]):
                 raise ChainError(f"out_free[{k}]={self.out_free[k]} is larger than out_size[{k}]={self.out_size[k]} "
                                  f"or saved_size[{k}]={self.saved_size[k]}; only the stage's own output is released")
+        if self.in_free is None:
+            self.in_free = [0] * length
+        elif not isinstance(self.in_free, (list, tuple)) or len(self.in_free) != length:
+            raise ChainError(f"in_free must be a list with one entry per stage ({length})")
+        else:
+            self.in_free = [_check_size(v, f"in_free[{k}]") for k, v in enumerate(self.in_free)]
+        if self.in_free[0]:
+            raise ChainError(f"in_free[0]={self.in_free[0]} must be 0: the chain input a_0 is the caller's and is "
+                             "never released")
+        for k in range(1, length):
+            if self.in_free[k] > self.out_size[k - 1]:
+                raise ChainError(f"in_free[{k}]={self.in_free[k]} is larger than out_size[{k - 1}]="
+                                 f"{self.out_size[k - 1]}, the size of a_{k}")
+            if self.in_free[k] > self.out_free[k - 1]:
+                raise ChainError(f"in_free[{k}]={self.in_free[k]} is larger than out_free[{k - 1}]="
+                                 f"{self.out_free[k - 1]}: bytes of a_{k} neither graph keeps are among those the "
+                                 f"graph of stage {k - 1} does not keep")
         total = self.input_size + abs(self.loss_tmp) + abs(self.loss_tmp_kept) + sum(
-            sum(abs(v) for v in getattr(self, f)) for f in (*SIZE_FIELDS, "fwd_tmp_nograd", "out_free"))
+            sum(abs(v) for v in getattr(self, f)) for f in (*SIZE_FIELDS, "fwd_tmp_nograd", "out_free", "in_free"))
         if total > MAX_BYTES:
             raise ChainError(f"the chain's sizes add up to {total} bytes, more than the 2**62 bytes (4 EiB) the "
                              "planner adds up exactly")
@@ -207,6 +231,10 @@ class Chain:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ChainError(f"unknown chain field(s) {', '.join(unknown)}; known fields: {', '.join(sorted(known))}")
+        if version < 3:
+            v3 = [k for k in V3_FIELDS if k in data]
+            if v3:
+                raise ChainError(f"field(s) {', '.join(v3)} need chain version 3; this file says version {version}")
         if version == 1:
             # version 1: transients are non-negative and nothing of a recorded output is released
             v2 = [k for k in V2_FIELDS if k in data]
@@ -222,6 +250,7 @@ class Chain:
             fwd_tmp_nograd=data.get("fwd_tmp_nograd"),
             out_free=data.get("out_free"),
             loss_tmp_kept=data.get("loss_tmp_kept"),
+            in_free=data.get("in_free"),
             **{name: data[name] for name in STAGE_FIELDS},
         )
 
@@ -239,6 +268,8 @@ class Chain:
             data["out_free"] = list(self.out_free)
         if self.loss_tmp_kept != self.loss_tmp:
             data["loss_tmp_kept"] = self.loss_tmp_kept
+        if any(self.in_free):
+            data["in_free"] = list(self.in_free)
         return data
 
     @classmethod

@@ -73,15 +73,16 @@ def test_saved_smaller_than_output_accepted():
 
 
 def test_unknown_version():
-    with pytest.raises(ChainError, match="unknown chain version 3; this release reads versions 1, 2"):
-        Chain.from_dict(chain_dict(version=3))
+    with pytest.raises(ChainError, match="unknown chain version 4; this release reads versions 1, 2, 3"):
+        Chain.from_dict(chain_dict(version=4))
 
 
 def test_version_1_files_keep_their_meaning():
     old = Chain.from_dict(chain_dict())
     assert old.out_free == [0, 0, 0] and old.loss_tmp_kept == old.loss_tmp == 6
     assert old.bwd_net == old.bwd_tmp  # nothing released: B k charged exactly as version 1 says
-    assert old.to_dict()["version"] == 2 and "out_free" not in old.to_dict()
+    assert old.to_dict()["version"] == 3 and "out_free" not in old.to_dict() and "in_free" not in old.to_dict()
+    assert old.in_free == [0, 0, 0]
     with pytest.raises(ChainError, match="out_free need chain version 2"):
         Chain.from_dict(chain_dict(out_free=[0, 0, 0]))
     with pytest.raises(ChainError, match=r"bwd_tmp\[1\] must be a non-negative"):
@@ -101,6 +102,58 @@ def test_version_2_signed_transients_and_released_outputs():
         Chain.from_dict(dict(data, loss_tmp=-8))
     with pytest.raises(ChainError, match=r"out_free\[1\]=6 is larger than out_size\[1\]=5"):
         Chain.from_dict(dict(data, out_free=[0, 6, 0]))
+
+
+def test_version_3_stage_inputs_released():
+    data = chain_dict(version=3, out_free=[20, 3, 7], in_free=[0, 12, 3])
+    chain = Chain.from_dict(data)
+    assert chain.in_free == [0, 12, 3]
+    assert chain.to_dict()["in_free"] == [0, 12, 3] and Chain.from_dict(chain.to_dict()) == chain
+    zeros = Chain.from_dict(dict(data, in_free=[0, 0, 0]))
+    assert "in_free" not in zeros.to_dict()  # written only when some stage input is released
+    assert zeros == Chain.from_dict({k: v for k, v in data.items() if k != "in_free"})
+    for bad, message in [
+        ([5, 0, 0], r"in_free\[0\]=5 must be 0"),  # a_0 is the caller's
+        ([0, 21, 0], r"in_free\[1\]=21 is larger than out_size\[0\]=20"),
+        ([0, 12, 4], r"in_free\[2\]=4 is larger than out_free\[1\]=3"),
+        ([0, -1, 0], r"in_free\[1\] must be a non-negative integer"),
+        ([0, 2.5, 0], r"in_free\[1\] must be a non-negative integer"),
+        ([0, 1], "in_free must be a list with one entry per stage"),
+        (7, "in_free must be a list"),
+    ]:
+        with pytest.raises(ChainError, match=message) as err:
+            Chain.from_dict(dict(data, in_free=bad))
+        assert "\n" not in str(err.value)
+    for version in (1, 2):
+        with pytest.raises(ChainError, match=f"in_free need chain version 3; this file says version {version}"):
+            Chain.from_dict(chain_dict(version=version, in_free=[0, 0, 0]))
+    # the total-size check counts in_free: every field alone is legal, the sum is not
+    big = 2**60
+    with pytest.raises(ChainError, match="add up to"):
+        Chain.from_dict(chain_dict(version=3, input_size=0, out_size=[big, 1, 1], saved_size=[big, 1, 1],
+                                   out_free=[big, 0, 0], in_free=[0, big, 0], fwd_tmp=[0] * 3, bwd_tmp=[0] * 3,
+                                   loss_tmp=0))
+
+
+def test_version_2_files_keep_their_meaning():
+    """A version-2 file loads as version 3 with nothing of a stage input released, and plans to the same figures."""
+    from lightning_rotor.planner import min_feasible_budget, plan
+    from lightning_rotor.simulate import no_recompute_peak
+
+    data = chain_dict(version=2, bwd_tmp=[4, -20, -5], loss_tmp=-7, loss_tmp_kept=3, out_free=[20, 0, 7])
+    chain = Chain.from_dict(data)
+    assert chain.in_free == [0, 0, 0]
+    written = chain.to_dict()
+    assert written["version"] == 3 and "in_free" not in written
+    assert {k: v for k, v in written.items() if k != "version"} == {k: v for k, v in data.items() if k != "version"}
+    explicit = Chain.from_dict(dict(data, version=3, in_free=[0, 0, 0]))
+    assert explicit == chain
+    # the figures version 2 gave this chain (computed before version 3 existed)
+    assert (min_feasible_budget(chain), no_recompute_peak(chain)) == (54, 55)
+    tight, loose = plan(chain, 54), plan(chain, 55)
+    assert [op.label for op in tight.ops] == ["Fe 0", "Fc 1", "Fe 2", "Loss", "B 2", "Fe 1", "B 1", "B 0"]
+    assert (tight.peak, tight.time, loose.peak, loose.time, loose.recomputed_stages) == (54, 13.5, 55, 11.5, 0)
+    assert plan(explicit, 54) == tight and plan(explicit, 55) == loose
 
 
 def test_missing_and_unknown_fields():
@@ -191,4 +244,7 @@ def test_version_1_example_files_plan_as_before():
     result = plan(chain, "50%")
     assert (result.mem_limit, result.peak, result.recomputed_stages) == (2101772288, 2032730112, 6)
     for name in ("gpt2_small_b8.json", "heterogeneous.json"):
-        assert Chain.load(root / name).to_dict()["version"] == 2  # written back as version 2, same figures
+        loaded = Chain.load(root / name)
+        written = loaded.to_dict()
+        assert written["version"] == 3 and "in_free" not in written  # written back as version 3, same figures
+        assert loaded.in_free == [0] * loaded.length
