@@ -36,14 +36,20 @@ struct Needs {
     int64_t fg(int s, int t) const { return full_given[s * (L + 1) + t]; }
 };
 
-// Memory that `Fe s` itself needs inside (s, t): recording, and the backward.
+// Memory that `Fe s` itself needs inside (s, t): recording, and the backward. The recording peaks
+// before in_free[s] bytes of a_s are let go; the loss and the backward come after that release.
 int64_t fe_need(const MemChain& c, int s, int t, bool given) {
     const auto& size = c.size;
     int64_t held = given ? size[t] : 0;
-    int64_t need = std::max(held + c.saved[s] + c.fwd_tmp[s], c.saved[s] + size[s + 1] + size[s] + c.bwd_tmp[s]);
-    if (!given && s + 1 == c.length()) need = std::max(need, c.saved[s] + size[s + 1] + c.loss_tmp_graph);
+    int64_t need = std::max(held + c.saved[s] + c.fwd_tmp[s],
+                            c.saved[s] + size[s + 1] + size[s] + c.bwd_tmp[s] - c.in_free[s]);
+    if (!given && s + 1 == c.length())
+        need = std::max(need, c.saved[s] + size[s + 1] + c.loss_tmp_graph - c.in_free[s]);
     return need;
 }
+
+// What `Fe s` takes from the memory of (s+1, t): its recorded output, less the part of a_s let go.
+inline int64_t fe_shift(const MemChain& c, int s) { return c.saved[s] - c.in_free[s]; }
 
 // Peak of the run Fc s, Fn s+1 … Fn j-1 reaching a_j, where the last step is j-1 -> j.
 inline int64_t run_step(const MemChain& c, int s, int j) {
@@ -65,8 +71,8 @@ Needs compute_needs(const MemChain& c) {
             int64_t fe = fe_need(c, s, t, true);
             int64_t full = fe;
             if (s + 1 < t) {
-                fe = std::max(fe, c.saved[s] + n.g(s + 1, t));
-                full = std::max(full, c.saved[s] + n.fg(s + 1, t));
+                fe = std::max(fe, fe_shift(c, s) + n.g(s + 1, t));
+                full = std::max(full, fe_shift(c, s) + n.fg(s + 1, t));
             }
             int64_t best = fe, run = 0;
             for (int s2 = s + 1; s2 < t; ++s2) {
@@ -79,8 +85,8 @@ Needs compute_needs(const MemChain& c) {
         }
         int64_t fe = fe_need(c, s, L, false), full = fe;
         if (s + 1 < L) {
-            fe = std::max(fe, c.saved[s] + n.pending[s + 1]);
-            full = std::max(full, c.saved[s] + n.full_pending[s + 1]);
+            fe = std::max(fe, fe_shift(c, s) + n.pending[s + 1]);
+            full = std::max(full, fe_shift(c, s) + n.full_pending[s + 1]);
         }
         int64_t best = fe, run = 0;
         for (int s2 = s + 1; s2 <= L; ++s2) {
@@ -288,8 +294,13 @@ class Solver {
             double* out = data_.data() + tab.offset - lo;
             for (int64_t m = fe; m < hi; ++m) out[m] = std::min(out[m], step);
         } else {
+            // The shift is negative where Fe s lets go more of a_s than it records. Then m - shift can pass
+            // top_, but only for m that no caller reaches: whoever holds a_s was charged at least in_free[s]
+            // for it (size[s] plain, saved[s-1] recorded; check_chain), so a reached (s, t, m) has
+            // m <= top_ - in_free[s]. The full_cost read beyond top_ is therefore never used.
             const Table& sub = T(s + 1, t, given);
-            relax(tab, std::max(fe, sub.lo + c_.saved[s]), hi, step, sub, c_.saved[s], nullptr);
+            const int64_t shift = fe_shift(c_, s);
+            relax(tab, std::max(fe, sub.lo + shift), hi, step, sub, shift, nullptr);
         }
         // Checkpoint s -> s2: Fc s, Fn s+1 … Fn s2-1, then right (s2, t), then left (s, s2).
         const int64_t held = given ? c_.size[t] : 0;
@@ -348,13 +359,13 @@ class Solver {
         const double target = value(T(s, t, given), m);
         if (m >= fe_need(c_, s, t, given)) {
             double cand = fc_[s] + bc_[s];
-            if (s + 1 < t) cand += value(T(s + 1, t, given), m - c_.saved[s]);
+            if (s + 1 < t) cand += value(T(s + 1, t, given), m - fe_shift(c_, s));
             if (cand == target) {
                 ops.push_back({OpKind::Fe, s});
                 if (s + 1 == t) {
                     if (!given) ops.push_back({OpKind::Loss, -1});
                 } else {
-                    emit(s + 1, t, given, m - c_.saved[s], ops);
+                    emit(s + 1, t, given, m - fe_shift(c_, s), ops);
                 }
                 ops.push_back({OpKind::B, s});
                 return;
@@ -392,13 +403,13 @@ class Solver {
 void emit_feasible(const MemChain& c, const Needs& n, int s, int t, bool given, int64_t m, std::vector<Op>& ops) {
     const int L = c.length();
     int64_t fe = fe_need(c, s, t, given);
-    if (s + 1 < t) fe = std::max(fe, c.saved[s] + (given ? n.g(s + 1, t) : n.pending[s + 1]));
+    if (s + 1 < t) fe = std::max(fe, fe_shift(c, s) + (given ? n.g(s + 1, t) : n.pending[s + 1]));
     if (m >= fe) {
         ops.push_back({OpKind::Fe, s});
         if (s + 1 == t) {
             if (!given) ops.push_back({OpKind::Loss, -1});
         } else {
-            emit_feasible(c, n, s + 1, t, given, m - c.saved[s], ops);
+            emit_feasible(c, n, s + 1, t, given, m - fe_shift(c, s), ops);
         }
         ops.push_back({OpKind::B, s});
         return;
@@ -464,8 +475,13 @@ class ExactSum {
 void check_chain(const MemChain& c) {
     const size_t L = c.saved.size();
     if (L == 0 || c.size.size() != L + 1 || c.fwd_tmp.size() != L || c.fwd_tmp_nograd.size() != L ||
-        c.bwd_tmp.size() != L)
+        c.bwd_tmp.size() != L || c.in_free.size() != L)
         throw std::invalid_argument("planner: inconsistent chain lengths");
+    if (c.in_free[0] != 0) throw std::invalid_argument("planner: in_free[0] must be 0 (a_0 is never let go)");
+    for (size_t k = 1; k < L; ++k)
+        if (c.in_free[k] < 0 || c.in_free[k] > std::min(c.size[k], c.saved[k - 1]))
+            throw std::invalid_argument("planner: in_free[" + std::to_string(k) + "] must be within 0..min(size[" +
+                                        std::to_string(k) + "], saved[" + std::to_string(k - 1) + "])");
 }
 
 }  // namespace
@@ -507,6 +523,21 @@ Replay replay(const MemChain& c, const std::vector<double>& fwd_time, const std:
     const int L = c.length();
     std::vector<char> plain(L + 1, 0), graph(L + 1, 0), grad(L + 1, 0);
     plain[0] = 1;
+    // Chain version 3: the Fe k (k >= 1) that is the last forward of stage k before B k lets go in_free[k]
+    // bytes of a_k after its peak: of the plain a_k when held (B k drops the rest), else of the recorded
+    // ā_k (B k-1 lets go the rest of its free part, which bwd_tmp[k-1] already subtracts).
+    std::vector<char> last(ops.size(), 0), awaiting(L + 1, 0), let_go(L + 1, 0);
+    for (size_t i = ops.size(); i-- > 0;) {
+        const int k = ops[i].stage;
+        if (ops[i].kind == OpKind::Loss || k < 0 || k >= L) continue;
+        if (ops[i].kind == OpKind::B) {
+            awaiting[k] = 1;
+        } else if (awaiting[k]) {
+            awaiting[k] = 0;
+            last[i] = ops[i].kind == OpKind::Fe && k >= 1;
+        }
+    }
+    std::vector<int64_t> early_plain(L + 1, 0), early_graph(L + 1, 0);
     int64_t cur = c.size[0], peak = cur;
     ExactSum time;
     bool loss_done = false;
@@ -524,11 +555,17 @@ Replay replay(const MemChain& c, const std::vector<double>& fwd_time, const std:
             case OpKind::Fe: {
                 if (op.kind == OpKind::Fn && !plain[k]) throw fail(i, "Fn needs a plain input");
                 if (!plain[k] && !graph[k]) throw fail(i, "input not held");
+                if (let_go[k]) throw fail(i, "input partly let go after the last forward of its stage");
                 if (op.kind == OpKind::Fe) {
                     if (graph[k + 1]) throw fail(i, "output already recorded");
                     peak = std::max(peak, cur + c.saved[k] + c.fwd_tmp[k]);
                     graph[k + 1] = 1;
                     cur += c.saved[k];
+                    if (last[i] && c.in_free[k] != 0) {
+                        (plain[k] ? early_plain : early_graph)[k] = c.in_free[k];
+                        let_go[k] = 1;
+                        cur -= c.in_free[k];
+                    }
                 } else {
                     if (plain[k + 1]) throw fail(i, "output already held");
                     peak = std::max(peak, cur + c.size[k + 1] + c.fwd_tmp_nograd[k]);
@@ -559,14 +596,16 @@ Replay replay(const MemChain& c, const std::vector<double>& fwd_time, const std:
                 if (!loss_done || k != next_backward) throw fail(i, "backward out of order");
                 if (!graph[k + 1] || !grad[k + 1]) throw fail(i, "backward needs the recorded output and its gradient");
                 if (!plain[k] && !graph[k]) throw fail(i, "backward needs its input");
-                peak = std::max(peak, cur + c.size[k] + c.bwd_tmp[k]);
+                peak = std::max(peak, cur + early_graph[k + 1] + c.size[k] + c.bwd_tmp[k]);
                 graph[k + 1] = 0;
                 grad[k + 1] = 0;
                 grad[k] = 1;
-                cur += c.size[k] - c.saved[k] - c.size[k + 1];
+                cur += c.size[k] - (c.saved[k] - early_graph[k + 1]) - c.size[k + 1];
+                early_graph[k + 1] = 0;
                 if (plain[k] && k != 0) {
                     plain[k] = 0;
-                    cur -= c.size[k];
+                    cur -= c.size[k] - early_plain[k];
+                    early_plain[k] = 0;
                 }
                 time.add(bwd_time[k]);
                 --next_backward;

@@ -24,8 +24,12 @@ struct Op {
 // bwd_tmp is signed (chain version 2): B k peaks at cur + size[k] + bwd_tmp[k], where the
 // release of the part of a_{k+1} its graph does not keep is folded into bwd_tmp (Chain.bwd_net).
 // loss_tmp is the loss on a plain a_L, loss_tmp_graph on a_L held with its graph.
+// in_free (chain version 3, L entries, in_free[0] = 0): bytes of a_k that neither the graph of F_{k-1}
+// nor that of F_k keeps, let go right after Fe k, the last forward of stage k before B k (a release:
+// discretize.py rounds it down). The same amount whether a_k is held plain or recorded, so one table
+// per subproblem serves both: after Fe s the subproblem (s+1, t) gets m - saved[s] + in_free[s].
 struct MemChain {
-    std::vector<int64_t> size, saved, fwd_tmp, fwd_tmp_nograd, bwd_tmp;
+    std::vector<int64_t> size, saved, fwd_tmp, fwd_tmp_nograd, bwd_tmp, in_free;
     int64_t loss_tmp = 0;
     int64_t loss_tmp_graph = 0;
     int length() const { return static_cast<int>(saved.size()); }

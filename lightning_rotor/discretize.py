@@ -7,7 +7,10 @@ solve the very same problem and their optima can be compared exactly.
   units, so a schedule that fits in units also fits in bytes (the budget is a
   hard promise). With the default 500 slots this is rotor's discretisation.
   Signed figures (version-2 `bwd_tmp`, `loss_tmp`) are rounded up too: a sum of
-  ceilings is at least the ceiling of the sum.
+  ceilings is at least the ceiling of the sum. Releases (version-3 `in_free`, bytes of
+  `a_k` let go after its last forward and subtracted from what is held) are rounded
+  *down*: a held size rounded up less a release rounded down is at least the exact
+  remainder in units, so discrete plans still fit in exact bytes.
 - Time: every stage time becomes an integer number of ticks, fine enough that
   no schedule's time loses more than ~1e-10 of its value. A cost is
   `ticks << count_bits | forward_ops`, so among schedules of equal time the one
@@ -37,6 +40,7 @@ class DiscreteChain:
     bwd_tmp: list[int]  # Chain.bwd_net: B k peaks at cur + s_k + bwd_tmp[k] (signed)
     loss_tmp: int  # Loss on a plain a_L (signed)
     loss_tmp_graph: int  # Loss on a_L held with its graph (Chain.loss_tmp_graph)
+    in_free: list[int]  # bytes of a_k let go after Fe k (its last forward before B k), rounded down
     fwd_cost: list[int]  # ticks << count_bits | 1
     bwd_cost: list[int]  # ticks << count_bits
     count_bits: int
@@ -86,6 +90,7 @@ def discretize(chain: Chain, budget: int, slots: int = DEFAULT_SLOTS) -> Discret
         bwd_tmp=[up(x) for x in chain.bwd_net],  # ceil of signed figures: sums of ceilings stay safe
         loss_tmp=up(chain.loss_tmp),
         loss_tmp_graph=up(chain.loss_tmp_graph),
+        in_free=[x // unit for x in chain.in_free],  # a release: rounded down (floor), see above
         fwd_cost=[(round(t / tick) << count_bits) | 1 for t in chain.fwd_time],
         bwd_cost=[round(t / tick) << count_bits for t in chain.bwd_time],
         count_bits=count_bits,

@@ -9,15 +9,17 @@ and, when `given`, the gradient `δ_t`; otherwise `t == L` and the loss is still
 to be computed. Compute `δ_s` using at most `m` slots above what the caller
 holds. Two ways to start:
 
-- **Fe s**: record stage `s`, solve `(s+1, t)` with `sb_{s+1}` fewer slots,
-  then `B s`.
+- **Fe s**: record stage `s`, solve `(s+1, t)` with `sb_{s+1} - in_free_s` fewer slots,
+  then `B s`. `Fe s` is the last forward of stage `s` before `B s`, so `in_free_s` bytes of
+  `a_s` (kept by neither graph; 0 for `s = 0`) are let go after it (chain version 3),
+  whether the caller holds `a_s` plain or recorded: one table serves both.
 - **checkpoint s → s2**: `Fc s, Fn s+1 … Fn s2-1` reach `a_{s2}`; solve the right
   part `(s2, t)` with `a_{s2}` held, then the left part `(s, s2, given=True)`.
   When the loss is pending and `s2 == L`, the right part is the loss on plain `a_L`.
 
-`B s` is charged `sb_{s+1} + s_{s+1} + s_s + bwd_net_s` (the free part of `a_{s+1}`
-released inside `bwd_net`), the loss on a recorded `a_L` `sb_L + s_L + loss_tmp_graph`
-(docs/memory-model.md, part 2).
+`B s` is charged `sb_{s+1} + s_{s+1} + s_s + bwd_net_s - in_free_s` (the free part of
+`a_{s+1}` released inside `bwd_net`), the loss on a recorded `a_L`
+`sb_L + s_L + loss_tmp_graph - in_free_{L-1}` (docs/memory-model.md, part 2).
 """
 
 from __future__ import annotations
@@ -35,12 +37,13 @@ def solve(d: DiscreteChain) -> tuple[int, list[tuple]] | None:
     """Least cost and its ops for the whole chain within `d.slots`, or None when nothing fits."""
     length, size, saved = d.length, d.size, d.saved
     ft, ft_ng, bt, lt, ltg = d.fwd_tmp, d.fwd_tmp_nograd, d.bwd_tmp, d.loss_tmp, d.loss_tmp_graph
+    inf = d.in_free
 
     def fe_need(s: int, t: int, given: bool) -> int:
         held = size[t] if given else 0
-        need = max(held + saved[s] + ft[s], saved[s] + size[s + 1] + size[s] + bt[s])
+        need = max(held + saved[s] + ft[s], saved[s] + size[s + 1] + size[s] + bt[s] - inf[s])
         if not given and s + 1 == length:
-            need = max(need, saved[s] + size[length] + ltg)
+            need = max(need, saved[s] + size[length] + ltg - inf[s])
         return need
 
     def forward_need(s: int, s2: int, given: bool, t: int) -> int:
@@ -60,7 +63,7 @@ def solve(d: DiscreteChain) -> tuple[int, list[tuple]] | None:
             if s + 1 == t:
                 found = (d.fwd_cost[s] + d.bwd_cost[s], ("Fe",))
             else:
-                sub = best(s + 1, t, given, m - saved[s])
+                sub = best(s + 1, t, given, m - saved[s] + inf[s])
                 if sub is not None:
                     found = (d.fwd_cost[s] + d.bwd_cost[s] + sub[0], ("Fe",))
         last = t if not given else t - 1
@@ -92,7 +95,7 @@ def solve(d: DiscreteChain) -> tuple[int, list[tuple]] | None:
             if s + 1 == t:
                 middle = [] if given else [("Loss",)]
             else:
-                middle = ops(s + 1, t, given, m - saved[s])
+                middle = ops(s + 1, t, given, m - saved[s] + inf[s])
             return [("Fe", s), *middle, ("B", s)]
         s2 = choice[1]
         forward = [("Fc", s)] + [("Fn", j) for j in range(s + 1, s2)]
@@ -122,16 +125,16 @@ def reference_min_budget(chain: Chain) -> int:
     length = chain.length
     size, saved = chain.sizes, chain.saved_size
     ft, ft_ng, bt, lt = chain.fwd_tmp, chain.fwd_tmp_nograd, chain.bwd_net, chain.loss_tmp
-    ltg = chain.loss_tmp_graph
+    ltg, inf = chain.loss_tmp_graph, chain.in_free
 
     @cache
     def need(s: int, t: int, given: bool) -> int:
         held = size[t] if given else 0
-        fe = max(held + saved[s] + ft[s], saved[s] + size[s + 1] + size[s] + bt[s])
+        fe = max(held + saved[s] + ft[s], saved[s] + size[s + 1] + size[s] + bt[s] - inf[s])
         if not given and s + 1 == length:
-            fe = max(fe, saved[s] + size[length] + ltg)
+            fe = max(fe, saved[s] + size[length] + ltg - inf[s])
         if s + 1 < t:
-            fe = max(fe, saved[s] + need(s + 1, t, given))
+            fe = max(fe, saved[s] - inf[s] + need(s + 1, t, given))
         result = fe
         run = size[s + 1] + ft_ng[s]
         last = t if not given else t - 1

@@ -37,6 +37,13 @@ def simulate(chain: Chain, ops: Iterable[Any]) -> Simulation:
     released: set[int] = set()  # ā_k whose free part (out_free[k-1]) is already let go
     free = [0, *chain.out_free]  # free[k]: bytes of a_k that ā_k's own graph does not keep
     grads: set[int] = set()  # δ_k
+    # chain version 3: after the last forward of stage k before B k (an Fe k, k >= 1), the in_free[k]
+    # bytes of a_k that neither graph keeps are let go, from the plain a_k when held, else from ā_k
+    in_free = chain.in_free
+    last_forward = last_forwards(ops, length) if any(in_free) else set()
+    early_plain: dict[int, int] = {}  # k: bytes of a plain a_k already let go (B k drops the rest)
+    early_graph: dict[int, int] = {}  # k: bytes of ā_k's free part already let go (B k-1 lets go the rest)
+    let_go: set[int] = set()  # stages whose input was partly let go: no forward of them may follow
     cur = s[0]
     peak = cur
     times: list[float] = []
@@ -57,12 +64,18 @@ def simulate(chain: Chain, ops: Iterable[Any]) -> Simulation:
                 raise fail(i, op, f"needs a_{k} held without graph")
             if k not in plain and k not in graph:
                 raise fail(i, op, f"needs a_{k}, which is not held")
+            if k in let_go:
+                raise fail(i, op, f"a_{k} was partly let go after the last forward of stage {k} before B {k}")
             if kind is OpKind.FE:
                 if k + 1 in graph:
                     raise fail(i, op, f"a_{k + 1} is already held with its graph")
                 during = cur + sb[k + 1] + chain.fwd_tmp[k]
                 graph.add(k + 1)
                 cur += sb[k + 1]
+                if i in last_forward and in_free[k]:  # after the op's peak: a_k lives only as far as graphs save it
+                    (early_plain if k in plain else early_graph)[k] = in_free[k]
+                    let_go.add(k)
+                    cur -= in_free[k]
             else:
                 if k + 1 in plain:
                     raise fail(i, op, f"a_{k + 1} is already held")
@@ -102,7 +115,7 @@ def simulate(chain: Chain, ops: Iterable[Any]) -> Simulation:
             if k not in plain and k not in graph:
                 raise fail(i, op, f"needs a_{k}, which is not held")
             if k + 1 not in released:  # the free part of a_{k+1} is let go before the backward runs
-                cur -= free[k + 1]
+                cur -= free[k + 1] - early_graph.pop(k + 1, 0)
             released.discard(k + 1)
             during = cur + s[k] + chain.bwd_tmp[k]
             graph.discard(k + 1)
@@ -111,7 +124,7 @@ def simulate(chain: Chain, ops: Iterable[Any]) -> Simulation:
             cur += s[k] - (sb[k + 1] - free[k + 1]) - s[k + 1]
             if k in plain and k != 0:
                 plain.discard(k)
-                cur -= s[k]
+                cur -= s[k] - early_plain.pop(k, 0)
             times.append(chain.bwd_time[k])
             next_backward -= 1
         else:
@@ -125,6 +138,26 @@ def simulate(chain: Chain, ops: Iterable[Any]) -> Simulation:
             "a plan must end holding δ_0"
         )
     return Simulation(peak=peak, time=math.fsum(times), curve=curve, op_peaks=op_peaks)
+
+
+def last_forwards(ops: list[Op], length: int) -> set[int]:
+    """Indices of the `Fe k` ops (k >= 1) that are the last forward of stage k before `B k`.
+
+    After such an op the executor no longer references `a_k` (chain version 3); a forward of
+    stage k of another kind, or none at all, between the last `Fe k` and `B k` means no release.
+    """
+    found: set[int] = set()
+    awaiting: set[int] = set()  # stages whose B k comes later and whose last forward is not yet seen (scanning back)
+    for i in range(len(ops) - 1, -1, -1):
+        op = ops[i]
+        k = op.stage
+        if op.kind is OpKind.B:
+            awaiting.add(k)
+        elif op.kind.is_forward and k in awaiting:
+            awaiting.discard(k)
+            if op.kind is OpKind.FE and 1 <= k < length:
+                found.add(i)
+    return found
 
 
 def no_recompute_peak(chain: Chain) -> int:

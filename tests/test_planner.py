@@ -33,10 +33,17 @@ def chains(draw, max_length=7):
         bwd_tmp = [b - int(draw(fraction) * sizes[k]) for k, b in enumerate(bwd_tmp)]
         loss_tmp -= int(draw(fraction) * sizes[-1])
         version2 = dict(out_free=[int(draw(fraction) * o) for o in out], loss_tmp_kept=loss_tmp + draw(size))
+        if draw(st.booleans()):  # version 3: stage inputs neither graph keeps, let go after their last forward
+            free = version2["out_free"]
+            version2["in_free"] = [0] + [draw(st.integers(0, free[k - 1])) for k in range(1, length)]
+    saved = [o + e for o, e in zip(out, extra, strict=True)]
+    if draw(st.integers(0, 3)) == 0:  # outputs partly views of their inputs: recorded outputs smaller than values
+        saved = [max(s - draw(st.sampled_from([0, 10, 60])), version2.get("out_free", [0] * length)[k])
+                 for k, s in enumerate(saved)]
     return Chain(
         input_size=input_size,
         out_size=out,
-        saved_size=[o + e for o, e in zip(out, extra, strict=True)],
+        saved_size=saved,
         fwd_time=draw(st.lists(time, min_size=length, max_size=length)),
         bwd_time=draw(st.lists(time, min_size=length, max_size=length)),
         fwd_tmp=draw(st.lists(st.sampled_from([0, 0, 3, 20]), min_size=length, max_size=length)),
@@ -51,7 +58,12 @@ def chains(draw, max_length=7):
 def cpp_solve(chain, budget, slots):
     d = discretize(chain, budget, slots=slots)
     return _planner.solve(d.size, d.saved, d.fwd_tmp, d.fwd_tmp_nograd, d.bwd_tmp, d.loss_tmp, d.fwd_cost, d.bwd_cost,
-                          d.slots, loss_tmp_graph=d.loss_tmp_graph)
+                          d.slots, loss_tmp_graph=d.loss_tmp_graph, in_free=d.in_free)
+
+
+def without_in_free(chain):
+    """The same chain with nothing of a stage input released (version 2's meaning)."""
+    return Chain(**{**chain.__dict__, "in_free": None})
 
 
 def forward_ops(ops):
@@ -106,6 +118,97 @@ def test_min_feasible_budget_plans_and_one_byte_less_does_not(chain):
             plan(chain, smallest - 1)
         assert err.value.min_feasible == smallest and err.value.mem_limit == smallest - 1
         assert f"({smallest} bytes)" in str(err.value)
+
+
+@settings(max_examples=500, deadline=None)
+@given(chain=chains(), where=st.floats(0, 1.2), slots=st.sampled_from([3, 8, 40, 500]))
+def test_releasing_stage_inputs_never_hurts(chain, where, slots):
+    """in_free only lowers what is held: a schedule peaks no higher, the minimum budget and the optimum fall or stay."""
+    old = without_in_free(chain)
+    assert reference_min_budget(chain) <= reference_min_budget(old)
+    assert min_feasible_budget(chain) <= min_feasible_budget(old)
+    low, high = reference_min_budget(old), no_recompute_peak(old)
+    assert no_recompute_peak(chain) <= high
+    budget = max(1, int(low - 3 + where * (high - low + 6)))
+    before, after = cpp_solve(old, budget, slots), cpp_solve(chain, budget, slots)
+    if before is not None:
+        assert after is not None and after[0] <= before[0]
+        assert simulate(chain, before[1]).peak <= simulate(old, before[1]).peak
+
+
+def persistent_schedules(length):
+    """Every schedule of the planners' family (Fe s, or a checkpoint s -> s2, at every subproblem), in op lists."""
+    from functools import cache
+
+    @cache
+    def family(s, t, given):
+        found = []
+        inner = family(s + 1, t, given) if s + 1 < t else ([()] if given else [(("Loss",),)])
+        found += [(("Fe", s), *middle, ("B", s)) for middle in inner]
+        for s2 in range(s + 1, (t - 1 if given else t) + 1):
+            run = (("Fc", s), *(("Fn", j) for j in range(s + 1, s2)))
+            rights = [(("Loss",),)] if not given and s2 == length else family(s2, t, given)
+            found += [run + right + left for right in rights for left in family(s, s2, True)]
+        return tuple(found)
+
+    return family(0, length, False)
+
+
+@settings(max_examples=300, deadline=None)
+@given(chain=chains(max_length=4), where=st.floats(0, 1))
+def test_planners_account_like_the_simulator(chain, where):
+    """Replayed by the simulator, the best schedule of the whole family fits exactly the minimum budget, and at a
+    budget in exact bytes the reference's plan is as fast as the fastest schedule of the family that fits."""
+    chain = Chain(**{**chain.__dict__, "fwd_time": [float(round(t)) for t in chain.fwd_time],
+                     "bwd_time": [float(round(t)) for t in chain.bwd_time]})  # integer times: sums are exact
+    replayed = [simulate(chain, ops) for ops in persistent_schedules(chain.length)]
+    assert min(r.peak for r in replayed) == reference_min_budget(chain)
+    assert min_feasible_budget(chain) == max(1, reference_min_budget(chain))
+    low, high = reference_min_budget(chain), no_recompute_peak(chain)
+    budget = max(1, low + int(where * (high - low)))
+    fastest = min(r.time for r in replayed if r.peak <= budget)
+    cost, ops = reference_plan(chain, budget, slots=None)
+    assert simulate(chain, ops).time == fastest and simulate(chain, ops).peak <= budget
+
+
+def test_in_free_all_zero_is_version_2():
+    """An explicit all-zero in_free, and none at all, give the C++ planner exactly the same problem."""
+    chain = medium_chain()
+    zeros = [0] * chain.length
+    budget = int(0.5 * no_recompute_peak(chain))
+    d = discretize(chain, budget)
+    args = (d.size, d.saved, d.fwd_tmp, d.fwd_tmp_nograd, d.bwd_tmp, d.loss_tmp, d.fwd_cost, d.bwd_cost, d.slots)
+    assert d.in_free == zeros
+    assert _planner.solve(*args, in_free=zeros) == _planner.solve(*args) == cpp_solve(chain, budget, 500)
+    memory = (chain.sizes, chain.saved_size, chain.fwd_tmp, chain.fwd_tmp_nograd, chain.bwd_net, chain.loss_tmp)
+    assert _planner.min_budget(*memory, in_free=zeros) == _planner.min_budget(*memory) == min_feasible_budget(chain)
+    ops = plan(chain, budget).ops
+    assert _planner.replay(*memory, chain.fwd_time, chain.bwd_time, list(ops), in_free=zeros) == replay(chain, ops)
+    with pytest.raises(ValueError, match="inconsistent chain lengths"):
+        _planner.solve(*args, in_free=zeros[:-1])
+    with pytest.raises(ValueError, match=r"in_free\[0\] must be 0"):
+        _planner.min_budget(*memory, in_free=[1] + zeros[1:])
+
+
+def test_release_bigger_than_the_recorded_output():
+    """A stage whose input is let go but whose output is small (a pooling head): the subproblem after Fe s has more
+    memory than before it. The planners agree and the plan fits, at every budget from the minimum up."""
+    chain = Chain(input_size=8, out_size=[40, 40, 2, 30], saved_size=[40, 40, 2, 30], fwd_time=[1.0, 1.0, 1.0, 1.0],
+                  bwd_time=[2.0, 2.0, 2.0, 2.0], fwd_tmp=[0, 5, 0, 3], bwd_tmp=[0, 0, 0, 0], loss_tmp=0,
+                  out_free=[40, 40, 2, 0], in_free=[0, 40, 40, 2])
+    old = without_in_free(chain)
+    low = min_feasible_budget(chain)
+    assert low == reference_min_budget(chain) < min_feasible_budget(old)
+    for budget in range(low, no_recompute_peak(chain) + 2):
+        for slots in (7, 40, 500):
+            expected = solve(discretize(chain, budget, slots=slots))
+            got = cpp_solve(chain, budget, slots)
+            assert got == (None if expected is None else (expected[0], expected[1]))
+        result = plan(chain, budget)
+        sim = simulate(chain, result.ops)
+        assert sim.peak == result.peak <= budget and sim.time == result.time
+        exact = reference_plan(chain, budget, slots=None)
+        assert exact is not None and result.time <= simulate(chain, exact[1]).time * (1 + 1e-12)
 
 
 def medium_chain(length=14, seed=3):

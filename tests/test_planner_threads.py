@@ -11,8 +11,12 @@ from lightning_rotor.planner import min_feasible_budget, plan
 from lightning_rotor.simulate import no_recompute_peak
 
 
-def random_chain(rng: random.Random, length: int) -> Chain:
+def random_chain(rng: random.Random, length: int, release: bool = False) -> Chain:
     out = [rng.choice([0, 1, 3, 8, 20, 55]) for _ in range(length)]
+    released = {}
+    if release:  # chain version 3: outputs their graphs do not keep, stage inputs neither graph keeps
+        out_free = [rng.choice([0, o // 2, o]) for o in out]
+        released = dict(out_free=out_free, in_free=[0] + [rng.randint(0, f) for f in out_free[:-1]])
     return Chain(
         input_size=rng.randint(0, 40),
         out_size=out,
@@ -23,19 +27,20 @@ def random_chain(rng: random.Random, length: int) -> Chain:
         fwd_tmp_nograd=[rng.choice([0, 2, 9, 30]) for _ in range(length)],
         bwd_tmp=[rng.choice([0, 0, 4, 25]) for _ in range(length)],
         loss_tmp=rng.choice([0, 6, 30]),
+        **released,
     )
 
 
 def solve(chain, budget, slots, threads):
     d = discretize(chain, budget, slots=slots)
     return _planner.solve(d.size, d.saved, d.fwd_tmp, d.fwd_tmp_nograd, d.bwd_tmp, d.loss_tmp, d.fwd_cost, d.bwd_cost,
-                          d.slots, threads=threads)
+                          d.slots, threads=threads, in_free=d.in_free)
 
 
 @pytest.mark.parametrize("seed", range(40))
 def test_threads_give_identical_plans(seed):
     rng = random.Random(seed)
-    chain = random_chain(rng, rng.choice([1, 2, 7, 8, 9, 17, 33, 60]))
+    chain = random_chain(rng, rng.choice([1, 2, 7, 8, 9, 17, 33, 60]), release=seed % 2 == 1)
     low, high = min_feasible_budget(chain), no_recompute_peak(chain)
     for _ in range(3):
         budget = max(1, int(low + rng.uniform(-0.05, 1.1) * (high - low)))

@@ -114,3 +114,57 @@ def test_version_2_releases_free_outputs_and_charges_signed_transients(chain):
     # a graph that keeps part of a_2 makes the loss charge loss_tmp_kept, and a_2 stays until B 1
     kept = Chain(**{**tight.__dict__, "out_free": [20, 0]})
     assert simulate(kept, no_recompute_ops(2)).op_peaks[2] == 48 + 5 + 6
+
+
+def test_version_3_releases_a_stage_input_after_its_last_forward():
+    """in_free[1] = 8 bytes of a_1 (kept by neither graph) go right after Fe 1, whether a_1 is plain or recorded."""
+    from lightning_rotor.planner import replay
+
+    base = dict(input_size=10, out_size=[20, 5], saved_size=[30, 8], fwd_time=[1.0, 2.0], bwd_time=[3.0, 4.0],
+                fwd_tmp=[3, 1], bwd_tmp=[4, 2], loss_tmp=6, out_free=[12, 0])
+    before, after = Chain(**base), Chain(**base, in_free=[0, 8])
+
+    # Recorded a_1 (ā_1 from Fe 0): Fe 1 peaks as before (49), then lets 8 go: 40. Loss 40+5+6 = 51, then 45.
+    # B 1 45+20+2 = 67, then 45+20-8-5 = 52. B 0 lets go only the rest of ā_1's free part (12-8): 48,
+    # peaks 48+10+4 = 62 as before, ends at 20.
+    recorded = no_recompute_ops(2)
+    sim = simulate(after, recorded)
+    assert sim.curve == [40, 40, 45, 52, 20]
+    assert sim.op_peaks == [43, 49, 51, 67, 62]
+    old = simulate(before, recorded)
+    assert old.curve == [40, 48, 53, 60, 20] and old.op_peaks == [43, 49, 59, 75, 62]
+
+    # Plain a_1 (from Fc 0): Fe 1 peaks at 30+8+1 = 39, then lets 8 of the plain a_1 go: 30. Loss 41, then 35.
+    # B 1 35+20+2 = 57, then 35+20-8-5 = 42, and drops the rest of the plain a_1 (20-8): 30.
+    # Fe 0 (stage 0: a_0 is never let go) 63, then 60; B 0 lets go ā_1's free part (12): 48, peaks 62, ends at 20.
+    plain = [("Fc", 0), ("Fe", 1), ("Loss",), ("B", 1), ("Fe", 0), ("B", 0)]
+    sim = simulate(after, plain)
+    assert sim.curve == [30, 30, 35, 30, 60, 20]
+    assert sim.op_peaks == [33, 39, 41, 57, 63, 62]
+    old = simulate(before, plain)
+    assert old.curve == [30, 38, 43, 30, 60, 20] and old.op_peaks == [33, 39, 49, 65, 63, 62]
+
+    # the C++ replay (which reports plan peaks) follows the same rule
+    for ops in (recorded, plain):
+        for chain in (before, after):
+            sim = simulate(chain, ops)
+            assert replay(chain, ops) == (sim.peak, sim.time)
+
+
+def test_version_3_last_forward_of_a_stage():
+    from lightning_rotor.ops import parse_ops
+    from lightning_rotor.simulate import last_forwards
+
+    ops = parse_ops([("Fc", 0), ("Fc", 1), ("Fe", 2), ("Loss",), ("B", 2), ("Fe", 1), ("B", 1), ("Fe", 0), ("B", 0)])
+    # Fe 2 and the second forward of stage 1 are last before their backwards; Fc 1 is not; stage 0 never releases
+    assert last_forwards(ops, 3) == {2, 5}
+    # a forward of stage k after its input was partly let go is refused (nothing of the kind is ever planned)
+    chain = Chain(input_size=10, out_size=[20, 5], saved_size=[30, 8], fwd_time=[1.0, 2.0], bwd_time=[3.0, 4.0],
+                  fwd_tmp=[3, 1], bwd_tmp=[4, 2], loss_tmp=6, out_free=[12, 0], in_free=[0, 8])
+    late = [("Fe", 0), ("Fe", 1), ("Loss",), ("B", 1), ("Fc", 1)]
+    with pytest.raises(ValueError, match=r"op 4 \(Fc 1\): a_1 was partly let go"):
+        simulate(chain, late)
+    from lightning_rotor.planner import replay
+
+    with pytest.raises(ValueError, match="op 4: input partly let go"):
+        replay(chain, late)
