@@ -486,7 +486,8 @@ class Checkpointable(nn.Module):
             else:
                 self.budget = resolve_budget(self.mem_limit, no_recompute_peak(profile.chain))
         chosen = plan(profile.chain, self.budget, slots=self.slots)
-        return Entry(profile, chosen, PlanRunner(self.stages, chosen.ops, self.stage_names))
+        runner = PlanRunner(self.stages, chosen.ops, self.stage_names, in_free=profile.chain.in_free)
+        return Entry(profile, chosen, runner)
 
     # -- what was planned -----------------------------------------------------------------------
     def _entry(self) -> Entry:
@@ -560,7 +561,7 @@ class Checkpointable(nn.Module):
                 threads=int(item.get("threads", 0)),
             )
             saved = Plan.from_dict(item["plan"])
-            runner = PlanRunner(self.stages, saved.ops, self.stage_names)
+            runner = PlanRunner(self.stages, saved.ops, self.stage_names, in_free=chain.in_free)
             entries[str(item["signature"])] = Entry(profile, saved, runner)
         if state.get("budget") is not None:
             self.budget = int(state["budget"])
@@ -604,7 +605,8 @@ class Checkpointable(nn.Module):
         self.mem_limit, self.budget = mem_limit, budget
         for key, entry in entries:
             self.entries[key] = Entry(entry.profile, chosen[key], PlanRunner(self.stages, chosen[key].ops,
-                                                                             self.stage_names))
+                                                                             self.stage_names,
+                                                                             in_free=entry.chain.in_free))
             if self.last_entry is entry:
                 self.last_entry = self.entries[key]
 

@@ -38,12 +38,37 @@ from lightning_rotor.profile import (
     check_inplace,
     detach_value,
     differentiable,
+    enter_stage,
     no_cast_cache,
     output_edges,
     tensors_of,
     versions,
 )
 from lightning_rotor.rng import GeneratorWatch, RecordRandom, ReplayFrom, ReplayRandom, Rewind, alone
+
+_JOINED = "joined"  # a stage's entry when its input is a_k straight from stage k-1's graph
+
+
+class _Caught(list):
+    """The gradients `EnterStage` caught for a stage input, one per tensor of it."""
+
+    def __init__(self, count: int):
+        super().__init__()
+        self.count = count
+
+
+def last_recorded_forwards(ops: Sequence[Op]) -> list[bool]:
+    """Per op: is it `Fe k` (k >= 1), the last forward of stage k before `B k`? After it `a_k` is let go."""
+    last = [False] * len(ops)
+    awaiting: set[int] = set()  # stages whose B was seen (scanning backwards) and no forward since
+    for i in range(len(ops) - 1, -1, -1):
+        op = ops[i]
+        if op.kind is OpKind.B:
+            awaiting.add(op.stage)
+        elif op.kind.is_forward and op.stage in awaiting:
+            awaiting.discard(op.stage)
+            last[i] = op.kind is OpKind.FE and op.stage >= 1
+    return last
 
 
 class _Autocast:
@@ -79,6 +104,9 @@ class _Step:
         self.input_requires_grad = [t.requires_grad for t in tensors_of(value)]
         cuda = {t.device for t in tensors_of(value) if t.device.type == "cuda"}
         self.rng_devices = [torch.device("cpu"), *sorted(cuda, key=str)]
+        self.joined: set[int] = set()  # stages fed a_k from stage k-1's graph: B k and B k-1 run in one call
+        self.joined_edges: dict[int, list] = {}  # where δ_k enters stage k-1's graph, to mark B k (with a probe)
+        self.dummy = torch.empty(0, device=runner.token_device, requires_grad=True)  # EnterStage's graph edge
 
     def mark(self, op: tuple) -> None:
         if self.probe is not None and hasattr(self.probe, "mark"):
@@ -108,7 +136,15 @@ class _Step:
                 leaves.append(t)
         return tree_unflatten(leaves, spec)
 
-    def forward_op(self, kind: OpKind, k: int) -> None:
+    def forward_op(self, kind: OpKind, k: int, last: bool = False) -> None:
+        """Run `kind` on stage k; `last`: this `Fe k` is stage k's last forward before `B k` (k >= 1).
+
+        After the last forward, the executor lets go of `a_k`: the stage's graph holds
+        what it saved, the rest is freed (chain version 3, `in_free`). A recorded `a_k`
+        whose backward runs right after `B k` (`B k-1` follows it) feeds stage k as it
+        is, joining the two graphs for one backward call; any other input reaches the
+        stage through `EnterStage`, which keeps nothing.
+        """
         stage, name = self.runner.stages[k], self.runner.names[k]
         src = self._input(k, kind)
         first = k not in self.ran
@@ -122,10 +158,32 @@ class _Step:
                 self._replay(k, stage, stack)
             before = versions(src)
             if kind is OpKind.FE:
-                inp = self._leaf_input(k, src)
+                recorded = k not in self.plain
+                last = last and (recorded or self.runner.releases_plain(k))
+                if not last:
+                    entry = inp = self._leaf_input(k, src)
+                elif recorded and k in self.runner.joinable:
+                    entry, inp = _JOINED, src
+                    self.joined.add(k)
+                    self.joined_edges[k] = output_edges(src)  # where δ_k enters stage k-1: B k is done
+                else:
+                    entry = _Caught(len(tensors_of(src)))  # EnterStage's slot: δ_k lands here
+                    inp = None
                 with torch.enable_grad():
+                    if inp is None:
+                        inp = enter_stage(src, entry, self.dummy)
                     out = stage(inp)
-                self.graph[k + 1] = (inp, out)
+                del inp
+                self.graph[k + 1] = (entry, out)
+                if last:
+                    if recorded:  # keep a_k's graph node, not its value
+                        entry_k, value = self.graph[k]
+                        if value is not None:
+                            self.released[k] = output_edges(value)
+                            self.graph[k] = (entry_k, None)
+                        del value
+                    else:
+                        del self.plain[k]
             else:
                 with torch.no_grad():
                     out = stage(src)
@@ -190,35 +248,93 @@ class _Step:
         return self.plain.pop(length)
 
     # -- backward ops ---------------------------------------------------------------------
-    def backward_op(self, k: int) -> None:
-        inp, out = self.graph.pop(k + 1)
+    def backward_op(self, k: int) -> int:
+        """Run `B k`, and with it `B k-1 … B j` when those stages' graphs are joined: one engine call.
+
+        Returns how many `B` ops ran.
+        """
+        run = [k]
+        while run[-1] in self.joined:
+            self.joined.discard(run[-1])
+            run.append(run[-1] - 1)
+        bottom = run[-1]
+        entry, out = self.graph.pop(k + 1)
         edges = self.released.pop(k + 1, None)
         if edges is None:
             edges = output_edges(out)
         del out  # the value of a_{k+1} goes before the backward: only what the graph saved stays
-        # δ_{k+1} goes once the node receiving it has run; δ_L is the caller's loss gradient, left alone
-        backward_from_edges(edges, self.grads.pop(k + 1), free_grads=k + 1 < self.runner.length)
+        for j in run[1:]:
+            entry, out = self.graph.pop(j + 1)
+            self.released.pop(j + 1, None)
+            del out
+        hooks, unmarked, mark_top = self._mark_done(run)
+        # δ_{k+1} goes once the node receiving it has run, or at the latest when B k is done (δ_L too)
+        done_at = self.joined_edges.get(k, []) if len(run) > 1 else []
+        try:
+            backward_from_edges(edges, self.grads.pop(k + 1), free_grads=True, done_at=done_at, when_done=mark_top)
+        finally:
+            for handle in hooks:
+                handle.remove()
+        for label in unmarked:
+            self.probe.mark(label)
         del edges
-        self.grads[k] = [t.grad if t.requires_grad else None for t in tensors_of(inp)]
-        del inp
-        if k != 0:
-            self.plain.pop(k, None)
+        if isinstance(entry, _Caught):
+            self.grads[bottom] = list(entry) or [None] * entry.count  # caught by EnterStage (nothing: no path)
+        else:
+            self.grads[bottom] = [t.grad if t.requires_grad else None for t in tensors_of(entry)]
+        del entry
+        for j in run:
+            self.joined_edges.pop(j, None)
+            if j != 0:
+                self.plain.pop(j, None)
+        return len(run)
 
-    def run(self, ops: Sequence[Op]) -> None:
-        for op in ops:
+    def _mark_done(self, run: list[int]) -> tuple[list, list, Any]:
+        """With a probe marking ops, inside one engine call for `B k … B j`: mark `B i` when δ_i
+        reaches stage i-1's graph. Returns the hook handles, the marks still to make after the
+        call (no graph below `B i`), and the mark of `B k` (made once δ_{k+1} is freed).
+        """
+        if len(run) == 1 or self.probe is None or not hasattr(self.probe, "mark"):
+            return [], [], None
+        handles, pending = [], []
+
+        def mark_until(label: str) -> None:
+            while label in pending:  # marks stay in op order: any skipped come first
+                self.probe.mark(pending.pop(0))
+
+        for i in run[:-1]:
+            label = Op(OpKind.B, i).label
+            pending.append(label)
+            if i != run[0]:
+                handles += [e.node.register_prehook(lambda *_, label=label: mark_until(label))
+                            for e in self.joined_edges.get(i, []) if e is not None]
+        top = Op(OpKind.B, run[0]).label
+        return handles, pending, lambda: mark_until(top)
+
+    def run(self, ops: Sequence[Op], last: Sequence[bool] | None = None) -> None:
+        """Run `ops`; `last[i]`: op i is its stage's last forward before its backward (`last_recorded_forwards`)."""
+        i, n = 0, len(ops)
+        last = last or [False] * n
+        while i < n:
+            op = ops[i]
             kind = op.kind
             if kind is OpKind.FN or kind is OpKind.FC or kind is OpKind.FE:
-                self.forward_op(kind, op.stage)
+                self.forward_op(kind, op.stage, last[i])
+                self.mark(op)
+                i += 1
             elif kind is OpKind.B:
-                self.backward_op(op.stage)
+                done = self.backward_op(op.stage)
+                i += done
+                self.mark(ops[i - 1])  # the last B of a joined run (the others were marked inside the call)
             else:  # Loss splits the plan in PlanRunner; any other kind has no executor yet
                 raise RuntimeError(f"executor has no rule for op {op.label} here")
-            self.mark(op)
 
     def clear(self) -> None:
         self.plain.clear()
         self.graph.clear()
         self.released.clear()
+        self.joined.clear()
+        self.joined_edges.clear()
         self.grads.clear()
         self.rng.clear()
         self.probe = None
@@ -271,7 +387,7 @@ class _Tail(torch.autograd.Function):
         # args: the chain input's leaves, then the stages' parameters (edges only, see `_check_backward_call`)
         inputs, ctx.n_params = args[:n_inputs], len(args) - n_inputs
         step.plain[0] = tree_unflatten(list(inputs), spec)
-        step.run(step.runner.forward_ops)
+        step.run(step.runner.forward_ops, step.runner.forward_last)
         ctx.step = step
         ctx.is_tensor = [isinstance(t, torch.Tensor) for t in inputs]
         return torch.empty(0, device=dummy.device)
@@ -280,7 +396,7 @@ class _Tail(torch.autograd.Function):
     def backward(ctx, token_grad: torch.Tensor) -> tuple:
         step: _Step = ctx.step
         try:
-            step.run(step.runner.backward_ops)
+            step.run(step.runner.backward_ops, step.runner.backward_last)
             delta = iter(step.grads.pop(0))
         finally:
             step.clear()
@@ -318,10 +434,19 @@ class PlanRunner:
     """Executes one plan on `stages`; call it like the chain: `runner(a_0) -> a_L`.
 
     Set `probe` (a `MemoryProbe`) before a call to have it marked after every op,
-    which gives the measured memory curve of the step, op by op.
+    which gives the measured memory curve of the step, op by op. `in_free`: the
+    chain's figures (`Chain.in_free`), so that a plain stage input is let go exactly
+    when the chain says (see `releases_plain`).
     """
 
-    def __init__(self, stages: Sequence[nn.Module], ops: Sequence, names: Sequence[str] | None = None):
+    def __init__(
+        self,
+        stages: Sequence[nn.Module],
+        ops: Sequence,
+        names: Sequence[str] | None = None,
+        *,
+        in_free: Sequence[int] | None = None,
+    ):
         self.stages = list(stages)
         self.length = len(self.stages)
         self.names = list(names) if names is not None else [f"stage{k}" for k in range(self.length)]
@@ -335,12 +460,29 @@ class PlanRunner:
         self.forward_ops = ops[:split]
         self.backward_ops = ops[split + 1 :]
         self.recomputed = recomputed_stage_set(ops)
+        self.in_free = None if in_free is None else list(in_free)
+        last = last_recorded_forwards(ops)
+        self.forward_last = last[:split]
+        self.backward_last = last[split + 1 :]
+        # B k then B k-1 at once: a recorded a_k may feed stage k as it is, joining the graphs
+        self.joinable = {op.stage for op, nxt in zip(self.backward_ops, self.backward_ops[1:], strict=False)
+                         if op.kind is OpKind.B and nxt == Op(OpKind.B, op.stage - 1)}
         self.quiet: set[int] = set()  # recomputed stages whose last recorded first run drew no random number
         self.probe: Any = None
         self.token_device = torch.device("cpu")
         self._norms: dict[int, list[nn.Module]] = {}
         self._all_params: list[torch.Tensor] | None = None
         self._plain_buffers: dict[int, list[torch.Tensor]] = {}
+
+    def releases_plain(self, k: int) -> bool:
+        """Does a plain `a_k` go after stage k's last forward? As the chain says (`in_free[k] > 0`).
+
+        A recorded `a_k` is always let go: what its two graphs keep stays, which is what
+        `in_free` leaves out. A plain one has no graph of stage k-1 to keep a part the
+        chain counts as kept, so it goes only when the chain releases it; without a chain
+        it always goes (more freed than any chain charges, never less).
+        """
+        return self.in_free is None or self.in_free[k] > 0
 
     def norms(self, k: int) -> list[nn.Module]:
         """Stage k's normalization modules with running statistics (found once: replays are per op)."""

@@ -11,6 +11,8 @@ docs/memory-model.md defines each field:
   through, add nothing (`ā_{k+1}` is only ever held beside `a_k`);
 - `out_free`: bytes freed when the output values are dropped and the graph kept
   (what the graph does not save), as the executor does before `B k`;
+- `in_free`: bytes of `a_k` that neither `F_{k-1}`'s graph nor `F_k`'s keeps, freed
+  when the executor lets go of `a_k` after stage k's last forward (0 for `a_0`);
 - `fwd_tmp`: peak above what is alive after `F_k` run recording its graph
   (`Fe`); `fwd_tmp_nograd`: the same for `F_k` run without grad (`Fn`, `Fc`).
   They differ where a stage saves for backward what is otherwise transient
@@ -46,10 +48,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd.graph import GradientEdge, _engine_run_backward, get_gradient_edge
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from lightning_rotor.chain import Chain
-from lightning_rotor.memory import MemoryProbe, storage_bytes, storage_emptied
+from lightning_rotor.memory import MemoryProbe, storage_bytes, storage_emptied, storage_key
 
 LOSS_HELD = 64  # bytes of the caller's loss value when the loss is not measured (given as bytes); charged with a_0
 
@@ -134,7 +137,12 @@ def output_edges(outputs: Any) -> list[GradientEdge | None]:
 
 
 def backward_from_edges(
-    edges: Sequence[GradientEdge | None], grads: Sequence[torch.Tensor | None], *, free_grads: bool = False
+    edges: Sequence[GradientEdge | None],
+    grads: Sequence[torch.Tensor | None],
+    *,
+    free_grads: bool = False,
+    done_at: Sequence[GradientEdge | None] = (),
+    when_done: Callable[[], None] | None = None,
 ) -> None:
     """Backpropagate `grads` from output `edges` (see `output_edges`); nothing when no edge has a gradient.
 
@@ -143,12 +151,19 @@ def backward_from_edges(
     holding it until the whole stage's backward returns. Only for gradients the caller
     owns alone: a storage anything else references is left alone, and so is a gradient
     that a leaf's accumulator may store as its `.grad`.
+
+    `done_at`: edges whose nodes run only once the stage receiving `grads` is done (the
+    next stage's output, when one call runs the backward of several stages). A gradient
+    its receiver passed on as a view is freed there, once nothing uses the view; one
+    passed on as the very same tensor is left to the engine. `when_done` is called there
+    too, after the freeing (a probe's mark of the op).
     """
     roots, gs = [], []
     for e, g in zip(edges, grads, strict=True):
         if e is not None and g is not None:
             roots.append(e)
-            gs.append(g)
+            gs.append(unviewed(g) if free_grads else g)
+    del grads
     if not roots:
         return
     handles = []
@@ -167,7 +182,11 @@ def backward_from_edges(
             if shared[g.untyped_storage().data_ptr()] > 1:
                 continue
             receivers.setdefault(id(e.node), (e.node, []))[1].append(g)
-        handles = [node.register_hook(_FreeConsumed(owned)) for node, owned in receivers.values()]
+        consumed: set[int] = set()  # ids of gradients whose receiver ran and did not pass them on unchanged
+        handles = [node.register_hook(_FreeConsumed(owned, consumed)) for node, owned in receivers.values()]
+        rest = [g for _, owned in receivers.values() for g in owned]
+        later = _FreeRest(rest, consumed, when_done)
+        handles += [e.node.register_prehook(later) for e in done_at if e is not None]
     try:
         # the engine itself: `torch.autograd.backward` would only re-check shapes the edges already match
         # (δ_{k+1} is made for these very outputs), at a cost that shows on short stages
@@ -180,25 +199,63 @@ def backward_from_edges(
 _ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
 
 
+def unviewed(grad: torch.Tensor) -> torch.Tensor:
+    """`grad` as a tensor of its own on the same storage, when it is a view (of the tensor it was made from).
+
+    A view keeps its base tensor alive, and with it a second reference to the storage,
+    so the gradient would not look owned by the caller alone and could not be freed
+    once consumed (the loss's gradient often arrives as a view, e.g. through a reshape).
+    Only the view's own reference to the base goes; a base held elsewhere keeps the storage.
+    """
+    if grad._base is None or grad.layout != torch.strided:
+        return grad
+    return grad.new_empty(0).set_(grad.untyped_storage(), grad.storage_offset(), grad.size(), grad.stride())
+
+
+def _free_owned(tensors: Sequence[torch.Tensor], passed: set[int]) -> None:
+    """Empty the storage of each tensor only it references (and that is not in `passed`, by storage)."""
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.data_ptr() in passed or storage.nbytes() == 0:
+            continue
+        if torch._C._storage_Use_Count(storage._cdata) == 2:  # this tensor and `storage` itself
+            storage.resize_(0)
+            storage_emptied(storage)
+
+
 class _FreeConsumed:
     """Node post-hook: free the storage of gradients the node has consumed, when only they hold it."""
 
-    def __init__(self, tensors: list[torch.Tensor]):
+    def __init__(self, tensors: list[torch.Tensor], consumed: set[int]):
         self.tensors = tensors
+        self.consumed = consumed
 
     def __call__(self, grad_inputs: Sequence[torch.Tensor | None], *_: Any) -> None:
         # a node may pass a gradient on as it is (an add, a view): then the next nodes still need it
         passed = {g.untyped_storage().data_ptr() for g in grad_inputs if isinstance(g, torch.Tensor)}
-        for t in self.tensors:
-            if t.layout != torch.strided:
-                continue
-            storage = t.untyped_storage()
-            if storage.data_ptr() in passed or storage.nbytes() == 0:
-                continue
-            if torch._C._storage_Use_Count(storage._cdata) == 2:  # this tensor and `storage` itself
-                storage.resize_(0)
-                storage_emptied(storage)
+        self.consumed.update(id(t) for t in self.tensors if not any(g is t for g in grad_inputs))
+        _free_owned(self.tensors, passed)
         self.tensors = []
+
+
+class _FreeRest:
+    """Node pre-hook, once the stage that received the gradients is done: free those still held alone.
+
+    Only gradients whose receiver has run and did not pass them on as the very same tensor:
+    the engine may hold any other for a node still to run.
+    """
+
+    def __init__(self, tensors: list[torch.Tensor], consumed: set[int], then: Callable[[], None] | None):
+        self.tensors = tensors
+        self.consumed = consumed
+        self.then = then
+
+    def __call__(self, grad_outputs: Sequence[torch.Tensor | None]) -> None:
+        passed = {g.untyped_storage().data_ptr() for g in grad_outputs if isinstance(g, torch.Tensor)}
+        _free_owned([t for t in self.tensors if id(t) in self.consumed], passed)
+        self.tensors = []
+        if self.then is not None:
+            self.then()
 
 
 class _HandOver(torch.autograd.Function):
@@ -220,6 +277,38 @@ class _HandOver(torch.autograd.Function):
     def backward(ctx: Any, *grads: Any) -> tuple:
         ctx.box["grads"] = grads
         return None, None
+
+
+class EnterStage(torch.autograd.Function):
+    """Give a stage its input through a graph node that keeps nothing, and catch the input's gradient.
+
+    A leaf input would be held, storage and all, by its gradient accumulator as long
+    as the stage's graph lives. Through this node the stage's graph keeps only what it
+    saves, so once the executor lets go of `a_k` after the last forward of stage `k`,
+    the rest of `a_k` is freed, as in plain training (chain version 3, `in_free`).
+    `slot` receives the gradients (one per tensor, None where none came).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, slot: list, dummy: torch.Tensor, *tensors: torch.Tensor) -> tuple:
+        ctx.slot = slot
+        ctx.set_materialize_grads(False)
+        outs = tuple(t.view_as(t) for t in tensors)
+        ctx.mark_non_differentiable(*[t for t in outs if not differentiable(t)])
+        return outs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> tuple:
+        ctx.slot.extend(grads)
+        return (None, None, *[None] * len(grads))
+
+
+def enter_stage(value: Any, slot: list, dummy: torch.Tensor) -> Any:
+    """`value` with each tensor passed through `EnterStage` (see there); `slot` gets their gradients."""
+    flat, spec = tree_flatten(value)
+    tensors = [t.detach() for t in flat if isinstance(t, torch.Tensor)]
+    entered = iter(EnterStage.apply(slot, dummy, *tensors))
+    return tree_unflatten([next(entered) if isinstance(t, torch.Tensor) else t for t in flat], spec)
 
 
 # -- profiling ------------------------------------------------------------------------------
@@ -383,7 +472,10 @@ def _measure_recorded(
     params: list[torch.Tensor],
     free_grads: bool,
 ) -> tuple[int, int, int, int]:
-    """(fwd_tmp, saved bytes, out_free, backward peak above a_k) of one stage run `Fe` then `B`.
+    """(fwd_tmp, saved bytes, out_free, backward peak above a_k, output kept) of one stage run `Fe` then `B`.
+
+    Output kept: per tensor of `a_{k+1}`, whether its storage outlives the value (the graph
+    keeps it, or it is `a_k`'s).
 
     The backward runs as the executor runs it: δ_{k+1} made, the output values dropped
     (only the graph's own saved tensors keep their storage), then backpropagation from
@@ -413,7 +505,11 @@ def _measure_recorded(
         edges = output_edges(held[1])
         probe.mark("with δ")
         with_delta = probe.current
+        refs = [StorageWeakRef(t.untyped_storage()) if t.layout == torch.strided else None
+                for t in tensors_of(held[1])]
         del held[1]  # the executor keeps the edges, not the values
+        out_kept = [ref is None or not ref.expired() for ref in refs]  # by the graph (or a view of a_k)
+        del refs
         probe.reset_peak()
         out_free = with_delta - probe.current
         watch.start()
@@ -424,7 +520,47 @@ def _measure_recorded(
         bwd_peak = max(probe.peak - a_k, probe.current - a_k, with_delta - out_free - a_k + alloc_peak)
     untouched.clear_grads()
     untouched.restore_buffers()
-    return fwd_tmp, saved, out_free, bwd_peak
+    return fwd_tmp, saved, out_free, bwd_peak, out_kept
+
+
+def _input_kept(stage: nn.Module, value: Any) -> list[bool]:
+    """Per tensor of `a_k`: does the graph of `Fe k` keep its storage (or the output share it)?
+
+    The stage gets `a_k` through `EnterStage`, as from the executor after its last forward;
+    the storage's reference count with the graph alive tells whether anything beyond our
+    own `a_k` holds it. No copy is made, so profiling holds no more than one stage's run.
+    """
+    tensors = tensors_of(value)
+
+    def counts() -> list[int]:
+        return [torch._C._storage_Use_Count(t.untyped_storage()._cdata) if t.layout == torch.strided else 0
+                for t in tensors]
+
+    before = counts()
+    dummy = torch.empty(0, device=value_device(value), requires_grad=True)
+    with torch.enable_grad(), no_cast_cache():
+        out = stage(enter_stage(value, [], dummy))
+    after = counts()
+    del out
+    return [a > b for a, b in zip(after, before, strict=True)]
+
+
+def _released_whole(value: Any, new: list[bool], kept_before: list[bool], kept_after: list[bool]) -> int:
+    """`in_free[k]`: bytes of `a_k`'s own storages when neither graph keeps any of them, else 0.
+
+    All or nothing: the executor lets go of a plain `a_k` whole or keeps it whole
+    (PlanRunner.releases_plain), and must never free less than the chain says.
+    """
+    storages: dict[int, tuple[int, bool]] = {}
+    for t, own, a, b in zip(tensors_of(value), new, kept_before, kept_after, strict=True):
+        if t.layout != torch.strided or not own:
+            continue
+        key = storage_key(t)
+        nbytes, kept = storages.get(key, (t.untyped_storage().nbytes(), False))
+        storages[key] = (nbytes, kept or a or b)
+    if not storages or any(kept for _, kept in storages.values()):
+        return 0
+    return sum(nbytes for nbytes, _ in storages.values())
 
 
 def value_device(value: Any) -> torch.device:
@@ -455,12 +591,14 @@ def profile_chain(
     exclude = list(stages)
     start = time.perf_counter()
     names_of_fields = ("out_size", "saved_size", "fwd_time", "bwd_time", "fwd_tmp", "fwd_tmp_nograd", "bwd_tmp",
-                       "out_free")
+                       "out_free", "in_free")
     fields: dict[str, list] = {f: [] for f in names_of_fields}
     fwd_spread, bwd_spread = [], []
     needs_grad = any(t.requires_grad for t in inputs)
     watch = _AllocatorWatch(device)
     value = sample
+    own: list[bool] = []  # per tensor of a_k: a storage of its own, not one of a_{k-1}'s
+    output_kept: list[bool] = []  # per tensor of a_k: kept by the graph of F_{k-1}
     with _Untouched(stages, device) as untouched:
         for k, stage in enumerate(stages):
             grad_in = needs_grad if k == 0 else True
@@ -481,17 +619,26 @@ def profile_chain(
                 peak, end = watch.stop()
                 probe.mark("after")
             out_size = storage_bytes(out)
+            del out  # not held through the recorded runs below: profiling stays within what B k needs
             tmp_nograd = max(probe.peak - probe.current, peak - end)
             untouched.restore_buffers()
+            # what letting go of a_k after its stage's last forward frees (a_0 is the caller's: never);
+            # measured after the in-place check above
+            in_free = 0
+            if k > 0:
+                in_free = min(fields["out_free"][k - 1], _released_whole(value, own, output_kept,
+                                                                         _input_kept(stage, value)))
+                untouched.restore_buffers()
             # memory with grad recording (Fe), then its backward (B): once with no parameter gradient
             # stored yet (autograd stores a fresh one as .grad), once accumulating into stored ones
             # (a real transient); the larger backward figure is kept, as either may happen in training
             recorded = [
                 _measure_recorded(forward, value, exclude, watch, untouched, accumulate, list(stage.parameters()),
-                                  free_grads=k + 1 < len(stages))
+                                  free_grads=True)
                 for accumulate in (False, True)
             ]
             fwd_tmp, saved_size = recorded[0][:2]
+            output_kept = [any(kept) for kept in zip(*(r[4] for r in recorded), strict=True)]
             out_free = min(r[2] for r in recorded)
             # B k peaks at cur - out_free + s_k + bwd_tmp (docs/memory-model.md, part 2), cur holding
             # a_k, ā_{k+1} (saved_size) and δ_{k+1} (out_size): bwd_tmp is the measured peak above that
@@ -508,11 +655,13 @@ def profile_chain(
                 synchronize(device)
                 t1 = time.perf_counter()
                 outs, gs = backward_pairs(out, [torch.ones_like(t) for t in tensors_of(out)])
-                if outs:
+                edges = output_edges(outs)
+                del out, outs  # as the executor runs B k: the output values go first (profiling stays within B k)
+                if edges:
                     synchronize(device)
                     t2 = time.perf_counter()
                     with torch.autocast(device.type, enabled=False):
-                        torch.autograd.backward(outs, gs)
+                        backward_from_edges(edges, gs, free_grads=True)
                     synchronize(device)
                     t3 = time.perf_counter()
                 else:
@@ -522,20 +671,23 @@ def profile_chain(
                 if run >= warmup:
                     fwd_samples.append(t1 - t0)
                     bwd_samples.append(t3 - t2)
-                del inp, out, outs, gs
+                del inp, edges, gs
             fwd_time, fs = _median_spread(fwd_samples)
             bwd_time, bs = _median_spread(bwd_samples)
             fwd_spread.append(fs)
             bwd_spread.append(bs)
             for name, v in zip(
                 names_of_fields,
-                (out_size, saved_size, fwd_time, bwd_time, fwd_tmp, tmp_nograd, bwd_tmp, out_free),
+                (out_size, saved_size, fwd_time, bwd_time, fwd_tmp, tmp_nograd, bwd_tmp, out_free, in_free),
                 strict=True,
             ):
                 fields[name].append(v)
             # the next stage's sample input
+            keys = {storage_key(t) for t in tensors_of(value) if t.layout == torch.strided}
             with torch.no_grad(), no_cast_cache():
                 value = stage(value)
+            own = [t.layout == torch.strided and storage_key(t) not in keys for t in tensors_of(value)]
+            del keys
             untouched.restore_buffers()
             if progress is not None:
                 progress(k + 1, len(stages), time.perf_counter() - start)

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_rotor.chain import Chain
 from lightning_rotor.execute import PlanRunner
 from lightning_rotor.memory import MemoryProbe
 from lightning_rotor.ops import no_recompute_ops
@@ -285,3 +286,88 @@ def test_gradients_shared_by_several_outputs_are_not_freed_early():
 
     x, y = torch.randn(8, 16), torch.randint(0, 5, (8,))
     assert_runner_trains_like_plain(make, no_recompute_ops(4), x, y)
+
+
+# -- chain version 3: a stage input let go after its stage's last forward (in_free) ------------------
+def tanh_mlp():
+    torch.manual_seed(0)  # cut between Linear and Tanh: neither keeps the Linear's output (Tanh keeps its own)
+    return nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 5))
+
+
+def peak_of(run, model, x, y):
+    with MemoryProbe(model) as probe:
+        probe.track(x)
+        F.cross_entropy(run(x), y).backward()
+    return probe.peak
+
+
+def test_without_recomputation_the_executor_and_the_model_hold_exactly_what_plain_autograd_holds():
+    x, y = torch.randn(64, 16), torch.randint(0, 5, (64,))
+    model = tanh_mlp()
+    stages, names, chain = profiled(model, x)
+    assert chain.in_free == [0, 64 * 64 * 4, 0, 64 * 64 * 4, 0]
+    plain = peak_of(model, model, x, y)
+    ops = no_recompute_ops(len(stages))
+    assert peak_of(PlanRunner(stages, ops, names, in_free=chain.in_free), model, x, y) == plain
+    assert simulate(chain, ops).peak == plain
+    # version 2 kept both Linear outputs until their backward
+    v2 = chain.to_dict() | {"version": 2}
+    del v2["in_free"]
+    assert simulate(Chain.from_dict(v2), ops).peak > plain
+
+
+def test_a_plain_stage_input_goes_exactly_when_the_chain_says():
+    x, y = torch.randn(64, 16), torch.randint(0, 5, (64,))
+    model = tanh_mlp()
+    stages, names, chain = profiled(model, x)
+    # a_1, a_2, a_3 reach their stages' last forward plain; a_1 and a_3 are released, a_2 (Tanh's output) is not
+    ops = [("Fc", 0), ("Fn", 1), ("Fn", 2), ("Fn", 3), ("Fe", 4), ("Loss",), ("B", 4), ("Fc", 0), ("Fn", 1),
+           ("Fn", 2), ("Fe", 3), ("B", 3), ("Fc", 0), ("Fn", 1), ("Fe", 2), ("B", 2), ("Fc", 0), ("Fe", 1), ("B", 1),
+           ("Fe", 0), ("B", 0)]
+    predicted = simulate(chain, ops)
+    runner = PlanRunner(stages, ops, names, in_free=chain.in_free)
+    runner.probe = probe = MemoryProbe(model)
+    with probe:
+        probe.track(x)
+        F.cross_entropy(runner(x), y).backward()
+    measured = [nbytes for _, _, nbytes in probe.marks]
+    loss_value = chain.input_size - x.numel() * x.element_size()  # charged with a_0 from the start
+    # (after B 0 the model holds δ_0, which an input without grad never gets)
+    assert all(0 <= p - m <= loss_value for m, p in zip(measured[:-1], predicted.curve[:-1], strict=True))
+    assert predicted.peak - loss_value <= probe.peak <= predicted.peak
+    # without the chain's figures every plain input goes: never more than predicted
+    assert peak_of(PlanRunner(stages, ops, names), model, x, y) <= predicted.peak
+
+
+def test_consecutive_backwards_of_recorded_stages_run_in_one_engine_call(monkeypatch):
+    import lightning_rotor.profile as profile
+
+    calls = []
+    real = profile._engine_run_backward
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    x, y = torch.randn(64, 16), torch.randint(0, 5, (64,))
+    expected = tanh_mlp()
+    step(expected, expected, x, y)
+    model = tanh_mlp()
+    stages, names, chain = profiled(model, x)
+    monkeypatch.setattr(profile, "_engine_run_backward", counted)
+    # B 4 … B 2 after recording 2, 3, 4; then B 1, B 0 after recomputing from a_0
+    ops = [("Fc", 0), ("Fn", 1), ("Fe", 2), ("Fe", 3), ("Fe", 4), ("Loss",), ("B", 4), ("B", 3), ("B", 2),
+           ("Fe", 0), ("Fe", 1), ("B", 1), ("B", 0)]
+    model.zero_grad(set_to_none=True)
+    runner = PlanRunner(stages, ops, names, in_free=chain.in_free)
+    runner.probe = probe = MemoryProbe(model)
+    with probe:
+        probe.track(x)
+        step(runner, model, x, y)
+    assert len(calls) == 2
+    assert [label for label, _, _ in probe.marks] == [" ".join(map(str, op)) for op in ops]
+    loss_value = chain.input_size - x.numel() * x.element_size()  # charged with a_0 from the start
+    predicted = simulate(chain, ops).curve
+    assert all(0 <= p - m <= loss_value for (_, _, m), p in zip(probe.marks[:-1], predicted[:-1], strict=True))
+    for a, b in zip(grads(expected), grads(model), strict=True):
+        assert torch.equal(a, b)

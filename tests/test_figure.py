@@ -14,7 +14,7 @@ MIB = 2.0**20
 def test_figure_draws_op_peaks_predicted_peak_budget_and_the_chains_measured_peak():
     torch.manual_seed(0)
     model = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(64, 64), nn.Tanh())], nn.Linear(64, 10))
-    ckpt = Checkpointable(model, "50%")
+    ckpt = Checkpointable(model, "60%")
     x, y = torch.randn(128, 64), torch.randint(0, 10, (128,))
     ckpt.prepare_for(x)
     with ckpt.measure_step() as m:

@@ -22,7 +22,7 @@ from lightning_rotor.planner import min_feasible_budget
 from lightning_rotor.shared_budget import InfeasibleTotal, split_by_need
 from lightning_rotor.simulate import no_recompute_peak
 
-BUDGET = 0.6  # of the no-recomputation peak: forces recomputation in the nets below
+BUDGET = 0.7  # of the no-recomputation peak: forces recomputation in the nets below
 
 
 def make_net() -> nn.Sequential:

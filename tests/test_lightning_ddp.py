@@ -56,7 +56,7 @@ def fit(tmp_path, strategy, callbacks=()) -> Net:
 
 def test_rotor_ddp_spawn_equals_plain_ddp(tmp_path):
     plain = fit(tmp_path / "plain", "ddp_spawn")
-    rotor = fit(tmp_path / "rotor", RotorDDPStrategy(mem_limit=0.6, start_method="spawn"), [Report(tmp_path)])
+    rotor = fit(tmp_path / "rotor", RotorDDPStrategy(mem_limit=0.7, start_method="spawn"), [Report(tmp_path)])
     assert all(int((tmp_path / f"rank{r}").read_text()) > 0 for r in (0, 1))  # both processes recomputed
     untrained = Net()
     assert any(not torch.equal(a, b) for a, b in zip(plain.state_dict().values(), untrained.state_dict().values(),

@@ -94,3 +94,34 @@ def test_bad_arguments():
         profile_chain(stages, "not a tensor")
     with pytest.raises(TypeError, match="nn.Sequential"):
         sequential_stages(nn.Linear(2, 2))
+
+
+class Pair(nn.Module):
+    def forward(self, x):
+        return x * 2, x * 3
+
+
+class TanhPlus(nn.Module):  # keeps tanh's output, neither input
+    def forward(self, pair):
+        a, b = pair
+        return torch.tanh(a) + b
+
+
+class SinPlus(nn.Module):  # keeps its first input (sin's backward needs it), not the second
+    def forward(self, pair):
+        a, b = pair
+        return torch.sin(a) + b
+
+
+@pytest.mark.parametrize(("second", "released"), [(TanhPlus, 2 * 4 * 8 * 4), (SinPlus, 0)])
+def test_in_free_counts_a_stage_input_neither_graph_keeps_all_or_nothing(second, released):
+    """`in_free[k]`: bytes of `a_k` that neither stage k-1's nor stage k's graph keeps (docs/memory-model.md).
+
+    A tuple kept in part counts nothing: the executor lets go of a plain input whole or not at all.
+    """
+    model = nn.Sequential(nn.Linear(8, 8), Pair(), second(), nn.Linear(8, 8), nn.Flatten(0), nn.Tanh())
+    chain = profile_chain(sequential_stages(model), torch.randn(4, 8)).chain
+    # a_1: neither Linear 0 (keeps its input) nor Pair (x * 2 keeps nothing) keeps it; a_2, the pair: as the
+    # parameter says; a_3: Linear 3 keeps its input; a_4: Flatten's output is a view of it, held with ā_5;
+    # a_5: a view of a_4, no storage of its own
+    assert chain.in_free == [0, 4 * 8 * 4, released, 0, 0, 0]

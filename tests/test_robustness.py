@@ -167,7 +167,7 @@ def lit_trainer(tmp_path, **kw) -> pl.Trainer:
 
 def test_callback_deep_copying_the_module_during_fit(tmp_path):
     copies = DeepCopies()
-    lit_trainer(tmp_path, strategy=RotorStrategy(mem_limit=0.5), enable_checkpointing=False,
+    lit_trainer(tmp_path, strategy=RotorStrategy(mem_limit=0.75), enable_checkpointing=False,
                 callbacks=[copies]).fit(LitNet(), lit_loader())
     assert copies.copies == 9
 
@@ -204,7 +204,7 @@ def _same(a: list, b: list) -> bool:
 
 @pytest.mark.parametrize("name", list(AUTOGRAD_CALLS))
 def test_autograd_variants_are_refused_with_one_clear_error_when_the_plan_recomputes(name):
-    rotor = Checkpointable(tanh_net(), 0.5)
+    rotor = Checkpointable(tanh_net(), 0.75)
     x, y = data()
     step(rotor, x, y)
     assert rotor.plan.recomputed_stages > 0
@@ -231,7 +231,7 @@ def test_autograd_variants_behave_as_plain_when_nothing_is_recomputed(name):
 
 def test_backward_of_a_loss_not_through_the_chain_is_untouched():
     """backward(inputs=...) of parameters outside the chain never reaches rotor: plain behaviour."""
-    rotor, head = Checkpointable(tanh_net(), 0.5), nn.Linear(4, 4)
+    rotor, head = Checkpointable(tanh_net(), 0.75), nn.Linear(4, 4)
     x, y = data()
     step(rotor, x, y)
     rotor.zero_grad(set_to_none=True)
@@ -244,7 +244,7 @@ def test_backward_of_a_loss_not_through_the_chain_is_untouched():
 # -- 6. the wrapped Sequential's container API and several inputs --------------------------------------
 def test_wrapped_sequential_iterates_indexes_and_has_a_length():
     seq = tanh_net()
-    rotor = Checkpointable(seq, 0.5)
+    rotor = Checkpointable(seq, 0.75)
     assert len(rotor) == len(seq) == 11
     assert list(rotor) == list(seq)
     assert rotor[0] is seq[0] and rotor[-1] is seq[-1]
@@ -271,7 +271,7 @@ def pair_net() -> nn.Sequential:
     return nn.Sequential(Pair(), *[m for _ in range(5) for m in (nn.Linear(24, 24), nn.Tanh())], nn.Linear(24, 4))
 
 
-@pytest.mark.parametrize("budget", [None, 1.0, 0.6])
+@pytest.mark.parametrize("budget", [None, 1.0, 0.75])
 def test_several_inputs_reach_the_first_stage_as_one_tuple_at_every_budget(budget):
     plain = pair_net()
     rotor = Checkpointable(pair_net(), budget)
@@ -283,7 +283,7 @@ def test_several_inputs_reach_the_first_stage_as_one_tuple_at_every_budget(budge
         loss = F.cross_entropy(model((a, b)) if model is plain else model(a, b), y)
         loss.backward()
         losses.append(loss.detach())
-    assert (rotor.plan.recomputed_stages > 0) == (budget == 0.6)
+    assert (rotor.plan.recomputed_stages > 0) == (budget == 0.75)
     assert torch.equal(*losses)
     for p, q in zip(plain.parameters(), rotor.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad)
@@ -294,7 +294,7 @@ def test_several_inputs_reach_the_first_stage_as_one_tuple_at_every_budget(budge
 
 def test_no_input_is_one_clear_error():
     with pytest.raises(TypeError, match="needs the chain input"):
-        Checkpointable(tanh_net(), 0.5)()
+        Checkpointable(tanh_net(), 0.75)()
 
 
 # -- 4. a saved plan must be this chain's ---------------------------------------------------------------
@@ -306,10 +306,10 @@ def wide_net(width: int) -> nn.Sequential:
 
 def test_plan_of_another_model_with_the_same_stage_names_is_refused():
     x, y = data()
-    small = Checkpointable(wide_net(16), 0.5)
+    small = Checkpointable(wide_net(16), 0.75)
     step(small, x, y)
     state = small.plan_state()
-    big = Checkpointable(wide_net(256), 0.8)
+    big = Checkpointable(wide_net(256), 0.9)
     assert big.stage_names == small.stage_names
     with pytest.raises(ValueError, match="differ in module types or parameter/buffer shapes") as err:
         big.load_plan_state(state)
@@ -318,18 +318,18 @@ def test_plan_of_another_model_with_the_same_stage_names_is_refused():
     with big.measure_step() as m:
         step(big, x, y)
     assert m.peak <= big.plan.mem_limit
-    twin = Checkpointable(wide_net(16), 0.5)  # the same chain loads
+    twin = Checkpointable(wide_net(16), 0.75)  # the same chain loads
     twin.load_plan_state(state)
     assert twin.entries.keys() == small.entries.keys() and twin.budget == small.budget
 
 
 def test_plan_state_without_fingerprints_is_not_loaded():
     x, y = data()
-    rotor = Checkpointable(wide_net(16), 0.5)
+    rotor = Checkpointable(wide_net(16), 0.75)
     step(rotor, x, y)
     state = rotor.plan_state()
     del state["fingerprints"]
-    fresh = Checkpointable(wide_net(16), 0.5)
+    fresh = Checkpointable(wide_net(16), 0.75)
     with pytest.raises(ValueError, match="no stage fingerprints"):
         fresh.load_plan_state(state)
     assert fresh.entries == {}
@@ -346,14 +346,14 @@ def test_checkpoint_of_another_model_is_profiled_again_with_a_warning(tmp_path):
         def on_train_end(self, trainer, pl_module):
             trainer.save_checkpoint(tmp_path / "small.ckpt")
 
-    lit_trainer(tmp_path / "a", strategy=RotorStrategy(mem_limit=0.5), enable_checkpointing=False,
+    lit_trainer(tmp_path / "a", strategy=RotorStrategy(mem_limit=0.75), enable_checkpointing=False,
                 callbacks=[Save()]).fit(WideLit(16), lit_loader())
     big = WideLit(256)
     ckpt = torch.load(tmp_path / "small.ckpt", weights_only=True)
     ckpt["state_dict"] = big.state_dict()  # the weights fit; only the rotor state is the small model's
     torch.save(ckpt, tmp_path / "mixed.ckpt")
     with pytest.warns(UserWarning, match="saved plan state not used .*differ.*profiled again"):
-        lit_trainer(tmp_path / "b", strategy=RotorStrategy(mem_limit=0.8), enable_checkpointing=False,
+        lit_trainer(tmp_path / "b", strategy=RotorStrategy(mem_limit=0.9), enable_checkpointing=False,
                     max_steps=4).fit(big, lit_loader(), ckpt_path=tmp_path / "mixed.ckpt")
 
 
@@ -365,7 +365,7 @@ def test_resume_with_an_infeasible_budget_fails_as_a_fresh_run_does(tmp_path):
         def on_train_end(self, trainer, pl_module):
             trainer.save_checkpoint(tmp_path / "mid.ckpt")
 
-    lit_trainer(tmp_path / "a", strategy=RotorStrategy(mem_limit=0.6), enable_checkpointing=False,
+    lit_trainer(tmp_path / "a", strategy=RotorStrategy(mem_limit=0.75), enable_checkpointing=False,
                 max_steps=2, callbacks=[Save()]).fit(LitNet(), lit_loader())
     with pytest.raises(InfeasibleBudget) as fresh:
         lit_trainer(tmp_path / "b", strategy=RotorStrategy(mem_limit="1KiB"), enable_checkpointing=False,
@@ -491,7 +491,7 @@ def test_a_thread_drawing_random_numbers_during_training_sees_no_repeats():
 
 
 def test_post_accumulate_grad_hooks_run_once_per_backward_as_in_plain_training():
-    rotor = Checkpointable(tanh_net(), 0.5)
+    rotor = Checkpointable(tanh_net(), 0.75)
     x, y = data()
     step(rotor, x, y)
     assert rotor.plan.recomputed_stages > 0
@@ -518,7 +518,7 @@ def test_a_stage_that_starts_drawing_later_is_still_replayed_exactly():
     torch.manual_seed(0)
     layers = [m for _ in range(5) for m in (nn.Linear(24, 24), nn.Tanh(), SometimesDropout())]
     plain = nn.Sequential(*layers, nn.Linear(24, 4))
-    rotor = Checkpointable(copy.deepcopy(plain), 0.5)
+    rotor = Checkpointable(copy.deepcopy(plain), 0.75)
     x, y = data()
     quiet = []
     try:
