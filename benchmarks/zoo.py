@@ -59,8 +59,14 @@ class Config:
         return (max(self.times) - min(self.times)) / self.median
 
 
-def configs_for(w: Workload, repeats: int, warmup: int) -> tuple[list[Config], dict[str, Any]]:
-    """Measure every configuration of one workload; returns the configs and a summary."""
+def configs_for(
+    w: Workload, repeats: int, warmup: int, min_seconds: float = 0.0
+) -> tuple[list[Config], dict[str, Any]]:
+    """Measure every configuration of one workload; returns the configs and a summary.
+
+    Rounds: `repeats`, or more when a round is short, so that every configuration runs for
+    at least `min_seconds` in all (short steps are the noisiest).
+    """
     length = len(w.stages)
     chain = profile_chain(w.stages, w.x, names=w.stage_names, loss_tmp=lambda out: w.loss(out, w.y)).chain
     seq = nn.Sequential(*w.stages)
@@ -84,22 +90,25 @@ def configs_for(w: Workload, repeats: int, warmup: int) -> tuple[list[Config], d
             continue
         key = tuple(p.ops)
         if key not in rotor:
-            rotor[key] = Config(f"rotor@{label}", PlanRunner(w.stages, p.ops, w.stage_names), budget, p.peak,
-                                p.recomputed_stages)
+            runner = PlanRunner(w.stages, p.ops, w.stage_names, in_free=chain.in_free)
+            rotor[key] = Config(f"rotor@{label}", runner, budget, p.peak, p.recomputed_stages)
             train_step(w, rotor[key].forward, 0)
             rotor[key].measured = measure_peak(w, rotor[key].forward, 0)
         at[label] = rotor[key]
     # the executor on torch's own schedule: the cheapest uniform scheme by memory, and sqrt(L) segments
     middle = f"cs{max(2, round(math.sqrt(length)))}"
-    executed = [Config(f"exec:{name}", PlanRunner(w.stages, ops_of[name], w.stage_names))
+    executed = [Config(f"exec:{name}", PlanRunner(w.stages, ops_of[name], w.stage_names, in_free=chain.in_free))
                 for name in dict.fromkeys([middle, min(uniform, key=lambda c: c.measured).name])]
     for c in executed:
         train_step(w, c.forward, 0)
     every = [plain, *uniform, *rotor.values(), *executed]
-    for _ in range(warmup):
+    round_start = time.perf_counter()
+    for _ in range(max(1, warmup)):
         for c in every:
             train_step(w, c.forward, 0)
-    for _ in range(repeats):
+    round_seconds = (time.perf_counter() - round_start) / max(1, warmup)
+    rounds = max(repeats, math.ceil(min_seconds * len(every) / round_seconds))
+    for _ in range(rounds):
         for c in every:
             start = time.perf_counter()
             train_step(w, c.forward, 0)
@@ -114,7 +123,7 @@ def mib(n: int | None) -> str:
 
 def report(name: str, w: Workload, every: list[Config], s: dict[str, Any]) -> tuple[list[str], list[float], dict]:
     plain, uniform, at = s["plain"], s["uniform"], s["at"]
-    lines = [f"### {name} ({len(w.stages)} stages, batch {w.x.shape[0]})", "",
+    lines = [f"### {name} ({len(w.stages)} stages, batch {w.x.shape[0]}, {len(plain.times)} interleaved rounds)", "",
              "| config | budget MiB | predicted MiB | measured MiB | meas/pred | recomputed | median ms | spread |",
              "|---|---|---|---|---|---|---|---|"]
     for c in every:
@@ -162,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", default="bench", choices=["tiny", "bench"])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--min-seconds", type=float, default=0.0,
+                        help="run more rounds than --repeats until each configuration has run this long in all")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--out", default=None, help="also write the markdown report here")
     args = parser.parse_args(argv)
@@ -173,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     summaries = []
     for name in args.models:
         w = load_workload(name, batch_size=BATCH.get(name, 8), size=args.size, device=torch.device("cpu"))
-        every, s = configs_for(w, args.repeats, args.warmup)
+        every, s = configs_for(w, args.repeats, args.warmup, args.min_seconds)
         lines, ratios, summary = report(name, w, every, s)
         all_ratios += ratios
         summaries.append(summary)
