@@ -1,10 +1,13 @@
 """What rotor's executor costs per op: torch's own `checkpoint_sequential` against the very same schedule
-run through `PlanRunner`, on a chain of short stages (1-3 ms each on one CPU thread).
+run through `PlanRunner`, on a chain of short stages (1-3 ms each on one CPU thread), or on a zoo model.
 
     python benchmarks/executor_overhead.py --stages 20 --segments 4 --repeats 21
+    python benchmarks/executor_overhead.py --model hetero --batch 32 --segments 4 7 --repeats 101
 
 Both run one training step per round, interleaved; the ratio of medians is the executor's
-overhead on that schedule (docs/benchmarks.md).
+overhead on that schedule (docs/benchmarks.md). With `--model`, the step without
+recomputation is compared too (torch's plain step against the executor's no-recompute plan),
+which prices the executor where nothing is recomputed.
 """
 
 from __future__ import annotations
@@ -17,16 +20,28 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint_sequential
 
+from lightning_rotor.bench.measure import train_step
 from lightning_rotor.bench.uniform import checkpoint_sequential_ops
+from lightning_rotor.bench.workload import Workload, load_workload
 from lightning_rotor.execute import PlanRunner
 from lightning_rotor.models.mlp import Dense  # tanh(Linear(x)): a short stage
+from lightning_rotor.ops import no_recompute_ops
 from lightning_rotor.stages import sequential_stages
+
+
+def dense_workload(stages: int, width: int, batch: int) -> Workload:
+    model = nn.Sequential(*[Dense(width) for _ in range(stages)])
+    found = sequential_stages(model)
+    x = torch.randn(batch, width)
+    return Workload(name="dense", model=model, x=x, y=None, loss=lambda out, _y: out.sum(), device=x.device,
+                    stage_names=list(found.names), stages=list(found.modules))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="a zoo model (lightning-rotor bench --model) instead of Dense")
     parser.add_argument("--stages", type=int, default=20)
-    parser.add_argument("--segments", type=int, default=4)
+    parser.add_argument("--segments", type=int, nargs="+", default=[4])
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=21)
@@ -34,43 +49,37 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model = nn.Sequential(*[Dense(args.width) for _ in range(args.stages)])
-    x = torch.randn(args.batch, args.width)
-    stages = sequential_stages(model)
-    runner = PlanRunner(stages, checkpoint_sequential_ops(args.stages, args.segments), list(stages.names))
-    seq = nn.Sequential(*stages.modules)
-    runs = {
-        "torch checkpoint_sequential": lambda v: checkpoint_sequential(seq, args.segments, v, use_reentrant=False),
-        "rotor executor, same schedule": runner,
-    }
+    if args.model:
+        w = load_workload(args.model, batch_size=args.batch, size="bench", device=torch.device("cpu"))
+    else:
+        w = dense_workload(args.stages, args.width, args.batch)
+    length = len(w.stages)
+    seq = nn.Sequential(*w.stages)
+    runs = {}
+    if args.model:
+        runs["plain"] = w.model
+        runs["exec:plain"] = PlanRunner(w.stages, no_recompute_ops(length), w.stage_names)
+    for s in args.segments:
+        runs[f"cs{s}"] = lambda v, s=s: checkpoint_sequential(seq, s, v, use_reentrant=False)
+        runs[f"exec:cs{s}"] = PlanRunner(w.stages, checkpoint_sequential_ops(length, s), w.stage_names)
     times: dict[str, list[float]] = {name: [] for name in runs}
-
-    def step(forward) -> None:
-        model.zero_grad(set_to_none=True)
-        forward(x).sum().backward()
-
     for forward in runs.values():
-        step(forward)
+        train_step(w, forward, 0)
     for _ in range(args.repeats):
         for name, forward in runs.items():
             start = time.perf_counter()
-            step(forward)
+            train_step(w, forward, 0)
             times[name].append(time.perf_counter() - start)
-    with torch.no_grad():
-        stage_ms = []
-        for stage in stages.modules:
-            start = time.perf_counter()
-            stage(x)
-            stage_ms.append((time.perf_counter() - start) * 1e3)
-    print(f"{args.stages} stages, forward {min(stage_ms):.2f}-{max(stage_ms):.2f} ms each, "
-          f"{args.segments} segments, {args.repeats} interleaved rounds, {torch.get_num_threads()} thread(s)")
+    print(f"{args.model or 'Dense'}: {length} stages, {args.repeats} interleaved rounds, "
+          f"{torch.get_num_threads()} thread(s)")
     medians = {}
     for name, ts in times.items():
         medians[name] = statistics.median(ts)
         spread = (max(ts) - min(ts)) / medians[name]
-        print(f"{name:32s} median {medians[name] * 1e3:7.2f} ms  min {min(ts) * 1e3:7.2f} ms  spread {spread:.0%}")
-    torch_ms, rotor_ms = medians.values()
-    print(f"ratio (rotor / torch, medians): {rotor_ms / torch_ms:.3f}")
+        print(f"{name:12s} median {medians[name] * 1e3:8.2f} ms  min {min(ts) * 1e3:8.2f} ms  spread {spread:.0%}")
+    for name in runs:
+        if name.startswith("exec:"):
+            print(f"ratio {name} / {name[5:]} (medians): {medians[name] / medians[name[5:]]:.3f}")
     return 0
 
 
