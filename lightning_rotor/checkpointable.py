@@ -187,7 +187,7 @@ class Checkpointable(nn.Module):
 
     `mem_limit`: None (automatic, see the module docstring), bytes (`int`), a size
     (`"6GiB"`), or a fraction of the no-recomputation peak (`0.5`, `"50%"`).
-    `slots`: the planner's memory precision. `loss_tmp`: what the caller's loss
+    `slots`: the planner's memory precision (None: automatic). `loss_tmp`: what the caller's loss
     costs: bytes, or the loss as a function of the output, to be measured (default:
     a softmax cross-entropy over the last dimension is measured). `repeats`, `warmup`:
     timing runs per stage when profiling.
@@ -205,7 +205,7 @@ class Checkpointable(nn.Module):
         stages: Stages | None = None,
         discover: str | None = None,
         checkpoint_modules: Iterable[type[nn.Module]] | None = None,
-        slots: int = 500,
+        slots: int | None = None,
         loss_tmp: int | Callable[[Any], torch.Tensor] | None = None,
         repeats: int = 3,
         warmup: int = 1,

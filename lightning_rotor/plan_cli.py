@@ -64,8 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="activation budget: bytes, '6GiB', '512MB', or a fraction of the "
                              "no-recomputation peak ('0.5', '50%%')")
     parser.add_argument("--json", action="store_true", help="print the plan JSON instead of a summary")
-    parser.add_argument("--slots", type=int, default=DEFAULT_SLOTS,
-                        help=f"memory precision of the planner (default {DEFAULT_SLOTS})")
+    parser.add_argument("--slots", type=int, default=None,
+                        help=f"memory precision of the planner (default: automatic, from {DEFAULT_SLOTS} for "
+                             "150 stages or more up to 20000 for short chains)")
     return parser
 
 
@@ -84,7 +85,7 @@ def _join_mem_limit(argv: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(_join_mem_limit(list(sys.argv[1:] if argv is None else argv)))
-    if args.slots < 1:
+    if args.slots is not None and args.slots < 1:
         print(f"{PROG}: --slots must be a positive integer, got {args.slots}", file=sys.stderr)
         return 2
     try:

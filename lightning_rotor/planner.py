@@ -17,7 +17,7 @@ from typing import Any
 from lightning_rotor import _planner
 from lightning_rotor.budget import BudgetSpec, format_bytes, resolve_budget
 from lightning_rotor.chain import Chain
-from lightning_rotor.discretize import DEFAULT_SLOTS, check_slots, discretize
+from lightning_rotor.discretize import DEFAULT_SLOTS, discretize, resolve_slots
 from lightning_rotor.ops import Op, parse_ops, recomputed_stages
 from lightning_rotor.simulate import no_recompute_peak
 
@@ -140,15 +140,16 @@ def replay(chain: Chain, ops: list[Op]) -> tuple[int, float]:
                            loss_tmp_graph=chain.loss_tmp_graph, in_free=chain.in_free)
 
 
-def plan(chain: Chain, mem_limit: BudgetSpec, *, slots: int = DEFAULT_SLOTS, threads: int | None = None) -> Plan:
+def plan(chain: Chain, mem_limit: BudgetSpec, *, slots: int | None = None, threads: int | None = None) -> Plan:
     """The fastest persistent schedule of `chain` whose peak stays within `mem_limit`.
 
     `mem_limit`: bytes, a size string (`"6GiB"`), or a fraction of the no-recomputation
-    peak (`0.5`, `"50%"`). `slots`: memory precision of the dynamic program.
+    peak (`0.5`, `"50%"`). `slots`: memory precision of the dynamic program (None: automatic,
+    `discretize.auto_slots`: 500 for 150 stages or more, up to 20,000 for short chains).
     `threads`: threads filling its tables (None: min(2, hardware threads)); the plan
     does not depend on it. Raises `InfeasibleBudget` when no schedule fits.
     """
-    check_slots(slots)
+    slots = resolve_slots(slots, chain.length)
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise ValueError(f"threads must be a positive integer or None, got {threads!r}")
     budget = resolve_budget(mem_limit, no_recompute_peak(chain))

@@ -337,3 +337,16 @@ def test_memory_estimate_bounds_the_tables():
     from lightning_rotor.planner import planner_memory_estimate
 
     assert planner_memory_estimate(400, 500) == (400 * 401 // 2 + 400) * 501 * 8
+
+
+def test_automatic_precision_is_finer_for_short_chains_and_never_plans_slower():
+    from pathlib import Path
+
+    from lightning_rotor.discretize import auto_slots
+
+    assert auto_slots(150) == auto_slots(1000) == 500  # rotor's discretisation for long chains
+    assert auto_slots(9) == 20_000 and auto_slots(39) == 150 * 150 * 500 // 39**2
+    chain = Chain.load(Path(__file__).resolve().parent.parent / "examples" / "resnet50_b32.json")
+    automatic = plan(chain, "50%")
+    assert automatic.slots == auto_slots(chain.length) > 500
+    assert automatic.time < plan(chain, "50%", slots=500).time

@@ -70,7 +70,7 @@ class _RotorMixin:
         mem_limit: Budget | Mapping[str, Budget],
         include: Sequence[Selector] | None,
         exclude: Sequence[Selector],
-        slots: int,
+        slots: int | None,
         discover: str = "auto",
         checkpoint_modules: Sequence[str | type] | None = None,
     ) -> None:
@@ -164,7 +164,7 @@ class RotorStrategy(_RotorMixin, SingleDeviceStrategy):
     or "sequential" (only nn.Sequential parts, as before). `checkpoint_modules`: block
     classes (classes, class paths or names) each kept whole in one stage.
     `include` / `exclude`: submodule names (globs allowed), class names or classes
-    overriding what is wrapped. `slots`: the planner's memory precision. `device`:
+    overriding what is wrapped. `slots`: the planner's memory precision (None: automatic). `device`:
     leave None to take the Trainer's accelerator and `devices`.
     """
 
@@ -176,7 +176,7 @@ class RotorStrategy(_RotorMixin, SingleDeviceStrategy):
         *,
         include: list[str | type] | None = None,
         exclude: list[str | type] | None = None,
-        slots: int = 500,
+        slots: int | None = None,
         discover: str = "auto",
         checkpoint_modules: list[str | type] | None = None,
         device: str | torch.device | None = None,
@@ -233,7 +233,7 @@ class RotorDDPStrategy(_RotorMixin, DDPStrategy):
         *,
         include: list[str | type] | None = None,
         exclude: list[str | type] | None = None,
-        slots: int = 500,
+        slots: int | None = None,
         discover: str = "auto",
         checkpoint_modules: list[str | type] | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,

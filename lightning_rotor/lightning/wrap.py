@@ -185,7 +185,7 @@ def wrap(
     *,
     include: Sequence[Selector] | None = None,
     exclude: Sequence[Selector] = (),
-    slots: int = 500,
+    slots: int | None = None,
     discover: str = "sequential",
     checkpoint_modules: Sequence[str | type] | None = None,
 ) -> tuple[list[Wrapped], str]:
