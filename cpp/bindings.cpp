@@ -19,10 +19,12 @@ using Opt = std::optional<int64_t>;
 using OptSizes = std::optional<Sizes>;
 
 // loss_tmp_graph defaults to loss_tmp (chain version 1: the loss charges the same either way);
-// in_free to zeros (chain version 2: nothing of a stage input is let go before its backward).
+// in_free to zeros (chain version 2: nothing of a stage input is let go before its backward);
+// loss_value to 0 (before chain version 3 the loss value was counted with a_0).
 MemChain make_chain(Sizes size, Sizes saved, Sizes fwd_tmp, Sizes fwd_tmp_nograd, Sizes bwd_tmp, int64_t loss_tmp,
-                    Opt loss_tmp_graph, OptSizes in_free) {
+                    Opt loss_tmp_graph, OptSizes in_free, int64_t loss_value = 0) {
     MemChain c;
+    c.loss_value = loss_value;
     c.in_free = in_free ? std::move(*in_free) : Sizes(saved.size(), 0);
     c.size = std::move(size);
     c.saved = std::move(saved);
@@ -76,9 +78,9 @@ PYBIND11_MODULE(_planner, m) {
     m.def(
         "solve",
         [](Sizes size, Sizes saved, Sizes fwd_tmp, Sizes fwd_tmp_nograd, Sizes bwd_tmp, int64_t loss_tmp, Sizes fwd_cost, Sizes bwd_cost,
-           int64_t slots, int threads, Opt loss_tmp_graph, OptSizes in_free) -> py::object {
+           int64_t slots, int threads, Opt loss_tmp_graph, OptSizes in_free, int64_t loss_value) -> py::object {
             MemChain c = make_chain(std::move(size), std::move(saved), std::move(fwd_tmp), std::move(fwd_tmp_nograd),
-                                    std::move(bwd_tmp), loss_tmp, loss_tmp_graph, std::move(in_free));
+                                    std::move(bwd_tmp), loss_tmp, loss_tmp_graph, std::move(in_free), loss_value);
             rotor::Solution sol;
             {
                 py::gil_scoped_release release;
@@ -89,7 +91,7 @@ PYBIND11_MODULE(_planner, m) {
         },
         py::arg("size"), py::arg("saved"), py::arg("fwd_tmp"), py::arg("fwd_tmp_nograd"), py::arg("bwd_tmp"), py::arg("loss_tmp"),
         py::arg("fwd_cost"), py::arg("bwd_cost"), py::arg("slots"), py::arg("threads") = 0,
-        py::arg("loss_tmp_graph") = py::none(), py::arg("in_free") = py::none(),
+        py::arg("loss_tmp_graph") = py::none(), py::arg("in_free") = py::none(), py::arg("loss_value") = 0,
         "(cost, ops) of the least-cost schedule within `slots` units (a_0 included), or None.\n"
         "`threads` <= 0: default_threads(); the result does not depend on it.");
 
@@ -98,39 +100,42 @@ PYBIND11_MODULE(_planner, m) {
     m.def(
         "min_budget",
         [](Sizes size, Sizes saved, Sizes fwd_tmp, Sizes fwd_tmp_nograd, Sizes bwd_tmp, int64_t loss_tmp, Opt loss_tmp_graph,
-           OptSizes in_free) {
-            return rotor::min_budget(
-                make_chain(size, saved, fwd_tmp, fwd_tmp_nograd, bwd_tmp, loss_tmp, loss_tmp_graph, std::move(in_free)));
+           OptSizes in_free, int64_t loss_value) {
+            return rotor::min_budget(make_chain(size, saved, fwd_tmp, fwd_tmp_nograd, bwd_tmp, loss_tmp, loss_tmp_graph,
+                                                std::move(in_free), loss_value));
         },
         py::arg("size"), py::arg("saved"), py::arg("fwd_tmp"), py::arg("fwd_tmp_nograd"), py::arg("bwd_tmp"), py::arg("loss_tmp"),
-        py::arg("loss_tmp_graph") = py::none(), py::arg("in_free") = py::none(),
+        py::arg("loss_tmp_graph") = py::none(), py::arg("in_free") = py::none(), py::arg("loss_value") = 0,
         "Smallest budget (a_0 included) for which a persistent schedule exists.");
 
     m.def(
         "feasible_schedule",
         [](Sizes size, Sizes saved, Sizes fwd_tmp, Sizes fwd_tmp_nograd, Sizes bwd_tmp, int64_t loss_tmp, int64_t budget,
-           Opt loss_tmp_graph, OptSizes in_free) -> py::object {
+           Opt loss_tmp_graph, OptSizes in_free, int64_t loss_value) -> py::object {
             rotor::Solution sol = rotor::feasible_schedule(
-                make_chain(size, saved, fwd_tmp, fwd_tmp_nograd, bwd_tmp, loss_tmp, loss_tmp_graph, std::move(in_free)),
+                make_chain(size, saved, fwd_tmp, fwd_tmp_nograd, bwd_tmp, loss_tmp, loss_tmp_graph, std::move(in_free),
+                           loss_value),
                 budget);
             if (!sol.feasible) return py::none();
             return to_python(sol.ops);
         },
         py::arg("size"), py::arg("saved"), py::arg("fwd_tmp"), py::arg("fwd_tmp_nograd"), py::arg("bwd_tmp"), py::arg("loss_tmp"),
         py::arg("budget"), py::arg("loss_tmp_graph") = py::none(), py::arg("in_free") = py::none(),
+        py::arg("loss_value") = 0,
         "Ops of a schedule within `budget` exact units, or None below the minimum.");
 
     m.def(
         "replay",
         [](Sizes size, Sizes saved, Sizes fwd_tmp, Sizes fwd_tmp_nograd, Sizes bwd_tmp, int64_t loss_tmp, std::vector<double> fwd_time,
-           std::vector<double> bwd_time, const py::list& ops, Opt loss_tmp_graph, OptSizes in_free) {
+           std::vector<double> bwd_time, const py::list& ops, Opt loss_tmp_graph, OptSizes in_free,
+           int64_t loss_value) {
             MemChain c = make_chain(size, saved, fwd_tmp, fwd_tmp_nograd, bwd_tmp, loss_tmp, loss_tmp_graph,
-                                    std::move(in_free));
+                                    std::move(in_free), loss_value);
             rotor::Replay r = rotor::replay(c, fwd_time, bwd_time, from_python(ops));
             return py::make_tuple(r.peak, r.time);
         },
         py::arg("size"), py::arg("saved"), py::arg("fwd_tmp"), py::arg("fwd_tmp_nograd"), py::arg("bwd_tmp"), py::arg("loss_tmp"),
         py::arg("fwd_time"), py::arg("bwd_time"), py::arg("ops"), py::arg("loss_tmp_graph") = py::none(),
-        py::arg("in_free") = py::none(),
+        py::arg("in_free") = py::none(), py::arg("loss_value") = 0,
         "(peak bytes, seconds) of ops replayed on the chain.");
 }

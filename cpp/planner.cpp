@@ -41,8 +41,10 @@ struct Needs {
 int64_t fe_need(const MemChain& c, int s, int t, bool given) {
     const auto& size = c.size;
     int64_t held = given ? size[t] : 0;
+    // B s comes after the loss: with the loss pending in (s, t), the loss value is held by then
     int64_t need = std::max(held + c.saved[s] + c.fwd_tmp[s],
-                            c.saved[s] + size[s + 1] + size[s] + c.bwd_tmp[s] - c.in_free[s]);
+                            c.saved[s] + size[s + 1] + size[s] + c.bwd_tmp[s] - c.in_free[s] +
+                                (given ? 0 : c.loss_value));
     if (!given && s + 1 == c.length())
         need = std::max(need, c.saved[s] + size[s + 1] + c.loss_tmp_graph - c.in_free[s]);
     return need;
@@ -92,7 +94,7 @@ Needs compute_needs(const MemChain& c) {
         for (int s2 = s + 1; s2 <= L; ++s2) {
             run = std::max(run, run_step(c, s, s2));
             int64_t right = s2 == L ? 2 * size[L] + c.loss_tmp : size[s2] + n.pending[s2];
-            best = std::min(best, std::max({run, right, n.g(s, s2)}));
+            best = std::min(best, std::max({run, right, n.g(s, s2) + c.loss_value}));  // left after the loss
         }
         n.pending[s] = best;
         n.full_pending[s] = full;
@@ -243,9 +245,9 @@ class Solver {
     // out[m] = min(out[m], c + a(m - shift) + b(m)) for m in [from, to), b optional.
     // Callers guarantee m - shift >= a.lo and m >= b.lo on the range.
     void relax(const Table& dst, int64_t from, int64_t to, double c, const Table& a, int64_t shift,
-               const Table* b) {
+               const Table* b, int64_t b_shift = 0) {
         double* out = data_.data() + dst.offset - dst.lo;
-        const int64_t a_end = a.hi + shift, b_end = b ? b->hi : std::numeric_limits<int64_t>::max();
+        const int64_t a_end = a.hi + shift, b_end = b ? b->hi + b_shift : std::numeric_limits<int64_t>::max();
         for (int64_t x = from; x < to;) {
             int64_t end = to;
             const bool in_a = x < a_end, in_b = b && x < b_end;
@@ -255,7 +257,7 @@ class Solver {
             const int64_t n = end - x;
             if (in_a && in_b) {
                 const double* pa = data_.data() + a.offset + (x - shift - a.lo);
-                const double* pb = data_.data() + b->offset + (x - b->lo);
+                const double* pb = data_.data() + b->offset + (x - b_shift - b->lo);
                 for (int64_t i = 0; i < n; ++i) {
                     double v = c + pa[i] + pb[i];
                     o[i] = v < o[i] ? v : o[i];
@@ -268,7 +270,7 @@ class Solver {
                     o[i] = v < o[i] ? v : o[i];
                 }
             } else if (in_b) {
-                const double* pb = data_.data() + b->offset + (x - b->lo);
+                const double* pb = data_.data() + b->offset + (x - b_shift - b->lo);
                 const double k = c + a.full_cost;
                 for (int64_t i = 0; i < n; ++i) {
                     double v = k + pb[i];
@@ -329,25 +331,26 @@ class Solver {
         const bool loss = !given && s2 == L_;
         const Table& right = loss ? left : T(s2, t, given);
         const int64_t shift = loss ? 0 : c_.size[s2];
-        int64_t from = std::max({lo, need_[s2], left.lo});
+        const int64_t lshift = given ? 0 : c_.loss_value;  // the left part runs after the loss: its value is held
+        int64_t from = std::max({lo, need_[s2], left.lo + lshift});
         from = std::max(from, loss ? 2 * c_.size[L_] + c_.loss_tmp : right.lo + shift);
-        const double* lp = data_.data() + left.offset - left.lo;
+        const double* lp = data_.data() + left.offset - left.lo - lshift;  // lp[m]: left part at m - lshift
         const double* rp = data_.data() + right.offset - right.lo - shift;  // rp[m]: right part at m - shift
         for (int64_t x = from; x < hi; x += kBlock) {
             const int64_t y = std::min(hi, x + kBlock);
             // The candidate only falls with m: its value at y - 1 is its least on the block.
-            double least = forward + (y - 1 < left.hi ? lp[y - 1] : left.full_cost);
+            double least = forward + (y - 1 - lshift < left.hi ? lp[y - 1] : left.full_cost);
             if (!loss) least += y - 1 - shift < right.hi ? rp[y - 1] : right.full_cost;
             if (least >= cur[x]) continue;
             if (loss) {
-                relax(tab, x, y, forward, left, 0, nullptr);
-            } else if (y <= left.hi && y - shift <= right.hi) {  // both parts stored on the block
+                relax(tab, x, y, forward, left, lshift, nullptr);
+            } else if (y - lshift <= left.hi && y - shift <= right.hi) {  // both parts stored on the block
                 for (int64_t m = x; m < y; ++m) {
                     const double v = forward + rp[m] + lp[m];
                     cur[m] = v < cur[m] ? v : cur[m];
                 }
             } else {
-                relax(tab, x, y, forward, right, shift, &left);
+                relax(tab, x, y, forward, right, shift, &left, lshift);
             }
         }
         return true;
@@ -384,7 +387,8 @@ class Solver {
             } else {
                 right = value(T(s2, t, given), m - c_.size[s2]);
             }
-            const double cand = forward_cost(s, s2) + right + value(G(s, s2), m);
+            const int64_t lshift = given ? 0 : c_.loss_value;
+            const double cand = forward_cost(s, s2) + right + value(G(s, s2), m - lshift);
             if (cand != target) continue;
             ops.push_back({OpKind::Fc, s});
             for (int j = s + 1; j < s2; ++j) ops.push_back({OpKind::Fn, j});
@@ -393,7 +397,7 @@ class Solver {
             } else {
                 emit(s2, t, given, m - c_.size[s2], ops);
             }
-            emit(s, s2, true, m, ops);
+            emit(s, s2, true, m - lshift, ops);
             return;
         }
         throw std::logic_error("planner: no choice reproduces the table value at stage " + std::to_string(s));
@@ -421,7 +425,8 @@ void emit_feasible(const MemChain& c, const Needs& n, int s, int t, bool given, 
         run = std::max(run, run_step(c, s, s2));
         const bool loss = !given && s2 == L;
         int64_t right = loss ? 2 * c.size[L] + c.loss_tmp : c.size[s2] + (given ? n.g(s2, t) : n.pending[s2]);
-        if (std::max({held + run, right, n.g(s, s2)}) > m) continue;
+        const int64_t lshift = given ? 0 : c.loss_value;
+        if (std::max({held + run, right, n.g(s, s2) + lshift}) > m) continue;
         ops.push_back({OpKind::Fc, s});
         for (int j = s + 1; j < s2; ++j) ops.push_back({OpKind::Fn, j});
         if (loss) {
@@ -429,7 +434,7 @@ void emit_feasible(const MemChain& c, const Needs& n, int s, int t, bool given, 
         } else {
             emit_feasible(c, n, s2, t, given, m - c.size[s2], ops);
         }
-        emit_feasible(c, n, s, s2, true, m, ops);
+        emit_feasible(c, n, s, s2, true, m - lshift, ops);
         return;
     }
     throw std::logic_error("planner: no feasible choice at stage " + std::to_string(s));
@@ -478,6 +483,7 @@ void check_chain(const MemChain& c) {
         c.bwd_tmp.size() != L || c.in_free.size() != L)
         throw std::invalid_argument("planner: inconsistent chain lengths");
     if (c.in_free[0] != 0) throw std::invalid_argument("planner: in_free[0] must be 0 (a_0 is never let go)");
+    if (c.loss_value < 0) throw std::invalid_argument("planner: loss_value must be >= 0");
     for (size_t k = 1; k < L; ++k)
         if (c.in_free[k] < 0 || c.in_free[k] > std::min(c.size[k], c.saved[k - 1]))
             throw std::invalid_argument("planner: in_free[" + std::to_string(k) + "] must be within 0..min(size[" +
@@ -584,7 +590,7 @@ Replay replay(const MemChain& c, const std::vector<double>& fwd_time, const std:
                 if (!graph[L] && !plain[L]) throw fail(i, "chain output not held");
                 peak = std::max(peak, cur + c.size[L] + (graph[L] ? c.loss_tmp_graph : c.loss_tmp));
                 grad[L] = 1;
-                cur += c.size[L];
+                cur += c.size[L] + c.loss_value;  // δ_L, and the loss value held from here to the end
                 if (!graph[L] && plain[L]) {
                     plain[L] = 0;
                     cur -= c.size[L];

@@ -28,10 +28,13 @@ struct Op {
 // nor that of F_k keeps, let go right after Fe k, the last forward of stage k before B k (a release:
 // discretize.py rounds it down). The same amount whether a_k is held plain or recorded, so one table
 // per subproblem serves both: after Fe s the subproblem (s+1, t) gets m - saved[s] + in_free[s].
+// loss_value (chain version 3): bytes the loss holds from the end of Loss to the end of the step
+// (its value and the gradient backward seeds it with); every op after Loss needs them on top.
 struct MemChain {
     std::vector<int64_t> size, saved, fwd_tmp, fwd_tmp_nograd, bwd_tmp, in_free;
     int64_t loss_tmp = 0;
     int64_t loss_tmp_graph = 0;
+    int64_t loss_value = 0;
     int length() const { return static_cast<int>(saved.size()); }
 };
 

@@ -17,9 +17,9 @@ CHAIN_VERSION = 3
 READABLE_VERSIONS = (1, 2, 3)
 SIZE_FIELDS = ("out_size", "saved_size", "fwd_tmp", "bwd_tmp")
 SIGNED_FIELDS = ("bwd_tmp",)  # version 2: may be negative (autograd frees as it goes), down to -s_k
-OPTIONAL_FIELDS = ("fwd_tmp_nograd", "out_free", "loss_tmp_kept", "in_free")
+OPTIONAL_FIELDS = ("fwd_tmp_nograd", "out_free", "loss_tmp_kept", "in_free", "loss_value")
 V2_FIELDS = ("out_free", "loss_tmp_kept")  # fields a version-1 file cannot have
-V3_FIELDS = ("in_free",)  # fields a version-1 or version-2 file cannot have
+V3_FIELDS = ("in_free", "loss_value")  # fields a version-1 or version-2 file cannot have
 TIME_FIELDS = ("fwd_time", "bwd_time")
 STAGE_FIELDS = SIZE_FIELDS + TIME_FIELDS
 
@@ -89,6 +89,9 @@ class Chain:
     nor that of `F_k` keeps; it is released right after the last forward of stage
     `k` before `B k` (always an `Fe k` in a persistent schedule). `in_free[0]` is 0
     (the caller's `a_0` is never dropped); the default, all zeros, gives version 2's meaning.
+    `loss_value`: bytes the loss holds from the end of `Loss` to the end of the step (its
+    value and the gradient `backward()` seeds it with); before version 3 they were counted
+    in `input_size`, from the start of the step (default 0: that meaning).
     """
 
     input_size: int
@@ -104,6 +107,7 @@ class Chain:
     out_free: list[int] | None = None
     loss_tmp_kept: int | None = None
     in_free: list[int] | None = None
+    loss_value: int = 0
 
     def __post_init__(self) -> None:
         length = len(self.out_size) if isinstance(self.out_size, (list, tuple)) else None
@@ -148,6 +152,7 @@ class Chain:
             if self.out_free[k] > min(self.out_size[k], self.saved_size[k]):
                 raise ChainError(f"out_free[{k}]={self.out_free[k]} is larger than out_size[{k}]={self.out_size[k]} "
                                  f"or saved_size[{k}]={self.saved_size[k]}; only the stage's own output is released")
+        self.loss_value = _check_size(self.loss_value, "loss_value")
         if self.in_free is None:
             self.in_free = [0] * length
         elif not isinstance(self.in_free, (list, tuple)) or len(self.in_free) != length:
@@ -165,7 +170,7 @@ class Chain:
                 raise ChainError(f"in_free[{k}]={self.in_free[k]} is larger than out_free[{k - 1}]="
                                  f"{self.out_free[k - 1]}: bytes of a_{k} neither graph keeps are among those the "
                                  f"graph of stage {k - 1} does not keep")
-        total = self.input_size + abs(self.loss_tmp) + abs(self.loss_tmp_kept) + sum(
+        total = self.input_size + self.loss_value + abs(self.loss_tmp) + abs(self.loss_tmp_kept) + sum(
             sum(abs(v) for v in getattr(self, f)) for f in (*SIZE_FIELDS, "fwd_tmp_nograd", "out_free", "in_free"))
         if total > MAX_BYTES:
             raise ChainError(f"the chain's sizes add up to {total} bytes, more than the 2**62 bytes (4 EiB) the "
@@ -251,6 +256,7 @@ class Chain:
             out_free=data.get("out_free"),
             loss_tmp_kept=data.get("loss_tmp_kept"),
             in_free=data.get("in_free"),
+            loss_value=data.get("loss_value", 0),
             **{name: data[name] for name in STAGE_FIELDS},
         )
 
@@ -270,6 +276,8 @@ class Chain:
             data["loss_tmp_kept"] = self.loss_tmp_kept
         if any(self.in_free):
             data["in_free"] = list(self.in_free)
+        if self.loss_value:
+            data["loss_value"] = self.loss_value
         return data
 
     @classmethod

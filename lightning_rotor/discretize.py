@@ -59,6 +59,7 @@ class DiscreteChain:
     loss_tmp: int  # Loss on a plain a_L (signed)
     loss_tmp_graph: int  # Loss on a_L held with its graph (Chain.loss_tmp_graph)
     in_free: list[int]  # bytes of a_k let go after Fe k (its last forward before B k), rounded down
+    loss_value: int  # held from the end of Loss to the end of the step
     fwd_cost: list[int]  # ticks << count_bits | 1
     bwd_cost: list[int]  # ticks << count_bits
     count_bits: int
@@ -111,6 +112,7 @@ def discretize(chain: Chain, budget: int, slots: int = DEFAULT_SLOTS) -> Discret
         loss_tmp=up(chain.loss_tmp),
         loss_tmp_graph=up(chain.loss_tmp_graph),
         in_free=[x // unit for x in chain.in_free],  # a release: rounded down (floor), see above
+        loss_value=up(chain.loss_value),
         fwd_cost=[(round(t / tick) << count_bits) | 1 for t in chain.fwd_time],
         bwd_cost=[round(t / tick) << count_bits for t in chain.bwd_time],
         count_bits=count_bits,

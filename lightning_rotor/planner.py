@@ -131,13 +131,13 @@ def min_feasible_budget(chain: Chain) -> int:
     At least 1: budgets are positive, even for a chain of empty values.
     """
     return max(1, _planner.min_budget(*_memory_args(chain), loss_tmp_graph=chain.loss_tmp_graph,
-                                      in_free=chain.in_free))
+                                      in_free=chain.in_free, loss_value=chain.loss_value))
 
 
 def replay(chain: Chain, ops: list[Op]) -> tuple[int, float]:
     """(peak bytes, seconds) of `ops` by the C++ replay (tests compare it with `simulate`)."""
     return _planner.replay(*_memory_args(chain), chain.fwd_time, chain.bwd_time, list(ops),
-                           loss_tmp_graph=chain.loss_tmp_graph, in_free=chain.in_free)
+                           loss_tmp_graph=chain.loss_tmp_graph, in_free=chain.in_free, loss_value=chain.loss_value)
 
 
 def plan(chain: Chain, mem_limit: BudgetSpec, *, slots: int | None = None, threads: int | None = None) -> Plan:
@@ -159,12 +159,13 @@ def plan(chain: Chain, mem_limit: BudgetSpec, *, slots: int | None = None, threa
     check_planner_memory(chain.length, slots)
     d = discretize(chain, budget, slots=slots)
     found = _planner.solve(d.size, d.saved, d.fwd_tmp, d.fwd_tmp_nograd, d.bwd_tmp, d.loss_tmp, d.fwd_cost, d.bwd_cost,
-                           d.slots, threads=threads or 0, loss_tmp_graph=d.loss_tmp_graph, in_free=d.in_free)
+                           d.slots, threads=threads or 0, loss_tmp_graph=d.loss_tmp_graph, in_free=d.in_free,
+                           loss_value=d.loss_value)
     candidates = []
     if found is not None:
         candidates.append(parse_ops(found[1]))
     fallback = _planner.feasible_schedule(*_memory_args(chain), budget, loss_tmp_graph=chain.loss_tmp_graph,
-                                          in_free=chain.in_free)
+                                          in_free=chain.in_free, loss_value=chain.loss_value)
     if fallback is not None:
         candidates.append(parse_ops(fallback))
     scored = [(replay(chain, ops), ops) for ops in candidates]

@@ -27,9 +27,9 @@ docs/memory-model.md defines each field:
   function of the output to have it measured, or bytes; by default a softmax
   cross-entropy over the last dimension is measured (`proxy_loss`), in the
   caller's autocast state, on a plain `a_L` handed over and on one kept alive;
-- `input_size`: bytes of `a_0`, plus the loss value and its seed gradient, which
-  stay alive through the whole backward (the model has no other place for them;
-  `LOSS_HELD` bytes when the loss is given as bytes).
+- `input_size`: bytes of `a_0`; `loss_value`: the loss value and its seed gradient,
+  held from the end of the loss to the end of the step (`LOSS_HELD` bytes when the
+  loss is given as bytes).
 
 Times are medians of repeated runs after warm-up, on the current thread
 count. Profiling leaves no trace: parameters, `.grad`, buffers and the RNG
@@ -54,7 +54,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from lightning_rotor.chain import Chain
 from lightning_rotor.memory import MemoryProbe, storage_bytes, storage_emptied, storage_key
 
-LOSS_HELD = 64  # bytes of the caller's loss value when the loss is not measured (given as bytes); charged with a_0
+LOSS_HELD = 64  # bytes of the caller's loss value when the loss is not measured (given as bytes)
 
 
 class InplaceError(RuntimeError):
@@ -380,16 +380,18 @@ def _loss_peak(output: Any, loss_fn: Callable[[Any], torch.Tensor], keep: bool) 
 
 
 def measure_loss_tmp(output: Any, loss_fn: Callable[[Any], torch.Tensor] = proxy_loss) -> tuple[int, int, int]:
-    """(`loss_tmp`, `loss_tmp_kept`, loss value bytes): the loss's peak above `a_L`, `δ_L` and its value.
+    """(`loss_tmp`, `loss_tmp_kept`, loss value bytes): the loss's peak above `a_L` and `δ_L`.
 
     `loss_tmp` hands a plain `a_L` to the loss, which may free it before its backward
     (cross-entropy keeps its log-probabilities, not its input); `loss_tmp_kept` keeps
-    `a_L` alive throughout, as when a stage's graph also saved it. Both are signed. The
-    loss value stays alive through the whole backward; the chain charges it with `a_0`.
+    `a_L` alive throughout, as when a stage's graph also saved it. Both are signed, and
+    include the loss value only where it exists at the peak (a peak in the loss's forward
+    comes before it). The loss value then stays alive to the end of the step: the chain's
+    `loss_value`, held from the end of `Loss` on.
     """
     size = storage_bytes(output)
     (plain, value), (kept, _) = (_loss_peak(output, loss_fn, keep) for keep in (False, True))
-    plain, kept = plain - 2 * size - value, kept - 2 * size - value
+    plain, kept = plain - 2 * size, kept - 2 * size
     return max(-size, plain), max(-size, plain, kept), value
 
 
@@ -697,10 +699,9 @@ def profile_chain(
     else:
         loss_bytes = loss_kept = int(loss_tmp)
         held = LOSS_HELD
-    # the loss value lives from the loss to the end of the step; a_0 carries it (a few bytes too early)
-    s_0 = storage_bytes(sample) + held
-    fields["bwd_tmp"][0] = max(-s_0, fields["bwd_tmp"][0] - held)  # measured above a δ_0 without the loss value
-    chain = Chain(input_size=s_0, loss_tmp=loss_bytes, loss_tmp_kept=loss_kept, names=names, **fields)
+    # the loss value lives from the end of the loss to the end of the step (chain version 3: loss_value)
+    chain = Chain(input_size=storage_bytes(sample), loss_tmp=loss_bytes, loss_tmp_kept=loss_kept, loss_value=held,
+                  names=names, **fields)
     seconds = time.perf_counter() - start
     threads = torch.get_num_threads()
     return Profile(chain, seconds, fwd_spread, bwd_spread, repeats=repeats, threads=threads)

@@ -19,7 +19,9 @@ holds. Two ways to start:
 
 `B s` is charged `sb_{s+1} + s_{s+1} + s_s + bwd_net_s - in_free_s` (the free part of
 `a_{s+1}` released inside `bwd_net`), the loss on a recorded `a_L`
-`sb_L + s_L + loss_tmp_graph - in_free_{L-1}` (docs/memory-model.md, part 2).
+`sb_L + s_L + loss_tmp_graph - in_free_{L-1}` (docs/memory-model.md, part 2). With the loss
+pending, whatever runs after it (`B s`, the left part of a split) also holds the loss value
+(`loss_value`, chain version 3).
 """
 
 from __future__ import annotations
@@ -37,11 +39,12 @@ def solve(d: DiscreteChain) -> tuple[int, list[tuple]] | None:
     """Least cost and its ops for the whole chain within `d.slots`, or None when nothing fits."""
     length, size, saved = d.length, d.size, d.saved
     ft, ft_ng, bt, lt, ltg = d.fwd_tmp, d.fwd_tmp_nograd, d.bwd_tmp, d.loss_tmp, d.loss_tmp_graph
-    inf = d.in_free
+    inf, lv = d.in_free, d.loss_value
 
     def fe_need(s: int, t: int, given: bool) -> int:
         held = size[t] if given else 0
-        need = max(held + saved[s] + ft[s], saved[s] + size[s + 1] + size[s] + bt[s] - inf[s])
+        after = 0 if given else lv  # B s runs after the loss: with the loss pending here, its value is held by then
+        need = max(held + saved[s] + ft[s], saved[s] + size[s + 1] + size[s] + bt[s] - inf[s] + after)
         if not given and s + 1 == length:
             need = max(need, saved[s] + size[length] + ltg - inf[s])
         return need
@@ -81,7 +84,7 @@ def solve(d: DiscreteChain) -> tuple[int, list[tuple]] | None:
                 if sub is None:
                     continue
                 right = sub[0]
-            left = best(s, s2, True, m)
+            left = best(s, s2, True, m - (0 if given else lv))  # after the loss: its value is held
             if left is None:
                 continue
             cost = forward + right + left[0]
@@ -100,7 +103,7 @@ def solve(d: DiscreteChain) -> tuple[int, list[tuple]] | None:
         s2 = choice[1]
         forward = [("Fc", s)] + [("Fn", j) for j in range(s + 1, s2)]
         right = [("Loss",)] if (not given and s2 == length) else ops(s2, t, given, m - size[s2])
-        return forward + right + ops(s, s2, True, m)
+        return forward + right + ops(s, s2, True, m - (0 if given else lv))
 
     old_limit = sys.getrecursionlimit()
     sys.setrecursionlimit(max(old_limit, 10_000))
@@ -125,12 +128,13 @@ def reference_min_budget(chain: Chain) -> int:
     length = chain.length
     size, saved = chain.sizes, chain.saved_size
     ft, ft_ng, bt, lt = chain.fwd_tmp, chain.fwd_tmp_nograd, chain.bwd_net, chain.loss_tmp
-    ltg, inf = chain.loss_tmp_graph, chain.in_free
+    ltg, inf, lv = chain.loss_tmp_graph, chain.in_free, chain.loss_value
 
     @cache
     def need(s: int, t: int, given: bool) -> int:
         held = size[t] if given else 0
-        fe = max(held + saved[s] + ft[s], saved[s] + size[s + 1] + size[s] + bt[s] - inf[s])
+        after = 0 if given else lv
+        fe = max(held + saved[s] + ft[s], saved[s] + size[s + 1] + size[s] + bt[s] - inf[s] + after)
         if not given and s + 1 == length:
             fe = max(fe, saved[s] + size[length] + ltg - inf[s])
         if s + 1 < t:
@@ -145,7 +149,7 @@ def reference_min_budget(chain: Chain) -> int:
                 right = 2 * size[length] + lt
             else:
                 right = size[s2] + need(s2, t, given)
-            result = min(result, max(held + run, right, need(s, s2, True)))
+            result = min(result, max(held + run, right, need(s, s2, True) + after))
         return result
 
     return size[0] + need(0, length, False)

@@ -101,7 +101,7 @@ def simulate(chain: Chain, ops: Iterable[Any]) -> Simulation:
                 plain.discard(length)
                 cur -= s[length]
             grads.add(length)
-            cur += s[length]
+            cur += s[length] + chain.loss_value  # δ_L, and the loss value from here to the end
             loss_done = True
         elif kind is OpKind.B:
             if not loss_done:

@@ -36,6 +36,8 @@ def chains(draw, max_length=7):
         if draw(st.booleans()):  # version 3: stage inputs neither graph keeps, let go after their last forward
             free = version2["out_free"]
             version2["in_free"] = [0] + [draw(st.integers(0, free[k - 1])) for k in range(1, length)]
+        if draw(st.booleans()):  # version 3: the loss value, held from the end of the loss on
+            version2["loss_value"] = draw(st.sampled_from([1, 8, 35]))
     saved = [o + e for o, e in zip(out, extra, strict=True)]
     if draw(st.integers(0, 3)) == 0:  # outputs partly views of their inputs: recorded outputs smaller than values
         saved = [max(s - draw(st.sampled_from([0, 10, 60])), version2.get("out_free", [0] * length)[k])
@@ -58,7 +60,7 @@ def chains(draw, max_length=7):
 def cpp_solve(chain, budget, slots):
     d = discretize(chain, budget, slots=slots)
     return _planner.solve(d.size, d.saved, d.fwd_tmp, d.fwd_tmp_nograd, d.bwd_tmp, d.loss_tmp, d.fwd_cost, d.bwd_cost,
-                          d.slots, loss_tmp_graph=d.loss_tmp_graph, in_free=d.in_free)
+                          d.slots, loss_tmp_graph=d.loss_tmp_graph, in_free=d.in_free, loss_value=d.loss_value)
 
 
 def without_in_free(chain):

@@ -36,11 +36,14 @@ def test_sizes_of_known_stages():
     # the view's backward makes δ_3 (a copy of δ_4 in the input's .grad) and nothing else
     assert chain.bwd_tmp[3] == 0
     # cross-entropy keeps float32 log-probabilities and makes their gradient; a plain a_L handed to it is
-    # freed after its forward (one output-sized tensor above a_L and δ_L), a kept one is not (two)
-    assert chain.loss_tmp == 16 * 8 * 4
-    assert chain.loss_tmp_kept == 2 * 16 * 8 * 4
-    # the loss value and the gradient backward() seeds it with (two float32 scalars) ride with a_0
-    assert chain.input_size == 16 * 64 * 4 + 2 * 4
+    # freed after its forward (one output-sized tensor above a_L and δ_L), a kept one is not (two); the peak
+    # comes in the loss's backward, where its value and the gradient backward() seeds it with exist
+    value = 2 * 4  # two float32 scalars
+    assert chain.loss_tmp == 16 * 8 * 4 + value
+    assert chain.loss_tmp_kept == 2 * 16 * 8 * 4 + value
+    # and they stay to the end of the step: loss_value, no longer counted with a_0 (chain version 3)
+    assert chain.loss_value == value
+    assert chain.input_size == 16 * 64 * 4
 
 
 def test_profiling_leaves_parameters_grads_buffers_and_rng_untouched():
