@@ -41,7 +41,7 @@ def profile_resnet(path: Path) -> Chain:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("chain", nargs="?", type=Path, help="a chain JSON file (default: profile a small ResNet)")
-    parser.add_argument("--budgets", nargs="+", default=["100%", "75%", "50%", "40%", "30%"])
+    parser.add_argument("--budgets", nargs="+", default=["100%", "85%", "70%", "60%", "50%"])
     args = parser.parse_args()
 
     torch.manual_seed(0)
