@@ -179,7 +179,8 @@ class _Step:
                     if recorded:  # keep a_k's graph node, not its value
                         entry_k, value = self.graph[k]
                         if value is not None:
-                            self.released[k] = output_edges(value)
+                            if entry is not _JOINED:  # joined: B k-1 runs inside B k's call, from no edges of its own
+                                self.released[k] = output_edges(value)
                             self.graph[k] = (entry_k, None)
                         del value
                     else:
