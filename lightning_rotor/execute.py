@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from lightning_rotor.ops import Op, OpKind, parse_ops, recomputed_stage_set
+from lightning_rotor.ops import Op, OpKind, last_forwards, parse_ops, recomputed_stage_set
 from lightning_rotor.profile import (
     backward_from_edges,
     check_inplace,
@@ -55,20 +55,6 @@ class _Caught(list):
     def __init__(self, count: int):
         super().__init__()
         self.count = count
-
-
-def last_recorded_forwards(ops: Sequence[Op]) -> list[bool]:
-    """Per op: is it `Fe k` (k >= 1), the last forward of stage k before `B k`? After it `a_k` is let go."""
-    last = [False] * len(ops)
-    awaiting: set[int] = set()  # stages whose B was seen (scanning backwards) and no forward since
-    for i in range(len(ops) - 1, -1, -1):
-        op = ops[i]
-        if op.kind is OpKind.B:
-            awaiting.add(op.stage)
-        elif op.kind.is_forward and op.stage in awaiting:
-            awaiting.discard(op.stage)
-            last[i] = op.kind is OpKind.FE and op.stage >= 1
-    return last
 
 
 class _Autocast:
@@ -264,9 +250,8 @@ class _Step:
         if edges is None:
             edges = output_edges(out)
         del out  # the value of a_{k+1} goes before the backward: only what the graph saved stays
-        for j in run[1:]:
+        for j in run[1:]:  # joined below: their outputs were let go when the stage above ran (no edges kept)
             entry, out = self.graph.pop(j + 1)
-            self.released.pop(j + 1, None)
             del out
         hooks, unmarked, mark_top = self._mark_done(run)
         # δ_{k+1} goes once the node receiving it has run, or at the latest when B k is done (δ_L too)
@@ -313,7 +298,7 @@ class _Step:
         return handles, pending, lambda: mark_until(top)
 
     def run(self, ops: Sequence[Op], last: Sequence[bool] | None = None) -> None:
-        """Run `ops`; `last[i]`: op i is its stage's last forward before its backward (`last_recorded_forwards`)."""
+        """Run `ops`; `last[i]`: op i is its stage's last forward before its backward (`ops.last_forwards`)."""
         i, n = 0, len(ops)
         last = last or [False] * n
         while i < n:
@@ -462,9 +447,9 @@ class PlanRunner:
         self.backward_ops = ops[split + 1 :]
         self.recomputed = recomputed_stage_set(ops)
         self.in_free = None if in_free is None else list(in_free)
-        last = last_recorded_forwards(ops)
-        self.forward_last = last[:split]
-        self.backward_last = last[split + 1 :]
+        last = last_forwards(ops, self.length)
+        self.forward_last = [i in last for i in range(split)]
+        self.backward_last = [i in last for i in range(split + 1, len(ops))]
         # B k then B k-1 at once: a recorded a_k may feed stage k as it is, joining the graphs
         self.joinable = {op.stage for op, nxt in zip(self.backward_ops, self.backward_ops[1:], strict=False)
                          if op.kind is OpKind.B and nxt == Op(OpKind.B, op.stage - 1)}

@@ -10,7 +10,7 @@ through as another.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from enum import Enum
 from typing import Any
 
@@ -118,6 +118,27 @@ def recomputed_stage_set(ops: Iterable[Op]) -> set[int]:
 def recomputed_stages(ops: Iterable[Op]) -> int:
     """How many stages run forward more than once."""
     return len(recomputed_stage_set(ops))
+
+
+def last_forwards(ops: Sequence[Op], length: int) -> set[int]:
+    """Indices of the `Fe k` ops (k >= 1) that are the last forward of stage k before `B k`.
+
+    After such an op the executor no longer references `a_k` (chain version 3), and the
+    simulator lets `in_free[k]` go; a forward of stage k of another kind, or none at all,
+    between the last `Fe k` and `B k` means no release.
+    """
+    found: set[int] = set()
+    awaiting: set[int] = set()  # stages whose B k comes later and whose last forward is not yet seen (scanning back)
+    for i in range(len(ops) - 1, -1, -1):
+        op = ops[i]
+        k = op.stage
+        if op.kind is OpKind.B:
+            awaiting.add(k)
+        elif op.kind.is_forward and k in awaiting:
+            awaiting.discard(k)
+            if op.kind is OpKind.FE and 1 <= k < length:
+                found.add(i)
+    return found
 
 
 def no_recompute_ops(length: int) -> list[Op]:

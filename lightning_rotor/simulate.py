@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 from lightning_rotor.chain import Chain
-from lightning_rotor.ops import Op, OpKind, no_recompute_ops, parse_ops
+from lightning_rotor.ops import Op, OpKind, last_forwards, no_recompute_ops, parse_ops
 
 __all__ = ["Simulation", "no_recompute_ops", "no_recompute_peak", "simulate"]
 
@@ -138,26 +138,6 @@ def simulate(chain: Chain, ops: Iterable[Any]) -> Simulation:
             "a plan must end holding δ_0"
         )
     return Simulation(peak=peak, time=math.fsum(times), curve=curve, op_peaks=op_peaks)
-
-
-def last_forwards(ops: list[Op], length: int) -> set[int]:
-    """Indices of the `Fe k` ops (k >= 1) that are the last forward of stage k before `B k`.
-
-    After such an op the executor no longer references `a_k` (chain version 3); a forward of
-    stage k of another kind, or none at all, between the last `Fe k` and `B k` means no release.
-    """
-    found: set[int] = set()
-    awaiting: set[int] = set()  # stages whose B k comes later and whose last forward is not yet seen (scanning back)
-    for i in range(len(ops) - 1, -1, -1):
-        op = ops[i]
-        k = op.stage
-        if op.kind is OpKind.B:
-            awaiting.add(k)
-        elif op.kind.is_forward and k in awaiting:
-            awaiting.discard(k)
-            if op.kind is OpKind.FE and 1 <= k < length:
-                found.add(i)
-    return found
 
 
 def no_recompute_peak(chain: Chain) -> int:

@@ -152,8 +152,7 @@ def test_version_3_releases_a_stage_input_after_its_last_forward():
 
 
 def test_version_3_last_forward_of_a_stage():
-    from lightning_rotor.ops import parse_ops
-    from lightning_rotor.simulate import last_forwards
+    from lightning_rotor.ops import last_forwards, parse_ops
 
     ops = parse_ops([("Fc", 0), ("Fc", 1), ("Fe", 2), ("Loss",), ("B", 2), ("Fe", 1), ("B", 1), ("Fe", 0), ("B", 0)])
     # Fe 2 and the second forward of stage 1 are last before their backwards; Fc 1 is not; stage 0 never releases
