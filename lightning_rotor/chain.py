@@ -58,6 +58,15 @@ def _check_signed(value: Any, where: str, lowest: int) -> int:
     return int(value)
 
 
+def _optional_sizes(values: Any, name: str, default: list[int]) -> list[int]:
+    """An optional per-stage list of byte counts: `default` when absent, else one valid size per stage."""
+    if values is None:
+        return default
+    if not isinstance(values, (list, tuple)) or len(values) != len(default):
+        raise ChainError(f"{name} must be a list with one entry per stage ({len(default)})")
+    return [_check_size(v, f"{name}[{k}]") for k, v in enumerate(values)]
+
+
 def _check_time(value: Any, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ChainError(f"{where} must be a non-negative number of seconds, got {value!r}")
@@ -128,12 +137,7 @@ class Chain:
                 continue  # checked below, against the sizes
             check = _check_size if name in SIZE_FIELDS else _check_time
             setattr(self, name, [check(v, f"{name}[{k}]") for k, v in enumerate(values)])
-        if self.fwd_tmp_nograd is None:
-            self.fwd_tmp_nograd = list(self.fwd_tmp)
-        elif not isinstance(self.fwd_tmp_nograd, (list, tuple)) or len(self.fwd_tmp_nograd) != length:
-            raise ChainError(f"fwd_tmp_nograd must be a list with one entry per stage ({length})")
-        else:
-            self.fwd_tmp_nograd = [_check_size(v, f"fwd_tmp_nograd[{k}]") for k, v in enumerate(self.fwd_tmp_nograd)]
+        self.fwd_tmp_nograd = _optional_sizes(self.fwd_tmp_nograd, "fwd_tmp_nograd", list(self.fwd_tmp))
         self.input_size = _check_size(self.input_size, "input_size")
         sizes = self.sizes
         self.bwd_tmp = [_check_signed(v, f"bwd_tmp[{k}]", -sizes[k]) for k, v in enumerate(self.bwd_tmp)]
@@ -142,23 +146,13 @@ class Chain:
             self.loss_tmp_kept = self.loss_tmp
         else:
             self.loss_tmp_kept = _check_signed(self.loss_tmp_kept, "loss_tmp_kept", -sizes[-1])
-        if self.out_free is None:
-            self.out_free = [0] * length
-        elif not isinstance(self.out_free, (list, tuple)) or len(self.out_free) != length:
-            raise ChainError(f"out_free must be a list with one entry per stage ({length})")
-        else:
-            self.out_free = [_check_size(v, f"out_free[{k}]") for k, v in enumerate(self.out_free)]
+        self.out_free = _optional_sizes(self.out_free, "out_free", [0] * length)
         for k in range(length):
             if self.out_free[k] > min(self.out_size[k], self.saved_size[k]):
                 raise ChainError(f"out_free[{k}]={self.out_free[k]} is larger than out_size[{k}]={self.out_size[k]} "
                                  f"or saved_size[{k}]={self.saved_size[k]}; only the stage's own output is released")
         self.loss_value = _check_size(self.loss_value, "loss_value")
-        if self.in_free is None:
-            self.in_free = [0] * length
-        elif not isinstance(self.in_free, (list, tuple)) or len(self.in_free) != length:
-            raise ChainError(f"in_free must be a list with one entry per stage ({length})")
-        else:
-            self.in_free = [_check_size(v, f"in_free[{k}]") for k, v in enumerate(self.in_free)]
+        self.in_free = _optional_sizes(self.in_free, "in_free", [0] * length)
         if self.in_free[0]:
             raise ChainError(f"in_free[0]={self.in_free[0]} must be 0: the chain input a_0 is the caller's and is "
                              "never released")
