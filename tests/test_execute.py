@@ -294,21 +294,14 @@ def tanh_mlp():
     return nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 5))
 
 
-def peak_of(run, model, x, y):
-    with MemoryProbe(model) as probe:
-        probe.track(x)
-        F.cross_entropy(run(x), y).backward()
-    return probe.peak
-
-
 def test_without_recomputation_the_executor_and_the_model_hold_exactly_what_plain_autograd_holds():
     x, y = torch.randn(64, 16), torch.randint(0, 5, (64,))
     model = tanh_mlp()
     stages, names, chain = profiled(model, x)
     assert chain.in_free == [0, 64 * 64 * 4, 0, 64 * 64 * 4, 0]
-    plain = peak_of(model, model, x, y)
+    plain = _peak_of(model, model, x, y)
     ops = no_recompute_ops(len(stages))
-    assert peak_of(PlanRunner(stages, ops, names, in_free=chain.in_free), model, x, y) == plain
+    assert _peak_of(PlanRunner(stages, ops, names, in_free=chain.in_free), model, x, y) == plain
     assert simulate(chain, ops).peak == plain
     # version 2 kept both Linear outputs until their backward
     v2 = chain.to_dict() | {"version": 2}
@@ -336,7 +329,7 @@ def test_a_plain_stage_input_goes_exactly_when_the_chain_says():
     assert measured[:-1] == predicted.curve[:-1]
     assert probe.peak == predicted.peak
     # without the chain's figures every plain input goes: never more than predicted
-    assert peak_of(PlanRunner(stages, ops, names), model, x, y) <= predicted.peak
+    assert _peak_of(PlanRunner(stages, ops, names), model, x, y) <= predicted.peak
 
 
 def test_consecutive_backwards_of_recorded_stages_run_in_one_engine_call(monkeypatch):
