@@ -184,9 +184,9 @@ def backward_from_edges(
             receivers.setdefault(id(e.node), (e.node, []))[1].append(g)
         consumed: set[int] = set()  # ids of gradients whose receiver ran and did not pass them on unchanged
         handles = [node.register_hook(_FreeConsumed(owned, consumed)) for node, owned in receivers.values()]
-        rest = [g for _, owned in receivers.values() for g in owned]
-        later = _FreeRest(rest, consumed, when_done)
-        handles += [e.node.register_prehook(later) for e in done_at if e is not None]
+        if done_at:  # only a call running several stages' backwards has a later point to free at
+            later = _FreeRest([g for _, owned in receivers.values() for g in owned], consumed, when_done)
+            handles += [e.node.register_prehook(later) for e in done_at if e is not None]
     try:
         # the engine itself: `torch.autograd.backward` would only re-check shapes the edges already match
         # (δ_{k+1} is made for these very outputs), at a cost that shows on short stages
