@@ -36,6 +36,7 @@ from lightning_rotor.ops import Op, OpKind, last_forwards, parse_ops, recomputed
 from lightning_rotor.profile import (
     backward_from_edges,
     check_inplace,
+    compact_gradients,
     detach_value,
     differentiable,
     enter_stage,
@@ -108,7 +109,7 @@ class _Step:
 
     def _leaf_input(self, k: int, src: Any) -> Any:
         if k > 0:
-            return detach_value(src, True)
+            return compact_gradients(detach_value(src, True))
         flat, spec = tree_flatten(src)
         it = iter(self.input_requires_grad)
         leaves = []
@@ -149,7 +150,7 @@ class _Step:
                 if not last:
                     entry = inp = self._leaf_input(k, src)
                 elif recorded and k in self.runner.joinable:
-                    entry, inp = _JOINED, src
+                    entry, inp = _JOINED, compact_gradients(src)
                     self.joined.add(k)
                     self.joined_edges[k] = output_edges(src)  # where δ_k enters stage k-1: B k is done
                 else:

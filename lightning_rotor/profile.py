@@ -86,6 +86,29 @@ def detach_value(value: Any, requires_grad: bool) -> Any:
     return leaf(value) if isinstance(value, torch.Tensor) else tree_map(leaf, value)
 
 
+def _compact(grad: torch.Tensor) -> torch.Tensor | None:
+    """A copy of `grad` when it is a view that keeps a larger storage alive (see `compact_gradients`)."""
+    if grad.layout != torch.strided or grad.untyped_storage().nbytes() <= grad.numel() * grad.element_size():
+        return None
+    return grad.clone()
+
+
+def compact_gradients(value: Any) -> Any:
+    """Make every gradient that reaches a tensor of stage input `value` hold only its own bytes.
+
+    NOTE: [compact stage-input gradients] the memory model holds δ_k as `s_k` bytes from `B k` on.
+    A gradient made as a slice of a larger one (the backward of `torch.cat` gives each input a
+    narrow view of the output's gradient, as for a U-Net skip) keeps the whole storage alive
+    instead, as long as δ_k is held. A tensor hook copies such a gradient into a tensor of its own
+    when it reaches the stage input, and the view goes with the engine's buffer. The copy is part of
+    `B k`: the profiler runs stages with the same hooks, so `bwd_tmp` measures it. Returns `value`.
+    """
+    for t in tensors_of(value):
+        if t.requires_grad:
+            t.register_hook(_compact)
+    return value
+
+
 class no_cast_cache:
     """Run a stage without autocast's weight-cast cache.
 
@@ -175,9 +198,12 @@ def backward_from_edges(
                 ptr = g.untyped_storage().data_ptr()
                 shared[ptr] = shared.get(ptr, 0) + 1
         for e, g in zip(roots, gs, strict=True):
-            # a leaf's accumulator keeps the gradient itself, and a gradient given to several roots is still
-            # needed after the first has run: both stay untouched
-            if e.node.name() == _ACCUMULATE_GRAD or g.layout != torch.strided:
+            # NOTE: [receivers that keep the gradient] a leaf's accumulator stores it as `.grad` and `EnterStage`
+            # catches it as δ of the stage input (a stage passing a tensor of its input on untouched, such as a
+            # U-Net skip, hands EnterStage the root gradient itself). The engine and the slot hold the same
+            # tensor, which adds no reference to the storage, so it would look consumed and owned: it stays.
+            # A gradient given to several roots is still needed after the first has run: it stays too.
+            if _keeps_gradient(e.node) or g.layout != torch.strided:
                 continue
             if shared[g.untyped_storage().data_ptr()] > 1:
                 continue
@@ -197,6 +223,11 @@ def backward_from_edges(
 
 
 _ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
+
+
+def _keeps_gradient(node: Any) -> bool:
+    """Does this graph node keep the gradient it receives (see NOTE: [receivers that keep the gradient])?"""
+    return node.name() == _ACCUMULATE_GRAD or isinstance(node, EnterStage._backward_cls)
 
 
 def unviewed(grad: torch.Tensor) -> torch.Tensor:
@@ -307,7 +338,7 @@ def enter_stage(value: Any, slot: list, dummy: torch.Tensor) -> Any:
     """`value` with each tensor passed through `EnterStage` (see there); `slot` gets their gradients."""
     flat, spec = tree_flatten(value)
     tensors = [t.detach() for t in flat if isinstance(t, torch.Tensor)]
-    entered = iter(EnterStage.apply(slot, dummy, *tensors))
+    entered = iter(compact_gradients(EnterStage.apply(slot, dummy, *tensors)))
     return tree_unflatten([next(entered) if isinstance(t, torch.Tensor) else t for t in flat], spec)
 
 
@@ -607,6 +638,8 @@ def profile_chain(
 
             def forward(record: bool, stage=stage, k=k, value=value, grad_in=grad_in) -> tuple[Any, Any]:
                 inp = detach_value(value, grad_in and record)
+                if k > 0 and record:
+                    compact_gradients(inp)  # as the executor enters stage inputs
                 before = versions(value)
                 with torch.set_grad_enabled(record), no_cast_cache():
                     out = stage(inp)
