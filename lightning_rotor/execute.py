@@ -368,6 +368,35 @@ def _check_backward_call(step: _Step | None) -> None:
         raise RuntimeError(UNSUPPORTED_BACKWARD)
 
 
+def _stash_grads(params: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Take the stored `.grad` of `params` away for the plan's backward (see `_add_stashed`)."""
+    stashed = [(p, p.grad) for p in params if p.grad is not None]
+    for p, _ in stashed:
+        p.grad = None
+    return stashed
+
+
+def _add_stashed(stashed: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Add the step's gradient of each tied parameter into its stored `.grad` at once, as autograd does.
+
+    NOTE: [tied parameters accumulate once] plain autograd sums every contribution of one
+    backward to a parameter in the engine's buffer, then adds the sum to a stored `.grad`:
+    `g + (a + b)`. The plan runs each stage's backward on its own, so a parameter used by two
+    stages (a tied embedding and LM head) would get `(g + b) + a`, which differs in the last
+    bits (gradient accumulation over micro-batches). With `.grad` taken away for the plan's
+    backward, the stages sum into a fresh gradient, which is added to the stored one here.
+    """
+    with torch.no_grad():
+        for p, stored in stashed:
+            fresh = p.grad
+            if fresh is not None:
+                if stored.is_sparse or fresh.is_sparse:
+                    stored = stored + fresh
+                else:
+                    stored.add_(fresh)
+            p.grad = stored
+
+
 class _Tail(torch.autograd.Function):
     @staticmethod
     def forward(ctx, step: _Step, spec: Any, dummy: torch.Tensor, n_inputs: int, *args: Any) -> torch.Tensor:
@@ -382,10 +411,12 @@ class _Tail(torch.autograd.Function):
     @staticmethod
     def backward(ctx, token_grad: torch.Tensor) -> tuple:
         step: _Step = ctx.step
+        stashed = _stash_grads(step.runner.shared_parameters())
         try:
             step.run(step.runner.backward_ops, step.runner.backward_last)
             delta = iter(step.grads.pop(0))
         finally:
+            _add_stashed(stashed)
             step.clear()
             del ctx.step
         deltas = [next(delta) if is_tensor else None for is_tensor in ctx.is_tensor]
@@ -459,6 +490,7 @@ class PlanRunner:
         self.token_device = torch.device("cpu")
         self._norms: dict[int, list[nn.Module]] = {}
         self._all_params: list[torch.Tensor] | None = None
+        self._shared: list[torch.Tensor] | None = None
         self._plain_buffers: dict[int, list[torch.Tensor]] = {}
 
     def releases_plain(self, k: int) -> bool:
@@ -498,6 +530,18 @@ class PlanRunner:
                     seen.setdefault(id(p), p)
             self._all_params = list(seen.values())
         return [p for p in self._all_params if p.requires_grad and not getattr(p, "_post_accumulate_grad_hooks", None)]
+
+    def shared_parameters(self) -> list[torch.Tensor]:
+        """Trainable parameters used by more than one stage (tied weights), found once."""
+        if self._shared is None:
+            seen: dict[int, int] = {}
+            params: dict[int, torch.Tensor] = {}
+            for stage in self.stages:
+                for p in {id(p): p for p in stage.parameters()}.values():
+                    seen[id(p)] = seen.get(id(p), 0) + 1
+                    params[id(p)] = p
+            self._shared = [params[i] for i, n in seen.items() if n > 1]
+        return [p for p in self._shared if p.requires_grad]
 
     def __call__(self, value: Any) -> Any:
         flat, spec = tree_flatten(value)

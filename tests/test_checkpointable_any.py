@@ -208,3 +208,21 @@ def test_tied_weights_are_fine_alone_and_refused_under_ddp(how):
     with pytest.raises(RuntimeError, match=r"rotor under DDP: parameter 'transformer.wte.weight' is used by stages "
                                            r".*lm_head.*\(tied weights\).*Untie it"):
         loss_fn(again(x), y).backward()
+
+
+def test_tied_weights_accumulated_over_micro_batches_stay_bitwise():
+    """issue 15: with `.grad` stored, each stage added its part on its own ((g+b)+a, not g+(a+b))."""
+    torch.manual_seed(0)
+    plain, x, y, loss_fn = gpt_case()
+    assert plain.lm_head.weight is plain.transformer.wte.weight
+    rotor = Checkpointable(copy.deepcopy(plain), "50%", repeats=1, warmup=0)
+    micro = [(x[i::4], torch.randint(64, (x[i::4].numel(),), generator=torch.Generator().manual_seed(i)))
+             for i in range(4)]
+    for model in (plain, rotor):
+        torch.manual_seed(1)
+        for step in range(2):  # the second step accumulates onto gradients left by the first
+            for xb, yb in micro:
+                (loss_fn(model(xb), yb) / 4).backward()
+    assert rotor.plan.recomputed_stages > 0
+    assert any(len(users) > 1 for users in rotor.shared_parameters().values()), "the test needs a tied weight"
+    assert_same_state(plain, rotor)
