@@ -220,7 +220,7 @@ def test_tied_weights_accumulated_over_micro_batches_stay_bitwise():
              for i in range(4)]
     for model in (plain, rotor):
         torch.manual_seed(1)
-        for step in range(2):  # the second step accumulates onto gradients left by the first
+        for _step in range(2):  # the second step accumulates onto gradients left by the first
             for xb, yb in micro:
                 (loss_fn(model(xb), yb) / 4).backward()
     assert rotor.plan.recomputed_stages > 0
