@@ -109,11 +109,15 @@ class MemoryProbe(TorchDispatchMode):
         self._params: list[torch.Tensor] = []
         self._bookkeeping = {_code(f) for f in bookkeeping}
         self._uncounted: dict[int, StorageWeakRef] = {}  # storages made by bookkeeping
+        seen: set[int] = set()  # a tensor reachable from two excluded modules (a DDP and its module) once
         for item in exclude:
             if isinstance(item, DistributedDataParallel):
                 self._bookkeeping.add(_code(DistributedDataParallel._pre_forward))
             tensors = list(item.parameters()) + list(item.buffers()) if isinstance(item, nn.Module) else [item]
             for t in tensors:
+                if id(t) in seen:
+                    continue
+                seen.add(id(t))
                 if t.layout == torch.strided:
                     self._fixed.add(storage_key(t))
                 if isinstance(t, nn.Parameter) or t.requires_grad:
