@@ -57,13 +57,12 @@ from lightning_rotor.simulate import no_recompute_peak, simulate
 
 
 def _lightning_bookkeeping() -> tuple[Callable, ...]:
-    """Lightning's own copies in a training step: the detached loss for the progress bar, logged values."""
+    """Lightning's own copies in a training step: of logged values (`self.log`), of the loss for the progress bar."""
     try:
         from lightning.pytorch.loops.optimization.automatic import ClosureResult
-        from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
-    except ImportError:  # a Lightning that moved them: those copies count (a few bytes too many, never too few)
-        return ()
-    return ClosureResult._clone_loss, _ResultMetric.update
+    except ImportError:  # a Lightning that moved it: that copy counts (a few bytes too many, never too few)
+        return (pl.LightningModule.log,)
+    return pl.LightningModule.log, ClosureResult._clone_loss
 
 
 LIGHTNING_BOOKKEEPING = _lightning_bookkeeping()
