@@ -155,8 +155,9 @@ class MemoryProbe(TorchDispatchMode):
             frame = frame.f_back
         return False
 
-    def _add(self, tensors: Any, inputs: set[int] = frozenset()) -> None:
-        bookkeeping = None  # looked up once per op, on its first new storage
+    def _add(self, tensors: Any, inputs: set[int] = frozenset(), bookkeeping: bool | None = None) -> None:
+        """Count the new storages behind `tensors`; `bookkeeping` None: look up (once) whether a bookkeeping
+        function made them."""
         for t in tree_leaves(tensors):
             if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.device.type == "meta":
                 continue
@@ -184,9 +185,12 @@ class MemoryProbe(TorchDispatchMode):
         self.peak = max(self.peak, self.current)
 
     def track(self, *tensors: Any) -> None:
-        """Count tensors that existed before the probe (e.g. the chain input `a_0`)."""
+        """Count tensors that existed before the probe (e.g. the chain input `a_0`), whoever made them."""
         self._sweep()
-        self._add(tensors)
+        for t in tree_leaves(tensors):
+            if _strided(t):
+                self._uncounted.pop(storage_key(t), None)
+        self._add(tensors, bookkeeping=False)
 
     def reset_peak(self) -> None:
         """Start a new peak from what is alive now."""

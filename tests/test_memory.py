@@ -116,7 +116,9 @@ def test_storages_made_by_bookkeeping_functions_are_not_counted():
         kept.append(_log_copy(torch.ones(1000)))  # the ones count while alive; the copy never does
         kept[0].add_(1)  # nor an op writing into it
         probe.mark("after")
-    assert probe.marks[0][2] == 4 and probe.peak == 4004
+        probe.track(kept[0])  # a tracked tensor counts, whoever made it
+        probe.mark("tracked")
+    assert probe.marks[0][2] == 4 and probe.marks[1][2] == 4004 and probe.peak == 4004
     del loss
 
 
