@@ -15,10 +15,15 @@ apply; rank zero only):
 Measuring memory costs time (tensor accounting sees every op), so it is a
 sample: the first step that runs each new plan, then every
 `measure_every_n_steps` steps. The value logged is the latest sample; steps
-that were measured do not update `rotor/step_seconds`. On CPU the sample is
-exact tensor accounting of the whole training step (the batch, every
-activation, graph, gradient and transient; not parameters or their
-gradients); on CUDA it is the caching allocator's peak.
+that were measured do not update `rotor/step_seconds`. A sample above the
+budget is warned about (rank zero, one line per plan). On CPU the sample is
+exact tensor accounting of the whole training step up to the end of the
+backward (docs/memory-model.md, section 5): the chain input, every activation,
+graph, gradient and transient, the loss and whatever else `training_step`
+allocates; not parameters or their gradients, nor DDP's gradient buckets, nor
+the rest of the batch (the targets: data the loader made before the step), nor
+Lightning's copies of the loss and of logged values (`LIGHTNING_BOOKKEEPING`).
+On CUDA it is the caching allocator's peak.
 
 Once per plan: the stage table (`rotor/<chain>/stages`, TensorBoard text) and
 the memory curve of one step, bytes alive after each op, predicted by the
@@ -35,6 +40,7 @@ from __future__ import annotations
 
 import io
 import time
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -48,6 +54,18 @@ from lightning_rotor.lightning.state import STATE_KEY, export_state, import_stat
 from lightning_rotor.memory import MemoryProbe
 from lightning_rotor.ops import OpKind, forward_counts
 from lightning_rotor.simulate import no_recompute_peak, simulate
+
+
+def _lightning_bookkeeping() -> tuple[Callable, ...]:
+    """Lightning's own copies in a training step: of logged values (`self.log`), of the loss for the progress bar."""
+    try:
+        from lightning.pytorch.loops.optimization.automatic import ClosureResult
+    except ImportError:  # a Lightning that moved it: that copy counts (a few bytes too many, never too few)
+        return (pl.LightningModule.log,)
+    return pl.LightningModule.log, ClosureResult._clone_loss
+
+
+LIGHTNING_BOOKKEEPING = _lightning_bookkeeping()
 
 
 def stage_rows(entry: Entry) -> list[tuple[str, int, int, float, float, str]]:
@@ -159,6 +177,7 @@ class RotorCallback(Callback):
         self._measured_peak: int | None = None
         self._printed = False
         self._warned_unused = False
+        self._warned_over: set[tuple[int, ...]] = set()
         self._batches = 0
 
     # -- checkpoints ------------------------------------------------------------------------------------
@@ -199,11 +218,13 @@ class RotorCallback(Callback):
         self._measurements = []
         if self._wants_measure(chains):
             for name, rotor in chains.items():
-                # on CPU count the whole step, excluding every parameter of the LightningModule
-                wide = MemoryProbe(pl_module, record_curve=True) if pl_module.device.type != "cuda" else None
+                # on CPU count the whole step, excluding every parameter of the LightningModule and what the
+                # strategy's wrapper (DDP) keeps; the chain input is tracked by the chain, the rest of the batch
+                # is data, not activations
+                wide = MemoryProbe([pl_module, trainer.strategy.model], record_curve=True,
+                                   bookkeeping=LIGHTNING_BOOKKEEPING) if pl_module.device.type != "cuda" else None
                 m = rotor.measure_step(probe=wide)
                 m.__enter__()
-                m.probe.track(batch)
                 self._measurements.append((name, rotor, m, len(rotor.entries)))
             self._steps_since_measure = 0
         else:
@@ -258,6 +279,8 @@ class RotorCallback(Callback):
             if trainer.is_global_zero and self.log_curves and id(m.entry) not in self._curves_done:
                 self._curves_done.add(id(m.entry))
                 self._log_plan(trainer, name, m.entry, m)
+        self._check_budget(planned, [m.peak for _, rotor, m, before in measured
+                                     if len(rotor.entries) == before and m.entry is not None])
         if trainer.is_global_zero:
             for name, rotor in planned.items():
                 entry = rotor.last_entry
@@ -270,6 +293,17 @@ class RotorCallback(Callback):
                 bar = trainer.progress_bar_callback
                 (bar.print if bar is not None else print)(text)
         self._log_metrics(pl_module, planned)
+
+    def _check_budget(self, chains: dict[str, Checkpointable], peaks: list[int]) -> None:
+        """One rank-zero line, once per set of plans, when a measured peak is above the summed budgets."""
+        budget = sum(rotor.last_entry.plan.mem_limit for rotor in chains.values())
+        plans = tuple(id(rotor.last_entry) for rotor in chains.values())
+        peak = max(peaks, default=0)
+        if peak > budget and plans not in self._warned_over:
+            self._warned_over.add(plans)
+            rank_zero_warn(f"rotor: the measured activation peak {format_bytes(peak)} ({peak} bytes) is above the "
+                           f"budget {format_bytes(budget)} ({budget} bytes) of {', '.join(chains)}: the step holds "
+                           "more than the plan predicts (see rotor/<chain>/memory_curve)")
 
     # -- logging ----------------------------------------------------------------------------------------
     def _log_metrics(self, pl_module: pl.LightningModule, chains: dict[str, Checkpointable]) -> None:
