@@ -6,17 +6,25 @@ the planner plans the rest (docs/memory-model.md, "Chain version 4").
 """
 
 import copy
+import math
 
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_planner import chains
 from torch import nn
 
 from lightning_rotor import Checkpointable, MemoryProbe
+from lightning_rotor.chain import Chain, ChainError
 from lightning_rotor.models.gpt import gpt, lm_loss
-from lightning_rotor.ops import is_no_recompute
-from lightning_rotor.planner import InfeasibleBudget
-from lightning_rotor.simulate import no_recompute_peak
+from lightning_rotor.ops import Op, is_no_recompute, no_recompute_ops, shift_ops
+from lightning_rotor.planner import InfeasibleBudget, min_feasible_budget, plan, replay
+from lightning_rotor.reference import reference_min_budget, reference_plan
+from lightning_rotor.simulate import no_recompute_peak, simulate
+
+torch.set_num_threads(1)  # tiny tensors: threads only contend on a shared machine
 
 
 def frozen_gpt():
@@ -108,3 +116,145 @@ def test_below_the_plain_peak_grads_are_plains_and_frozen_stages_are_not_recompu
     assert_frozen_run_once(rotor)
     assert peak <= rotor.plan.mem_limit
     assert_same_grads(grads, got)
+
+
+def test_unfreezing_mid_training_plans_again_and_trains_like_plain():
+    model, x, y, loss_fn = frozen_mlp()
+    rotor = Checkpointable(copy.deepcopy(model), mem_limit="50%", **QUICK).train()
+    plain_opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rotor_opt = torch.optim.SGD(rotor.parameters(), lr=0.1)
+    frozen = []
+    for step in range(4):
+        if step == 2:  # unfreeze the last frozen quarter of the layers in both
+            model[12:24].requires_grad_(True)
+            rotor[12:24].requires_grad_(True)
+        _, grads = plain_step(model, x, y, loss_fn)
+        peak, got = rotor_step(rotor, x, y, loss_fn)
+        assert_same_grads(grads, got)
+        assert peak <= rotor.plan.mem_limit
+        assert_frozen_run_once(rotor)
+        frozen.append(rotor.chain.frozen)
+        plain_opt.step()
+        rotor_opt.step()
+    assert frozen == [24, 24, 12, 12] and len(rotor.entries) == 2
+    for a, b in zip(model.parameters(), rotor.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+# -- the chain, the planners and the simulator -------------------------------------------------------------------
+@st.composite
+def frozen_chains(draw):
+    """(whole chain with a frozen prefix, its trainable suffix drawn as an ordinary chain)."""
+    suffix = draw(chains(max_length=5))
+    frozen = draw(st.integers(1, 3))
+    s_0 = draw(st.integers(0, suffix.input_size))
+    s_f = suffix.input_size - s_0  # the suffix starts holding the caller's a_0 and a_F
+    out = [*draw(st.lists(st.integers(0, 60), min_size=frozen - 1, max_size=frozen - 1)), s_f]
+    nograd = draw(st.lists(st.sampled_from([0, 2, 9, 30]), min_size=frozen, max_size=frozen))
+    unused = draw(st.integers(0, 1))  # a frozen stage's backward figures are never read: any valid value will do
+    whole = Chain(
+        input_size=s_0,
+        out_size=out + suffix.out_size,
+        saved_size=[o + 5 * unused for o in out] + suffix.saved_size,
+        fwd_time=draw(st.lists(st.sampled_from([0.0, 0.25, 1.0, 3.0]), min_size=frozen, max_size=frozen))
+        + suffix.fwd_time,
+        bwd_time=[2.0 * unused] * frozen + suffix.bwd_time,
+        fwd_tmp=[7 * unused] * frozen + suffix.fwd_tmp,
+        fwd_tmp_nograd=nograd + suffix.fwd_tmp_nograd,
+        bwd_tmp=[3 * unused] * frozen + [suffix.bwd_tmp[0] + s_0, *suffix.bwd_tmp[1:]],
+        loss_tmp=suffix.loss_tmp,
+        out_free=[0] * frozen + suffix.out_free,
+        loss_tmp_kept=suffix.loss_tmp_kept,
+        in_free=[0] * frozen + suffix.in_free,
+        loss_value=suffix.loss_value,
+        names=[f"frozen{k}" for k in range(frozen)] + suffix.names,
+        frozen=frozen,
+    )
+    return whole, suffix
+
+
+def prefix_peak_by_hand(whole):
+    s, f = whole.sizes, whole.frozen
+    return max(s[0] + (s[k] if k else 0) + s[k + 1] + whole.fwd_tmp_nograd[k] for k in range(f))
+
+
+@settings(max_examples=200, deadline=None)
+@given(pair=frozen_chains(), where=st.floats(0, 1.3))
+def test_a_frozen_prefix_plans_like_its_suffix_with_the_prefix_peak_added(pair, where):
+    whole, suffix = pair
+    f = whole.frozen
+    assert whole.suffix() == suffix
+    assert whole.prefix_peak == prefix_peak_by_hand(whole)
+    lowest = max(1, whole.prefix_peak, min_feasible_budget(suffix))
+    assert min_feasible_budget(whole) == lowest
+    assert reference_min_budget(whole) == max(whole.prefix_peak, reference_min_budget(suffix))
+    assert no_recompute_peak(whole) == max(whole.prefix_peak, no_recompute_peak(suffix))
+    budget = max(1, int(lowest + where * (no_recompute_peak(whole) - lowest)))
+    if lowest > 1:
+        with pytest.raises(InfeasibleBudget):
+            plan(whole, lowest - 1)
+    got, alone = plan(whole, budget), plan(suffix, budget)
+    prefix = [Op("Fn", k) for k in range(f)]
+    assert got.ops == prefix + shift_ops(alone.ops, f)
+    sim, sim_alone = simulate(whole, got.ops), simulate(suffix, alone.ops)
+    assert got.peak == sim.peak == max(whole.prefix_peak, alone.peak) <= budget
+    assert got.time == sim.time == math.fsum([*whole.fwd_time[:f], *sim_alone_times(suffix, alone.ops)])
+    assert replay(whole, got.ops) == (sim.peak, pytest.approx(sim.time))
+    assert sim.curve[f:] == sim_alone.curve and sim.op_peaks[f:] == sim_alone.op_peaks
+    assert got.no_recompute_time == math.fsum([*whole.fwd_time, *suffix.bwd_time])
+    expected = reference_plan(suffix, budget, slots=got.slots)
+    assert reference_plan(whole, budget, slots=got.slots) == (
+        None if expected is None else (expected[0], [("Fn", k) for k in range(f)] + [
+            (op[0], op[1] + f) if len(op) == 2 else op for op in expected[1]]))
+
+
+def sim_alone_times(chain, ops):
+    return [chain.fwd_time[op.stage] if op.kind.is_forward else chain.bwd_time[op.stage]
+            for op in ops if op.stage is not None]
+
+
+def tiny_frozen_chain(**changes):
+    fields = dict(input_size=4, out_size=[8, 8, 8], saved_size=[8, 12, 12], fwd_time=[1.0, 1.0, 1.0],
+                  bwd_time=[0.0, 2.0, 2.0], fwd_tmp=[0, 0, 0], bwd_tmp=[0, -8, 0], loss_tmp=0, frozen=1)
+    fields.update(changes)
+    return Chain(**fields)
+
+
+def test_frozen_chain_json_round_trip_and_older_versions_refuse_the_field():
+    chain = tiny_frozen_chain()
+    written = chain.to_dict()
+    assert written["version"] == 4 and written["frozen"] == 1
+    assert Chain.from_dict(written) == chain
+    assert "frozen" not in tiny_frozen_chain(frozen=0).to_dict()
+    for version in (1, 2, 3):
+        with pytest.raises(ChainError, match="frozen need chain version 4; this file says version"):
+            Chain.from_dict({**written, "version": version})
+
+
+@pytest.mark.parametrize("frozen", [-1, 3, True, 1.0])
+def test_frozen_must_leave_a_stage_to_backward(frozen):
+    with pytest.raises(ChainError, match="frozen must be an integer from 0 to 2"):
+        tiny_frozen_chain(frozen=frozen)
+
+
+def test_b_of_the_first_trainable_stage_is_charged_without_its_input_gradient():
+    # B 1 starts holding a_0 (4), a_1 (8), ā_2 (12) and δ_2 (8); bwd_tmp[1] = -8 as the profiler measures a
+    # backward that makes no gradient for a_1: the peak is those 32 bytes, no δ_1 on top
+    chain = tiny_frozen_chain()
+    sim = simulate(chain, no_recompute_ops(3, 1))
+    assert sim.op_peaks == [4 + 8, 4 + 8 + 12, 4 + 8 + 12 + 12, 4 + 8 + 12 + 12 + 8, 4 + 8 + 12 + 12 + 8 + 8,
+                            4 + 8 + 12 + 8]
+
+
+@pytest.mark.parametrize("ops, where", [
+    ([("Fe", 0), ("Fe", 1), ("Fe", 2), ("Loss",), ("B", 2), ("B", 1), ("B", 0)], r"op 0 \(Fe 0\): stages 0..0 are "
+                                                                                 "frozen"),
+    ([("Fn", 0), ("Fc", 1), ("Fn", 2), ("Loss",), ("Fc", 0), ("Fe", 1), ("Fe", 2), ("B", 2), ("B", 1)],
+     r"op 4 \(Fc 0\): stage 0 is frozen"),
+    ([("Fn", 0), ("Fe", 1), ("Fe", 2), ("Loss",), ("B", 2), ("B", 1), ("B", 0)], r"op 6 \(B 0\): stage 0 is frozen"),
+    ([("Fn", 0), ("Fe", 1), ("Fe", 2), ("Loss",), ("B", 2)], r"ends before B 1 \(next expected: B 1\)"),
+    ([("Fn", 0), ("Fe", 1), ("Loss",)], r"op 2 \(Loss\): needs the chain output a_3"),
+])
+def test_plans_that_touch_a_frozen_stage_again_are_refused_by_name(ops, where):
+    with pytest.raises(ValueError, match=where):
+        simulate(tiny_frozen_chain(), ops)
