@@ -8,6 +8,7 @@ the planner plans the rest (docs/memory-model.md, "Chain version 4").
 import copy
 import math
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,9 +16,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_planner import chains
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_rotor import Checkpointable, MemoryProbe
 from lightning_rotor.chain import Chain, ChainError
+from lightning_rotor.lightning import RotorStrategy
+from lightning_rotor.lightning.state import rotor_modules
 from lightning_rotor.models.gpt import gpt, lm_loss
 from lightning_rotor.ops import Op, is_no_recompute, no_recompute_ops, shift_ops
 from lightning_rotor.planner import InfeasibleBudget, min_feasible_budget, plan, replay
@@ -258,3 +262,72 @@ def test_b_of_the_first_trainable_stage_is_charged_without_its_input_gradient():
 def test_plans_that_touch_a_frozen_stage_again_are_refused_by_name(ops, where):
     with pytest.raises(ValueError, match=where):
         simulate(tiny_frozen_chain(), ops)
+
+
+# -- through a real Trainer ----------------------------------------------------------------------------------------
+class FineTune(pl.LightningModule):
+    """A frozen MLP (with BatchNorm statistics still updating in the frozen half) whose frozen layers are
+    partly unfrozen from the third step on, as fine-tuning schedules do."""
+
+    def __init__(self):
+        super().__init__()
+        model, *_ = frozen_mlp()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.BatchNorm1d(32), *model)
+        self.net[:25].requires_grad_(False)
+        self.losses: list[torch.Tensor] = []
+        self.grads: list[list[torch.Tensor]] = []
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if batch_idx == 2:
+            self.net[13:25].requires_grad_(True)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        self.losses.append(loss.detach())
+        return loss
+
+    def on_before_optimizer_step(self, optimizer):
+        self.grads.append([p.grad.detach().clone() for p in self.parameters() if p.grad is not None])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+class Seen(pl.Callback):
+    """Each step's frozen prefix and the number of plans made so far (the strategy unwraps at teardown)."""
+
+    def __init__(self):
+        self.frozen: list[int] = []
+        self.plans: list[int] = []
+        self.recomputed: list[int] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        rotor = rotor_modules(pl_module)["net"]
+        self.frozen.append(rotor.chain.frozen)
+        self.plans.append(len(rotor.entries))
+        self.recomputed.append(rotor.plan.recomputed_stages)
+        assert_frozen_run_once(rotor)
+
+
+def test_fine_tuning_through_a_trainer_equals_plain_training(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(4 * 128, 32, generator=g), torch.randint(0, 10, (4 * 128,), generator=g))
+    runs = {}
+    for name, strategy in (("plain", "auto"), ("rotor", RotorStrategy(mem_limit=0.5))):
+        model, seen = FineTune(), Seen()
+        torch.manual_seed(7)
+        pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, default_root_dir=tmp_path / name, max_steps=4,
+                   logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                   callbacks=[seen] if name == "rotor" else []).fit(model, DataLoader(data, batch_size=128))
+        runs[name] = (model, seen)
+    (plain, _), (rotor, seen) = runs["plain"], runs["rotor"]
+    assert seen.frozen == [25, 25, 13, 13] and seen.plans == [1, 1, 2, 2] and min(seen.recomputed) > 0
+    assert len(rotor.losses) == 4
+    for a, b in zip(rotor.losses, plain.losses, strict=True):
+        assert torch.equal(a, b)
+    for step_a, step_b in zip(rotor.grads, plain.grads, strict=True):
+        assert_same_grads(step_b, step_a)
+    for (name, a), b in zip(rotor.state_dict().items(), plain.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name  # weights and the frozen BatchNorm's statistics
