@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_rotor import Checkpointable, MemoryProbe
 from lightning_rotor.chain import Chain, ChainError
 from lightning_rotor.lightning import RotorStrategy
+from lightning_rotor.lightning.callback import stage_rows
 from lightning_rotor.lightning.state import rotor_modules
 from lightning_rotor.models.gpt import gpt, lm_loss
 from lightning_rotor.ops import Op, is_no_recompute, no_recompute_ops, shift_ops
@@ -143,6 +144,22 @@ def test_unfreezing_mid_training_plans_again_and_trains_like_plain():
     assert frozen == [24, 24, 12, 12] and len(rotor.entries) == 2
     for a, b in zip(model.parameters(), rotor.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_saved_plans_of_a_frozen_model_load_and_run_without_profiling():
+    model, x, y, loss_fn = frozen_mlp()
+    _, grads = plain_step(model, x, y, loss_fn)
+    first = Checkpointable(copy.deepcopy(model), mem_limit="50%", **QUICK).train()
+    rotor_step(first, x, y, loss_fn)
+    state = first.plan_state()
+    assert state["entries"][0]["chain"]["frozen"] == 24
+    again = Checkpointable(copy.deepcopy(model), mem_limit="50%", **QUICK).train()
+    again.load_plan_state(state)
+    peak, got = rotor_step(again, x, y, loss_fn)
+    assert again.last_entry.profile.seconds == first.last_entry.profile.seconds  # loaded, not profiled again
+    assert again.plan.ops == first.plan.ops and again.plan.recomputed_stages > 0
+    assert peak <= again.plan.mem_limit
+    assert_same_grads(grads, got)
 
 
 # -- the chain, the planners and the simulator -------------------------------------------------------------------
@@ -309,6 +326,9 @@ class Seen(pl.Callback):
         self.plans.append(len(rotor.entries))
         self.recomputed.append(rotor.plan.recomputed_stages)
         assert_frozen_run_once(rotor)
+        decisions = [row[-1] for row in stage_rows(rotor.last_entry)]
+        assert decisions[: rotor.chain.frozen] == ["frozen"] * rotor.chain.frozen
+        assert "frozen" not in decisions[rotor.chain.frozen:]
 
 
 def test_fine_tuning_through_a_trainer_equals_plain_training(tmp_path):
