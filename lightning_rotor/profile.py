@@ -571,6 +571,7 @@ def _released_whole(value: Any, new: list[bool], kept_before: list[bool], kept_a
 def _measure_frozen(
     stage: nn.Module,
     value: Any,
+    sample: Any,
     k: int,
     name: str,
     exclude: list[nn.Module],
@@ -588,6 +589,8 @@ def _measure_frozen(
     requires grad (no parameter requires grad, none captured either) autograd recorded
     nothing, and the stage costs what `Fn k` costs; its backward figures are 0 and unused
     (chain version 4). Otherwise it is the first stage that needs a backward, measured as usual.
+    Its `out_size` counts only storages that are not the chain input's (`sample`, held anyway):
+    a frozen `Flatten` of `a_0` adds nothing to the bytes held.
     """
     with MemoryProbe(exclude) as probe:
         probe.track(value)
@@ -613,7 +616,8 @@ def _measure_frozen(
         if run >= warmup:
             samples.append(time.perf_counter() - t0)
     untouched.restore_buffers()
-    size = storage_bytes(out)
+    held = {storage_key(t) for t in tensors_of(sample) if t.layout == torch.strided}
+    size = storage_bytes([t for t in tensors_of(out) if t.layout != torch.strided or storage_key(t) not in held])
     fwd_time, spread = _median_spread(samples)
     figures = {"out_size": size, "saved_size": size, "fwd_time": fwd_time, "bwd_time": 0.0,
                "fwd_tmp": tmp, "fwd_tmp_nograd": tmp, "bwd_tmp": 0, "out_free": 0, "in_free": 0}
@@ -662,8 +666,8 @@ def profile_chain(
     with _Untouched(stages, device) as untouched:
         for k, stage in enumerate(stages):
             if frozen == k and not needs_grad and not any(p.requires_grad for p in stage.parameters()):
-                out, spread = _measure_frozen(stage, value, k, names[k], exclude, watch, untouched, fields, device,
-                                              warmup, repeats)
+                out, spread = _measure_frozen(stage, value, sample, k, names[k], exclude, watch, untouched, fields,
+                                              device, warmup, repeats)
                 if out is not None:  # nothing of it requires grad: a frozen stage, its output the next input
                     keys = {storage_key(t) for t in tensors_of(value) if t.layout == torch.strided}
                     value = out
@@ -719,7 +723,7 @@ def profile_chain(
             # B k peaks at cur - out_free + s_k + bwd_tmp (docs/memory-model.md, part 2), cur holding
             # a_k, ā_{k+1} (saved_size) and δ_{k+1} (out_size): bwd_tmp is the measured peak above that
             # for k = 0, s_0 also carries the loss value (charged with a_0, fixed below)
-            s_k = storage_bytes(value)
+            s_k = fields["out_size"][k - 1] if 0 < k <= frozen else storage_bytes(value)  # a_F: beside a_0's
             held_at_b = saved_size + out_size - out_free
             bwd_tmp = max(-s_k, max(r[3] - held_at_b - s_k for r in recorded))
             # times

@@ -162,6 +162,20 @@ def test_saved_plans_of_a_frozen_model_load_and_run_without_profiling():
     assert_same_grads(grads, got)
 
 
+def test_a_frozen_view_of_the_input_adds_no_bytes():
+    # Flatten makes a view of a_0: frozen (no parameter, input without grad), it holds nothing new, and the
+    # first trainable stage's input is charged once, as a_0
+    model = nn.Sequential(nn.Flatten(), nn.Linear(48, 32), nn.Tanh(), nn.Linear(32, 5))
+    x, y = torch.randn(16, 3, 16), torch.randint(0, 5, (16,))
+    plain, grads = plain_step(model, x, y, F.cross_entropy)
+    rotor = Checkpointable(copy.deepcopy(model), mem_limit=plain, **QUICK).train()
+    rotor_step(rotor, x, y, F.cross_entropy)
+    peak, got = rotor_step(rotor, x, y, F.cross_entropy)
+    assert rotor.chain.frozen == 1 and rotor.chain.out_size[0] == 0
+    assert is_no_recompute(rotor.plan.ops) and rotor.plan.peak == peak == plain
+    assert_same_grads(grads, got)
+
+
 # -- the chain, the planners and the simulator -------------------------------------------------------------------
 @st.composite
 def frozen_chains(draw):
