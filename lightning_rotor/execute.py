@@ -107,10 +107,10 @@ class _Step:
         raise RuntimeError(f"executor bug: a_{k} is not held for {kind} {k}")
 
     def _leaf_input(self, k: int, src: Any) -> Any:
-        if k > self.runner.frozen:
-            return detach_value(src, True)
-        if k > 0:  # a_F after a frozen prefix: no gradient wanted, as in plain autograd
+        if 0 < k <= self.runner.frozen:  # a_F after a frozen prefix: no gradient wanted, as in plain autograd
             return detach_value(src, False)
+        if k > 0:
+            return detach_value(src, True)
         flat, spec = tree_flatten(src)
         it = iter(self.input_requires_grad)
         leaves = []
