@@ -400,6 +400,10 @@ class Checkpointable(nn.Module):
 
     def _run(self, value: Any, plain_call: Callable[[], Any]) -> Any:
         """The chain on its input `a_0`: profile and plan if new, then the plan (or `plain_call`)."""
+        if not any(p.requires_grad for p in self._stage_parameters()) and not any(
+            t.requires_grad for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)
+        ):
+            return plain_call()  # every stage frozen: no backward through the chain, nothing to checkpoint
         entry = self.prepare_for(value)
         measurement = self._measurement
         plain = is_no_recompute(entry.plan.ops)
@@ -421,12 +425,32 @@ class Checkpointable(nn.Module):
         """
         if self.stages is None:
             raise RuntimeError("the chain is not discovered yet: run one training forward (or discover_on) first")
-        key = signature(value)
+        key = self._plan_key(value)
         entry = self.entries.get(key)
         if entry is None:
             entry = self.entries[key] = self._prepare(value)
         self.last_entry = entry
         return entry
+
+    def _stage_parameters(self) -> list[nn.Parameter]:
+        """The stages' parameters in order (found once per set of stages)."""
+        cached = getattr(self, "_params_of", None)
+        if cached is None or cached[0] is not self.stages:
+            cached = self._params_of = (self.stages, [p for stage in self.stages for p in stage.parameters()])
+        return cached[1]
+
+    def _plan_key(self, value: Any) -> str:
+        """The input's signature, and which stage parameters are frozen when some are.
+
+        Freezing or unfreezing parameters changes what the stages save and the frozen prefix
+        (chain version 4), so a plan is made for each pattern: unfreezing layers mid-training
+        profiles and plans again. With every parameter trainable the key is the signature alone.
+        """
+        key = signature(value)
+        flags = [p.requires_grad for p in self._stage_parameters()]
+        if all(flags):
+            return key
+        return f"{key} requires_grad={''.join('1' if f else '0' for f in flags)}"
 
     def shared_parameters(self) -> dict[str, list[str]]:
         """Parameters whose gradient several stages add to (tied weights), by name, with their users.
@@ -623,6 +647,7 @@ class Checkpointable(nn.Module):
                 f"{chain.names[k]:<{width}}  {format_bytes(chain.out_size[k]):>10}  "
                 f"{format_bytes(chain.saved_size[k]):>10}  {chain.fwd_time[k] * 1e3:8.3f}  "
                 f"{chain.bwd_time[k] * 1e3:8.3f}  {runs[k]}{' (recomputed)' if runs[k] > 1 else ''}"
+                f"{' (frozen)' if k < chain.frozen else ''}"
             )
         base = chain.no_recompute_time()
         lines.append(

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from lightning_rotor.ops import Op, OpKind, last_forwards, parse_ops, recomputed_stage_set
+from lightning_rotor.ops import Op, OpKind, frozen_prefix_ops, last_forwards, parse_ops, recomputed_stage_set
 from lightning_rotor.profile import (
     backward_from_edges,
     check_inplace,
@@ -108,6 +108,8 @@ class _Step:
         raise RuntimeError(f"executor bug: a_{k} is not held for {kind} {k}")
 
     def _leaf_input(self, k: int, src: Any) -> Any:
+        if 0 < k <= self.runner.frozen:  # a_F after a frozen prefix: no gradient wanted, as in plain autograd
+            return detach_value(src, False)
         if k > 0:
             return compact_gradients(detach_value(src, True))
         flat, spec = tree_flatten(src)
@@ -414,7 +416,9 @@ class _Tail(torch.autograd.Function):
         stashed = _stash_grads(step.runner.shared_parameters())
         try:
             step.run(step.runner.backward_ops, step.runner.backward_last)
-            delta = iter(step.grads.pop(0))
+            delta = iter(step.grads.pop(step.runner.frozen))
+            if step.runner.frozen:  # B F made no gradient: the chain input does not require grad
+                delta = iter([None] * len(ctx.is_tensor))
         finally:
             _add_stashed(stashed)
             step.clear()
@@ -471,8 +475,13 @@ class PlanRunner:
         ops = parse_ops(ops)
         if ops.count(Op(OpKind.LOSS)) != 1:
             raise ValueError("a plan has exactly one Loss op")
-        if sorted(op.stage for op in ops if op.kind is OpKind.B) != list(range(self.length)):
-            raise ValueError(f"the plan does not fit a chain of {self.length} stages: it needs one B op per stage")
+        # stages without a B op are a frozen prefix 0 … F-1 (chain version 4): Fn ops, first, once each
+        self.frozen = self.length - sum(1 for op in ops if op.kind is OpKind.B)
+        if sorted(op.stage for op in ops if op.kind is OpKind.B) != list(range(self.frozen, self.length)) or any(
+            op.stage is not None and op.stage < self.frozen for op in ops[self.frozen:]
+        ) or ops[: self.frozen] != frozen_prefix_ops(self.frozen):
+            raise ValueError(f"the plan does not fit a chain of {self.length} stages: it needs one B op per stage "
+                             "after a frozen prefix, whose stages run first as Fn 0 … Fn F-1 and never again")
         split = ops.index(Op(OpKind.LOSS))
         self.ops = ops
         self.forward_ops = ops[:split]
@@ -501,6 +510,8 @@ class PlanRunner:
         chain counts as kept, so it goes only when the chain releases it; without a chain
         it always goes (more freed than any chain charges, never less).
         """
+        if k <= self.frozen:  # a_F, the input of the first stage after a frozen prefix, stays to the end
+            return False
         return self.in_free is None or self.in_free[k] > 0
 
     def norms(self, k: int) -> list[nn.Module]:

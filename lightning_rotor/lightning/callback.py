@@ -79,7 +79,9 @@ def stage_rows(entry: Entry) -> list[tuple[str, int, int, float, float, str]]:
     rows = []
     for k in range(chain.length):
         decision = "recompute" if runs[k] > 1 else "keep"
-        if kept[k]:
+        if k < chain.frozen:  # run once without recording, no backward (chain version 4)
+            decision = "frozen"
+        elif kept[k]:
             decision += " (checkpoint input)"
         rows.append((chain.names[k], chain.out_size[k], chain.saved_size[k], chain.fwd_time[k], chain.bwd_time[k],
                      decision))
