@@ -205,9 +205,9 @@ def discover_chain(
         if len(found.stages) >= 2:
             return found
         why = f"the graph gave {len(found.stages)} stage"
-    except (DiscoveryError, torch.fx.proxy.TraceError, TypeError, NotImplementedError, AttributeError,
-            RuntimeError, AssertionError) as err:
-        why = f"graph discovery failed: {str(err).splitlines()[0][:300]}"
+    except Exception as err:  # noqa: BLE001 (any failure of the trace falls back; the user's own errors recur there)
+        first = str(err).splitlines()[0][:300] if str(err) else ""
+        why = f"graph discovery failed: {type(err).__name__}: {first}"
     try:
         found = _modules(module, args, kwargs, types)
     except DiscoveryError as err:

@@ -187,7 +187,10 @@ class ShapeTracer(fx.Tracer):
         return super().is_leaf_module(m, qualname)
 
     def call_module(self, m: nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        qualname = self.path_of_module(m)
+        try:
+            qualname = self.path_of_module(m)
+        except NameError:  # made inside the forward, not a submodule (litgpt's `clamp_head = nn.Identity()`):
+            return forward(*args, **kwargs)  # its ops are traced inline, as if written in the forward
         if self.is_leaf_module(m, qualname):
             return super().call_module(m, forward, args, kwargs)
         self.branch_stack.append(qualname)
