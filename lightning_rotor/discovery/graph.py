@@ -275,6 +275,14 @@ def _writes_into(node: fx.Node, root: nn.Module) -> fx.Node | None:
     return None
 
 
+def _describe(node: fx.Node, root: nn.Module) -> str:
+    if node.op == "call_module":
+        return f"{node.target}, a {type(root.get_submodule(str(node.target))).__name__}"
+    if node.op == "call_method":
+        return f".{node.target}()"
+    return getattr(node.target, "__name__", str(node.target))
+
+
 def _storage(value: Any) -> int | None:
     if isinstance(value, torch.Tensor):
         try:
@@ -397,9 +405,12 @@ def _cut(root: nn.Module, graph: fx.Graph, tracer: ShapeTracer, max_carry: int) 
             start = by_storage.get(s, pos.get(target, -1)) if s is not None else pos.get(target, -1)
             for c in range(max(start, 0), j):
                 blocked[c] = True
-            if start < 0:  # writes into the chain input: no cut before the write
-                for c in range(0, j):
-                    blocked[c] = True
+            if start < 0:  # NOTE: [in-place block start]: the chain input has no producer to share a stage with
+                raise DiscoveryError(
+                    f"the forward writes in place into its input ({_describe(n, root)}): the first stage would "
+                    "overwrite the chain input it is recomputed from; module-level discovery (how='modules') runs "
+                    "such a write before the chain, or make it out-of-place"
+                )
 
     def live_after(i: int) -> list[fx.Node]:
         return [n for n in [*placeholders, *body[: i + 1]] if last_use.get(n, -2) > i]
