@@ -250,6 +250,7 @@ class Checkpointable(nn.Module):
         object.__setattr__(self, "module", module)  # not registered: state_dict keys stay the module's
         object.__setattr__(self, "stages", stages)  # None until the first training call when discovering
         self.discover = None if discover == "sequential" else discover  # None: the stages are known
+        self._join_in_place = discover == "sequential"  # on the first training call (`join_in_place`)
         self.checkpoint_modules = types
         self.discovery: Discovery | None = None
         self.outside: dict[str, tuple[int, int]] = {}  # module-level chains: per call signature, see _measure_outside
@@ -305,6 +306,8 @@ class Checkpointable(nn.Module):
             value = args[0] if len(args) == 1 else args
             if not self.training or not torch.is_grad_enabled():
                 return self.module(value)
+            if self._join_in_place:
+                self._join_in_place_on(value)
             return self._run(value, lambda: self.module(value))
         if not self.training or not torch.is_grad_enabled() or self.no_chain:
             return self.module(*args, **kwargs)  # the user's forward, as written (traced code freezes `training`)
@@ -334,6 +337,16 @@ class Checkpointable(nn.Module):
             return self.module(*args, **kwargs)
         finally:
             run.uninstall()
+
+    def _join_in_place_on(self, value: Any) -> None:
+        """A Sequential's leaves that write into their input in place join the stage before, seen on `value`."""
+        from lightning_rotor.discovery import join_in_place
+
+        self._join_in_place = False
+        joined = join_in_place(self.stages, value)
+        if joined is not self.stages:
+            object.__setattr__(self, "stages", joined)
+            self.stage_names = list(joined.names)
 
     def _measure_outside(self, args: tuple, kwargs: dict[str, Any]) -> tuple[int, int]:
         """What a module-level chain's budget must also hold: (bytes the forward keeps from before the run,

@@ -10,17 +10,64 @@ at `min_feasible_budget(chain)` always succeeds. docs/planner.md derives it all.
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.metadata
+import importlib.util
 import math
 import os
+import sys
+import warnings
 from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
-from lightning_rotor import _planner
 from lightning_rotor.budget import BudgetSpec, format_bytes, resolve_budget
 from lightning_rotor.chain import Chain
 from lightning_rotor.discretize import DEFAULT_SLOTS, discretize, resolve_slots
 from lightning_rotor.ops import Op, frozen_prefix_ops, parse_ops, recomputed_stages, shift_ops
 from lightning_rotor.simulate import no_recompute_peak, simulate
+
+
+def _load_planner() -> ModuleType:
+    """The C++ planner: the package's own build, else the installed distribution's.
+
+    A Python started in a source checkout imports the checkout's `lightning_rotor/`, which
+    has no built extension after a non-editable `pip install .`; the installed copy's build
+    is then loaded (with a warning naming both), and where there is none, one line says what to do.
+    """
+    try:
+        from lightning_rotor import _planner
+
+        return _planner
+    except ImportError as err:
+        here = Path(__file__).resolve().parent
+        suffixes = tuple(importlib.machinery.EXTENSION_SUFFIXES)
+        if any(f.name.startswith("_planner.") and f.name.endswith(suffixes) for f in here.iterdir()):
+            raise  # built here but failed to load: the error itself says why
+        for dist in importlib.metadata.distributions():
+            if (dist.metadata["Name"] or "").lower().replace("_", "-") != "lightning-rotor":
+                continue
+            for file in dist.files or []:
+                path = Path(dist.locate_file(file)).resolve()
+                if path.name.startswith("_planner.") and path.name.endswith(suffixes) and path.parent != here \
+                        and path.is_file():
+                    spec = importlib.util.spec_from_file_location("lightning_rotor._planner", path)
+                    module = importlib.util.module_from_spec(spec)
+                    spec.loader.exec_module(module)
+                    sys.modules["lightning_rotor._planner"] = module
+                    warnings.warn(f"lightning_rotor: {here} (imported, a source checkout?) has no built C++ planner; "
+                                  f"using the installed one, {path}. Build in place (pip install -e .) to use the "
+                                  "checkout's", stacklevel=2)
+                    return module
+        raise ImportError(
+            f"lightning_rotor's C++ planner is not built in {here} (a source checkout shadows any installed copy "
+            "when Python starts in it): build it in place with `pip install -e .` or "
+            "`python setup.py build_ext --inplace`, or run from outside the checkout"
+        ) from err
+
+
+_planner = _load_planner()
 
 __all__ = ["InfeasibleBudget", "Plan", "PlannerTooLarge", "min_feasible_budget", "plan", "planner_memory_estimate"]
 

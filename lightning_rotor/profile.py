@@ -134,6 +134,12 @@ def versions(value: Any) -> list[int]:
 
 
 def check_inplace(before: list[int], value: Any, k: int, name: str) -> None:
+    if versions(value) != before and k == 0:  # no stage before it to join (lightning_rotor/discovery/graph.py)
+        raise InplaceError(
+            f"stage 0 ({name}) writes in place into the chain input, which rotor keeps to run the stage again "
+            "from, and no stage comes before it to share the write with; make that operation out-of-place "
+            "(e.g. ReLU(inplace=False), x = x + 1) or run it before the chain"
+        )
     if versions(value) != before:
         raise InplaceError(
             f"stage {k} ({name}) modified its input in place, which would corrupt a kept checkpoint; "
