@@ -2,12 +2,17 @@
 
 import copy
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.loggers import TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_rotor.checkpointable import Checkpointable, InfeasibleStep
+from lightning_rotor.lightning import RotorCallback, RotorStrategy
 from lightning_rotor.memory import MemoryProbe
 from lightning_rotor.planner import min_feasible_budget
 from lightning_rotor.simulate import no_recompute_peak
@@ -70,19 +75,6 @@ def test_a_model_called_several_times_per_step_stays_within_one_budget(loss, bud
         assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads, strict=True)), step
         assert rotor.calls.last_step_peak <= rotor.budget or step == 0
     assert rotor.last_entry.plan.recomputed_stages > 0
-
-
-def test_without_the_fix_two_calls_each_planned_for_the_whole_budget_go_over_it():
-    """The measurement the tests above rely on sees the problem: two calls at the whole budget."""
-    plain, (real, fake) = discriminator(), batches()
-    rotor = Checkpointable(copy.deepcopy(plain), 0.6)
-    rotor.prepare_for(real)
-    entry = rotor.entries[next(iter(rotor.entries))]
-    with MemoryProbe(rotor) as probe:
-        probe.track(real, fake)
-        loss = F.cross_entropy(entry.runner(real), REAL) + F.cross_entropy(entry.runner(fake), FAKE)
-        loss.backward()
-    assert probe.peak > rotor.budget
 
 
 def test_a_call_whose_graph_is_dropped_or_in_eval_mode_holds_nothing_afterwards():
@@ -155,3 +147,70 @@ def test_backwards_run_out_of_order_are_refused_when_they_do_not_fit():
     assert all(p.grad is None for p in rotor.parameters())
     del first, second, err  # the error's traceback holds the loss, and with it the graphs
     assert rotor.calls.held() == 0
+
+
+# -- a real Trainer ---------------------------------------------------------------------------------
+class Critic(pl.LightningModule):
+    """A GAN discriminator's step: the model called on real and on fake samples, two losses summed."""
+
+    def __init__(self, manual: bool = False):
+        super().__init__()
+        self.net = discriminator()
+        self.automatic_optimization = not manual
+        self.losses: list[float] = []
+        self.grads: list[list[torch.Tensor]] = []
+
+    def loss(self, batch):
+        real, fake = batch
+        n = real.shape[0]
+        return (F.cross_entropy(self.net(real), REAL[:n]) + F.cross_entropy(self.net(fake), FAKE[:n]))
+
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        self.losses.append(loss.item())
+        if self.automatic_optimization:
+            return loss
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(loss)
+        self.grads.append([p.grad.detach().clone() for p in self.parameters()])
+        opt.step()
+        return None
+
+    def on_before_optimizer_step(self, optimizer):
+        if self.automatic_optimization:
+            self.grads.append([p.grad.detach().clone() for p in self.parameters()])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+def gan_loader() -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    return DataLoader(TensorDataset(torch.randn(5 * N, 64, generator=g), torch.randn(5 * N, 64, generator=g)),
+                      batch_size=N)
+
+
+@pytest.mark.parametrize("manual", [False, True], ids=["automatic", "manual"])
+def test_a_trainer_step_calling_the_model_twice_logs_a_measured_peak_within_the_budget(tmp_path, manual):
+    runs = {}
+    for name, strategy in (("plain", "auto"), ("rotor", RotorStrategy(mem_limit=0.6))):
+        logger = TensorBoardLogger(tmp_path / name, name="tb")
+        model = Critic(manual)
+        pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=5, logger=logger,
+                   log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
+                   enable_model_summary=False, callbacks=[RotorCallback(measure_every_n_steps=1)]
+                   ).fit(model, gan_loader())
+        runs[name] = (model, logger)
+    (plain, _), (rotor, logger) = runs["plain"], runs["rotor"]
+    assert len(rotor.losses) == 5 and rotor.losses == plain.losses
+    for a, b in zip(rotor.grads, plain.grads, strict=True):
+        assert all(torch.equal(u, v) for u, v in zip(a, b, strict=True))
+    acc = EventAccumulator(str(logger.log_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    limits = {e.step: e.value for e in acc.Scalars("rotor/mem_limit_bytes")}
+    measured = {e.step: e.value for e in acc.Scalars("rotor/measured_peak_bytes")}
+    recomputed = [e.value for e in acc.Scalars("rotor/recomputed_stages")]
+    assert len(measured) >= 3 and max(recomputed) > 0
+    for step, peak in measured.items():  # each sample covers the whole step: both calls, both backwards
+        assert 0 < peak <= limits[step], (step, peak, limits[step])
