@@ -460,7 +460,7 @@ class Checkpointable(nn.Module):
                 need = step_minimum((*prefix, key), self._smallest_of((*prefix, key)), self._figures)
                 raise InfeasibleStep(what, budget, held, self._smallest(key), need)
         entry = primary if chosen == budget else self._entry_at(key, chosen)
-        pending, backward_peak = self._figures(key, chosen)[0], call_figures(entry.chain, entry.plan.ops)[1]
+        pending, backward_peak = self._call_figures(key, chosen)
         call = Call(key, len(prefix), chosen, pending, backward_peak, budget, what)
         return entry, call, entry.plan.peak
 
@@ -510,10 +510,16 @@ class Checkpointable(nn.Module):
             self._plans[(key, budget)] = plan(primary.chain, budget, slots=self.slots)
         return self._plans[(key, budget)]
 
+    def _call_figures(self, key: str, budget: int) -> tuple[int, int]:
+        """(bytes held while pending, peak of the backward part) of the plan for `key` at `budget` (once)."""
+        if (key, budget) not in self._held:
+            self._held[(key, budget)] = call_figures(self.entries[key].chain, self._plan_at(key, budget).ops)
+        return self._held[(key, budget)]
+
     def _figures(self, key: str, budget: int) -> tuple[int, int, float]:
         """(bytes held while pending, peak, seconds) of the plan for `key` at `budget` (planned if new)."""
         chosen = self._plan_at(key, budget)
-        return call_figures(self.entries[key].chain, chosen.ops)[0], chosen.peak, chosen.time
+        return self._call_figures(key, budget)[0], chosen.peak, chosen.time
 
     def _entry_at(self, key: str, budget: int) -> Entry:
         if (key, budget) not in self._call_entries:
@@ -525,6 +531,7 @@ class Checkpointable(nn.Module):
     def _forget_call_plans(self) -> None:
         """Plans of calls after others are made again (the budget or the profiles changed)."""
         self._plans, self._call_entries, self._step_budgets, self._smallest_bytes = {}, {}, {}, {}
+        self._held: dict[tuple[str, int], tuple[int, int]] = {}
 
     def prepare_for(self, value: Any) -> Entry:
         """The profile and plan for `value`'s signature, made now if new (no training step runs):
