@@ -80,15 +80,19 @@ class Call:
 class InfeasibleStep(InfeasibleBudget):
     """A call of a step does not fit in what the step's pending calls leave of the budget."""
 
-    def __init__(self, what: str, mem_limit: int, held: int, smallest: int, min_feasible: int):
+    def __init__(self, what: str, mem_limit: int, held: int, smallest: int, min_feasible: int, shared: str = ""):
         self.mem_limit, self.min_feasible, self.held = mem_limit, min_feasible, held
-        if min_feasible > mem_limit:
+        if min_feasible > mem_limit and shared:
+            fix = (f"the step's calls need at least {format_bytes(min_feasible)} ({min_feasible} bytes), more than "
+                   f"chain {shared!r}'s share of the shared budget; give the chains their own budgets "
+                   f"(mem_limit={{{shared!r}: {min_feasible}, ...}}) or a larger total")
+        elif min_feasible > mem_limit:
             fix = f"the step's calls need a budget of at least {format_bytes(min_feasible)}; " \
                   f"use mem_limit >= {min_feasible}"
         else:
             fix = (f"the budget fits this step's calls planned together ({format_bytes(min_feasible)}), but the "
-                   "earlier calls were planned for steps of fewer calls; make each step call the chain "
-                   "the same number of times")
+                   "earlier calls were planned for steps of fewer calls; steps like this one are planned "
+                   "together from now on: run the step again")
         ValueError.__init__(
             self,
             f"{what} needs at least {format_bytes(smallest)}, but the step's pending calls (forward run, backward "
@@ -184,6 +188,11 @@ class StepCalls:
         self.pending.append(weakref.ref(call))
         for node in nodes.values():
             node.register_prehook(_Started(self, call))  # the node owns the call: it lives as long as the graph
+
+    def refused(self, signature: str) -> None:
+        """A call of this step did not fit: still part of the step's structure, so that the next such
+        step is planned for it."""
+        self.step.append((signature, 0))
 
     def take_finished(self) -> Iterable[tuple[tuple[str, int], ...]]:
         done, self.finished = self.finished, []

@@ -15,6 +15,9 @@ fraction is taken of that signature's no-recomputation peak), and the same
 bytes bound every later signature: a smaller last batch gets its own plan
 within the same budget.
 
+Several calls before one backward (`D(real) + D(fake)`) share the budget: each call is
+planned against what the step's pending calls leave (lightning_rotor/calls.py).
+
 Automatic budget (`mem_limit=None`): on CUDA, 90% of the memory free when the
 plan is made minus what the first optimizer step will still allocate (a
 gradient and two optimizer states per trainable parameter); on the CPU, the
@@ -458,7 +461,9 @@ class Checkpointable(nn.Module):
             chosen = self.budget_for_call(prefix, key, budget - held)
             if chosen < self._smallest(key):
                 need = step_minimum((*prefix, key), self._smallest_of((*prefix, key)), self._figures)
-                raise InfeasibleStep(what, budget, held, self._smallest(key), need)
+                shared = self.shared_name if self.shared is not None and len(self.shared.names) > 1 else ""
+                self.calls.refused(key)
+                raise InfeasibleStep(what, budget, held, self._smallest(key), need, shared)
         entry = primary if chosen == budget else self._entry_at(key, chosen)
         pending, backward_peak = self._call_figures(key, chosen)
         call = Call(key, len(prefix), chosen, pending, backward_peak, budget, what)

@@ -123,6 +123,20 @@ def test_a_budget_too_small_for_two_calls_is_one_line_before_any_optimizer_step(
         assert peak <= err.value.min_feasible
 
 
+def test_a_call_more_than_steps_so_far_made_is_refused_once_then_planned_for():
+    plain, (real, fake) = discriminator(), batches()
+    rotor = Checkpointable(copy.deepcopy(plain), 0.6)
+    for _ in range(2):  # steps of one call: each gets the whole budget
+        F.cross_entropy(rotor(real), REAL).backward()
+    assert rotor.last_entry.plan.mem_limit == rotor.budget
+    with pytest.raises(InfeasibleStep, match="planned together from now on: run the step again") as err:
+        LOSSES["two losses summed"](rotor, real, fake).backward()
+    assert "\n" not in str(err.value) and err.value.min_feasible <= rotor.budget
+    del err
+    for peak, _ in measured_steps(rotor, LOSSES["two losses summed"], real, fake):  # the same step again
+        assert peak <= rotor.budget
+
+
 def test_backwards_run_out_of_order_are_refused_when_they_do_not_fit():
     plain, (real, fake) = discriminator(), batches()
     small, small_target = fake[:16].clone(), FAKE[:16]
@@ -214,3 +228,18 @@ def test_a_trainer_step_calling_the_model_twice_logs_a_measured_peak_within_the_
     assert len(measured) >= 3 and max(recomputed) > 0
     for step, peak in measured.items():  # each sample covers the whole step: both calls, both backwards
         assert 0 < peak <= limits[step], (step, peak, limits[step])
+
+
+def test_a_trainer_budget_too_small_for_two_calls_is_one_line_before_any_optimizer_step(tmp_path):
+    probe = Checkpointable(discriminator(), 1.0)
+    probe.prepare_for(batches()[0])
+    least = min_feasible_budget(probe.chain)  # one call fits, two do not
+    model = Critic()
+    before = copy.deepcopy(model.state_dict())
+    trainer = pl.Trainer(strategy=RotorStrategy(mem_limit=least), accelerator="cpu", devices=1, max_steps=2,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    with pytest.raises(InfeasibleStep, match=r"call 2 of this step .* use mem_limit >= \d+$") as err:
+        trainer.fit(model, gan_loader())
+    assert "\n" not in str(err.value) and err.value.min_feasible > least
+    assert model.losses == [] and all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
