@@ -284,6 +284,7 @@ class Checkpointable(nn.Module):
         self.calls = StepCalls()  # this step's pending calls (lightning_rotor/calls.py)
         self._structures: dict[tuple[str, ...], list[int]] = {}  # steps seen: signatures -> budgets first run
         self._auto_none = False  # mem_limit=None resolved to "no recomputation" (not on CUDA)
+        self._to_grow: list[tuple[str, ...]] = []  # steps of several calls a shared budget is not split for yet
         self._forget_call_plans()
         self.last_measurement: StepMeasurement | None = None
         self._measurement: StepMeasurement | None = None
@@ -452,13 +453,21 @@ class Checkpointable(nn.Module):
         """
         prefix = self.calls.begin()
         for step in self.calls.take_finished():
-            self._structures.setdefault(tuple(sig for sig, _ in step), [b for _, b in step])
+            structure = tuple(sig for sig, _ in step)
+            if structure not in self._structures and len(structure) > 1:
+                self._to_grow.append(structure)
+            self._structures.setdefault(structure, [b for _, b in step])
+        if self._to_grow and self._grow_share(self._to_grow[-1]):
+            self._to_grow.clear()
         budget, held = self.budget, self.calls.held()
         what = f"call {len(prefix) + 1} of this step (input {describe(value)})"
         if self._no_recompute():  # an automatic CPU budget: nothing is recomputed, however many calls
             chosen = budget
         else:
             chosen = self.budget_for_call(prefix, key, budget - held)
+            if chosen < self._smallest(key) and self._grow_share((*prefix, key)):
+                budget = self.budget
+                chosen = self.budget_for_call(prefix, key, budget - held)
             if chosen < self._smallest(key):
                 need = step_minimum((*prefix, key), self._smallest_of((*prefix, key)), self._figures)
                 shared = self.shared_name if self.shared is not None and len(self.shared.names) > 1 else ""
@@ -492,6 +501,24 @@ class Checkpointable(nn.Module):
             self._step_budgets[cache_key] = step_budgets(structure, self.budget, self._smallest_of(structure),
                                                          self._figures, tried)
         return self._step_budgets[cache_key]
+
+    def _grow_share(self, structure: tuple[str, ...]) -> bool:
+        """Under a budget shared with other chains, a share that fits a step of `structure`'s calls
+        (`SharedBudget.grow`). Only while the other chains hold nothing pending: their shares may
+        shrink. Returns whether the share was asked for."""
+        shared = self.shared
+        if shared is None or len(shared.names) < 2 or self._no_recompute():
+            return False
+        if any(member is not self and getattr(member, "calls", None) is not None and member.calls.alive()
+               for member in shared.members.values()):
+            return False
+        smallest = step_minimum(structure, self._smallest_of(structure), self._figures)
+        peaks = {sig: no_recompute_peak(self.entries[sig].chain) for sig in structure}
+        need = step_minimum(structure, peaks, self._figures)
+        share = shared.grow(self.shared_name, smallest, need)
+        if share != self.budget:
+            self.replan(share)
+        return True
 
     def _no_recompute(self) -> bool:
         """An automatic budget off CUDA means no recomputation (module docstring), for every call."""

@@ -243,3 +243,49 @@ def test_a_trainer_budget_too_small_for_two_calls_is_one_line_before_any_optimiz
         trainer.fit(model, gan_loader())
     assert "\n" not in str(err.value) and err.value.min_feasible > least
     assert model.losses == [] and all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+class Gan(Critic):
+    """Two chains under one shared budget: a generator, and the discriminator called twice per step."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.gen = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
+
+    def loss(self, batch):
+        real, noise = batch
+        n = real.shape[0]
+        on_real = F.cross_entropy(self.net(real), REAL[:n])  # first, while the generator holds nothing
+        return on_real + F.cross_entropy(self.net(self.gen(noise[:, :16])), FAKE[:n])
+
+
+def test_a_shared_budget_is_split_again_for_a_chain_called_twice(tmp_path):
+    runs, keep = {}, {}
+
+    class Keep(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            keep.setdefault("shares", []).append((pl_module.net.budget, pl_module.gen.budget))
+
+    for name, strategy in (("plain", "auto"), ("rotor", RotorStrategy(mem_limit=0.7))):
+        logger = TensorBoardLogger(tmp_path / name, name="tb")
+        model = Gan()
+        pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=4, logger=logger,
+                   log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
+                   enable_model_summary=False, callbacks=[RotorCallback(measure_every_n_steps=1)]
+                   + ([Keep()] if name == "rotor" else [])).fit(model, gan_loader())
+        runs[name] = (model, logger)
+    (plain, _), (rotor, logger) = runs["plain"], runs["rotor"]
+    assert rotor.losses == plain.losses
+    for a, b in zip(rotor.grads, plain.grads, strict=True):
+        assert all(torch.equal(u, v) for u, v in zip(a, b, strict=True))
+    shares = keep["shares"]
+    assert shares[-1][0] > shares[0][0] and shares[-1][1] < shares[0][1]  # the discriminator's share grew
+    assert sum(shares[-1]) <= sum(shares[0])  # within the same total
+    acc = EventAccumulator(str(logger.log_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    limits = {e.step: e.value for e in acc.Scalars("rotor/mem_limit_bytes")}
+    measured = {e.step: e.value for e in acc.Scalars("rotor/measured_peak_bytes")}
+    assert len(measured) >= 2
+    for step, peak in measured.items():
+        assert 0 < peak <= limits[step], (step, peak, limits[step])
