@@ -650,6 +650,11 @@ class Checkpointable(nn.Module):
         return next((e for e in self.entries.values() if e.profile is self.last_entry.profile), self.last_entry)
 
     @property
+    def entry(self) -> Entry:
+        """The profile and whole-budget plan of the last signature: what a call alone in its step runs."""
+        return self._entry()
+
+    @property
     def chain(self) -> Chain:
         return self._entry().chain
 
