@@ -650,6 +650,13 @@ class Checkpointable(nn.Module):
         return next((e for e in self.entries.values() if e.profile is self.last_entry.profile), self.last_entry)
 
     @property
+    def step_limit(self) -> int:
+        """The bytes a training step of this chain may hold, all its calls together: the budget, or under
+        an automatic budget off CUDA (no recomputation) the step's predicted peak when larger."""
+        budget = self.budget or 0
+        return max(budget, self.calls.step_peak) if self._no_recompute() else budget
+
+    @property
     def entry(self) -> Entry:
         """The profile and whole-budget plan of the last signature: what a call alone in its step runs."""
         return self._entry()

@@ -289,3 +289,14 @@ def test_a_shared_budget_is_split_again_for_a_chain_called_twice(tmp_path):
     assert len(measured) >= 2
     for step, peak in measured.items():
         assert 0 < peak <= limits[step], (step, peak, limits[step])
+
+
+def test_an_automatic_budget_on_cpu_recomputes_nothing_however_many_calls():
+    plain, (real, fake) = discriminator(), batches()
+    rotor = Checkpointable(copy.deepcopy(plain), None)
+    got = measured_steps(rotor, LOSSES["two losses summed"], real, fake)
+    expected = measured_steps(plain, LOSSES["two losses summed"], real, fake)
+    for (peak, grads), (_, plain_grads) in zip(got, expected, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads, strict=True))
+        assert rotor.budget < peak <= rotor.step_limit  # two calls: more than one call's peak, as predicted
+    assert rotor.last_entry.plan.recomputed_stages == 0

@@ -280,7 +280,7 @@ class RotorCallback(Callback):
         # per chain: its budget, which covers all its calls in a step, and the step's predicted peak
         # (the largest of each call's plan peak above what the step's earlier calls still held)
         metrics = {
-            "rotor/mem_limit_bytes": float(sum(rotor.budget or e.plan.mem_limit
+            "rotor/mem_limit_bytes": float(sum(rotor.step_limit or e.plan.mem_limit
                                                for rotor, e in zip(chains.values(), entries, strict=True))),
             "rotor/predicted_peak_bytes": float(sum(rotor.calls.step_peak or e.plan.peak
                                                     for rotor, e in zip(chains.values(), entries, strict=True))),
