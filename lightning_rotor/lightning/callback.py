@@ -93,7 +93,7 @@ def summary_text(chains: dict[str, Checkpointable]) -> str:
     for name, rotor in chains.items():
         if rotor.last_entry is None:
             continue
-        entry = rotor.last_entry
+        entry = rotor.entry  # the whole-budget plan (a first step runs each call at its smallest budget)
         no_recompute = no_recompute_peak(entry.chain)
         base = entry.chain.no_recompute_time()
         rows.append((name, str(entry.chain.length), format_bytes(entry.plan.mem_limit), format_bytes(entry.plan.peak),
