@@ -427,6 +427,13 @@ class _Tail(torch.autograd.Function):
         return (None, None, None, None, *deltas, *[None] * ctx.n_params)
 
 
+def _own(grad: torch.Tensor | None) -> torch.Tensor | None:
+    """A tensor of its own on `grad`'s storage (same offset, size and strides)."""
+    if grad is None or grad.layout != torch.strided:
+        return grad
+    return grad.new_empty(0).set_(grad.untyped_storage(), grad.storage_offset(), grad.size(), grad.stride())
+
+
 class _Head(torch.autograd.Function):
     @staticmethod
     def forward(ctx, step: _Step, token: torch.Tensor) -> tuple:
@@ -446,7 +453,9 @@ class _Head(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor | None) -> tuple:
         step: _Step | None = getattr(ctx, "step", None)
         _check_backward_call(step)
-        step.grads[step.runner.length] = list(grads)
+        # a tensor of our own on each gradient's storage: the engine may hand the very same tensor to another
+        # node too (an add of two calls' outputs), which then counts as a second owner and keeps it from being freed
+        step.grads[step.runner.length] = [_own(g) for g in grads]
         step.mark(Op(OpKind.LOSS))
         del ctx.step
         return None, torch.empty(0, device=step.runner.token_device)

@@ -3,8 +3,9 @@
 Every step (through `LightningModule.log`, so `log_every_n_steps` and every logger
 apply; rank zero only):
 
-- `rotor/mem_limit_bytes`, `rotor/predicted_peak_bytes`, `rotor/recomputed_stages`
-  (summed over the wrapped chains);
+- `rotor/mem_limit_bytes` (the chains' budgets: each covers every call of its chain in a
+  step), `rotor/predicted_peak_bytes` (the step's, all calls together),
+  `rotor/recomputed_stages` (of the latest call), summed over the wrapped chains;
 - `rotor/measured_peak_bytes`: the activation peak of a sampled step (see below);
 - `rotor/no_recompute_seconds` (Σ forward + backward of the chains as profiled),
   `rotor/predicted_seconds` (the plans' time), `rotor/predicted_overhead`
@@ -112,7 +113,7 @@ def summary_text(chains: dict[str, Checkpointable]) -> str:
     for name, rotor in chains.items():
         if rotor.last_entry is None:
             continue
-        entry = rotor.last_entry
+        entry = rotor.entry  # the whole-budget plan (a first step runs each call at its smallest budget)
         no_recompute = no_recompute_peak(entry.chain)
         base = entry.chain.no_recompute_time()
         rows.append((name, str(entry.chain.length), format_bytes(entry.plan.mem_limit), format_bytes(entry.plan.peak),
@@ -312,9 +313,13 @@ class RotorCallback(Callback):
         entries = [rotor.last_entry for rotor in chains.values()]
         no_recompute = sum(e.chain.no_recompute_time() for e in entries)
         predicted = sum(e.plan.time for e in entries)
+        # per chain: its budget, which covers all its calls in a step, and the step's predicted peak
+        # (the largest of each call's plan peak above what the step's earlier calls still held)
         metrics = {
-            "rotor/mem_limit_bytes": float(sum(e.plan.mem_limit for e in entries)),
-            "rotor/predicted_peak_bytes": float(sum(e.plan.peak for e in entries)),
+            "rotor/mem_limit_bytes": float(sum(rotor.step_limit or e.plan.mem_limit
+                                               for rotor, e in zip(chains.values(), entries, strict=True))),
+            "rotor/predicted_peak_bytes": float(sum(rotor.calls.step_peak or e.plan.peak
+                                                    for rotor, e in zip(chains.values(), entries, strict=True))),
             "rotor/recomputed_stages": float(sum(e.plan.recomputed_stages for e in entries)),
             "rotor/no_recompute_seconds": no_recompute,
             "rotor/predicted_seconds": predicted,
