@@ -11,9 +11,9 @@ from typing import Any
 import torch
 
 from lightning_rotor.bench.methods import Method, Row
-from lightning_rotor.bench.workload import Workload
+from lightning_rotor.bench.workload import Workload, measure_peak
 from lightning_rotor.budget import format_bytes, parse_budget
-from lightning_rotor.memory import probe_for, storage_bytes
+from lightning_rotor.memory import storage_bytes
 from lightning_rotor.profile import synchronize
 
 
@@ -23,19 +23,6 @@ def train_step(w: Workload, forward: Callable[[torch.Tensor], Any], seed: int) -
     torch.manual_seed(seed)
     loss = w.loss(forward(w.x), w.y)
     loss.backward()
-
-
-def measure_peak(w: Workload, forward: Callable[[torch.Tensor], Any], seed: int) -> int:
-    """Activation bytes at the step's peak, the chain input included (see the module docstring)."""
-    w.model.zero_grad(set_to_none=True)
-    probe = probe_for(w.device, exclude=w.model)
-    with probe:
-        probe.track(w.x)
-        torch.manual_seed(seed)
-        loss = w.loss(forward(w.x), w.y)
-        loss.backward()
-        del loss
-    return probe.peak
 
 
 def allocator_peak(w: Workload, forward: Callable[[torch.Tensor], Any], seed: int) -> int:

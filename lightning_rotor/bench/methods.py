@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
-from lightning_rotor.bench.workload import Workload
+from lightning_rotor.bench.workload import Workload, measure_peak
 from lightning_rotor.budget import format_bytes, parse_budget
 from lightning_rotor.checkpointable import Checkpointable, InfeasibleBudget
 
@@ -138,8 +138,6 @@ def eager_methods(w: Workload, budgets: list[str], max_segments: int | None) -> 
     if not w.stages:  # a model as written: per-block checkpointing is the uniform scheme to beat
         if w.block is None:
             return [*methods, *rotor_methods(w, budgets, row)]
-        from lightning_rotor.bench.measure import measure_peak
-
         per_block = _per_block(w.model, w.block)
         peak = measure_peak(w, per_block, 0)  # rotor is also planned for exactly this many bytes ("per_block")
         tokens = [*budgets, str(peak)]

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from lightning_rotor.bench.any_models import ANY_MODELS
+from lightning_rotor.memory import probe_for
 from lightning_rotor.models import MODELS, ModelSpec
 from lightning_rotor.stages import sequential_stages
 
@@ -134,3 +135,16 @@ def load_workload(
     x = x.to(device)
     y = y.to(device) if isinstance(y, torch.Tensor) else y
     return Workload(model, built, x, y, loss, device, block=block)
+
+
+def measure_peak(w: Workload, forward: Callable[[torch.Tensor], Any], seed: int) -> int:
+    """Activation bytes at the step's peak, the chain input included (parameters and their gradients left out)."""
+    w.model.zero_grad(set_to_none=True)
+    probe = probe_for(w.device, exclude=w.model)
+    with probe:
+        probe.track(w.x)
+        torch.manual_seed(seed)
+        loss = w.loss(forward(w.x), w.y)
+        loss.backward()
+        del loss
+    return probe.peak
