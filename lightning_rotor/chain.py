@@ -13,13 +13,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-CHAIN_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+CHAIN_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 SIZE_FIELDS = ("out_size", "saved_size", "fwd_tmp", "bwd_tmp")
 SIGNED_FIELDS = ("bwd_tmp",)  # version 2: may be negative (autograd frees as it goes), down to -s_k
-OPTIONAL_FIELDS = ("fwd_tmp_nograd", "out_free", "loss_tmp_kept", "in_free", "loss_value")
+OPTIONAL_FIELDS = ("fwd_tmp_nograd", "out_free", "loss_tmp_kept", "in_free", "loss_value", "frozen")
 V2_FIELDS = ("out_free", "loss_tmp_kept")  # fields a version-1 file cannot have
 V3_FIELDS = ("in_free", "loss_value")  # fields a version-1 or version-2 file cannot have
+V4_FIELDS = ("frozen",)  # fields a file before version 4 cannot have
 TIME_FIELDS = ("fwd_time", "bwd_time")
 STAGE_FIELDS = SIZE_FIELDS + TIME_FIELDS
 
@@ -101,6 +102,13 @@ class Chain:
     `loss_value`: bytes the loss holds from the end of `Loss` to the end of the step (its
     value and the gradient `backward()` seeds it with); before version 3 they were counted
     in `input_size`, from the start of the step (default 0: that meaning).
+
+    Version 4: `frozen` is `F`, the length of the frozen prefix: stages `0 … F-1` need no
+    backward (the chain input does not require grad and none of their parameters does), so
+    they run once as `Fn 0 … Fn F-1` before anything else, recording nothing, and are never
+    recomputed nor backwarded; their `saved_size`, `fwd_tmp`, `bwd_tmp`, `bwd_time`,
+    `out_free` and `in_free[1..F]` are not used. What follows is the ordinary chain
+    `suffix()`. The default, 0, gives version 3's meaning.
     """
 
     input_size: int
@@ -117,6 +125,7 @@ class Chain:
     loss_tmp_kept: int | None = None
     in_free: list[int] | None = None
     loss_value: int = 0
+    frozen: int = 0
 
     def __post_init__(self) -> None:
         length = len(self.out_size) if isinstance(self.out_size, (list, tuple)) else None
@@ -164,6 +173,9 @@ class Chain:
                 raise ChainError(f"in_free[{k}]={self.in_free[k]} is larger than out_free[{k - 1}]="
                                  f"{self.out_free[k - 1]}: bytes of a_{k} neither graph keeps are among those the "
                                  f"graph of stage {k - 1} does not keep")
+        if isinstance(self.frozen, bool) or not isinstance(self.frozen, int) or not 0 <= self.frozen < length:
+            raise ChainError(f"frozen must be an integer from 0 to {length - 1} (the stages before the first one that "
+                             f"needs a backward; at least the last stage does), got {self.frozen!r}")
         total = self.input_size + self.loss_value + abs(self.loss_tmp) + abs(self.loss_tmp_kept) + sum(
             sum(abs(v) for v in getattr(self, f)) for f in (*SIZE_FIELDS, "fwd_tmp_nograd", "out_free", "in_free"))
         if total > MAX_BYTES:
@@ -209,11 +221,45 @@ class Chain:
         return self.loss_tmp if self.out_free[-1] == self.out_size[-1] else self.loss_tmp_kept
 
     def no_recompute_time(self) -> float:
-        """Time of one step with unlimited memory: every stage once forward, once backward.
+        """Time of one step with unlimited memory: every stage once forward, every stage after the
+        frozen prefix once backward.
 
         One correctly rounded sum, as `simulate` adds op times, so the two agree exactly.
         """
-        return math.fsum([*self.fwd_time, *self.bwd_time])
+        return math.fsum([*self.fwd_time, *self.bwd_time[self.frozen:]])
+
+    @property
+    def prefix_peak(self) -> int:
+        """Peak of the frozen prefix, `Fn 0 … Fn F-1` with `a_0` held (`input_size` when there is none)."""
+        s = self.sizes
+        peak = s[0]
+        for k in range(self.frozen):
+            peak = max(peak, s[0] + (s[k] if k else 0) + s[k + 1] + self.fwd_tmp_nograd[k])
+        return peak
+
+    def suffix(self) -> Chain:
+        """The stages `F … L-1` after the frozen prefix as an ordinary chain (this chain when `F = 0`).
+
+        Its input holds both `a_0` (the caller's) and `a_F`, which stay to the end of the step, and
+        `B F` makes no gradient for `a_F`: its `bwd_tmp` is shifted so that the suffix's
+        `cur - out_free + s_0' + bwd_tmp'` is the chain's `cur - out_free + s_F + bwd_tmp[F]`
+        (docs/memory-model.md, "Chain version 4"). Its `in_free[0]` is 0: `a_F` is never let go.
+        """
+        f = self.frozen
+        if f == 0:
+            return self
+        return Chain(
+            input_size=self.input_size + self.out_size[f - 1],
+            **{name: list(getattr(self, name)[f:]) for name in STAGE_FIELDS if name != "bwd_tmp"},
+            bwd_tmp=[self.bwd_tmp[f] - self.input_size, *self.bwd_tmp[f + 1:]],
+            loss_tmp=self.loss_tmp,
+            names=self.names[f:],
+            fwd_tmp_nograd=self.fwd_tmp_nograd[f:],
+            out_free=self.out_free[f:],
+            loss_tmp_kept=self.loss_tmp_kept,
+            in_free=[0, *self.in_free[f + 1:]],
+            loss_value=self.loss_value,
+        )
 
     @classmethod
     def from_dict(cls, data: Any) -> Chain:
@@ -230,6 +276,10 @@ class Chain:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ChainError(f"unknown chain field(s) {', '.join(unknown)}; known fields: {', '.join(sorted(known))}")
+        if version < 4:
+            v4 = [k for k in V4_FIELDS if k in data]
+            if v4:
+                raise ChainError(f"field(s) {', '.join(v4)} need chain version 4; this file says version {version}")
         if version < 3:
             v3 = [k for k in V3_FIELDS if k in data]
             if v3:
@@ -251,6 +301,7 @@ class Chain:
             loss_tmp_kept=data.get("loss_tmp_kept"),
             in_free=data.get("in_free"),
             loss_value=data.get("loss_value", 0),
+            frozen=data.get("frozen", 0),
             **{name: data[name] for name in STAGE_FIELDS},
         )
 
@@ -272,6 +323,8 @@ class Chain:
             data["in_free"] = list(self.in_free)
         if self.loss_value:
             data["loss_value"] = self.loss_value
+        if self.frozen:
+            data["frozen"] = self.frozen
         return data
 
     @classmethod

@@ -15,6 +15,9 @@ fraction is taken of that signature's no-recomputation peak), and the same
 bytes bound every later signature: a smaller last batch gets its own plan
 within the same budget.
 
+Several calls before one backward (`D(real) + D(fake)`) share the budget: each call is
+planned against what the step's pending calls leave (lightning_rotor/calls.py).
+
 Automatic budget (`mem_limit=None`): on CUDA, 90% of the memory free when the
 plan is made minus what the first optimizer step will still allocate (a
 gradient and two optimizer states per trainable parameter); on the CPU, the
@@ -47,12 +50,21 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from lightning_rotor.budget import format_bytes, parse_budget, resolve_budget
+from lightning_rotor.calls import (
+    Call,
+    InfeasibleStep,
+    StepCalls,
+    call_figures,
+    describe,
+    step_budgets,
+    step_minimum,
+)
 from lightning_rotor.chain import Chain
 from lightning_rotor.discretize import check_slots
 from lightning_rotor.execute import PlanRunner
 from lightning_rotor.memory import CudaMemoryProbe, MemoryProbe, storage_bytes
 from lightning_rotor.ops import forward_counts, is_no_recompute
-from lightning_rotor.planner import InfeasibleBudget, Plan, plan
+from lightning_rotor.planner import InfeasibleBudget, Plan, min_feasible_budget, plan
 from lightning_rotor.profile import Profile, profile_chain
 from lightning_rotor.shared_budget import SharedBudget, auto_total
 from lightning_rotor.simulate import no_recompute_peak, simulate
@@ -61,7 +73,7 @@ from lightning_rotor.stages import Stages, sequential_stages
 if TYPE_CHECKING:
     from lightning_rotor.discovery import Discovery
 
-__all__ = ["Checkpointable", "Entry", "InfeasibleBudget", "StepMeasurement", "auto_budget"]
+__all__ = ["Checkpointable", "Entry", "InfeasibleBudget", "InfeasibleStep", "StepMeasurement", "auto_budget"]
 
 def auto_budget(device: torch.device, parameters: Iterable[nn.Parameter] = ()) -> int | None:
     """The budget used when `mem_limit=None` in bytes on CUDA; None elsewhere, meaning the no-recompute peak."""
@@ -250,6 +262,7 @@ class Checkpointable(nn.Module):
         object.__setattr__(self, "module", module)  # not registered: state_dict keys stay the module's
         object.__setattr__(self, "stages", stages)  # None until the first training call when discovering
         self.discover = None if discover == "sequential" else discover  # None: the stages are known
+        self._join_in_place = discover == "sequential"  # on the first training call (`join_in_place`)
         self.checkpoint_modules = types
         self.discovery: Discovery | None = None
         self.outside: dict[str, tuple[int, int]] = {}  # module-level chains: per call signature, see _measure_outside
@@ -267,8 +280,13 @@ class Checkpointable(nn.Module):
         self.budget: int | None = None  # bytes, fixed by the first signature planned
         self.shared: SharedBudget | None = None  # set by whoever splits one budget over several chains
         self.shared_name = ""
-        self.entries: dict[str, Entry] = {}
-        self.last_entry: Entry | None = None
+        self.entries: dict[str, Entry] = {}  # per signature: the plan for the whole budget
+        self.last_entry: Entry | None = None  # the entry the latest call ran
+        self.calls = StepCalls()  # this step's pending calls (lightning_rotor/calls.py)
+        self._structures: dict[tuple[str, ...], list[int]] = {}  # steps seen: signatures -> budgets first run
+        self._auto_none = False  # mem_limit=None resolved to "no recomputation" (not on CUDA)
+        self._to_grow: list[tuple[str, ...]] = []  # steps of several calls a shared budget is not split for yet
+        self._forget_call_plans()
         self.last_measurement: StepMeasurement | None = None
         self._measurement: StepMeasurement | None = None
         # called as (stages done, stages, seconds) while a new input signature is profiled
@@ -305,6 +323,8 @@ class Checkpointable(nn.Module):
             value = args[0] if len(args) == 1 else args
             if not self.training or not torch.is_grad_enabled():
                 return self.module(value)
+            if self._join_in_place:
+                self._join_in_place_on(value)
             return self._run(value, lambda: self.module(value))
         if not self.training or not torch.is_grad_enabled() or self.no_chain:
             return self.module(*args, **kwargs)  # the user's forward, as written (traced code freezes `training`)
@@ -334,6 +354,16 @@ class Checkpointable(nn.Module):
             return self.module(*args, **kwargs)
         finally:
             run.uninstall()
+
+    def _join_in_place_on(self, value: Any) -> None:
+        """A Sequential's leaves that write into their input in place join the stage before, seen on `value`."""
+        from lightning_rotor.discovery import join_in_place
+
+        self._join_in_place = False
+        joined = join_in_place(self.stages, value)
+        if joined is not self.stages:
+            object.__setattr__(self, "stages", joined)
+            self.stage_names = list(joined.names)
 
     def _measure_outside(self, args: tuple, kwargs: dict[str, Any]) -> tuple[int, int]:
         """What a module-level chain's budget must also hold: (bytes the forward keeps from before the run,
@@ -399,34 +429,193 @@ class Checkpointable(nn.Module):
         return found
 
     def _run(self, value: Any, plain_call: Callable[[], Any]) -> Any:
-        """The chain on its input `a_0`: profile and plan if new, then the plan (or `plain_call`)."""
-        entry = self.prepare_for(value)
+        """The chain on its input `a_0`: profile and plan if new, then the plan (or `plain_call`).
+
+        The plan is made against what this step's pending calls leave of the budget
+        (NOTE: [Several calls per step] in lightning_rotor/calls.py).
+        """
+        if not any(p.requires_grad for p in self._stage_parameters()) and not any(
+            t.requires_grad for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)
+        ):
+            return plain_call()  # every stage frozen: no backward through the chain, nothing to checkpoint
+        primary = self.prepare_for(value)
+        alone = not self.calls.alive()
+        entry, call, peak = self._call_entry(signature(value), primary, value)
+        self.last_entry = entry
         measurement = self._measurement
-        plain = is_no_recompute(entry.plan.ops)
+        # after another call of the step, plain autograd would hold this call's parameter gradients until the
+        # earlier call's backward (one accumulator per parameter waits for both): run the plan instead
+        plain = alone and is_no_recompute(entry.plan.ops)
         if plain and measurement is None:
-            return plain_call()  # no recomputation: plain autograd frees exactly as the plan does
+            output = plain_call()  # no recomputation: plain autograd frees exactly as the plan does
+            self.calls.add(call, peak, output)
+            return output
         if measurement is not None:
+            if measurement.entry is None:  # the step's first call: its marks start here
+                measurement.start_op = getattr(measurement.probe, "ops", 0)
             measurement.entry = entry
-            measurement.start_op = getattr(measurement.probe, "ops", 0)
             entry.runner.probe = measurement.probe
         try:
-            return entry.runner(value)
+            output = entry.runner(value)
         finally:
             entry.runner.probe = None
+        self.calls.add(call, peak, output)
+        return output
+
+    # -- several calls per step (lightning_rotor/calls.py) -------------------------------------
+    def _call_entry(self, key: str, primary: Entry, value: Any) -> tuple[Entry, Call, int]:
+        """The entry this call runs: planned against the budget less what pending calls hold.
+
+        Raises `InfeasibleStep` when the call cannot fit in what is left, before it runs.
+        """
+        prefix = self.calls.begin()
+        for step in self.calls.take_finished():
+            structure = tuple(sig for sig, _ in step)
+            if structure not in self._structures and len(structure) > 1:
+                self._to_grow.append(structure)
+            self._structures.setdefault(structure, [b for _, b in step])
+        if self._to_grow and self._grow_share(self._to_grow[-1]):
+            self._to_grow.clear()
+        budget, held = self.budget, self.calls.held()
+        what = f"call {len(prefix) + 1} of this step (input {describe(value)})"
+        if self._no_recompute():  # an automatic CPU budget: nothing is recomputed, however many calls
+            chosen = budget
+        else:
+            chosen = self.budget_for_call(prefix, key, budget - held)
+            if chosen < self._smallest(key) and self._grow_share((*prefix, key)):
+                budget = self.budget
+                chosen = self.budget_for_call(prefix, key, budget - held)
+            if chosen < self._smallest(key):
+                need = step_minimum((*prefix, key), self._smallest_of((*prefix, key)), self._figures)
+                shared = self.shared_name if self.shared is not None and len(self.shared.names) > 1 else ""
+                self.calls.refused(key)
+                raise InfeasibleStep(what, budget, held, self._smallest(key), need, shared)
+        entry = primary if chosen == budget else self._entry_at(key, chosen)
+        pending, backward_peak = self._call_figures(key, chosen)
+        call = Call(key, len(prefix), chosen, pending, backward_peak, budget, what)
+        return entry, call, entry.plan.peak
+
+    def budget_for_call(self, prefix: tuple[str, ...], key: str, available: int) -> int:
+        """The budget of the next call after `prefix` (signatures of the step's calls so far)."""
+        position = len(prefix)
+        wanted = []
+        for structure, tried in self._structures.items():
+            if len(structure) > position and structure[: position + 1] == (*prefix, key):
+                budgets = self._learned_budgets(structure, tried)
+                if budgets is not None:
+                    wanted.append(budgets[position])
+        if wanted:
+            return min(min(wanted), available)
+        if position == 0 and self._structures:
+            return available  # a new input signature: steps so far tell nothing, plan for the whole budget
+        return min(self._smallest(key), available)  # the first step, or a call more: hold the least, leave the most
+
+    def _learned_budgets(self, structure: tuple[str, ...], tried: list[int]) -> list[int] | None:
+        cache_key = (structure, self.budget)
+        if cache_key not in self._step_budgets:
+            if any(sig not in self.entries for sig in structure):
+                return None
+            self._step_budgets[cache_key] = step_budgets(structure, self.budget, self._smallest_of(structure),
+                                                         self._figures, tried)
+        return self._step_budgets[cache_key]
+
+    def _grow_share(self, structure: tuple[str, ...]) -> bool:
+        """Under a budget shared with other chains, a share that fits a step of `structure`'s calls
+        (`SharedBudget.grow`). Only while the other chains hold nothing pending: their shares may
+        shrink. Returns whether the share was asked for."""
+        shared = self.shared
+        if shared is None or len(shared.names) < 2 or self._no_recompute():
+            return False
+        if any(member is not self and getattr(member, "calls", None) is not None and member.calls.alive()
+               for member in shared.members.values()):
+            return False
+        smallest = step_minimum(structure, self._smallest_of(structure), self._figures)
+        peaks = {sig: no_recompute_peak(self.entries[sig].chain) for sig in structure}
+        need = step_minimum(structure, peaks, self._figures)
+        share = shared.grow(self.shared_name, smallest, need)
+        if share != self.budget:
+            self.replan(share)
+        return True
+
+    def _no_recompute(self) -> bool:
+        """An automatic budget off CUDA means no recomputation (module docstring), for every call."""
+        if self.shared is not None:
+            return self.shared.value is None and self.shared.auto_bytes is None
+        return self.mem_limit is None and self._auto_none
+
+    def _smallest(self, key: str) -> int:
+        if key not in self._smallest_bytes:
+            self._smallest_bytes[key] = min_feasible_budget(self.entries[key].chain)
+        return self._smallest_bytes[key]
+
+    def _smallest_of(self, keys: Iterable[str]) -> dict[str, int]:
+        return {k: self._smallest(k) for k in keys}
+
+    def _plan_at(self, key: str, budget: int) -> Plan:
+        primary = self.entries[key]
+        if budget == primary.plan.mem_limit:
+            return primary.plan
+        if (key, budget) not in self._plans:
+            self._plans[(key, budget)] = plan(primary.chain, budget, slots=self.slots)
+        return self._plans[(key, budget)]
+
+    def _call_figures(self, key: str, budget: int) -> tuple[int, int]:
+        """(bytes held while pending, peak of the backward part) of the plan for `key` at `budget` (once)."""
+        if (key, budget) not in self._held:
+            self._held[(key, budget)] = call_figures(self.entries[key].chain, self._plan_at(key, budget).ops)
+        return self._held[(key, budget)]
+
+    def _figures(self, key: str, budget: int) -> tuple[int, int, float]:
+        """(bytes held while pending, peak, seconds) of the plan for `key` at `budget` (planned if new)."""
+        chosen = self._plan_at(key, budget)
+        return self._call_figures(key, budget)[0], chosen.peak, chosen.time
+
+    def _entry_at(self, key: str, budget: int) -> Entry:
+        if (key, budget) not in self._call_entries:
+            primary, chosen = self.entries[key], self._plan_at(key, budget)
+            runner = PlanRunner(self.stages, chosen.ops, self.stage_names, in_free=primary.chain.in_free)
+            self._call_entries[(key, budget)] = Entry(primary.profile, chosen, runner)
+        return self._call_entries[(key, budget)]
+
+    def _forget_call_plans(self) -> None:
+        """Plans of calls after others are made again (the budget or the profiles changed)."""
+        self._plans, self._call_entries, self._step_budgets, self._smallest_bytes = {}, {}, {}, {}
+        self._held: dict[tuple[str, int], tuple[int, int]] = {}
 
     def prepare_for(self, value: Any) -> Entry:
-        """The profile and plan for `value`'s signature, made now if new (no training step runs).
+        """The profile and plan for `value`'s signature, made now if new (no training step runs):
+        the plan of a call alone in its step, at the whole budget.
 
         Raises `InfeasibleBudget` (with the smallest feasible budget) when the budget is too small.
         """
         if self.stages is None:
             raise RuntimeError("the chain is not discovered yet: run one training forward (or discover_on) first")
-        key = signature(value)
+        key = self._plan_key(value)
         entry = self.entries.get(key)
         if entry is None:
             entry = self.entries[key] = self._prepare(value)
         self.last_entry = entry
         return entry
+
+    def _stage_parameters(self) -> list[nn.Parameter]:
+        """The stages' parameters in order (found once per set of stages)."""
+        cached = getattr(self, "_params_of", None)
+        if cached is None or cached[0] is not self.stages:
+            cached = self._params_of = (self.stages, [p for stage in self.stages for p in stage.parameters()])
+        return cached[1]
+
+    def _plan_key(self, value: Any) -> str:
+        """The input's signature, and which stage parameters are frozen when some are.
+
+        Freezing or unfreezing parameters changes what the stages save and the frozen prefix
+        (chain version 4), so a plan is made for each pattern: unfreezing layers mid-training
+        profiles and plans again. With every parameter trainable the key is the signature alone.
+        """
+        key = signature(value)
+        flags = [p.requires_grad for p in self._stage_parameters()]
+        if all(flags):
+            return key
+        return f"{key} requires_grad={''.join('1' if f else '0' for f in flags)}"
 
     def shared_parameters(self) -> dict[str, list[str]]:
         """Parameters whose gradient several stages add to (tied weights), by name, with their users.
@@ -482,6 +671,7 @@ class Checkpointable(nn.Module):
                 self.budget = self.shared.share(self.shared_name, self, profile.chain, device, self.parameters())
             elif self.mem_limit is None:
                 total = auto_budget(device, self.parameters())
+                self._auto_none = total is None
                 self.budget = no_recompute_peak(profile.chain) if total is None else total
             else:
                 self.budget = resolve_budget(self.mem_limit, no_recompute_peak(profile.chain))
@@ -491,9 +681,22 @@ class Checkpointable(nn.Module):
 
     # -- what was planned -----------------------------------------------------------------------
     def _entry(self) -> Entry:
+        """The whole-budget entry of the last signature (`last_entry` is the one the latest call ran)."""
         if self.last_entry is None:
             raise RuntimeError("nothing is planned yet: run one training forward first")
-        return self.last_entry
+        return next((e for e in self.entries.values() if e.profile is self.last_entry.profile), self.last_entry)
+
+    @property
+    def step_limit(self) -> int:
+        """The bytes a training step of this chain may hold, all its calls together: the budget, or under
+        an automatic budget off CUDA (no recomputation) the step's predicted peak when larger."""
+        budget = self.budget or 0
+        return max(budget, self.calls.step_peak) if self._no_recompute() else budget
+
+    @property
+    def entry(self) -> Entry:
+        """The profile and whole-budget plan of the last signature: what a call alone in its step runs."""
+        return self._entry()
 
     @property
     def chain(self) -> Chain:
@@ -566,6 +769,7 @@ class Checkpointable(nn.Module):
         if state.get("budget") is not None:
             self.budget = int(state["budget"])
         self.entries.update(entries)
+        self._forget_call_plans()
 
     def _check_saved_stages(self, state: dict[str, Any]) -> None:
         names, prints = state.get("stage_names"), state.get("fingerprints")
@@ -602,7 +806,8 @@ class Checkpointable(nn.Module):
             return
         budget = resolve_budget(mem_limit, no_recompute_peak(entries[0][1].chain))
         chosen = {key: plan(entry.chain, budget, slots=self.slots) for key, entry in entries}
-        self.mem_limit, self.budget = mem_limit, budget
+        self.mem_limit, self.budget, self._auto_none = mem_limit, budget, False
+        self._forget_call_plans()
         for key, entry in entries:
             self.entries[key] = Entry(entry.profile, chosen[key], PlanRunner(self.stages, chosen[key].ops,
                                                                              self.stage_names,
@@ -623,6 +828,7 @@ class Checkpointable(nn.Module):
                 f"{chain.names[k]:<{width}}  {format_bytes(chain.out_size[k]):>10}  "
                 f"{format_bytes(chain.saved_size[k]):>10}  {chain.fwd_time[k] * 1e3:8.3f}  "
                 f"{chain.bwd_time[k] * 1e3:8.3f}  {runs[k]}{' (recomputed)' if runs[k] > 1 else ''}"
+                f"{' (frozen)' if k < chain.frozen else ''}"
             )
         base = chain.no_recompute_time()
         lines.append(
@@ -653,6 +859,7 @@ class Checkpointable(nn.Module):
             object.__setattr__(self, "stages", None)
             self.stage_names, self.entries, self.last_entry = [], {}, None
         self.outside = {}  # measured in the old dtype or device
+        self._forget_call_plans()
         return self
 
     def extra_repr(self) -> str:

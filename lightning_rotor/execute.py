@@ -32,10 +32,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from lightning_rotor.ops import Op, OpKind, last_forwards, parse_ops, recomputed_stage_set
+from lightning_rotor.ops import Op, OpKind, frozen_prefix_ops, last_forwards, parse_ops, recomputed_stage_set
 from lightning_rotor.profile import (
     backward_from_edges,
     check_inplace,
+    compact_gradients,
     detach_value,
     differentiable,
     enter_stage,
@@ -107,8 +108,10 @@ class _Step:
         raise RuntimeError(f"executor bug: a_{k} is not held for {kind} {k}")
 
     def _leaf_input(self, k: int, src: Any) -> Any:
+        if 0 < k <= self.runner.frozen:  # a_F after a frozen prefix: no gradient wanted, as in plain autograd
+            return detach_value(src, False)
         if k > 0:
-            return detach_value(src, True)
+            return compact_gradients(detach_value(src, True))
         flat, spec = tree_flatten(src)
         it = iter(self.input_requires_grad)
         leaves = []
@@ -149,7 +152,7 @@ class _Step:
                 if not last:
                     entry = inp = self._leaf_input(k, src)
                 elif recorded and k in self.runner.joinable:
-                    entry, inp = _JOINED, src
+                    entry, inp = _JOINED, compact_gradients(src)
                     self.joined.add(k)
                     self.joined_edges[k] = output_edges(src)  # where δ_k enters stage k-1: B k is done
                 else:
@@ -367,6 +370,35 @@ def _check_backward_call(step: _Step | None) -> None:
         raise RuntimeError(UNSUPPORTED_BACKWARD)
 
 
+def _stash_grads(params: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Take the stored `.grad` of `params` away for the plan's backward (see `_add_stashed`)."""
+    stashed = [(p, p.grad) for p in params if p.grad is not None]
+    for p, _ in stashed:
+        p.grad = None
+    return stashed
+
+
+def _add_stashed(stashed: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Add the step's gradient of each tied parameter into its stored `.grad` at once, as autograd does.
+
+    NOTE: [tied parameters accumulate once] plain autograd sums every contribution of one
+    backward to a parameter in the engine's buffer, then adds the sum to a stored `.grad`:
+    `g + (a + b)`. The plan runs each stage's backward on its own, so a parameter used by two
+    stages (a tied embedding and LM head) would get `(g + b) + a`, which differs in the last
+    bits (gradient accumulation over micro-batches). With `.grad` taken away for the plan's
+    backward, the stages sum into a fresh gradient, which is added to the stored one here.
+    """
+    with torch.no_grad():
+        for p, stored in stashed:
+            fresh = p.grad
+            if fresh is not None:
+                if stored.is_sparse or fresh.is_sparse:
+                    stored = stored + fresh
+                else:
+                    stored.add_(fresh)
+            p.grad = stored
+
+
 class _Tail(torch.autograd.Function):
     @staticmethod
     def forward(ctx, step: _Step, spec: Any, dummy: torch.Tensor, n_inputs: int, *args: Any) -> torch.Tensor:
@@ -381,14 +413,25 @@ class _Tail(torch.autograd.Function):
     @staticmethod
     def backward(ctx, token_grad: torch.Tensor) -> tuple:
         step: _Step = ctx.step
+        stashed = _stash_grads(step.runner.shared_parameters())
         try:
             step.run(step.runner.backward_ops, step.runner.backward_last)
-            delta = iter(step.grads.pop(0))
+            delta = iter(step.grads.pop(step.runner.frozen))
+            if step.runner.frozen:  # B F made no gradient: the chain input does not require grad
+                delta = iter([None] * len(ctx.is_tensor))
         finally:
+            _add_stashed(stashed)
             step.clear()
             del ctx.step
         deltas = [next(delta) if is_tensor else None for is_tensor in ctx.is_tensor]
         return (None, None, None, None, *deltas, *[None] * ctx.n_params)
+
+
+def _own(grad: torch.Tensor | None) -> torch.Tensor | None:
+    """A tensor of its own on `grad`'s storage (same offset, size and strides)."""
+    if grad is None or grad.layout != torch.strided:
+        return grad
+    return grad.new_empty(0).set_(grad.untyped_storage(), grad.storage_offset(), grad.size(), grad.stride())
 
 
 class _Head(torch.autograd.Function):
@@ -410,7 +453,9 @@ class _Head(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor | None) -> tuple:
         step: _Step | None = getattr(ctx, "step", None)
         _check_backward_call(step)
-        step.grads[step.runner.length] = list(grads)
+        # a tensor of our own on each gradient's storage: the engine may hand the very same tensor to another
+        # node too (an add of two calls' outputs), which then counts as a second owner and keeps it from being freed
+        step.grads[step.runner.length] = [_own(g) for g in grads]
         step.mark(Op(OpKind.LOSS))
         del ctx.step
         return None, torch.empty(0, device=step.runner.token_device)
@@ -439,8 +484,13 @@ class PlanRunner:
         ops = parse_ops(ops)
         if ops.count(Op(OpKind.LOSS)) != 1:
             raise ValueError("a plan has exactly one Loss op")
-        if sorted(op.stage for op in ops if op.kind is OpKind.B) != list(range(self.length)):
-            raise ValueError(f"the plan does not fit a chain of {self.length} stages: it needs one B op per stage")
+        # stages without a B op are a frozen prefix 0 … F-1 (chain version 4): Fn ops, first, once each
+        self.frozen = self.length - sum(1 for op in ops if op.kind is OpKind.B)
+        if sorted(op.stage for op in ops if op.kind is OpKind.B) != list(range(self.frozen, self.length)) or any(
+            op.stage is not None and op.stage < self.frozen for op in ops[self.frozen:]
+        ) or ops[: self.frozen] != frozen_prefix_ops(self.frozen):
+            raise ValueError(f"the plan does not fit a chain of {self.length} stages: it needs one B op per stage "
+                             "after a frozen prefix, whose stages run first as Fn 0 … Fn F-1 and never again")
         split = ops.index(Op(OpKind.LOSS))
         self.ops = ops
         self.forward_ops = ops[:split]
@@ -458,6 +508,7 @@ class PlanRunner:
         self.token_device = torch.device("cpu")
         self._norms: dict[int, list[nn.Module]] = {}
         self._all_params: list[torch.Tensor] | None = None
+        self._shared: list[torch.Tensor] | None = None
         self._plain_buffers: dict[int, list[torch.Tensor]] = {}
 
     def releases_plain(self, k: int) -> bool:
@@ -468,6 +519,8 @@ class PlanRunner:
         chain counts as kept, so it goes only when the chain releases it; without a chain
         it always goes (more freed than any chain charges, never less).
         """
+        if k <= self.frozen:  # a_F, the input of the first stage after a frozen prefix, stays to the end
+            return False
         return self.in_free is None or self.in_free[k] > 0
 
     def norms(self, k: int) -> list[nn.Module]:
@@ -497,6 +550,18 @@ class PlanRunner:
                     seen.setdefault(id(p), p)
             self._all_params = list(seen.values())
         return [p for p in self._all_params if p.requires_grad and not getattr(p, "_post_accumulate_grad_hooks", None)]
+
+    def shared_parameters(self) -> list[torch.Tensor]:
+        """Trainable parameters used by more than one stage (tied weights), found once."""
+        if self._shared is None:
+            seen: dict[int, int] = {}
+            params: dict[int, torch.Tensor] = {}
+            for stage in self.stages:
+                for p in {id(p): p for p in stage.parameters()}.values():
+                    seen[id(p)] = seen.get(id(p), 0) + 1
+                    params[id(p)] = p
+            self._shared = [params[i] for i, n in seen.items() if n > 1]
+        return [p for p in self._shared if p.requires_grad]
 
     def __call__(self, value: Any) -> Any:
         flat, spec = tree_flatten(value)

@@ -16,7 +16,15 @@ updated after each op. So
   two, by which time the op that made it has been counted) or, when `.grad`
   exists, until it has been added into it and freed;
 - a storage emptied in place (`resize_(0)`, the executor's release of a consumed
-  gradient) stops counting when `storage_emptied` reports it.
+  gradient) stops counting when `storage_emptied` reports it;
+- storages made while one of the `bookkeeping` functions runs (anywhere up the
+  Python stack) are never counted: training-loop state that is not activation
+  memory, such as Lightning's copies of logged values;
+- a `DistributedDataParallel` in `exclude` also excludes what its forward
+  allocates before running the module (`_pre_forward`): the reducer's gradient
+  buckets, which DDP reallocates once, before the second step's forward, in the
+  order the first backward made gradients. Like parameter gradients (which may
+  be views into them, `gradient_as_bucket_view`) they are not activations.
 
 Allocations inside kernels that never become tensors (workspaces) are not
 seen; on CUDA, `CudaMemoryProbe` reads the caching allocator's own statistics,
@@ -29,13 +37,15 @@ entered around forward and backward sees both.
 
 from __future__ import annotations
 
+import sys
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -62,6 +72,13 @@ def storage_bytes(tensors: Any) -> int:
 _ACTIVE: weakref.WeakSet = weakref.WeakSet()  # probes inside their block
 
 
+def _code(function: Callable) -> Any:
+    """The code object that runs when `function` is called (decorators unwrapped)."""
+    while hasattr(function, "__wrapped__"):
+        function = function.__wrapped__
+    return getattr(function, "__func__", function).__code__
+
+
 def storage_emptied(storage: torch.UntypedStorage) -> None:
     """Tell the active probes that `storage` was emptied in place (`resize_(0)`) while references remain.
 
@@ -80,17 +97,27 @@ class MemoryProbe(TorchDispatchMode):
     `probe.current` and `probe.peak` are bytes; `probe.curve` (when
     `record_curve=True`) is the bytes alive after each op, and `mark(label)`
     records where in that curve a labelled moment is (e.g. the end of a plan op).
+    `bookkeeping`: functions whose allocations are not activations (never counted).
     """
 
-    def __init__(self, exclude: nn.Module | Iterable[nn.Module | torch.Tensor] = (), *, record_curve: bool = False):
+    def __init__(self, exclude: nn.Module | Iterable[nn.Module | torch.Tensor] = (), *, record_curve: bool = False,
+                 bookkeeping: Iterable[Callable] = ()):
         super().__init__()
         if isinstance(exclude, nn.Module):
             exclude = [exclude]
         self._fixed: set[int] = set()
         self._params: list[torch.Tensor] = []
+        self._bookkeeping = {_code(f) for f in bookkeeping}
+        self._uncounted: dict[int, StorageWeakRef] = {}  # storages made by bookkeeping
+        seen: set[int] = set()  # a tensor reachable from two excluded modules (a DDP and its module) once
         for item in exclude:
+            if isinstance(item, DistributedDataParallel):
+                self._bookkeeping.add(_code(DistributedDataParallel._pre_forward))
             tensors = list(item.parameters()) + list(item.buffers()) if isinstance(item, nn.Module) else [item]
             for t in tensors:
+                if id(t) in seen:
+                    continue
+                seen.add(id(t))
                 if t.layout == torch.strided:
                     self._fixed.add(storage_key(t))
                 if isinstance(t, nn.Parameter) or t.requires_grad:
@@ -119,7 +146,18 @@ class MemoryProbe(TorchDispatchMode):
         for k in dead:
             self.current -= self._live.pop(k)[1]
 
-    def _add(self, tensors: Any, inputs: set[int] = frozenset()) -> None:
+    def _in_bookkeeping(self) -> bool:
+        """True when a `bookkeeping` function is running, i.e. its frame is on the Python stack."""
+        frame = sys._getframe(1)
+        while frame is not None:
+            if frame.f_code in self._bookkeeping:
+                return True
+            frame = frame.f_back
+        return False
+
+    def _add(self, tensors: Any, inputs: set[int] = frozenset(), bookkeeping: bool | None = None) -> None:
+        """Count the new storages behind `tensors`; `bookkeeping` None: look up (once) whether a bookkeeping
+        function made them."""
         for t in tree_leaves(tensors):
             if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.device.type == "meta":
                 continue
@@ -131,16 +169,28 @@ class MemoryProbe(TorchDispatchMode):
             if old is not None:
                 if not old[0].expired():
                     continue
-                self.current -= old[1]
+                self.current -= self._live.pop(key)[1]
+            if self._bookkeeping:
+                ref = self._uncounted.get(key)
+                if ref is not None and not ref.expired():
+                    continue
+                if bookkeeping is None:
+                    bookkeeping = self._in_bookkeeping()
+                if bookkeeping:
+                    self._uncounted[key] = StorageWeakRef(storage)
+                    continue
             nbytes = storage.nbytes()
             self._live[key] = (StorageWeakRef(storage), nbytes)
             self.current += nbytes
         self.peak = max(self.peak, self.current)
 
     def track(self, *tensors: Any) -> None:
-        """Count tensors that existed before the probe (e.g. the chain input `a_0`)."""
+        """Count tensors that existed before the probe (e.g. the chain input `a_0`), whoever made them."""
         self._sweep()
-        self._add(tensors)
+        for t in tree_leaves(tensors):
+            if _strided(t):
+                self._uncounted.pop(storage_key(t), None)
+        self._add(tensors, bookkeeping=False)
 
     def reset_peak(self) -> None:
         """Start a new peak from what is alive now."""
@@ -176,6 +226,7 @@ class MemoryProbe(TorchDispatchMode):
         """
         self._closed = True
         self._live = {}
+        self._uncounted = {}
         self._fixed = set()
         self._params = []
 

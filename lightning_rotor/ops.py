@@ -141,15 +141,26 @@ def last_forwards(ops: Sequence[Op], length: int) -> set[int]:
     return found
 
 
-def no_recompute_ops(length: int) -> list[Op]:
-    """`Fe 0 … Fe L-1, Loss, B L-1 … B 0`: the fastest schedule, at unlimited memory."""
-    return [Op(OpKind.FE, k) for k in range(length)] + [Op(OpKind.LOSS)] + [
-        Op(OpKind.B, k) for k in reversed(range(length))
+def frozen_prefix_ops(frozen: int) -> list[Op]:
+    """`Fn 0 … Fn F-1`: how every plan of a chain with a frozen prefix of `F` stages starts (chain version 4)."""
+    return [Op(OpKind.FN, k) for k in range(frozen)]
+
+
+def shift_ops(ops: Iterable[Op], by: int) -> list[Op]:
+    """`ops` with every stage index moved by `by` (a suffix's plan in the whole chain's indices, and back)."""
+    return [op if op.stage is None else Op(op.kind, op.stage + by) for op in ops]
+
+
+def no_recompute_ops(length: int, frozen: int = 0) -> list[Op]:
+    """`Fn 0 … Fn F-1, Fe F … Fe L-1, Loss, B L-1 … B F`: the fastest schedule, at unlimited memory."""
+    return frozen_prefix_ops(frozen) + [Op(OpKind.FE, k) for k in range(frozen, length)] + [Op(OpKind.LOSS)] + [
+        Op(OpKind.B, k) for k in reversed(range(frozen, length))
     ]
 
 
 def is_no_recompute(ops: Iterable[Op]) -> bool:
-    """True when every forward records its graph once: the schedule plain autograd runs."""
+    """True when every forward records its graph once (after a frozen prefix): the schedule plain autograd runs."""
     ops = list(ops)
-    length = sum(1 for op in ops if op.kind is OpKind.B)
-    return ops == no_recompute_ops(length)
+    length = 1 + max((op.stage for op in ops if op.stage is not None), default=-1)
+    frozen = length - sum(1 for op in ops if op.kind is OpKind.B)
+    return 0 <= frozen <= length and ops == no_recompute_ops(length, frozen)

@@ -10,16 +10,64 @@ at `min_feasible_budget(chain)` always succeeds. docs/planner.md derives it all.
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.metadata
+import importlib.util
+import math
 import os
+import sys
+import warnings
 from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
-from lightning_rotor import _planner
 from lightning_rotor.budget import BudgetSpec, format_bytes, resolve_budget
 from lightning_rotor.chain import Chain
 from lightning_rotor.discretize import DEFAULT_SLOTS, discretize, resolve_slots
-from lightning_rotor.ops import Op, parse_ops, recomputed_stages
-from lightning_rotor.simulate import no_recompute_peak
+from lightning_rotor.ops import Op, frozen_prefix_ops, parse_ops, recomputed_stages, shift_ops
+from lightning_rotor.simulate import no_recompute_peak, simulate
+
+
+def _load_planner() -> ModuleType:
+    """The C++ planner: the package's own build, else the installed distribution's.
+
+    A Python started in a source checkout imports the checkout's `lightning_rotor/`, which
+    has no built extension after a non-editable `pip install .`; the installed copy's build
+    is then loaded (with a warning naming both), and where there is none, one line says what to do.
+    """
+    try:
+        from lightning_rotor import _planner
+
+        return _planner
+    except ImportError as err:
+        here = Path(__file__).resolve().parent
+        suffixes = tuple(importlib.machinery.EXTENSION_SUFFIXES)
+        if any(f.name.startswith("_planner.") and f.name.endswith(suffixes) for f in here.iterdir()):
+            raise  # built here but failed to load: the error itself says why
+        for dist in importlib.metadata.distributions():
+            if (dist.metadata["Name"] or "").lower().replace("_", "-") != "lightning-rotor":
+                continue
+            for file in dist.files or []:
+                path = Path(dist.locate_file(file)).resolve()
+                if path.name.startswith("_planner.") and path.name.endswith(suffixes) and path.parent != here \
+                        and path.is_file():
+                    spec = importlib.util.spec_from_file_location("lightning_rotor._planner", path)
+                    module = importlib.util.module_from_spec(spec)
+                    spec.loader.exec_module(module)
+                    sys.modules["lightning_rotor._planner"] = module
+                    warnings.warn(f"lightning_rotor: {here} (imported, a source checkout?) has no built C++ planner; "
+                                  f"using the installed one, {path}. Build in place (pip install -e .) to use the "
+                                  "checkout's", stacklevel=2)
+                    return module
+        raise ImportError(
+            f"lightning_rotor's C++ planner is not built in {here} (a source checkout shadows any installed copy "
+            "when Python starts in it): build it in place with `pip install -e .` or "
+            "`python setup.py build_ext --inplace`, or run from outside the checkout"
+        ) from err
+
+
+_planner = _load_planner()
 
 __all__ = ["InfeasibleBudget", "Plan", "PlannerTooLarge", "min_feasible_budget", "plan", "planner_memory_estimate"]
 
@@ -128,14 +176,23 @@ def _memory_args(chain: Chain) -> tuple:
 def min_feasible_budget(chain: Chain) -> int:
     """Smallest budget in bytes (chain input included) for which some persistent schedule exists.
 
-    At least 1: budgets are positive, even for a chain of empty values.
+    At least 1: budgets are positive, even for a chain of empty values. A frozen prefix
+    (chain version 4) needs its own forward peak; the rest is an ordinary chain, `chain.suffix()`.
     """
-    return max(1, _planner.min_budget(*_memory_args(chain), loss_tmp_graph=chain.loss_tmp_graph,
-                                      in_free=chain.in_free, loss_value=chain.loss_value))
+    suffix = chain.suffix()
+    return max(1, chain.prefix_peak, _planner.min_budget(*_memory_args(suffix), loss_tmp_graph=suffix.loss_tmp_graph,
+                                                         in_free=suffix.in_free, loss_value=suffix.loss_value))
 
 
 def replay(chain: Chain, ops: list[Op]) -> tuple[int, float]:
-    """(peak bytes, seconds) of `ops` by the C++ replay (tests compare it with `simulate`)."""
+    """(peak bytes, seconds) of `ops` by the C++ replay (tests compare it with `simulate`).
+
+    With a frozen prefix, the C++ replay runs the suffix's part of `ops` (`simulate` checks the prefix).
+    """
+    f = chain.frozen
+    if f:
+        peak, time = replay(chain.suffix(), shift_ops(ops[f:], -f))
+        return max(chain.prefix_peak, peak), math.fsum([*chain.fwd_time[:f], time])
     return _planner.replay(*_memory_args(chain), chain.fwd_time, chain.bwd_time, list(ops),
                            loss_tmp_graph=chain.loss_tmp_graph, in_free=chain.in_free, loss_value=chain.loss_value)
 
@@ -147,13 +204,15 @@ def plan(chain: Chain, mem_limit: BudgetSpec, *, slots: int | None = None, threa
     peak (`0.5`, `"50%"`). `slots`: memory precision of the dynamic program (None: automatic,
     `discretize.auto_slots`: 500 for 150 stages or more, up to 20,000 for short chains).
     `threads`: threads filling its tables (None: min(2, hardware threads)); the plan
-    does not depend on it. Raises `InfeasibleBudget` when no schedule fits.
+    does not depend on it. Raises `InfeasibleBudget` when no schedule fits. A chain with a
+    frozen prefix gets `Fn 0 … Fn F-1` and then the plan of `chain.suffix()` at the same budget.
     """
+    whole, chain = chain, chain.suffix()  # a frozen prefix runs first as Fn ops: only the rest has choices
     slots = resolve_slots(slots, chain.length)
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise ValueError(f"threads must be a positive integer or None, got {threads!r}")
-    budget = resolve_budget(mem_limit, no_recompute_peak(chain))
-    smallest = min_feasible_budget(chain)
+    budget = resolve_budget(mem_limit, no_recompute_peak(whole))
+    smallest = min_feasible_budget(whole)
     if budget < smallest:
         raise InfeasibleBudget(budget, smallest)
     check_planner_memory(chain.length, slots)
@@ -170,6 +229,9 @@ def plan(chain: Chain, mem_limit: BudgetSpec, *, slots: int | None = None, threa
         candidates.append(parse_ops(fallback))
     scored = [(replay(chain, ops), ops) for ops in candidates]
     (peak, time), ops = min(scored, key=lambda item: item[0][1])  # fastest; the DP's on ties
+    if whole.frozen:
+        ops = frozen_prefix_ops(whole.frozen) + shift_ops(ops, whole.frozen)
+        peak, time = simulate(whole, ops)[:2]
     return Plan(
         ops=ops,
         time=time,
@@ -177,5 +239,5 @@ def plan(chain: Chain, mem_limit: BudgetSpec, *, slots: int | None = None, threa
         mem_limit=budget,
         slots=slots,
         recomputed_stages=recomputed_stages(ops),
-        no_recompute_time=chain.no_recompute_time(),
+        no_recompute_time=whole.no_recompute_time(),
     )

@@ -27,6 +27,9 @@ docs/memory-model.md defines each field:
   function of the output to have it measured, or bytes; by default a softmax
   cross-entropy over the last dimension is measured (`proxy_loss`), in the
   caller's autocast state, on a plain `a_L` handed over and on one kept alive;
+- `frozen`: the stages before the first one that needs a backward (the input does not
+  require grad and nothing of their output does); they are measured once, as `Fn`, and
+  the first stage after them gets its input without grad, as plain autograd gives it;
 - `input_size`: bytes of `a_0`; `loss_value`: the loss value and its seed gradient,
   held from the end of the loss to the end of the step (`LOSS_HELD` bytes when the
   loss is given as bytes).
@@ -86,6 +89,29 @@ def detach_value(value: Any, requires_grad: bool) -> Any:
     return leaf(value) if isinstance(value, torch.Tensor) else tree_map(leaf, value)
 
 
+def _compact(grad: torch.Tensor) -> torch.Tensor | None:
+    """A copy of `grad` when it is a view that keeps a larger storage alive (see `compact_gradients`)."""
+    if grad.layout != torch.strided or grad.untyped_storage().nbytes() <= grad.numel() * grad.element_size():
+        return None
+    return grad.clone()
+
+
+def compact_gradients(value: Any) -> Any:
+    """Make every gradient that reaches a tensor of stage input `value` hold only its own bytes.
+
+    NOTE: [compact stage-input gradients] the memory model holds δ_k as `s_k` bytes from `B k` on.
+    A gradient made as a slice of a larger one (the backward of `torch.cat` gives each input a
+    narrow view of the output's gradient, as for a U-Net skip) keeps the whole storage alive
+    instead, as long as δ_k is held. A tensor hook copies such a gradient into a tensor of its own
+    when it reaches the stage input, and the view goes with the engine's buffer. The copy is part of
+    `B k`: the profiler runs stages with the same hooks, so `bwd_tmp` measures it. Returns `value`.
+    """
+    for t in tensors_of(value):
+        if t.requires_grad:
+            t.register_hook(_compact)
+    return value
+
+
 class no_cast_cache:
     """Run a stage without autocast's weight-cast cache.
 
@@ -108,6 +134,12 @@ def versions(value: Any) -> list[int]:
 
 
 def check_inplace(before: list[int], value: Any, k: int, name: str) -> None:
+    if versions(value) != before and k == 0:  # no stage before it to join (lightning_rotor/discovery/graph.py)
+        raise InplaceError(
+            f"stage 0 ({name}) writes in place into the chain input, which rotor keeps to run the stage again "
+            "from, and no stage comes before it to share the write with; make that operation out-of-place "
+            "(e.g. ReLU(inplace=False), x = x + 1) or run it before the chain"
+        )
     if versions(value) != before:
         raise InplaceError(
             f"stage {k} ({name}) modified its input in place, which would corrupt a kept checkpoint; "
@@ -175,9 +207,12 @@ def backward_from_edges(
                 ptr = g.untyped_storage().data_ptr()
                 shared[ptr] = shared.get(ptr, 0) + 1
         for e, g in zip(roots, gs, strict=True):
-            # a leaf's accumulator keeps the gradient itself, and a gradient given to several roots is still
-            # needed after the first has run: both stay untouched
-            if e.node.name() == _ACCUMULATE_GRAD or g.layout != torch.strided:
+            # NOTE: [receivers that keep the gradient] a leaf's accumulator stores it as `.grad` and `EnterStage`
+            # catches it as δ of the stage input (a stage passing a tensor of its input on untouched, such as a
+            # U-Net skip, hands EnterStage the root gradient itself). The engine and the slot hold the same
+            # tensor, which adds no reference to the storage, so it would look consumed and owned: it stays.
+            # A gradient given to several roots is still needed after the first has run: it stays too.
+            if _keeps_gradient(e.node) or g.layout != torch.strided:
                 continue
             if shared[g.untyped_storage().data_ptr()] > 1:
                 continue
@@ -197,6 +232,11 @@ def backward_from_edges(
 
 
 _ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
+
+
+def _keeps_gradient(node: Any) -> bool:
+    """Does this graph node keep the gradient it receives (see NOTE: [receivers that keep the gradient])?"""
+    return node.name() == _ACCUMULATE_GRAD or isinstance(node, EnterStage._backward_cls)
 
 
 def unviewed(grad: torch.Tensor) -> torch.Tensor:
@@ -307,7 +347,7 @@ def enter_stage(value: Any, slot: list, dummy: torch.Tensor) -> Any:
     """`value` with each tensor passed through `EnterStage` (see there); `slot` gets their gradients."""
     flat, spec = tree_flatten(value)
     tensors = [t.detach() for t in flat if isinstance(t, torch.Tensor)]
-    entered = iter(EnterStage.apply(slot, dummy, *tensors))
+    entered = iter(compact_gradients(EnterStage.apply(slot, dummy, *tensors)))
     return tree_unflatten([next(entered) if isinstance(t, torch.Tensor) else t for t in flat], spec)
 
 
@@ -565,6 +605,64 @@ def _released_whole(value: Any, new: list[bool], kept_before: list[bool], kept_a
     return sum(nbytes for nbytes, _ in storages.values())
 
 
+def _measure_frozen(
+    stage: nn.Module,
+    value: Any,
+    sample: Any,
+    k: int,
+    name: str,
+    exclude: list[nn.Module],
+    watch: _AllocatorWatch,
+    untouched: _Untouched,
+    fields: dict[str, list],
+    device: torch.device,
+    warmup: int,
+    repeats: int,
+) -> tuple[Any, float]:
+    """A stage of the frozen prefix: (its output, timing spread) when it needs no backward (fields filled),
+    else (None, 0).
+
+    The stage runs with grad enabled, as plain training runs it: when nothing of its output
+    requires grad (no parameter requires grad, none captured either) autograd recorded
+    nothing, and the stage costs what `Fn k` costs; its backward figures are 0 and unused
+    (chain version 4). Otherwise it is the first stage that needs a backward, measured as usual.
+    Its `out_size` counts only storages that are not the chain input's (`sample`, held anyway):
+    a frozen `Flatten` of `a_0` adds nothing to the bytes held.
+    """
+    with MemoryProbe(exclude) as probe:
+        probe.track(value)
+        watch.start()
+        before = versions(value)
+        with torch.enable_grad(), no_cast_cache():
+            out = stage(value)
+        check_inplace(before, value, k, name)
+        peak, end = watch.stop()
+        probe.mark("after")
+    if any(t.requires_grad for t in tensors_of(out)):
+        del out
+        untouched.restore_buffers()
+        return None, 0.0
+    tmp = max(probe.peak - probe.current, peak - end)
+    samples = []
+    for run in range(warmup + repeats):
+        synchronize(device)
+        t0 = time.perf_counter()
+        with torch.no_grad(), no_cast_cache():
+            stage(value)
+        synchronize(device)
+        if run >= warmup:
+            samples.append(time.perf_counter() - t0)
+    untouched.restore_buffers()
+    held = {storage_key(t) for t in tensors_of(sample) if t.layout == torch.strided}
+    size = storage_bytes([t for t in tensors_of(out) if t.layout != torch.strided or storage_key(t) not in held])
+    fwd_time, spread = _median_spread(samples)
+    figures = {"out_size": size, "saved_size": size, "fwd_time": fwd_time, "bwd_time": 0.0,
+               "fwd_tmp": tmp, "fwd_tmp_nograd": tmp, "bwd_tmp": 0, "out_free": 0, "in_free": 0}
+    for key, v in figures.items():
+        fields[key].append(v)
+    return out, spread
+
+
 def value_device(value: Any) -> torch.device:
     return tensors_of(value)[0].device
 
@@ -601,12 +699,31 @@ def profile_chain(
     value = sample
     own: list[bool] = []  # per tensor of a_k: a storage of its own, not one of a_{k-1}'s
     output_kept: list[bool] = []  # per tensor of a_k: kept by the graph of F_{k-1}
+    frozen = 0  # stages so far that need no backward (chain version 4): a prefix
     with _Untouched(stages, device) as untouched:
         for k, stage in enumerate(stages):
-            grad_in = needs_grad if k == 0 else True
+            if frozen == k and not needs_grad and not any(p.requires_grad for p in stage.parameters()):
+                out, spread = _measure_frozen(stage, value, sample, k, names[k], exclude, watch, untouched, fields,
+                                              device, warmup, repeats)
+                if out is not None:  # nothing of it requires grad: a frozen stage, its output the next input
+                    keys = {storage_key(t) for t in tensors_of(value) if t.layout == torch.strided}
+                    value = out
+                    own = [t.layout == torch.strided and storage_key(t) not in keys for t in tensors_of(value)]
+                    output_kept = [False] * len(own)
+                    del keys, out
+                    fwd_spread.append(spread)
+                    bwd_spread.append(0.0)
+                    frozen += 1
+                    if progress is not None:
+                        progress(k + 1, len(stages), time.perf_counter() - start)
+                    continue
+            # the first stage after the frozen prefix gets its input as plain autograd does: without grad
+            grad_in = needs_grad if k <= frozen else True
 
             def forward(record: bool, stage=stage, k=k, value=value, grad_in=grad_in) -> tuple[Any, Any]:
                 inp = detach_value(value, grad_in and record)
+                if k > 0 and record:
+                    compact_gradients(inp)  # as the executor enters stage inputs
                 before = versions(value)
                 with torch.set_grad_enabled(record), no_cast_cache():
                     out = stage(inp)
@@ -627,7 +744,7 @@ def profile_chain(
             # what letting go of a_k after its stage's last forward frees (a_0 is the caller's: never);
             # measured after the in-place check above
             in_free = 0
-            if k > 0:
+            if k > frozen:  # a_F, the input of the first stage after a frozen prefix, is held to the end
                 in_free = min(fields["out_free"][k - 1], _released_whole(value, own, output_kept,
                                                                          _input_kept(stage, value)))
                 untouched.restore_buffers()
@@ -645,7 +762,7 @@ def profile_chain(
             # B k peaks at cur - out_free + s_k + bwd_tmp (docs/memory-model.md, part 2), cur holding
             # a_k, ā_{k+1} (saved_size) and δ_{k+1} (out_size): bwd_tmp is the measured peak above that
             # for k = 0, s_0 also carries the loss value (charged with a_0, fixed below)
-            s_k = storage_bytes(value)
+            s_k = fields["out_size"][k - 1] if 0 < k <= frozen else storage_bytes(value)  # a_F: beside a_0's
             held_at_b = saved_size + out_size - out_free
             bwd_tmp = max(-s_k, max(r[3] - held_at_b - s_k for r in recorded))
             # times
@@ -693,6 +810,9 @@ def profile_chain(
             untouched.restore_buffers()
             if progress is not None:
                 progress(k + 1, len(stages), time.perf_counter() - start)
+    if frozen == len(stages):
+        raise ValueError("no stage of the chain needs a backward: the input does not require grad and no parameter "
+                         "of any stage does; there is nothing to checkpoint")
     if loss_tmp is None or callable(loss_tmp):
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             loss_bytes, loss_kept, held = measure_loss_tmp(value, loss_tmp or proxy_loss)
@@ -701,7 +821,7 @@ def profile_chain(
         held = LOSS_HELD
     # the loss value lives from the end of the loss to the end of the step (chain version 3: loss_value)
     chain = Chain(input_size=storage_bytes(sample), loss_tmp=loss_bytes, loss_tmp_kept=loss_kept, loss_value=held,
-                  names=names, **fields)
+                  names=names, frozen=frozen, **fields)
     seconds = time.perf_counter() - start
     threads = torch.get_num_threads()
     return Profile(chain, seconds, fwd_spread, bwd_spread, repeats=repeats, threads=threads)

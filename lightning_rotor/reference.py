@@ -118,13 +118,26 @@ def solve(d: DiscreteChain) -> tuple[int, list[tuple]] | None:
 
 
 def reference_plan(chain: Chain, budget: int, slots: int | None = DEFAULT_SLOTS) -> tuple[int, list[tuple]] | None:
-    """(cost, ops) at `slots` precision; `slots=None` solves in exact bytes (tiny chains only)."""
-    d = discretize(chain, budget, slots=budget if slots is None else slots)
-    return solve(d)
+    """(cost, ops) at `slots` precision; `slots=None` solves in exact bytes (tiny chains only).
+
+    A frozen prefix (chain version 4) runs first, `Fn 0 … Fn F-1`, within the budget or not at
+    all; the rest is `chain.suffix()`'s plan (its cost counts the suffix's ops only).
+    """
+    f = chain.frozen
+    if f and budget < chain.prefix_peak:
+        return INFEASIBLE
+    suffix = chain.suffix()
+    d = discretize(suffix, budget, slots=budget if slots is None else slots)
+    found = solve(d)
+    if found is None or not f:
+        return found
+    return found[0], [*[("Fn", k) for k in range(f)], *[(op[0], op[1] + f) if len(op) == 2 else op for op in found[1]]]
 
 
 def reference_min_budget(chain: Chain) -> int:
     """Smallest budget in bytes for which some persistent schedule exists (exact, no rounding)."""
+    if chain.frozen:
+        return max(chain.prefix_peak, reference_min_budget(chain.suffix()))
     length = chain.length
     size, saved = chain.sizes, chain.saved_size
     ft, ft_ng, bt, lt = chain.fwd_tmp, chain.fwd_tmp_nograd, chain.bwd_net, chain.loss_tmp

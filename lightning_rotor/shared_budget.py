@@ -11,6 +11,10 @@ chain has run once; when a later chain joins, the earlier ones are planned again
 their new share (planning is cheap, profiles are kept). A total below the sum of the
 minimums raises `InfeasibleTotal`, which names the chain and the smallest total.
 
+A chain called several times per step (lightning_rotor/calls.py) needs more than one call's
+figures: `grow` raises its minimum and need to those of its step and splits again (the total
+stays what the chains' single calls made it).
+
 Automatic total (`None`): on CUDA, the device's free memory minus what the first
 optimizer step will still allocate for parameters (a gradient and `OPTIMIZER_STATES`
 states per trainable parameter without one yet), times `AUTO_MARGIN`; on any other
@@ -92,6 +96,7 @@ class SharedBudget:
         self.value = None if total is None else parse_budget(total)
         self.names = list(names)  # every chain that will join (its share waits for its first call)
         self.needs: dict[str, tuple[int, int]] = {}
+        self.grown: dict[str, tuple[int, int]] = {}  # chains with several calls per step: their steps' figures
         self.members: dict[str, object] = {}
         self.auto_bytes: int | None = None  # the CUDA automatic total, measured once
         self.short = False  # the chains known so far need more than the total; raised once all have joined
@@ -120,7 +125,7 @@ class SharedBudget:
         self.needs = needs
         waiting = [n for n in self.names if n not in needs]
         try:
-            shares = split_by_need(self.total_bytes(), needs)
+            shares = split_by_need(self.total_bytes(), {**needs, **self.grown})
         except InfeasibleTotal:
             if not waiting:
                 self.needs = before
@@ -130,6 +135,22 @@ class SharedBudget:
             self.short = True
             shares = {n: m for n, (m, _) in needs.items()}
         self.members[name] = rotor
+        for other, member in self.members.items():
+            if other != name and getattr(member, "budget", None) not in (None, shares[other]):
+                member.replan(shares[other])
+        return shares[name]
+
+    def grow(self, name: str, smallest: int, need: int) -> int:
+        """Chain `name`'s steps need at least `smallest` bytes and `need` without recomputation
+        (several calls per step): split the total again and return its share.
+
+        The other chains are planned again for their new shares; raises `InfeasibleTotal`
+        before changing anything when the total cannot hold every chain's minimum.
+        """
+        old = self.grown.get(name, self.needs.get(name, (0, 0)))
+        wanted = (max(old[0], smallest), max(old[1], need))
+        shares = split_by_need(self.total_bytes(), {**self.needs, **self.grown, name: wanted})
+        self.grown[name] = wanted
         for other, member in self.members.items():
             if other != name and getattr(member, "budget", None) not in (None, shares[other]):
                 member.replan(shares[other])

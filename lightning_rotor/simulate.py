@@ -12,7 +12,15 @@ from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 from lightning_rotor.chain import Chain
-from lightning_rotor.ops import Op, OpKind, last_forwards, no_recompute_ops, parse_ops
+from lightning_rotor.ops import (
+    Op,
+    OpKind,
+    frozen_prefix_ops,
+    last_forwards,
+    no_recompute_ops,
+    parse_ops,
+    shift_ops,
+)
 
 __all__ = ["Simulation", "no_recompute_ops", "no_recompute_peak", "simulate"]
 
@@ -27,8 +35,41 @@ class Simulation(NamedTuple):
 
 
 def simulate(chain: Chain, ops: Iterable[Any]) -> Simulation:
-    """Replay `ops` on `chain`; raise `ValueError` naming the first op at fault."""
+    """Replay `ops` on `chain`; raise `ValueError` naming the first op at fault.
+
+    A chain with a frozen prefix of `F` stages (chain version 4): the plan starts with
+    `Fn 0 … Fn F-1`, replayed by the `Fn` rule with `a_0` held, and goes on as a plan
+    of `chain.suffix()` (stages `F … L-1`), which starts holding `a_0` and `a_F`.
+    """
     ops = parse_ops(ops)
+    f = chain.frozen
+    if not f:
+        peak, times, curve, op_peaks = _replay(chain, ops)
+        return Simulation(peak=peak, time=math.fsum(times), curve=curve, op_peaks=op_peaks)
+    prefix = frozen_prefix_ops(f)
+    for i, op in enumerate(ops):
+        if i < f and op != prefix[i]:
+            raise ValueError(f"invalid plan: op {i} ({op.label}): stages 0..{f - 1} are frozen (no backward); a plan "
+                             f"starts with {', '.join(o.label for o in prefix)}, expected {prefix[i].label}")
+        if i >= f and op.stage is not None and op.stage < f:
+            raise ValueError(f"invalid plan: op {i} ({op.label}): stage {op.stage} is frozen (no backward): it runs "
+                             "once, as the plan's first ops, and never again")
+    if len(ops) < f:
+        raise ValueError(f"invalid plan: it ends before the frozen prefix {', '.join(o.label for o in prefix)} is run")
+    s = chain.sizes
+    curve, op_peaks, cur = [], [], s[0]
+    for k in range(f):  # Fn k: a_k dropped after, never a_0
+        op_peaks.append(cur + s[k + 1] + chain.fwd_tmp_nograd[k])
+        cur += s[k + 1] - (s[k] if k else 0)
+        curve.append(cur)
+    peak, times, rest, rest_peaks = _replay(chain.suffix(), shift_ops(ops[f:], -f), first_op=f, first_stage=f)
+    return Simulation(peak=max(peak, *op_peaks), time=math.fsum([*chain.fwd_time[:f], *times]),
+                      curve=curve + rest, op_peaks=op_peaks + rest_peaks)
+
+
+def _replay(chain: Chain, ops: list[Op], first_op: int = 0,
+            first_stage: int = 0) -> tuple[int, list[float], list[int], list[int]]:
+    """(peak, op times, curve, op peaks) of an ordinary chain; errors name ops `first_op`, stages `first_stage` on."""
     length = chain.length
     s = chain.sizes
     sb = [0, *chain.saved_size]  # sb[k] is the bytes of the recorded value ā_k
@@ -53,22 +94,24 @@ def simulate(chain: Chain, ops: Iterable[Any]) -> Simulation:
     next_backward = length - 1
 
     def fail(i: int, op: Op, why: str) -> ValueError:
-        return ValueError(f"invalid plan: op {i} ({op.label}): {why}")
+        label = op.label if op.stage is None else Op(op.kind, op.stage + first_stage).label
+        return ValueError(f"invalid plan: op {i + first_op} ({label}): {why}")
 
     for i, op in enumerate(ops):
         kind, k = op.kind, op.stage
+        n = None if k is None else k + first_stage  # the stage's index in messages
         if k is not None and not 0 <= k < length:
-            raise fail(i, op, f"stage index out of range 0..{length - 1}")
+            raise fail(i, op, f"stage index out of range 0..{length + first_stage - 1}")
         if kind is OpKind.FN or kind is OpKind.FC or kind is OpKind.FE:
             if kind is OpKind.FN and k not in plain:
-                raise fail(i, op, f"needs a_{k} held without graph")
+                raise fail(i, op, f"needs a_{n} held without graph")
             if k not in plain and k not in graph:
-                raise fail(i, op, f"needs a_{k}, which is not held")
+                raise fail(i, op, f"needs a_{n}, which is not held")
             if k in let_go:
-                raise fail(i, op, f"a_{k} was partly let go after the last forward of stage {k} before B {k}")
+                raise fail(i, op, f"a_{n} was partly let go after the last forward of stage {n} before B {n}")
             if kind is OpKind.FE:
                 if k + 1 in graph:
-                    raise fail(i, op, f"a_{k + 1} is already held with its graph")
+                    raise fail(i, op, f"a_{n + 1} is already held with its graph")
                 during = cur + sb[k + 1] + chain.fwd_tmp[k]
                 graph.add(k + 1)
                 cur += sb[k + 1]
@@ -78,7 +121,7 @@ def simulate(chain: Chain, ops: Iterable[Any]) -> Simulation:
                     cur -= in_free[k]
             else:
                 if k + 1 in plain:
-                    raise fail(i, op, f"a_{k + 1} is already held")
+                    raise fail(i, op, f"a_{n + 1} is already held")
                 during = cur + s[k + 1] + chain.fwd_tmp_nograd[k]
                 plain.add(k + 1)
                 cur += s[k + 1]
@@ -90,7 +133,7 @@ def simulate(chain: Chain, ops: Iterable[Any]) -> Simulation:
             if loss_done:
                 raise fail(i, op, "the loss is computed once per step")
             if length not in graph and length not in plain:
-                raise fail(i, op, f"needs the chain output a_{length}, which is not held")
+                raise fail(i, op, f"needs the chain output a_{length + first_stage}, which is not held")
             # a_L is handed to the loss: plain, it leaves the plan; with its graph, the plan keeps only the graph
             if length in graph:
                 during = cur + s[length] + chain.loss_tmp_graph
@@ -107,13 +150,14 @@ def simulate(chain: Chain, ops: Iterable[Any]) -> Simulation:
             if not loss_done:
                 raise fail(i, op, "backward before the loss")
             if k != next_backward:
-                raise fail(i, op, f"backwards run B {length - 1} … B 0 in order; expected B {next_backward}")
+                raise fail(i, op, f"backwards run B {length + first_stage - 1} … B {first_stage} in order; "
+                                  f"expected B {next_backward + first_stage}")
             if k + 1 not in graph:
-                raise fail(i, op, f"needs a_{k + 1} with its graph (run Fe {k} first)")
+                raise fail(i, op, f"needs a_{n + 1} with its graph (run Fe {n} first)")
             if k + 1 not in grads:
-                raise fail(i, op, f"needs the gradient δ_{k + 1}")
+                raise fail(i, op, f"needs the gradient δ_{n + 1}")
             if k not in plain and k not in graph:
-                raise fail(i, op, f"needs a_{k}, which is not held")
+                raise fail(i, op, f"needs a_{n}, which is not held")
             if k + 1 not in released:  # the free part of a_{k+1} is let go before the backward runs
                 cur -= free[k + 1] - early_graph.pop(k + 1, 0)
             released.discard(k + 1)
@@ -133,13 +177,12 @@ def simulate(chain: Chain, ops: Iterable[Any]) -> Simulation:
         op_peaks.append(during)
         curve.append(cur)
     if not loss_done or next_backward != -1:
-        raise ValueError(
-            f"invalid plan: it ends before B 0 (next expected: {'Loss' if not loss_done else f'B {next_backward}'}); "
-            "a plan must end holding δ_0"
-        )
-    return Simulation(peak=peak, time=math.fsum(times), curve=curve, op_peaks=op_peaks)
+        expected = "Loss" if not loss_done else f"B {next_backward + first_stage}"
+        raise ValueError(f"invalid plan: it ends before B {first_stage} (next expected: {expected}); "
+                         f"a plan must end holding δ_{first_stage}")
+    return peak, times, curve, op_peaks
 
 
 def no_recompute_peak(chain: Chain) -> int:
     """Peak of the no-recomputation schedule: what fractional budgets are fractions of."""
-    return simulate(chain, no_recompute_ops(chain.length)).peak
+    return simulate(chain, no_recompute_ops(chain.length, chain.frozen)).peak

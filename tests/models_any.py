@@ -67,6 +67,30 @@ class UNet(nn.Module):
         return self.outc(x)
 
 
+class ReluUNet(nn.Module):
+    """issue 15's U-Net: conv-BN-ReLU blocks, so each skip is a ReLU output that the ReLU saves itself."""
+
+    def __init__(self, c=8):
+        super().__init__()
+
+        def conv(a, b):
+            return nn.Sequential(nn.Conv2d(a, b, 3, padding=1), nn.BatchNorm2d(b), nn.ReLU())
+
+        self.d1, self.d2, self.d3 = conv(3, c), conv(c, 2 * c), conv(2 * c, 4 * c)
+        self.mid = conv(4 * c, 4 * c)
+        self.u3, self.u2, self.u1 = conv(8 * c, 2 * c), conv(4 * c, c), conv(2 * c, c)
+        self.out = nn.Conv2d(c, 2, 1)
+
+    def forward(self, x):
+        s1 = self.d1(x)
+        s2 = self.d2(F.max_pool2d(s1, 2))
+        s3 = self.d3(F.max_pool2d(s2, 2))
+        h = self.u3(torch.cat([self.mid(s3), s3], 1))
+        h = self.u2(torch.cat([F.interpolate(h, scale_factor=2.0), s2], 1))
+        h = self.u1(torch.cat([F.interpolate(h, scale_factor=2.0), s1], 1))
+        return self.out(h)
+
+
 # -- a value-dependent branch in the top-level forward --------------------------------------------
 class Gated(nn.Module):
     def __init__(self, width=16):

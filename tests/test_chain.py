@@ -73,15 +73,15 @@ def test_saved_smaller_than_output_accepted():
 
 
 def test_unknown_version():
-    with pytest.raises(ChainError, match="unknown chain version 4; this release reads versions 1, 2, 3"):
-        Chain.from_dict(chain_dict(version=4))
+    with pytest.raises(ChainError, match="unknown chain version 5; this release reads versions 1, 2, 3, 4"):
+        Chain.from_dict(chain_dict(version=5))
 
 
 def test_version_1_files_keep_their_meaning():
     old = Chain.from_dict(chain_dict())
     assert old.out_free == [0, 0, 0] and old.loss_tmp_kept == old.loss_tmp == 6
     assert old.bwd_net == old.bwd_tmp  # nothing released: B k charged exactly as version 1 says
-    assert old.to_dict()["version"] == 3 and "out_free" not in old.to_dict() and "in_free" not in old.to_dict()
+    assert old.to_dict()["version"] == 4 and "out_free" not in old.to_dict() and "in_free" not in old.to_dict()
     assert old.in_free == [0, 0, 0]
     with pytest.raises(ChainError, match="out_free need chain version 2"):
         Chain.from_dict(chain_dict(out_free=[0, 0, 0]))
@@ -144,7 +144,7 @@ def test_version_2_files_keep_their_meaning():
     chain = Chain.from_dict(data)
     assert chain.in_free == [0, 0, 0]
     written = chain.to_dict()
-    assert written["version"] == 3 and "in_free" not in written
+    assert written["version"] == 4 and "in_free" not in written
     assert {k: v for k, v in written.items() if k != "version"} == {k: v for k, v in data.items() if k != "version"}
     explicit = Chain.from_dict(dict(data, version=3, in_free=[0, 0, 0]))
     assert explicit == chain
@@ -248,5 +248,5 @@ def test_version_1_example_files_plan_as_before():
     for name in ("gpt2_small_b8.json", "heterogeneous.json"):
         loaded = Chain.load(root / name)
         written = loaded.to_dict()
-        assert written["version"] == 3 and "in_free" not in written  # written back as version 3, same figures
+        assert written["version"] == 4 and "in_free" not in written  # written back as version 4, same figures
         assert loaded.in_free == [0] * loaded.length

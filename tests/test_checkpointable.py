@@ -340,7 +340,7 @@ def test_measure_step_takes_a_probe_and_reports_the_chains_own_peak():
 
     model, x, y = build("mlp")
     ckpt = Checkpointable(model, "50%")
-    ckpt.prepare_for(x)
+    loss_of(ckpt(x), y).backward()  # the first step runs the smallest budget's plan; the next ones the whole budget's
     big = torch.ones(1_000_000)  # alive before the chain runs: the whole-step peak counts it
     wide = MemoryProbe(ckpt, record_curve=True)
     with ckpt.measure_step(probe=wide) as m:

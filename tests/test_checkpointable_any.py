@@ -10,7 +10,7 @@ import copy
 
 import pytest
 import torch
-from models_any import GPT, Block, Gated, ResNet, UNet, gpt2
+from models_any import GPT, Block, Gated, ReluUNet, ResNet, UNet, gpt2
 from torch import nn
 from training import assert_same_state, measured_step, train
 
@@ -44,6 +44,10 @@ def unet_case():
     return UNet(width=8), torch.randn(2, 3, 64, 64), torch.randint(2, (2, 64, 64)), classes_loss
 
 
+def relu_unet_case():
+    return ReluUNet(), torch.randn(4, 3, 32, 32), torch.randint(0, 2, (4, 32, 32)), classes_loss
+
+
 def gpt2_case():
     pytest.importorskip("transformers")
     model = gpt2(n_layer=6, n_embd=32, n_positions=64)
@@ -56,12 +60,13 @@ CASES = {
     "resnet": (resnet_case, "graph", range(8, 20)),
     "gpt": (gpt_case, "graph", range(7, 12)),
     "unet": (unet_case, "graph", range(7, 14)),
+    "relu_unet": (relu_unet_case, "graph", range(18, 26)),  # segfaulted at 50% and 60% (issue 15)
     "gpt2": (gpt2_case, "modules", range(6, 7)),
 }
 
 
 @pytest.mark.parametrize("name", list(CASES))
-@pytest.mark.parametrize("label", ["25%", "50%", "75%", "unlimited"])
+@pytest.mark.parametrize("label", ["25%", "50%", "60%", "75%", "unlimited"])
 def test_any_model_trains_like_plain_within_budget(name, label):
     build, kind, counts = CASES[name]
     torch.manual_seed(0)
@@ -74,7 +79,7 @@ def test_any_model_trains_like_plain_within_budget(name, label):
     except InfeasibleBudget as err:
         # the only acceptable failure: the budget is below the smallest feasible one, which is stated
         assert f"use mem_limit >= {err.min_feasible}" in str(err)
-        assert label == "25%" or (label == "50%" and name == "resnet"), str(err)
+        assert label == "25%" or (label in ("50%", "60%") and name == "resnet"), str(err)
         pytest.skip(f"{label} is below the smallest feasible budget {err.min_feasible}")
     assert rotor.discovery.kind == kind and len(rotor.stages) in counts, rotor.stages.names
     assert torch.equal(train(plain, x, y, loss_fn, lr=0.05), losses)
@@ -203,3 +208,21 @@ def test_tied_weights_are_fine_alone_and_refused_under_ddp(how):
     with pytest.raises(RuntimeError, match=r"rotor under DDP: parameter 'transformer.wte.weight' is used by stages "
                                            r".*lm_head.*\(tied weights\).*Untie it"):
         loss_fn(again(x), y).backward()
+
+
+def test_tied_weights_accumulated_over_micro_batches_stay_bitwise():
+    """issue 15: with `.grad` stored, each stage added its part on its own ((g+b)+a, not g+(a+b))."""
+    torch.manual_seed(0)
+    plain, x, y, loss_fn = gpt_case()
+    assert plain.lm_head.weight is plain.transformer.wte.weight
+    rotor = Checkpointable(copy.deepcopy(plain), "50%", repeats=1, warmup=0)
+    micro = [(x[i::4], torch.randint(64, (x[i::4].numel(),), generator=torch.Generator().manual_seed(i)))
+             for i in range(4)]
+    for model in (plain, rotor):
+        torch.manual_seed(1)
+        for _step in range(2):  # the second step accumulates onto gradients left by the first
+            for xb, yb in micro:
+                (loss_fn(model(xb), yb) / 4).backward()
+    assert rotor.plan.recomputed_stages > 0
+    assert any(len(users) > 1 for users in rotor.shared_parameters().values()), "the test needs a tied weight"
+    assert_same_state(plain, rotor)

@@ -362,3 +362,58 @@ def test_consecutive_backwards_of_recorded_stages_run_in_one_engine_call(monkeyp
     assert [nbytes for _, _, nbytes in probe.marks][:-1] == simulate(chain, ops).curve[:-1]  # to the byte
     for a, b in zip(grads(expected), grads(model), strict=True):
         assert torch.equal(a, b)
+
+
+# -- a skip carried unchanged through a stage entered by EnterStage (issue 15, point 1) ---------------
+class SkipOut(nn.Module):
+    """(main, skip): the skip is a ReLU's output, which the ReLU saves for its own backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = torch.relu(self.lin(x))
+        return h * 2, h
+
+
+class Carry(nn.Module):
+    """Works on the main tensor and passes the skip on as the very same tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, pair):
+        a, skip = pair
+        return torch.relu(self.lin(a)), skip
+
+
+class Merge(nn.Module):
+    """Uses the skip on a path of its own, so that its gradient has a storage of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.skip = nn.Linear(16, 5), nn.Linear(16, 5)
+
+    def forward(self, pair):
+        a, skip = pair
+        return self.lin(a) + self.skip(skip)
+
+
+def test_a_skip_passed_through_an_entered_stage_keeps_its_gradient_for_the_stage_below():
+    """δ of a skip that a stage passes on untouched lands in EnterStage's slot as the very root gradient.
+
+    The joined backward freed it as "consumed" (the slot's reference does not count on the storage),
+    and the next backward read freed memory: the U-Net segfault of issue 15.
+    """
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(SkipOut(), Carry(), Carry(), Merge())
+
+    x, y = torch.randn(8, 16), torch.randint(0, 5, (8,))
+    # Fe1 enters a plain a_1 through EnterStage; Fe2 after B3 is joined to it, so B2 B1 is one call whose
+    # roots (a_3) include the skip as EnterStage's own output
+    ops = [("Fc", 0), ("Fe", 1), ("Fc", 2), ("Fe", 3), ("Loss",), ("B", 3), ("Fe", 2), ("B", 2), ("B", 1), ("Fe", 0),
+           ("B", 0)]
+    assert_runner_trains_like_plain(make, ops, x, y)

@@ -114,6 +114,19 @@ def test_gpt_with_modulelist_trains_bitwise_like_plain_under_half_the_memory(tmp
     assert "model: graph chain of" in printed and "after transformer.h" in printed  # stages and cut points
 
 
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_tied_gpt_with_gradient_accumulation_and_clipping_stays_bitwise(tmp_path, precision):
+    """issue 15: accumulate_grad_batches=4 with a tied embedding and LM head drifted 0.0102 in 4 steps."""
+    plain, rotor, keep = GPTTask(), GPTTask(), Keep()
+    kw = dict(accumulate_grad_batches=4, gradient_clip_val=1.0, precision=precision)
+    fit(tmp_path / "plain", plain, tokens(64), **kw)
+    fit(tmp_path / "rotor", rotor, tokens(64), RotorStrategy(mem_limit="50%"), callbacks=[keep], **kw)
+    assert sum(r > 1 for r in keep.modules["model"].last_entry.runs) > 0  # the budget forces recomputation
+    torch.testing.assert_close(rotor.losses, plain.losses, rtol=0, atol=0)
+    for (key, a), b in zip(rotor.state_dict().items(), plain.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=key)
+
+
 def test_checkpoint_modules_by_name_keep_blocks_whole(tmp_path):
     keep = Keep()
     fit(tmp_path, GPTTask(), tokens(), RotorStrategy(mem_limit="50%", checkpoint_modules=["Block"]), callbacks=[keep])

@@ -103,3 +103,45 @@ def test_cuda_probe_measures_allocator_peak():
         del y
     assert probe.peak >= 2 * 4 * 1024 * 1024
     assert probe.current == 4 * 1024 * 1024
+
+
+def _log_copy(value: torch.Tensor) -> torch.Tensor:
+    return value.detach().clone()  # like a training loop's copy of the loss for its progress bar
+
+
+def test_storages_made_by_bookkeeping_functions_are_not_counted():
+    kept = []
+    with MemoryProbe(bookkeeping=[_log_copy]) as probe:
+        loss = torch.ones(100).sum()  # 4 bytes
+        kept.append(_log_copy(torch.ones(1000)))  # the ones count while alive; the copy never does
+        kept[0].add_(1)  # nor an op writing into it
+        probe.mark("after")
+        probe.track(kept[0])  # a tracked tensor counts, whoever made it
+        probe.mark("tracked")
+    assert probe.marks[0][2] == 4 and probe.marks[1][2] == 4004 and probe.peak == 4004
+    del loss
+
+
+def _steps(model: nn.Module, x: torch.Tensor, probe_exclude: list[nn.Module]) -> int:
+    """The measured peak of the second of two training steps (DDP rebuilds its buckets before the second)."""
+    model(x).sum().backward()
+    for p in model.parameters():
+        p.grad = None
+    with MemoryProbe(probe_exclude) as probe:
+        model(x).sum().backward()
+    return probe.peak
+
+
+@pytest.mark.parametrize("bucket_view", [False, True])
+def test_ddp_gradient_buckets_are_not_counted(tmp_path, bucket_view):
+    dist = torch.distributed
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+        x = torch.randn(8, 64)
+        plain = _steps(net, x, [net])
+        ddp = nn.parallel.DistributedDataParallel(net, gradient_as_bucket_view=bucket_view)
+        assert _steps(ddp, x, [net, ddp]) == plain  # the buckets (as many bytes as the parameters) are left out
+    finally:
+        dist.destroy_process_group()

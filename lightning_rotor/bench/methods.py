@@ -92,7 +92,7 @@ def _prepare(w: Workload, ckpt: Checkpointable) -> Any:
         w.loss(ckpt(w.x), w.y).backward()
     finally:
         w.model.zero_grad(set_to_none=True)
-    return ckpt.last_entry
+    return ckpt.entry  # the whole-budget plan (a first step runs the smallest budget's, docs/checkpointable.md)
 
 
 def rotor_methods(w: Workload, budgets: list[str], row: Callable[..., Row]) -> list[Method]:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_rotor.discovery.graph import (
     DEFAULT_MAX_CARRY,
@@ -38,7 +39,7 @@ from lightning_rotor.stages import Stages, sequential_stages
 
 __all__ = [
     "HOWS", "ChainDiverged", "Discovery", "DiscoveryError", "GuardFailed", "ValueBranch", "block_types",
-    "discover", "discover_chain",
+    "discover", "discover_chain", "join_in_place",
 ]
 
 HOWS = ("auto", "sequential", "graph", "modules")
@@ -69,6 +70,56 @@ def block_types(module: nn.Module) -> tuple[type, ...]:
     return tuple(cls for cls, n in counts.items() if n >= 2)
 
 
+def join_in_place(stages: Stages, sample: Any) -> Stages:
+    """`stages` with every stage that writes into its input in place joined to the stage before.
+
+    The writes are seen on one run of the chain on `sample` (without grad; buffers and the RNG
+    stream put back). A stage of its own, such a write would corrupt the checkpoint a recomputation
+    starts from (NOTE: [in-place block start] in lightning_rotor/discovery/graph.py); in one stage with
+    its producer it is as harmless as in the unwrapped model. The first stage has no producer to join:
+    a write into the chain input stays, and `InplaceError` names it when the chain is profiled.
+    """
+    modules = list(stages.modules)
+    saved = [(b, b.detach().clone()) for m in modules for b in m.buffers()]
+    devices = [torch.device("cuda", i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    writes: list[bool] = []
+    value = _copy(sample)
+    try:
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            for stage in modules:
+                before = [t._version for t in _tensors(value)]
+                out = stage(value)
+                writes.append(before != [t._version for t in _tensors(value)])
+                value = out
+    finally:
+        with torch.no_grad():
+            for b, copy in saved:
+                b.copy_(copy)
+    groups: list[list[int]] = []
+    for k, w in enumerate(writes):
+        if groups and w:
+            groups[-1].append(k)
+        else:
+            groups.append([k])
+    if len(groups) == len(modules):
+        return stages
+    names = ["+".join(stages.names[k] for k in g) for g in groups]
+    joined = [modules[g[0]] if len(g) == 1 else nn.Sequential(*(modules[k] for k in g)) for g in groups]
+    notes = (*stages.notes, "one stage (writes in place into the previous stage's output): "
+             + ", ".join(n for n, g in zip(names, groups, strict=True) if len(g) > 1))
+    return Stages(tuple(names), tuple(joined), kind=stages.kind, notes=notes)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
+def _copy(value: Any) -> Any:
+    """Tensors copied (a forward may write into its arguments; discovery must leave the caller's as they are)."""
+    return tree_map(lambda t: t.detach().clone().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor)
+                    else t, value)
+
+
 def _bind(module: nn.Module, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
     sig = inspect.signature(module.forward)
     if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in sig.parameters.values()):
@@ -86,7 +137,8 @@ def _graph(module: nn.Module, args: Sequence[Any], kwargs: dict[str, Any],
     was_training = module.training
     module.train()  # stages are for training: trace the training path (dropout on, BatchNorm batch statistics)
     try:
-        chain = trace_chain(module, bound, leaf_types=leaf_types, max_carry=max_carry)
+        chain = trace_chain(module, bound, leaf_types=leaf_types, max_carry=max_carry,
+                            trace_into_writers=checkpoint_modules is None)
     finally:
         module.train(was_training)
     notes = [f"graph: {len(chain.stages)} stages, {chain.guards} shape guard(s)"]
@@ -132,8 +184,8 @@ def discover_chain(
         raise ValueError(f"how={how!r} is not a discovery method; use one of {', '.join(HOWS)}")
     if not isinstance(module, nn.Module):
         raise TypeError(f"discover needs an nn.Module, got {type(module).__name__}")
-    args = tuple(sample_args) if isinstance(sample_args, (tuple, list)) else (sample_args,)
-    kwargs = dict(sample_kwargs or {})
+    args = _copy(tuple(sample_args) if isinstance(sample_args, (tuple, list)) else (sample_args,))
+    kwargs = _copy(dict(sample_kwargs or {}))
     types = tuple(checkpoint_modules) if checkpoint_modules else None
     if types is not None and not all(isinstance(t, type) and issubclass(t, nn.Module) for t in types):
         raise TypeError(f"checkpoint_modules must be nn.Module classes, got {list(checkpoint_modules)!r}")
@@ -142,8 +194,8 @@ def discover_chain(
         if not plain_sequential:
             raise DiscoveryError(f"how='sequential' needs a plain nn.Sequential, got {type(module).__name__}; "
                                  "use how='graph' or 'modules'")
-        stages = sequential_stages(module)
-        return Discovery(stages, notes=[f"sequential: {len(stages)} stages"])
+        stages = join_in_place(sequential_stages(module), args[0] if len(args) == 1 else args)
+        return Discovery(stages, notes=[f"sequential: {len(stages)} stages", *stages.notes])
     if how == "modules":
         return _modules(module, args, kwargs, types)
     if how == "graph":
@@ -153,9 +205,9 @@ def discover_chain(
         if len(found.stages) >= 2:
             return found
         why = f"the graph gave {len(found.stages)} stage"
-    except (DiscoveryError, torch.fx.proxy.TraceError, TypeError, NotImplementedError, AttributeError,
-            RuntimeError, AssertionError) as err:
-        why = f"graph discovery failed: {str(err).splitlines()[0][:300]}"
+    except Exception as err:  # noqa: BLE001 (any failure of the trace falls back; the user's own errors recur there)
+        first = str(err).splitlines()[0][:300] if str(err) else ""
+        why = f"graph discovery failed: {type(err).__name__}: {first}"
     try:
         found = _modules(module, args, kwargs, types)
     except DiscoveryError as err:

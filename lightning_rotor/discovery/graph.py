@@ -139,6 +139,10 @@ def _is_data(node_value: Any) -> bool:
     return any(isinstance(v, torch.Tensor) for v in _leaves(node_value))
 
 
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [v for v in _leaves(value) if isinstance(v, torch.Tensor)]
+
+
 def _leaves(value: Any) -> list[Any]:
     out: list[Any] = []
     map_aggregate(value, out.append)
@@ -160,25 +164,33 @@ class _real_modules:
 class ShapeTracer(fx.Tracer):
     """torch.fx tracer that runs each op on the sample (see the module docstring)."""
 
-    def __init__(self, sample: dict[str, Any], leaves: set[str], leaf_types: tuple[type, ...]):
+    def __init__(self, sample: dict[str, Any], leaves: set[str], leaf_types: tuple[type, ...],
+                 through: set[str] = frozenset()):
         super().__init__(autowrap_functions=())
         self.sample = sample
         self.leaves = leaves
         self.leaf_types = leaf_types
+        self.through = through  # of leaf_types, traced into all the same (they write into their input)
         self.values: dict[fx.Node, Any] = {}
         self.data: dict[fx.Node, bool] = {}
+        self.writes: dict[fx.Node, list[fx.Node]] = {}  # node -> inputs it wrote into in place, on the sample
         self.branch_stack: list[str] = []
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return ShapeProxy(node, self)
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        if qualname in self.leaves or (self.leaf_types and isinstance(m, self.leaf_types)):
+        if qualname in self.leaves:
+            return True
+        if self.leaf_types and isinstance(m, self.leaf_types) and qualname not in self.through:
             return True
         return super().is_leaf_module(m, qualname)
 
     def call_module(self, m: nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        qualname = self.path_of_module(m)
+        try:
+            qualname = self.path_of_module(m)
+        except NameError:  # made inside the forward, not a submodule (litgpt's `clamp_head = nn.Identity()`):
+            return forward(*args, **kwargs)  # its ops are traced inline, as if written in the forward
         if self.is_leaf_module(m, qualname):
             return super().call_module(m, forward, args, kwargs)
         self.branch_stack.append(qualname)
@@ -213,6 +225,7 @@ class ShapeTracer(fx.Tracer):
         vals = map_arg((node.args, node.kwargs), self.values.__getitem__)
         inputs: list[fx.Node] = []
         map_arg((node.args, node.kwargs), inputs.append)
+        before = [[t._version for t in _tensors(self.values[a])] for a in inputs]
         with torch.no_grad():
             if kind == "call_function":
                 value = target(*vals[0], **vals[1])
@@ -224,6 +237,10 @@ class ShapeTracer(fx.Tracer):
             else:
                 value = None
         self.values[node] = value
+        written = [a for a, v in zip(inputs, before, strict=True)
+                   if a.op != "get_attr" and v != [t._version for t in _tensors(self.values[a])]]
+        if written:  # seen on the sample: any op, a whole submodule too (`x.add_(1)` inside a leaf block)
+            self.writes[node] = written
         if kind == "call_function" and target is builtins.getattr and node.args[1] in _SHAPE_ATTRS:
             self.data[node] = False
         elif kind == "call_method" and target in _SHAPE_METHODS:
@@ -256,6 +273,14 @@ def _writes_into(node: fx.Node, root: nn.Module) -> fx.Node | None:
     if node.op == "call_module" and getattr(root.get_submodule(str(node.target)), "inplace", False) is True:
         return first
     return None
+
+
+def _describe(node: fx.Node, root: nn.Module) -> str:
+    if node.op == "call_module":
+        return f"{node.target}, a {type(root.get_submodule(str(node.target))).__name__}"
+    if node.op == "call_method":
+        return f".{node.target}()"
+    return getattr(node.target, "__name__", str(node.target))
 
 
 def _storage(value: Any) -> int | None:
@@ -305,19 +330,34 @@ def trace_chain(
     leaf_types: Sequence[type] = (),
     max_carry: int = DEFAULT_MAX_CARRY,
     max_retries: int = 32,
+    trace_into_writers: bool = False,
 ) -> GraphChain:
-    """Trace `module` on the bound sample arguments (name -> value) and cut it into stages."""
+    """Trace `module` on the bound sample arguments (name -> value) and cut it into stages.
+
+    NOTE: [in-place block start] A block that writes into its input in place (`ReLU(inplace=True)`
+    or `x.add_(1)` first) must share a stage with what produced that input: as a stage input, the
+    write would corrupt the checkpoint a recomputation starts from. Cuts are never placed between a
+    value and a write into it (seen on the sample, whatever op or submodule wrote), so such a block,
+    kept whole, joins the stage before. With `trace_into_writers` (the blocks were chosen by
+    `block_types`, not by the user), such blocks are traced into instead, so the cut can go right
+    after the in-place op, inside the block.
+    """
     tensor_args = [n for n, v in bound.items() if isinstance(v, torch.Tensor)]
     constants = {n: v for n, v in bound.items() if not isinstance(v, torch.Tensor)}
     leaves: set[str] = set()
+    through: set[str] = set()
     rng = [torch.device("cuda", i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
     saved = {n: b.detach().clone() for n, b in module.named_buffers()}
     for _ in range(max_retries):
-        tracer = ShapeTracer({n: bound[n] for n in tensor_args}, leaves, tuple(leaf_types))
+        tracer = ShapeTracer({n: bound[n] for n in tensor_args}, leaves, tuple(leaf_types), through)
         try:
             with torch.random.fork_rng(devices=rng):
                 graph = tracer.trace(module, concrete_args=constants or None)
-            break
+            writers = {str(n.target) for n in tracer.writes if n.op == "call_module"} - leaves - through
+            writers = {q for q in writers if isinstance(module.get_submodule(q), tuple(leaf_types))}
+            if not (trace_into_writers and writers):
+                break
+            through |= writers  # NOTE: [in-place block start] below
         except _SubmoduleBranch as branch:
             leaves.add(branch.qualname)
         finally:
@@ -357,16 +397,20 @@ def _cut(root: nn.Module, graph: fx.Graph, tracer: ShapeTracer, max_carry: int) 
         if s is not None and s not in by_storage:
             by_storage[s] = pos[n]
     for j, n in enumerate(body):
-        target = _writes_into(n, root)
-        if target is None or target.op == "get_attr":
-            continue
-        s = _storage(tracer.values.get(target))
-        start = by_storage.get(s, pos.get(target, -1)) if s is not None else pos.get(target, -1)
-        for c in range(max(start, 0), j):
-            blocked[c] = True
-        if start < 0:  # writes into the chain input: no cut before the write
-            for c in range(0, j):
+        static = _writes_into(n, root)
+        for target in {*tracer.writes.get(n, ()), *([static] if static is not None else [])}:
+            if target.op == "get_attr":
+                continue
+            s = _storage(tracer.values.get(target))
+            start = by_storage.get(s, pos.get(target, -1)) if s is not None else pos.get(target, -1)
+            for c in range(max(start, 0), j):
                 blocked[c] = True
+            if start < 0:  # NOTE: [in-place block start]: the chain input has no producer to share a stage with
+                raise DiscoveryError(
+                    f"the forward writes in place into its input ({_describe(n, root)}): the first stage would "
+                    "overwrite the chain input it is recomputed from; module-level discovery (how='modules') runs "
+                    "such a write before the chain, or make it out-of-place"
+                )
 
     def live_after(i: int) -> list[fx.Node]:
         return [n for n in [*placeholders, *body[: i + 1]] if last_use.get(n, -2) > i]

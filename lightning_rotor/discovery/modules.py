@@ -77,6 +77,7 @@ class _Call:
     kwargs: dict
     output: Any = None
     index: int = 0
+    writes_input: bool = False  # wrote into its first argument in place (seen on the sample)
 
 
 class _Uses(TorchFunctionMode):
@@ -103,20 +104,27 @@ class _Uses(TorchFunctionMode):
 
 @dataclass
 class ModuleRun:
-    """A run of sibling blocks: stage k is `blocks[k](x, *args, **kwargs)` with this forward's other arguments."""
+    """A run of sibling blocks: a stage is `blocks[k](x, *args, **kwargs)` with this forward's other arguments,
+    or several blocks one after another where a block writes into its input (`starts`)."""
 
     parent: str
     names: list[str]
     blocks: list[nn.Module]
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
+    starts: list[int] | None = None  # the first block of each stage (None: one block per stage)
     _state: dict = field(default_factory=dict, repr=False)
 
     def stages(self) -> Stages:
-        notes = (f"module-level run under {self.parent or '<root>'}: {len(self.blocks)} blocks, "
-                 "checked on every call",)
-        return Stages(tuple(self.names), tuple(_BlockStage(self, k) for k in range(len(self.blocks))),
-                      kind="modules", notes=notes)
+        starts = self.starts or list(range(len(self.blocks)))
+        bounds = [*starts, len(self.blocks)]
+        spans = list(zip(bounds[:-1], bounds[1:], strict=True))
+        notes = [f"module-level run under {self.parent or '<root>'}: {len(self.blocks)} blocks, checked on every call"]
+        joined = ["+".join(self.names[lo:hi]) for lo, hi in spans if hi - lo > 1]
+        if joined:
+            notes.append("one stage (a block writes in place into the previous one's output): " + ", ".join(joined))
+        return Stages(tuple("+".join(self.names[lo:hi]) for lo, hi in spans),
+                      tuple(_BlockStage(self, lo, hi) for lo, hi in spans), kind="modules", notes=tuple(notes))
 
     # -- run time -----------------------------------------------------------------------------
     def install(self, run_chain: Callable[[Any], Any]) -> None:
@@ -208,20 +216,29 @@ class _Patched:
 
 
 class _BlockStage(nn.Module):
-    """Stage k of a module-level run: the user's block, with the current forward's other arguments."""
+    """A stage of a module-level run: the user's block (and the blocks `joined` to it, NOTE: [in-place block
+    start] in lightning_rotor/discovery/graph.py), with the current forward's other arguments."""
 
-    def __init__(self, run: ModuleRun, k: int):
+    def __init__(self, run: ModuleRun, lo: int, hi: int):
         super().__init__()
-        self.block = run.blocks[k]
+        self.block = run.blocks[lo]
+        self.joined = nn.ModuleList(run.blocks[lo + 1: hi])  # empty unless a block writes into its input
         object.__setattr__(self, "run", run)
-        self.k = k
+        self.k = lo
 
     def forward(self, x: Any) -> Any:
         run = self.run
         if not run._state.get("installed"):
-            return self.block(x, *run.args, **run.kwargs)
+            return self._blocks(x)
         with run._inside():
-            return self.block(x, *run.args, **run.kwargs)
+            return self._blocks(x)
+
+    def _blocks(self, x: Any) -> Any:
+        run = self.run
+        x = self.block(x, *run.args, **run.kwargs)
+        for block in self.joined:
+            x = block(x, *run.args, **run.kwargs)
+        return x
 
 
 def find_runs(
@@ -236,14 +253,20 @@ def find_runs(
     names = {id(m): n for n, m in module.named_modules(remove_duplicate=False) if n}
     handles = []
 
+    versions: list[int | None] = []  # per open call: its first argument's version before the call
+
     def pre(mod: nn.Module, a: tuple, kw: dict) -> None:
         name = names.get(id(mod), "?")
         parent = calls[open_calls[-1]].name if open_calls else ""
         calls.append(_Call(name, mod, parent, len(open_calls), a, kw, index=len(calls)))
         open_calls.append(len(calls) - 1)
+        versions.append(a[0]._version if a and isinstance(a[0], torch.Tensor) else None)
 
     def post(mod: nn.Module, a: tuple, kw: dict, out: Any) -> None:
-        calls[open_calls.pop()].output = out
+        before = versions.pop()  # read before the pop: `_version` is a torch function, a use inside this call
+        writes = before is not None and a[0]._version != before
+        call = calls[open_calls.pop()]
+        call.output, call.writes_input = out, writes
         if isinstance(out, torch.Tensor):
             uses.outputs[id(out)] = out
 
@@ -283,12 +306,27 @@ def _runs(calls: list[_Call], uses: dict[int, list[tuple[int, ...]]], types: Seq
             if usable and current and _continues(current[-1], c, uses):
                 current.append(c)
                 continue
-            if len(current) >= min_blocks:
-                runs.append(ModuleRun(parent, [b.name for b in current], [b.module for b in current]))
+            run = _joined_run(parent, current, min_blocks)
+            if run is not None:
+                runs.append(run)
             current = [c] if usable else []
     # most parameters first (the run covering the model's blocks, not one block's inner layers)
     runs.sort(key=lambda r: (-_parameters(r.blocks), -len(r.blocks), r.parent.count(".")))
     return runs
+
+
+def _joined_run(parent: str, calls: list[_Call], min_stages: int) -> ModuleRun | None:
+    """The run of `calls` with each block that writes into its input in one stage with the block before
+    (NOTE: [in-place block start] in lightning_rotor/discovery/graph.py). Blocks writing into the run's
+    input have no producer in the run to join: they are left out and run as written, before the chain."""
+    starts = [i for i, c in enumerate(calls) if i == 0 or not c.writes_input]
+    if calls and calls[0].writes_input:
+        first = starts[1] if len(starts) > 1 else len(calls)
+        calls, starts = calls[first:], [s - first for s in starts[1:]]
+    if len(starts) < min_stages:
+        return None
+    return ModuleRun(parent, [c.name for c in calls], [c.module for c in calls],
+                     starts=None if len(starts) == len(calls) else starts)
 
 
 def check_arguments(name: str, args: tuple, kwargs: dict) -> None:

@@ -3,8 +3,9 @@
 Every step (through `LightningModule.log`, so `log_every_n_steps` and every logger
 apply; rank zero only):
 
-- `rotor/mem_limit_bytes`, `rotor/predicted_peak_bytes`, `rotor/recomputed_stages`
-  (summed over the wrapped chains);
+- `rotor/mem_limit_bytes` (the chains' budgets: each covers every call of its chain in a
+  step), `rotor/predicted_peak_bytes` (the step's, all calls together),
+  `rotor/recomputed_stages` (of the latest call), summed over the wrapped chains;
 - `rotor/measured_peak_bytes`: the activation peak of a sampled step (see below);
 - `rotor/no_recompute_seconds` (Σ forward + backward of the chains as profiled),
   `rotor/predicted_seconds` (the plans' time), `rotor/predicted_overhead`
@@ -15,10 +16,15 @@ apply; rank zero only):
 Measuring memory costs time (tensor accounting sees every op), so it is a
 sample: the first step that runs each new plan, then every
 `measure_every_n_steps` steps. The value logged is the latest sample; steps
-that were measured do not update `rotor/step_seconds`. On CPU the sample is
-exact tensor accounting of the whole training step (the batch, every
-activation, graph, gradient and transient; not parameters or their
-gradients); on CUDA it is the caching allocator's peak.
+that were measured do not update `rotor/step_seconds`. A sample above the
+budget is warned about (rank zero, one line per plan). On CPU the sample is
+exact tensor accounting of the whole training step up to the end of the
+backward (docs/memory-model.md, section 5): the chain input, every activation,
+graph, gradient and transient, the loss and whatever else `training_step`
+allocates; not parameters or their gradients, nor DDP's gradient buckets, nor
+the rest of the batch (the targets: data the loader made before the step), nor
+Lightning's copies of the loss and of logged values (`LIGHTNING_BOOKKEEPING`).
+On CUDA it is the caching allocator's peak.
 
 Once per plan: the stage table (`rotor/<chain>/stages`, TensorBoard text) and
 the memory curve of one step, bytes alive after each op, predicted by the
@@ -35,6 +41,7 @@ from __future__ import annotations
 
 import io
 import time
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -50,6 +57,18 @@ from lightning_rotor.ops import OpKind, forward_counts
 from lightning_rotor.simulate import no_recompute_peak, simulate
 
 
+def _lightning_bookkeeping() -> tuple[Callable, ...]:
+    """Lightning's own copies in a training step: of logged values (`self.log`), of the loss for the progress bar."""
+    try:
+        from lightning.pytorch.loops.optimization.automatic import ClosureResult
+    except ImportError:  # a Lightning that moved it: that copy counts (a few bytes too many, never too few)
+        return (pl.LightningModule.log,)
+    return pl.LightningModule.log, ClosureResult._clone_loss
+
+
+LIGHTNING_BOOKKEEPING = _lightning_bookkeeping()
+
+
 def stage_rows(entry: Entry) -> list[tuple[str, int, int, float, float, str]]:
     """(name, out bytes, saved bytes, fwd s, bwd s, decision) per stage of a plan."""
     chain = entry.chain
@@ -61,7 +80,9 @@ def stage_rows(entry: Entry) -> list[tuple[str, int, int, float, float, str]]:
     rows = []
     for k in range(chain.length):
         decision = "recompute" if runs[k] > 1 else "keep"
-        if kept[k]:
+        if k < chain.frozen:  # run once without recording, no backward (chain version 4)
+            decision = "frozen"
+        elif kept[k]:
             decision += " (checkpoint input)"
         rows.append((chain.names[k], chain.out_size[k], chain.saved_size[k], chain.fwd_time[k], chain.bwd_time[k],
                      decision))
@@ -92,7 +113,7 @@ def summary_text(chains: dict[str, Checkpointable]) -> str:
     for name, rotor in chains.items():
         if rotor.last_entry is None:
             continue
-        entry = rotor.last_entry
+        entry = rotor.entry  # the whole-budget plan (a first step runs each call at its smallest budget)
         no_recompute = no_recompute_peak(entry.chain)
         base = entry.chain.no_recompute_time()
         rows.append((name, str(entry.chain.length), format_bytes(entry.plan.mem_limit), format_bytes(entry.plan.peak),
@@ -159,6 +180,7 @@ class RotorCallback(Callback):
         self._measured_peak: int | None = None
         self._printed = False
         self._warned_unused = False
+        self._warned_over: set[tuple[int, ...]] = set()
         self._batches = 0
 
     # -- checkpoints ------------------------------------------------------------------------------------
@@ -199,11 +221,13 @@ class RotorCallback(Callback):
         self._measurements = []
         if self._wants_measure(chains):
             for name, rotor in chains.items():
-                # on CPU count the whole step, excluding every parameter of the LightningModule
-                wide = MemoryProbe(pl_module, record_curve=True) if pl_module.device.type != "cuda" else None
+                # on CPU count the whole step, excluding every parameter of the LightningModule and what the
+                # strategy's wrapper (DDP) keeps; the chain input is tracked by the chain, the rest of the batch
+                # is data, not activations
+                wide = MemoryProbe([pl_module, trainer.strategy.model], record_curve=True,
+                                   bookkeeping=LIGHTNING_BOOKKEEPING) if pl_module.device.type != "cuda" else None
                 m = rotor.measure_step(probe=wide)
                 m.__enter__()
-                m.probe.track(batch)
                 self._measurements.append((name, rotor, m, len(rotor.entries)))
             self._steps_since_measure = 0
         else:
@@ -258,6 +282,8 @@ class RotorCallback(Callback):
             if trainer.is_global_zero and self.log_curves and id(m.entry) not in self._curves_done:
                 self._curves_done.add(id(m.entry))
                 self._log_plan(trainer, name, m.entry, m)
+        self._check_budget(planned, [m.peak for _, rotor, m, before in measured
+                                     if len(rotor.entries) == before and m.entry is not None])
         if trainer.is_global_zero:
             for name, rotor in planned.items():
                 entry = rotor.last_entry
@@ -271,14 +297,29 @@ class RotorCallback(Callback):
                 (bar.print if bar is not None else print)(text)
         self._log_metrics(pl_module, planned)
 
+    def _check_budget(self, chains: dict[str, Checkpointable], peaks: list[int]) -> None:
+        """One rank-zero line, once per set of plans, when a measured peak is above the summed budgets."""
+        budget = sum(rotor.last_entry.plan.mem_limit for rotor in chains.values())
+        plans = tuple(id(rotor.last_entry) for rotor in chains.values())
+        peak = max(peaks, default=0)
+        if peak > budget and plans not in self._warned_over:
+            self._warned_over.add(plans)
+            rank_zero_warn(f"rotor: the measured activation peak {format_bytes(peak)} ({peak} bytes) is above the "
+                           f"budget {format_bytes(budget)} ({budget} bytes) of {', '.join(chains)}: the step holds "
+                           "more than the plan predicts (see rotor/<chain>/memory_curve)")
+
     # -- logging ----------------------------------------------------------------------------------------
     def _log_metrics(self, pl_module: pl.LightningModule, chains: dict[str, Checkpointable]) -> None:
         entries = [rotor.last_entry for rotor in chains.values()]
         no_recompute = sum(e.chain.no_recompute_time() for e in entries)
         predicted = sum(e.plan.time for e in entries)
+        # per chain: its budget, which covers all its calls in a step, and the step's predicted peak
+        # (the largest of each call's plan peak above what the step's earlier calls still held)
         metrics = {
-            "rotor/mem_limit_bytes": float(sum(e.plan.mem_limit for e in entries)),
-            "rotor/predicted_peak_bytes": float(sum(e.plan.peak for e in entries)),
+            "rotor/mem_limit_bytes": float(sum(rotor.step_limit or e.plan.mem_limit
+                                               for rotor, e in zip(chains.values(), entries, strict=True))),
+            "rotor/predicted_peak_bytes": float(sum(rotor.calls.step_peak or e.plan.peak
+                                                    for rotor, e in zip(chains.values(), entries, strict=True))),
             "rotor/recomputed_stages": float(sum(e.plan.recomputed_stages for e in entries)),
             "rotor/no_recompute_seconds": no_recompute,
             "rotor/predicted_seconds": predicted,
