@@ -391,8 +391,8 @@ def check(spec: Spec, fractions: Sequence[float] = FRACTIONS, report: Any = None
     except DiscoveryError as err:
         outcome.skipped = f"no chain: {str(err).splitlines()[0]}"
         return outcome
-    except InplaceError as err:
-        outcome.failures.append(("refused", str(err).splitlines()[0]))
+    except InplaceError as err:  # a refusal, which must be one clear line (tests/test_fuzz.py checks)
+        outcome.failures.append(("refused", str(err)))
         return outcome
     except Exception as err:  # noqa: BLE001 - every other error is a finding
         outcome.failures.append(("error", f"first step: {_error_line(err)}"))
