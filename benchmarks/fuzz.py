@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import collections
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -82,14 +83,13 @@ def shrink(cls: str, examples: int, fractions: tuple[float, ...], start: int, ki
 
 
 def report(outcomes: list[Outcome], args: argparse.Namespace, seconds: float,
-           minimal: dict[str, tuple[Spec, Outcome]]) -> str:
+           minimal: dict[str, tuple[Spec, Outcome]], commit: str) -> str:
     cases = [o for o in outcomes if not o.skipped]
     by_class: dict[str, list[Outcome]] = collections.defaultdict(list)
     for o in cases:
         for cls in sorted({c for c, _ in o.failures}):
             by_class[cls].append(o)
     kinds = collections.Counter(o.spec.discover for o in cases)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     lines = [
         f"# Fuzzing the executor: {len(cases)} cases in {seconds:.0f} s",
         "",
@@ -112,6 +112,10 @@ def report(outcomes: list[Outcome], args: argparse.Namespace, seconds: float,
         if not found:
             continue
         lines += ["", f"## {cls}: {len(found)} cases", ""]
+        kinds = collections.Counter(_signature(o, cls) for o in found)
+        lines += ["| cases | discovery: what |", "|---|---|"]
+        lines += [f"| {n} | {what} |" for what, n in kinds.most_common()]
+        lines.append("")
         if cls in minimal:
             spec, outcome = minimal[cls]
             lines += ["Smallest case hypothesis shrank to:", "", "```python", repr(spec), "```", ""]
@@ -124,6 +128,14 @@ def report(outcomes: list[Outcome], args: argparse.Namespace, seconds: float,
             lines += ["", "```python", repr(o.spec), "```", f"{stages}{note}"]
             lines += [f"- {line}" for c, line in o.failures if c == cls][:3]
     return "\n".join(lines) + "\n"
+
+
+def _signature(outcome: Outcome, cls: str) -> str:
+    """What a failure looks like, for grouping: the discovery method, and for errors the message's start."""
+    line = next(line for c, line in outcome.failures if c == cls)
+    if cls == "error":
+        return f"{outcome.spec.discover}: {re.sub(r'^.*?: (?=[A-Z][A-Za-z]*(Error|Exception))', '', line)[:90]}"
+    return outcome.spec.discover
 
 
 def _median(values: list[int]) -> int:
@@ -152,6 +164,7 @@ def main() -> None:
     parser.add_argument("--failures", type=Path, help="write every failing case here, one per line: class, Spec, lines")
     args = parser.parse_args()
     fractions = tuple(args.fractions)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     began = time.monotonic()
     with Worker(args.timeout) as worker:
         outcomes = fuzz(args.examples, args.seconds, fractions, args.seed, args.discover, worker)
@@ -161,7 +174,7 @@ def main() -> None:
                 spec = shrink(cls, args.examples, fractions, args.seed, args.discover, worker)
                 if spec is not None:
                     minimal[cls] = (spec, worker.run(spec, fractions))
-    text = report(outcomes, args, time.monotonic() - began, minimal)
+    text = report(outcomes, args, time.monotonic() - began, minimal, commit)
     print(text)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -41,6 +41,16 @@ FOUND = {
     # the run's input added after the run: its gradient waits through the chain's backward, uncharged
     "loop_input_used_after": Spec(discover="modules", conv=False, blocks=(
         (("act", "tanh", "module"),), (("layer",),)), skip_over=True),
+    # Linear, BatchNorm, transpose in a loop: the gradient reaching BatchNorm's output is contiguous where
+    # plain autograd's is transposed, and BatchNorm's backward rounds otherwise (also 4 bytes over budget)
+    "loop_batchnorm_then_transpose": Spec(discover="modules", conv=False, blocks=(
+        (("bn",),), (("view", "transpose"),))),
+    # a block adding BatchNorm's output and input: B 1, run joined with B 0, peaks 64 bytes over the budget
+    "sequential_block_with_batchnorm_skips": Spec(discover="sequential", conv=False, ops=(
+        ("layer",), ("block", (("save",), ("bn",), ("save",))), ("layer",))),
+    # the first Linear's output carried through three stages to the output: B 2 peaks 1 KiB over the budget
+    "graph_output_carried_through_stages": Spec(discover="graph", conv=False, ops=(
+        ("layer",), ("out", False), ("view", "reshape"), ("layer",), ("layer",), ("scale_",), ("layer",))),
     # the forward after a module-level run writes the run's output in place (sigmoid_)
     "loop_output_written_in_place": Spec(discover="modules", conv=False, blocks=(
         (("layer",),), (("act", "sigmoid", "inplace"),), (("view", "chunk"),))),
