@@ -31,6 +31,7 @@ from fuzz_models import FRACTIONS, Outcome, Spec, Worker, specs  # noqa: E402
 from hypothesis import HealthCheck, Phase, given, seed, settings  # noqa: E402
 
 CLASSES = ("crash", "hang", "error", "not bitwise", "over budget", "refused")
+RERUN = ("crash", "hang", "not bitwise")  # run again alone in a fresh process: do they reproduce on their own?
 
 
 def fuzz(examples: int, seconds: float, fractions: tuple[float, ...], start: int, kinds: list[str],
@@ -47,7 +48,7 @@ def fuzz(examples: int, seconds: float, fractions: tuple[float, ...], start: int
         if time.monotonic() > deadline:
             return
         outcome = worker.run(spec, fractions)
-        if outcome.failures and any(c in ("crash", "hang", "not bitwise") for c, _ in outcome.failures):
+        if any(c in RERUN for c, _ in outcome.failures):
             with Worker(worker.timeout) as fresh:  # does it reproduce alone, in a process of its own?
                 again = fresh.run(spec, fractions)
             outcome.alone = sorted({c for c, _ in again.failures})
@@ -107,6 +108,9 @@ def report(outcomes: list[Outcome], args: argparse.Namespace, seconds: float,
     ]
     for cls in CLASSES:
         lines.append(f"| cases with: {cls} | {len(by_class.get(cls, []))} |")
+    again = [o for o in cases if o.alone is not None]
+    lines.append(f"| crash, hang or not bitwise, run again alone in a fresh process: the same class again | "
+                 f"{sum(any(c in o.alone for c, _ in o.failures if c in RERUN) for o in again)} of {len(again)} |")
     for cls in CLASSES:
         found = by_class.get(cls, [])
         if not found:
@@ -184,7 +188,8 @@ def main() -> None:
             for o in outcomes:
                 for cls in sorted({c for c, _ in o.failures}):
                     lines = [line for c, line in o.failures if c == cls]
-                    f.write(f"{cls}\t{o.spec!r}\t{' | '.join(lines)}\n")
+                    alone = "" if o.alone is None else f"alone: {', '.join(o.alone) or 'passes'}"
+                    f.write(f"{cls}\t{o.spec!r}\t{' | '.join(lines)}\t{alone}\n")
 
 
 if __name__ == "__main__":
