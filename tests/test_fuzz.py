@@ -51,6 +51,10 @@ FOUND = {
     # the first Linear's output carried through three stages to the output: B 2 peaks 1 KiB over the budget
     "graph_output_carried_through_stages": Spec(discover="graph", conv=False, ops=(
         ("layer",), ("out", False), ("view", "reshape"), ("layer",), ("layer",), ("scale_",), ("layer",))),
+    # nn.Sequential(Linear, ReLU(inplace=True), Linear, Identity) on (4, 8, 8): 1 KiB over the budget even
+    # with nothing recomputed (2-D input, or Tanh, or no Identity: within)
+    "sequential_inplace_relu_then_identity": Spec(discover="sequential", conv=False, ops=(
+        ("layer",), ("act", "relu", "inplace"), ("layer",))),
     # the forward after a module-level run writes the run's output in place (sigmoid_)
     "loop_output_written_in_place": Spec(discover="modules", conv=False, blocks=(
         (("layer",),), (("act", "sigmoid", "inplace"),), (("view", "chunk"),))),
