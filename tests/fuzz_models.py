@@ -1,7 +1,7 @@
 """Random DAG models for fuzzing the executor (tests/test_fuzz.py, benchmarks/fuzz.py).
 
 A model is described by a `Spec`: a small frozen data structure (its repr is the
-reproducer) that `build` turns into an `nn.Module` written as users write them. The three
+reproducer: `check(Spec(...))`) that `build` turns into an `nn.Module` written as users write them. The three
 discovery methods each get their own shape of model:
 
 - `"graph"`: a `forward` over submodules and functional ops, with skip tensors pushed on a
@@ -63,7 +63,7 @@ class Spec:
 
     discover: str  # "graph", "sequential" or "modules"
     conv: bool
-    ops: tuple = ()  # graph and sequential: the ops; modules: the ops of the stem's run is `blocks`
+    ops: tuple = ()  # graph and sequential: the model's ops (the table in the module docstring)
     blocks: tuple = ()  # modules: one op tuple per block of the ModuleList
     outputs: int = 1  # sequential and modules: outputs of the head
     skip_over: bool = False  # modules: the stem's output is added to the head's (used after the run)
@@ -286,6 +286,7 @@ def build(spec: Spec) -> nn.Module:
 
 
 def sample_input(spec: Spec) -> torch.Tensor:
+    """The training input, the same for plain and rotor (the last two dimensions equal: views keep shapes)."""
     gen = torch.Generator().manual_seed(spec.seed + 1)
     shape = (CONV_BATCH, CHANNELS, PIXELS, PIXELS) if spec.conv else (BATCH, SIDE, SIDE)
     return torch.randn(shape, generator=gen).requires_grad_(spec.input_grad)
@@ -303,10 +304,6 @@ def loss_of(output: Any) -> torch.Tensor:
 
 
 # -- the property -----------------------------------------------------------------------------
-class Invalid(Exception):
-    """The model cannot be trained plainly (an in-place write into a tensor autograd saved), or has no chain."""
-
-
 @dataclass
 class Step:
     """What one training step leaves: loss, parameter and input gradients, buffers."""
@@ -354,7 +351,7 @@ class Outcome:
     spec: Spec
     stages: int = 0
     plans: int = 0
-    skipped: str = ""  # why the model was not a case (Invalid), empty otherwise
+    skipped: str = ""  # why the model was not a case (plain training fails, no chain), empty otherwise
     failures: list[tuple[str, str]] = field(default_factory=list)  # (class, line)
     alone: list[str] | None = None  # failure classes when run again alone in a fresh process (benchmarks/fuzz.py)
 
