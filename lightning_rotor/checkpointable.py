@@ -440,7 +440,7 @@ class Checkpointable(nn.Module):
             return plain_call()  # every stage frozen: no backward through the chain, nothing to checkpoint
         primary = self.prepare_for(value)
         alone = not self.calls.alive()
-        entry, call, peak = self._call_entry(signature(value), primary, value)
+        entry, call, peak = self._call_entry(self._plan_key(value), primary, value)
         self.last_entry = entry
         measurement = self._measurement
         # after another call of the step, plain autograd would hold this call's parameter gradients until the

@@ -51,11 +51,16 @@ _JOINED = "joined"  # a stage's entry when its input is a_k straight from stage 
 
 
 class _Caught(list):
-    """The gradients `EnterStage` caught for a stage input, one per tensor of it."""
+    """The gradients `EnterStage` caught for a stage input: one per entered tensor of it."""
 
-    def __init__(self, count: int):
+    def __init__(self, wanted: list[bool]):
         super().__init__()
-        self.count = count
+        self.wanted = wanted  # per tensor of the input: entered (gets a gradient) or passed detached
+
+    def deltas(self) -> list[torch.Tensor | None]:
+        """δ_k, one entry per tensor of the stage input (None: no gradient, or no path reached it)."""
+        caught = iter(list(self) or [None] * sum(self.wanted))
+        return [next(caught) if w else None for w in self.wanted]
 
 
 class _Autocast:
@@ -107,23 +112,26 @@ class _Step:
             return self.graph[k][1]
         raise RuntimeError(f"executor bug: a_{k} is not held for {kind} {k}")
 
-    def _leaf_input(self, k: int, src: Any) -> Any:
+    def _kept_input(self, k: int, src: Any) -> tuple[Any, Any]:
+        """(entry, input) for a stage whose input `a_k` the plan keeps beyond this forward.
+
+        NOTE: [stage inputs enter through EnterStage] not as leaves: a leaf's accumulator
+        stores a gradient whose strides differ from the leaf's as a copy in the leaf's layout
+        (autograd's layout contract), so `B k-1` would start from a gradient laid out otherwise
+        than plain autograd passes it on (a transpose after BatchNorm: its backward rounds
+        differently). `EnterStage` catches the gradient as it comes.
+        """
         if 0 < k <= self.runner.frozen:  # a_F after a frozen prefix: no gradient wanted, as in plain autograd
-            return detach_value(src, False)
-        if k > 0:
-            return compact_gradients(detach_value(src, True))
-        flat, spec = tree_flatten(src)
-        it = iter(self.input_requires_grad)
-        leaves = []
-        for t in flat:
-            if isinstance(t, torch.Tensor):
-                d = t.detach()
-                if next(it) and differentiable(d):
-                    d.requires_grad_(True)
-                leaves.append(d)
-            else:
-                leaves.append(t)
-        return tree_unflatten(leaves, spec)
+            inp = detach_value(src, False)
+            return inp, inp
+        tensors = tensors_of(src)
+        if k == 0:  # the caller's input: a gradient only where it requires one, passed back as it comes
+            wanted = [w and differentiable(t) for w, t in zip(self.input_requires_grad, tensors, strict=True)]
+        else:
+            wanted = [differentiable(t) for t in tensors]
+        entry = _Caught(wanted)
+        with torch.enable_grad():
+            return entry, enter_stage(src, entry, self.dummy, wanted, compact=k > 0)
 
     def forward_op(self, kind: OpKind, k: int, last: bool = False) -> None:
         """Run `kind` on stage k; `last`: this `Fe k` is stage k's last forward before `B k` (k >= 1).
@@ -150,17 +158,17 @@ class _Step:
                 recorded = k not in self.plain
                 last = last and (recorded or self.runner.releases_plain(k))
                 if not last:
-                    entry = inp = self._leaf_input(k, src)
+                    entry, inp = self._kept_input(k, src)
                 elif recorded and k in self.runner.joinable:
                     entry, inp = _JOINED, compact_gradients(src)
                     self.joined.add(k)
                     self.joined_edges[k] = output_edges(src)  # where δ_k enters stage k-1: B k is done
                 else:
-                    entry = _Caught(len(tensors_of(src)))  # EnterStage's slot: δ_k lands here
+                    entry = _Caught([differentiable(t) for t in tensors_of(src)])  # EnterStage's slot: δ_k lands here
                     inp = None
                 with torch.enable_grad():
                     if inp is None:
-                        inp = enter_stage(src, entry, self.dummy)
+                        inp = enter_stage(src, entry, self.dummy, entry.wanted)
                     out = stage(inp)
                 del inp
                 self.graph[k + 1] = (entry, out)
@@ -268,7 +276,7 @@ class _Step:
             self.probe.mark(label)
         del edges
         if isinstance(entry, _Caught):
-            self.grads[bottom] = list(entry) or [None] * entry.count  # caught by EnterStage (nothing: no path)
+            self.grads[bottom] = entry.deltas()  # caught by EnterStage
         else:
             self.grads[bottom] = [t.grad if t.requires_grad else None for t in tensors_of(entry)]
         del entry

@@ -343,12 +343,24 @@ class EnterStage(torch.autograd.Function):
         return (None, None, *[None] * len(grads))
 
 
-def enter_stage(value: Any, slot: list, dummy: torch.Tensor) -> Any:
-    """`value` with each tensor passed through `EnterStage` (see there); `slot` gets their gradients."""
+def enter_stage(
+    value: Any, slot: list, dummy: torch.Tensor, wanted: Sequence[bool] | None = None, *, compact: bool = True
+) -> Any:
+    """`value` with each tensor passed through `EnterStage` (see there); `slot` gets their gradients.
+
+    `wanted`: per tensor of `value`, whether it gets a gradient (the rest enter detached, as
+    tensors that do not require grad); all by default. `compact`: see `compact_gradients`.
+    """
     flat, spec = tree_flatten(value)
-    tensors = [t.detach() for t in flat if isinstance(t, torch.Tensor)]
-    entered = iter(compact_gradients(EnterStage.apply(slot, dummy, *tensors)))
-    return tree_unflatten([next(entered) if isinstance(t, torch.Tensor) else t for t in flat], spec)
+    tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+    wanted = [True] * len(tensors) if wanted is None else list(wanted)
+    picked = [t.detach() for t, w in zip(tensors, wanted, strict=True) if w]
+    entered = iter(EnterStage.apply(slot, dummy, *picked) if picked else ())
+    if compact:
+        entered = iter(compact_gradients(tuple(entered)))
+    take = iter(wanted)
+    return tree_unflatten([(next(entered) if next(take) else t.detach()) if isinstance(t, torch.Tensor) else t
+                           for t in flat], spec)
 
 
 # -- profiling ------------------------------------------------------------------------------
@@ -700,6 +712,7 @@ def profile_chain(
     own: list[bool] = []  # per tensor of a_k: a storage of its own, not one of a_{k-1}'s
     output_kept: list[bool] = []  # per tensor of a_k: kept by the graph of F_{k-1}
     frozen = 0  # stages so far that need no backward (chain version 4): a prefix
+    entry_edge = torch.empty(0, device=device, requires_grad=True)  # EnterStage's graph edge
     with _Untouched(stages, device) as untouched:
         for k, stage in enumerate(stages):
             if frozen == k and not needs_grad and not any(p.requires_grad for p in stage.parameters()):
@@ -721,9 +734,12 @@ def profile_chain(
             grad_in = needs_grad if k <= frozen else True
 
             def forward(record: bool, stage=stage, k=k, value=value, grad_in=grad_in) -> tuple[Any, Any]:
-                inp = detach_value(value, grad_in and record)
-                if k > 0 and record:
-                    compact_gradients(inp)  # as the executor enters stage inputs
+                if grad_in and record:  # as the executor enters a stage input (NOTE: [stage inputs enter ...])
+                    wanted = [differentiable(t) and (k > 0 or t.requires_grad) for t in tensors_of(value)]
+                    with torch.enable_grad():
+                        inp = enter_stage(value, [], entry_edge, wanted, compact=k > 0)
+                else:
+                    inp = detach_value(value, False)
                 before = versions(value)
                 with torch.set_grad_enabled(record), no_cast_cache():
                     out = stage(inp)
