@@ -28,7 +28,6 @@ FOUND = {
     "loop_dropout_input_used_after": Spec(discover="modules", conv=False, blocks=(
         (("dropout", 0.1, "functional"),), (("dropout", 0.1, "functional"),)), outputs=3, skip_over=True),
     # the chain output holds the last stage's input as it is, (x, head(x)): "backpropagated only once" error
-    # (the Sequential case passes since fbbd714, the graph case still fails)
     "output_passes_input_through": Spec(discover="sequential", conv=False, ops=(("layer",), ("layer",)),
                                         outputs=2, seed=2),
     "graph_output_passes_input_through": Spec(discover="graph", conv=False, ops=(
@@ -51,13 +50,18 @@ FOUND = {
     # a block adding BatchNorm's output and input: B 1, run joined with B 0, peaks 64 bytes over the budget
     "sequential_block_with_batchnorm_skips": Spec(discover="sequential", conv=False, ops=(
         ("layer",), ("block", (("save",), ("bn",), ("save",))), ("layer",))),
-    # the first Linear's output carried through three stages to the output: B 2 peaks 1 KiB over the budget
+    # the first Linear's output carried through three stages to the output: "backpropagated only once", and
+    # with measured stage times another plan where B 2 peaked 1 KiB over the budget
     "graph_output_carried_through_stages": Spec(discover="graph", conv=False, ops=(
         ("layer",), ("out", False), ("view", "reshape"), ("layer",), ("layer",), ("scale_",), ("layer",))),
     # nn.Sequential(Linear, ReLU(inplace=True), Linear, Identity) on (4, 8, 8): 1 KiB over the budget even
     # with nothing recomputed (2-D input, or Tanh, or no Identity: within)
     "sequential_inplace_relu_then_identity": Spec(discover="sequential", conv=False, ops=(
         ("layer",), ("act", "relu", "inplace"), ("layer",))),
+    # the run's input used after the run and requiring grad: the first call's measurement of the rest of the
+    # forward (Checkpointable._measure_outside) adds its stand-in loss's gradient into the input's .grad
+    "loop_input_grad_first_step": Spec(discover="modules", conv=False, blocks=((("layer",),), (("layer",),)),
+                                       skip_over=True, input_grad=True),
     # the forward after a module-level run writes the run's output in place (sigmoid_)
     "loop_output_written_in_place": Spec(discover="modules", conv=False, blocks=(
         (("layer",),), (("act", "sigmoid", "inplace"),), (("view", "chunk"),))),
