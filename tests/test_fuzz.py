@@ -62,6 +62,10 @@ FOUND = {
     # forward (Checkpointable._measure_outside) adds its stand-in loss's gradient into the input's .grad
     "loop_input_grad_first_step": Spec(discover="modules", conv=False, blocks=((("layer",),), (("layer",),)),
                                        skip_over=True, input_grad=True),
+    # blocks returning x + x, the run's input added after the run: with the executor running even the
+    # no-recomputation plan (a measured step), the stem's gradients differ from plain training's
+    "loop_doubling_blocks_input_used_after": Spec(discover="modules", conv=False, blocks=(
+        (("save",),), (("save",),)), skip_over=True),
     # the forward after a module-level run writes the run's output in place (sigmoid_)
     "loop_output_written_in_place": Spec(discover="modules", conv=False, blocks=(
         (("layer",),), (("act", "sigmoid", "inplace"),), (("view", "chunk"),))),
