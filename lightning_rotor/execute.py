@@ -243,7 +243,7 @@ class _Step:
             self.released[length] = output_edges(out)
             self.graph[length] = (inp, None)
             return detach_value(out, False)
-        return self.plain.pop(length)
+        return detach_value(self.plain.pop(length), False)
 
     # -- backward ops ---------------------------------------------------------------------
     def backward_op(self, k: int) -> int:

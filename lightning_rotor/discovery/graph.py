@@ -129,6 +129,20 @@ class ShapeProxy(fx.Proxy):
     def __iter__(self):
         return iter([self[i] for i in range(len(self))])
 
+    # `x += y` on a tensor writes x in place (and every alias of x sees it); fx's Proxy has no in-place
+    # operators, so Python would fall back to `x = x + y` and the traced graph would compute otherwise
+    def __iadd__(self, other: Any) -> fx.Proxy:
+        return self.tracer.create_proxy("call_function", operator.iadd, (self, other), {})
+
+    def __isub__(self, other: Any) -> fx.Proxy:
+        return self.tracer.create_proxy("call_function", operator.isub, (self, other), {})
+
+    def __imul__(self, other: Any) -> fx.Proxy:
+        return self.tracer.create_proxy("call_function", operator.imul, (self, other), {})
+
+    def __itruediv__(self, other: Any) -> fx.Proxy:
+        return self.tracer.create_proxy("call_function", operator.itruediv, (self, other), {})
+
     def __getattr__(self, attr: str) -> Any:
         if attr in _SHAPE_ATTRS:
             return self.tracer.create_proxy("call_function", builtins.getattr, (self, attr), {})
