@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_rotor.budget import format_bytes, parse_budget, resolve_budget
 from lightning_rotor.chain import Chain
@@ -341,9 +341,10 @@ class Checkpointable(nn.Module):
 
         One forward with the blocks run without grad and the rest recorded, a cross-entropy
         stand-in for the caller's loss (`profile.proxy_loss`) and its backward down to the run's
-        output; parameters' `.grad`, buffers and the RNG stream are put back.
+        output and the call's inputs, taken as leaves of their own; parameters' `.grad` are set
+        aside meanwhile and put back untouched, buffers and the RNG stream too (`profile.Untouched`).
         """
-        from lightning_rotor.profile import proxy_loss
+        from lightning_rotor.profile import Untouched, proxy_loss
 
         run = self.discovery.run
         probe = MemoryProbe(self.module)
@@ -357,14 +358,12 @@ class Checkpointable(nn.Module):
             seen["after"] = probe.current
             return out
 
-        params = list(self.module.parameters())
-        grads = [p.grad for p in params]
-        buffers = {n: b.detach().clone() for n, b in self.module.named_buffers()}
+        # the caller's tensors as leaves of their own: the backward stops at them, not in the caller's graph
+        args, kwargs = tree_map(_own_leaf, (args, kwargs))
         devices = [t.device for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        cuda = sorted({d for d in devices if d.type == "cuda"}, key=str)
         run.install(blocks_without_grad)
         try:
-            with torch.random.fork_rng(devices=cuda), probe:
+            with Untouched([self.module], devices), probe:
                 output = self.module(*args, **kwargs)
                 loss = proxy_loss(output)
                 if loss.requires_grad:
@@ -372,12 +371,6 @@ class Checkpointable(nn.Module):
                 del output, loss
         finally:
             run.uninstall()
-            for p, g in zip(params, grads, strict=True):
-                p.grad = g
-            with torch.no_grad():
-                for n, b in self.module.named_buffers():
-                    if n in buffers:
-                        b.copy_(buffers[n])
         return max(0, seen.get("before", 0)), max(0, probe.peak - seen.get("after", probe.peak))
 
     def discover_on(self, *args: Any, **kwargs: Any) -> Discovery:
@@ -672,6 +665,13 @@ def _bind_call(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> dict[s
     bound = inspect.signature(module.forward).bind(*args, **kwargs)
     bound.apply_defaults()
     return dict(bound.arguments)
+
+
+def _own_leaf(value: Any) -> Any:
+    """A tensor cut from the caller's graph, requiring grad as it did (anything else as it is)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    return value.detach().requires_grad_(value.requires_grad)
 
 
 def _run_stages(stages: Stages, value: Any) -> Any:

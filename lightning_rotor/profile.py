@@ -432,18 +432,26 @@ def _median_spread(samples: list[float]) -> tuple[float, float]:
     return med, (max(samples) - min(samples)) / med if med > 0 else 0.0
 
 
-class _Untouched:
-    """Keep profiling invisible: buffers restored, `.grad` put back, RNG forked."""
+class Untouched:
+    """Keep profiling invisible to training: `.grad` set aside, buffers restored, RNG forked.
 
-    def __init__(self, stages: Sequence[nn.Module], device: torch.device):
-        self.buffers = [b for s in stages for b in s.buffers()]
-        self.params = [p for s in stages for p in s.parameters()]
-        self.devices = [device] if device.type == "cuda" else []
+    On entry each parameter's `.grad` is set aside (`None`), so a profiling backward stores
+    gradients of its own instead of adding into the caller's (gradient accumulation,
+    `zero_grad(set_to_none=False)`); on exit the very same tensors are put back, unchanged.
+    A buffer a profiling run changed in place (BatchNorm's running statistics) gets its value
+    back; the others are not written, so a graph that saved one stays valid.
+    """
 
-    def __enter__(self) -> _Untouched:
+    def __init__(self, modules: Sequence[nn.Module], devices: Sequence[torch.device] = ()):
+        self.params = list({id(p): p for m in modules for p in m.parameters()}.values())
+        self.buffers = list({id(b): b for m in modules for b in m.buffers()}.values())
+        self.devices = sorted({d for d in devices if d.type == "cuda"}, key=str)
+
+    def __enter__(self) -> Untouched:
+        self.saved_grads = [p.grad for p in self.params]
+        self.clear_grads()
         with torch.no_grad():
             self.saved_buffers = [b.clone() for b in self.buffers]
-        self.saved_grads = [p.grad for p in self.params]
         self.rng = torch.random.fork_rng(devices=self.devices)
         self.rng.__enter__()
         return self
@@ -454,14 +462,18 @@ class _Untouched:
 
     def restore_buffers(self) -> None:
         with torch.no_grad():
-            for b, s in zip(self.buffers, self.saved_buffers, strict=True):
-                b.copy_(s)
+            for b, saved in zip(self.buffers, self.saved_buffers, strict=True):
+                # by value: batch_norm updates its running statistics without bumping their version
+                if not torch.equal(b, saved):
+                    b.copy_(saved)
 
     def __exit__(self, *exc: Any) -> None:
-        self.restore_buffers()
-        for p, g in zip(self.params, self.saved_grads, strict=True):
-            p.grad = g
-        self.rng.__exit__(*exc)
+        try:
+            self.restore_buffers()
+            for p, g in zip(self.params, self.saved_grads, strict=True):
+                p.grad = g
+        finally:
+            self.rng.__exit__(*exc)
 
 
 def _measure_recorded(
@@ -469,7 +481,7 @@ def _measure_recorded(
     value: Any,
     exclude: list[nn.Module],
     watch: _AllocatorWatch,
-    untouched: _Untouched,
+    untouched: Untouched,
     accumulate: bool,
     params: list[torch.Tensor],
     free_grads: bool,
@@ -601,7 +613,7 @@ def profile_chain(
     value = sample
     own: list[bool] = []  # per tensor of a_k: a storage of its own, not one of a_{k-1}'s
     output_kept: list[bool] = []  # per tensor of a_k: kept by the graph of F_{k-1}
-    with _Untouched(stages, device) as untouched:
+    with Untouched(stages, [device]) as untouched:
         for k, stage in enumerate(stages):
             grad_in = needs_grad if k == 0 else True
 
