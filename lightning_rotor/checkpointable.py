@@ -189,8 +189,9 @@ class Checkpointable(nn.Module):
     (`"6GiB"`), or a fraction of the no-recomputation peak (`0.5`, `"50%"`).
     `slots`: the planner's memory precision (None: automatic). `loss_tmp`: what the caller's loss
     costs: bytes, or the loss as a function of the output, to be measured (default:
-    a softmax cross-entropy over the last dimension is measured). `repeats`, `warmup`:
-    timing runs per stage when profiling.
+    a softmax cross-entropy over the last dimension is measured). `repeats`: timing rounds
+    when profiling (at most; from 3 on, fewer once profiling has taken 10 plain steps), `warmup`:
+    untimed runs per stage before them (the memory runs warm up already).
 
     After the first training forward: `.chain`, `.plan`, `.profile`, `.summary()`,
     `.profile_seconds`; `.entries` holds one profile and plan per input signature.
@@ -207,8 +208,8 @@ class Checkpointable(nn.Module):
         checkpoint_modules: Iterable[type[nn.Module]] | None = None,
         slots: int | None = None,
         loss_tmp: int | Callable[[Any], torch.Tensor] | None = None,
-        repeats: int = 3,
-        warmup: int = 1,
+        repeats: int = 5,
+        warmup: int = 0,
         fallback_plain: bool = False,
     ):
         from lightning_rotor.discovery import HOWS
@@ -522,6 +523,7 @@ class Checkpointable(nn.Module):
                     "fwd_spread": e.profile.fwd_spread,
                     "bwd_spread": e.profile.bwd_spread,
                     "repeats": e.profile.repeats,
+                    "round_seconds": e.profile.round_seconds,
                     "threads": e.profile.threads,
                 }
                 for key, e in self.entries.items()
@@ -551,6 +553,7 @@ class Checkpointable(nn.Module):
                 list(item.get("fwd_spread", [])),
                 list(item.get("bwd_spread", [])),
                 repeats=int(item.get("repeats", 0)),
+                round_seconds=[float(t) for t in item.get("round_seconds", [])],
                 threads=int(item.get("threads", 0)),
             )
             saved = Plan.from_dict(item["plan"])
@@ -624,10 +627,12 @@ class Checkpointable(nn.Module):
             if base > 0
             else f"budget {format_bytes(chosen.mem_limit)}, predicted peak {format_bytes(chosen.peak)}"
         )
-        lines.append(
-            f"profiling took {entry.profile.seconds:.3f} s ({entry.profile.seconds / max(chosen.time, 1e-12):.0f} "
-            f"predicted steps), timing spread up to {entry.profile.spread:.0%} over {entry.profile.repeats} runs"
-        )
+        prof = entry.profile
+        noise = (f"plain step spread {prof.step_spread:.0%} over {prof.repeats} rounds (one stage's up to "
+                 f"{prof.spread:.0%}; times are medians)" if prof.round_seconds
+                 else f"timing spread up to {prof.spread:.0%} over {prof.repeats} runs")
+        lines.append(f"profiling took {prof.seconds:.3f} s ({prof.seconds / max(chosen.time, 1e-12):.0f} "
+                     f"predicted steps), {noise}")
         return "\n".join(lines)
 
     def _apply(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Checkpointable:

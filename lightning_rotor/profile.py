@@ -31,13 +31,15 @@ docs/memory-model.md defines each field:
   held from the end of the loss to the end of the step (`LOSS_HELD` bytes when the
   loss is given as bytes).
 
-Times are medians of repeated runs after warm-up, on the current thread
-count. Profiling leaves no trace: parameters, `.grad`, buffers and the RNG
-stream are as they were.
+Times are taken in rounds over the whole chain, on the current thread count:
+each stage's fastest run, scaled so that the stages add up to the fastest round
+(`stage_times`). Profiling leaves no trace: parameters, `.grad` (the very
+tensors, unchanged), buffers and the RNG stream are as they were (`Untouched`).
 """
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -320,13 +322,19 @@ class Profile:
     seconds: float  # wall time of profiling
     fwd_spread: list[float] = field(default_factory=list)  # (max - min) / median of each stage's runs
     bwd_spread: list[float] = field(default_factory=list)
-    repeats: int = 0
+    repeats: int = 0  # timing rounds run
     threads: int = 0
+    round_seconds: list[float] = field(default_factory=list)  # per round: the sum of every stage's F and B
 
     @property
     def spread(self) -> float:
         """Worst relative spread of any stage's timing runs (noise of the measurement)."""
         return max(self.fwd_spread + self.bwd_spread, default=0.0)
+
+    @property
+    def step_spread(self) -> float:
+        """Relative spread of the rounds' plain step times (all stages' F and B): the noise a plan sees."""
+        return _spread(self.round_seconds) if self.round_seconds else 0.0
 
 
 def proxy_loss(output: Any) -> torch.Tensor:
@@ -427,9 +435,98 @@ class _AllocatorWatch:
         return peak, torch.cuda.memory_allocated(self.device) - self.base
 
 
-def _median_spread(samples: list[float]) -> tuple[float, float]:
+def _spread(samples: list[float]) -> float:
+    """(max - min) / median: how far apart the timed runs were."""
     med = statistics.median(samples)
-    return med, (max(samples) - min(samples)) / med if med > 0 else 0.0
+    return (max(samples) - min(samples)) / med if med > 0 else 0.0
+
+
+PROFILE_STEPS = 10  # profiling stops adding timing rounds once it has taken this many plain steps
+MIN_ROUNDS = 3  # timing rounds run whatever the time: a stage's fastest of three is rarely a stalled run
+
+
+def _stage_forward(stage: nn.Module, value: Any, grad_in: bool, k: int, name: str,
+                   record: bool) -> tuple[Any, Any]:
+    """(input leaf, output) of stage `k` run on a detached `value`, recording its graph when `record`."""
+    inp = detach_value(value, grad_in and record)
+    before = versions(value)
+    with torch.set_grad_enabled(record), no_cast_cache():
+        out = stage(inp)
+    check_inplace(before, value, k, name)
+    return inp, out
+
+
+def _timed_run(forward: Callable[[bool], tuple[Any, Any]], device: torch.device,
+               untouched: Untouched) -> tuple[float, float, Any]:
+    """(seconds of `Fe`, seconds of its `B` (0 without a graph), the output detached), run as the executor runs them.
+
+    The detached output is the next stage's input in a timing round, so a round costs one plain step.
+    """
+    synchronize(device)
+    t0 = time.perf_counter()
+    inp, out = forward(True)
+    synchronize(device)
+    t1 = time.perf_counter()
+    value = detach_value(out, False)
+    outs, gs = backward_pairs(out, [torch.ones_like(t) for t in tensors_of(out)])
+    edges = output_edges(outs)
+    del out, outs  # as the executor runs B k: the output values go first
+    bwd = 0.0
+    if edges:
+        synchronize(device)
+        t2 = time.perf_counter()
+        with torch.autocast(device.type, enabled=False):
+            backward_from_edges(edges, gs, free_grads=True)
+        synchronize(device)
+        bwd = time.perf_counter() - t2
+    del inp, edges, gs
+    untouched.clear_grads()
+    untouched.restore_buffers()
+    return t1 - t0, bwd, value
+
+
+def _timed_rounds(stages: Sequence[nn.Module], sample: Any, needs_grad: bool, names: Sequence[str],
+                  device: torch.device, untouched: Untouched, repeats: int,
+                  start: float) -> tuple[list[list[float]], list[list[float]]]:
+    """Per stage, the forward and backward seconds of each round (`repeats` at most).
+
+    A round times every stage once, in chain order, each on the previous one's output: a
+    burst of load then slows one run of every stage of a round, not every run of one stage
+    (which would make that stage look dear and change the plan). Rounds stop early, after
+    `MIN_ROUNDS`, once profiling has taken `PROFILE_STEPS` plain steps (the fastest round) in all.
+    """
+    fwd: list[list[float]] = [[] for _ in stages]
+    bwd: list[list[float]] = [[] for _ in stages]
+    totals: list[float] = []
+    for _ in range(repeats):
+        value = sample
+        for k, stage in enumerate(stages):
+            forward = functools.partial(_stage_forward, stage, value, needs_grad if k == 0 else True, k, names[k])
+            f, b, value = _timed_run(forward, device, untouched)
+            fwd[k].append(f)
+            bwd[k].append(b)
+        del value, forward
+        totals.append(sum(f[-1] + b[-1] for f, b in zip(fwd, bwd, strict=True)))
+        if len(totals) >= MIN_ROUNDS and time.perf_counter() - start > (PROFILE_STEPS - 1) * min(totals):
+            break
+    return fwd, bwd
+
+
+def stage_times(fwd: list[list[float]], bwd: list[list[float]]) -> tuple[list[float], list[float]]:
+    """Per stage (forward, backward) seconds from timing rounds: each stage's fastest run, scaled to the fastest round.
+
+    The fastest run of a stage is the one no stall or burst of load slowed: stage against
+    stage, these decide the plan, and a stalled run cannot. Scaled so that they add up to
+    the fastest round: the load the whole chain met throughout profiling is kept in the
+    predicted step time (the planner's choice does not change with a common factor).
+    """
+    f_min, b_min = [min(runs) for runs in fwd], [min(runs) for runs in bwd]
+    fastest = sum(f_min) + sum(b_min)
+    if fastest <= 0:
+        return f_min, b_min
+    rounds = min(sum(f[r] + b[r] for f, b in zip(fwd, bwd, strict=True)) for r in range(len(fwd[0])))
+    scale = rounds / fastest
+    return [t * scale for t in f_min], [t * scale for t in b_min]
 
 
 class Untouched:
@@ -586,8 +683,8 @@ def profile_chain(
     sample: Any,
     *,
     names: Sequence[str] | None = None,
-    repeats: int = 3,
-    warmup: int = 1,
+    repeats: int = 5,
+    warmup: int = 0,
     loss_tmp: int | Callable[[Any], torch.Tensor] | None = None,
     progress: Callable[[int, int, float], None] | None = None,
 ) -> Profile:
@@ -604,10 +701,8 @@ def profile_chain(
     device = inputs[0].device
     exclude = list(stages)
     start = time.perf_counter()
-    names_of_fields = ("out_size", "saved_size", "fwd_time", "bwd_time", "fwd_tmp", "fwd_tmp_nograd", "bwd_tmp",
-                       "out_free", "in_free")
+    names_of_fields = ("out_size", "saved_size", "fwd_tmp", "fwd_tmp_nograd", "bwd_tmp", "out_free", "in_free")
     fields: dict[str, list] = {f: [] for f in names_of_fields}
-    fwd_spread, bwd_spread = [], []
     needs_grad = any(t.requires_grad for t in inputs)
     watch = _AllocatorWatch(device)
     value = sample
@@ -616,14 +711,7 @@ def profile_chain(
     with Untouched(stages, [device]) as untouched:
         for k, stage in enumerate(stages):
             grad_in = needs_grad if k == 0 else True
-
-            def forward(record: bool, stage=stage, k=k, value=value, grad_in=grad_in) -> tuple[Any, Any]:
-                inp = detach_value(value, grad_in and record)
-                before = versions(value)
-                with torch.set_grad_enabled(record), no_cast_cache():
-                    out = stage(inp)
-                check_inplace(before, value, k, names[k])
-                return inp, out
+            forward = functools.partial(_stage_forward, stage, value, grad_in, k, names[k])
 
             # memory without grad recording (Fn / Fc)
             with MemoryProbe(exclude) as probe:
@@ -660,39 +748,11 @@ def profile_chain(
             s_k = storage_bytes(value)
             held_at_b = saved_size + out_size - out_free
             bwd_tmp = max(-s_k, max(r[3] - held_at_b - s_k for r in recorded))
-            # times
-            fwd_samples, bwd_samples = [], []
-            for run in range(warmup + repeats):
-                synchronize(device)
-                t0 = time.perf_counter()
-                inp, out = forward(True)
-                synchronize(device)
-                t1 = time.perf_counter()
-                outs, gs = backward_pairs(out, [torch.ones_like(t) for t in tensors_of(out)])
-                edges = output_edges(outs)
-                del out, outs  # as the executor runs B k: the output values go first (profiling stays within B k)
-                if edges:
-                    synchronize(device)
-                    t2 = time.perf_counter()
-                    with torch.autocast(device.type, enabled=False):
-                        backward_from_edges(edges, gs, free_grads=True)
-                    synchronize(device)
-                    t3 = time.perf_counter()
-                else:
-                    t2 = t3 = 0.0
-                untouched.clear_grads()
-                untouched.restore_buffers()
-                if run >= warmup:
-                    fwd_samples.append(t1 - t0)
-                    bwd_samples.append(t3 - t2)
-                del inp, edges, gs
-            fwd_time, fs = _median_spread(fwd_samples)
-            bwd_time, bs = _median_spread(bwd_samples)
-            fwd_spread.append(fs)
-            bwd_spread.append(bs)
+            for _ in range(warmup):  # untimed (the memory runs above warm up too)
+                _timed_run(forward, device, untouched)
             for name, v in zip(
                 names_of_fields,
-                (out_size, saved_size, fwd_time, bwd_time, fwd_tmp, tmp_nograd, bwd_tmp, out_free, in_free),
+                (out_size, saved_size, fwd_tmp, tmp_nograd, bwd_tmp, out_free, in_free),
                 strict=True,
             ):
                 fields[name].append(v)
@@ -703,8 +763,11 @@ def profile_chain(
             own = [t.layout == torch.strided and storage_key(t) not in keys for t in tensors_of(value)]
             del keys
             untouched.restore_buffers()
+            del forward  # holds a_k
             if progress is not None:
                 progress(k + 1, len(stages), time.perf_counter() - start)
+        fwd, bwd = _timed_rounds(stages, sample, needs_grad, names, device, untouched, repeats, start)
+    fields["fwd_time"], fields["bwd_time"] = stage_times(fwd, bwd)
     if loss_tmp is None or callable(loss_tmp):
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             loss_bytes, loss_kept, held = measure_loss_tmp(value, loss_tmp or proxy_loss)
@@ -716,4 +779,7 @@ def profile_chain(
                   names=names, **fields)
     seconds = time.perf_counter() - start
     threads = torch.get_num_threads()
-    return Profile(chain, seconds, fwd_spread, bwd_spread, repeats=repeats, threads=threads)
+    return Profile(chain, seconds, [_spread(runs) for runs in fwd], [_spread(runs) for runs in bwd],
+                   repeats=len(fwd[0]) if fwd else 0, threads=threads,
+                   round_seconds=[sum(f[r] + b[r] for f, b in zip(fwd, bwd, strict=True))
+                                  for r in range(len(fwd[0]) if fwd else 0)])

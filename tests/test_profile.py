@@ -1,10 +1,12 @@
 """The profiler measures the memory model's quantities exactly and leaves no trace."""
 
+import time
+
 import pytest
 import torch
 from torch import nn
 
-from lightning_rotor.profile import profile_chain
+from lightning_rotor.profile import MIN_ROUNDS, profile_chain
 from lightning_rotor.stages import sequential_stages
 
 torch.set_num_threads(1)
@@ -75,7 +77,10 @@ def test_sizes_are_deterministic_and_times_are_reported_with_their_spread():
         assert getattr(first.chain, field) == getattr(second.chain, field)
     assert all(t > 0 for t in first.chain.fwd_time + first.chain.bwd_time)
     assert len(first.fwd_spread) == first.chain.length and first.spread >= 0
-    assert first.seconds > 0 and first.repeats == 4 and first.threads == torch.get_num_threads()
+    assert first.seconds > 0 and first.threads == torch.get_num_threads()
+    # timing rounds: at least MIN_ROUNDS, at most `repeats`, each the sum of every stage's forward and backward
+    assert MIN_ROUNDS <= first.repeats <= 4 and len(first.round_seconds) == first.repeats
+    assert min(first.round_seconds) == pytest.approx(sum(first.chain.fwd_time) + sum(first.chain.bwd_time))
 
 
 def test_bf16_autocast_profile_is_smaller_than_float32():
@@ -128,3 +133,32 @@ def test_in_free_counts_a_stage_input_neither_graph_keeps_all_or_nothing(second,
     # parameter says; a_3: Linear 3 keeps its input; a_4: Flatten's output is a view of it, held with ā_5;
     # a_5: a view of a_4, no storage of its own
     assert chain.in_free == [0, 4 * 8 * 4, released, 0, 0, 0]
+
+
+class Burst(nn.Module):
+    """A Linear whose forward sleeps on two calls in a row, picked by a call counter: a burst of load."""
+
+    def __init__(self, at: int, seconds: float):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.at, self.seconds, self.calls = at, seconds, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls in (self.at, self.at + 1):
+            time.sleep(self.seconds)
+        return self.linear(x)
+
+
+@pytest.mark.parametrize("at", [5, 6, 7])
+def test_a_burst_of_load_on_one_stage_does_not_decide_its_time(at):
+    # calls 1-4 measure memory; from there on the stage is timed: two stalled runs of it must not count,
+    # whether they come one after the other or, as a timing round does, a round apart
+    stall = 0.25
+    burst = Burst(at, stall)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), burst, nn.Tanh(), nn.Linear(8, 2))
+    stages = sequential_stages(model)
+    profile = profile_chain(stages, torch.randn(4, 8), names=list(stages.names))
+    assert burst.calls >= at + 1  # the burst happened during profiling
+    assert profile.chain.fwd_time[2] < stall / 5, profile.chain.fwd_time
+    assert sum(profile.chain.fwd_time) + sum(profile.chain.bwd_time) < stall / 5
