@@ -39,10 +39,11 @@ tensors, unchanged), buffers and the RNG stream are as they were (`Untouched`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -359,6 +360,32 @@ def proxy_loss(output: Any) -> torch.Tensor:
     return total
 
 
+@contextlib.contextmanager
+def grads_aside(root: torch.Tensor) -> Iterator[None]:
+    """Set aside `.grad` of every leaf a backward from `root` reaches; put the very tensors back after.
+
+    For a measuring backward through code that is not a stage (a caller's loss), whose
+    parameters `Untouched` does not know.
+    """
+    leaves, seen, todo = [], set(), [root.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if hasattr(node, "variable"):  # AccumulateGrad
+            leaves.append(node.variable)
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    saved = [t.grad for t in leaves]
+    for t in leaves:
+        t.grad = None
+    try:
+        yield
+    finally:
+        for t, g in zip(leaves, saved, strict=True):
+            t.grad = g
+
+
 def _loss_peak(output: Any, loss_fn: Callable[[Any], torch.Tensor], keep: bool) -> tuple[int, int]:
     """(peak bytes, loss value bytes) of `loss_fn` on a fresh copy of `a_L`, `a_L` and `δ_L` included.
 
@@ -381,7 +408,8 @@ def _loss_peak(output: Any, loss_fn: Callable[[Any], torch.Tensor], keep: bool) 
         del handed
         loss = loss_fn(holder.pop())
         value_bytes = 2 * storage_bytes(loss)  # the value and the gradient backward seeds it with, both held to the end
-        loss.backward()
+        with grads_aside(loss):  # a loss with parameters of its own: their .grad is the caller's
+            loss.backward()
         probe.track(box.get("grads"))
         del loss, kept, box
     return probe.peak, value_bytes

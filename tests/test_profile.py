@@ -162,3 +162,15 @@ def test_a_burst_of_load_on_one_stage_does_not_decide_its_time(at):
     assert burst.calls >= at + 1  # the burst happened during profiling
     assert profile.chain.fwd_time[2] < stall / 5, profile.chain.fwd_time
     assert sum(profile.chain.fwd_time) + sum(profile.chain.bwd_time) < stall / 5
+
+
+def test_a_measured_loss_with_parameters_of_its_own_leaves_their_grad_alone():
+    head = nn.Linear(8, 3)
+    held = [torch.full_like(p, 5.0) for p in head.parameters()]
+    for p, g in zip(head.parameters(), held, strict=True):
+        p.grad = g
+    stages = sequential_stages(nn.Sequential(nn.Linear(8, 8), nn.Tanh()))
+    profile_chain(stages, torch.randn(4, 8), names=list(stages.names),
+                  loss_tmp=lambda out: nn.functional.cross_entropy(head(out), torch.zeros(4, dtype=torch.long)))
+    for p, g in zip(head.parameters(), held, strict=True):
+        assert p.grad is g and torch.equal(g, torch.full_like(g, 5.0))
