@@ -9,7 +9,9 @@ backward) and reports the plan, its predicted step time and the measured median.
 `--load N` runs N busy-loop processes beside every run (started by this script, stopped
 when it ends, and bounded in time in any case), as a loaded machine.
 
-    python benchmarks/plan_stability.py --runs 5 --load 0 --load 1
+    python benchmarks/plan_stability.py --runs 5 --load 0 --load 1 --threads 1 --baseline /work/main
+
+`--baseline DIR` runs another checkout's lightning_rotor alternately with this one.
 
 docs/benchmarks.md ("Plan stability") records the figures.
 """
@@ -74,9 +76,11 @@ def worker(steps: int, threads: int) -> dict:
     }
 
 
-def run_one(steps: int, threads: int) -> dict:
+def run_one(steps: int, threads: int, tree: str | None = None) -> dict:
+    """One run in a fresh process; `tree`: import lightning_rotor from that checkout instead."""
+    env = dict(os.environ, PYTHONPATH=tree) if tree else None
     out = subprocess.run([sys.executable, __file__, "--worker", "--steps", str(steps), "--threads", str(threads)],
-                         check=True, capture_output=True, text=True)
+                         check=True, capture_output=True, text=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -86,11 +90,11 @@ def _spread(samples: list[float]) -> str:
     return f"{(max(samples) - min(samples)) / statistics.median(samples):.0%} ({len(samples)})"
 
 
-def report(load: int, results: list[dict]) -> str:
+def report(load: int, results: list[dict], label: str = "") -> str:
     plans = Counter(r["plan"] for r in results)
     modal, same = plans.most_common(1)[0]
     recomputed = next(r["recomputed"] for r in results if r["plan"] == modal)
-    lines = [f"### background load: {load} busy process(es), {len(results)} runs, "
+    lines = [f"### {label}background load: {load} busy process(es), {len(results)} runs, "
              f"{results[0]['threads']} intra-op thread(s)", "",
              f"- same plan: {same} of {len(results)} ({len(plans)} distinct); most common recomputes "
              f"{len(recomputed)} stage(s): {', '.join(recomputed) or 'none'}", "",
@@ -109,14 +113,18 @@ def report(load: int, results: list[dict]) -> str:
     from lightning_rotor.planner import Plan
     from lightning_rotor.simulate import simulate
 
-    chains = [Chain.from_dict(r["chain"]) for r in results]
-    ops = [Plan.from_dict(r["plan_dict"]).ops for r in results]
-    gap = max(simulate(c, o).time / simulate(c, own).time - 1 for c, own in zip(chains, ops, strict=True) for o in ops)
+    try:
+        chains = [Chain.from_dict(r["chain"]) for r in results]
+        ops = [Plan.from_dict(r["plan_dict"]).ops for r in results]
+        pairs = [(c, own, o) for c, own in zip(chains, ops, strict=True) for o in ops]
+        gap = f"{max(simulate(c, o).time / simulate(c, own).time - 1 for c, own, o in pairs):.1%}"
+    except ValueError:  # a baseline's chains in a format this tree does not read
+        gap = "n/a"
     predicted = [r["predicted_ms"] for r in results]
     lines += ["", f"- predicted/measured: median {statistics.median(ratios):.2f}, range {min(ratios):.2f}-"
               f"{max(ratios):.2f}; predicted step median {statistics.median(predicted):.1f} ms, range "
               f"{min(predicted):.1f}-{max(predicted):.1f} ms",
-              f"- distinct plans priced on the same profile differ by at most {gap:.1%} (near-ties when small)",
+              f"- distinct plans priced on the same profile differ by at most {gap} (near-ties when small)",
               f"- load average while running: {os.getloadavg()[0]:.1f}", ""]
     return "\n".join(lines)
 
@@ -128,6 +136,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12, help="timed steps per run after the first")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     parser.add_argument("--max-seconds", type=float, default=1800, help="the busy loops stop by then in any case")
+    parser.add_argument("--baseline", help="another checkout (e.g. main), run alternately with this one")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -136,13 +145,20 @@ def main() -> None:
     print(f"plan stability, quickstart model; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}\n")
     for load in args.load or [0, 1]:
         busy = [subprocess.Popen([sys.executable, "-c", BUSY, str(args.max_seconds)]) for _ in range(load)]
+        results: list[dict] = []
+        baseline: list[dict] = []
         try:
-            results = [run_one(args.steps, args.threads) for _ in range(args.runs)]
+            for _ in range(args.runs):  # alternately, so that the load other jobs add hits both alike
+                results.append(run_one(args.steps, args.threads))
+                if args.baseline:
+                    baseline.append(run_one(args.steps, args.threads, args.baseline))
         finally:
             for p in busy:
                 p.terminate()
                 p.wait()
-        print(report(load, results), flush=True)
+        print(report(load, results, "this tree, " if args.baseline else ""), flush=True)
+        if args.baseline:
+            print(report(load, baseline, f"baseline {args.baseline}, "), flush=True)
 
 
 if __name__ == "__main__":
