@@ -32,7 +32,7 @@ docs/memory-model.md defines each field:
   loss is given as bytes).
 
 Times are taken in rounds over the whole chain, on the current thread count:
-each stage's fastest run, scaled so that the stages add up to the fastest round
+each stage's fastest run, scaled so that the stages add up to the median round
 (`stage_times`). Profiling leaves no trace: parameters, `.grad` (the very
 tensors, unchanged), buffers and the RNG stream are as they were (`Untouched`).
 """
@@ -521,7 +521,7 @@ def _timed_rounds(stages: Sequence[nn.Module], sample: Any, needs_grad: bool, na
     A round times every stage once, in chain order, each on the previous one's output: a
     burst of load then slows one run of every stage of a round, not every run of one stage
     (which would make that stage look dear and change the plan). Rounds stop early, after
-    `MIN_ROUNDS`, once profiling has taken `PROFILE_STEPS` plain steps (the fastest round) in all.
+    `MIN_ROUNDS`, once profiling has taken `PROFILE_STEPS` plain steps (the median round) in all.
     """
     fwd: list[list[float]] = [[] for _ in stages]
     bwd: list[list[float]] = [[] for _ in stages]
@@ -535,26 +535,31 @@ def _timed_rounds(stages: Sequence[nn.Module], sample: Any, needs_grad: bool, na
             bwd[k].append(b)
         del value, forward
         totals.append(sum(f[-1] + b[-1] for f, b in zip(fwd, bwd, strict=True)))
-        if len(totals) >= MIN_ROUNDS and time.perf_counter() - start > (PROFILE_STEPS - 1) * min(totals):
+        if len(totals) >= MIN_ROUNDS and time.perf_counter() - start > (PROFILE_STEPS - 1) * statistics.median(totals):
             break
     return fwd, bwd
 
 
 def stage_times(fwd: list[list[float]], bwd: list[list[float]]) -> tuple[list[float], list[float]]:
-    """Per stage (forward, backward) seconds from timing rounds: each stage's fastest run, scaled to the fastest round.
+    """Per stage (forward, backward) seconds from timing rounds: each stage's fastest run, scaled to the median round.
 
     The fastest run of a stage is the one no stall or burst of load slowed: stage against
-    stage, these decide the plan, and a stalled run cannot. Scaled so that they add up to
-    the fastest round: the load the whole chain met throughout profiling is kept in the
-    predicted step time (the planner's choice does not change with a common factor).
+    stage, these decide the plan, and no stalled run can. One common factor (which does not
+    change the planner's choice) makes them add up to the median round, so the predicted
+    step keeps the load the whole chain met while profiling, and one stalled round of three
+    does not decide it.
     """
     f_min, b_min = [min(runs) for runs in fwd], [min(runs) for runs in bwd]
     fastest = sum(f_min) + sum(b_min)
     if fastest <= 0:
         return f_min, b_min
-    rounds = min(sum(f[r] + b[r] for f, b in zip(fwd, bwd, strict=True)) for r in range(len(fwd[0])))
-    scale = rounds / fastest
+    scale = statistics.median(round_totals(fwd, bwd)) / fastest
     return [t * scale for t in f_min], [t * scale for t in b_min]
+
+
+def round_totals(fwd: list[list[float]], bwd: list[list[float]]) -> list[float]:
+    """Per timing round, the seconds of every stage's forward and backward: a plain step."""
+    return [sum(f[r] + b[r] for f, b in zip(fwd, bwd, strict=True)) for r in range(len(fwd[0]) if fwd else 0)]
 
 
 class Untouched:
@@ -809,5 +814,4 @@ def profile_chain(
     threads = torch.get_num_threads()
     return Profile(chain, seconds, [_spread(runs) for runs in fwd], [_spread(runs) for runs in bwd],
                    repeats=len(fwd[0]) if fwd else 0, threads=threads,
-                   round_seconds=[sum(f[r] + b[r] for f, b in zip(fwd, bwd, strict=True))
-                                  for r in range(len(fwd[0]) if fwd else 0)])
+                   round_seconds=round_totals(fwd, bwd))

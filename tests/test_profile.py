@@ -1,5 +1,6 @@
 """The profiler measures the memory model's quantities exactly and leaves no trace."""
 
+import statistics
 import time
 
 import pytest
@@ -80,7 +81,8 @@ def test_sizes_are_deterministic_and_times_are_reported_with_their_spread():
     assert first.seconds > 0 and first.threads == torch.get_num_threads()
     # timing rounds: at least MIN_ROUNDS, at most `repeats`, each the sum of every stage's forward and backward
     assert MIN_ROUNDS <= first.repeats <= 4 and len(first.round_seconds) == first.repeats
-    assert min(first.round_seconds) == pytest.approx(sum(first.chain.fwd_time) + sum(first.chain.bwd_time))
+    predicted = sum(first.chain.fwd_time) + sum(first.chain.bwd_time)
+    assert statistics.median(first.round_seconds) == pytest.approx(predicted)
 
 
 def test_bf16_autocast_profile_is_smaller_than_float32():
@@ -136,32 +138,35 @@ def test_in_free_counts_a_stage_input_neither_graph_keeps_all_or_nothing(second,
 
 
 class Burst(nn.Module):
-    """A Linear whose forward sleeps on two calls in a row, picked by a call counter: a burst of load."""
+    """A Linear whose forward sleeps on `calls` calls in a row from call `at`, picked by a call counter."""
 
-    def __init__(self, at: int, seconds: float):
+    def __init__(self, at: int, calls: int, seconds: float):
         super().__init__()
         self.linear = nn.Linear(8, 8)
-        self.at, self.seconds, self.calls = at, seconds, 0
+        self.stalled, self.seconds, self.calls = range(at, at + calls), seconds, 0
 
     def forward(self, x):
         self.calls += 1
-        if self.calls in (self.at, self.at + 1):
+        if self.calls in self.stalled:
             time.sleep(self.seconds)
         return self.linear(x)
 
 
+@pytest.mark.parametrize("calls", [1, 2])
 @pytest.mark.parametrize("at", [5, 6, 7])
-def test_a_burst_of_load_on_one_stage_does_not_decide_its_time(at):
-    # calls 1-4 measure memory; from there on the stage is timed: two stalled runs of it must not count,
-    # whether they come one after the other or, as a timing round does, a round apart
+def test_stalled_runs_of_one_stage_do_not_decide_the_plan(at, calls):
+    # calls 1-4 measure memory; from there on the stage is timed. Stalled runs of it, one or a burst of
+    # two one after the other, must not make it look dearer than its twin stage 0 (the plan would change);
+    # a single one must not decide the predicted step either
     stall = 0.25
-    burst = Burst(at, stall)
+    burst = Burst(at, calls, stall)
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), burst, nn.Tanh(), nn.Linear(8, 2))
     stages = sequential_stages(model)
-    profile = profile_chain(stages, torch.randn(4, 8), names=list(stages.names))
-    assert burst.calls >= at + 1  # the burst happened during profiling
-    assert profile.chain.fwd_time[2] < stall / 5, profile.chain.fwd_time
-    assert sum(profile.chain.fwd_time) + sum(profile.chain.bwd_time) < stall / 5
+    chain = profile_chain(stages, torch.randn(4, 8), names=list(stages.names)).chain
+    assert burst.calls >= at + calls - 1  # the stall happened during profiling
+    assert chain.fwd_time[2] < 50 * chain.fwd_time[0], chain.fwd_time  # twins: the stall would make it ~10^4
+    if calls == 1:
+        assert sum(chain.fwd_time) + sum(chain.bwd_time) < stall / 5
 
 
 def test_a_measured_loss_with_parameters_of_its_own_leaves_their_grad_alone():
