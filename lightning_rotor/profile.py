@@ -485,20 +485,16 @@ def _stage_forward(stage: nn.Module, value: Any, grad_in: bool, k: int, name: st
 
 
 def _timed_run(forward: Callable[[bool], tuple[Any, Any]], device: torch.device,
-               untouched: Untouched) -> tuple[float, float, Any]:
-    """(seconds of `Fe`, seconds of its `B` (0 without a graph), the output detached), run as the executor runs them.
-
-    The detached output is the next stage's input in a timing round, so a round costs one plain step.
-    """
+               untouched: Untouched) -> tuple[float, float]:
+    """Seconds of one `Fe` and of its `B` (0 without a graph), run as the executor runs them."""
     synchronize(device)
     t0 = time.perf_counter()
     inp, out = forward(True)
     synchronize(device)
     t1 = time.perf_counter()
-    value = detach_value(out, False)
     outs, gs = backward_pairs(out, [torch.ones_like(t) for t in tensors_of(out)])
     edges = output_edges(outs)
-    del out, outs  # as the executor runs B k: the output values go first
+    del out, outs  # as the executor runs B k: the output values go first (profiling stays within B k)
     bwd = 0.0
     if edges:
         synchronize(device)
@@ -510,7 +506,7 @@ def _timed_run(forward: Callable[[bool], tuple[Any, Any]], device: torch.device,
     del inp, edges, gs
     untouched.clear_grads()
     untouched.restore_buffers()
-    return t1 - t0, bwd, value
+    return t1 - t0, bwd
 
 
 def _timed_rounds(stages: Sequence[nn.Module], sample: Any, needs_grad: bool, names: Sequence[str],
@@ -518,9 +514,9 @@ def _timed_rounds(stages: Sequence[nn.Module], sample: Any, needs_grad: bool, na
                   start: float) -> tuple[list[list[float]], list[list[float]]]:
     """Per stage, the forward and backward seconds of each round (`repeats` at most).
 
-    A round times every stage once, in chain order, each on the previous one's output: a
-    burst of load then slows one run of every stage of a round, not every run of one stage
-    (which would make that stage look dear and change the plan). Rounds stop early, after
+    A round times every stage's `Fe` and `B` once, in chain order, each on its input made
+    anew without grad: a burst of load then slows one run of every stage of a round, not
+    every run of one stage (which would make that stage look dear and change the plan). Rounds stop early, after
     `MIN_ROUNDS`, once profiling has taken `PROFILE_STEPS` plain steps (the median round) in all.
     """
     fwd: list[list[float]] = [[] for _ in stages]
@@ -530,9 +526,13 @@ def _timed_rounds(stages: Sequence[nn.Module], sample: Any, needs_grad: bool, na
         value = sample
         for k, stage in enumerate(stages):
             forward = functools.partial(_stage_forward, stage, value, needs_grad if k == 0 else True, k, names[k])
-            f, b, value = _timed_run(forward, device, untouched)
+            f, b = _timed_run(forward, device, untouched)
             fwd[k].append(f)
             bwd[k].append(b)
+            if k + 1 < len(stages):  # the next input, made after B k: profiling never holds more than B k does
+                with torch.no_grad(), no_cast_cache():
+                    value = stage(value)
+                untouched.restore_buffers()
         del value, forward
         totals.append(sum(f[-1] + b[-1] for f, b in zip(fwd, bwd, strict=True)))
         if len(totals) >= MIN_ROUNDS and time.perf_counter() - start > (PROFILE_STEPS - 1) * statistics.median(totals):
@@ -750,7 +750,7 @@ def profile_chain(
             with MemoryProbe(exclude) as probe:
                 probe.track(value)  # a_k is held before the stage runs; only what comes after counts
                 watch.start()
-                _, out = forward(False)
+                out = forward(False)[1]
                 peak, end = watch.stop()
                 probe.mark("after")
             out_size = storage_bytes(out)
@@ -799,14 +799,16 @@ def profile_chain(
             del forward  # holds a_k
             if progress is not None:
                 progress(k + 1, len(stages), time.perf_counter() - start)
+        del probe  # it tracked a_{L-1}, which the rounds need not hold
+        if loss_tmp is None or callable(loss_tmp):
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                loss_bytes, loss_kept, held = measure_loss_tmp(value, loss_tmp or proxy_loss)
+        else:
+            loss_bytes = loss_kept = int(loss_tmp)
+            held = LOSS_HELD
+        del value  # a_L: the timing rounds hold no more than B k does
         fwd, bwd = _timed_rounds(stages, sample, needs_grad, names, device, untouched, repeats, start)
     fields["fwd_time"], fields["bwd_time"] = stage_times(fwd, bwd)
-    if loss_tmp is None or callable(loss_tmp):
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            loss_bytes, loss_kept, held = measure_loss_tmp(value, loss_tmp or proxy_loss)
-    else:
-        loss_bytes = loss_kept = int(loss_tmp)
-        held = LOSS_HELD
     # the loss value lives from the end of the loss to the end of the step (chain version 3: loss_value)
     chain = Chain(input_size=storage_bytes(sample), loss_tmp=loss_bytes, loss_tmp_kept=loss_kept, loss_value=held,
                   names=names, **fields)
