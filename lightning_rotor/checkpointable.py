@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_rotor.budget import format_bytes, parse_budget, resolve_budget
 from lightning_rotor.calls import (
@@ -201,8 +201,9 @@ class Checkpointable(nn.Module):
     (`"6GiB"`), or a fraction of the no-recomputation peak (`0.5`, `"50%"`).
     `slots`: the planner's memory precision (None: automatic). `loss_tmp`: what the caller's loss
     costs: bytes, or the loss as a function of the output, to be measured (default:
-    a softmax cross-entropy over the last dimension is measured). `repeats`, `warmup`:
-    timing runs per stage when profiling.
+    a softmax cross-entropy over the last dimension is measured). `repeats`: timing rounds
+    when profiling (at most; from 3 on, fewer once profiling has taken 10 plain steps), `warmup`:
+    untimed runs per stage before them (the memory runs warm up already).
 
     After the first training forward: `.chain`, `.plan`, `.profile`, `.summary()`,
     `.profile_seconds`; `.entries` holds one profile and plan per input signature.
@@ -219,8 +220,8 @@ class Checkpointable(nn.Module):
         checkpoint_modules: Iterable[type[nn.Module]] | None = None,
         slots: int | None = None,
         loss_tmp: int | Callable[[Any], torch.Tensor] | None = None,
-        repeats: int = 3,
-        warmup: int = 1,
+        repeats: int = 5,
+        warmup: int = 0,
         fallback_plain: bool = False,
     ):
         from lightning_rotor.discovery import HOWS
@@ -371,9 +372,10 @@ class Checkpointable(nn.Module):
 
         One forward with the blocks run without grad and the rest recorded, a cross-entropy
         stand-in for the caller's loss (`profile.proxy_loss`) and its backward down to the run's
-        output; parameters' `.grad`, buffers and the RNG stream are put back.
+        output and the call's inputs, taken as leaves of their own; parameters' `.grad` are set
+        aside meanwhile and put back untouched, buffers and the RNG stream too (`profile.Untouched`).
         """
-        from lightning_rotor.profile import proxy_loss
+        from lightning_rotor.profile import Untouched, proxy_loss
 
         run = self.discovery.run
         probe = MemoryProbe(self.module)
@@ -387,14 +389,12 @@ class Checkpointable(nn.Module):
             seen["after"] = probe.current
             return out
 
-        params = list(self.module.parameters())
-        grads = [p.grad for p in params]
-        buffers = {n: b.detach().clone() for n, b in self.module.named_buffers()}
+        # the caller's tensors as leaves of their own: the backward stops at them, not in the caller's graph
+        args, kwargs = tree_map(_own_leaf, (args, kwargs))
         devices = [t.device for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        cuda = sorted({d for d in devices if d.type == "cuda"}, key=str)
         run.install(blocks_without_grad)
         try:
-            with torch.random.fork_rng(devices=cuda), probe:
+            with Untouched([self.module], devices), probe:
                 output = self.module(*args, **kwargs)
                 loss = proxy_loss(output)
                 if loss.requires_grad:
@@ -402,12 +402,6 @@ class Checkpointable(nn.Module):
                 del output, loss
         finally:
             run.uninstall()
-            for p, g in zip(params, grads, strict=True):
-                p.grad = g
-            with torch.no_grad():
-                for n, b in self.module.named_buffers():
-                    if n in buffers:
-                        b.copy_(buffers[n])
         return max(0, seen.get("before", 0)), max(0, probe.peak - seen.get("after", probe.peak))
 
     def discover_on(self, *args: Any, **kwargs: Any) -> Discovery:
@@ -732,6 +726,7 @@ class Checkpointable(nn.Module):
                     "fwd_spread": e.profile.fwd_spread,
                     "bwd_spread": e.profile.bwd_spread,
                     "repeats": e.profile.repeats,
+                    "round_seconds": e.profile.round_seconds,
                     "threads": e.profile.threads,
                 }
                 for key, e in self.entries.items()
@@ -761,6 +756,7 @@ class Checkpointable(nn.Module):
                 list(item.get("fwd_spread", [])),
                 list(item.get("bwd_spread", [])),
                 repeats=int(item.get("repeats", 0)),
+                round_seconds=[float(t) for t in item.get("round_seconds", [])],
                 threads=int(item.get("threads", 0)),
             )
             saved = Plan.from_dict(item["plan"])
@@ -837,10 +833,12 @@ class Checkpointable(nn.Module):
             if base > 0
             else f"budget {format_bytes(chosen.mem_limit)}, predicted peak {format_bytes(chosen.peak)}"
         )
-        lines.append(
-            f"profiling took {entry.profile.seconds:.3f} s ({entry.profile.seconds / max(chosen.time, 1e-12):.0f} "
-            f"predicted steps), timing spread up to {entry.profile.spread:.0%} over {entry.profile.repeats} runs"
-        )
+        prof = entry.profile
+        noise = (f"plain step spread {prof.step_spread:.0%} over {prof.repeats} rounds (one stage's up to "
+                 f"{prof.spread:.0%}; times are medians)" if prof.round_seconds
+                 else f"timing spread up to {prof.spread:.0%} over {prof.repeats} runs")
+        lines.append(f"profiling took {prof.seconds:.3f} s ({prof.seconds / max(chosen.time, 1e-12):.0f} "
+                     f"predicted steps), {noise}")
         return "\n".join(lines)
 
     def _apply(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Checkpointable:
@@ -879,6 +877,13 @@ def _bind_call(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> dict[s
     bound = inspect.signature(module.forward).bind(*args, **kwargs)
     bound.apply_defaults()
     return dict(bound.arguments)
+
+
+def _own_leaf(value: Any) -> Any:
+    """A tensor cut from the caller's graph, requiring grad as it did (anything else as it is)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    return value.detach().requires_grad_(value.requires_grad)
 
 
 def _run_stages(stages: Stages, value: Any) -> Any:

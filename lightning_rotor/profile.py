@@ -34,16 +34,19 @@ docs/memory-model.md defines each field:
   held from the end of the loss to the end of the step (`LOSS_HELD` bytes when the
   loss is given as bytes).
 
-Times are medians of repeated runs after warm-up, on the current thread
-count. Profiling leaves no trace: parameters, `.grad`, buffers and the RNG
-stream are as they were.
+Times are taken in rounds over the whole chain, on the current thread count:
+each stage's fastest run, scaled so that the stages add up to the median round
+(`stage_times`). Profiling leaves no trace: parameters, `.grad` (the very
+tensors, unchanged), buffers and the RNG stream are as they were (`Untouched`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -372,13 +375,19 @@ class Profile:
     seconds: float  # wall time of profiling
     fwd_spread: list[float] = field(default_factory=list)  # (max - min) / median of each stage's runs
     bwd_spread: list[float] = field(default_factory=list)
-    repeats: int = 0
+    repeats: int = 0  # timing rounds run
     threads: int = 0
+    round_seconds: list[float] = field(default_factory=list)  # per round: the sum of every stage's F and B
 
     @property
     def spread(self) -> float:
         """Worst relative spread of any stage's timing runs (noise of the measurement)."""
         return max(self.fwd_spread + self.bwd_spread, default=0.0)
+
+    @property
+    def step_spread(self) -> float:
+        """Relative spread of the rounds' plain step times (all stages' F and B): the noise a plan sees."""
+        return _spread(self.round_seconds) if self.round_seconds else 0.0
 
 
 def proxy_loss(output: Any) -> torch.Tensor:
@@ -403,6 +412,32 @@ def proxy_loss(output: Any) -> torch.Tensor:
     return total
 
 
+@contextlib.contextmanager
+def grads_aside(root: torch.Tensor) -> Iterator[None]:
+    """Set aside `.grad` of every leaf a backward from `root` reaches; put the very tensors back after.
+
+    For a measuring backward through code that is not a stage (a caller's loss), whose
+    parameters `Untouched` does not know.
+    """
+    leaves, seen, todo = [], set(), [root.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if hasattr(node, "variable"):  # AccumulateGrad
+            leaves.append(node.variable)
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    saved = [t.grad for t in leaves]
+    for t in leaves:
+        t.grad = None
+    try:
+        yield
+    finally:
+        for t, g in zip(leaves, saved, strict=True):
+            t.grad = g
+
+
 def _loss_peak(output: Any, loss_fn: Callable[[Any], torch.Tensor], keep: bool) -> tuple[int, int]:
     """(peak bytes, loss value bytes) of `loss_fn` on a fresh copy of `a_L`, `a_L` and `δ_L` included.
 
@@ -425,7 +460,8 @@ def _loss_peak(output: Any, loss_fn: Callable[[Any], torch.Tensor], keep: bool) 
         del handed
         loss = loss_fn(holder.pop())
         value_bytes = 2 * storage_bytes(loss)  # the value and the gradient backward seeds it with, both held to the end
-        loss.backward()
+        with grads_aside(loss):  # a loss with parameters of its own: their .grad is the caller's
+            loss.backward()
         probe.track(box.get("grads"))
         del loss, kept, box
     return probe.peak, value_bytes
@@ -479,23 +515,149 @@ class _AllocatorWatch:
         return peak, torch.cuda.memory_allocated(self.device) - self.base
 
 
-def _median_spread(samples: list[float]) -> tuple[float, float]:
+def _spread(samples: list[float]) -> float:
+    """(max - min) / median: how far apart the timed runs were."""
     med = statistics.median(samples)
-    return med, (max(samples) - min(samples)) / med if med > 0 else 0.0
+    return (max(samples) - min(samples)) / med if med > 0 else 0.0
 
 
-class _Untouched:
-    """Keep profiling invisible: buffers restored, `.grad` put back, RNG forked."""
+PROFILE_STEPS = 10  # profiling stops adding timing rounds once it has taken this many plain steps
+MIN_ROUNDS = 3  # timing rounds run whatever the time: a stage's fastest of three is rarely a stalled run
 
-    def __init__(self, stages: Sequence[nn.Module], device: torch.device):
-        self.buffers = [b for s in stages for b in s.buffers()]
-        self.params = [p for s in stages for p in s.parameters()]
-        self.devices = [device] if device.type == "cuda" else []
 
-    def __enter__(self) -> _Untouched:
+def _stage_forward(stage: nn.Module, value: Any, grad_in: bool, k: int, name: str, edge: torch.Tensor,
+                   record: bool) -> tuple[Any, Any]:
+    """(input, output) of stage `k` run on `value`, recording its graph when `record`.
+
+    A recorded input that wants a gradient enters as the executor enters it, through `EnterStage`
+    on `edge` (NOTE: [stage inputs enter through EnterStage]); any other is a detached alias.
+    """
+    if grad_in and record:
+        wanted = [differentiable(t) and (k > 0 or t.requires_grad) for t in tensors_of(value)]
+        with torch.enable_grad():
+            inp = enter_stage(value, [], edge, wanted, compact=k > 0)
+    else:
+        inp = detach_value(value, False)
+    before = versions(value)
+    with torch.set_grad_enabled(record), no_cast_cache():
+        out = stage(inp)
+    check_inplace(before, value, k, name)
+    return inp, out
+
+
+def _timed_run(forward: Callable[[bool], tuple[Any, Any]], device: torch.device,
+               untouched: Untouched) -> tuple[float, float]:
+    """Seconds of one `Fe` and of its `B` (0 without a graph), run as the executor runs them."""
+    synchronize(device)
+    t0 = time.perf_counter()
+    inp, out = forward(True)
+    synchronize(device)
+    t1 = time.perf_counter()
+    outs, gs = backward_pairs(out, [torch.ones_like(t) for t in tensors_of(out)])
+    edges = output_edges(outs)
+    del out, outs  # as the executor runs B k: the output values go first (profiling stays within B k)
+    bwd = 0.0
+    if edges:
+        synchronize(device)
+        t2 = time.perf_counter()
+        with torch.autocast(device.type, enabled=False):
+            backward_from_edges(edges, gs, free_grads=True)
+        synchronize(device)
+        bwd = time.perf_counter() - t2
+    del inp, edges, gs
+    untouched.clear_grads()
+    untouched.restore_buffers()
+    return t1 - t0, bwd
+
+
+def _timed_run_frozen(forward: Callable[[bool], tuple[Any, Any]], device: torch.device, untouched: Untouched) -> float:
+    """Seconds of one forward without grad of a frozen stage."""
+    synchronize(device)
+    t0 = time.perf_counter()
+    forward(False)
+    synchronize(device)
+    seconds = time.perf_counter() - t0
+    untouched.restore_buffers()
+    return seconds
+
+
+def _timed_rounds(stages: Sequence[nn.Module], sample: Any, needs_grad: bool, names: Sequence[str],
+                  device: torch.device, untouched: Untouched, repeats: int, start: float, frozen: int,
+                  edge: torch.Tensor) -> tuple[list[list[float]], list[list[float]]]:
+    """Per stage, the forward and backward seconds of each round (`repeats` at most).
+
+    A round times every stage's `Fe` and `B` once, in chain order, each on its input made
+    anew without grad: a burst of load then slows one run of every stage of a round, not
+    every run of one stage (which would make that stage look dear and change the plan). Rounds stop early, after
+    `MIN_ROUNDS`, once profiling has taken `PROFILE_STEPS` plain steps (the median round) in all.
+    """
+    fwd: list[list[float]] = [[] for _ in stages]
+    bwd: list[list[float]] = [[] for _ in stages]
+    totals: list[float] = []
+    for _ in range(repeats):
+        value = sample
+        for k, stage in enumerate(stages):
+            forward = functools.partial(_stage_forward, stage, value, needs_grad if k <= frozen else True, k,
+                                        names[k], edge)
+            if k < frozen:  # a frozen stage runs once, without grad, and has no backward (chain version 4)
+                f, b = _timed_run_frozen(forward, device, untouched), 0.0
+            else:
+                f, b = _timed_run(forward, device, untouched)
+            fwd[k].append(f)
+            bwd[k].append(b)
+            if k + 1 < len(stages):  # the next input, made after B k: profiling never holds more than B k does
+                with torch.no_grad(), no_cast_cache():
+                    value = stage(value)
+                untouched.restore_buffers()
+        del value, forward
+        totals.append(sum(f[-1] + b[-1] for f, b in zip(fwd, bwd, strict=True)))
+        if len(totals) >= MIN_ROUNDS and time.perf_counter() - start > (PROFILE_STEPS - 1) * statistics.median(totals):
+            break
+    return fwd, bwd
+
+
+def stage_times(fwd: list[list[float]], bwd: list[list[float]]) -> tuple[list[float], list[float]]:
+    """Per stage (forward, backward) seconds from timing rounds: each stage's fastest run, scaled to the median round.
+
+    The fastest run of a stage is the one no stall or burst of load slowed: stage against
+    stage, these decide the plan, and no stalled run can. One common factor (which does not
+    change the planner's choice) makes them add up to the median round, so the predicted
+    step keeps the load the whole chain met while profiling, and one stalled round of three
+    does not decide it.
+    """
+    f_min, b_min = [min(runs) for runs in fwd], [min(runs) for runs in bwd]
+    fastest = sum(f_min) + sum(b_min)
+    if fastest <= 0:
+        return f_min, b_min
+    scale = statistics.median(round_totals(fwd, bwd)) / fastest
+    return [t * scale for t in f_min], [t * scale for t in b_min]
+
+
+def round_totals(fwd: list[list[float]], bwd: list[list[float]]) -> list[float]:
+    """Per timing round, the seconds of every stage's forward and backward: a plain step."""
+    return [sum(f[r] + b[r] for f, b in zip(fwd, bwd, strict=True)) for r in range(len(fwd[0]) if fwd else 0)]
+
+
+class Untouched:
+    """Keep profiling invisible to training: `.grad` set aside, buffers restored, RNG forked.
+
+    On entry each parameter's `.grad` is set aside (`None`), so a profiling backward stores
+    gradients of its own instead of adding into the caller's (gradient accumulation,
+    `zero_grad(set_to_none=False)`); on exit the very same tensors are put back, unchanged.
+    A buffer a profiling run changed in place (BatchNorm's running statistics) gets its value
+    back; the others are not written, so a graph that saved one stays valid.
+    """
+
+    def __init__(self, modules: Sequence[nn.Module], devices: Sequence[torch.device] = ()):
+        self.params = list({id(p): p for m in modules for p in m.parameters()}.values())
+        self.buffers = list({id(b): b for m in modules for b in m.buffers()}.values())
+        self.devices = sorted({d for d in devices if d.type == "cuda"}, key=str)
+
+    def __enter__(self) -> Untouched:
+        self.saved_grads = [p.grad for p in self.params]
+        self.clear_grads()
         with torch.no_grad():
             self.saved_buffers = [b.clone() for b in self.buffers]
-        self.saved_grads = [p.grad for p in self.params]
         self.rng = torch.random.fork_rng(devices=self.devices)
         self.rng.__enter__()
         return self
@@ -506,14 +668,18 @@ class _Untouched:
 
     def restore_buffers(self) -> None:
         with torch.no_grad():
-            for b, s in zip(self.buffers, self.saved_buffers, strict=True):
-                b.copy_(s)
+            for b, saved in zip(self.buffers, self.saved_buffers, strict=True):
+                # by value: batch_norm updates its running statistics without bumping their version
+                if not torch.equal(b, saved):
+                    b.copy_(saved)
 
     def __exit__(self, *exc: Any) -> None:
-        self.restore_buffers()
-        for p, g in zip(self.params, self.saved_grads, strict=True):
-            p.grad = g
-        self.rng.__exit__(*exc)
+        try:
+            self.restore_buffers()
+            for p, g in zip(self.params, self.saved_grads, strict=True):
+                p.grad = g
+        finally:
+            self.rng.__exit__(*exc)
 
 
 def _measure_recorded(
@@ -521,7 +687,7 @@ def _measure_recorded(
     value: Any,
     exclude: list[nn.Module],
     watch: _AllocatorWatch,
-    untouched: _Untouched,
+    untouched: Untouched,
     accumulate: bool,
     params: list[torch.Tensor],
     free_grads: bool,
@@ -625,14 +791,12 @@ def _measure_frozen(
     name: str,
     exclude: list[nn.Module],
     watch: _AllocatorWatch,
-    untouched: _Untouched,
+    untouched: Untouched,
     fields: dict[str, list],
-    device: torch.device,
-    warmup: int,
-    repeats: int,
-) -> tuple[Any, float]:
-    """A stage of the frozen prefix: (its output, timing spread) when it needs no backward (fields filled),
-    else (None, 0).
+) -> Any:
+    """A stage of the frozen prefix: its output when it needs no backward (size fields filled), else None.
+
+    Its time comes from the timing rounds, as every stage's (`_timed_rounds`).
 
     The stage runs with grad enabled, as plain training runs it: when nothing of its output
     requires grad (no parameter requires grad, none captured either) autograd recorded
@@ -653,26 +817,16 @@ def _measure_frozen(
     if any(t.requires_grad for t in tensors_of(out)):
         del out
         untouched.restore_buffers()
-        return None, 0.0
+        return None
     tmp = max(probe.peak - probe.current, peak - end)
-    samples = []
-    for run in range(warmup + repeats):
-        synchronize(device)
-        t0 = time.perf_counter()
-        with torch.no_grad(), no_cast_cache():
-            stage(value)
-        synchronize(device)
-        if run >= warmup:
-            samples.append(time.perf_counter() - t0)
     untouched.restore_buffers()
     held = {storage_key(t) for t in tensors_of(sample) if t.layout == torch.strided}
     size = storage_bytes([t for t in tensors_of(out) if t.layout != torch.strided or storage_key(t) not in held])
-    fwd_time, spread = _median_spread(samples)
-    figures = {"out_size": size, "saved_size": size, "fwd_time": fwd_time, "bwd_time": 0.0,
-               "fwd_tmp": tmp, "fwd_tmp_nograd": tmp, "bwd_tmp": 0, "out_free": 0, "in_free": 0}
+    figures = {"out_size": size, "saved_size": size, "fwd_tmp": tmp, "fwd_tmp_nograd": tmp, "bwd_tmp": 0,
+               "out_free": 0, "in_free": 0}
     for key, v in figures.items():
         fields[key].append(v)
-    return out, spread
+    return out
 
 
 def value_device(value: Any) -> torch.device:
@@ -684,8 +838,8 @@ def profile_chain(
     sample: Any,
     *,
     names: Sequence[str] | None = None,
-    repeats: int = 3,
-    warmup: int = 1,
+    repeats: int = 5,
+    warmup: int = 0,
     loss_tmp: int | Callable[[Any], torch.Tensor] | None = None,
     progress: Callable[[int, int, float], None] | None = None,
 ) -> Profile:
@@ -702,10 +856,8 @@ def profile_chain(
     device = inputs[0].device
     exclude = list(stages)
     start = time.perf_counter()
-    names_of_fields = ("out_size", "saved_size", "fwd_time", "bwd_time", "fwd_tmp", "fwd_tmp_nograd", "bwd_tmp",
-                       "out_free", "in_free")
+    names_of_fields = ("out_size", "saved_size", "fwd_tmp", "fwd_tmp_nograd", "bwd_tmp", "out_free", "in_free")
     fields: dict[str, list] = {f: [] for f in names_of_fields}
-    fwd_spread, bwd_spread = [], []
     needs_grad = any(t.requires_grad for t in inputs)
     watch = _AllocatorWatch(device)
     value = sample
@@ -713,44 +865,29 @@ def profile_chain(
     output_kept: list[bool] = []  # per tensor of a_k: kept by the graph of F_{k-1}
     frozen = 0  # stages so far that need no backward (chain version 4): a prefix
     entry_edge = torch.empty(0, device=device, requires_grad=True)  # EnterStage's graph edge
-    with _Untouched(stages, device) as untouched:
+    with Untouched(stages, [device]) as untouched:
         for k, stage in enumerate(stages):
             if frozen == k and not needs_grad and not any(p.requires_grad for p in stage.parameters()):
-                out, spread = _measure_frozen(stage, value, sample, k, names[k], exclude, watch, untouched, fields,
-                                              device, warmup, repeats)
+                out = _measure_frozen(stage, value, sample, k, names[k], exclude, watch, untouched, fields)
                 if out is not None:  # nothing of it requires grad: a frozen stage, its output the next input
                     keys = {storage_key(t) for t in tensors_of(value) if t.layout == torch.strided}
                     value = out
                     own = [t.layout == torch.strided and storage_key(t) not in keys for t in tensors_of(value)]
                     output_kept = [False] * len(own)
                     del keys, out
-                    fwd_spread.append(spread)
-                    bwd_spread.append(0.0)
                     frozen += 1
                     if progress is not None:
                         progress(k + 1, len(stages), time.perf_counter() - start)
                     continue
             # the first stage after the frozen prefix gets its input as plain autograd does: without grad
             grad_in = needs_grad if k <= frozen else True
-
-            def forward(record: bool, stage=stage, k=k, value=value, grad_in=grad_in) -> tuple[Any, Any]:
-                if grad_in and record:  # as the executor enters a stage input (NOTE: [stage inputs enter ...])
-                    wanted = [differentiable(t) and (k > 0 or t.requires_grad) for t in tensors_of(value)]
-                    with torch.enable_grad():
-                        inp = enter_stage(value, [], entry_edge, wanted, compact=k > 0)
-                else:
-                    inp = detach_value(value, False)
-                before = versions(value)
-                with torch.set_grad_enabled(record), no_cast_cache():
-                    out = stage(inp)
-                check_inplace(before, value, k, names[k])
-                return inp, out
+            forward = functools.partial(_stage_forward, stage, value, grad_in, k, names[k], entry_edge)
 
             # memory without grad recording (Fn / Fc)
             with MemoryProbe(exclude) as probe:
                 probe.track(value)  # a_k is held before the stage runs; only what comes after counts
                 watch.start()
-                _, out = forward(False)
+                out = forward(False)[1]
                 peak, end = watch.stop()
                 probe.mark("after")
             out_size = storage_bytes(out)
@@ -781,39 +918,11 @@ def profile_chain(
             s_k = fields["out_size"][k - 1] if 0 < k <= frozen else storage_bytes(value)  # a_F: beside a_0's
             held_at_b = saved_size + out_size - out_free
             bwd_tmp = max(-s_k, max(r[3] - held_at_b - s_k for r in recorded))
-            # times
-            fwd_samples, bwd_samples = [], []
-            for run in range(warmup + repeats):
-                synchronize(device)
-                t0 = time.perf_counter()
-                inp, out = forward(True)
-                synchronize(device)
-                t1 = time.perf_counter()
-                outs, gs = backward_pairs(out, [torch.ones_like(t) for t in tensors_of(out)])
-                edges = output_edges(outs)
-                del out, outs  # as the executor runs B k: the output values go first (profiling stays within B k)
-                if edges:
-                    synchronize(device)
-                    t2 = time.perf_counter()
-                    with torch.autocast(device.type, enabled=False):
-                        backward_from_edges(edges, gs, free_grads=True)
-                    synchronize(device)
-                    t3 = time.perf_counter()
-                else:
-                    t2 = t3 = 0.0
-                untouched.clear_grads()
-                untouched.restore_buffers()
-                if run >= warmup:
-                    fwd_samples.append(t1 - t0)
-                    bwd_samples.append(t3 - t2)
-                del inp, edges, gs
-            fwd_time, fs = _median_spread(fwd_samples)
-            bwd_time, bs = _median_spread(bwd_samples)
-            fwd_spread.append(fs)
-            bwd_spread.append(bs)
+            for _ in range(warmup):  # untimed (the memory runs above warm up too)
+                _timed_run(forward, device, untouched)
             for name, v in zip(
                 names_of_fields,
-                (out_size, saved_size, fwd_time, bwd_time, fwd_tmp, tmp_nograd, bwd_tmp, out_free, in_free),
+                (out_size, saved_size, fwd_tmp, tmp_nograd, bwd_tmp, out_free, in_free),
                 strict=True,
             ):
                 fields[name].append(v)
@@ -824,20 +933,28 @@ def profile_chain(
             own = [t.layout == torch.strided and storage_key(t) not in keys for t in tensors_of(value)]
             del keys
             untouched.restore_buffers()
+            del forward  # holds a_k
             if progress is not None:
                 progress(k + 1, len(stages), time.perf_counter() - start)
-    if frozen == len(stages):
-        raise ValueError("no stage of the chain needs a backward: the input does not require grad and no parameter "
-                         "of any stage does; there is nothing to checkpoint")
-    if loss_tmp is None or callable(loss_tmp):
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            loss_bytes, loss_kept, held = measure_loss_tmp(value, loss_tmp or proxy_loss)
-    else:
-        loss_bytes = loss_kept = int(loss_tmp)
-        held = LOSS_HELD
+        if frozen == len(stages):
+            raise ValueError("no stage of the chain needs a backward: the input does not require grad and no "
+                             "parameter of any stage does; there is nothing to checkpoint")
+        del probe  # it tracked a_{L-1}, which the rounds need not hold
+        if loss_tmp is None or callable(loss_tmp):
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                loss_bytes, loss_kept, held = measure_loss_tmp(value, loss_tmp or proxy_loss)
+        else:
+            loss_bytes = loss_kept = int(loss_tmp)
+            held = LOSS_HELD
+        del value  # a_L: the timing rounds hold no more than B k does
+        fwd, bwd = _timed_rounds(stages, sample, needs_grad, names, device, untouched, repeats, start, frozen,
+                                 entry_edge)
+    fields["fwd_time"], fields["bwd_time"] = stage_times(fwd, bwd)
     # the loss value lives from the end of the loss to the end of the step (chain version 3: loss_value)
     chain = Chain(input_size=storage_bytes(sample), loss_tmp=loss_bytes, loss_tmp_kept=loss_kept, loss_value=held,
                   names=names, frozen=frozen, **fields)
     seconds = time.perf_counter() - start
     threads = torch.get_num_threads()
-    return Profile(chain, seconds, fwd_spread, bwd_spread, repeats=repeats, threads=threads)
+    return Profile(chain, seconds, [_spread(runs) for runs in fwd], [_spread(runs) for runs in bwd],
+                   repeats=len(fwd[0]) if fwd else 0, threads=threads,
+                   round_seconds=round_totals(fwd, bwd))

@@ -213,7 +213,8 @@ def test_summary_and_profiling_cost():
     assert "predicted peak" in text and "profiling took" in text
     assert "recomputed" in text
     assert ckpt.profile_seconds > 0
-    assert ckpt.profile.repeats == 3
+    assert 3 <= ckpt.profile.repeats <= 5 and len(ckpt.profile.round_seconds) == ckpt.profile.repeats
+    assert f"over {ckpt.profile.repeats} rounds" in text
 
 
 def test_auto_budget_on_cpu_is_the_no_recompute_peak_never_free_ram():
