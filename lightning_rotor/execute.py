@@ -58,8 +58,13 @@ class _Caught(list):
         self.wanted = wanted  # per tensor of the input: entered (gets a gradient) or passed detached
 
     def deltas(self) -> list[torch.Tensor | None]:
-        """δ_k, one entry per tensor of the stage input (None: no gradient, or no path reached it)."""
+        """δ_k, one entry per tensor of the stage input (None: no gradient, or no path reached it).
+
+        The slot lets go of them: a gradient caught as a view (of δ_{k+1}, through a view's backward)
+        would otherwise be a second owner of its storage, which then could not be freed once consumed.
+        """
         caught = iter(list(self) or [None] * sum(self.wanted))
+        self.clear()
         return [next(caught) if w else None for w in self.wanted]
 
 
@@ -266,7 +271,7 @@ class _Step:
             del out
         hooks, unmarked, mark_top = self._mark_done(run)
         # δ_{k+1} goes once the node receiving it has run, or at the latest when B k is done (δ_L too)
-        done_at = self.joined_edges.get(k, []) if len(run) > 1 else []
+        done_at = [e for i in run[:-1] for e in self.joined_edges.get(i, [])]  # each boundary below B k
         try:
             backward_from_edges(edges, self.grads.pop(k + 1), free_grads=True, done_at=done_at, when_done=mark_top)
         finally:

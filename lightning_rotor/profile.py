@@ -188,10 +188,11 @@ def backward_from_edges(
     that a leaf's accumulator may store as its `.grad`.
 
     `done_at`: edges whose nodes run only once the stage receiving `grads` is done (the
-    next stage's output, when one call runs the backward of several stages). A gradient
-    its receiver passed on as a view is freed there, once nothing uses the view; one
-    passed on as the very same tensor is left to the engine. `when_done` is called there
-    too, after the freeing (a probe's mark of the op).
+    next stage's output, when one call runs the backward of several stages), then those
+    of each stage boundary below, in order. A gradient its receiver passed on as a view is
+    freed at the first of them where nothing uses the view any more; one passed on as the
+    very same tensor is left to the engine. `when_done` is called at the first boundary,
+    after the freeing (a probe's mark of the op).
     """
     roots, gs = [], []
     for e, g in zip(edges, grads, strict=True):
@@ -255,15 +256,22 @@ def unviewed(grad: torch.Tensor) -> torch.Tensor:
     return grad.new_empty(0).set_(grad.untyped_storage(), grad.storage_offset(), grad.size(), grad.stride())
 
 
-def _free_owned(tensors: Sequence[torch.Tensor], passed: set[int]) -> None:
-    """Empty the storage of each tensor only it references (and that is not in `passed`, by storage)."""
+def _free_owned(tensors: Sequence[torch.Tensor], passed: set[int]) -> list[torch.Tensor]:
+    """Empty the storage of each tensor only it references (and that is not in `passed`, by storage).
+
+    Returns the tensors whose storage is still held elsewhere (a view passed on may die later).
+    """
+    held = []
     for t in tensors:
         storage = t.untyped_storage()
-        if storage.data_ptr() in passed or storage.nbytes() == 0:
+        if storage.nbytes() == 0:
             continue
-        if torch._C._storage_Use_Count(storage._cdata) == 2:  # this tensor and `storage` itself
-            storage.resize_(0)
+        if storage.data_ptr() not in passed and torch._C._storage_Use_Count(storage._cdata) == 2:
+            storage.resize_(0)  # only this tensor and `storage` itself referenced it
             storage_emptied(storage)
+        else:
+            held.append(t)
+    return held
 
 
 class _FreeConsumed:
@@ -282,23 +290,32 @@ class _FreeConsumed:
 
 
 class _FreeRest:
-    """Node pre-hook, once the stage that received the gradients is done: free those still held alone.
+    """Node pre-hook, where each stage below the one that received the gradients begins: free those
+    still held alone.
 
     Only gradients whose receiver has run and did not pass them on as the very same tensor:
-    the engine may hold any other for a node still to run.
+    the engine may hold any other for a node still to run. A gradient passed on as a view stays
+    while the view lives (it is the next stage's δ); a later stage boundary frees it once the
+    view is gone. `then` runs once, at the first boundary (the receiving stage is done).
     """
 
     def __init__(self, tensors: list[torch.Tensor], consumed: set[int], then: Callable[[], None] | None):
         self.tensors = tensors
         self.consumed = consumed
         self.then = then
+        self.first = True
 
     def __call__(self, grad_outputs: Sequence[torch.Tensor | None]) -> None:
         passed = {g.untyped_storage().data_ptr() for g in grad_outputs if isinstance(g, torch.Tensor)}
-        _free_owned([t for t in self.tensors if id(t) in self.consumed], passed)
-        self.tensors = []
-        if self.then is not None:
-            self.then()
+        if self.first:  # from here on only consumed gradients are ours to free
+            self.tensors = [t for t in self.tensors if id(t) in self.consumed]
+            self.first = False
+            _then, self.then = self.then, None
+        else:
+            _then = None
+        self.tensors = _free_owned(self.tensors, passed)
+        if _then is not None:
+            _then()
 
 
 class _HandOver(torch.autograd.Function):
@@ -532,12 +549,9 @@ def _stage_forward(stage: nn.Module, value: Any, grad_in: bool, k: int, name: st
     A recorded input that wants a gradient enters as the executor enters it, through `EnterStage`
     on `edge` (NOTE: [stage inputs enter through EnterStage]); any other is a detached alias.
     """
-    if grad_in and record:
-        wanted = [differentiable(t) and (k > 0 or t.requires_grad) for t in tensors_of(value)]
-        with torch.enable_grad():
-            inp = enter_stage(value, [], edge, wanted, compact=k > 0)
-    else:
-        inp = detach_value(value, False)
+    inp = detach_value(value, grad_in and record)
+    if k > 0 and grad_in and record:
+        compact_gradients(inp)
     before = versions(value)
     with torch.set_grad_enabled(record), no_cast_cache():
         out = stage(inp)

@@ -531,8 +531,12 @@ class Worker:
 
 
 # -- hypothesis strategies --------------------------------------------------------------------
-def specs(max_ops: int = 18, max_blocks: int = 5, discover: Sequence[str] = ("graph", "sequential", "modules")) -> Any:
-    """A hypothesis strategy of `Spec`s (hypothesis is imported here: a test dependency only)."""
+def specs(max_ops: int = 18, max_blocks: int = 5, discover: Sequence[str] = ("graph", "sequential", "modules"),
+          skip_over: Sequence[bool] = (False, True)) -> Any:
+    """A hypothesis strategy of `Spec`s (hypothesis is imported here: a test dependency only).
+
+    `skip_over`: the values drawn for `Spec.skip_over` (a module-level run's input used after the run).
+    """
     from hypothesis import strategies as st
 
     leaf = st.one_of(
@@ -561,7 +565,8 @@ def specs(max_ops: int = 18, max_blocks: int = 5, discover: Sequence[str] = ("gr
     sequential = st.builds(Spec, discover=st.just("sequential"), ops=sequential_ops,
                            outputs=st.integers(1, 3), **common)
     modules = st.builds(Spec, discover=st.just("modules"), blocks=st.lists(block_ops, min_size=2,
-                        max_size=max_blocks).map(tuple), outputs=st.integers(1, 3), skip_over=st.booleans(), **common)
+                        max_size=max_blocks).map(tuple), outputs=st.integers(1, 3),
+                        skip_over=st.sampled_from(tuple(skip_over)), **common)
     chosen = {"graph": graph, "sequential": sequential, "modules": modules}
     return st.one_of(*(chosen[d] for d in discover))
 

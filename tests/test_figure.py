@@ -19,7 +19,7 @@ def test_figure_draws_op_peaks_predicted_peak_budget_and_the_chains_measured_pea
     ckpt.prepare_for(x)
     with ckpt.measure_step() as m:
         F.cross_entropy(ckpt(x), y).backward()
-    plan = ckpt.plan
+    plan = ckpt.last_entry.plan  # the plan the measured step ran (a first step runs at the smallest budget)
     sim = simulate(ckpt.chain, plan.ops)
     labels = [op.label for op in plan.ops]
     measured = [(labels.index(label, i if i < len(labels) else 0), after, during)
