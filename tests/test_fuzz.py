@@ -74,6 +74,11 @@ FOUND = {
     # found by the random run: a Sequential with an in-place ReLU joined to the Linear before it
     "sequential_inplace_relu": Spec(discover="sequential", conv=False, ops=(
         ("layer",), ("act", "relu", "inplace"), ("layer",))),
+    # found by the last random run (benchmarks/results/fuzz_issue15_final.md): BatchNorms, a skip into torch.cat,
+    # the output transposed, gradients off at the smallest budgets
+    "graph_transposed_output_with_skip": Spec(discover="graph", conv=False, ops=(
+        ("layer",), ("save",), ("bn",), ("bn",), ("cat", 0), ("out", True), ("view", "transpose"), ("save",)),
+        seed=1312),
 }
 
 
@@ -110,6 +115,8 @@ OPEN = {
                                "gradient of a non-contiguous a_L)",
     "sequential_inplace_relu": "an in-place ReLU joined to the Linear before it: 1 KiB over with nothing "
                                "recomputed",
+    "graph_transposed_output_with_skip": "a skip concatenated, then a transposed output carrying it: the three "
+                                         "lowest stages get other gradients at the smallest budgets",
 }
 
 
