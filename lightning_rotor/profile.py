@@ -542,12 +542,13 @@ PROFILE_STEPS = 10  # profiling stops adding timing rounds once it has taken thi
 MIN_ROUNDS = 3  # timing rounds run whatever the time: a stage's fastest of three is rarely a stalled run
 
 
-def _stage_forward(stage: nn.Module, value: Any, grad_in: bool, k: int, name: str, edge: torch.Tensor,
+def _stage_forward(stage: nn.Module, value: Any, grad_in: bool, k: int, name: str,
                    record: bool) -> tuple[Any, Any]:
-    """(input, output) of stage `k` run on `value`, recording its graph when `record`.
+    """(input leaf, output) of stage `k` run on a detached `value`, recording its graph when `record`.
 
-    A recorded input that wants a gradient enters as the executor enters it, through `EnterStage`
-    on `edge` (NOTE: [stage inputs enter through EnterStage]); any other is a detached alias.
+    The executor enters stage inputs through `EnterStage` instead; a leaf's accumulator may copy
+    `δ_k`, which charges `B k` more than the executor holds, the safe side (docs/memory-model.md,
+    "Stage inputs enter through `EnterStage`"). Gradients are compacted as the executor compacts them.
     """
     inp = detach_value(value, grad_in and record)
     if k > 0 and grad_in and record:
@@ -596,8 +597,8 @@ def _timed_run_frozen(forward: Callable[[bool], tuple[Any, Any]], device: torch.
 
 
 def _timed_rounds(stages: Sequence[nn.Module], sample: Any, needs_grad: bool, names: Sequence[str],
-                  device: torch.device, untouched: Untouched, repeats: int, start: float, frozen: int,
-                  edge: torch.Tensor) -> tuple[list[list[float]], list[list[float]]]:
+                  device: torch.device, untouched: Untouched, repeats: int, start: float,
+                  frozen: int) -> tuple[list[list[float]], list[list[float]]]:
     """Per stage, the forward and backward seconds of each round (`repeats` at most).
 
     A round times every stage's `Fe` and `B` once, in chain order, each on its input made
@@ -612,7 +613,7 @@ def _timed_rounds(stages: Sequence[nn.Module], sample: Any, needs_grad: bool, na
         value = sample
         for k, stage in enumerate(stages):
             forward = functools.partial(_stage_forward, stage, value, needs_grad if k <= frozen else True, k,
-                                        names[k], edge)
+                                        names[k])
             if k < frozen:  # a frozen stage runs once, without grad, and has no backward (chain version 4)
                 f, b = _timed_run_frozen(forward, device, untouched), 0.0
             else:
@@ -878,7 +879,6 @@ def profile_chain(
     own: list[bool] = []  # per tensor of a_k: a storage of its own, not one of a_{k-1}'s
     output_kept: list[bool] = []  # per tensor of a_k: kept by the graph of F_{k-1}
     frozen = 0  # stages so far that need no backward (chain version 4): a prefix
-    entry_edge = torch.empty(0, device=device, requires_grad=True)  # EnterStage's graph edge
     with Untouched(stages, [device]) as untouched:
         for k, stage in enumerate(stages):
             if frozen == k and not needs_grad and not any(p.requires_grad for p in stage.parameters()):
@@ -895,7 +895,7 @@ def profile_chain(
                     continue
             # the first stage after the frozen prefix gets its input as plain autograd does: without grad
             grad_in = needs_grad if k <= frozen else True
-            forward = functools.partial(_stage_forward, stage, value, grad_in, k, names[k], entry_edge)
+            forward = functools.partial(_stage_forward, stage, value, grad_in, k, names[k])
 
             # memory without grad recording (Fn / Fc)
             with MemoryProbe(exclude) as probe:
@@ -961,8 +961,7 @@ def profile_chain(
             loss_bytes = loss_kept = int(loss_tmp)
             held = LOSS_HELD
         del value  # a_L: the timing rounds hold no more than B k does
-        fwd, bwd = _timed_rounds(stages, sample, needs_grad, names, device, untouched, repeats, start, frozen,
-                                 entry_edge)
+        fwd, bwd = _timed_rounds(stages, sample, needs_grad, names, device, untouched, repeats, start, frozen)
     fields["fwd_time"], fields["bwd_time"] = stage_times(fwd, bwd)
     # the loss value lives from the end of the loss to the end of the step (chain version 3: loss_value)
     chain = Chain(input_size=storage_bytes(sample), loss_tmp=loss_bytes, loss_tmp_kept=loss_kept, loss_value=held,
