@@ -428,13 +428,15 @@ class Checkpointable(nn.Module):
         The plan is made against what this step's pending calls leave of the budget
         (NOTE: [Several calls per step] in lightning_rotor/calls.py).
         """
-        if not any(p.requires_grad for p in self._stage_parameters()) and not any(
+        trainable = [p.requires_grad for p in self._stage_parameters()]
+        if not any(trainable) and not any(
             t.requires_grad for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)
         ):
             return plain_call()  # every stage frozen: no backward through the chain, nothing to checkpoint
-        primary = self.prepare_for(value)
+        key = self._plan_key(value, trainable)
+        primary = self._entry_for(key, value)
         alone = not self.calls.alive()
-        entry, call, peak = self._call_entry(self._plan_key(value), primary, value)
+        entry, call, peak = self._call_entry(key, primary, value)
         self.last_entry = entry
         measurement = self._measurement
         # after another call of the step, plain autograd would hold this call's parameter gradients until the
@@ -584,7 +586,10 @@ class Checkpointable(nn.Module):
         """
         if self.stages is None:
             raise RuntimeError("the chain is not discovered yet: run one training forward (or discover_on) first")
-        key = self._plan_key(value)
+        return self._entry_for(self._plan_key(value), value)
+
+    def _entry_for(self, key: str, value: Any) -> Entry:
+        """The whole-budget entry of plan key `key` (`_plan_key(value)`), profiled and planned if new."""
         entry = self.entries.get(key)
         if entry is None:
             entry = self.entries[key] = self._prepare(value)
@@ -598,15 +603,16 @@ class Checkpointable(nn.Module):
             cached = self._params_of = (self.stages, [p for stage in self.stages for p in stage.parameters()])
         return cached[1]
 
-    def _plan_key(self, value: Any) -> str:
+    def _plan_key(self, value: Any, trainable: list[bool] | None = None) -> str:
         """The input's signature, and which stage parameters are frozen when some are.
 
         Freezing or unfreezing parameters changes what the stages save and the frozen prefix
         (chain version 4), so a plan is made for each pattern: unfreezing layers mid-training
         profiles and plans again. With every parameter trainable the key is the signature alone.
+        `trainable`: the stage parameters' `requires_grad`, when the caller has read them already.
         """
         key = signature(value)
-        flags = [p.requires_grad for p in self._stage_parameters()]
+        flags = [p.requires_grad for p in self._stage_parameters()] if trainable is None else trainable
         if all(flags):
             return key
         return f"{key} requires_grad={''.join('1' if f else '0' for f in flags)}"

@@ -42,6 +42,7 @@ from lightning_rotor.profile import (
     enter_stage,
     no_cast_cache,
     output_edges,
+    own_alias,
     tensors_of,
     versions,
 )
@@ -440,13 +441,6 @@ class _Tail(torch.autograd.Function):
         return (None, None, None, None, *deltas, *[None] * ctx.n_params)
 
 
-def _own(grad: torch.Tensor | None) -> torch.Tensor | None:
-    """A tensor of its own on `grad`'s storage (same offset, size and strides)."""
-    if grad is None or grad.layout != torch.strided:
-        return grad
-    return grad.new_empty(0).set_(grad.untyped_storage(), grad.storage_offset(), grad.size(), grad.stride())
-
-
 class _Head(torch.autograd.Function):
     @staticmethod
     def forward(ctx, step: _Step, token: torch.Tensor) -> tuple:
@@ -468,7 +462,7 @@ class _Head(torch.autograd.Function):
         _check_backward_call(step)
         # a tensor of our own on each gradient's storage: the engine may hand the very same tensor to another
         # node too (an add of two calls' outputs), which then counts as a second owner and keeps it from being freed
-        step.grads[step.runner.length] = [_own(g) for g in grads]
+        step.grads[step.runner.length] = [own_alias(g) for g in grads]
         step.mark(Op(OpKind.LOSS))
         del ctx.step
         return None, torch.empty(0, device=step.runner.token_device)
@@ -556,25 +550,27 @@ class PlanRunner:
         parameters with such hooks are left out (`autograd.grad` of those alone
         is then not detected).
         """
-        if self._all_params is None:  # the module walk once; requires_grad and hooks are read every step
-            seen: dict[int, torch.Tensor] = {}
-            for stage in self.stages:
-                for p in stage.parameters():
-                    seen.setdefault(id(p), p)
-            self._all_params = list(seen.values())
+        self._walk_parameters()
         return [p for p in self._all_params if p.requires_grad and not getattr(p, "_post_accumulate_grad_hooks", None)]
 
     def shared_parameters(self) -> list[torch.Tensor]:
-        """Trainable parameters used by more than one stage (tied weights), found once."""
-        if self._shared is None:
-            seen: dict[int, int] = {}
-            params: dict[int, torch.Tensor] = {}
-            for stage in self.stages:
-                for p in {id(p): p for p in stage.parameters()}.values():
-                    seen[id(p)] = seen.get(id(p), 0) + 1
-                    params[id(p)] = p
-            self._shared = [params[i] for i, n in seen.items() if n > 1]
+        """Trainable parameters used by more than one stage (tied weights)."""
+        self._walk_parameters()
         return [p for p in self._shared if p.requires_grad]
+
+    def _walk_parameters(self) -> None:
+        """The stages' parameters once each, and those several stages use: the module walk once (requires_grad
+        and hooks are read every step)."""
+        if self._all_params is not None:
+            return
+        users: dict[int, int] = {}
+        params: dict[int, torch.Tensor] = {}
+        for stage in self.stages:
+            for p in {id(p): p for p in stage.parameters()}.values():
+                users[id(p)] = users.get(id(p), 0) + 1
+                params[id(p)] = p
+        self._all_params = list(params.values())
+        self._shared = [params[i] for i, n in users.items() if n > 1]
 
     def __call__(self, value: Any) -> Any:
         flat, spec = tree_flatten(value)
