@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from lightning_rotor.ops import Op, OpKind, frozen_prefix_ops, last_forwards, parse_ops, recomputed_stage_set
+from lightning_rotor.ops import Op, OpKind, check_frozen_prefix, last_forwards, parse_ops, recomputed_stage_set
 from lightning_rotor.profile import (
     backward_from_edges,
     check_inplace,
@@ -493,11 +493,10 @@ class PlanRunner:
             raise ValueError("a plan has exactly one Loss op")
         # stages without a B op are a frozen prefix 0 … F-1 (chain version 4): Fn ops, first, once each
         self.frozen = self.length - sum(1 for op in ops if op.kind is OpKind.B)
-        if sorted(op.stage for op in ops if op.kind is OpKind.B) != list(range(self.frozen, self.length)) or any(
-            op.stage is not None and op.stage < self.frozen for op in ops[self.frozen:]
-        ) or ops[: self.frozen] != frozen_prefix_ops(self.frozen):
+        if sorted(op.stage for op in ops if op.kind is OpKind.B) != list(range(self.frozen, self.length)):
             raise ValueError(f"the plan does not fit a chain of {self.length} stages: it needs one B op per stage "
                              "after a frozen prefix, whose stages run first as Fn 0 … Fn F-1 and never again")
+        check_frozen_prefix(ops, self.frozen)
         split = ops.index(Op(OpKind.LOSS))
         self.ops = ops
         self.forward_ops = ops[:split]

@@ -146,6 +146,21 @@ def frozen_prefix_ops(frozen: int) -> list[Op]:
     return [Op(OpKind.FN, k) for k in range(frozen)]
 
 
+def check_frozen_prefix(ops: Sequence[Op], frozen: int) -> None:
+    """Raise `ValueError` naming the first op that breaks the frozen prefix's rule (chain version 4): a plan
+    starts with `Fn 0 … Fn F-1` and never runs those stages again."""
+    prefix = frozen_prefix_ops(frozen)
+    for i, op in enumerate(ops):
+        if i < frozen and op != prefix[i]:
+            raise ValueError(f"invalid plan: op {i} ({op.label}): stages 0..{frozen - 1} are frozen (no backward); a "
+                             f"plan starts with {', '.join(o.label for o in prefix)}, expected {prefix[i].label}")
+        if i >= frozen and op.stage is not None and op.stage < frozen:
+            raise ValueError(f"invalid plan: op {i} ({op.label}): stage {op.stage} is frozen (no backward): it runs "
+                             "once, as the plan's first ops, and never again")
+    if len(ops) < frozen:
+        raise ValueError(f"invalid plan: it ends before the frozen prefix {', '.join(o.label for o in prefix)} is run")
+
+
 def shift_ops(ops: Iterable[Op], by: int) -> list[Op]:
     """`ops` with every stage index moved by `by` (a suffix's plan in the whole chain's indices, and back)."""
     return [op if op.stage is None else Op(op.kind, op.stage + by) for op in ops]

@@ -15,7 +15,7 @@ from lightning_rotor.chain import Chain
 from lightning_rotor.ops import (
     Op,
     OpKind,
-    frozen_prefix_ops,
+    check_frozen_prefix,
     last_forwards,
     no_recompute_ops,
     parse_ops,
@@ -46,16 +46,7 @@ def simulate(chain: Chain, ops: Iterable[Any]) -> Simulation:
     if not f:
         peak, times, curve, op_peaks = _replay(chain, ops)
         return Simulation(peak=peak, time=math.fsum(times), curve=curve, op_peaks=op_peaks)
-    prefix = frozen_prefix_ops(f)
-    for i, op in enumerate(ops):
-        if i < f and op != prefix[i]:
-            raise ValueError(f"invalid plan: op {i} ({op.label}): stages 0..{f - 1} are frozen (no backward); a plan "
-                             f"starts with {', '.join(o.label for o in prefix)}, expected {prefix[i].label}")
-        if i >= f and op.stage is not None and op.stage < f:
-            raise ValueError(f"invalid plan: op {i} ({op.label}): stage {op.stage} is frozen (no backward): it runs "
-                             "once, as the plan's first ops, and never again")
-    if len(ops) < f:
-        raise ValueError(f"invalid plan: it ends before the frozen prefix {', '.join(o.label for o in prefix)} is run")
+    check_frozen_prefix(ops, f)
     s = chain.sizes
     curve, op_peaks, cur = [], [], s[0]
     for k in range(f):  # Fn k: a_k dropped after, never a_0
