@@ -34,7 +34,7 @@ FLOW = [
 ]
 BESIDE_FLOW = [
     ("simulate", "simulate.py: the one\nreplay of the memory model", 8.1, 0.75, BESIDE),
-    ("Budget", "budget.py: bytes per\nchain, call and step", 5.9, 0.75, BESIDE),
+    ("Budget", "shared_budget.py: bytes per\nchain, call and step", 5.9, 0.75, BESIDE),
     ("PlanCache", "cache.py: signature → Plan,\nstate_dict, fingerprints", 10.2, 0.75, BESIDE),
 ]
 
