@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib.machinery
 import importlib.metadata
 import importlib.util
-import math
 import os
 import sys
 import warnings
@@ -184,19 +183,6 @@ def min_feasible_budget(chain: Chain) -> int:
                                                          in_free=suffix.in_free, loss_value=suffix.loss_value))
 
 
-def replay(chain: Chain, ops: list[Op]) -> tuple[int, float]:
-    """(peak bytes, seconds) of `ops` by the C++ replay (tests compare it with `simulate`).
-
-    With a frozen prefix, the C++ replay runs the suffix's part of `ops` (`simulate` checks the prefix).
-    """
-    f = chain.frozen
-    if f:
-        peak, time = replay(chain.suffix(), shift_ops(ops[f:], -f))
-        return max(chain.prefix_peak, peak), math.fsum([*chain.fwd_time[:f], time])
-    return _planner.replay(*_memory_args(chain), chain.fwd_time, chain.bwd_time, list(ops),
-                           loss_tmp_graph=chain.loss_tmp_graph, in_free=chain.in_free, loss_value=chain.loss_value)
-
-
 def plan(chain: Chain, mem_limit: BudgetSpec, *, slots: int | None = None, threads: int | None = None) -> Plan:
     """The fastest persistent schedule of `chain` whose peak stays within `mem_limit`.
 
@@ -227,8 +213,9 @@ def plan(chain: Chain, mem_limit: BudgetSpec, *, slots: int | None = None, threa
                                           in_free=chain.in_free, loss_value=chain.loss_value)
     if fallback is not None:
         candidates.append(parse_ops(fallback))
-    scored = [(replay(chain, ops), ops) for ops in candidates]
-    (peak, time), ops = min(scored, key=lambda item: item[0][1])  # fastest; the DP's on ties
+    # the referee scores both: the fastest, the DP's on ties (simulate also refuses an invalid plan)
+    scored = [(simulate(chain, ops), ops) for ops in candidates]
+    (peak, time, *_), ops = min(scored, key=lambda item: item[0].time)
     if whole.frozen:
         ops = frozen_prefix_ops(whole.frozen) + shift_ops(ops, whole.frozen)
         peak, time = simulate(whole, ops)[:2]
