@@ -47,8 +47,8 @@ def summary(chain: Chain, result: Plan, source: str) -> str:
     slower = result.time / result.no_recompute_time - 1 if result.no_recompute_time > 0 else 0.0
     return "\n".join([
         f"chain:   {source} ({chain.length} stages)",
-        f"budget:  {format_bytes(result.mem_limit)} ({result.mem_limit} bytes)",
-        f"peak:    {format_bytes(result.peak)} ({result.peak} bytes, {100 * result.peak / result.mem_limit:.1f}% "
+        f"budget:  {format_bytes(result.budget)} ({result.budget} bytes)",
+        f"peak:    {format_bytes(result.peak)} ({result.peak} bytes, {100 * result.peak / result.budget:.1f}% "
         "of the budget)",
         f"time:    {result.time:.6g} s predicted vs {result.no_recompute_time:.6g} s without recomputation "
         f"({100 * slower:+.1f}%)",

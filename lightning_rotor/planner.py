@@ -116,31 +116,44 @@ def check_planner_memory(length: int, slots: int) -> None:
 class InfeasibleBudget(ValueError):
     """No persistent schedule fits the budget; `.min_feasible` is the smallest budget that does."""
 
-    def __init__(self, mem_limit: int, min_feasible: int) -> None:
-        self.mem_limit = mem_limit
+    def __init__(self, budget: int, min_feasible: int) -> None:
+        self.budget = budget
         self.min_feasible = min_feasible
         super().__init__(
-            f"budget {format_bytes(mem_limit)} ({mem_limit} bytes) is below the smallest feasible budget "
+            f"budget {format_bytes(budget)} ({budget} bytes) is below the smallest feasible budget "
             f"{format_bytes(min_feasible)} ({min_feasible} bytes) for this chain; use mem_limit >= {min_feasible}"
         )
+
+    @property
+    def mem_limit(self) -> int:
+        """The budget in bytes under its old name (callers move to `budget`)."""
+        return self.budget
 
 
 @dataclass
 class Plan:
-    """A schedule and what it costs: `time` in seconds and `peak` in bytes, as the simulator replays it."""
+    """A schedule and what it costs: `time` in seconds and `peak` in bytes, as the simulator replays it.
+
+    `budget` is the resolved budget in bytes the plan was made for (the user's `mem_limit`, resolved).
+    """
 
     ops: list[Op]
     time: float
     peak: int
-    mem_limit: int
+    budget: int
     slots: int = DEFAULT_SLOTS
     recomputed_stages: int = 0
     no_recompute_time: float = 0.0
 
+    @property
+    def mem_limit(self) -> int:
+        """The budget in bytes under its old name (callers move to `budget`)."""
+        return self.budget
+
     def to_dict(self) -> dict[str, Any]:
         """The plan JSON of docs/memory-model.md (plus planner details)."""
         return {
-            "mem_limit": self.mem_limit,
+            "budget": self.budget,
             "time": self.time,
             "peak": self.peak,
             "slots": self.slots,
@@ -151,9 +164,11 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
+        """A plan from `to_dict`'s JSON; plans saved before `budget` was named so say `mem_limit`."""
         if not isinstance(data, dict):
             raise ValueError(f"a plan must be a JSON object, got {type(data).__name__}")
-        missing = [k for k in ("mem_limit", "time", "peak", "ops") if k not in data]
+        budget = data.get("budget", data.get("mem_limit"))
+        missing = [k for k in ("time", "peak", "ops") if k not in data] + (["budget"] if budget is None else [])
         if missing:
             raise ValueError(f"plan is missing field(s) {', '.join(missing)}")
         ops = parse_ops(data["ops"])
@@ -161,7 +176,7 @@ class Plan:
             ops=ops,
             time=float(data["time"]),
             peak=int(data["peak"]),
-            mem_limit=int(data["mem_limit"]),
+            budget=int(budget),
             slots=int(data.get("slots", DEFAULT_SLOTS)),
             recomputed_stages=int(data.get("recomputed_stages", recomputed_stages(ops))),
             no_recompute_time=float(data.get("no_recompute_time", 0.0)),
@@ -223,7 +238,7 @@ def plan(chain: Chain, mem_limit: BudgetSpec, *, slots: int | None = None, threa
         ops=ops,
         time=time,
         peak=peak,
-        mem_limit=budget,
+        budget=budget,
         slots=slots,
         recomputed_stages=recomputed_stages(ops),
         no_recompute_time=whole.no_recompute_time(),

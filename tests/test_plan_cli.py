@@ -28,9 +28,9 @@ def test_summary(capsys):
 def test_json_is_the_plan(capsys):
     assert main([str(RESNET), "--mem-limit", "1.5GiB", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["mem_limit"] == 3 * 2**29
+    assert data["budget"] == 3 * 2**29
     sim = simulate(Chain.load(RESNET), data["ops"])
-    assert sim.peak == data["peak"] <= data["mem_limit"]
+    assert sim.peak == data["peak"] <= data["budget"]
     assert sim.time == data["time"]
 
 
@@ -86,7 +86,7 @@ def test_console_script_no_traceback(tmp_path):
     assert run.returncode == 1 and "Traceback" not in run.stderr and "no such chain file" in run.stderr
     ok = subprocess.run([sys.executable, "-m", "lightning_rotor.cli", "plan", str(RESNET), "--mem-limit", "2GiB",
                          "--json"], capture_output=True, text=True)
-    assert ok.returncode == 0 and json.loads(ok.stdout)["mem_limit"] == 2 * 2**30
+    assert ok.returncode == 0 and json.loads(ok.stdout)["budget"] == 2 * 2**30
 
 
 def test_compact_ops():

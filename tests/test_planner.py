@@ -100,7 +100,7 @@ def test_plan_within_budget_and_reports_simulated_figures(chain, where):
         return
     result = plan(chain, budget)
     sim = simulate(chain, result.ops)
-    assert sim.peak == result.peak <= budget == result.mem_limit
+    assert sim.peak == result.peak <= budget == result.budget
     assert sim.time == result.time
     reference = reference_plan(chain, budget, slots=500)
     if reference is not None:  # never slower than the 500-slot dynamic program
@@ -289,12 +289,27 @@ def test_plan_dict_round_trip():
     chain = medium_chain()
     result = plan(chain, 0.5)
     data = json.loads(json.dumps(result.to_dict()))
-    assert {"mem_limit", "time", "peak", "ops"} <= set(data)
+    assert {"budget", "time", "peak", "ops"} <= set(data)
     assert data["ops"][0] == list(result.ops[0])
     assert Plan.from_dict(data) == result
     with pytest.raises(ValueError, match="missing"):
         Plan.from_dict({"ops": []})
 
+
+def test_plan_budget_is_bytes_and_mem_limit_its_old_name():
+    """`Plan.budget` holds the resolved bytes (`mem_limit` is the user's spec elsewhere); the old name still reads it,
+    and plans saved under the old key load."""
+    chain = medium_chain()
+    result = plan(chain, "50%")
+    assert result.budget == result.mem_limit == int(0.5 * no_recompute_peak(chain))
+    with pytest.raises(AttributeError):
+        result.mem_limit = 1  # an alias, not a second field
+    old = {**result.to_dict(), "mem_limit": result.budget}
+    del old["budget"]
+    assert Plan.from_dict(old) == result
+    with pytest.raises(InfeasibleBudget) as err:
+        plan(chain, 1)
+    assert err.value.budget == err.value.mem_limit == 1
 
 
 @pytest.mark.parametrize("slots", [0, -1, 2.5, True])
