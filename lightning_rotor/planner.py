@@ -126,8 +126,12 @@ class InfeasibleBudget(ValueError):
 
     @property
     def mem_limit(self) -> int:
-        """The budget in bytes under its old name (callers move to `budget`)."""
+        """The budget in bytes under its old name (callers move to `budget`; subclasses may still set it)."""
         return self.budget
+
+    @mem_limit.setter
+    def mem_limit(self, budget: int) -> None:
+        self.budget = budget
 
 
 @dataclass

@@ -310,6 +310,8 @@ def test_plan_budget_is_bytes_and_mem_limit_its_old_name():
     with pytest.raises(InfeasibleBudget) as err:
         plan(chain, 1)
     assert err.value.budget == err.value.mem_limit == 1
+    err.value.mem_limit = 2  # subclasses (InfeasibleTotal, InfeasibleStep) still set the old name
+    assert err.value.budget == 2
 
 
 @pytest.mark.parametrize("slots", [0, -1, 2.5, True])
