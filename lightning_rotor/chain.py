@@ -71,10 +71,10 @@ def _optional_sizes(values: Any, name: str, default: list[int]) -> list[int]:
 def _check_time(value: Any, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ChainError(f"{where} must be a non-negative number of seconds, got {value!r}")
-    value = float(value)
-    if not math.isfinite(value) or value < 0:
-        raise ChainError(f"{where} must be a finite non-negative number of seconds, got {value!r}")
-    return value
+    seconds = float(value)
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ChainError(f"{where} must be a finite non-negative number of seconds, got {seconds!r}")
+    return seconds
 
 
 @dataclass
@@ -120,10 +120,12 @@ class Chain:
     bwd_tmp: list[int]
     loss_tmp: int = 0
     names: list[str] = field(default_factory=list)
-    fwd_tmp_nograd: list[int] | None = None
-    out_free: list[int] | None = None
-    loss_tmp_kept: int | None = None
-    in_free: list[int] | None = None
+    # NOTE: [derived defaults] None in the constructor means "derive it" (the docstring says from what):
+    # __post_init__ fills these in, so on a Chain they are always a list (an int), which is their type.
+    fwd_tmp_nograd: list[int] = None  # type: ignore[assignment]
+    out_free: list[int] = None  # type: ignore[assignment]
+    loss_tmp_kept: int = None  # type: ignore[assignment]
+    in_free: list[int] = None  # type: ignore[assignment]
     loss_value: int = 0
     frozen: int = 0
 
@@ -250,7 +252,11 @@ class Chain:
             return self
         return Chain(
             input_size=self.input_size + self.out_size[f - 1],
-            **{name: list(getattr(self, name)[f:]) for name in STAGE_FIELDS if name != "bwd_tmp"},
+            out_size=self.out_size[f:],
+            saved_size=self.saved_size[f:],
+            fwd_time=self.fwd_time[f:],
+            bwd_time=self.bwd_time[f:],
+            fwd_tmp=self.fwd_tmp[f:],
             bwd_tmp=[self.bwd_tmp[f] - self.input_size, *self.bwd_tmp[f + 1:]],
             loss_tmp=self.loss_tmp,
             names=self.names[f:],
@@ -295,14 +301,8 @@ class Chain:
         return cls(
             input_size=data["input_size"],
             loss_tmp=data.get("loss_tmp", 0),
-            names=data.get("names"),
-            fwd_tmp_nograd=data.get("fwd_tmp_nograd"),
-            out_free=data.get("out_free"),
-            loss_tmp_kept=data.get("loss_tmp_kept"),
-            in_free=data.get("in_free"),
-            loss_value=data.get("loss_value", 0),
-            frozen=data.get("frozen", 0),
-            **{name: data[name] for name in STAGE_FIELDS},
+            names=data.get("names", []),
+            **{name: data[name] for name in (*STAGE_FIELDS, *OPTIONAL_FIELDS) if name in data},
         )
 
     def to_dict(self) -> dict[str, Any]:

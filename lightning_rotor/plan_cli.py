@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
+from typing import Any
 
 from lightning_rotor.budget import BudgetError, format_bytes
 from lightning_rotor.chain import Chain, ChainError
@@ -19,7 +21,7 @@ from lightning_rotor.planner import InfeasibleBudget, Plan, PlannerTooLarge, pla
 PROG = "lightning-rotor plan"
 
 
-def compact_ops(ops: list[tuple]) -> str:
+def compact_ops(ops: Sequence[tuple[Any, ...]]) -> str:
     """`Fe0-3 Fc4 Fn5-6 Loss B6..0`: runs of one op kind over consecutive stages."""
     parts: list[str] = []
     i = 0

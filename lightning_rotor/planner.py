@@ -19,7 +19,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_rotor.budget import BudgetSpec, format_bytes, resolve_budget
 from lightning_rotor.chain import Chain
@@ -48,10 +48,12 @@ def _load_planner() -> ModuleType:
             if (dist.metadata["Name"] or "").lower().replace("_", "-") != "lightning-rotor":
                 continue
             for file in dist.files or []:
-                path = Path(dist.locate_file(file)).resolve()
+                path = Path(str(dist.locate_file(file))).resolve()
                 if path.name.startswith("_planner.") and path.name.endswith(suffixes) and path.parent != here \
                         and path.is_file():
                     spec = importlib.util.spec_from_file_location("lightning_rotor._planner", path)
+                    if spec is None or spec.loader is None:
+                        continue
                     module = importlib.util.module_from_spec(spec)
                     spec.loader.exec_module(module)
                     sys.modules["lightning_rotor._planner"] = module
@@ -66,7 +68,10 @@ def _load_planner() -> ModuleType:
         ) from err
 
 
-_planner = _load_planner()
+if TYPE_CHECKING:  # the type checker reads the extension's types from lightning_rotor/_planner.pyi
+    from lightning_rotor import _planner
+else:
+    _planner = _load_planner()
 
 __all__ = ["InfeasibleBudget", "Plan", "PlannerTooLarge", "min_feasible_budget", "plan", "planner_memory_estimate"]
 
@@ -171,8 +176,8 @@ class Plan:
         """A plan from `to_dict`'s JSON; plans saved before `budget` was named so say `mem_limit`."""
         if not isinstance(data, dict):
             raise ValueError(f"a plan must be a JSON object, got {type(data).__name__}")
-        budget = data.get("budget", data.get("mem_limit"))
-        missing = [k for k in ("time", "peak", "ops") if k not in data] + (["budget"] if budget is None else [])
+        budget = "budget" if "budget" in data else "mem_limit"
+        missing = [k for k in ("time", "peak", "ops") if k not in data] + ([] if budget in data else ["budget"])
         if missing:
             raise ValueError(f"plan is missing field(s) {', '.join(missing)}")
         ops = parse_ops(data["ops"])
@@ -180,14 +185,14 @@ class Plan:
             ops=ops,
             time=float(data["time"]),
             peak=int(data["peak"]),
-            budget=int(budget),
+            budget=int(data[budget]),
             slots=int(data.get("slots", DEFAULT_SLOTS)),
             recomputed_stages=int(data.get("recomputed_stages", recomputed_stages(ops))),
             no_recompute_time=float(data.get("no_recompute_time", 0.0)),
         )
 
 
-def _memory_args(chain: Chain) -> tuple:
+def _memory_args(chain: Chain) -> tuple[list[int], list[int], list[int], list[int], list[int], int]:
     return chain.sizes, chain.saved_size, chain.fwd_tmp, chain.fwd_tmp_nograd, chain.bwd_net, chain.loss_tmp
 
 

@@ -89,9 +89,10 @@ def _replay(chain: Chain, ops: list[Op], first_op: int = 0,
         return ValueError(f"invalid plan: op {i + first_op} ({label}): {why}")
 
     for i, op in enumerate(ops):
-        kind, k = op.kind, op.stage
-        n = None if k is None else k + first_stage  # the stage's index in messages
-        if k is not None and not 0 <= k < length:
+        kind = op.kind
+        k = -1 if op.stage is None else op.stage  # -1: the loss, which has no stage
+        n = k + first_stage  # the stage's index in messages
+        if kind is not OpKind.LOSS and not 0 <= k < length:
             raise fail(i, op, f"stage index out of range 0..{length + first_stage - 1}")
         if kind is OpKind.FN or kind is OpKind.FC or kind is OpKind.FE:
             if kind is OpKind.FN and k not in plain:
