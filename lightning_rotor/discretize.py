@@ -119,4 +119,3 @@ def discretize(chain: Chain, budget: int, slots: int = DEFAULT_SLOTS) -> Discret
         count_bits=count_bits,
         tick=tick,
     )
-

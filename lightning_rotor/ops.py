@@ -154,11 +154,15 @@ def check_frozen_prefix(ops: Sequence[Op], frozen: int) -> None:
     prefix = frozen_prefix_ops(frozen)
     for i, op in enumerate(ops):
         if i < frozen and op != prefix[i]:
-            raise ValueError(f"invalid plan: op {i} ({op.label}): stages 0..{frozen - 1} are frozen (no backward); a "
-                             f"plan starts with {', '.join(o.label for o in prefix)}, expected {prefix[i].label}")
+            raise ValueError(
+                f"invalid plan: op {i} ({op.label}): stages 0..{frozen - 1} are frozen (no backward); a "
+                f"plan starts with {', '.join(o.label for o in prefix)}, expected {prefix[i].label}"
+            )
         if i >= frozen and op.stage is not None and op.stage < frozen:
-            raise ValueError(f"invalid plan: op {i} ({op.label}): stage {op.stage} is frozen (no backward): it runs "
-                             "once, as the plan's first ops, and never again")
+            raise ValueError(
+                f"invalid plan: op {i} ({op.label}): stage {op.stage} is frozen (no backward): it runs "
+                "once, as the plan's first ops, and never again"
+            )
     if len(ops) < frozen:
         raise ValueError(f"invalid plan: it ends before the frozen prefix {', '.join(o.label for o in prefix)} is run")
 
@@ -170,9 +174,12 @@ def shift_ops(ops: Iterable[Op], by: int) -> list[Op]:
 
 def no_recompute_ops(length: int, frozen: int = 0) -> list[Op]:
     """`Fn 0 … Fn F-1, Fe F … Fe L-1, Loss, B L-1 … B F`: the fastest schedule, at unlimited memory."""
-    return frozen_prefix_ops(frozen) + [Op(OpKind.FE, k) for k in range(frozen, length)] + [Op(OpKind.LOSS)] + [
-        Op(OpKind.B, k) for k in reversed(range(frozen, length))
-    ]
+    return (
+        frozen_prefix_ops(frozen)
+        + [Op(OpKind.FE, k) for k in range(frozen, length)]
+        + [Op(OpKind.LOSS)]
+        + [Op(OpKind.B, k) for k in reversed(range(frozen, length))]
+    )
 
 
 def is_no_recompute(ops: Iterable[Op]) -> bool:

@@ -49,17 +49,24 @@ def _load_planner() -> ModuleType:
                 continue
             for file in dist.files or []:
                 path = Path(str(dist.locate_file(file))).resolve()
-                if path.name.startswith("_planner.") and path.name.endswith(suffixes) and path.parent != here \
-                        and path.is_file():
+                if (
+                    path.name.startswith("_planner.")
+                    and path.name.endswith(suffixes)
+                    and path.parent != here
+                    and path.is_file()
+                ):
                     spec = importlib.util.spec_from_file_location("lightning_rotor._planner", path)
                     if spec is None or spec.loader is None:
                         continue
                     module = importlib.util.module_from_spec(spec)
                     spec.loader.exec_module(module)
                     sys.modules["lightning_rotor._planner"] = module
-                    warnings.warn(f"lightning_rotor: {here} (imported, a source checkout?) has no built C++ planner; "
-                                  f"using the installed one, {path}. Build in place (pip install -e .) to use the "
-                                  "checkout's", stacklevel=2)
+                    warnings.warn(
+                        f"lightning_rotor: {here} (imported, a source checkout?) has no built C++ planner; "
+                        f"using the installed one, {path}. Build in place (pip install -e .) to use the "
+                        "checkout's",
+                        stacklevel=2,
+                    )
                     return module
         raise ImportError(
             f"lightning_rotor's C++ planner is not built in {here} (a source checkout shadows any installed copy "
@@ -203,8 +210,16 @@ def min_feasible_budget(chain: Chain) -> int:
     (chain version 4) needs its own forward peak; the rest is an ordinary chain, `chain.suffix()`.
     """
     suffix = chain.suffix()
-    return max(1, chain.prefix_peak, _planner.min_budget(*_memory_args(suffix), loss_tmp_graph=suffix.loss_tmp_graph,
-                                                         in_free=suffix.in_free, loss_value=suffix.loss_value))
+    return max(
+        1,
+        chain.prefix_peak,
+        _planner.min_budget(
+            *_memory_args(suffix),
+            loss_tmp_graph=suffix.loss_tmp_graph,
+            in_free=suffix.in_free,
+            loss_value=suffix.loss_value,
+        ),
+    )
 
 
 def plan(chain: Chain, mem_limit: BudgetSpec, *, slots: int | None = None, threads: int | None = None) -> Plan:
@@ -227,14 +242,31 @@ def plan(chain: Chain, mem_limit: BudgetSpec, *, slots: int | None = None, threa
         raise InfeasibleBudget(budget, smallest)
     check_planner_memory(chain.length, slots)
     d = discretize(chain, budget, slots=slots)
-    found = _planner.solve(d.size, d.saved, d.fwd_tmp, d.fwd_tmp_nograd, d.bwd_tmp, d.loss_tmp, d.fwd_cost, d.bwd_cost,
-                           d.slots, threads=threads or 0, loss_tmp_graph=d.loss_tmp_graph, in_free=d.in_free,
-                           loss_value=d.loss_value)
+    found = _planner.solve(
+        d.size,
+        d.saved,
+        d.fwd_tmp,
+        d.fwd_tmp_nograd,
+        d.bwd_tmp,
+        d.loss_tmp,
+        d.fwd_cost,
+        d.bwd_cost,
+        d.slots,
+        threads=threads or 0,
+        loss_tmp_graph=d.loss_tmp_graph,
+        in_free=d.in_free,
+        loss_value=d.loss_value,
+    )
     candidates = []
     if found is not None:
         candidates.append(parse_ops(found[1]))
-    fallback = _planner.feasible_schedule(*_memory_args(chain), budget, loss_tmp_graph=chain.loss_tmp_graph,
-                                          in_free=chain.in_free, loss_value=chain.loss_value)
+    fallback = _planner.feasible_schedule(
+        *_memory_args(chain),
+        budget,
+        loss_tmp_graph=chain.loss_tmp_graph,
+        in_free=chain.in_free,
+        loss_value=chain.loss_value,
+    )
     if fallback is not None:
         candidates.append(parse_ops(fallback))
     # the referee scores both: the fastest, the DP's on ties (simulate also refuses an invalid plan)

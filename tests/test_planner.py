@@ -40,8 +40,10 @@ def chains(draw, max_length=7):
             version2["loss_value"] = draw(st.sampled_from([1, 8, 35]))
     saved = [o + e for o, e in zip(out, extra, strict=True)]
     if draw(st.integers(0, 3)) == 0:  # outputs partly views of their inputs: recorded outputs smaller than values
-        saved = [max(s - draw(st.sampled_from([0, 10, 60])), version2.get("out_free", [0] * length)[k])
-                 for k, s in enumerate(saved)]
+        saved = [
+            max(s - draw(st.sampled_from([0, 10, 60])), version2.get("out_free", [0] * length)[k])
+            for k, s in enumerate(saved)
+        ]
     return Chain(
         input_size=input_size,
         out_size=out,
@@ -49,8 +51,9 @@ def chains(draw, max_length=7):
         fwd_time=draw(st.lists(time, min_size=length, max_size=length)),
         bwd_time=draw(st.lists(time, min_size=length, max_size=length)),
         fwd_tmp=draw(st.lists(st.sampled_from([0, 0, 3, 20]), min_size=length, max_size=length)),
-        fwd_tmp_nograd=draw(st.one_of(st.none(), st.lists(st.sampled_from([0, 2, 9, 30]), min_size=length,
-                                                           max_size=length))),
+        fwd_tmp_nograd=draw(
+            st.one_of(st.none(), st.lists(st.sampled_from([0, 2, 9, 30]), min_size=length, max_size=length))
+        ),
         bwd_tmp=bwd_tmp,
         loss_tmp=loss_tmp,
         **version2,
@@ -59,8 +62,20 @@ def chains(draw, max_length=7):
 
 def cpp_solve(chain, budget, slots):
     d = discretize(chain, budget, slots=slots)
-    return _planner.solve(d.size, d.saved, d.fwd_tmp, d.fwd_tmp_nograd, d.bwd_tmp, d.loss_tmp, d.fwd_cost, d.bwd_cost,
-                          d.slots, loss_tmp_graph=d.loss_tmp_graph, in_free=d.in_free, loss_value=d.loss_value)
+    return _planner.solve(
+        d.size,
+        d.saved,
+        d.fwd_tmp,
+        d.fwd_tmp_nograd,
+        d.bwd_tmp,
+        d.loss_tmp,
+        d.fwd_cost,
+        d.bwd_cost,
+        d.slots,
+        loss_tmp_graph=d.loss_tmp_graph,
+        in_free=d.in_free,
+        loss_value=d.loss_value,
+    )
 
 
 def without_in_free(chain):
@@ -159,8 +174,13 @@ def persistent_schedules(length):
 def test_planners_account_like_the_simulator(chain, where):
     """Replayed by the simulator, the best schedule of the whole family fits exactly the minimum budget, and at a
     budget in exact bytes the reference's plan is as fast as the fastest schedule of the family that fits."""
-    chain = Chain(**{**chain.__dict__, "fwd_time": [float(round(t)) for t in chain.fwd_time],
-                     "bwd_time": [float(round(t)) for t in chain.bwd_time]})  # integer times: sums are exact
+    chain = Chain(
+        **{
+            **chain.__dict__,
+            "fwd_time": [float(round(t)) for t in chain.fwd_time],
+            "bwd_time": [float(round(t)) for t in chain.bwd_time],
+        }
+    )  # integer times: sums are exact
     replayed = [simulate(chain, ops) for ops in persistent_schedules(chain.length)]
     assert min(r.peak for r in replayed) == reference_min_budget(chain)
     assert min_feasible_budget(chain) == max(1, reference_min_budget(chain))
@@ -191,9 +211,18 @@ def test_in_free_all_zero_is_version_2():
 def test_release_bigger_than_the_recorded_output():
     """A stage whose input is let go but whose output is small (a pooling head): the subproblem after Fe s has more
     memory than before it. The planners agree and the plan fits, at every budget from the minimum up."""
-    chain = Chain(input_size=8, out_size=[40, 40, 2, 30], saved_size=[40, 40, 2, 30], fwd_time=[1.0, 1.0, 1.0, 1.0],
-                  bwd_time=[2.0, 2.0, 2.0, 2.0], fwd_tmp=[0, 5, 0, 3], bwd_tmp=[0, 0, 0, 0], loss_tmp=0,
-                  out_free=[40, 40, 2, 0], in_free=[0, 40, 40, 2])
+    chain = Chain(
+        input_size=8,
+        out_size=[40, 40, 2, 30],
+        saved_size=[40, 40, 2, 30],
+        fwd_time=[1.0, 1.0, 1.0, 1.0],
+        bwd_time=[2.0, 2.0, 2.0, 2.0],
+        fwd_tmp=[0, 5, 0, 3],
+        bwd_tmp=[0, 0, 0, 0],
+        loss_tmp=0,
+        out_free=[40, 40, 2, 0],
+        in_free=[0, 40, 40, 2],
+    )
     old = without_in_free(chain)
     low = min_feasible_budget(chain)
     assert low == reference_min_budget(chain) < min_feasible_budget(old)
@@ -214,11 +243,16 @@ def medium_chain(length=14, seed=3):
 
     rng = random.Random(seed)
     out = [rng.randint(1, 40) * 1000 for _ in range(length)]
-    return Chain(input_size=5000, out_size=out, saved_size=[o + rng.choice([0, o, 2 * o]) for o in out],
-                 fwd_time=[rng.uniform(0.001, 0.004) for _ in range(length)],
-                 bwd_time=[rng.uniform(0.002, 0.008) for _ in range(length)],
-                 fwd_tmp=[rng.choice([0, 3000]) for _ in range(length)],
-                 bwd_tmp=[rng.choice([0, 8000]) for _ in range(length)], loss_tmp=2000)
+    return Chain(
+        input_size=5000,
+        out_size=out,
+        saved_size=[o + rng.choice([0, o, 2 * o]) for o in out],
+        fwd_time=[rng.uniform(0.001, 0.004) for _ in range(length)],
+        bwd_time=[rng.uniform(0.002, 0.008) for _ in range(length)],
+        fwd_tmp=[rng.choice([0, 3000]) for _ in range(length)],
+        bwd_tmp=[rng.choice([0, 8000]) for _ in range(length)],
+        loss_tmp=2000,
+    )
 
 
 @pytest.mark.parametrize("fraction", [0.35, 0.5, 0.7, 0.9])
@@ -274,8 +308,15 @@ def test_more_slots_never_slower():
 
 
 def test_infeasible_message():
-    chain = Chain(input_size=2**20, out_size=[2**20] * 3, saved_size=[2**21] * 3, fwd_time=[1.0] * 3,
-                  bwd_time=[1.0] * 3, fwd_tmp=[0] * 3, bwd_tmp=[0] * 3)
+    chain = Chain(
+        input_size=2**20,
+        out_size=[2**20] * 3,
+        saved_size=[2**21] * 3,
+        fwd_time=[1.0] * 3,
+        bwd_time=[1.0] * 3,
+        fwd_tmp=[0] * 3,
+        bwd_tmp=[0] * 3,
+    )
     smallest = min_feasible_budget(chain)
     with pytest.raises(InfeasibleBudget) as err:
         plan(chain, "1MiB")
@@ -341,9 +382,17 @@ def test_exact_fallback_when_slot_rounding_finds_nothing():
 def test_exact_fallback_replays_within_its_budget(chain, where):
     """The fallback is the DP's minimum-budget recursion walked in exact bytes: the referee finds every schedule it
     gives within the budget, from the exact minimum up, and it gives none one byte below."""
-    memory = dict(size=chain.sizes, saved=chain.saved_size, fwd_tmp=chain.fwd_tmp, fwd_tmp_nograd=chain.fwd_tmp_nograd,
-                  bwd_tmp=chain.bwd_net, loss_tmp=chain.loss_tmp, loss_tmp_graph=chain.loss_tmp_graph,
-                  in_free=chain.in_free, loss_value=chain.loss_value)
+    memory = dict(
+        size=chain.sizes,
+        saved=chain.saved_size,
+        fwd_tmp=chain.fwd_tmp,
+        fwd_tmp_nograd=chain.fwd_tmp_nograd,
+        bwd_tmp=chain.bwd_net,
+        loss_tmp=chain.loss_tmp,
+        loss_tmp_graph=chain.loss_tmp_graph,
+        in_free=chain.in_free,
+        loss_value=chain.loss_value,
+    )
     low = _planner.min_budget(**memory)
     assert low == reference_min_budget(chain)
     budget = low + int(where * (no_recompute_peak(chain) - low))
@@ -358,8 +407,15 @@ def test_chain_too_large_for_memory_is_refused_before_planning():
     have = available_ram()
     length = 50
     slots = 8 * have // planner_memory_estimate(length, 1) + 10  # tables of about 4x the bytes available
-    chain = Chain(input_size=1, out_size=[1] * length, saved_size=[1] * length, fwd_time=[1.0] * length,
-                  bwd_time=[1.0] * length, fwd_tmp=[0] * length, bwd_tmp=[0] * length)
+    chain = Chain(
+        input_size=1,
+        out_size=[1] * length,
+        saved_size=[1] * length,
+        fwd_time=[1.0] * length,
+        bwd_time=[1.0] * length,
+        fwd_tmp=[0] * length,
+        bwd_tmp=[0] * length,
+    )
     with pytest.raises(PlannerTooLarge) as err:
         plan(chain, 10**9, slots=slots)
     assert "may need up to" in str(err.value) and "\n" not in str(err.value)
