@@ -123,8 +123,8 @@ class Chain:
     bwd_tmp: list[int]
     loss_tmp: int = 0
     names: list[str] = field(default_factory=list)
-    # NOTE: [derived defaults] None in the constructor means "derive it" (the docstring says from what):
-    # __post_init__ fills these in, so on a Chain they are always a list (an int), which is their type.
+    # None in the constructor means "derive it" (the docstring says from what): __post_init__ fills
+    # these in, so on a Chain they are always a list (an int), which is the type they are given.
     fwd_tmp_nograd: list[int] = None  # type: ignore[assignment]
     out_free: list[int] = None  # type: ignore[assignment]
     loss_tmp_kept: int = None  # type: ignore[assignment]

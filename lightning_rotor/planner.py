@@ -271,7 +271,8 @@ def plan(chain: Chain, mem_limit: BudgetSpec, *, slots: int | None = None, threa
         candidates.append(parse_ops(fallback))
     # the referee scores both: the fastest, the DP's on ties (simulate also refuses an invalid plan)
     scored = [(simulate(chain, ops), ops) for ops in candidates]
-    (peak, time, *_), ops = min(scored, key=lambda item: item[0].time)
+    best, ops = min(scored, key=lambda item: item[0].time)
+    peak, time = best.peak, best.time
     if whole.frozen:
         ops = frozen_prefix_ops(whole.frozen) + shift_ops(ops, whole.frozen)
         peak, time = simulate(whole, ops)[:2]
