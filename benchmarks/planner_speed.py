@@ -7,6 +7,7 @@
   compiled here with gcc and fed the same DiscreteChain; their optimal costs must be equal.
   The DP alone is timed on the default threads (min(2, hardware threads)) and on one thread.
 - L = 400 at 40%: `plan()` wall time.
+- L = 150 and 400: one `simulate()` of the plan (part of `plan()`, which scores up to two candidates with it).
 - L = 400: peak resident memory of a fresh process running the C++ DP (VmHWM from /proc/self/status).
 Figures are medians with min..max over the repeats. docs/planner.md records a run.
 """
@@ -28,7 +29,7 @@ from lightning_rotor import _planner
 from lightning_rotor.chain import Chain
 from lightning_rotor.discretize import discretize
 from lightning_rotor.planner import plan
-from lightning_rotor.simulate import no_recompute_peak
+from lightning_rotor.simulate import no_recompute_peak, simulate
 
 HERE = Path(__file__).resolve().parent
 MiB = 2**20
@@ -60,6 +61,17 @@ def timed_plan(chain: Chain, budget: int, repeats: int) -> list[float]:
     for _ in range(repeats):
         start = time.perf_counter()
         plan(chain, budget)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def timed_simulate(chain: Chain, budget: int, repeats: int) -> list[float]:
+    """One replay of the plan by the simulator, the referee `plan()` scores its candidates with."""
+    ops = plan(chain, budget).ops
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        simulate(chain, ops)
         times.append(time.perf_counter() - start)
     return times
 
@@ -158,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     plan_times = timed_plan(chain, budget, args.repeats)
     solve_times = timed_solve(chain, budget, args.repeats)
     single_times = timed_solve(chain, budget, args.repeats, threads=1)
+    simulate_times = timed_simulate(chain, budget, args.repeats)
     speedup = statistics.median(yard_times) / statistics.median(plan_times)
     dp_speedup = statistics.median(yard_times) / statistics.median(solve_times)
     single_speedup = statistics.median(yard_times) / statistics.median(single_times)
@@ -167,10 +180,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  lightning_rotor plan():       {spread(plan_times)}")
     print(f"  lightning_rotor DP only, {threads} thread(s): {spread(solve_times)}")
     print(f"  lightning_rotor DP only, 1 thread:    {spread(single_times)}")
+    print(f"  simulate() of the plan:       {spread(simulate_times)}")
     print(f"  speedup (median/median): whole plan() {speedup:.1f}x, DP against DP {dp_speedup:.1f}x "
           f"({threads} thread(s)), {single_speedup:.1f}x (1 thread)")
     results["compare"] = {"length": args.length, "budget": budget, "cost": ours, "yardstick_s": yard_times,
                           "plan_s": plan_times, "solve_s": solve_times, "solve_1thread_s": single_times,
+                          "simulate_s": simulate_times,
                           "threads": threads, "speedup": speedup, "dp_speedup": dp_speedup,
                           "dp_speedup_1thread": single_speedup}
 
@@ -178,9 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     large_budget = int(0.4 * no_recompute_peak(large))
     large_times = timed_plan(large, large_budget, max(1, args.repeats // 2 + 1))
     print(f"L={args.large} at 40%: plan() {spread(large_times)}")
+    large_simulate = timed_simulate(large, large_budget, args.repeats)
+    print(f"L={args.large} at 40%: simulate() of the plan {spread(large_simulate)}")
     before, after = planner_memory(large, large_budget)
     print(f"L={args.large}: planner process peak RSS {after / MiB:.0f} MiB (before the DP: {before / MiB:.0f} MiB)")
-    results["large"] = {"length": args.large, "plan_s": large_times, "rss_before": before, "rss_after": after}
+    results["large"] = {"length": args.large, "plan_s": large_times, "simulate_s": large_simulate,
+                        "rss_before": before, "rss_after": after}
     print(json.dumps(results))
     return 0
 

@@ -2,7 +2,7 @@
  * plainly, as rotor's own C code does it -- a memory-major table cost[m][s][t]
  * filled for every m with O(M * L^3) loops, no pruning, no vectorisation tricks.
  * It solves the same integer problem as lightning_rotor's planner (the recursion
- * of lightning_rotor/reference.py), so the two optimal costs must be equal.
+ * of tests/reference_planner.py), so the two optimal costs must be equal.
  *
  * Input on stdin (integers, whitespace separated):
  *   L slots loss_tmp

@@ -49,27 +49,6 @@ py::list to_python(const std::vector<Op>& ops) {
     return out;
 }
 
-std::vector<Op> from_python(const py::list& ops) {
-    std::vector<Op> out;
-    out.reserve(ops.size());
-    for (const auto& item : ops) {
-        auto op = item.cast<py::sequence>();
-        auto name = op[0].cast<std::string>();
-        if (name == "Loss") {
-            out.push_back({OpKind::Loss, -1});
-            continue;
-        }
-        OpKind kind;
-        if (name == "Fn") kind = OpKind::Fn;
-        else if (name == "Fc") kind = OpKind::Fc;
-        else if (name == "Fe") kind = OpKind::Fe;
-        else if (name == "B") kind = OpKind::B;
-        else throw std::invalid_argument("unknown op " + name);
-        out.push_back({kind, op[1].cast<int>()});
-    }
-    return out;
-}
-
 }  // namespace
 
 PYBIND11_MODULE(_planner, m) {
@@ -123,19 +102,4 @@ PYBIND11_MODULE(_planner, m) {
         py::arg("budget"), py::arg("loss_tmp_graph") = py::none(), py::arg("in_free") = py::none(),
         py::arg("loss_value") = 0,
         "Ops of a schedule within `budget` exact units, or None below the minimum.");
-
-    m.def(
-        "replay",
-        [](Sizes size, Sizes saved, Sizes fwd_tmp, Sizes fwd_tmp_nograd, Sizes bwd_tmp, int64_t loss_tmp, std::vector<double> fwd_time,
-           std::vector<double> bwd_time, const py::list& ops, Opt loss_tmp_graph, OptSizes in_free,
-           int64_t loss_value) {
-            MemChain c = make_chain(size, saved, fwd_tmp, fwd_tmp_nograd, bwd_tmp, loss_tmp, loss_tmp_graph,
-                                    std::move(in_free), loss_value);
-            rotor::Replay r = rotor::replay(c, fwd_time, bwd_time, from_python(ops));
-            return py::make_tuple(r.peak, r.time);
-        },
-        py::arg("size"), py::arg("saved"), py::arg("fwd_tmp"), py::arg("fwd_tmp_nograd"), py::arg("bwd_tmp"), py::arg("loss_tmp"),
-        py::arg("fwd_time"), py::arg("bwd_time"), py::arg("ops"), py::arg("loss_tmp_graph") = py::none(),
-        py::arg("in_free") = py::none(), py::arg("loss_value") = 0,
-        "(peak bytes, seconds) of ops replayed on the chain.");
 }

@@ -10,7 +10,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cmath>
 #include <condition_variable>
 #include <limits>
 #include <mutex>
@@ -440,43 +439,6 @@ void emit_feasible(const MemChain& c, const Needs& n, int s, int t, bool given, 
     throw std::logic_error("planner: no feasible choice at stage " + std::to_string(s));
 }
 
-// Correctly rounded sum (Shewchuk's partials, as in CPython's math.fsum).
-class ExactSum {
-   public:
-    void add(double x) {
-        size_t i = 0;
-        for (double y : partials_) {
-            if (std::fabs(x) < std::fabs(y)) std::swap(x, y);
-            double hi = x + y;
-            double lo = y - (hi - x);
-            if (lo != 0.0) partials_[i++] = lo;
-            x = hi;
-        }
-        partials_.resize(i);
-        partials_.push_back(x);
-    }
-    double total() const {
-        size_t n = partials_.size();
-        if (n == 0) return 0.0;
-        double hi = partials_[--n], lo = 0.0;
-        while (n > 0) {
-            double x = hi, y = partials_[--n];
-            hi = x + y;
-            double yr = hi - x;
-            lo = y - yr;
-            if (lo != 0.0) break;
-        }
-        if (n > 0 && ((lo < 0 && partials_[n - 1] < 0) || (lo > 0 && partials_[n - 1] > 0))) {
-            double y = lo * 2, x = hi + y;
-            if (y == x - hi) hi = x;
-        }
-        return hi;
-    }
-
-   private:
-    std::vector<double> partials_;
-};
-
 void check_chain(const MemChain& c) {
     const size_t L = c.saved.size();
     if (L == 0 || c.size.size() != L + 1 || c.fwd_tmp.size() != L || c.fwd_tmp_nograd.size() != L ||
@@ -521,106 +483,6 @@ Solution feasible_schedule(const MemChain& chain, int64_t budget) {
     out.feasible = true;
     emit_feasible(chain, n, 0, chain.length(), false, m, out.ops);
     return out;
-}
-
-Replay replay(const MemChain& c, const std::vector<double>& fwd_time, const std::vector<double>& bwd_time,
-              const std::vector<Op>& ops) {
-    check_chain(c);
-    const int L = c.length();
-    std::vector<char> plain(L + 1, 0), graph(L + 1, 0), grad(L + 1, 0);
-    plain[0] = 1;
-    // Chain version 3: the Fe k (k >= 1) that is the last forward of stage k before B k lets go in_free[k]
-    // bytes of a_k after its peak: of the plain a_k when held (B k drops the rest), else of the recorded
-    // ā_k (B k-1 lets go the rest of its free part, which bwd_tmp[k-1] already subtracts).
-    std::vector<char> last(ops.size(), 0), awaiting(L + 1, 0), let_go(L + 1, 0);
-    for (size_t i = ops.size(); i-- > 0;) {
-        const int k = ops[i].stage;
-        if (ops[i].kind == OpKind::Loss || k < 0 || k >= L) continue;
-        if (ops[i].kind == OpKind::B) {
-            awaiting[k] = 1;
-        } else if (awaiting[k]) {
-            awaiting[k] = 0;
-            last[i] = ops[i].kind == OpKind::Fe && k >= 1;
-        }
-    }
-    std::vector<int64_t> early_plain(L + 1, 0), early_graph(L + 1, 0);
-    int64_t cur = c.size[0], peak = cur;
-    ExactSum time;
-    bool loss_done = false;
-    int next_backward = L - 1;
-    auto fail = [](size_t i, const std::string& why) {
-        return std::invalid_argument("invalid plan: op " + std::to_string(i) + ": " + why);
-    };
-    for (size_t i = 0; i < ops.size(); ++i) {
-        const Op op = ops[i];
-        const int k = op.stage;
-        if (op.kind != OpKind::Loss && (k < 0 || k >= L)) throw fail(i, "stage index out of range");
-        switch (op.kind) {
-            case OpKind::Fn:
-            case OpKind::Fc:
-            case OpKind::Fe: {
-                if (op.kind == OpKind::Fn && !plain[k]) throw fail(i, "Fn needs a plain input");
-                if (!plain[k] && !graph[k]) throw fail(i, "input not held");
-                if (let_go[k]) throw fail(i, "input partly let go after the last forward of its stage");
-                if (op.kind == OpKind::Fe) {
-                    if (graph[k + 1]) throw fail(i, "output already recorded");
-                    peak = std::max(peak, cur + c.saved[k] + c.fwd_tmp[k]);
-                    graph[k + 1] = 1;
-                    cur += c.saved[k];
-                    if (last[i] && c.in_free[k] != 0) {
-                        (plain[k] ? early_plain : early_graph)[k] = c.in_free[k];
-                        let_go[k] = 1;
-                        cur -= c.in_free[k];
-                    }
-                } else {
-                    if (plain[k + 1]) throw fail(i, "output already held");
-                    peak = std::max(peak, cur + c.size[k + 1] + c.fwd_tmp_nograd[k]);
-                    plain[k + 1] = 1;
-                    cur += c.size[k + 1];
-                    if (op.kind == OpKind::Fn && k != 0) {
-                        plain[k] = 0;
-                        cur -= c.size[k];
-                    }
-                }
-                time.add(fwd_time[k]);
-                break;
-            }
-            case OpKind::Loss: {
-                if (loss_done) throw fail(i, "second loss");
-                if (!graph[L] && !plain[L]) throw fail(i, "chain output not held");
-                peak = std::max(peak, cur + c.size[L] + (graph[L] ? c.loss_tmp_graph : c.loss_tmp));
-                grad[L] = 1;
-                cur += c.size[L] + c.loss_value;  // δ_L, and the loss value held from here to the end
-                if (!graph[L] && plain[L]) {
-                    plain[L] = 0;
-                    cur -= c.size[L];
-                }
-                loss_done = true;
-                break;
-            }
-            case OpKind::B: {
-                if (!loss_done || k != next_backward) throw fail(i, "backward out of order");
-                if (!graph[k + 1] || !grad[k + 1]) throw fail(i, "backward needs the recorded output and its gradient");
-                if (!plain[k] && !graph[k]) throw fail(i, "backward needs its input");
-                peak = std::max(peak, cur + early_graph[k + 1] + c.size[k] + c.bwd_tmp[k]);
-                graph[k + 1] = 0;
-                grad[k + 1] = 0;
-                grad[k] = 1;
-                cur += c.size[k] - (c.saved[k] - early_graph[k + 1]) - c.size[k + 1];
-                early_graph[k + 1] = 0;
-                if (plain[k] && k != 0) {
-                    plain[k] = 0;
-                    cur -= c.size[k] - early_plain[k];
-                    early_plain[k] = 0;
-                }
-                time.add(bwd_time[k]);
-                --next_backward;
-                break;
-            }
-        }
-    }
-    if (!loss_done || next_backward != -1) throw std::invalid_argument("invalid plan: it ends before B 0");
-    return {peak, time.total()};
 }
 
 }  // namespace rotor

@@ -1,7 +1,7 @@
 // Optimal persistent checkpointing schedules for a chain (docs/planner.md).
 //
 // Solves exactly the integer problem of lightning_rotor/discretize.py, with the
-// recursion of lightning_rotor/reference.py (the executable specification).
+// recursion of tests/reference_planner.py (the executable specification, the tests' oracle).
 // No Python or torch types here: bindings.cpp wraps these for Python.
 #pragma once
 
@@ -57,16 +57,8 @@ int default_threads();
 int64_t min_budget(const MemChain& chain);
 
 // A schedule that fits in `budget` (exact units), or infeasible when budget < min_budget.
-// Prefers recording (Fe) and short forward runs wherever memory allows.
+// Prefers recording (Fe) and short forward runs wherever memory allows. It walks min_budget's
+// tables, so it shares the DP's memory rules; plans are scored by lightning_rotor/simulate.py alone.
 Solution feasible_schedule(const MemChain& chain, int64_t budget);
-
-struct Replay {
-    int64_t peak = 0;
-    double time = 0;  // correctly rounded sum of the op times, like Python's math.fsum
-};
-
-// Replays ops under docs/memory-model.md; throws std::invalid_argument on an invalid plan.
-Replay replay(const MemChain& chain, const std::vector<double>& fwd_time, const std::vector<double>& bwd_time,
-              const std::vector<Op>& ops);
 
 }  // namespace rotor

@@ -47,15 +47,18 @@ def _check_size(value: Any, where: str) -> int:
 
 def _check_signed(value: Any, where: str, lowest: int) -> int:
     """A byte count that may be negative, down to `lowest` (a peak is never below the state it starts from)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
-        isinstance(value, float) and (not math.isfinite(value) or value != int(value))
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or (isinstance(value, float) and (not math.isfinite(value) or value != int(value)))
     ):
         raise ChainError(f"{where} must be an integer number of bytes, got {value!r}")
     if abs(value) > MAX_BYTES:
         raise ChainError(f"{where} is {value!r} bytes, beyond the 2**62 bytes (4 EiB) a chain may hold")
     if value < lowest:
-        raise ChainError(f"{where}={int(value)} is below {lowest}: the peak of an op cannot be below what is held "
-                         "when it starts")
+        raise ChainError(
+            f"{where}={int(value)} is below {lowest}: the peak of an op cannot be below what is held when it starts"
+        )
     return int(value)
 
 
@@ -71,10 +74,10 @@ def _optional_sizes(values: Any, name: str, default: list[int]) -> list[int]:
 def _check_time(value: Any, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ChainError(f"{where} must be a non-negative number of seconds, got {value!r}")
-    value = float(value)
-    if not math.isfinite(value) or value < 0:
-        raise ChainError(f"{where} must be a finite non-negative number of seconds, got {value!r}")
-    return value
+    seconds = float(value)
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ChainError(f"{where} must be a finite non-negative number of seconds, got {seconds!r}")
+    return seconds
 
 
 @dataclass
@@ -120,10 +123,12 @@ class Chain:
     bwd_tmp: list[int]
     loss_tmp: int = 0
     names: list[str] = field(default_factory=list)
-    fwd_tmp_nograd: list[int] | None = None
-    out_free: list[int] | None = None
-    loss_tmp_kept: int | None = None
-    in_free: list[int] | None = None
+    # None in the constructor means "derive it" (the docstring says from what): __post_init__ fills
+    # these in, so on a Chain they are always a list (an int), which is the type they are given.
+    fwd_tmp_nograd: list[int] = None  # type: ignore[assignment]
+    out_free: list[int] = None  # type: ignore[assignment]
+    loss_tmp_kept: int = None  # type: ignore[assignment]
+    in_free: list[int] = None  # type: ignore[assignment]
     loss_value: int = 0
     frozen: int = 0
 
@@ -158,33 +163,53 @@ class Chain:
         self.out_free = _optional_sizes(self.out_free, "out_free", [0] * length)
         for k in range(length):
             if self.out_free[k] > min(self.out_size[k], self.saved_size[k]):
-                raise ChainError(f"out_free[{k}]={self.out_free[k]} is larger than out_size[{k}]={self.out_size[k]} "
-                                 f"or saved_size[{k}]={self.saved_size[k]}; only the stage's own output is released")
+                raise ChainError(
+                    f"out_free[{k}]={self.out_free[k]} is larger than out_size[{k}]={self.out_size[k]} "
+                    f"or saved_size[{k}]={self.saved_size[k]}; only the stage's own output is released"
+                )
         self.loss_value = _check_size(self.loss_value, "loss_value")
         self.in_free = _optional_sizes(self.in_free, "in_free", [0] * length)
         if self.in_free[0]:
-            raise ChainError(f"in_free[0]={self.in_free[0]} must be 0: the chain input a_0 is the caller's and is "
-                             "never released")
+            raise ChainError(
+                f"in_free[0]={self.in_free[0]} must be 0: the chain input a_0 is the caller's and is never released"
+            )
         for k in range(1, length):
             if self.in_free[k] > self.out_size[k - 1]:
-                raise ChainError(f"in_free[{k}]={self.in_free[k]} is larger than out_size[{k - 1}]="
-                                 f"{self.out_size[k - 1]}, the size of a_{k}")
+                raise ChainError(
+                    f"in_free[{k}]={self.in_free[k]} is larger than out_size[{k - 1}]="
+                    f"{self.out_size[k - 1]}, the size of a_{k}"
+                )
             if self.in_free[k] > self.out_free[k - 1]:
-                raise ChainError(f"in_free[{k}]={self.in_free[k]} is larger than out_free[{k - 1}]="
-                                 f"{self.out_free[k - 1]}: bytes of a_{k} neither graph keeps are among those the "
-                                 f"graph of stage {k - 1} does not keep")
+                raise ChainError(
+                    f"in_free[{k}]={self.in_free[k]} is larger than out_free[{k - 1}]="
+                    f"{self.out_free[k - 1]}: bytes of a_{k} neither graph keeps are among those the "
+                    f"graph of stage {k - 1} does not keep"
+                )
         if isinstance(self.frozen, bool) or not isinstance(self.frozen, int) or not 0 <= self.frozen < length:
-            raise ChainError(f"frozen must be an integer from 0 to {length - 1} (the stages before the first one that "
-                             f"needs a backward; at least the last stage does), got {self.frozen!r}")
-        total = self.input_size + self.loss_value + abs(self.loss_tmp) + abs(self.loss_tmp_kept) + sum(
-            sum(abs(v) for v in getattr(self, f)) for f in (*SIZE_FIELDS, "fwd_tmp_nograd", "out_free", "in_free"))
+            raise ChainError(
+                f"frozen must be an integer from 0 to {length - 1} (the stages before the first one that "
+                f"needs a backward; at least the last stage does), got {self.frozen!r}"
+            )
+        total = (
+            self.input_size
+            + self.loss_value
+            + abs(self.loss_tmp)
+            + abs(self.loss_tmp_kept)
+            + sum(
+                sum(abs(v) for v in getattr(self, f)) for f in (*SIZE_FIELDS, "fwd_tmp_nograd", "out_free", "in_free")
+            )
+        )
         if total > MAX_BYTES:
-            raise ChainError(f"the chain's sizes add up to {total} bytes, more than the 2**62 bytes (4 EiB) the "
-                             "planner adds up exactly")
+            raise ChainError(
+                f"the chain's sizes add up to {total} bytes, more than the 2**62 bytes (4 EiB) the "
+                "planner adds up exactly"
+            )
         horizon = length * sum(self.fwd_time) + sum(self.bwd_time)  # inf, not an error, when it overflows
         if not horizon <= MAX_SECONDS:
-            raise ChainError(f"the chain's times are too large: {length} x Σ fwd_time + Σ bwd_time = {horizon:g} s; "
-                             f"at most {MAX_SECONDS:g} s is accepted")
+            raise ChainError(
+                f"the chain's times are too large: {length} x Σ fwd_time + Σ bwd_time = {horizon:g} s; "
+                f"at most {MAX_SECONDS:g} s is accepted"
+            )
         if self.names is None or (isinstance(self.names, (list, tuple)) and not self.names):
             self.names = [f"stage{k}" for k in range(length)]
         if not isinstance(self.names, (list, tuple)) or len(self.names) != length:
@@ -226,7 +251,7 @@ class Chain:
 
         One correctly rounded sum, as `simulate` adds op times, so the two agree exactly.
         """
-        return math.fsum([*self.fwd_time, *self.bwd_time[self.frozen:]])
+        return math.fsum([*self.fwd_time, *self.bwd_time[self.frozen :]])
 
     @property
     def prefix_peak(self) -> int:
@@ -250,14 +275,18 @@ class Chain:
             return self
         return Chain(
             input_size=self.input_size + self.out_size[f - 1],
-            **{name: list(getattr(self, name)[f:]) for name in STAGE_FIELDS if name != "bwd_tmp"},
-            bwd_tmp=[self.bwd_tmp[f] - self.input_size, *self.bwd_tmp[f + 1:]],
+            out_size=self.out_size[f:],
+            saved_size=self.saved_size[f:],
+            fwd_time=self.fwd_time[f:],
+            bwd_time=self.bwd_time[f:],
+            fwd_tmp=self.fwd_tmp[f:],
+            bwd_tmp=[self.bwd_tmp[f] - self.input_size, *self.bwd_tmp[f + 1 :]],
             loss_tmp=self.loss_tmp,
             names=self.names[f:],
             fwd_tmp_nograd=self.fwd_tmp_nograd[f:],
             out_free=self.out_free[f:],
             loss_tmp_kept=self.loss_tmp_kept,
-            in_free=[0, *self.in_free[f + 1:]],
+            in_free=[0, *self.in_free[f + 1 :]],
             loss_value=self.loss_value,
         )
 
@@ -267,8 +296,10 @@ class Chain:
             raise ChainError(f"a chain must be a JSON object, got {type(data).__name__}")
         version = data.get("version", 1)  # files before versioning are version 1
         if isinstance(version, bool) or version not in READABLE_VERSIONS:
-            raise ChainError(f"unknown chain version {version!r}; this release reads versions "
-                             f"{', '.join(map(str, READABLE_VERSIONS))}")
+            raise ChainError(
+                f"unknown chain version {version!r}; this release reads versions "
+                f"{', '.join(map(str, READABLE_VERSIONS))}"
+            )
         missing = [k for k in ("input_size", *STAGE_FIELDS) if k not in data]
         if missing:
             raise ChainError(f"chain is missing field(s) {', '.join(missing)}")
@@ -295,14 +326,8 @@ class Chain:
         return cls(
             input_size=data["input_size"],
             loss_tmp=data.get("loss_tmp", 0),
-            names=data.get("names"),
-            fwd_tmp_nograd=data.get("fwd_tmp_nograd"),
-            out_free=data.get("out_free"),
-            loss_tmp_kept=data.get("loss_tmp_kept"),
-            in_free=data.get("in_free"),
-            loss_value=data.get("loss_value", 0),
-            frozen=data.get("frozen", 0),
-            **{name: data[name] for name in STAGE_FIELDS},
+            names=data.get("names", []),
+            **{name: data[name] for name in (*STAGE_FIELDS, *OPTIONAL_FIELDS) if name in data},
         )
 
     def to_dict(self) -> dict[str, Any]:

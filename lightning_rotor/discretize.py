@@ -43,7 +43,8 @@ def auto_slots(length: int) -> int:
 
 def resolve_slots(slots: object, length: int) -> int:
     """`slots` checked, or the automatic precision for `length` stages when None."""
-    return auto_slots(length) if slots is None else check_slots(slots)
+    checked = check_slots(slots)
+    return auto_slots(length) if checked is None else checked
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ def time_scale(chain: Chain) -> tuple[int, float]:
     return count_bits, tick
 
 
-def check_slots(slots: object) -> int:
+def check_slots(slots: object) -> int | None:
     """Validate the planner's memory precision (one place, for every entry point); None means automatic."""
     if slots is None:
         return slots
@@ -118,4 +119,3 @@ def discretize(chain: Chain, budget: int, slots: int = DEFAULT_SLOTS) -> Discret
         count_bits=count_bits,
         tick=tick,
     )
-

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from enum import Enum
-from typing import Any
+from typing import Any, cast
 
 
 class OpKind(str, Enum):
@@ -38,7 +38,7 @@ class OpKind(str, Enum):
 FORWARD_KINDS = frozenset({OpKind.FN, OpKind.FC, OpKind.FE})
 
 
-class Op(tuple):
+class Op(tuple[Any, ...]):
     """One schedule operation: `Op("Fe", 2)`, `Op("Loss")`; a tuple in JSON shape."""
 
     __slots__ = ()
@@ -55,7 +55,7 @@ class Op(tuple):
 
     @property
     def kind(self) -> OpKind:
-        return self[0]
+        return cast(OpKind, self[0])
 
     @property
     def stage(self) -> int | None:
@@ -72,7 +72,7 @@ class Op(tuple):
     def __repr__(self) -> str:
         return f"Op({self.label})"
 
-    def __reduce__(self) -> tuple:
+    def __reduce__(self) -> tuple[Any, ...]:
         return (Op, (self.kind.value, self.stage))
 
 
@@ -101,7 +101,7 @@ def forward_counts(ops: Iterable[Op], length: int) -> list[int]:
     """How many times each of `length` stages runs forward in `ops` (more than 1: recomputed)."""
     runs = [0] * length
     for op in ops:
-        if op.kind.is_forward:
+        if op.kind.is_forward and op.stage is not None:  # a forward always has a stage
             runs[op.stage] += 1
     return runs
 
@@ -110,7 +110,7 @@ def recomputed_stage_set(ops: Iterable[Op]) -> set[int]:
     """The stages that run forward more than once."""
     counts: dict[int, int] = {}
     for op in ops:
-        if op.kind.is_forward:
+        if op.kind.is_forward and op.stage is not None:  # a forward always has a stage
             counts[op.stage] = counts.get(op.stage, 0) + 1
     return {k for k, n in counts.items() if n > 1}
 
@@ -132,6 +132,8 @@ def last_forwards(ops: Sequence[Op], length: int) -> set[int]:
     for i in range(len(ops) - 1, -1, -1):
         op = ops[i]
         k = op.stage
+        if k is None:  # the loss
+            continue
         if op.kind is OpKind.B:
             awaiting.add(k)
         elif op.kind.is_forward and k in awaiting:
@@ -152,11 +154,15 @@ def check_frozen_prefix(ops: Sequence[Op], frozen: int) -> None:
     prefix = frozen_prefix_ops(frozen)
     for i, op in enumerate(ops):
         if i < frozen and op != prefix[i]:
-            raise ValueError(f"invalid plan: op {i} ({op.label}): stages 0..{frozen - 1} are frozen (no backward); a "
-                             f"plan starts with {', '.join(o.label for o in prefix)}, expected {prefix[i].label}")
+            raise ValueError(
+                f"invalid plan: op {i} ({op.label}): stages 0..{frozen - 1} are frozen (no backward); a "
+                f"plan starts with {', '.join(o.label for o in prefix)}, expected {prefix[i].label}"
+            )
         if i >= frozen and op.stage is not None and op.stage < frozen:
-            raise ValueError(f"invalid plan: op {i} ({op.label}): stage {op.stage} is frozen (no backward): it runs "
-                             "once, as the plan's first ops, and never again")
+            raise ValueError(
+                f"invalid plan: op {i} ({op.label}): stage {op.stage} is frozen (no backward): it runs "
+                "once, as the plan's first ops, and never again"
+            )
     if len(ops) < frozen:
         raise ValueError(f"invalid plan: it ends before the frozen prefix {', '.join(o.label for o in prefix)} is run")
 
@@ -168,9 +174,12 @@ def shift_ops(ops: Iterable[Op], by: int) -> list[Op]:
 
 def no_recompute_ops(length: int, frozen: int = 0) -> list[Op]:
     """`Fn 0 … Fn F-1, Fe F … Fe L-1, Loss, B L-1 … B F`: the fastest schedule, at unlimited memory."""
-    return frozen_prefix_ops(frozen) + [Op(OpKind.FE, k) for k in range(frozen, length)] + [Op(OpKind.LOSS)] + [
-        Op(OpKind.B, k) for k in reversed(range(frozen, length))
-    ]
+    return (
+        frozen_prefix_ops(frozen)
+        + [Op(OpKind.FE, k) for k in range(frozen, length)]
+        + [Op(OpKind.LOSS)]
+        + [Op(OpKind.B, k) for k in reversed(range(frozen, length))]
+    )
 
 
 def is_no_recompute(ops: Iterable[Op]) -> bool:

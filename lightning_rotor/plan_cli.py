@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
+from typing import Any
 
 from lightning_rotor.budget import BudgetError, format_bytes
 from lightning_rotor.chain import Chain, ChainError
@@ -19,7 +21,7 @@ from lightning_rotor.planner import InfeasibleBudget, Plan, PlannerTooLarge, pla
 PROG = "lightning-rotor plan"
 
 
-def compact_ops(ops: list[tuple]) -> str:
+def compact_ops(ops: Sequence[tuple[Any, ...]]) -> str:
     """`Fe0-3 Fc4 Fn5-6 Loss B6..0`: runs of one op kind over consecutive stages."""
     parts: list[str] = []
     i = 0
@@ -45,28 +47,36 @@ def compact_ops(ops: list[tuple]) -> str:
 
 def summary(chain: Chain, result: Plan, source: str) -> str:
     slower = result.time / result.no_recompute_time - 1 if result.no_recompute_time > 0 else 0.0
-    return "\n".join([
-        f"chain:   {source} ({chain.length} stages)",
-        f"budget:  {format_bytes(result.mem_limit)} ({result.mem_limit} bytes)",
-        f"peak:    {format_bytes(result.peak)} ({result.peak} bytes, {100 * result.peak / result.mem_limit:.1f}% "
-        "of the budget)",
-        f"time:    {result.time:.6g} s predicted vs {result.no_recompute_time:.6g} s without recomputation "
-        f"({100 * slower:+.1f}%)",
-        f"recomputed stages: {result.recomputed_stages} of {chain.length}",
-        f"ops ({len(result.ops)}): {compact_ops(result.ops)}",
-    ])
+    return "\n".join(
+        [
+            f"chain:   {source} ({chain.length} stages)",
+            f"budget:  {format_bytes(result.budget)} ({result.budget} bytes)",
+            f"peak:    {format_bytes(result.peak)} ({result.peak} bytes, {100 * result.peak / result.budget:.1f}% "
+            "of the budget)",
+            f"time:    {result.time:.6g} s predicted vs {result.no_recompute_time:.6g} s without recomputation "
+            f"({100 * slower:+.1f}%)",
+            f"recomputed stages: {result.recomputed_stages} of {chain.length}",
+            f"ops ({len(result.ops)}): {compact_ops(result.ops)}",
+        ]
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="Plan the fastest checkpointing schedule of a chain.")
     parser.add_argument("chain", help="chain JSON file (docs/memory-model.md)")
-    parser.add_argument("--mem-limit", required=True,
-                        help="activation budget: bytes, '6GiB', '512MB', or a fraction of the "
-                             "no-recomputation peak ('0.5', '50%%')")
+    parser.add_argument(
+        "--mem-limit",
+        required=True,
+        help="activation budget: bytes, '6GiB', '512MB', or a fraction of the no-recomputation peak ('0.5', '50%%')",
+    )
     parser.add_argument("--json", action="store_true", help="print the plan JSON instead of a summary")
-    parser.add_argument("--slots", type=int, default=None,
-                        help=f"memory precision of the planner (default: automatic, from {DEFAULT_SLOTS} for "
-                             "150 stages or more up to 20000 for short chains)")
+    parser.add_argument(
+        "--slots",
+        type=int,
+        default=None,
+        help=f"memory precision of the planner (default: automatic, from {DEFAULT_SLOTS} for "
+        "150 stages or more up to 20000 for short chains)",
+    )
     return parser
 
 

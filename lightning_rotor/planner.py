@@ -13,14 +13,13 @@ from __future__ import annotations
 import importlib.machinery
 import importlib.metadata
 import importlib.util
-import math
 import os
 import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_rotor.budget import BudgetSpec, format_bytes, resolve_budget
 from lightning_rotor.chain import Chain
@@ -49,16 +48,25 @@ def _load_planner() -> ModuleType:
             if (dist.metadata["Name"] or "").lower().replace("_", "-") != "lightning-rotor":
                 continue
             for file in dist.files or []:
-                path = Path(dist.locate_file(file)).resolve()
-                if path.name.startswith("_planner.") and path.name.endswith(suffixes) and path.parent != here \
-                        and path.is_file():
+                path = Path(str(dist.locate_file(file))).resolve()
+                if (
+                    path.name.startswith("_planner.")
+                    and path.name.endswith(suffixes)
+                    and path.parent != here
+                    and path.is_file()
+                ):
                     spec = importlib.util.spec_from_file_location("lightning_rotor._planner", path)
+                    if spec is None or spec.loader is None:
+                        continue
                     module = importlib.util.module_from_spec(spec)
                     spec.loader.exec_module(module)
                     sys.modules["lightning_rotor._planner"] = module
-                    warnings.warn(f"lightning_rotor: {here} (imported, a source checkout?) has no built C++ planner; "
-                                  f"using the installed one, {path}. Build in place (pip install -e .) to use the "
-                                  "checkout's", stacklevel=2)
+                    warnings.warn(
+                        f"lightning_rotor: {here} (imported, a source checkout?) has no built C++ planner; "
+                        f"using the installed one, {path}. Build in place (pip install -e .) to use the "
+                        "checkout's",
+                        stacklevel=2,
+                    )
                     return module
         raise ImportError(
             f"lightning_rotor's C++ planner is not built in {here} (a source checkout shadows any installed copy "
@@ -67,7 +75,10 @@ def _load_planner() -> ModuleType:
         ) from err
 
 
-_planner = _load_planner()
+if TYPE_CHECKING:  # the type checker reads the extension's types from lightning_rotor/_planner.pyi
+    from lightning_rotor import _planner
+else:
+    _planner = _load_planner()
 
 __all__ = ["InfeasibleBudget", "Plan", "PlannerTooLarge", "min_feasible_budget", "plan", "planner_memory_estimate"]
 
@@ -117,31 +128,48 @@ def check_planner_memory(length: int, slots: int) -> None:
 class InfeasibleBudget(ValueError):
     """No persistent schedule fits the budget; `.min_feasible` is the smallest budget that does."""
 
-    def __init__(self, mem_limit: int, min_feasible: int) -> None:
-        self.mem_limit = mem_limit
+    def __init__(self, budget: int, min_feasible: int) -> None:
+        self.budget = budget
         self.min_feasible = min_feasible
         super().__init__(
-            f"budget {format_bytes(mem_limit)} ({mem_limit} bytes) is below the smallest feasible budget "
+            f"budget {format_bytes(budget)} ({budget} bytes) is below the smallest feasible budget "
             f"{format_bytes(min_feasible)} ({min_feasible} bytes) for this chain; use mem_limit >= {min_feasible}"
         )
+
+    @property
+    def mem_limit(self) -> int:
+        """The budget in bytes under its old name (callers move to `budget`; subclasses may still set it)."""
+        return self.budget
+
+    @mem_limit.setter
+    def mem_limit(self, budget: int) -> None:
+        self.budget = budget
 
 
 @dataclass
 class Plan:
-    """A schedule and what it costs: `time` in seconds and `peak` in bytes, as the simulator replays it."""
+    """A schedule and what it costs: `time` in seconds and `peak` in bytes, as the simulator replays it.
+
+    `budget` is the resolved budget in bytes the plan was made for (the user's `mem_limit`, resolved).
+    """
 
     ops: list[Op]
     time: float
     peak: int
-    mem_limit: int
+    budget: int
     slots: int = DEFAULT_SLOTS
     recomputed_stages: int = 0
     no_recompute_time: float = 0.0
 
+    @property
+    def mem_limit(self) -> int:
+        """The budget in bytes under its old name (callers move to `budget`)."""
+        return self.budget
+
     def to_dict(self) -> dict[str, Any]:
         """The plan JSON of docs/memory-model.md (plus planner details)."""
         return {
-            "mem_limit": self.mem_limit,
+            "budget": self.budget,
             "time": self.time,
             "peak": self.peak,
             "slots": self.slots,
@@ -152,9 +180,11 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
+        """A plan from `to_dict`'s JSON; plans saved before `budget` was named so say `mem_limit`."""
         if not isinstance(data, dict):
             raise ValueError(f"a plan must be a JSON object, got {type(data).__name__}")
-        missing = [k for k in ("mem_limit", "time", "peak", "ops") if k not in data]
+        budget = "budget" if "budget" in data else "mem_limit"
+        missing = [k for k in ("time", "peak", "ops") if k not in data] + ([] if budget in data else ["budget"])
         if missing:
             raise ValueError(f"plan is missing field(s) {', '.join(missing)}")
         ops = parse_ops(data["ops"])
@@ -162,14 +192,14 @@ class Plan:
             ops=ops,
             time=float(data["time"]),
             peak=int(data["peak"]),
-            mem_limit=int(data["mem_limit"]),
+            budget=int(data[budget]),
             slots=int(data.get("slots", DEFAULT_SLOTS)),
             recomputed_stages=int(data.get("recomputed_stages", recomputed_stages(ops))),
             no_recompute_time=float(data.get("no_recompute_time", 0.0)),
         )
 
 
-def _memory_args(chain: Chain) -> tuple:
+def _memory_args(chain: Chain) -> tuple[list[int], list[int], list[int], list[int], list[int], int]:
     return chain.sizes, chain.saved_size, chain.fwd_tmp, chain.fwd_tmp_nograd, chain.bwd_net, chain.loss_tmp
 
 
@@ -180,21 +210,16 @@ def min_feasible_budget(chain: Chain) -> int:
     (chain version 4) needs its own forward peak; the rest is an ordinary chain, `chain.suffix()`.
     """
     suffix = chain.suffix()
-    return max(1, chain.prefix_peak, _planner.min_budget(*_memory_args(suffix), loss_tmp_graph=suffix.loss_tmp_graph,
-                                                         in_free=suffix.in_free, loss_value=suffix.loss_value))
-
-
-def replay(chain: Chain, ops: list[Op]) -> tuple[int, float]:
-    """(peak bytes, seconds) of `ops` by the C++ replay (tests compare it with `simulate`).
-
-    With a frozen prefix, the C++ replay runs the suffix's part of `ops` (`simulate` checks the prefix).
-    """
-    f = chain.frozen
-    if f:
-        peak, time = replay(chain.suffix(), shift_ops(ops[f:], -f))
-        return max(chain.prefix_peak, peak), math.fsum([*chain.fwd_time[:f], time])
-    return _planner.replay(*_memory_args(chain), chain.fwd_time, chain.bwd_time, list(ops),
-                           loss_tmp_graph=chain.loss_tmp_graph, in_free=chain.in_free, loss_value=chain.loss_value)
+    return max(
+        1,
+        chain.prefix_peak,
+        _planner.min_budget(
+            *_memory_args(suffix),
+            loss_tmp_graph=suffix.loss_tmp_graph,
+            in_free=suffix.in_free,
+            loss_value=suffix.loss_value,
+        ),
+    )
 
 
 def plan(chain: Chain, mem_limit: BudgetSpec, *, slots: int | None = None, threads: int | None = None) -> Plan:
@@ -217,18 +242,37 @@ def plan(chain: Chain, mem_limit: BudgetSpec, *, slots: int | None = None, threa
         raise InfeasibleBudget(budget, smallest)
     check_planner_memory(chain.length, slots)
     d = discretize(chain, budget, slots=slots)
-    found = _planner.solve(d.size, d.saved, d.fwd_tmp, d.fwd_tmp_nograd, d.bwd_tmp, d.loss_tmp, d.fwd_cost, d.bwd_cost,
-                           d.slots, threads=threads or 0, loss_tmp_graph=d.loss_tmp_graph, in_free=d.in_free,
-                           loss_value=d.loss_value)
+    found = _planner.solve(
+        d.size,
+        d.saved,
+        d.fwd_tmp,
+        d.fwd_tmp_nograd,
+        d.bwd_tmp,
+        d.loss_tmp,
+        d.fwd_cost,
+        d.bwd_cost,
+        d.slots,
+        threads=threads or 0,
+        loss_tmp_graph=d.loss_tmp_graph,
+        in_free=d.in_free,
+        loss_value=d.loss_value,
+    )
     candidates = []
     if found is not None:
         candidates.append(parse_ops(found[1]))
-    fallback = _planner.feasible_schedule(*_memory_args(chain), budget, loss_tmp_graph=chain.loss_tmp_graph,
-                                          in_free=chain.in_free, loss_value=chain.loss_value)
+    fallback = _planner.feasible_schedule(
+        *_memory_args(chain),
+        budget,
+        loss_tmp_graph=chain.loss_tmp_graph,
+        in_free=chain.in_free,
+        loss_value=chain.loss_value,
+    )
     if fallback is not None:
         candidates.append(parse_ops(fallback))
-    scored = [(replay(chain, ops), ops) for ops in candidates]
-    (peak, time), ops = min(scored, key=lambda item: item[0][1])  # fastest; the DP's on ties
+    # the referee scores both: the fastest, the DP's on ties (simulate also refuses an invalid plan)
+    scored = [(simulate(chain, ops), ops) for ops in candidates]
+    best, ops = min(scored, key=lambda item: item[0].time)
+    peak, time = best.peak, best.time
     if whole.frozen:
         ops = frozen_prefix_ops(whole.frozen) + shift_ops(ops, whole.frozen)
         peak, time = simulate(whole, ops)[:2]
@@ -236,7 +280,7 @@ def plan(chain: Chain, mem_limit: BudgetSpec, *, slots: int | None = None, threa
         ops=ops,
         time=time,
         peak=peak,
-        mem_limit=budget,
+        budget=budget,
         slots=slots,
         recomputed_stages=recomputed_stages(ops),
         no_recompute_time=whole.no_recompute_time(),

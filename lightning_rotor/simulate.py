@@ -54,12 +54,17 @@ def simulate(chain: Chain, ops: Iterable[Any]) -> Simulation:
         cur += s[k + 1] - (s[k] if k else 0)
         curve.append(cur)
     peak, times, rest, rest_peaks = _replay(chain.suffix(), shift_ops(ops[f:], -f), first_op=f, first_stage=f)
-    return Simulation(peak=max(peak, *op_peaks), time=math.fsum([*chain.fwd_time[:f], *times]),
-                      curve=curve + rest, op_peaks=op_peaks + rest_peaks)
+    return Simulation(
+        peak=max(peak, *op_peaks),
+        time=math.fsum([*chain.fwd_time[:f], *times]),
+        curve=curve + rest,
+        op_peaks=op_peaks + rest_peaks,
+    )
 
 
-def _replay(chain: Chain, ops: list[Op], first_op: int = 0,
-            first_stage: int = 0) -> tuple[int, list[float], list[int], list[int]]:
+def _replay(
+    chain: Chain, ops: list[Op], first_op: int = 0, first_stage: int = 0
+) -> tuple[int, list[float], list[int], list[int]]:
     """(peak, op times, curve, op peaks) of an ordinary chain; errors name ops `first_op`, stages `first_stage` on."""
     length = chain.length
     s = chain.sizes
@@ -89,9 +94,10 @@ def _replay(chain: Chain, ops: list[Op], first_op: int = 0,
         return ValueError(f"invalid plan: op {i + first_op} ({label}): {why}")
 
     for i, op in enumerate(ops):
-        kind, k = op.kind, op.stage
-        n = None if k is None else k + first_stage  # the stage's index in messages
-        if k is not None and not 0 <= k < length:
+        kind = op.kind
+        k = -1 if op.stage is None else op.stage  # -1: the loss, which has no stage
+        n = k + first_stage  # the stage's index in messages
+        if kind is not OpKind.LOSS and not 0 <= k < length:
             raise fail(i, op, f"stage index out of range 0..{length + first_stage - 1}")
         if kind is OpKind.FN or kind is OpKind.FC or kind is OpKind.FE:
             if kind is OpKind.FN and k not in plain:
@@ -141,8 +147,12 @@ def _replay(chain: Chain, ops: list[Op], first_op: int = 0,
             if not loss_done:
                 raise fail(i, op, "backward before the loss")
             if k != next_backward:
-                raise fail(i, op, f"backwards run B {length + first_stage - 1} … B {first_stage} in order; "
-                                  f"expected B {next_backward + first_stage}")
+                raise fail(
+                    i,
+                    op,
+                    f"backwards run B {length + first_stage - 1} … B {first_stage} in order; "
+                    f"expected B {next_backward + first_stage}",
+                )
             if k + 1 not in graph:
                 raise fail(i, op, f"needs a_{n + 1} with its graph (run Fe {n} first)")
             if k + 1 not in grads:
@@ -169,8 +179,10 @@ def _replay(chain: Chain, ops: list[Op], first_op: int = 0,
         curve.append(cur)
     if not loss_done or next_backward != -1:
         expected = "Loss" if not loss_done else f"B {next_backward + first_stage}"
-        raise ValueError(f"invalid plan: it ends before B {first_stage} (next expected: {expected}); "
-                         f"a plan must end holding δ_{first_stage}")
+        raise ValueError(
+            f"invalid plan: it ends before B {first_stage} (next expected: {expected}); "
+            f"a plan must end holding δ_{first_stage}"
+        )
     return peak, times, curve, op_peaks
 
 

@@ -11,9 +11,16 @@ from lightning_rotor.chain import Chain, ChainError
 
 def chain_dict(**changes):
     data = {
-        "version": 1, "names": ["a", "b", "c"], "input_size": 10,
-        "out_size": [20, 5, 7], "saved_size": [30, 8, 7], "fwd_time": [1.0, 2.0, 0.5],
-        "bwd_time": [3.0, 4.0, 1.0], "fwd_tmp": [3, 1, 0], "bwd_tmp": [4, 2, 0], "loss_tmp": 6,
+        "version": 1,
+        "names": ["a", "b", "c"],
+        "input_size": 10,
+        "out_size": [20, 5, 7],
+        "saved_size": [30, 8, 7],
+        "fwd_time": [1.0, 2.0, 0.5],
+        "bwd_time": [3.0, 4.0, 1.0],
+        "fwd_tmp": [3, 1, 0],
+        "bwd_tmp": [4, 2, 0],
+        "loss_tmp": 6,
     }
     data.update(changes)
     return data
@@ -130,9 +137,19 @@ def test_version_3_stage_inputs_released():
     # the total-size check counts in_free: every field alone is legal, the sum is not
     big = 2**60
     with pytest.raises(ChainError, match="add up to"):
-        Chain.from_dict(chain_dict(version=3, input_size=0, out_size=[big, 1, 1], saved_size=[big, 1, 1],
-                                   out_free=[big, 0, 0], in_free=[0, big, 0], fwd_tmp=[0] * 3, bwd_tmp=[0] * 3,
-                                   loss_tmp=0))
+        Chain.from_dict(
+            chain_dict(
+                version=3,
+                input_size=0,
+                out_size=[big, 1, 1],
+                saved_size=[big, 1, 1],
+                out_free=[big, 0, 0],
+                in_free=[0, big, 0],
+                fwd_tmp=[0] * 3,
+                bwd_tmp=[0] * 3,
+                loss_tmp=0,
+            )
+        )
 
 
 def test_version_2_files_keep_their_meaning():
@@ -167,8 +184,9 @@ def test_missing_and_unknown_fields():
 
 def test_empty_chain_and_not_an_object():
     with pytest.raises(ChainError, match="at least one stage"):
-        Chain.from_dict(chain_dict(out_size=[], saved_size=[], fwd_time=[], bwd_time=[], fwd_tmp=[], bwd_tmp=[],
-                                   names=[]))
+        Chain.from_dict(
+            chain_dict(out_size=[], saved_size=[], fwd_time=[], bwd_time=[], fwd_tmp=[], bwd_tmp=[], names=[])
+        )
     with pytest.raises(ChainError, match="JSON object"):
         Chain.from_dict([1, 2])
 

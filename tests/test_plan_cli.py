@@ -28,9 +28,9 @@ def test_summary(capsys):
 def test_json_is_the_plan(capsys):
     assert main([str(RESNET), "--mem-limit", "1.5GiB", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["mem_limit"] == 3 * 2**29
+    assert data["budget"] == 3 * 2**29
     sim = simulate(Chain.load(RESNET), data["ops"])
-    assert sim.peak == data["peak"] <= data["mem_limit"]
+    assert sim.peak == data["peak"] <= data["budget"]
     assert sim.time == data["time"]
 
 
@@ -54,8 +54,11 @@ def test_infeasible_exits_2_with_smallest_budget(capsys):
     [
         (None, "no such chain file"),
         ("{not json", "not valid JSON"),
-        ('{"version": 1, "input_size": 1, "out_size": [1], "saved_size": [1], "fwd_time": [-1], "bwd_time": [1], '
-         '"fwd_tmp": [0], "bwd_tmp": [0]}', "fwd_time[0]"),
+        (
+            '{"version": 1, "input_size": 1, "out_size": [1], "saved_size": [1], "fwd_time": [-1], "bwd_time": [1], '
+            '"fwd_tmp": [0], "bwd_tmp": [0]}',
+            "fwd_time[0]",
+        ),
         ('{"version": 9}', "unknown chain version"),
     ],
 )
@@ -81,17 +84,35 @@ def test_bad_slots(capsys):
 
 def test_console_script_no_traceback(tmp_path):
     missing = tmp_path / "absent.json"
-    run = subprocess.run([sys.executable, "-m", "lightning_rotor.cli", "plan", str(missing), "--mem-limit", "1GiB"],
-                         capture_output=True, text=True)
+    run = subprocess.run(
+        [sys.executable, "-m", "lightning_rotor.cli", "plan", str(missing), "--mem-limit", "1GiB"],
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == 1 and "Traceback" not in run.stderr and "no such chain file" in run.stderr
-    ok = subprocess.run([sys.executable, "-m", "lightning_rotor.cli", "plan", str(RESNET), "--mem-limit", "2GiB",
-                         "--json"], capture_output=True, text=True)
-    assert ok.returncode == 0 and json.loads(ok.stdout)["mem_limit"] == 2 * 2**30
+    ok = subprocess.run(
+        [sys.executable, "-m", "lightning_rotor.cli", "plan", str(RESNET), "--mem-limit", "2GiB", "--json"],
+        capture_output=True,
+        text=True,
+    )
+    assert ok.returncode == 0 and json.loads(ok.stdout)["budget"] == 2 * 2**30
 
 
 def test_compact_ops():
-    ops = [("Fe", 0), ("Fe", 1), ("Fc", 2), ("Fn", 3), ("Fn", 4), ("Loss",), ("Fe", 2), ("B", 4), ("B", 3), ("B", 2),
-           ("B", 1), ("B", 0)]
+    ops = [
+        ("Fe", 0),
+        ("Fe", 1),
+        ("Fc", 2),
+        ("Fn", 3),
+        ("Fn", 4),
+        ("Loss",),
+        ("Fe", 2),
+        ("B", 4),
+        ("B", 3),
+        ("B", 2),
+        ("B", 1),
+        ("B", 0),
+    ]
     assert compact_ops(ops) == "Fe0-1 Fc2 Fn3-4 Loss Fe2 B4..0"
 
 

@@ -6,13 +6,13 @@ import math
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from reference_planner import reference_min_budget, reference_plan, solve
 
 from lightning_rotor import _planner
 from lightning_rotor.chain import Chain
 from lightning_rotor.discretize import discretize
 from lightning_rotor.ops import FORWARD_KINDS
-from lightning_rotor.planner import InfeasibleBudget, Plan, min_feasible_budget, plan, replay
-from lightning_rotor.reference import reference_min_budget, reference_plan, solve
+from lightning_rotor.planner import InfeasibleBudget, Plan, min_feasible_budget, plan
 from lightning_rotor.simulate import no_recompute_ops, no_recompute_peak, simulate
 
 
@@ -40,8 +40,10 @@ def chains(draw, max_length=7):
             version2["loss_value"] = draw(st.sampled_from([1, 8, 35]))
     saved = [o + e for o, e in zip(out, extra, strict=True)]
     if draw(st.integers(0, 3)) == 0:  # outputs partly views of their inputs: recorded outputs smaller than values
-        saved = [max(s - draw(st.sampled_from([0, 10, 60])), version2.get("out_free", [0] * length)[k])
-                 for k, s in enumerate(saved)]
+        saved = [
+            max(s - draw(st.sampled_from([0, 10, 60])), version2.get("out_free", [0] * length)[k])
+            for k, s in enumerate(saved)
+        ]
     return Chain(
         input_size=input_size,
         out_size=out,
@@ -49,8 +51,9 @@ def chains(draw, max_length=7):
         fwd_time=draw(st.lists(time, min_size=length, max_size=length)),
         bwd_time=draw(st.lists(time, min_size=length, max_size=length)),
         fwd_tmp=draw(st.lists(st.sampled_from([0, 0, 3, 20]), min_size=length, max_size=length)),
-        fwd_tmp_nograd=draw(st.one_of(st.none(), st.lists(st.sampled_from([0, 2, 9, 30]), min_size=length,
-                                                           max_size=length))),
+        fwd_tmp_nograd=draw(
+            st.one_of(st.none(), st.lists(st.sampled_from([0, 2, 9, 30]), min_size=length, max_size=length))
+        ),
         bwd_tmp=bwd_tmp,
         loss_tmp=loss_tmp,
         **version2,
@@ -59,8 +62,20 @@ def chains(draw, max_length=7):
 
 def cpp_solve(chain, budget, slots):
     d = discretize(chain, budget, slots=slots)
-    return _planner.solve(d.size, d.saved, d.fwd_tmp, d.fwd_tmp_nograd, d.bwd_tmp, d.loss_tmp, d.fwd_cost, d.bwd_cost,
-                          d.slots, loss_tmp_graph=d.loss_tmp_graph, in_free=d.in_free, loss_value=d.loss_value)
+    return _planner.solve(
+        d.size,
+        d.saved,
+        d.fwd_tmp,
+        d.fwd_tmp_nograd,
+        d.bwd_tmp,
+        d.loss_tmp,
+        d.fwd_cost,
+        d.bwd_cost,
+        d.slots,
+        loss_tmp_graph=d.loss_tmp_graph,
+        in_free=d.in_free,
+        loss_value=d.loss_value,
+    )
 
 
 def without_in_free(chain):
@@ -85,9 +100,7 @@ def test_cpp_equals_reference(chain, where, slots):
         return
     assert got is not None and got[0] == expected[0]
     assert got[1] == expected[1]
-    sim = simulate(chain, got[1])
-    assert sim.peak <= budget
-    assert replay(chain, got[1]) == (sim.peak, sim.time)
+    assert simulate(chain, got[1]).peak <= budget
 
 
 @settings(max_examples=400, deadline=None)
@@ -102,7 +115,7 @@ def test_plan_within_budget_and_reports_simulated_figures(chain, where):
         return
     result = plan(chain, budget)
     sim = simulate(chain, result.ops)
-    assert sim.peak == result.peak <= budget == result.mem_limit
+    assert sim.peak == result.peak <= budget == result.budget
     assert sim.time == result.time
     reference = reference_plan(chain, budget, slots=500)
     if reference is not None:  # never slower than the 500-slot dynamic program
@@ -161,8 +174,13 @@ def persistent_schedules(length):
 def test_planners_account_like_the_simulator(chain, where):
     """Replayed by the simulator, the best schedule of the whole family fits exactly the minimum budget, and at a
     budget in exact bytes the reference's plan is as fast as the fastest schedule of the family that fits."""
-    chain = Chain(**{**chain.__dict__, "fwd_time": [float(round(t)) for t in chain.fwd_time],
-                     "bwd_time": [float(round(t)) for t in chain.bwd_time]})  # integer times: sums are exact
+    chain = Chain(
+        **{
+            **chain.__dict__,
+            "fwd_time": [float(round(t)) for t in chain.fwd_time],
+            "bwd_time": [float(round(t)) for t in chain.bwd_time],
+        }
+    )  # integer times: sums are exact
     replayed = [simulate(chain, ops) for ops in persistent_schedules(chain.length)]
     assert min(r.peak for r in replayed) == reference_min_budget(chain)
     assert min_feasible_budget(chain) == max(1, reference_min_budget(chain))
@@ -184,8 +202,6 @@ def test_in_free_all_zero_is_version_2():
     assert _planner.solve(*args, in_free=zeros) == _planner.solve(*args) == cpp_solve(chain, budget, 500)
     memory = (chain.sizes, chain.saved_size, chain.fwd_tmp, chain.fwd_tmp_nograd, chain.bwd_net, chain.loss_tmp)
     assert _planner.min_budget(*memory, in_free=zeros) == _planner.min_budget(*memory) == min_feasible_budget(chain)
-    ops = plan(chain, budget).ops
-    assert _planner.replay(*memory, chain.fwd_time, chain.bwd_time, list(ops), in_free=zeros) == replay(chain, ops)
     with pytest.raises(ValueError, match="inconsistent chain lengths"):
         _planner.solve(*args, in_free=zeros[:-1])
     with pytest.raises(ValueError, match=r"in_free\[0\] must be 0"):
@@ -195,9 +211,18 @@ def test_in_free_all_zero_is_version_2():
 def test_release_bigger_than_the_recorded_output():
     """A stage whose input is let go but whose output is small (a pooling head): the subproblem after Fe s has more
     memory than before it. The planners agree and the plan fits, at every budget from the minimum up."""
-    chain = Chain(input_size=8, out_size=[40, 40, 2, 30], saved_size=[40, 40, 2, 30], fwd_time=[1.0, 1.0, 1.0, 1.0],
-                  bwd_time=[2.0, 2.0, 2.0, 2.0], fwd_tmp=[0, 5, 0, 3], bwd_tmp=[0, 0, 0, 0], loss_tmp=0,
-                  out_free=[40, 40, 2, 0], in_free=[0, 40, 40, 2])
+    chain = Chain(
+        input_size=8,
+        out_size=[40, 40, 2, 30],
+        saved_size=[40, 40, 2, 30],
+        fwd_time=[1.0, 1.0, 1.0, 1.0],
+        bwd_time=[2.0, 2.0, 2.0, 2.0],
+        fwd_tmp=[0, 5, 0, 3],
+        bwd_tmp=[0, 0, 0, 0],
+        loss_tmp=0,
+        out_free=[40, 40, 2, 0],
+        in_free=[0, 40, 40, 2],
+    )
     old = without_in_free(chain)
     low = min_feasible_budget(chain)
     assert low == reference_min_budget(chain) < min_feasible_budget(old)
@@ -218,11 +243,16 @@ def medium_chain(length=14, seed=3):
 
     rng = random.Random(seed)
     out = [rng.randint(1, 40) * 1000 for _ in range(length)]
-    return Chain(input_size=5000, out_size=out, saved_size=[o + rng.choice([0, o, 2 * o]) for o in out],
-                 fwd_time=[rng.uniform(0.001, 0.004) for _ in range(length)],
-                 bwd_time=[rng.uniform(0.002, 0.008) for _ in range(length)],
-                 fwd_tmp=[rng.choice([0, 3000]) for _ in range(length)],
-                 bwd_tmp=[rng.choice([0, 8000]) for _ in range(length)], loss_tmp=2000)
+    return Chain(
+        input_size=5000,
+        out_size=out,
+        saved_size=[o + rng.choice([0, o, 2 * o]) for o in out],
+        fwd_time=[rng.uniform(0.001, 0.004) for _ in range(length)],
+        bwd_time=[rng.uniform(0.002, 0.008) for _ in range(length)],
+        fwd_tmp=[rng.choice([0, 3000]) for _ in range(length)],
+        bwd_tmp=[rng.choice([0, 8000]) for _ in range(length)],
+        loss_tmp=2000,
+    )
 
 
 @pytest.mark.parametrize("fraction", [0.35, 0.5, 0.7, 0.9])
@@ -278,8 +308,15 @@ def test_more_slots_never_slower():
 
 
 def test_infeasible_message():
-    chain = Chain(input_size=2**20, out_size=[2**20] * 3, saved_size=[2**21] * 3, fwd_time=[1.0] * 3,
-                  bwd_time=[1.0] * 3, fwd_tmp=[0] * 3, bwd_tmp=[0] * 3)
+    chain = Chain(
+        input_size=2**20,
+        out_size=[2**20] * 3,
+        saved_size=[2**21] * 3,
+        fwd_time=[1.0] * 3,
+        bwd_time=[1.0] * 3,
+        fwd_tmp=[0] * 3,
+        bwd_tmp=[0] * 3,
+    )
     smallest = min_feasible_budget(chain)
     with pytest.raises(InfeasibleBudget) as err:
         plan(chain, "1MiB")
@@ -293,11 +330,29 @@ def test_plan_dict_round_trip():
     chain = medium_chain()
     result = plan(chain, 0.5)
     data = json.loads(json.dumps(result.to_dict()))
-    assert {"mem_limit", "time", "peak", "ops"} <= set(data)
+    assert {"budget", "time", "peak", "ops"} <= set(data)
     assert data["ops"][0] == list(result.ops[0])
     assert Plan.from_dict(data) == result
     with pytest.raises(ValueError, match="missing"):
         Plan.from_dict({"ops": []})
+
+
+def test_plan_budget_is_bytes_and_mem_limit_its_old_name():
+    """`Plan.budget` holds the resolved bytes (`mem_limit` is the user's spec elsewhere); the old name still reads it,
+    and plans saved under the old key load."""
+    chain = medium_chain()
+    result = plan(chain, "50%")
+    assert result.budget == result.mem_limit == int(0.5 * no_recompute_peak(chain))
+    with pytest.raises(AttributeError):
+        result.mem_limit = 1  # an alias, not a second field
+    old = {**result.to_dict(), "mem_limit": result.budget}
+    del old["budget"]
+    assert Plan.from_dict(old) == result
+    with pytest.raises(InfeasibleBudget) as err:
+        plan(chain, 1)
+    assert err.value.budget == err.value.mem_limit == 1
+    err.value.mem_limit = 2  # subclasses (InfeasibleTotal, InfeasibleStep) still set the old name
+    assert err.value.budget == 2
 
 
 @pytest.mark.parametrize("slots", [0, -1, 2.5, True])
@@ -306,10 +361,10 @@ def test_bad_slots(slots):
         plan(medium_chain(), 0.5, slots=slots)
 
 
-def test_cpp_replay_rejects_invalid_plans():
-    chain = medium_chain(3)
-    with pytest.raises(ValueError, match="op 1"):
-        replay(chain, [("Fe", 0), ("B", 0)])
+def test_the_simulator_is_the_only_replay():
+    """The C++ module plans; scoring a plan (peak, time) is simulate's job alone (docs/planner.md)."""
+    assert not hasattr(_planner, "replay")
+    assert {"solve", "min_budget", "feasible_schedule", "default_threads"} <= set(dir(_planner))
 
 
 def test_exact_fallback_when_slot_rounding_finds_nothing():
@@ -322,14 +377,45 @@ def test_exact_fallback_when_slot_rounding_finds_nothing():
     assert sim.peak == result.peak <= smallest and sim.time == result.time
 
 
+@settings(max_examples=300, deadline=None)
+@given(chain=chains(), where=st.floats(0, 1.2))
+def test_exact_fallback_replays_within_its_budget(chain, where):
+    """The fallback is the DP's minimum-budget recursion walked in exact bytes: the referee finds every schedule it
+    gives within the budget, from the exact minimum up, and it gives none one byte below."""
+    memory = dict(
+        size=chain.sizes,
+        saved=chain.saved_size,
+        fwd_tmp=chain.fwd_tmp,
+        fwd_tmp_nograd=chain.fwd_tmp_nograd,
+        bwd_tmp=chain.bwd_net,
+        loss_tmp=chain.loss_tmp,
+        loss_tmp_graph=chain.loss_tmp_graph,
+        in_free=chain.in_free,
+        loss_value=chain.loss_value,
+    )
+    low = _planner.min_budget(**memory)
+    assert low == reference_min_budget(chain)
+    budget = low + int(where * (no_recompute_peak(chain) - low))
+    ops = _planner.feasible_schedule(**memory, budget=budget)
+    assert simulate(chain, ops).peak <= budget
+    assert _planner.feasible_schedule(**memory, budget=low - 1) is None
+
+
 def test_chain_too_large_for_memory_is_refused_before_planning():
     from lightning_rotor.planner import PlannerTooLarge, available_ram, planner_memory_estimate
 
     have = available_ram()
     length = 50
     slots = 8 * have // planner_memory_estimate(length, 1) + 10  # tables of about 4x the bytes available
-    chain = Chain(input_size=1, out_size=[1] * length, saved_size=[1] * length, fwd_time=[1.0] * length,
-                  bwd_time=[1.0] * length, fwd_tmp=[0] * length, bwd_tmp=[0] * length)
+    chain = Chain(
+        input_size=1,
+        out_size=[1] * length,
+        saved_size=[1] * length,
+        fwd_time=[1.0] * length,
+        bwd_time=[1.0] * length,
+        fwd_tmp=[0] * length,
+        bwd_tmp=[0] * length,
+    )
     with pytest.raises(PlannerTooLarge) as err:
         plan(chain, 10**9, slots=slots)
     assert "may need up to" in str(err.value) and "\n" not in str(err.value)

@@ -33,8 +33,19 @@ def random_chain(rng: random.Random, length: int, release: bool = False) -> Chai
 
 def solve(chain, budget, slots, threads):
     d = discretize(chain, budget, slots=slots)
-    return _planner.solve(d.size, d.saved, d.fwd_tmp, d.fwd_tmp_nograd, d.bwd_tmp, d.loss_tmp, d.fwd_cost, d.bwd_cost,
-                          d.slots, threads=threads, in_free=d.in_free)
+    return _planner.solve(
+        d.size,
+        d.saved,
+        d.fwd_tmp,
+        d.fwd_tmp_nograd,
+        d.bwd_tmp,
+        d.loss_tmp,
+        d.fwd_cost,
+        d.bwd_cost,
+        d.slots,
+        threads=threads,
+        in_free=d.in_free,
+    )
 
 
 @pytest.mark.parametrize("seed", range(40))

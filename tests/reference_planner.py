@@ -1,8 +1,8 @@
-"""Pure-Python reference planner: the executable specification of the C++ one.
+"""The tests' oracle for the C++ dynamic program: the same recursion in plain Python.
 
-For tests only: it is slow (memoised recursion, one memory value at a time),
-but short enough to check by eye against docs/memory-model.md.
-docs/planner.md derives the recursion.
+Slow (memoised recursion, one memory value at a time), but short enough to check by
+eye against docs/memory-model.md; docs/planner.md derives the recursion. It plans and
+never scores: the tests replay its schedules with `simulate`, the one referee.
 
 Subproblem `(s, t, given, m)`: the caller holds `a_s` (outside the subproblem)
 and, when `given`, the gradient `δ_t`; otherwise `t == L` and the loss is still

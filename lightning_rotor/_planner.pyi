@@ -1,0 +1,42 @@
+# Types of the C++ extension `lightning_rotor._planner` (cpp/bindings.cpp), for the type checker.
+# Ops come back as ("Fe", 2) / ("Loss",) tuples; lightning_rotor.ops.parse_ops turns them into Ops.
+
+def solve(
+    size: list[int],
+    saved: list[int],
+    fwd_tmp: list[int],
+    fwd_tmp_nograd: list[int],
+    bwd_tmp: list[int],
+    loss_tmp: int,
+    fwd_cost: list[int],
+    bwd_cost: list[int],
+    slots: int,
+    threads: int = 0,
+    loss_tmp_graph: int | None = None,
+    in_free: list[int] | None = None,
+    loss_value: int = 0,
+) -> tuple[int, list[tuple[str, int] | tuple[str]]] | None: ...
+def default_threads() -> int: ...
+def min_budget(
+    size: list[int],
+    saved: list[int],
+    fwd_tmp: list[int],
+    fwd_tmp_nograd: list[int],
+    bwd_tmp: list[int],
+    loss_tmp: int,
+    loss_tmp_graph: int | None = None,
+    in_free: list[int] | None = None,
+    loss_value: int = 0,
+) -> int: ...
+def feasible_schedule(
+    size: list[int],
+    saved: list[int],
+    fwd_tmp: list[int],
+    fwd_tmp_nograd: list[int],
+    bwd_tmp: list[int],
+    loss_tmp: int,
+    budget: int,
+    loss_tmp_graph: int | None = None,
+    in_free: list[int] | None = None,
+    loss_value: int = 0,
+) -> list[tuple[str, int] | tuple[str]] | None: ...
