@@ -8,10 +8,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_rotor.chain import Chain
+from lightning_rotor.engine import InplaceError
 from lightning_rotor.execute import PlanRunner
 from lightning_rotor.memory import MemoryProbe
 from lightning_rotor.ops import no_recompute_ops
-from lightning_rotor.profile import InplaceError, profile_chain
+from lightning_rotor.profile import profile_chain
 from lightning_rotor.simulate import simulate
 from lightning_rotor.stages import sequential_stages
 
@@ -333,10 +334,10 @@ def test_a_plain_stage_input_goes_exactly_when_the_chain_says():
 
 
 def test_consecutive_backwards_of_recorded_stages_run_in_one_engine_call(monkeypatch):
-    import lightning_rotor.profile as profile
+    import lightning_rotor.engine as engine
 
     calls = []
-    real = profile._engine_run_backward
+    real = engine.run_backward
 
     def counted(*args, **kwargs):
         calls.append(1)
@@ -347,7 +348,7 @@ def test_consecutive_backwards_of_recorded_stages_run_in_one_engine_call(monkeyp
     step(expected, expected, x, y)
     model = tanh_mlp()
     stages, names, chain = profiled(model, x)
-    monkeypatch.setattr(profile, "_engine_run_backward", counted)
+    monkeypatch.setattr(engine, "run_backward", counted)
     # B 4 … B 2 after recording 2, 3, 4; then B 1, B 0 after recomputing from a_0
     ops = [("Fc", 0), ("Fn", 1), ("Fe", 2), ("Fe", 3), ("Fe", 4), ("Loss",), ("B", 4), ("B", 3), ("B", 2),
            ("Fe", 0), ("Fe", 1), ("B", 1), ("B", 0)]
