@@ -34,10 +34,12 @@ __all__ = [
     "backward_is_full",
     "ddp_pre_forward",
     "fx_unpatched_module",
+    "has_forward_hooks",
     "has_post_accumulate_grad_hooks",
     "is_accumulate_grad",
     "is_norm",
     "is_node_of",
+    "make_subclass",
     "op_arguments",
     "reset_compiled",
     "run_backward",
@@ -141,6 +143,21 @@ def is_norm(module: nn.Module) -> bool:
     A recomputation must not update them a second time; no public base class covers both families.
     """
     return isinstance(module, nn.modules.batchnorm._NormBase)
+
+
+def has_forward_hooks(module: nn.Module) -> bool:
+    """Would a forward hook see `module`'s output? Its own (`_forward_hooks`) or global ones.
+
+    Module-level discovery refuses such a block: inside a chain its output is never made.
+    Neither registry has a public accessor (`nn.modules.module._global_forward_hooks`).
+    """
+    return bool(module._forward_hooks or nn.modules.module._global_forward_hooks)
+
+
+def make_subclass(cls: type[torch.Tensor], data: torch.Tensor) -> torch.Tensor:
+    """`data` as an instance of the tensor subclass `cls`, without a copy (`Tensor._make_subclass`,
+    as `nn.Parameter` makes itself)."""
+    return torch.Tensor._make_subclass(cls, data)
 
 
 def ddp_pre_forward() -> Callable:

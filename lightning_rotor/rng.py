@@ -70,8 +70,8 @@ import threading
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+
+from lightning_rotor._torch_compat import TorchDispatchMode, op_arguments, tree_leaves
 
 __all__ = ["RNG_LOCK", "GeneratorWatch", "RecordRandom", "ReplayFrom", "ReplayRandom", "Rewind", "alone"]
 
@@ -82,7 +82,7 @@ _WITH_GENERATOR: dict[Any, Any] = {}  # op -> the overload taking `generator` (i
 
 
 def _takes_generator(op: Any) -> bool:
-    return any(a.name == "generator" for a in op._schema.arguments)
+    return any(a.name == "generator" for a in op_arguments(op))
 
 
 def _with_generator(op: Any) -> Any:
@@ -93,11 +93,11 @@ def _with_generator(op: Any) -> Any:
     if _takes_generator(op):
         found = op
     else:
-        names = [a.name for a in op._schema.arguments]
+        names = [a.name for a in op_arguments(op)]
         packet = op.overloadpacket
         for name in packet.overloads():
             other = getattr(packet, name)
-            if _takes_generator(other) and [a.name for a in other._schema.arguments if a.name != "generator"] == names:
+            if _takes_generator(other) and [a.name for a in op_arguments(other) if a.name != "generator"] == names:
                 found = other
                 break
     _WITH_GENERATOR[op] = found
@@ -106,7 +106,7 @@ def _with_generator(op: Any) -> Any:
 
 def _overwrites_first(op: Any, args: Any, kwargs: dict) -> bool:
     """Whether `op` writes its random numbers into its first argument, which no other argument shares."""
-    first = op._schema.arguments[0]
+    first = op_arguments(op)[0]
     if first.alias_info is None or not first.alias_info.is_write or not args:
         return False
     target = args[0]
