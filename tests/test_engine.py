@@ -81,3 +81,15 @@ def test_engine_imports_neither_profiler_nor_executor():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_op_kinds_are_compared_as_opkind_not_as_strings():
+    """ops.py promises dispatch on `OpKind`; a string comparison would let a renamed kind fall through."""
+    kinds = {"Fn", "Fc", "Fe", "B", "Loss"}
+    found = []
+    for name in ("engine.py", "execute.py", "profile.py"):
+        for node in ast.walk(ast.parse((PACKAGE / name).read_text())):
+            if isinstance(node, ast.Compare):
+                constants = [c for c in (node.left, *node.comparators) if isinstance(c, ast.Constant)]
+                found += [f"{name}:{node.lineno} {c.value!r}" for c in constants if c.value in kinds]
+    assert found == []
