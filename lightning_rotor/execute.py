@@ -1,19 +1,7 @@
 """Run a plan's ops on real tensors, freeing every value when the memory model says.
 
-Two autograd Functions carry one training step:
-
-- `_Tail` runs the forward ops (everything before `Loss`) and returns an empty
-  token; its backward runs the backward part of the plan (recomputations and
-  `B L-1 … B 0`) and returns `δ_0` to the chain input.
-- `HandOver` (lightning_rotor/engine.py) turns the token into the chain output
-  `a_L` for the caller's loss; its backward only stores `δ_L` for `_Tail`
-  (`_Output.receive`).
-
-The split matters for memory: autograd keeps a Function's incoming gradients
-alive until its backward returns, so one Function receiving `δ_L` would hold it
-through the whole backward phase, which the memory model does not allow. Here
-the engine lets go of `δ_L` as soon as `HandOver` has stored it, and the
-plan drops it at `B L-1`.
+`PlanRunner(stages, ops)(a_0) -> a_L` runs one training step as two autograd nodes (NOTE: [a step
+in two Functions]), with the stage plumbing the profiler measures with (lightning_rotor/engine.py).
 
 Parameter gradients accumulate into `.grad` through ordinary `backward` calls
 on each stage's graph, as in unwrapped training. Recomputed stages draw the
@@ -56,6 +44,22 @@ from lightning_rotor.engine import (
 )
 from lightning_rotor.ops import Op, OpKind, check_frozen_prefix, last_forwards, parse_ops, recomputed_stage_set
 from lightning_rotor.rng import GeneratorWatch, RecordRandom, ReplayFrom, ReplayRandom, Rewind, alone
+
+# NOTE: [a step in two Functions]
+# Two autograd Functions carry one training step:
+#
+# - `_Tail` runs the forward ops (everything before `Loss`) and returns an empty
+#   token; its backward runs the backward part of the plan (recomputations and
+#   `B L-1 … B 0`) and returns `δ_0` to the chain input.
+# - `HandOver` (lightning_rotor/engine.py) turns the token into the chain output
+#   `a_L` for the caller's loss; its backward only stores `δ_L` for `_Tail`
+#   (`_Output.receive`).
+#
+# The split matters for memory: autograd keeps a Function's incoming gradients
+# alive until its backward returns, so one Function receiving `δ_L` would hold it
+# through the whole backward phase, which the memory model does not allow. Here
+# the engine lets go of `δ_L` as soon as `HandOver` has stored it, and the
+# plan drops it at `B L-1`.
 
 _JOINED = "joined"  # a stage's entry when its input is a_k straight from stage k-1's graph
 

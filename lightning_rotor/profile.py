@@ -1,43 +1,8 @@
 """Measure a chain: per-stage times, sizes and transients on the real sample input.
 
-`profile_chain` runs every stage (found by a discovery step, `lightning_rotor.stages`)
-on the sample input and fills a `Chain` exactly as
-docs/memory-model.md defines each field:
-
-- `out_size`: bytes of the storages of `a_{k+1}`;
-- `saved_size`: bytes alive after `F_k` with grad recording beside `a_k`: `a_{k+1}`
-  plus the graph's saved tensors, not `a_k` nor parameters (`MemoryProbe`
-  accounting); an output that is a view of `a_k`, or tensors of `a_k` passed
-  through, add nothing (`ā_{k+1}` is only ever held beside `a_k`);
-- `out_free`: bytes freed when the output values are dropped and the graph kept
-  (what the graph does not save), as the executor does before `B k`;
-- `in_free`: bytes of `a_k` that neither `F_{k-1}`'s graph nor `F_k`'s keeps, freed
-  when the executor lets go of `a_k` after stage k's last forward (0 for `a_0`);
-- `fwd_tmp`: peak above what is alive after `F_k` run recording its graph
-  (`Fe`); `fwd_tmp_nograd`: the same for `F_k` run without grad (`Fn`, `Fc`).
-  They differ where a stage saves for backward what is otherwise transient
-  (attention scores); one figure for both would overcharge one mode;
-- `bwd_tmp` (signed): the peak of the backward of `F_k`, run as the executor
-  runs it (values released, backpropagated from the output edges, `δ_{k+1}`
-  freed once consumed below the last stage), above `cur - out_free + s_k`;
-  measured with parameter gradients absent and already stored, the larger kept;
-- on CUDA, transients are also read from the caching allocator, which sees
-  kernel workspaces, and the larger figure is kept;
-- `loss_tmp`, `loss_tmp_kept` (signed): the loss is the caller's; give it as a
-  function of the output to have it measured, or bytes; by default a softmax
-  cross-entropy over the last dimension is measured (`proxy_loss`), in the
-  caller's autocast state, on a plain `a_L` handed over and on one kept alive;
-- `frozen`: the stages before the first one that needs a backward (the input does not
-  require grad and nothing of their output does); they are measured once, as `Fn`, and
-  the first stage after them gets its input without grad, as plain autograd gives it;
-- `input_size`: bytes of `a_0`; `loss_value`: the loss value and its seed gradient,
-  held from the end of the loss to the end of the step (`LOSS_HELD` bytes when the
-  loss is given as bytes).
-
-Times are taken in rounds over the whole chain, on the current thread count:
-each stage's fastest run, scaled so that the stages add up to the median round
-(`stage_times`). Profiling leaves no trace: parameters, `.grad` (the very
-tensors, unchanged), buffers and the RNG stream are as they were (`Untouched`).
+`profile_chain` runs every stage (found by a discovery step, `lightning_rotor.stages`) on the
+sample input, as the executor runs it (lightning_rotor/engine.py), and fills a `Chain` (see
+NOTE: [what each field measures]). Profiling leaves no trace on training (`Untouched`).
 """
 
 from __future__ import annotations
@@ -78,6 +43,44 @@ from lightning_rotor.engine import (
     versions,
 )
 from lightning_rotor.memory import MemoryProbe, storage_bytes, storage_key
+
+# NOTE: [what each field measures] profile_chain fills a `Chain` exactly as docs/memory-model.md
+# defines each field:
+# - `out_size`: bytes of the storages of `a_{k+1}`;
+# - `saved_size`: bytes alive after `F_k` with grad recording beside `a_k`: `a_{k+1}`
+#   plus the graph's saved tensors, not `a_k` nor parameters (`MemoryProbe`
+#   accounting); an output that is a view of `a_k`, or tensors of `a_k` passed
+#   through, add nothing (`ā_{k+1}` is only ever held beside `a_k`);
+# - `out_free`: bytes freed when the output values are dropped and the graph kept
+#   (what the graph does not save), as the executor does before `B k`;
+# - `in_free`: bytes of `a_k` that neither `F_{k-1}`'s graph nor `F_k`'s keeps, freed
+#   when the executor lets go of `a_k` after stage k's last forward (0 for `a_0`);
+# - `fwd_tmp`: peak above what is alive after `F_k` run recording its graph
+#   (`Fe`); `fwd_tmp_nograd`: the same for `F_k` run without grad (`Fn`, `Fc`).
+#   They differ where a stage saves for backward what is otherwise transient
+#   (attention scores); one figure for both would overcharge one mode;
+# - `bwd_tmp` (signed): the peak of the backward of `F_k`, run as the executor
+#   runs it (values released, backpropagated from the output edges, `δ_{k+1}`
+#   freed once consumed below the last stage), above `cur - out_free + s_k`;
+#   measured with parameter gradients absent and already stored, the larger kept;
+# - on CUDA, transients are also read from the caching allocator, which sees
+#   kernel workspaces, and the larger figure is kept;
+# - `loss_tmp`, `loss_tmp_kept` (signed): the loss is the caller's; give it as a
+#   function of the output to have it measured, or bytes; by default a softmax
+#   cross-entropy over the last dimension is measured (`proxy_loss`), in the
+#   caller's autocast state, on a plain `a_L` handed over and on one kept alive;
+# - `frozen`: the stages before the first one that needs a backward (the input does not
+#   require grad and nothing of their output does); they are measured once, as `Fn`, and
+#   the first stage after them gets its input without grad, as plain autograd gives it;
+# - `input_size`: bytes of `a_0`; `loss_value`: the loss value and its seed gradient,
+#   held from the end of the loss to the end of the step (`LOSS_HELD` bytes when the
+#   loss is given as bytes).
+#
+# NOTE: [stage times]
+# Times are taken in rounds over the whole chain, on the current thread count:
+# each stage's fastest run, scaled so that the stages add up to the median round
+# (`stage_times`). Profiling leaves no trace: parameters, `.grad` (the very
+# tensors, unchanged), buffers and the RNG stream are as they were (`Untouched`).
 
 LOSS_HELD = 64  # bytes of the caller's loss value when the loss is not measured (given as bytes)
 
@@ -421,7 +424,7 @@ def _measure_recorded(
     accumulate: bool,
     params: list[torch.Tensor],
     free_grads: bool,
-) -> tuple[int, int, int, int]:
+) -> tuple[int, int, int, int, list[bool]]:
     """(fwd_tmp, saved bytes, out_free, backward peak above a_k, output kept) of one stage run `Fe` then `B`.
 
     Output kept: per tensor of `a_{k+1}`, whether its storage outlives the value (the graph
@@ -568,7 +571,7 @@ def profile_chain(
     loss_tmp: int | Callable[[Any], torch.Tensor] | None = None,
     progress: Callable[[int, int, float], None] | None = None,
 ) -> Profile:
-    """Measure `stages` on `sample` (the chain input `a_0`); see the module docstring.
+    """Measure `stages` on `sample` (the chain input `a_0`); see NOTE: [what each field measures].
 
     `progress(stages_done, stages, seconds)` is called after each stage, for a progress line.
     """
