@@ -322,8 +322,11 @@ class _Step:
             label = Op(OpKind.B, i).label
             pending.append(label)
             if i != run[0]:
-                handles += [e.node.register_prehook(lambda *_, label=label: mark_until(label))
-                            for e in self.joined_edges.get(i, []) if e is not None]
+                handles += [
+                    e.node.register_prehook(lambda *_, label=label: mark_until(label))
+                    for e in self.joined_edges.get(i, [])
+                    if e is not None
+                ]
         top = Op(OpKind.B, run[0]).label
         return handles, pending, lambda: mark_until(top)
 
@@ -504,8 +507,10 @@ class PlanRunner:
         # stages without a B op are a frozen prefix 0 … F-1 (chain version 4): Fn ops, first, once each
         self.frozen = self.length - sum(1 for op in ops if op.kind is OpKind.B)
         if sorted(op.stage for op in ops if op.kind is OpKind.B) != list(range(self.frozen, self.length)):
-            raise ValueError(f"the plan does not fit a chain of {self.length} stages: it needs one B op per stage "
-                             "after a frozen prefix, whose stages run first as Fn 0 … Fn F-1 and never again")
+            raise ValueError(
+                f"the plan does not fit a chain of {self.length} stages: it needs one B op per stage "
+                "after a frozen prefix, whose stages run first as Fn 0 … Fn F-1 and never again"
+            )
         check_frozen_prefix(ops, self.frozen)
         split = ops.index(Op(OpKind.LOSS))
         self.ops = ops
@@ -517,8 +522,11 @@ class PlanRunner:
         self.forward_last = [i in last for i in range(split)]
         self.backward_last = [i in last for i in range(split + 1, len(ops))]
         # B k then B k-1 at once: a recorded a_k may feed stage k as it is, joining the graphs
-        self.joinable = {op.stage for op, nxt in zip(self.backward_ops, self.backward_ops[1:], strict=False)
-                         if op.kind is OpKind.B and nxt == Op(OpKind.B, op.stage - 1)}
+        self.joinable = {
+            op.stage
+            for op, nxt in zip(self.backward_ops, self.backward_ops[1:], strict=False)
+            if op.kind is OpKind.B and nxt == Op(OpKind.B, op.stage - 1)
+        }
         self.quiet: set[int] = set()  # recomputed stages whose last recorded first run drew no random number
         self.probe: Any = None
         self.token_device = torch.device("cpu")

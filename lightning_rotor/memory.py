@@ -99,8 +99,13 @@ class MemoryProbe(TorchDispatchMode):
     `bookkeeping`: functions whose allocations are not activations (never counted).
     """
 
-    def __init__(self, exclude: nn.Module | Iterable[nn.Module | torch.Tensor] = (), *, record_curve: bool = False,
-                 bookkeeping: Iterable[Callable] = ()):
+    def __init__(
+        self,
+        exclude: nn.Module | Iterable[nn.Module | torch.Tensor] = (),
+        *,
+        record_curve: bool = False,
+        bookkeeping: Iterable[Callable] = (),
+    ):
         super().__init__()
         if isinstance(exclude, nn.Module):
             exclude = [exclude]

@@ -260,8 +260,7 @@ PROFILE_STEPS = 10  # profiling stops adding timing rounds once it has taken thi
 MIN_ROUNDS = 3  # timing rounds run whatever the time: a stage's fastest of three is rarely a stalled run
 
 
-def _stage_forward(stage: nn.Module, value: Any, grad_in: bool, k: int, name: str,
-                   record: bool) -> tuple[Any, Any]:
+def _stage_forward(stage: nn.Module, value: Any, grad_in: bool, k: int, name: str, record: bool) -> tuple[Any, Any]:
     """(input leaf, output) of stage `k` run on a detached `value`, recording its graph when `record`.
 
     The executor enters stage inputs through `EnterStage` instead; a leaf's accumulator may copy
@@ -278,8 +277,9 @@ def _stage_forward(stage: nn.Module, value: Any, grad_in: bool, k: int, name: st
     return inp, out
 
 
-def _timed_run(forward: Callable[[bool], tuple[Any, Any]], device: torch.device,
-               untouched: Untouched) -> tuple[float, float]:
+def _timed_run(
+    forward: Callable[[bool], tuple[Any, Any]], device: torch.device, untouched: Untouched
+) -> tuple[float, float]:
     """Seconds of one `Fe` and of its `B` (0 without a graph), run as the executor runs them."""
     synchronize(device)
     t0 = time.perf_counter()
@@ -314,9 +314,17 @@ def _timed_run_frozen(forward: Callable[[bool], tuple[Any, Any]], device: torch.
     return seconds
 
 
-def _timed_rounds(stages: Sequence[nn.Module], sample: Any, needs_grad: bool, names: Sequence[str],
-                  device: torch.device, untouched: Untouched, repeats: int, start: float,
-                  frozen: int) -> tuple[list[list[float]], list[list[float]]]:
+def _timed_rounds(
+    stages: Sequence[nn.Module],
+    sample: Any,
+    needs_grad: bool,
+    names: Sequence[str],
+    device: torch.device,
+    untouched: Untouched,
+    repeats: int,
+    start: float,
+    frozen: int,
+) -> tuple[list[list[float]], list[list[float]]]:
     """Per stage, the forward and backward seconds of each round (`repeats` at most).
 
     A round times every stage's `Fe` and `B` once, in chain order, each on its input made
@@ -330,8 +338,7 @@ def _timed_rounds(stages: Sequence[nn.Module], sample: Any, needs_grad: bool, na
     for _ in range(repeats):
         value = sample
         for k, stage in enumerate(stages):
-            forward = functools.partial(_stage_forward, stage, value, needs_grad if k <= frozen else True, k,
-                                        names[k])
+            forward = functools.partial(_stage_forward, stage, value, needs_grad if k <= frozen else True, k, names[k])
             if k < frozen:  # a frozen stage runs once, without grad, and has no backward (chain version 4)
                 f, b = _timed_run_frozen(forward, device, untouched), 0.0
             else:
@@ -458,8 +465,7 @@ def _measure_recorded(
         edges = output_edges(held[1])
         probe.mark("with δ")
         with_delta = probe.current
-        refs = [StorageWeakRef(t.untyped_storage()) if t.layout == torch.strided else None
-                for t in tensors_of(held[1])]
+        refs = [StorageWeakRef(t.untyped_storage()) if t.layout == torch.strided else None for t in tensors_of(held[1])]
         del held[1]  # the executor keeps the edges, not the values
         out_kept = [ref is None or not ref.expired() for ref in refs]  # by the graph (or a view of a_k)
         del refs
@@ -554,8 +560,15 @@ def _measure_frozen(
     untouched.restore_buffers()
     held = {storage_key(t) for t in tensors_of(sample) if t.layout == torch.strided}
     size = storage_bytes([t for t in tensors_of(out) if t.layout != torch.strided or storage_key(t) not in held])
-    figures = {"out_size": size, "saved_size": size, "fwd_tmp": tmp, "fwd_tmp_nograd": tmp, "bwd_tmp": 0,
-               "out_free": 0, "in_free": 0}
+    figures = {
+        "out_size": size,
+        "saved_size": size,
+        "fwd_tmp": tmp,
+        "fwd_tmp_nograd": tmp,
+        "bwd_tmp": 0,
+        "out_free": 0,
+        "in_free": 0,
+    }
     for key, v in figures.items():
         fields[key].append(v)
     return out
@@ -625,15 +638,17 @@ def profile_chain(
             # measured after the in-place check above
             in_free = 0
             if k > frozen:  # a_F, the input of the first stage after a frozen prefix, is held to the end
-                in_free = min(fields["out_free"][k - 1], _released_whole(value, own, output_kept,
-                                                                         _input_kept(stage, value)))
+                in_free = min(
+                    fields["out_free"][k - 1], _released_whole(value, own, output_kept, _input_kept(stage, value))
+                )
                 untouched.restore_buffers()
             # memory with grad recording (Fe), then its backward (B): once with no parameter gradient
             # stored yet (autograd stores a fresh one as .grad), once accumulating into stored ones
             # (a real transient); the larger backward figure is kept, as either may happen in training
             recorded = [
-                _measure_recorded(forward, value, exclude, watch, untouched, accumulate, list(stage.parameters()),
-                                  free_grads=True)
+                _measure_recorded(
+                    forward, value, exclude, watch, untouched, accumulate, list(stage.parameters()), free_grads=True
+                )
                 for accumulate in (False, True)
             ]
             fwd_tmp, saved_size = recorded[0][:2]
@@ -664,8 +679,10 @@ def profile_chain(
             if progress is not None:
                 progress(k + 1, len(stages), time.perf_counter() - start)
         if frozen == len(stages):
-            raise ValueError("no stage of the chain needs a backward: the input does not require grad and no "
-                             "parameter of any stage does; there is nothing to checkpoint")
+            raise ValueError(
+                "no stage of the chain needs a backward: the input does not require grad and no "
+                "parameter of any stage does; there is nothing to checkpoint"
+            )
         del probe  # it tracked a_{L-1}, which the rounds need not hold
         if loss_tmp is None or callable(loss_tmp):
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -677,10 +694,23 @@ def profile_chain(
         fwd, bwd = _timed_rounds(stages, sample, needs_grad, names, device, untouched, repeats, start, frozen)
     fields["fwd_time"], fields["bwd_time"] = stage_times(fwd, bwd)
     # the loss value lives from the end of the loss to the end of the step (chain version 3: loss_value)
-    chain = Chain(input_size=storage_bytes(sample), loss_tmp=loss_bytes, loss_tmp_kept=loss_kept, loss_value=held,
-                  names=names, frozen=frozen, **fields)
+    chain = Chain(
+        input_size=storage_bytes(sample),
+        loss_tmp=loss_bytes,
+        loss_tmp_kept=loss_kept,
+        loss_value=held,
+        names=names,
+        frozen=frozen,
+        **fields,
+    )
     seconds = time.perf_counter() - start
     threads = torch.get_num_threads()
-    return Profile(chain, seconds, [_spread(runs) for runs in fwd], [_spread(runs) for runs in bwd],
-                   repeats=len(fwd[0]) if fwd else 0, threads=threads,
-                   round_seconds=round_totals(fwd, bwd))
+    return Profile(
+        chain,
+        seconds,
+        [_spread(runs) for runs in fwd],
+        [_spread(runs) for runs in bwd],
+        repeats=len(fwd[0]) if fwd else 0,
+        threads=threads,
+        round_seconds=round_totals(fwd, bwd),
+    )
