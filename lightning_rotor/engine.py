@@ -296,15 +296,19 @@ def unviewed(grad: torch.Tensor) -> torch.Tensor:
     once consumed (the loss's gradient often arrives as a view, e.g. through a reshape).
     Only the view's own reference to the base goes; a base held elsewhere keeps the storage.
     """
-    if view_base(grad) is None:
+    if view_base(grad) is None or grad.layout != torch.strided:
         return grad
-    return own_alias(grad)
+    return _alias(grad)
 
 
 def own_alias(grad: torch.Tensor | None) -> torch.Tensor | None:
     """A tensor of its own on `grad`'s storage (same offset, size and strides); non-strided ones as they are."""
     if grad is None or grad.layout != torch.strided:
         return grad
+    return _alias(grad)
+
+
+def _alias(grad: torch.Tensor) -> torch.Tensor:
     return grad.new_empty(0).set_(grad.untyped_storage(), grad.storage_offset(), grad.size(), grad.stride())
 
 

@@ -109,8 +109,8 @@ class _Step:
         self.released: dict[int, list] = {}  # ā_k whose value was let go: the output edges to backpropagate from
         self.grads: dict[int, list] = {}  # δ_k, one entry per tensor of a_k
         self.ran: set[int] = set()
-        self.rng: dict[int, list] = {}  # per recomputed stage: the generator state before each random op
-        self.mutated: dict[int, list[torch.Tensor]] = {}
+        self.rng: dict[int, Any] = {}  # per recomputed stage: states before each random op, or a GeneratorWatch
+        self.mutated: dict[int, list[Any]] = {}  # per recomputed stage: (buffer, version), then the changed buffers
         self.autocast = _Autocast()
         self.input_requires_grad = [t.requires_grad for t in tensors_of(value)]
         cuda = {t.device for t in tensors_of(value) if t.device.type == "cuda"}
@@ -119,7 +119,7 @@ class _Step:
         self.joined_edges: dict[int, list] = {}  # where δ_k enters stage k-1's graph, to mark B k (with a probe)
         self.dummy = torch.empty(0, device=runner.token_device, requires_grad=True)  # EnterStage's graph edge
 
-    def mark(self, op: tuple) -> None:
+    def mark(self, op: Op) -> None:
         if self.probe is not None and hasattr(self.probe, "mark"):
             self.probe.mark(op.label)
 
@@ -312,7 +312,8 @@ class _Step:
         """
         if len(run) == 1 or self.probe is None or not hasattr(self.probe, "mark"):
             return [], [], None
-        handles, pending = [], []
+        handles: list[Any] = []
+        pending: list[str] = []
 
         def mark_until(label: str) -> None:
             while label in pending:  # marks stay in op order: any skipped come first
@@ -386,7 +387,7 @@ SECOND_BACKWARD = (
 )
 
 
-def _check_backward_call(step: _Step | None) -> None:
+def _check_backward_call(step: _Step | None) -> _Step:
     """Refuse, before any gradient is written, a backward the plan cannot serve as plain autograd would.
 
     `autograd.grad` and `backward(inputs=...)` (the engine then only wants some
@@ -398,6 +399,7 @@ def _check_backward_call(step: _Step | None) -> None:
         raise RuntimeError(SECOND_BACKWARD)
     if not backward_is_full() or torch.is_grad_enabled():
         raise RuntimeError(UNSUPPORTED_BACKWARD)
+    return step
 
 
 def _stash_grads(params: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -465,6 +467,7 @@ class _Output:
         self.spec: Any = None
 
     def hand_over(self) -> list[torch.Tensor]:
+        assert self.step is not None  # handed over once, before any backward
         flat, self.spec = tree_flatten(self.step.take_output())
         tensors = [t for t in flat if isinstance(t, torch.Tensor)]
         if len(tensors) != len(flat):
@@ -472,8 +475,8 @@ class _Output:
         return tensors
 
     def receive(self, grads: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
-        _check_backward_call(self.step)
-        step, self.step = self.step, None
+        step = _check_backward_call(self.step)
+        self.step = None
         # a tensor of our own on each gradient's storage: the engine may hand the very same tensor to another
         # node too (an add of two calls' outputs), which then counts as a second owner and keeps it from being freed
         step.grads[step.runner.length] = [own_alias(g) for g in grads]
@@ -567,19 +570,19 @@ class PlanRunner:
         parameters with such hooks are left out (`autograd.grad` of those alone
         is then not detected).
         """
-        self._walk_parameters()
-        return [p for p in self._all_params if p.requires_grad and not has_post_accumulate_grad_hooks(p)]
+        params, _ = self._walk_parameters()
+        return [p for p in params if p.requires_grad and not has_post_accumulate_grad_hooks(p)]
 
     def shared_parameters(self) -> list[torch.Tensor]:
         """Trainable parameters used by more than one stage (tied weights)."""
-        self._walk_parameters()
-        return [p for p in self._shared if p.requires_grad]
+        _, shared = self._walk_parameters()
+        return [p for p in shared if p.requires_grad]
 
-    def _walk_parameters(self) -> None:
+    def _walk_parameters(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The stages' parameters once each, and those several stages use: the module walk once (requires_grad
         and hooks are read every step)."""
-        if self._all_params is not None:
-            return
+        if self._all_params is not None and self._shared is not None:
+            return self._all_params, self._shared
         users: dict[int, int] = {}
         params: dict[int, torch.Tensor] = {}
         for stage in self.stages:
@@ -588,6 +591,7 @@ class PlanRunner:
                 params[id(p)] = p
         self._all_params = list(params.values())
         self._shared = [params[i] for i, n in users.items() if n > 1]
+        return self._all_params, self._shared
 
     def __call__(self, value: Any) -> Any:
         flat, spec = tree_flatten(value)
