@@ -59,6 +59,11 @@ TORCH_CHECKED = "2.13.0"  # the torch version every entry below was checked agai
 # Pytrees (torch.utils._pytree): stage values are nested tuples/lists/dicts of tensors, flattened
 # the way torch's own autograd.Function and checkpoint flatten them. No public pytree module in 2.13.0.
 # (tree_flatten, tree_leaves, tree_map, tree_unflatten are re-exported above.)
+#
+# StorageWeakRef (torch.multiprocessing.reductions, undocumented): a weak reference to the C++
+# storage itself; `untyped_storage()` makes a new Python wrapper per call, so a plain weakref would
+# die with the wrapper. MemoryProbe sees a storage die through it, and the profiler whether a
+# stage's graph kept an output's storage. Re-exported above.
 
 
 def storage_id(storage: torch.UntypedStorage) -> int:
