@@ -43,7 +43,7 @@ _HOMES = {
     "Plan": "planner",
     "min_feasible_budget": "planner",
     "plan": "planner",
-    "InplaceError": "profile",
+    "InplaceError": "engine",
     "InfeasibleTotal": "shared_budget",
     "Simulation": "simulate",
     "simulate": "simulate",
@@ -110,11 +110,11 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
         discover,
         discover_chain,
     )
+    from lightning_rotor.engine import InplaceError
     from lightning_rotor.lightning import RotorCallback, RotorDDPStrategy, RotorStrategy
     from lightning_rotor.memory import CudaMemoryProbe, MemoryProbe
     from lightning_rotor.ops import Op, OpKind
     from lightning_rotor.planner import InfeasibleBudget, Plan, min_feasible_budget, plan
-    from lightning_rotor.profile import InplaceError
     from lightning_rotor.shared_budget import InfeasibleTotal
     from lightning_rotor.simulate import Simulation, simulate
     from lightning_rotor.stages import Stages

@@ -41,8 +41,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
 
+from lightning_rotor._torch_compat import tree_flatten
 from lightning_rotor.budget import format_bytes
 from lightning_rotor.chain import Chain
 from lightning_rotor.ops import Op, OpKind

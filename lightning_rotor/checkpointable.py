@@ -47,8 +47,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
 
+from lightning_rotor._torch_compat import tree_flatten, tree_map
 from lightning_rotor.budget import format_bytes, parse_budget, resolve_budget
 from lightning_rotor.calls import (
     Call,

@@ -1,18 +1,7 @@
 """Run a plan's ops on real tensors, freeing every value when the memory model says.
 
-Two autograd Functions carry one training step:
-
-- `_Tail` runs the forward ops (everything before `Loss`) and returns an empty
-  token; its backward runs the backward part of the plan (recomputations and
-  `B L-1 … B 0`) and returns `δ_0` to the chain input.
-- `_Head` turns the token into the chain output `a_L` for the caller's loss;
-  its backward only stores `δ_L` for `_Tail`.
-
-The split matters for memory: autograd keeps a Function's incoming gradients
-alive until its backward returns, so one Function receiving `δ_L` would hold it
-through the whole backward phase, which the memory model does not allow. Here
-the engine lets go of `δ_L` as soon as `_Head.backward` has stored it, and the
-plan drops it at `B L-1`.
+`PlanRunner(stages, ops)(a_0) -> a_L` runs one training step as two autograd nodes (NOTE: [a step
+in two Functions]), with the stage plumbing the profiler measures with (lightning_rotor/engine.py).
 
 Parameter gradients accumulate into `.grad` through ordinary `backward` calls
 on each stage's graph, as in unwrapped training. Recomputed stages draw the
@@ -30,10 +19,17 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from lightning_rotor.ops import Op, OpKind, check_frozen_prefix, last_forwards, parse_ops, recomputed_stage_set
-from lightning_rotor.profile import (
+from lightning_rotor._torch_compat import (
+    backward_is_full,
+    has_post_accumulate_grad_hooks,
+    is_norm,
+    tensor_version,
+    tree_flatten,
+    tree_unflatten,
+)
+from lightning_rotor.engine import (
+    HandOver,
     backward_from_edges,
     check_inplace,
     compact_gradients,
@@ -46,7 +42,24 @@ from lightning_rotor.profile import (
     tensors_of,
     versions,
 )
+from lightning_rotor.ops import Op, OpKind, check_frozen_prefix, last_forwards, parse_ops, recomputed_stage_set
 from lightning_rotor.rng import GeneratorWatch, RecordRandom, ReplayFrom, ReplayRandom, Rewind, alone
+
+# NOTE: [a step in two Functions]
+# Two autograd Functions carry one training step:
+#
+# - `_Tail` runs the forward ops (everything before `Loss`) and returns an empty
+#   token; its backward runs the backward part of the plan (recomputations and
+#   `B L-1 … B 0`) and returns `δ_0` to the chain input.
+# - `HandOver` (lightning_rotor/engine.py) turns the token into the chain output
+#   `a_L` for the caller's loss; its backward only stores `δ_L` for `_Tail`
+#   (`_Output.receive`).
+#
+# The split matters for memory: autograd keeps a Function's incoming gradients
+# alive until its backward returns, so one Function receiving `δ_L` would hold it
+# through the whole backward phase, which the memory model does not allow. Here
+# the engine lets go of `δ_L` as soon as `HandOver` has stored it, and the
+# plan drops it at `B L-1`.
 
 _JOINED = "joined"  # a stage's entry when its input is a_k straight from stage k-1's graph
 
@@ -96,8 +109,8 @@ class _Step:
         self.released: dict[int, list] = {}  # ā_k whose value was let go: the output edges to backpropagate from
         self.grads: dict[int, list] = {}  # δ_k, one entry per tensor of a_k
         self.ran: set[int] = set()
-        self.rng: dict[int, list] = {}  # per recomputed stage: the generator state before each random op
-        self.mutated: dict[int, list[torch.Tensor]] = {}
+        self.rng: dict[int, Any] = {}  # per recomputed stage: states before each random op, or a GeneratorWatch
+        self.mutated: dict[int, list[Any]] = {}  # per recomputed stage: (buffer, version), then the changed buffers
         self.autocast = _Autocast()
         self.input_requires_grad = [t.requires_grad for t in tensors_of(value)]
         cuda = {t.device for t in tensors_of(value) if t.device.type == "cuda"}
@@ -106,17 +119,17 @@ class _Step:
         self.joined_edges: dict[int, list] = {}  # where δ_k enters stage k-1's graph, to mark B k (with a probe)
         self.dummy = torch.empty(0, device=runner.token_device, requires_grad=True)  # EnterStage's graph edge
 
-    def mark(self, op: tuple) -> None:
+    def mark(self, op: Op) -> None:
         if self.probe is not None and hasattr(self.probe, "mark"):
             self.probe.mark(op.label)
 
     # -- forward ops ----------------------------------------------------------------------
-    def _input(self, k: int, kind: str) -> Any:
+    def _input(self, k: int, kind: OpKind) -> Any:
         if k in self.plain:
             return self.plain[k]
-        if kind != "Fn" and k in self.graph:
+        if kind is not OpKind.FN and k in self.graph:
             return self.graph[k][1]
-        raise RuntimeError(f"executor bug: a_{k} is not held for {kind} {k}")
+        raise RuntimeError(f"executor bug: a_{k} is not held for {Op(kind, k).label}")
 
     def _kept_input(self, k: int, src: Any) -> tuple[Any, Any]:
         """(entry, input) for a stage whose input `a_k` the plan keeps beyond this forward.
@@ -196,7 +209,7 @@ class _Step:
         if first and k in self.runner.recomputed:
             self._find_mutated(k, stage)
             self._learn_quiet(k)
-        if kind == "Fn" and k != 0:
+        if kind is OpKind.FN and k != 0:
             del self.plain[k]
 
     def _remember(self, k: int, stage: nn.Module, stack: ExitStack) -> None:
@@ -205,7 +218,7 @@ class _Step:
             self.rng[k] = GeneratorWatch(self.rng_devices)
         else:
             self.rng[k] = stack.enter_context(RecordRandom()).states
-        self.mutated[k] = [(b, b._version) for b in self.runner.plain_buffers(k)]
+        self.mutated[k] = [(b, tensor_version(b)) for b in self.runner.plain_buffers(k)]
 
     def _learn_quiet(self, k: int) -> None:
         record = self.rng[k]
@@ -219,7 +232,7 @@ class _Step:
             self.runner.quiet.add(k)  # drew nothing: from the next step, no mode on its first run
 
     def _find_mutated(self, k: int, stage: nn.Module) -> None:
-        self.mutated[k] = [b for b, v in self.mutated[k] if b._version != v]
+        self.mutated[k] = [b for b, v in self.mutated[k] if tensor_version(b) != v]
 
     def _replay(self, k: int, stage: nn.Module, stack: ExitStack) -> None:
         """Recompute exactly as the first run: same RNG, same autocast, buffers untouched."""
@@ -299,7 +312,8 @@ class _Step:
         """
         if len(run) == 1 or self.probe is None or not hasattr(self.probe, "mark"):
             return [], [], None
-        handles, pending = [], []
+        handles: list[Any] = []
+        pending: list[str] = []
 
         def mark_until(label: str) -> None:
             while label in pending:  # marks stay in op order: any skipped come first
@@ -309,8 +323,11 @@ class _Step:
             label = Op(OpKind.B, i).label
             pending.append(label)
             if i != run[0]:
-                handles += [e.node.register_prehook(lambda *_, label=label: mark_until(label))
-                            for e in self.joined_edges.get(i, []) if e is not None]
+                handles += [
+                    e.node.register_prehook(lambda *_, label=label: mark_until(label))
+                    for e in self.joined_edges.get(i, [])
+                    if e is not None
+                ]
         top = Op(OpKind.B, run[0]).label
         return handles, pending, lambda: mark_until(top)
 
@@ -344,7 +361,7 @@ class _Step:
 
 
 def _plain_buffers(stage: nn.Module) -> list[torch.Tensor]:
-    norms = {id(b) for m in stage.modules() if isinstance(m, nn.modules.batchnorm._NormBase) for b in m.buffers()}
+    norms = {id(b) for m in stage.modules() if is_norm(m) for b in m.buffers()}
     return [b for b in stage.buffers() if id(b) not in norms]
 
 
@@ -370,18 +387,19 @@ SECOND_BACKWARD = (
 )
 
 
-def _check_backward_call(step: _Step | None) -> None:
+def _check_backward_call(step: _Step | None) -> _Step:
     """Refuse, before any gradient is written, a backward the plan cannot serve as plain autograd would.
 
     `autograd.grad` and `backward(inputs=...)` (the engine then only wants some
-    gradients: `_is_checkpoint_valid()` is False) would get nothing back or
+    gradients: `backward_is_full()` is False) would get nothing back or
     gradients in `.grad` of every parameter; `create_graph=True` (grad mode on
     in backward) would get gradients without graph.
     """
     if step is None:
         raise RuntimeError(SECOND_BACKWARD)
-    if not torch.autograd._is_checkpoint_valid() or torch.is_grad_enabled():
+    if not backward_is_full() or torch.is_grad_enabled():
         raise RuntimeError(UNSUPPORTED_BACKWARD)
+    return step
 
 
 def _stash_grads(params: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -441,31 +459,29 @@ class _Tail(torch.autograd.Function):
         return (None, None, None, None, *deltas, *[None] * ctx.n_params)
 
 
-class _Head(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, step: _Step, token: torch.Tensor) -> tuple:
-        output = step.take_output()
-        flat, spec = tree_flatten(output)
+class _Output:
+    """The step's end of `HandOver` (the head of the chain): `a_L` to the caller's loss, `δ_L` back to the plan."""
+
+    def __init__(self, step: _Step):
+        self.step: _Step | None = step  # None once δ_L came: the plan's backward runs once per forward
+        self.spec: Any = None
+
+    def hand_over(self) -> list[torch.Tensor]:
+        assert self.step is not None  # handed over once, before any backward
+        flat, self.spec = tree_flatten(self.step.take_output())
         tensors = [t for t in flat if isinstance(t, torch.Tensor)]
         if len(tensors) != len(flat):
             raise TypeError("the chain output must be a tensor or a (nested) tuple of tensors")
-        ctx.mark_non_differentiable(*[t for t in tensors if not differentiable(t)])
-        ctx.step = step
-        ctx.spec = spec
-        ctx.set_materialize_grads(False)
-        step.output_spec = spec
-        return tuple(tensors)
+        return tensors
 
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor | None) -> tuple:
-        step: _Step | None = getattr(ctx, "step", None)
-        _check_backward_call(step)
+    def receive(self, grads: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
+        step = _check_backward_call(self.step)
+        self.step = None
         # a tensor of our own on each gradient's storage: the engine may hand the very same tensor to another
         # node too (an add of two calls' outputs), which then counts as a second owner and keeps it from being freed
         step.grads[step.runner.length] = [own_alias(g) for g in grads]
         step.mark(Op(OpKind.LOSS))
-        del ctx.step
-        return None, torch.empty(0, device=step.runner.token_device)
+        return torch.empty(0, device=step.runner.token_device)  # the token's gradient: `_Tail.backward` runs
 
 
 class PlanRunner:
@@ -494,8 +510,10 @@ class PlanRunner:
         # stages without a B op are a frozen prefix 0 … F-1 (chain version 4): Fn ops, first, once each
         self.frozen = self.length - sum(1 for op in ops if op.kind is OpKind.B)
         if sorted(op.stage for op in ops if op.kind is OpKind.B) != list(range(self.frozen, self.length)):
-            raise ValueError(f"the plan does not fit a chain of {self.length} stages: it needs one B op per stage "
-                             "after a frozen prefix, whose stages run first as Fn 0 … Fn F-1 and never again")
+            raise ValueError(
+                f"the plan does not fit a chain of {self.length} stages: it needs one B op per stage "
+                "after a frozen prefix, whose stages run first as Fn 0 … Fn F-1 and never again"
+            )
         check_frozen_prefix(ops, self.frozen)
         split = ops.index(Op(OpKind.LOSS))
         self.ops = ops
@@ -507,8 +525,11 @@ class PlanRunner:
         self.forward_last = [i in last for i in range(split)]
         self.backward_last = [i in last for i in range(split + 1, len(ops))]
         # B k then B k-1 at once: a recorded a_k may feed stage k as it is, joining the graphs
-        self.joinable = {op.stage for op, nxt in zip(self.backward_ops, self.backward_ops[1:], strict=False)
-                         if op.kind is OpKind.B and nxt == Op(OpKind.B, op.stage - 1)}
+        self.joinable = {
+            op.stage
+            for op, nxt in zip(self.backward_ops, self.backward_ops[1:], strict=False)
+            if op.kind is OpKind.B and nxt == Op(OpKind.B, op.stage - 1)
+        }
         self.quiet: set[int] = set()  # recomputed stages whose last recorded first run drew no random number
         self.probe: Any = None
         self.token_device = torch.device("cpu")
@@ -532,7 +553,7 @@ class PlanRunner:
     def norms(self, k: int) -> list[nn.Module]:
         """Stage k's normalization modules with running statistics (found once: replays are per op)."""
         if k not in self._norms:
-            self._norms[k] = [m for m in self.stages[k].modules() if isinstance(m, nn.modules.batchnorm._NormBase)]
+            self._norms[k] = [m for m in self.stages[k].modules() if is_norm(m)]
         return self._norms[k]
 
     def plain_buffers(self, k: int) -> list[torch.Tensor]:
@@ -549,19 +570,19 @@ class PlanRunner:
         parameters with such hooks are left out (`autograd.grad` of those alone
         is then not detected).
         """
-        self._walk_parameters()
-        return [p for p in self._all_params if p.requires_grad and not getattr(p, "_post_accumulate_grad_hooks", None)]
+        params, _ = self._walk_parameters()
+        return [p for p in params if p.requires_grad and not has_post_accumulate_grad_hooks(p)]
 
     def shared_parameters(self) -> list[torch.Tensor]:
         """Trainable parameters used by more than one stage (tied weights)."""
-        self._walk_parameters()
-        return [p for p in self._shared if p.requires_grad]
+        _, shared = self._walk_parameters()
+        return [p for p in shared if p.requires_grad]
 
-    def _walk_parameters(self) -> None:
+    def _walk_parameters(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The stages' parameters once each, and those several stages use: the module walk once (requires_grad
         and hooks are read every step)."""
-        if self._all_params is not None:
-            return
+        if self._all_params is not None and self._shared is not None:
+            return self._all_params, self._shared
         users: dict[int, int] = {}
         params: dict[int, torch.Tensor] = {}
         for stage in self.stages:
@@ -570,6 +591,7 @@ class PlanRunner:
                 params[id(p)] = p
         self._all_params = list(params.values())
         self._shared = [params[i] for i, n in users.items() if n > 1]
+        return self._all_params, self._shared
 
     def __call__(self, value: Any) -> Any:
         flat, spec = tree_flatten(value)
@@ -582,5 +604,6 @@ class PlanRunner:
             step.probe.track(value)
         dummy = torch.empty(0, device=device, requires_grad=True)
         token = _Tail.apply(step, spec, dummy, len(flat), *flat, *self._parameters())
-        outputs = _Head.apply(step, token)
-        return tree_unflatten(list(outputs), step.output_spec)
+        end = _Output(step)
+        outputs = HandOver.apply(end, token)
+        return tree_unflatten(list(outputs), end.spec)

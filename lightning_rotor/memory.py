@@ -44,15 +44,14 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+
+from lightning_rotor._torch_compat import StorageWeakRef, TorchDispatchMode, ddp_pre_forward, storage_id, tree_leaves
 
 
 def storage_key(tensor: torch.Tensor) -> int:
     """Identity of the storage behind `tensor` (shared by all its views)."""
-    return tensor.untyped_storage()._cdata
+    return storage_id(tensor.untyped_storage())
 
 
 def _strided(t: Any) -> bool:
@@ -65,7 +64,7 @@ def storage_bytes(tensors: Any) -> int:
     for t in tree_leaves(tensors):
         if isinstance(t, torch.Tensor) and t.layout == torch.strided:
             storage = t.untyped_storage()
-            seen[storage._cdata] = storage.nbytes()
+            seen[storage_id(storage)] = storage.nbytes()
     return sum(seen.values())
 
 
@@ -88,7 +87,7 @@ def storage_emptied(storage: torch.UntypedStorage) -> None:
     """
     if _ACTIVE:
         for probe in list(_ACTIVE):
-            probe._forget(storage._cdata)
+            probe._forget(storage_id(storage))
 
 
 class MemoryProbe(TorchDispatchMode):
@@ -100,8 +99,13 @@ class MemoryProbe(TorchDispatchMode):
     `bookkeeping`: functions whose allocations are not activations (never counted).
     """
 
-    def __init__(self, exclude: nn.Module | Iterable[nn.Module | torch.Tensor] = (), *, record_curve: bool = False,
-                 bookkeeping: Iterable[Callable] = ()):
+    def __init__(
+        self,
+        exclude: nn.Module | Iterable[nn.Module | torch.Tensor] = (),
+        *,
+        record_curve: bool = False,
+        bookkeeping: Iterable[Callable] = (),
+    ):
         super().__init__()
         if isinstance(exclude, nn.Module):
             exclude = [exclude]
@@ -112,7 +116,7 @@ class MemoryProbe(TorchDispatchMode):
         seen: set[int] = set()  # a tensor reachable from two excluded modules (a DDP and its module) once
         for item in exclude:
             if isinstance(item, DistributedDataParallel):
-                self._bookkeeping.add(_code(DistributedDataParallel._pre_forward))
+                self._bookkeeping.add(_code(ddp_pre_forward()))
             tensors = list(item.parameters()) + list(item.buffers()) if isinstance(item, nn.Module) else [item]
             for t in tensors:
                 if id(t) in seen:
@@ -162,7 +166,7 @@ class MemoryProbe(TorchDispatchMode):
             if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.device.type == "meta":
                 continue
             storage = t.untyped_storage()
-            key = storage._cdata
+            key = storage_id(storage)
             if key in self._fixed or key in inputs:
                 continue
             old = self._live.get(key)

@@ -1,43 +1,8 @@
 """Measure a chain: per-stage times, sizes and transients on the real sample input.
 
-`profile_chain` runs every stage (found by a discovery step, `lightning_rotor.stages`)
-on the sample input and fills a `Chain` exactly as
-docs/memory-model.md defines each field:
-
-- `out_size`: bytes of the storages of `a_{k+1}`;
-- `saved_size`: bytes alive after `F_k` with grad recording beside `a_k`: `a_{k+1}`
-  plus the graph's saved tensors, not `a_k` nor parameters (`MemoryProbe`
-  accounting); an output that is a view of `a_k`, or tensors of `a_k` passed
-  through, add nothing (`ā_{k+1}` is only ever held beside `a_k`);
-- `out_free`: bytes freed when the output values are dropped and the graph kept
-  (what the graph does not save), as the executor does before `B k`;
-- `in_free`: bytes of `a_k` that neither `F_{k-1}`'s graph nor `F_k`'s keeps, freed
-  when the executor lets go of `a_k` after stage k's last forward (0 for `a_0`);
-- `fwd_tmp`: peak above what is alive after `F_k` run recording its graph
-  (`Fe`); `fwd_tmp_nograd`: the same for `F_k` run without grad (`Fn`, `Fc`).
-  They differ where a stage saves for backward what is otherwise transient
-  (attention scores); one figure for both would overcharge one mode;
-- `bwd_tmp` (signed): the peak of the backward of `F_k`, run as the executor
-  runs it (values released, backpropagated from the output edges, `δ_{k+1}`
-  freed once consumed below the last stage), above `cur - out_free + s_k`;
-  measured with parameter gradients absent and already stored, the larger kept;
-- on CUDA, transients are also read from the caching allocator, which sees
-  kernel workspaces, and the larger figure is kept;
-- `loss_tmp`, `loss_tmp_kept` (signed): the loss is the caller's; give it as a
-  function of the output to have it measured, or bytes; by default a softmax
-  cross-entropy over the last dimension is measured (`proxy_loss`), in the
-  caller's autocast state, on a plain `a_L` handed over and on one kept alive;
-- `frozen`: the stages before the first one that needs a backward (the input does not
-  require grad and nothing of their output does); they are measured once, as `Fn`, and
-  the first stage after them gets its input without grad, as plain autograd gives it;
-- `input_size`: bytes of `a_0`; `loss_value`: the loss value and its seed gradient,
-  held from the end of the loss to the end of the step (`LOSS_HELD` bytes when the
-  loss is given as bytes).
-
-Times are taken in rounds over the whole chain, on the current thread count:
-each stage's fastest run, scaled so that the stages add up to the median round
-(`stage_times`). Profiling leaves no trace: parameters, `.grad` (the very
-tensors, unchanged), buffers and the RNG stream are as they were (`Untouched`).
+`profile_chain` runs every stage (found by a discovery step, `lightning_rotor.stages`) on the
+sample input, as the executor runs it (lightning_rotor/engine.py), and fills a `Chain` (see
+NOTE: [what each field measures]). Profiling leaves no trace on training (`Untouched`).
 """
 
 from __future__ import annotations
@@ -53,341 +18,71 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.graph import GradientEdge, _engine_run_backward, get_gradient_edge
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from lightning_rotor._torch_compat import (
+    StorageWeakRef,
+    accumulated_leaf,
+    storage_use_count,
+    tree_flatten,
+    tree_unflatten,
+)
 from lightning_rotor.chain import Chain
-from lightning_rotor.memory import MemoryProbe, storage_bytes, storage_emptied, storage_key
+from lightning_rotor.engine import (
+    HandOver,
+    backward_from_edges,
+    backward_pairs,
+    check_inplace,
+    compact_gradients,
+    detach_value,
+    differentiable,
+    enter_stage,
+    no_cast_cache,
+    output_edges,
+    tensors_of,
+    value_device,
+    versions,
+)
+from lightning_rotor.memory import MemoryProbe, storage_bytes, storage_key
+
+# NOTE: [what each field measures] profile_chain fills a `Chain` exactly as docs/memory-model.md
+# defines each field:
+# - `out_size`: bytes of the storages of `a_{k+1}`;
+# - `saved_size`: bytes alive after `F_k` with grad recording beside `a_k`: `a_{k+1}`
+#   plus the graph's saved tensors, not `a_k` nor parameters (`MemoryProbe`
+#   accounting); an output that is a view of `a_k`, or tensors of `a_k` passed
+#   through, add nothing (`ā_{k+1}` is only ever held beside `a_k`);
+# - `out_free`: bytes freed when the output values are dropped and the graph kept
+#   (what the graph does not save), as the executor does before `B k`;
+# - `in_free`: bytes of `a_k` that neither `F_{k-1}`'s graph nor `F_k`'s keeps, freed
+#   when the executor lets go of `a_k` after stage k's last forward (0 for `a_0`);
+# - `fwd_tmp`: peak above what is alive after `F_k` run recording its graph
+#   (`Fe`); `fwd_tmp_nograd`: the same for `F_k` run without grad (`Fn`, `Fc`).
+#   They differ where a stage saves for backward what is otherwise transient
+#   (attention scores); one figure for both would overcharge one mode;
+# - `bwd_tmp` (signed): the peak of the backward of `F_k`, run as the executor
+#   runs it (values released, backpropagated from the output edges, `δ_{k+1}`
+#   freed once consumed below the last stage), above `cur - out_free + s_k`;
+#   measured with parameter gradients absent and already stored, the larger kept;
+# - on CUDA, transients are also read from the caching allocator, which sees
+#   kernel workspaces, and the larger figure is kept;
+# - `loss_tmp`, `loss_tmp_kept` (signed): the loss is the caller's; give it as a
+#   function of the output to have it measured, or bytes; by default a softmax
+#   cross-entropy over the last dimension is measured (`proxy_loss`), in the
+#   caller's autocast state, on a plain `a_L` handed over and on one kept alive;
+# - `frozen`: the stages before the first one that needs a backward (the input does not
+#   require grad and nothing of their output does); they are measured once, as `Fn`, and
+#   the first stage after them gets its input without grad, as plain autograd gives it;
+# - `input_size`: bytes of `a_0`; `loss_value`: the loss value and its seed gradient,
+#   held from the end of the loss to the end of the step (`LOSS_HELD` bytes when the
+#   loss is given as bytes).
+#
+# NOTE: [stage times]
+# Times are taken in rounds over the whole chain, on the current thread count:
+# each stage's fastest run, scaled so that the stages add up to the median round
+# (`stage_times`). Profiling leaves no trace: parameters, `.grad` (the very
+# tensors, unchanged), buffers and the RNG stream are as they were (`Untouched`).
 
 LOSS_HELD = 64  # bytes of the caller's loss value when the loss is not measured (given as bytes)
-
-
-class InplaceError(RuntimeError):
-    """A stage modified its input in place, which would corrupt a kept checkpoint."""
-
-
-# -- values (a tensor or a nested tuple of tensors) -----------------------------------------
-def tensors_of(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):  # the common case, without pytree's cost (the executor calls this per op)
-        return [value]
-    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
-
-
-def differentiable(t: torch.Tensor) -> bool:
-    return t.is_floating_point() or t.is_complex()
-
-
-def detach_value(value: Any, requires_grad: bool) -> Any:
-    """Aliases of `value` cut from any graph, as leaves that require grad when asked and possible."""
-
-    def leaf(t: Any) -> Any:
-        if not isinstance(t, torch.Tensor):
-            return t
-        d = t.detach()
-        if requires_grad and differentiable(d):
-            d.requires_grad_(True)
-        return d
-
-    return leaf(value) if isinstance(value, torch.Tensor) else tree_map(leaf, value)
-
-
-def _compact(grad: torch.Tensor) -> torch.Tensor | None:
-    """A copy of `grad` when it is a view that keeps a larger storage alive (see `compact_gradients`)."""
-    if grad.layout != torch.strided or grad.untyped_storage().nbytes() <= grad.numel() * grad.element_size():
-        return None
-    return grad.clone()
-
-
-def compact_gradients(value: Any) -> Any:
-    """Make every gradient that reaches a tensor of stage input `value` hold only its own bytes.
-
-    NOTE: [compact stage-input gradients] the memory model holds δ_k as `s_k` bytes from `B k` on.
-    A gradient made as a slice of a larger one (the backward of `torch.cat` gives each input a
-    narrow view of the output's gradient, as for a U-Net skip) keeps the whole storage alive
-    instead, as long as δ_k is held. A tensor hook copies such a gradient into a tensor of its own
-    when it reaches the stage input, and the view goes with the engine's buffer. The copy is part of
-    `B k`: the profiler runs stages with the same hooks, so `bwd_tmp` measures it. Returns `value`.
-    """
-    for t in tensors_of(value):
-        if t.requires_grad:
-            t.register_hook(_compact)
-    return value
-
-
-class no_cast_cache:
-    """Run a stage without autocast's weight-cast cache.
-
-    The cache keeps low-precision copies of parameters alive until the outermost
-    autocast region exits, which no stage's measurement could charge. Without it,
-    each cast lives exactly as long as the graph that saved it (and is measured
-    with the stage); the values are the same casts, so results are identical.
-    """
-
-    def __enter__(self) -> None:
-        self.enabled = torch.is_autocast_cache_enabled()
-        torch.set_autocast_cache_enabled(False)
-
-    def __exit__(self, *exc: Any) -> None:
-        torch.set_autocast_cache_enabled(self.enabled)
-
-
-def versions(value: Any) -> list[int]:
-    return [t._version for t in tensors_of(value)]
-
-
-def check_inplace(before: list[int], value: Any, k: int, name: str) -> None:
-    if versions(value) != before and k == 0:  # no stage before it to join (lightning_rotor/discovery/graph.py)
-        raise InplaceError(
-            f"stage 0 ({name}) writes in place into the chain input, which rotor keeps to run the stage again "
-            "from, and no stage comes before it to share the write with; make that operation out-of-place "
-            "(e.g. ReLU(inplace=False), x = x + 1) or run it before the chain"
-        )
-    if versions(value) != before:
-        raise InplaceError(
-            f"stage {k} ({name}) modified its input in place, which would corrupt a kept checkpoint; "
-            "make the operation out-of-place or put it in the same stage as the module before it"
-        )
-
-
-def backward_pairs(outputs: Any, grads: Sequence[torch.Tensor | None]) -> tuple[list, list]:
-    """(tensors, grads) of the outputs that carry a graph and received a gradient."""
-    outs, gs = [], []
-    for t, g in zip(tensors_of(outputs), grads, strict=True):
-        if t.requires_grad and g is not None:
-            outs.append(t)
-            gs.append(g)
-    return outs, gs
-
-
-def output_edges(outputs: Any) -> list[GradientEdge | None]:
-    """Where each output tensor's gradient enters the graph (None: no graph).
-
-    Backpropagating from the edges instead of the tensors lets the caller drop the
-    output values first: their storage is freed unless the graph saved it, as plain
-    autograd frees an output nothing needs (Megatron's output deallocation, done by
-    reference counting instead of by hand).
-    """
-    return [get_gradient_edge(t) if t.requires_grad else None for t in tensors_of(outputs)]
-
-
-def backward_from_edges(
-    edges: Sequence[GradientEdge | None],
-    grads: Sequence[torch.Tensor | None],
-    *,
-    free_grads: bool = False,
-    done_at: Sequence[GradientEdge | None] = (),
-    when_done: Callable[[], None] | None = None,
-) -> None:
-    """Backpropagate `grads` from output `edges` (see `output_edges`); nothing when no edge has a gradient.
-
-    `free_grads`: free each gradient's storage as soon as the node that receives it has
-    run, as the engine frees a gradient between nodes of one backward, instead of
-    holding it until the whole stage's backward returns. Only for gradients the caller
-    owns alone: a storage anything else references is left alone, and so is a gradient
-    that a leaf's accumulator may store as its `.grad`.
-
-    `done_at`: edges whose nodes run only once the stage receiving `grads` is done (the
-    next stage's output, when one call runs the backward of several stages), then those
-    of each stage boundary below, in order. A gradient its receiver passed on as a view is
-    freed at the first of them where nothing uses the view any more; one passed on as the
-    very same tensor is left to the engine. `when_done` is called at the first boundary,
-    after the freeing (a probe's mark of the op).
-    """
-    roots, gs = [], []
-    for e, g in zip(edges, grads, strict=True):
-        if e is not None and g is not None:
-            roots.append(e)
-            gs.append(unviewed(g) if free_grads else g)
-    del grads
-    if not roots:
-        return
-    handles = []
-    if free_grads:
-        receivers: dict[int, tuple[Any, list[torch.Tensor]]] = {}
-        shared: dict[int, int] = {}
-        for g in gs:
-            if g.layout == torch.strided:
-                ptr = g.untyped_storage().data_ptr()
-                shared[ptr] = shared.get(ptr, 0) + 1
-        for e, g in zip(roots, gs, strict=True):
-            # NOTE: [receivers that keep the gradient] a leaf's accumulator stores it as `.grad` and `EnterStage`
-            # catches it as δ of the stage input (a stage passing a tensor of its input on untouched, such as a
-            # U-Net skip, hands EnterStage the root gradient itself). The engine and the slot hold the same
-            # tensor, which adds no reference to the storage, so it would look consumed and owned: it stays.
-            # A gradient given to several roots is still needed after the first has run: it stays too.
-            if _keeps_gradient(e.node) or g.layout != torch.strided:
-                continue
-            if shared[g.untyped_storage().data_ptr()] > 1:
-                continue
-            receivers.setdefault(id(e.node), (e.node, []))[1].append(g)
-        consumed: set[int] = set()  # ids of gradients whose receiver ran and did not pass them on unchanged
-        handles = [node.register_hook(_FreeConsumed(owned, consumed)) for node, owned in receivers.values()]
-        if done_at:  # only a call running several stages' backwards has a later point to free at
-            later = _FreeRest([g for _, owned in receivers.values() for g in owned], consumed, when_done)
-            handles += [e.node.register_prehook(later) for e in done_at if e is not None]
-    try:
-        # the engine itself: `torch.autograd.backward` would only re-check shapes the edges already match
-        # (δ_{k+1} is made for these very outputs), at a cost that shows on short stages
-        _engine_run_backward(tuple(roots), tuple(gs), False, False, (), allow_unreachable=True, accumulate_grad=True)
-    finally:
-        for h in handles:
-            h.remove()
-
-
-_ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
-
-
-def _keeps_gradient(node: Any) -> bool:
-    """Does this graph node keep the gradient it receives (see NOTE: [receivers that keep the gradient])?"""
-    return node.name() == _ACCUMULATE_GRAD or isinstance(node, EnterStage._backward_cls)
-
-
-def unviewed(grad: torch.Tensor) -> torch.Tensor:
-    """`grad` as a tensor of its own on the same storage, when it is a view (of the tensor it was made from).
-
-    A view keeps its base tensor alive, and with it a second reference to the storage,
-    so the gradient would not look owned by the caller alone and could not be freed
-    once consumed (the loss's gradient often arrives as a view, e.g. through a reshape).
-    Only the view's own reference to the base goes; a base held elsewhere keeps the storage.
-    """
-    if grad._base is None:
-        return grad
-    return own_alias(grad)
-
-
-def own_alias(grad: torch.Tensor | None) -> torch.Tensor | None:
-    """A tensor of its own on `grad`'s storage (same offset, size and strides); non-strided ones as they are."""
-    if grad is None or grad.layout != torch.strided:
-        return grad
-    return grad.new_empty(0).set_(grad.untyped_storage(), grad.storage_offset(), grad.size(), grad.stride())
-
-
-def _free_owned(tensors: Sequence[torch.Tensor], passed: set[int]) -> list[torch.Tensor]:
-    """Empty the storage of each tensor only it references (and that is not in `passed`, by storage).
-
-    Returns the tensors whose storage is still held elsewhere (a view passed on may die later).
-    """
-    held = []
-    for t in tensors:
-        storage = t.untyped_storage()
-        if storage.nbytes() == 0:
-            continue
-        if storage.data_ptr() not in passed and torch._C._storage_Use_Count(storage._cdata) == 2:
-            storage.resize_(0)  # only this tensor and `storage` itself referenced it
-            storage_emptied(storage)
-        else:
-            held.append(t)
-    return held
-
-
-class _FreeConsumed:
-    """Node post-hook: free the storage of gradients the node has consumed, when only they hold it."""
-
-    def __init__(self, tensors: list[torch.Tensor], consumed: set[int]):
-        self.tensors = tensors
-        self.consumed = consumed
-
-    def __call__(self, grad_inputs: Sequence[torch.Tensor | None], *_: Any) -> None:
-        # a node may pass a gradient on as it is (an add, a view): then the next nodes still need it
-        passed = {g.untyped_storage().data_ptr() for g in grad_inputs if isinstance(g, torch.Tensor)}
-        self.consumed.update(id(t) for t in self.tensors if not any(g is t for g in grad_inputs))
-        _free_owned(self.tensors, passed)
-        self.tensors = []
-
-
-class _FreeRest:
-    """Node pre-hook, where each stage below the one that received the gradients begins: free those
-    still held alone.
-
-    Only gradients whose receiver has run and did not pass them on as the very same tensor:
-    the engine may hold any other for a node still to run. A gradient passed on as a view stays
-    while the view lives (it is the next stage's δ); a later stage boundary frees it once the
-    view is gone. `then` runs once, at the first boundary (the receiving stage is done).
-    """
-
-    def __init__(self, tensors: list[torch.Tensor], consumed: set[int], then: Callable[[], None] | None):
-        self.tensors = tensors
-        self.consumed = consumed
-        self.then = then
-        self.first = True
-
-    def __call__(self, grad_outputs: Sequence[torch.Tensor | None]) -> None:
-        passed = {g.untyped_storage().data_ptr() for g in grad_outputs if isinstance(g, torch.Tensor)}
-        if self.first:  # from here on only consumed gradients are ours to free
-            self.tensors = [t for t in self.tensors if id(t) in self.consumed]
-            self.first = False
-            _then, self.then = self.then, None
-        else:
-            _then = None
-        self.tensors = _free_owned(self.tensors, passed)
-        if _then is not None:
-            _then()
-
-
-class _HandOver(torch.autograd.Function):
-    """Give tensors to a loss as outputs of a graph node that keeps nothing, and catch their gradient.
-
-    The executor's `_Head` does the same; measuring the loss through it charges the
-    loss what it costs when the caller writes `loss_fn(model(x), y)`.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, box: dict, dummy: torch.Tensor) -> tuple:
-        tensors = box.pop("tensors")
-        ctx.box = box
-        ctx.set_materialize_grads(False)
-        ctx.mark_non_differentiable(*[t for t in tensors if not differentiable(t)])
-        return tuple(tensors)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Any) -> tuple:
-        ctx.box["grads"] = grads
-        return None, None
-
-
-class EnterStage(torch.autograd.Function):
-    """Give a stage its input through a graph node that keeps nothing, and catch the input's gradient.
-
-    A leaf input would be held, storage and all, by its gradient accumulator as long
-    as the stage's graph lives. Through this node the stage's graph keeps only what it
-    saves, so once the executor lets go of `a_k` after the last forward of stage `k`,
-    the rest of `a_k` is freed, as in plain training (chain version 3, `in_free`).
-    `slot` receives the gradients (one per tensor, None where none came).
-    """
-
-    @staticmethod
-    def forward(ctx: Any, slot: list, dummy: torch.Tensor, *tensors: torch.Tensor) -> tuple:
-        ctx.slot = slot
-        ctx.set_materialize_grads(False)
-        outs = tuple(t.view_as(t) for t in tensors)
-        ctx.mark_non_differentiable(*[t for t in outs if not differentiable(t)])
-        return outs
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Any) -> tuple:
-        ctx.slot.extend(grads)
-        return (None, None, *[None] * len(grads))
-
-
-def enter_stage(
-    value: Any, slot: list, dummy: torch.Tensor, wanted: Sequence[bool] | None = None, *, compact: bool = True
-) -> Any:
-    """`value` with each tensor passed through `EnterStage` (see there); `slot` gets their gradients.
-
-    `wanted`: per tensor of `value`, whether it gets a gradient (the rest enter detached, as
-    tensors that do not require grad); all by default. `compact`: see `compact_gradients`.
-    """
-    flat, spec = tree_flatten(value)
-    tensors = [t for t in flat if isinstance(t, torch.Tensor)]
-    wanted = [True] * len(tensors) if wanted is None else list(wanted)
-    picked = [t.detach() for t, w in zip(tensors, wanted, strict=True) if w]
-    entered = iter(EnterStage.apply(slot, dummy, *picked) if picked else ())
-    if compact:
-        entered = iter(compact_gradients(tuple(entered)))
-    take = iter(wanted)
-    return tree_unflatten([(next(entered) if next(take) else t.detach()) if isinstance(t, torch.Tensor) else t
-                           for t in flat], spec)
 
 
 # -- profiling ------------------------------------------------------------------------------
@@ -449,8 +144,9 @@ def grads_aside(root: torch.Tensor) -> Iterator[None]:
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
-        if hasattr(node, "variable"):  # AccumulateGrad
-            leaves.append(node.variable)
+        leaf = accumulated_leaf(node)
+        if leaf is not None:
+            leaves.append(leaf)
         todo.extend(next_node for next_node, _ in node.next_functions)
     saved = [t.grad for t in leaves]
     for t in leaves:
@@ -460,6 +156,21 @@ def grads_aside(root: torch.Tensor) -> Iterator[None]:
     finally:
         for t, g in zip(leaves, saved, strict=True):
             t.grad = g
+
+
+class _LossInput:
+    """The measured loss's end of `HandOver`: a copy of `a_L` to hand over, and `δ_L` once it comes."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        self.tensors = tensors
+        self.grads: tuple[torch.Tensor | None, ...] | None = None
+
+    def hand_over(self) -> list[torch.Tensor]:
+        tensors, self.tensors = self.tensors, []  # the node keeps nothing: only the loss holds them
+        return tensors
+
+    def receive(self, grads: tuple[torch.Tensor | None, ...]) -> None:
+        self.grads = grads
 
 
 def _loss_peak(output: Any, loss_fn: Callable[[Any], torch.Tensor], keep: bool) -> tuple[int, int]:
@@ -475,19 +186,19 @@ def _loss_peak(output: Any, loss_fn: Callable[[Any], torch.Tensor], keep: bool) 
     copies = [t.detach().clone() if isinstance(t, torch.Tensor) else t for t in flat]
     with MemoryProbe() as probe:
         probe.track(copies)
-        box = {"tensors": [t for t in copies if isinstance(t, torch.Tensor)]}
-        kept = list(box["tensors"]) if keep else None
+        end = _LossInput([t for t in copies if isinstance(t, torch.Tensor)])
+        kept = list(end.tensors) if keep else None
         del copies
         dummy = torch.empty(0, requires_grad=True)
-        handed = iter(_HandOver.apply(box, dummy))
+        handed = iter(HandOver.apply(end, dummy))
         holder = [tree_unflatten([next(handed) if isinstance(t, torch.Tensor) else t for t in flat], spec)]
         del handed
         loss = loss_fn(holder.pop())
         value_bytes = 2 * storage_bytes(loss)  # the value and the gradient backward seeds it with, both held to the end
         with grads_aside(loss):  # a loss with parameters of its own: their .grad is the caller's
             loss.backward()
-        probe.track(box.get("grads"))
-        del loss, kept, box
+        probe.track(end.grads)
+        del loss, kept, end
     return probe.peak, value_bytes
 
 
@@ -549,8 +260,7 @@ PROFILE_STEPS = 10  # profiling stops adding timing rounds once it has taken thi
 MIN_ROUNDS = 3  # timing rounds run whatever the time: a stage's fastest of three is rarely a stalled run
 
 
-def _stage_forward(stage: nn.Module, value: Any, grad_in: bool, k: int, name: str,
-                   record: bool) -> tuple[Any, Any]:
+def _stage_forward(stage: nn.Module, value: Any, grad_in: bool, k: int, name: str, record: bool) -> tuple[Any, Any]:
     """(input leaf, output) of stage `k` run on a detached `value`, recording its graph when `record`.
 
     The executor enters stage inputs through `EnterStage` instead; a leaf's accumulator may copy
@@ -567,8 +277,9 @@ def _stage_forward(stage: nn.Module, value: Any, grad_in: bool, k: int, name: st
     return inp, out
 
 
-def _timed_run(forward: Callable[[bool], tuple[Any, Any]], device: torch.device,
-               untouched: Untouched) -> tuple[float, float]:
+def _timed_run(
+    forward: Callable[[bool], tuple[Any, Any]], device: torch.device, untouched: Untouched
+) -> tuple[float, float]:
     """Seconds of one `Fe` and of its `B` (0 without a graph), run as the executor runs them."""
     synchronize(device)
     t0 = time.perf_counter()
@@ -603,9 +314,17 @@ def _timed_run_frozen(forward: Callable[[bool], tuple[Any, Any]], device: torch.
     return seconds
 
 
-def _timed_rounds(stages: Sequence[nn.Module], sample: Any, needs_grad: bool, names: Sequence[str],
-                  device: torch.device, untouched: Untouched, repeats: int, start: float,
-                  frozen: int) -> tuple[list[list[float]], list[list[float]]]:
+def _timed_rounds(
+    stages: Sequence[nn.Module],
+    sample: Any,
+    needs_grad: bool,
+    names: Sequence[str],
+    device: torch.device,
+    untouched: Untouched,
+    repeats: int,
+    start: float,
+    frozen: int,
+) -> tuple[list[list[float]], list[list[float]]]:
     """Per stage, the forward and backward seconds of each round (`repeats` at most).
 
     A round times every stage's `Fe` and `B` once, in chain order, each on its input made
@@ -619,8 +338,7 @@ def _timed_rounds(stages: Sequence[nn.Module], sample: Any, needs_grad: bool, na
     for _ in range(repeats):
         value = sample
         for k, stage in enumerate(stages):
-            forward = functools.partial(_stage_forward, stage, value, needs_grad if k <= frozen else True, k,
-                                        names[k])
+            forward = functools.partial(_stage_forward, stage, value, needs_grad if k <= frozen else True, k, names[k])
             if k < frozen:  # a frozen stage runs once, without grad, and has no backward (chain version 4)
                 f, b = _timed_run_frozen(forward, device, untouched), 0.0
             else:
@@ -713,7 +431,7 @@ def _measure_recorded(
     accumulate: bool,
     params: list[torch.Tensor],
     free_grads: bool,
-) -> tuple[int, int, int, int]:
+) -> tuple[int, int, int, int, list[bool]]:
     """(fwd_tmp, saved bytes, out_free, backward peak above a_k, output kept) of one stage run `Fe` then `B`.
 
     Output kept: per tensor of `a_{k+1}`, whether its storage outlives the value (the graph
@@ -747,8 +465,7 @@ def _measure_recorded(
         edges = output_edges(held[1])
         probe.mark("with δ")
         with_delta = probe.current
-        refs = [StorageWeakRef(t.untyped_storage()) if t.layout == torch.strided else None
-                for t in tensors_of(held[1])]
+        refs = [StorageWeakRef(t.untyped_storage()) if t.layout == torch.strided else None for t in tensors_of(held[1])]
         del held[1]  # the executor keeps the edges, not the values
         out_kept = [ref is None or not ref.expired() for ref in refs]  # by the graph (or a view of a_k)
         del refs
@@ -775,8 +492,7 @@ def _input_kept(stage: nn.Module, value: Any) -> list[bool]:
     tensors = tensors_of(value)
 
     def counts() -> list[int]:
-        return [torch._C._storage_Use_Count(t.untyped_storage()._cdata) if t.layout == torch.strided else 0
-                for t in tensors]
+        return [storage_use_count(t.untyped_storage()) if t.layout == torch.strided else 0 for t in tensors]
 
     before = counts()
     dummy = torch.empty(0, device=value_device(value), requires_grad=True)
@@ -844,15 +560,18 @@ def _measure_frozen(
     untouched.restore_buffers()
     held = {storage_key(t) for t in tensors_of(sample) if t.layout == torch.strided}
     size = storage_bytes([t for t in tensors_of(out) if t.layout != torch.strided or storage_key(t) not in held])
-    figures = {"out_size": size, "saved_size": size, "fwd_tmp": tmp, "fwd_tmp_nograd": tmp, "bwd_tmp": 0,
-               "out_free": 0, "in_free": 0}
+    figures = {
+        "out_size": size,
+        "saved_size": size,
+        "fwd_tmp": tmp,
+        "fwd_tmp_nograd": tmp,
+        "bwd_tmp": 0,
+        "out_free": 0,
+        "in_free": 0,
+    }
     for key, v in figures.items():
         fields[key].append(v)
     return out
-
-
-def value_device(value: Any) -> torch.device:
-    return tensors_of(value)[0].device
 
 
 def profile_chain(
@@ -865,7 +584,7 @@ def profile_chain(
     loss_tmp: int | Callable[[Any], torch.Tensor] | None = None,
     progress: Callable[[int, int, float], None] | None = None,
 ) -> Profile:
-    """Measure `stages` on `sample` (the chain input `a_0`); see the module docstring.
+    """Measure `stages` on `sample` (the chain input `a_0`); see NOTE: [what each field measures].
 
     `progress(stages_done, stages, seconds)` is called after each stage, for a progress line.
     """
@@ -919,15 +638,17 @@ def profile_chain(
             # measured after the in-place check above
             in_free = 0
             if k > frozen:  # a_F, the input of the first stage after a frozen prefix, is held to the end
-                in_free = min(fields["out_free"][k - 1], _released_whole(value, own, output_kept,
-                                                                         _input_kept(stage, value)))
+                in_free = min(
+                    fields["out_free"][k - 1], _released_whole(value, own, output_kept, _input_kept(stage, value))
+                )
                 untouched.restore_buffers()
             # memory with grad recording (Fe), then its backward (B): once with no parameter gradient
             # stored yet (autograd stores a fresh one as .grad), once accumulating into stored ones
             # (a real transient); the larger backward figure is kept, as either may happen in training
             recorded = [
-                _measure_recorded(forward, value, exclude, watch, untouched, accumulate, list(stage.parameters()),
-                                  free_grads=True)
+                _measure_recorded(
+                    forward, value, exclude, watch, untouched, accumulate, list(stage.parameters()), free_grads=True
+                )
                 for accumulate in (False, True)
             ]
             fwd_tmp, saved_size = recorded[0][:2]
@@ -958,8 +679,10 @@ def profile_chain(
             if progress is not None:
                 progress(k + 1, len(stages), time.perf_counter() - start)
         if frozen == len(stages):
-            raise ValueError("no stage of the chain needs a backward: the input does not require grad and no "
-                             "parameter of any stage does; there is nothing to checkpoint")
+            raise ValueError(
+                "no stage of the chain needs a backward: the input does not require grad and no "
+                "parameter of any stage does; there is nothing to checkpoint"
+            )
         del probe  # it tracked a_{L-1}, which the rounds need not hold
         if loss_tmp is None or callable(loss_tmp):
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -971,10 +694,23 @@ def profile_chain(
         fwd, bwd = _timed_rounds(stages, sample, needs_grad, names, device, untouched, repeats, start, frozen)
     fields["fwd_time"], fields["bwd_time"] = stage_times(fwd, bwd)
     # the loss value lives from the end of the loss to the end of the step (chain version 3: loss_value)
-    chain = Chain(input_size=storage_bytes(sample), loss_tmp=loss_bytes, loss_tmp_kept=loss_kept, loss_value=held,
-                  names=names, frozen=frozen, **fields)
+    chain = Chain(
+        input_size=storage_bytes(sample),
+        loss_tmp=loss_bytes,
+        loss_tmp_kept=loss_kept,
+        loss_value=held,
+        names=names,
+        frozen=frozen,
+        **fields,
+    )
     seconds = time.perf_counter() - start
     threads = torch.get_num_threads()
-    return Profile(chain, seconds, [_spread(runs) for runs in fwd], [_spread(runs) for runs in bwd],
-                   repeats=len(fwd[0]) if fwd else 0, threads=threads,
-                   round_seconds=round_totals(fwd, bwd))
+    return Profile(
+        chain,
+        seconds,
+        [_spread(runs) for runs in fwd],
+        [_spread(runs) for runs in bwd],
+        repeats=len(fwd[0]) if fwd else 0,
+        threads=threads,
+        round_seconds=round_totals(fwd, bwd),
+    )

@@ -1,67 +1,9 @@
-"""Replaying a stage's random numbers without rewinding the process-wide generator.
+"""Replaying a recomputed stage's random numbers without rewinding the process-wide generator.
 
-A recomputed stage must draw the same random numbers (dropout masks) as its
-first run, or its gradients are wrong. Rewinding the default generator for the
-replay (`torch.random.fork_rng` + `set_rng_state`) would do that in one thread,
-but the default generator is shared by every thread of the process: another
-thread drawing meanwhile would get repeated numbers, and its draws would shift
-the replayed ones.
-
-So the default generator is never rewound. Instead, during the first run of a
-stage that the plan recomputes, `RecordRandom` notes, immediately before each
-op that draws random numbers (aten ops tagged `nondeterministic_seeded`:
-`bernoulli_` under dropout, `normal_`, `rand`, `randperm`, fused attention with
-dropout, ...), the state of the generator that op draws from. On a replay,
-`ReplayRandom` hands each such op a private `torch.Generator` set to that
-state: the op's own `generator` argument, or the same op's overload that takes
-one (`rand.default` -> `rand.generator`).
-
-One lock, `RNG_LOCK`, is held from each snapshot to the end of its op, so
-rotor threads' recorded ops cannot draw between the two. Ops that fill an
-existing tensor (`bernoulli_`, which is dropout on CPU, `uniform_`, `normal_`,
-...) are made exact whatever other threads do: the op first draws from the
-default generator (which so moves on exactly as without rotor), then fills
-the tensor again from the snapshot with a private generator. That second fill
-costs one more random op, so it is done only while other Python threads are
-alive (not `alone()`, below: a process with no other thread that may draw has
-nobody to draw in between). What remains:
-
-- an op that makes a new tensor (`rand`, `randn`, `bernoulli(p)`,
-  `multinomial`, `rrelu`'s noise, ...) draws from the default generator
-  itself: a draw from the same generator by any thread that is not inside a
-  recorded op (a thread outside rotor, or a stage the plan does not recompute)
-  landing between the snapshot and the op shifts the op's numbers, and its
-  replay is then not exact. The window is one GIL hand-over wide, so a thread
-  drawing continuously does hit it; the generator still never repeats a
-  number to anyone;
-- ops that draw but take no generator in any overload (`native_dropout`, the
-  fused CUDA attention kernels, cuDNN RNNs: CUDA only; on CPU dropout is
-  `bernoulli_`) have the same window on their first run, and are replayed by
-  setting the default generator of their device to the snapshot and restoring
-  its state right after, under the lock: a thread outside rotor drawing on that
-  device in that window sees repeated numbers;
-- profiling (the first training forward of each new input signature,
-  `profile.profile_chain`) still forks the RNG around its runs, so a thread
-  drawing during profiling may see numbers again afterwards.
-
-Only stages that the plan recomputes run under these modes (one Python
-dispatch per op of their forward runs); other stages run as they are. A
-recomputed stage whose recorded first run drew nothing is *quiet*: later steps
-run it with no mode at all, only comparing the default generators' states
-before and after its first run (`GeneratorWatch`). Should they have moved (the
-stage drew after all, or another thread drew meanwhile), that step replays the
-stage from one private generator per device set to the states before its first
-run (`ReplayFrom`: exact unless another thread drew meanwhile), and the next
-step records it again.
-
-A process whose only thread that may draw is the training thread (`alone()`: every
-other Python thread is a daemon, as tqdm's monitor and TensorBoard's writer are; the
-usual training loop) pays for none of this: a recomputed stage's first run only notes the generators' states
-(`GeneratorWatch`), and its replay rewinds the default generators to them and
-puts them back afterwards (`Rewind`), with no dispatch mode, as
-torch.utils.checkpoint does. Should another thread appear between the two, the
-replay takes `ReplayFrom` instead, which is exact since nobody could draw during
-the first run.
+A recomputed stage must draw the same random numbers (dropout masks) as its first run, or its
+gradients are wrong. How, with other threads drawing meanwhile: NOTE: [never rewind a shared
+generator], [one lock, and refilling in place], [quiet stages]; the usual single training thread
+pays for none of it: NOTE: [alone].
 """
 
 from __future__ import annotations
@@ -70,10 +12,77 @@ import threading
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+
+from lightning_rotor._torch_compat import TorchDispatchMode, op_arguments, tree_leaves
 
 __all__ = ["RNG_LOCK", "GeneratorWatch", "RecordRandom", "ReplayFrom", "ReplayRandom", "Rewind", "alone"]
+
+# NOTE: [never rewind a shared generator]
+# A recomputed stage must draw the same random numbers (dropout masks) as its
+# first run, or its gradients are wrong. Rewinding the default generator for the
+# replay (`torch.random.fork_rng` + `set_rng_state`) would do that in one thread,
+# but the default generator is shared by every thread of the process: another
+# thread drawing meanwhile would get repeated numbers, and its draws would shift
+# the replayed ones.
+#
+# So the default generator is never rewound. Instead, during the first run of a
+# stage that the plan recomputes, `RecordRandom` notes, immediately before each
+# op that draws random numbers (aten ops tagged `nondeterministic_seeded`:
+# `bernoulli_` under dropout, `normal_`, `rand`, `randperm`, fused attention with
+# dropout, ...), the state of the generator that op draws from. On a replay,
+# `ReplayRandom` hands each such op a private `torch.Generator` set to that
+# state: the op's own `generator` argument, or the same op's overload that takes
+# one (`rand.default` -> `rand.generator`).
+#
+# NOTE: [one lock, and refilling in place]
+# One lock, `RNG_LOCK`, is held from each snapshot to the end of its op, so
+# rotor threads' recorded ops cannot draw between the two. Ops that fill an
+# existing tensor (`bernoulli_`, which is dropout on CPU, `uniform_`, `normal_`,
+# ...) are made exact whatever other threads do: the op first draws from the
+# default generator (which so moves on exactly as without rotor), then fills
+# the tensor again from the snapshot with a private generator. That second fill
+# costs one more random op, so it is done only while other Python threads are
+# alive (not `alone()`, below: a process with no other thread that may draw has
+# nobody to draw in between). What remains:
+#
+# - an op that makes a new tensor (`rand`, `randn`, `bernoulli(p)`,
+#   `multinomial`, `rrelu`'s noise, ...) draws from the default generator
+#   itself: a draw from the same generator by any thread that is not inside a
+#   recorded op (a thread outside rotor, or a stage the plan does not recompute)
+#   landing between the snapshot and the op shifts the op's numbers, and its
+#   replay is then not exact. The window is one GIL hand-over wide, so a thread
+#   drawing continuously does hit it; the generator still never repeats a
+#   number to anyone;
+# - ops that draw but take no generator in any overload (`native_dropout`, the
+#   fused CUDA attention kernels, cuDNN RNNs: CUDA only; on CPU dropout is
+#   `bernoulli_`) have the same window on their first run, and are replayed by
+#   setting the default generator of their device to the snapshot and restoring
+#   its state right after, under the lock: a thread outside rotor drawing on that
+#   device in that window sees repeated numbers;
+# - profiling (the first training forward of each new input signature,
+#   `profile.profile_chain`) still forks the RNG around its runs, so a thread
+#   drawing during profiling may see numbers again afterwards.
+#
+# NOTE: [quiet stages]
+# Only stages that the plan recomputes run under these modes (one Python
+# dispatch per op of their forward runs); other stages run as they are. A
+# recomputed stage whose recorded first run drew nothing is *quiet*: later steps
+# run it with no mode at all, only comparing the default generators' states
+# before and after its first run (`GeneratorWatch`). Should they have moved (the
+# stage drew after all, or another thread drew meanwhile), that step replays the
+# stage from one private generator per device set to the states before its first
+# run (`ReplayFrom`: exact unless another thread drew meanwhile), and the next
+# step records it again.
+#
+# NOTE: [alone]
+# A process whose only thread that may draw is the training thread (`alone()`: every
+# other Python thread is a daemon, as tqdm's monitor and TensorBoard's writer are; the
+# usual training loop) pays for none of this: a recomputed stage's first run only notes the generators' states
+# (`GeneratorWatch`), and its replay rewinds the default generators to them and
+# puts them back afterwards (`Rewind`), with no dispatch mode, as
+# torch.utils.checkpoint does. Should another thread appear between the two, the
+# replay takes `ReplayFrom` instead, which is exact since nobody could draw during
+# the first run.
 
 RNG_LOCK = threading.RLock()
 
@@ -82,7 +91,7 @@ _WITH_GENERATOR: dict[Any, Any] = {}  # op -> the overload taking `generator` (i
 
 
 def _takes_generator(op: Any) -> bool:
-    return any(a.name == "generator" for a in op._schema.arguments)
+    return any(a.name == "generator" for a in op_arguments(op))
 
 
 def _with_generator(op: Any) -> Any:
@@ -93,11 +102,11 @@ def _with_generator(op: Any) -> Any:
     if _takes_generator(op):
         found = op
     else:
-        names = [a.name for a in op._schema.arguments]
+        names = [a.name for a in op_arguments(op)]
         packet = op.overloadpacket
         for name in packet.overloads():
             other = getattr(packet, name)
-            if _takes_generator(other) and [a.name for a in other._schema.arguments if a.name != "generator"] == names:
+            if _takes_generator(other) and [a.name for a in op_arguments(other) if a.name != "generator"] == names:
                 found = other
                 break
     _WITH_GENERATOR[op] = found
@@ -106,7 +115,7 @@ def _with_generator(op: Any) -> Any:
 
 def _overwrites_first(op: Any, args: Any, kwargs: dict) -> bool:
     """Whether `op` writes its random numbers into its first argument, which no other argument shares."""
-    first = op._schema.arguments[0]
+    first = op_arguments(op)[0]
     if first.alias_info is None or not first.alias_info.is_write or not args:
         return False
     target = args[0]
@@ -144,7 +153,10 @@ def _source(kwargs: dict, device: torch.device) -> torch.Generator:
 
 
 class RecordRandom(TorchDispatchMode):
-    """First run of a recomputed stage: remember the generator state each random op draws from."""
+    """First run of a recomputed stage: remember the generator state each random op draws from.
+
+    See NOTE: [never rewind a shared generator] and NOTE: [one lock, and refilling in place].
+    """
 
     def __init__(self) -> None:
         super().__init__()
@@ -221,7 +233,10 @@ class ReplayRandom(TorchDispatchMode):
 
 
 class GeneratorWatch:
-    """The default generators' states of some devices, to tell whether anything drew from them since."""
+    """The default generators' states of some devices, to tell whether anything drew from them since.
+
+    See NOTE: [quiet stages].
+    """
 
     def __init__(self, devices: list[torch.device]):
         self.states = [(d, _default_generator(d).get_state()) for d in devices]
@@ -242,7 +257,7 @@ def alone() -> bool:
 
 
 class Rewind:
-    """A recomputation while `alone()`: no mode, the default generators rewound and put back.
+    """A recomputation while `alone()` (NOTE: [alone]): no mode, the default generators rewound and put back.
 
     Rewinding is what torch.utils.checkpoint does; alone, it is exact and disturbs no one (the
     generators end where they were), and the stage runs with no Python dispatch per op.

@@ -20,9 +20,9 @@ from training import assert_same_state, measured_step, train
 
 from lightning_rotor.checkpointable import Checkpointable
 from lightning_rotor.discovery import DiscoveryError, discover_chain
+from lightning_rotor.engine import InplaceError
 from lightning_rotor.lightning import RotorCallback, RotorStrategy
 from lightning_rotor.lightning.state import rotor_modules
-from lightning_rotor.profile import InplaceError
 
 torch.set_num_threads(1)
 

@@ -8,10 +8,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_rotor.chain import Chain
+from lightning_rotor.engine import InplaceError
 from lightning_rotor.execute import PlanRunner
 from lightning_rotor.memory import MemoryProbe
 from lightning_rotor.ops import no_recompute_ops
-from lightning_rotor.profile import InplaceError, profile_chain
+from lightning_rotor.profile import profile_chain
 from lightning_rotor.simulate import simulate
 from lightning_rotor.stages import sequential_stages
 
@@ -19,9 +20,9 @@ torch.set_num_threads(1)
 
 # every stage recomputed at least once, with checkpoints kept and dropped
 RECOMPUTE_ALL = [("Fc", 0), ("Fn", 1), ("Fn", 2), ("Fe", 3), ("Loss",), ("B", 3), ("Fc", 0), ("Fn", 1), ("Fe", 2),
-                 ("B", 2), ("Fe", 0), ("Fe", 1), ("B", 1), ("B", 0)]
+                 ("B", 2), ("Fe", 0), ("Fe", 1), ("B", 1), ("B", 0)]  # fmt: skip
 RECOMPUTE_3 = [("Fc", 0), ("Fn", 1), ("Fe", 2), ("Loss",), ("B", 2), ("Fc", 0), ("Fe", 1), ("B", 1), ("Fe", 0),
-               ("B", 0)]
+               ("B", 0)]  # fmt: skip
 
 
 class DropLinear(nn.Module):
@@ -198,8 +199,11 @@ def test_in_place_modules_are_fused_into_the_stage_before():
     model(x).sum().backward()
     stages = sequential_stages(rotor)
     names = list(stages.names)
-    out = PlanRunner(stages, [("Fc", 0), ("Fn", 1), ("Fe", 2), ("Loss",), ("B", 2), ("Fc", 0), ("Fe", 1),
-                              ("B", 1), ("Fe", 0), ("B", 0)], names)(x)
+    out = PlanRunner(
+        stages,
+        [("Fc", 0), ("Fn", 1), ("Fe", 2), ("Loss",), ("B", 2), ("Fc", 0), ("Fe", 1), ("B", 1), ("Fe", 0), ("B", 0)],
+        names,
+    )(x)
     out.sum().backward()
     for a, b in zip(model.parameters(), rotor.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad)
@@ -280,6 +284,7 @@ class Both(nn.Module):
 
 def test_gradients_shared_by_several_outputs_are_not_freed_early():
     """δ tensors that share storage (or are one tensor for two outputs) stay until every receiving node ran."""
+
     def make():
         torch.manual_seed(0)
         return nn.Sequential(nn.Linear(16, 16), Twice(), Both(), nn.Linear(16, 5))
@@ -317,7 +322,7 @@ def test_a_plain_stage_input_goes_exactly_when_the_chain_says():
     # a_1, a_2, a_3 reach their stages' last forward plain; a_1 and a_3 are released, a_2 (Tanh's output) is not
     ops = [("Fc", 0), ("Fn", 1), ("Fn", 2), ("Fn", 3), ("Fe", 4), ("Loss",), ("B", 4), ("Fc", 0), ("Fn", 1),
            ("Fn", 2), ("Fe", 3), ("B", 3), ("Fc", 0), ("Fn", 1), ("Fe", 2), ("B", 2), ("Fc", 0), ("Fe", 1), ("B", 1),
-           ("Fe", 0), ("B", 0)]
+           ("Fe", 0), ("B", 0)]  # fmt: skip
     predicted = simulate(chain, ops)
     runner = PlanRunner(stages, ops, names, in_free=chain.in_free)
     runner.probe = probe = MemoryProbe(model)
@@ -333,10 +338,10 @@ def test_a_plain_stage_input_goes_exactly_when_the_chain_says():
 
 
 def test_consecutive_backwards_of_recorded_stages_run_in_one_engine_call(monkeypatch):
-    import lightning_rotor.profile as profile
+    import lightning_rotor.engine as engine
 
     calls = []
-    real = profile._engine_run_backward
+    real = engine.run_backward
 
     def counted(*args, **kwargs):
         calls.append(1)
@@ -347,10 +352,10 @@ def test_consecutive_backwards_of_recorded_stages_run_in_one_engine_call(monkeyp
     step(expected, expected, x, y)
     model = tanh_mlp()
     stages, names, chain = profiled(model, x)
-    monkeypatch.setattr(profile, "_engine_run_backward", counted)
+    monkeypatch.setattr(engine, "run_backward", counted)
     # B 4 … B 2 after recording 2, 3, 4; then B 1, B 0 after recomputing from a_0
     ops = [("Fc", 0), ("Fn", 1), ("Fe", 2), ("Fe", 3), ("Fe", 4), ("Loss",), ("B", 4), ("B", 3), ("B", 2),
-           ("Fe", 0), ("Fe", 1), ("B", 1), ("B", 0)]
+           ("Fe", 0), ("Fe", 1), ("B", 1), ("B", 0)]  # fmt: skip
     model.zero_grad(set_to_none=True)
     runner = PlanRunner(stages, ops, names, in_free=chain.in_free)
     runner.probe = probe = MemoryProbe(model)
@@ -407,6 +412,7 @@ def test_a_skip_passed_through_an_entered_stage_keeps_its_gradient_for_the_stage
     The joined backward freed it as "consumed" (the slot's reference does not count on the storage),
     and the next backward read freed memory: the U-Net segfault of issue 15.
     """
+
     def make():
         torch.manual_seed(0)
         return nn.Sequential(SkipOut(), Carry(), Carry(), Merge())
@@ -415,5 +421,5 @@ def test_a_skip_passed_through_an_entered_stage_keeps_its_gradient_for_the_stage
     # Fe1 enters a plain a_1 through EnterStage; Fe2 after B3 is joined to it, so B2 B1 is one call whose
     # roots (a_3) include the skip as EnterStage's own output
     ops = [("Fc", 0), ("Fe", 1), ("Fc", 2), ("Fe", 3), ("Loss",), ("B", 3), ("Fe", 2), ("B", 2), ("B", 1), ("Fe", 0),
-           ("B", 0)]
+           ("B", 0)]  # fmt: skip
     assert_runner_trains_like_plain(make, ops, x, y)

@@ -176,7 +176,11 @@ def test_a_measured_loss_with_parameters_of_its_own_leaves_their_grad_alone():
     for p, g in zip(head.parameters(), held, strict=True):
         p.grad = g
     stages = sequential_stages(nn.Sequential(nn.Linear(8, 8), nn.Tanh()))
-    profile_chain(stages, torch.randn(4, 8), names=list(stages.names),
-                  loss_tmp=lambda out: nn.functional.cross_entropy(head(out), torch.zeros(4, dtype=torch.long)))
+    profile_chain(
+        stages,
+        torch.randn(4, 8),
+        names=list(stages.names),
+        loss_tmp=lambda out: nn.functional.cross_entropy(head(out), torch.zeros(4, dtype=torch.long)),
+    )
     for p, g in zip(head.parameters(), held, strict=True):
         assert p.grad is g and torch.equal(g, torch.full_like(g, 5.0))

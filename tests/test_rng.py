@@ -34,8 +34,9 @@ RANDOM_CALLS = {
     "bernoulli": lambda: torch.bernoulli(torch.full((3,), 0.5)),
     "poisson": lambda: torch.poisson(torch.ones(3)),
     "normal": lambda: torch.normal(torch.zeros(3), 1.0),
-    "sdpa with dropout": lambda: F.scaled_dot_product_attention(X[None, None], X[None, None], X[None, None],
-                                                                dropout_p=0.3),
+    "sdpa with dropout": lambda: F.scaled_dot_product_attention(
+        X[None, None], X[None, None], X[None, None], dropout_p=0.3
+    ),
     "a user's generator": lambda: torch.rand(3, generator=USER),
     "two draws": lambda: torch.rand(2) + F.dropout(torch.ones(2), 0.5, True),
 }

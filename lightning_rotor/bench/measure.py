@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from lightning_rotor._torch_compat import activation_memory_budget, allocation_bytes, reset_compiled
 from lightning_rotor.bench.methods import Method, Row
 from lightning_rotor.bench.workload import Workload, measure_peak
 from lightning_rotor.budget import format_bytes, parse_budget
@@ -42,17 +42,12 @@ def allocator_peak(w: Workload, forward: Callable[[torch.Tensor], Any], seed: in
         loss.backward()
         del loss
     # the raw allocation records, in time order (the FunctionEvent view folds allocations into ops)
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=_start_ns)
     current = peak = 0
-    for e in events:
-        current += e.nbytes()
+    for nbytes in allocation_bytes(prof):
+        current += nbytes
         peak = max(peak, current)
     w.model.zero_grad(set_to_none=True)
     return peak + storage_bytes(w.x)
-
-
-def _start_ns(event: Any) -> int:
-    return event.start_ns()
 
 
 def _summarize(r: Row) -> None:
@@ -91,14 +86,11 @@ def run_compiled(w: Workload, fractions: list[str], repeats: int, warmup: int, s
         r = Row(w.name, str(w.device), "compile", budget=token)
         rows.append(r)
         try:
-            import torch._dynamo
-            import torch._functorch.config as functorch_config
-
             fraction = float(parse_budget(token))
             if w.device.type == "cpu" and eager_alloc is None:
                 eager_alloc = allocator_peak(w, w.model, seed)
-            torch._dynamo.reset()
-            with functorch_config.patch(activation_memory_budget=fraction):
+            reset_compiled()
+            with activation_memory_budget(fraction):
                 compiled = torch.compile(w.model)
                 start = time.perf_counter()
                 train_step(w, compiled, seed)  # compiles forward and backward under this budget
@@ -126,6 +118,6 @@ def run_compiled(w: Workload, fractions: list[str], repeats: int, warmup: int, s
             r.note = f"torch.compile failed: {type(err).__name__}: {first[:160]}"
             r.times.clear()
         finally:
-            torch._dynamo.reset() if "torch._dynamo" in sys.modules else None
+            reset_compiled()
         bar.update(warmup + repeats + 2)
     return rows

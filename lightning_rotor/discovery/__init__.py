@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
 
+from lightning_rotor._torch_compat import tensor_version, tree_flatten, tree_map
 from lightning_rotor.discovery.graph import (
     DEFAULT_MAX_CARRY,
     DiscoveryError,
@@ -87,9 +87,9 @@ def join_in_place(stages: Stages, sample: Any) -> Stages:
     try:
         with torch.random.fork_rng(devices=devices), torch.no_grad():
             for stage in modules:
-                before = [t._version for t in _tensors(value)]
+                before = [tensor_version(t) for t in _tensors(value)]
                 out = stage(value)
-                writes.append(before != [t._version for t in _tensors(value)])
+                writes.append(before != [tensor_version(t) for t in _tensors(value)])
                 value = out
     finally:
         with torch.no_grad():

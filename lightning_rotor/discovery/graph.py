@@ -30,8 +30,9 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.fx import _symbolic_trace
 from torch.fx.node import map_aggregate, map_arg
+
+from lightning_rotor._torch_compat import fx_unpatched_module, tensor_version
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
@@ -168,8 +169,7 @@ class _real_modules:
 
     def __enter__(self) -> None:
         self.patched = nn.Module.__call__, nn.Module.__getattr__
-        nn.Module.__call__ = _symbolic_trace._orig_module_call
-        nn.Module.__getattr__ = _symbolic_trace._orig_module_getattr
+        nn.Module.__call__, nn.Module.__getattr__ = fx_unpatched_module()
 
     def __exit__(self, *exc: Any) -> None:
         nn.Module.__call__, nn.Module.__getattr__ = self.patched
@@ -239,7 +239,7 @@ class ShapeTracer(fx.Tracer):
         vals = map_arg((node.args, node.kwargs), self.values.__getitem__)
         inputs: list[fx.Node] = []
         map_arg((node.args, node.kwargs), inputs.append)
-        before = [[t._version for t in _tensors(self.values[a])] for a in inputs]
+        before = [[tensor_version(t) for t in _tensors(self.values[a])] for a in inputs]
         with torch.no_grad():
             if kind == "call_function":
                 value = target(*vals[0], **vals[1])
@@ -252,7 +252,7 @@ class ShapeTracer(fx.Tracer):
                 value = None
         self.values[node] = value
         written = [a for a, v in zip(inputs, before, strict=True)
-                   if a.op != "get_attr" and v != [t._version for t in _tensors(self.values[a])]]
+                   if a.op != "get_attr" and v != [tensor_version(t) for t in _tensors(self.values[a])]]
         if written:  # seen on the sample: any op, a whole submodule too (`x.add_(1)` inside a leaf block)
             self.writes[node] = written
         if kind == "call_function" and target is builtins.getattr and node.args[1] in _SHAPE_ATTRS:

@@ -27,10 +27,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.module import _global_forward_hooks
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
 
+from lightning_rotor._torch_compat import has_forward_hooks, make_subclass, tensor_version, tree_flatten
 from lightning_rotor.stages import Stages
 
 
@@ -52,7 +51,7 @@ class _Pending(torch.Tensor):
 
 
 def _pending() -> torch.Tensor:
-    return torch.Tensor._make_subclass(_Pending, torch.empty(0))
+    return make_subclass(_Pending, torch.empty(0))
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -191,7 +190,7 @@ class ModuleRun:
                 raise ChainDiverged(f"{self.names[k]} got other arguments than {self.names[0]} in the same "
                                     "forward; a module-level chain needs the same non-hidden arguments for every block")
         last = k == len(self.blocks) - 1
-        if not last and (self.blocks[k]._forward_hooks or _global_forward_hooks):
+        if not last and has_forward_hooks(self.blocks[k]):
             raise ChainDiverged(
                 f"a forward hook on {self.names[k]} would see its output, which a module-level rotor chain does not "
                 "make (only the last block's output exists); turn off what records block outputs "
@@ -260,11 +259,11 @@ def find_runs(
         parent = calls[open_calls[-1]].name if open_calls else ""
         calls.append(_Call(name, mod, parent, len(open_calls), a, kw, index=len(calls)))
         open_calls.append(len(calls) - 1)
-        versions.append(a[0]._version if a and isinstance(a[0], torch.Tensor) else None)
+        versions.append(tensor_version(a[0]) if a and isinstance(a[0], torch.Tensor) else None)
 
     def post(mod: nn.Module, a: tuple, kw: dict, out: Any) -> None:
         before = versions.pop()  # read before the pop: `_version` is a torch function, a use inside this call
-        writes = before is not None and a[0]._version != before
+        writes = before is not None and tensor_version(a[0]) != before
         call = calls[open_calls.pop()]
         call.output, call.writes_input = out, writes
         if isinstance(out, torch.Tensor):

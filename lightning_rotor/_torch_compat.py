@@ -1,0 +1,229 @@
+"""Every private torch API lightning_rotor uses, each behind one name.
+
+Each entry says why rotor needs it; all were checked against torch `TORCH_CHECKED`.
+When torch moves one, this file is the one place to change. Other modules import
+these names and never reach into `torch._*`, `torch.utils._*` or private attributes.
+
+Not here, on purpose: `nn.Module`'s own registries (`_modules`, `_parameters`,
+`_buffers`, `_non_persistent_buffers_set`) and the `_apply` override in
+checkpointable.py and stages.py. They are the documented-in-source extension points
+every module wrapper uses (`torch.nn.utils.parametrize` too), not engine internals.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import GradientEdge, _engine_run_backward
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
+
+__all__ = [
+    "TORCH_CHECKED",
+    "StorageWeakRef",
+    "TorchDispatchMode",
+    "accumulated_leaf",
+    "activation_memory_budget",
+    "allocation_bytes",
+    "backward_is_full",
+    "ddp_pre_forward",
+    "fx_unpatched_module",
+    "has_forward_hooks",
+    "has_post_accumulate_grad_hooks",
+    "is_accumulate_grad",
+    "is_norm",
+    "is_node_of",
+    "make_subclass",
+    "op_arguments",
+    "reset_compiled",
+    "run_backward",
+    "storage_id",
+    "storage_use_count",
+    "tensor_version",
+    "tree_flatten",
+    "tree_leaves",
+    "tree_map",
+    "tree_unflatten",
+    "view_base",
+]
+
+TORCH_CHECKED = "2.13.0"  # the torch version every entry below was checked against
+
+# -- values -------------------------------------------------------------------------------------
+# Pytrees (torch.utils._pytree): stage values are nested tuples/lists/dicts of tensors, flattened
+# the way torch's own autograd.Function and checkpoint flatten them. No public pytree module in 2.13.0.
+# (tree_flatten, tree_leaves, tree_map, tree_unflatten are re-exported above.)
+#
+# StorageWeakRef (torch.multiprocessing.reductions, undocumented): a weak reference to the C++
+# storage itself; `untyped_storage()` makes a new Python wrapper per call, so a plain weakref would
+# die with the wrapper. MemoryProbe sees a storage die through it, and the profiler whether a
+# stage's graph kept an output's storage. Re-exported above.
+
+
+def storage_id(storage: torch.UntypedStorage) -> int:
+    """One key per storage, shared by all its views and all Python objects wrapping it.
+
+    `UntypedStorage._cdata` is the address of the C++ StorageImpl. `data_ptr()` is no key:
+    every storage of zero bytes has 0, and the executor empties storages in place.
+    """
+    return storage._cdata
+
+
+def storage_use_count(storage: torch.UntypedStorage) -> int:
+    """References to the C++ storage (tensors, Python storage objects), `storage` itself included.
+
+    The executor frees a consumed gradient in place only when nothing else holds its storage,
+    and the profiler tells from it whether a stage's graph keeps its input. No public equivalent.
+    """
+    return torch._C._storage_Use_Count(storage._cdata)
+
+
+def view_base(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor `t` is a view of (None when it is none): `Tensor._base`, undocumented but stable."""
+    return t._base
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """The in-place write counter autograd checks saved tensors against (`Tensor._version`).
+
+    Rotor reads it to catch a stage writing into a kept input, and to find buffers a stage changed.
+    """
+    return t._version
+
+
+# -- autograd graph -----------------------------------------------------------------------------
+_ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"  # the name() of the node that stores a leaf's .grad
+
+
+def is_accumulate_grad(node: Any) -> bool:
+    """Is `node` a leaf's gradient accumulator? Its class is not exported; its `name()` is fixed in C++."""
+    return node.name() == _ACCUMULATE_GRAD
+
+
+def accumulated_leaf(node: Any) -> torch.Tensor | None:
+    """The leaf an accumulator node stores `.grad` into (`AccumulateGrad.variable`, undocumented); else None."""
+    return getattr(node, "variable", None)
+
+
+def is_node_of(node: Any, function: type[torch.autograd.Function]) -> bool:
+    """Was `node` added to a graph by the custom autograd Function `function`? (`Function._backward_cls`)."""
+    return isinstance(node, function._backward_cls)
+
+
+def run_backward(roots: Sequence[GradientEdge], grads: Sequence[torch.Tensor]) -> None:
+    """Backpropagate `grads` from graph edges, accumulating into `.grad`, as `Tensor.backward` does.
+
+    NOTE: [the engine itself] `torch.autograd.backward` accepts edges too, but first re-checks
+    every gradient's shape against its root (`_make_grads`), which δ_{k+1} made for those very
+    outputs never fails, at a cost that shows on short stages. `_engine_run_backward` is what it
+    calls next. Positional: keep_graph=False, create_graph=False, inputs=().
+    """
+    _engine_run_backward(tuple(roots), tuple(grads), False, False, (), allow_unreachable=True, accumulate_grad=True)
+
+
+def backward_is_full() -> bool:
+    """False while the engine runs a backward that wants only some gradients.
+
+    `autograd.grad` and `backward(inputs=...)` clear it; the plan's backward, which writes every
+    stage's `.grad`, cannot serve them (torch.utils.checkpoint refuses them the same way).
+    """
+    return torch.autograd._is_checkpoint_valid()
+
+
+def has_post_accumulate_grad_hooks(p: torch.Tensor) -> bool:
+    """Has `p` hooks from `register_post_accumulate_grad_hook`? (kept in `Tensor._post_accumulate_grad_hooks`)."""
+    return bool(getattr(p, "_post_accumulate_grad_hooks", None))
+
+
+# -- modules ------------------------------------------------------------------------------------
+def is_norm(module: nn.Module) -> bool:
+    """A BatchNorm or InstanceNorm, which may hold running statistics (`nn.modules.batchnorm._NormBase`).
+
+    A recomputation must not update them a second time; no public base class covers both families.
+    """
+    return isinstance(module, nn.modules.batchnorm._NormBase)
+
+
+def has_forward_hooks(module: nn.Module) -> bool:
+    """Would a forward hook see `module`'s output? Its own (`_forward_hooks`) or global ones.
+
+    Module-level discovery refuses such a block: inside a chain its output is never made.
+    Neither registry has a public accessor (`nn.modules.module._global_forward_hooks`).
+    """
+    return bool(module._forward_hooks or nn.modules.module._global_forward_hooks)
+
+
+def make_subclass(cls: type[torch.Tensor], data: torch.Tensor) -> torch.Tensor:
+    """`data` as an instance of the tensor subclass `cls`, without a copy (`Tensor._make_subclass`,
+    as `nn.Parameter` makes itself)."""
+    return torch.Tensor._make_subclass(cls, data)
+
+
+def ddp_pre_forward() -> Callable:
+    """What DDP runs before the module's forward (`DistributedDataParallel._pre_forward`).
+
+    Its allocations (the reducer's gradient buckets) are not activations: `MemoryProbe` leaves out
+    what this function allocates, found by its code object on the Python stack.
+    """
+    return DistributedDataParallel._pre_forward
+
+
+def fx_unpatched_module() -> tuple[Callable, Callable]:
+    """`nn.Module.__call__` and `__getattr__` as they are outside torch.fx tracing.
+
+    `fx.Tracer` patches both while it traces, keeping the originals in `fx._symbolic_trace`; graph
+    discovery puts them back for a moment to run real module calls on the sample.
+    """
+    from torch.fx import _symbolic_trace  # only graph discovery needs fx: not imported before
+
+    return _symbolic_trace._orig_module_call, _symbolic_trace._orig_module_getattr
+
+
+# -- dispatch -----------------------------------------------------------------------------------
+# TorchDispatchMode (torch.utils._python_dispatch, re-exported above): a hook on every aten op with
+# its outputs and schema. MemoryProbe counts storages with it; the RNG replay reroutes random ops.
+# torch has no public dispatch-mode class in 2.13.0 (torch.overrides.TorchFunctionMode sits above
+# autograd and never sees the backward's ops).
+
+
+def op_arguments(op: Any) -> Sequence[Any]:
+    """The arguments of an aten `OpOverload` (`name`, `alias_info`): `op._schema.arguments`.
+
+    The RNG replay finds the overload of a random op that takes a `generator`, and whether the op
+    writes into its first argument; there is no public accessor to an overload's schema.
+    """
+    return op._schema.arguments
+
+
+# -- torch.compile and the profiler (bench only) ------------------------------------------------
+def activation_memory_budget(fraction: float) -> Any:
+    """A context in which `torch.compile` keeps at most `fraction` of the activations.
+
+    The bench compares rotor with it: `torch._functorch.config.activation_memory_budget`.
+    """
+    import torch._functorch.config as functorch_config
+
+    return functorch_config.patch(activation_memory_budget=fraction)
+
+
+def reset_compiled() -> None:
+    """Forget every compiled graph (`torch._dynamo.reset`), without importing dynamo when it was never used."""
+    if "torch._dynamo" in sys.modules:
+        sys.modules["torch._dynamo"].reset()
+
+
+def allocation_bytes(prof: Any) -> Iterator[int]:
+    """The signed sizes of a finished `torch.profiler.profile`'s allocation records, in time order.
+
+    The public `FunctionEvent` view folds allocations into ops; the raw kineto records
+    (`prof.profiler.kineto_results`, events named "[memory]") keep each one with its time.
+    """
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    events.sort(key=lambda e: e.start_ns())
+    return (e.nbytes() for e in events)

@@ -1,0 +1,373 @@
+"""How stages are run, for the profiler and the executor alike.
+
+Both must run a stage the same way, or the profile would measure another program
+than the plan runs: stage values and their in-place checks, stage inputs entering
+through `EnterStage`, the chain output handed to the loss through `HandOver`, and
+backwards run from output edges that free each gradient once consumed. This module
+imports neither profile.py nor execute.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+from lightning_rotor._torch_compat import (
+    is_accumulate_grad,
+    is_node_of,
+    run_backward,
+    storage_use_count,
+    tensor_version,
+    tree_flatten,
+    tree_map,
+    tree_unflatten,
+    view_base,
+)
+from lightning_rotor.memory import storage_emptied
+
+
+class InplaceError(RuntimeError):
+    """A stage modified its input in place, which would corrupt a kept checkpoint."""
+
+
+# -- values (a tensor or a nested tuple of tensors) -----------------------------------------
+def tensors_of(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):  # the common case, without pytree's cost (the executor calls this per op)
+        return [value]
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
+def differentiable(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+def value_device(value: Any) -> torch.device:
+    return tensors_of(value)[0].device
+
+
+def detach_value(value: Any, requires_grad: bool) -> Any:
+    """Aliases of `value` cut from any graph, as leaves that require grad when asked and possible."""
+
+    def leaf(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        d = t.detach()
+        if requires_grad and differentiable(d):
+            d.requires_grad_(True)
+        return d
+
+    return leaf(value) if isinstance(value, torch.Tensor) else tree_map(leaf, value)
+
+
+def versions(value: Any) -> list[int]:
+    return [tensor_version(t) for t in tensors_of(value)]
+
+
+def check_inplace(before: list[int], value: Any, k: int, name: str) -> None:
+    """Refuse a stage that wrote into its input (`before`: `versions(value)` before it ran)."""
+    if versions(value) != before and k == 0:  # no stage before it to join (lightning_rotor/discovery/graph.py)
+        raise InplaceError(
+            f"stage 0 ({name}) writes in place into the chain input, which rotor keeps to run the stage again "
+            "from, and no stage comes before it to share the write with; make that operation out-of-place "
+            "(e.g. ReLU(inplace=False), x = x + 1) or run it before the chain"
+        )
+    if versions(value) != before:
+        raise InplaceError(
+            f"stage {k} ({name}) modified its input in place, which would corrupt a kept checkpoint; "
+            "make the operation out-of-place or put it in the same stage as the module before it"
+        )
+
+
+# -- entering a stage -------------------------------------------------------------------------
+class no_cast_cache:
+    """Run a stage without autocast's weight-cast cache.
+
+    The cache keeps low-precision copies of parameters alive until the outermost
+    autocast region exits, which no stage's measurement could charge. Without it,
+    each cast lives exactly as long as the graph that saved it (and is measured
+    with the stage); the values are the same casts, so results are identical.
+    """
+
+    def __enter__(self) -> None:
+        self.enabled = torch.is_autocast_cache_enabled()
+        torch.set_autocast_cache_enabled(False)
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.set_autocast_cache_enabled(self.enabled)
+
+
+def _compact(grad: torch.Tensor) -> torch.Tensor | None:
+    """A copy of `grad` when it is a view that keeps a larger storage alive (see `compact_gradients`)."""
+    if grad.layout != torch.strided or grad.untyped_storage().nbytes() <= grad.numel() * grad.element_size():
+        return None
+    return grad.clone()
+
+
+def compact_gradients(value: Any) -> Any:
+    """Make every gradient that reaches a tensor of stage input `value` hold only its own bytes; returns `value`.
+
+    NOTE: [compact stage-input gradients] the memory model holds δ_k as `s_k` bytes from `B k` on.
+    A gradient made as a slice of a larger one (the backward of `torch.cat` gives each input a
+    narrow view of the output's gradient, as for a U-Net skip) keeps the whole storage alive
+    instead, as long as δ_k is held. A tensor hook copies such a gradient into a tensor of its own
+    when it reaches the stage input, and the view goes with the engine's buffer. The copy is part of
+    `B k`: the profiler runs stages with the same hooks, so `bwd_tmp` measures it.
+    """
+    for t in tensors_of(value):
+        if t.requires_grad:
+            t.register_hook(_compact)
+    return value
+
+
+class EnterStage(torch.autograd.Function):
+    """Give a stage its input through a graph node that keeps nothing, and catch the input's gradient.
+
+    NOTE: [EnterStage keeps nothing] a leaf input would be held, storage and all, by its
+    gradient accumulator as long as the stage's graph lives. Through this node the stage's
+    graph keeps only what it saves, so once the executor lets go of `a_k` after the last
+    forward of stage `k`, the rest of `a_k` is freed, as in plain training (chain version 3,
+    `in_free`). `slot` receives the gradients (one per tensor, None where none came).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, slot: list, dummy: torch.Tensor, *tensors: torch.Tensor) -> tuple:
+        ctx.slot = slot
+        ctx.set_materialize_grads(False)
+        outs = tuple(t.view_as(t) for t in tensors)
+        ctx.mark_non_differentiable(*[t for t in outs if not differentiable(t)])
+        return outs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> tuple:
+        ctx.slot.extend(grads)
+        return (None, None, *[None] * len(grads))
+
+
+def enter_stage(
+    value: Any, slot: list, dummy: torch.Tensor, wanted: Sequence[bool] | None = None, *, compact: bool = True
+) -> Any:
+    """`value` with each tensor passed through `EnterStage`; `slot` gets their gradients.
+
+    `wanted`: per tensor of `value`, whether it gets a gradient (the rest enter detached, as
+    tensors that do not require grad); all by default. `compact`: see `compact_gradients`.
+    """
+    flat, spec = tree_flatten(value)
+    tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+    wanted = [True] * len(tensors) if wanted is None else list(wanted)
+    picked = [t.detach() for t, w in zip(tensors, wanted, strict=True) if w]
+    entered = iter(EnterStage.apply(slot, dummy, *picked) if picked else ())
+    if compact:
+        entered = iter(compact_gradients(tuple(entered)))
+    take = iter(wanted)
+    return tree_unflatten(
+        [(next(entered) if next(take) else t.detach()) if isinstance(t, torch.Tensor) else t for t in flat], spec
+    )
+
+
+# -- the loss boundary ------------------------------------------------------------------------
+class LossEnd(Protocol):
+    """The two sides of `HandOver`: what the loss gets, and where its gradients go."""
+
+    def hand_over(self) -> list[torch.Tensor]: ...
+
+    def receive(self, grads: tuple[torch.Tensor | None, ...]) -> torch.Tensor | None: ...
+
+
+class HandOver(torch.autograd.Function):
+    """Give tensors to a loss as outputs of a graph node that keeps nothing, and catch their gradients.
+
+    `HandOver.apply(end, edge)`: the outputs are `end.hand_over()`; their gradients (None where
+    none came) go to `end.receive`, whose result is `edge`'s gradient. The executor hands the
+    chain output over this way; the profiler measures the loss through the same node, which
+    charges the loss what it costs when the caller writes `loss_fn(model(x), y)`.
+
+    NOTE: [handing over outside the inputs] the tensors come from `end`, not as inputs of the
+    Function: an input returned as an output becomes a view of it, which holds the input alive
+    and is a second owner of its storage (the loss could then not free it).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, end: LossEnd, edge: torch.Tensor) -> tuple:
+        tensors = end.hand_over()
+        ctx.end = end
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(*[t for t in tensors if not differentiable(t)])
+        return tuple(tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:
+        return None, ctx.end.receive(grads)
+
+
+# -- backwards from output edges --------------------------------------------------------------
+def backward_pairs(outputs: Any, grads: Sequence[torch.Tensor | None]) -> tuple[list, list]:
+    """(tensors, grads) of the outputs that carry a graph and received a gradient."""
+    outs, gs = [], []
+    for t, g in zip(tensors_of(outputs), grads, strict=True):
+        if t.requires_grad and g is not None:
+            outs.append(t)
+            gs.append(g)
+    return outs, gs
+
+
+def output_edges(outputs: Any) -> list[GradientEdge | None]:
+    """Where each output tensor's gradient enters the graph (None: no graph).
+
+    Backpropagating from the edges instead of the tensors lets the caller drop the
+    output values first: their storage is freed unless the graph saved it, as plain
+    autograd frees an output nothing needs (Megatron's output deallocation, done by
+    reference counting instead of by hand).
+    """
+    return [get_gradient_edge(t) if t.requires_grad else None for t in tensors_of(outputs)]
+
+
+def backward_from_edges(
+    edges: Sequence[GradientEdge | None],
+    grads: Sequence[torch.Tensor | None],
+    *,
+    free_grads: bool = False,
+    done_at: Sequence[GradientEdge | None] = (),
+    when_done: Callable[[], None] | None = None,
+) -> None:
+    """Backpropagate `grads` from output `edges` (see `output_edges`); nothing when no edge has a gradient.
+
+    `free_grads`: free each gradient once the node receiving it has run (NOTE: [freeing consumed
+    gradients]). `done_at`: edges where the stages below the one receiving `grads` begin, in order,
+    when one call runs several stages' backwards; `when_done` is called at the first of them.
+    """
+    roots, gs = [], []
+    for e, g in zip(edges, grads, strict=True):
+        if e is not None and g is not None:
+            roots.append(e)
+            gs.append(unviewed(g) if free_grads else g)
+    del grads
+    if not roots:
+        return
+    handles = []
+    if free_grads:
+        # NOTE: [freeing consumed gradients] the engine frees a gradient between nodes of one
+        # backward; held until the whole stage's backward returns, δ_{k+1} would outlive what the
+        # memory model charges. Only gradients the caller owns alone are freed: a storage anything
+        # else references is left alone, and so is a gradient a receiver keeps (below). A gradient
+        # its receiver passed on as a view is freed at the first stage boundary (`done_at`) where
+        # nothing uses the view any more; one passed on as the very same tensor is left to the engine.
+        receivers: dict[int, tuple[Any, list[torch.Tensor]]] = {}
+        shared: dict[int, int] = {}
+        for g in gs:
+            if g.layout == torch.strided:
+                ptr = g.untyped_storage().data_ptr()
+                shared[ptr] = shared.get(ptr, 0) + 1
+        for e, g in zip(roots, gs, strict=True):
+            # NOTE: [receivers that keep the gradient] a leaf's accumulator stores it as `.grad` and `EnterStage`
+            # catches it as δ of the stage input (a stage passing a tensor of its input on untouched, such as a
+            # U-Net skip, hands EnterStage the root gradient itself). The engine and the slot hold the same
+            # tensor, which adds no reference to the storage, so it would look consumed and owned: it stays.
+            # A gradient given to several roots is still needed after the first has run: it stays too.
+            if _keeps_gradient(e.node) or g.layout != torch.strided:
+                continue
+            if shared[g.untyped_storage().data_ptr()] > 1:
+                continue
+            receivers.setdefault(id(e.node), (e.node, []))[1].append(g)
+        consumed: set[int] = set()  # ids of gradients whose receiver ran and did not pass them on unchanged
+        handles = [node.register_hook(_FreeConsumed(owned, consumed)) for node, owned in receivers.values()]
+        if done_at:  # only a call running several stages' backwards has a later point to free at
+            later = _FreeRest([g for _, owned in receivers.values() for g in owned], consumed, when_done)
+            handles += [e.node.register_prehook(later) for e in done_at if e is not None]
+    try:
+        run_backward(roots, gs)  # NOTE: [the engine itself] (lightning_rotor/_torch_compat.py)
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _keeps_gradient(node: Any) -> bool:
+    """Does this graph node keep the gradient it receives (see NOTE: [receivers that keep the gradient])?"""
+    return is_accumulate_grad(node) or is_node_of(node, EnterStage)
+
+
+def unviewed(grad: torch.Tensor) -> torch.Tensor:
+    """`grad` as a tensor of its own on the same storage, when it is a view (of the tensor it was made from).
+
+    A view keeps its base tensor alive, and with it a second reference to the storage,
+    so the gradient would not look owned by the caller alone and could not be freed
+    once consumed (the loss's gradient often arrives as a view, e.g. through a reshape).
+    Only the view's own reference to the base goes; a base held elsewhere keeps the storage.
+    """
+    if view_base(grad) is None or grad.layout != torch.strided:
+        return grad
+    return _alias(grad)
+
+
+def own_alias(grad: torch.Tensor | None) -> torch.Tensor | None:
+    """A tensor of its own on `grad`'s storage (same offset, size and strides); non-strided ones as they are."""
+    if grad is None or grad.layout != torch.strided:
+        return grad
+    return _alias(grad)
+
+
+def _alias(grad: torch.Tensor) -> torch.Tensor:
+    return grad.new_empty(0).set_(grad.untyped_storage(), grad.storage_offset(), grad.size(), grad.stride())
+
+
+def _free_owned(tensors: Sequence[torch.Tensor], passed: set[int]) -> list[torch.Tensor]:
+    """Empty the storage of each tensor only it references (and that is not in `passed`, by storage).
+
+    Returns the tensors whose storage is still held elsewhere (a view passed on may die later).
+    """
+    held = []
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.nbytes() == 0:
+            continue
+        if storage.data_ptr() not in passed and storage_use_count(storage) == 2:
+            storage.resize_(0)  # only this tensor and `storage` itself referenced it
+            storage_emptied(storage)
+        else:
+            held.append(t)
+    return held
+
+
+class _FreeConsumed:
+    """Node post-hook: free the storage of gradients the node has consumed, when only they hold it."""
+
+    def __init__(self, tensors: list[torch.Tensor], consumed: set[int]):
+        self.tensors = tensors
+        self.consumed = consumed
+
+    def __call__(self, grad_inputs: Sequence[torch.Tensor | None], *_: Any) -> None:
+        # a node may pass a gradient on as it is (an add, a view): then the next nodes still need it
+        passed = {g.untyped_storage().data_ptr() for g in grad_inputs if isinstance(g, torch.Tensor)}
+        self.consumed.update(id(t) for t in self.tensors if not any(g is t for g in grad_inputs))
+        _free_owned(self.tensors, passed)
+        self.tensors = []
+
+
+class _FreeRest:
+    """Node pre-hook where each stage below the one that received the gradients begins: free those held alone.
+
+    Only gradients whose receiver has run and did not pass them on as the very same tensor:
+    the engine may hold any other for a node still to run. A gradient passed on as a view stays
+    while the view lives (it is the next stage's δ); a later stage boundary frees it once the
+    view is gone. `then` runs once, at the first boundary (the receiving stage is done).
+    """
+
+    def __init__(self, tensors: list[torch.Tensor], consumed: set[int], then: Callable[[], None] | None):
+        self.tensors = tensors
+        self.consumed = consumed
+        self.then = then
+        self.first = True
+
+    def __call__(self, grad_outputs: Sequence[torch.Tensor | None]) -> None:
+        passed = {g.untyped_storage().data_ptr() for g in grad_outputs if isinstance(g, torch.Tensor)}
+        if self.first:  # from here on only consumed gradients are ours to free
+            self.tensors = [t for t in self.tensors if id(t) in self.consumed]
+            self.first = False
+            _then, self.then = self.then, None
+        else:
+            _then = None
+        self.tensors = _free_owned(self.tensors, passed)
+        if _then is not None:
+            _then()
