@@ -38,17 +38,16 @@ Only that step pays for the probe; other steps run without it.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 
+from lightning_rotor import pipeline
 from lightning_rotor.budget import format_bytes, parse_budget, resolve_budget
 from lightning_rotor.calls import (
     Call,
@@ -62,10 +61,11 @@ from lightning_rotor.calls import (
 from lightning_rotor.chain import Chain
 from lightning_rotor.discretize import check_slots
 from lightning_rotor.execute import PlanRunner
-from lightning_rotor.memory import CudaMemoryProbe, MemoryProbe, storage_bytes
-from lightning_rotor.ops import forward_counts, is_no_recompute
+from lightning_rotor.memory import CudaMemoryProbe, MemoryProbe
+from lightning_rotor.ops import is_no_recompute
+from lightning_rotor.pipeline import Entry
 from lightning_rotor.planner import InfeasibleBudget, Plan, min_feasible_budget, plan
-from lightning_rotor.profile import Profile, profile_chain
+from lightning_rotor.profile import Profile
 from lightning_rotor.shared_budget import SharedBudget, auto_total
 from lightning_rotor.simulate import no_recompute_peak, simulate
 from lightning_rotor.stages import Stages, sequential_stages
@@ -108,24 +108,6 @@ def signature(value: Any) -> str:
         if d == "cpu" or torch.cuda.is_available()
     )
     return repr((str(spec), leaves, autocast))
-
-
-@dataclass
-class Entry:
-    """The profile, plan and runner of one input signature."""
-
-    profile: Profile
-    plan: Plan
-    runner: PlanRunner
-
-    @property
-    def chain(self) -> Chain:
-        return self.profile.chain
-
-    @property
-    def runs(self) -> list[int]:
-        """How many times each stage runs forward in one step (more than 1: recomputed)."""
-        return forward_counts(self.plan.ops, self.chain.length)
 
 
 class StepMeasurement:
@@ -199,9 +181,9 @@ class Checkpointable(nn.Module):
 
     `mem_limit`: None (automatic, see the module docstring), bytes (`int`), a size
     (`"6GiB"`), or a fraction of the no-recomputation peak (`0.5`, `"50%"`).
-    `slots`: the planner's memory precision (None: automatic). `loss_tmp`: what the caller's loss
-    costs: bytes, or the loss as a function of the output, to be measured (default:
-    a softmax cross-entropy over the last dimension is measured). `repeats`: timing rounds
+    `slots`: the planner's memory precision (None: automatic). `loss_fn`: the caller's loss as a
+    function of the output, measured on the first call (default: a softmax cross-entropy over the
+    last dimension); `loss_tmp`: what the loss costs in bytes, charged instead of measuring. `repeats`: timing rounds
     when profiling (at most; from 3 on, fewer once profiling has taken 10 plain steps), `warmup`:
     untimed runs per stage before them (the memory runs warm up already).
 
@@ -219,7 +201,8 @@ class Checkpointable(nn.Module):
         discover: str | None = None,
         checkpoint_modules: Iterable[type[nn.Module]] | None = None,
         slots: int | None = None,
-        loss_tmp: int | Callable[[Any], torch.Tensor] | None = None,
+        loss_tmp: int | None = None,
+        loss_fn: Callable[[Any], torch.Tensor] | None = None,
         repeats: int = 5,
         warmup: int = 0,
         fallback_plain: bool = False,
@@ -275,7 +258,7 @@ class Checkpointable(nn.Module):
         self.stage_names = list(stages.names) if stages is not None else []
         self.mem_limit = mem_limit
         self.slots = slots
-        self.loss_tmp = loss_tmp
+        self.loss_tmp, self.loss_fn = _loss_settings(loss_tmp, loss_fn)
         self.repeats = repeats
         self.warmup = warmup
         self.budget: int | None = None  # bytes, fixed by the first signature planned
@@ -350,7 +333,7 @@ class Checkpointable(nn.Module):
         if key not in self.outside:
             self.outside[key] = self._measure_outside(args, kwargs)
         self._outside_now = self.outside[key]
-        run.install(lambda value: self._run(value, lambda: _run_stages(self.stages, value)))
+        run.install(lambda value: self._run(value, lambda: pipeline.run_stages(self.stages, value)))
         try:
             return self.module(*args, **kwargs)
         finally:
@@ -367,42 +350,8 @@ class Checkpointable(nn.Module):
             self.stage_names = list(joined.names)
 
     def _measure_outside(self, args: tuple, kwargs: dict[str, Any]) -> tuple[int, int]:
-        """What a module-level chain's budget must also hold: (bytes the forward keeps from before the run,
-        peak bytes of the rest of the forward, a loss and their backward above what is alive after the run).
-
-        One forward with the blocks run without grad and the rest recorded, a cross-entropy
-        stand-in for the caller's loss (`profile.proxy_loss`) and its backward down to the run's
-        output and the call's inputs, taken as leaves of their own; parameters' `.grad` are set
-        aside meanwhile and put back untouched, buffers and the RNG stream too (`profile.Untouched`).
-        """
-        from lightning_rotor.profile import Untouched, proxy_loss
-
-        run = self.discovery.run
-        probe = MemoryProbe(self.module)
-        seen: dict[str, int] = {}
-
-        def blocks_without_grad(value: Any) -> Any:
-            seen["before"] = probe.current - storage_bytes(value)
-            with torch.no_grad():
-                out = _run_stages(self.stages, value)
-            probe.reset_peak()
-            seen["after"] = probe.current
-            return out
-
-        # the caller's tensors as leaves of their own: the backward stops at them, not in the caller's graph
-        args, kwargs = tree_map(_own_leaf, (args, kwargs))
-        devices = [t.device for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        run.install(blocks_without_grad)
-        try:
-            with Untouched([self.module], devices), probe:
-                output = self.module(*args, **kwargs)
-                loss = proxy_loss(output)
-                if loss.requires_grad:
-                    loss.backward()
-                del output, loss
-        finally:
-            run.uninstall()
-        return max(0, seen.get("before", 0)), max(0, probe.peak - seen.get("after", probe.peak))
+        """What a module-level chain's budget must also hold (`pipeline.measure_outside`)."""
+        return pipeline.measure_outside(self.module, self.discovery.run, self.stages, args, kwargs)
 
     def discover_on(self, *args: Any, **kwargs: Any) -> Discovery:
         """Find the chain on a call's arguments now (the first training call does it otherwise).
@@ -651,20 +600,13 @@ class Checkpointable(nn.Module):
                     "DDP would all-reduce its gradient after the first stage's backward and miss the rest. "
                     "Untie it, or train this model with DDP without rotor"
                 )
-        profile = profile_chain(
+        outside = None
+        if self.discovery is not None and self.discovery.run is not None:
+            outside = self._outside_now
+        profile = pipeline.profile(
             self.stages, value, names=self.stage_names, repeats=self.repeats, warmup=self.warmup,
-            loss_tmp=self.loss_tmp, progress=self.on_profile_progress,
+            loss_fn=self.loss_fn, loss_tmp=self.loss_tmp, outside=outside, progress=self.on_profile_progress,
         )
-        if self.discovery is not None and self.discovery.run is not None and self._outside_now is not None:
-            # a module-level chain: the rest of the forward is charged too, kept bytes with the input and
-            # the forward after the run, the loss and their backward as the chain's loss
-            before, tail = self._outside_now
-            chain = profile.chain
-            tail_tmp = tail - chain.out_size[-1]
-            profile.chain = dataclasses.replace(
-                chain, input_size=chain.input_size + before, loss_tmp=max(chain.loss_tmp, tail_tmp),
-                loss_tmp_kept=max(chain.loss_tmp_kept, tail_tmp),
-            )
         if self.budget is None:
             device = next(t.device for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
             if self.shared is not None:  # one budget for several chains, split by need
@@ -675,9 +617,8 @@ class Checkpointable(nn.Module):
                 self.budget = no_recompute_peak(profile.chain) if total is None else total
             else:
                 self.budget = resolve_budget(self.mem_limit, no_recompute_peak(profile.chain))
-        chosen = plan(profile.chain, self.budget, slots=self.slots)
-        runner = PlanRunner(self.stages, chosen.ops, self.stage_names, in_free=profile.chain.in_free)
-        return Entry(profile, chosen, runner)
+        chosen = pipeline.plan_chain(profile.chain, self.budget, self.slots)
+        return Entry(profile, chosen, pipeline.runner(self.stages, profile.chain, chosen, self.stage_names))
 
     # -- what was planned -----------------------------------------------------------------------
     def _entry(self) -> Entry:
@@ -885,14 +826,16 @@ def _bind_call(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> dict[s
     return dict(bound.arguments)
 
 
-def _own_leaf(value: Any) -> Any:
-    """A tensor cut from the caller's graph, requiring grad as it did (anything else as it is)."""
-    if not isinstance(value, torch.Tensor):
-        return value
-    return value.detach().requires_grad_(value.requires_grad)
-
-
-def _run_stages(stages: Stages, value: Any) -> Any:
-    for stage in stages:
-        value = stage(value)
-    return value
+def _loss_settings(loss_tmp: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> tuple[int | None, Any]:
+    """(`loss_tmp` bytes, `loss_fn`); a function given as `loss_tmp=` (before 0.2) moves to `loss_fn=`."""
+    if callable(loss_tmp):
+        warnings.warn("Checkpointable(loss_tmp=<function>) is deprecated: give the loss as loss_fn=; "
+                      "loss_tmp= takes bytes", DeprecationWarning, stacklevel=3)
+        loss_tmp, loss_fn = None, loss_tmp if loss_fn is None else loss_fn
+    if loss_tmp is not None and loss_fn is not None:
+        raise ValueError("give loss_fn= (the loss, measured) or loss_tmp= (its bytes), not both")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be a function of the output, got {type(loss_fn).__name__}")
+    if loss_tmp is not None and (isinstance(loss_tmp, bool) or not isinstance(loss_tmp, int)):
+        raise TypeError(f"loss_tmp must be bytes (an int), got {loss_tmp!r}; give a loss function as loss_fn=")
+    return loss_tmp, loss_fn
