@@ -48,7 +48,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from lightning_rotor import pipeline
-from lightning_rotor.budget import format_bytes, parse_budget, resolve_budget
+from lightning_rotor.budget import MemLimit, format_bytes, parse_budget, resolve_budget
 from lightning_rotor.calls import (
     Call,
     InfeasibleStep,
@@ -66,7 +66,7 @@ from lightning_rotor.ops import is_no_recompute
 from lightning_rotor.pipeline import Entry
 from lightning_rotor.planner import InfeasibleBudget, Plan, min_feasible_budget, plan
 from lightning_rotor.profile import Profile
-from lightning_rotor.shared_budget import SharedBudget, auto_total
+from lightning_rotor.shared_budget import Budget, auto_total
 from lightning_rotor.simulate import no_recompute_peak, simulate
 from lightning_rotor.stages import Stages, sequential_stages
 
@@ -195,7 +195,7 @@ class Checkpointable(nn.Module):
     def __init__(
         self,
         module: nn.Module,
-        mem_limit: int | float | str | None = None,
+        mem_limit: MemLimit = None,
         *,
         stages: Stages | None = None,
         discover: str | None = None,
@@ -229,8 +229,7 @@ class Checkpointable(nn.Module):
             raise TypeError(f"discover='sequential' needs a plain nn.Sequential, got {type(module).__name__}; "
                             "use discover='auto', 'graph' or 'modules'")
         super().__init__()
-        if mem_limit is not None:
-            parse_budget(mem_limit)  # bad budgets fail here, with the accepted forms
+        own_budget = Budget(mem_limit)  # bad budgets fail here, with the accepted forms
         check_slots(slots)
         if discover == "sequential":
             stages = sequential_stages(module)
@@ -262,13 +261,13 @@ class Checkpointable(nn.Module):
         self.repeats = repeats
         self.warmup = warmup
         self.budget: int | None = None  # bytes, fixed by the first signature planned
-        self.shared: SharedBudget | None = None  # set by whoever splits one budget over several chains
+        self._own_budget = own_budget  # what mem_limit= resolves with, unless shared
+        self.shared: Budget | None = None  # set by whoever splits one budget over several chains
         self.shared_name = ""
         self.entries: dict[str, Entry] = {}  # per signature: the plan for the whole budget
         self.last_entry: Entry | None = None  # the entry the latest call ran
         self.calls = StepCalls()  # this step's pending calls (lightning_rotor/calls.py)
         self._structures: dict[tuple[str, ...], list[int]] = {}  # steps seen: signatures -> budgets first run
-        self._auto_none = False  # mem_limit=None resolved to "no recomputation" (not on CUDA)
         self._to_grow: list[tuple[str, ...]] = []  # steps of several calls a shared budget is not split for yet
         self._forget_call_plans()
         self.last_measurement: StepMeasurement | None = None
@@ -466,13 +465,12 @@ class Checkpointable(nn.Module):
 
     def _grow_share(self, structure: tuple[str, ...]) -> bool:
         """Under a budget shared with other chains, a share that fits a step of `structure`'s calls
-        (`SharedBudget.grow`). Only while the other chains hold nothing pending: their shares may
+        (`Budget.grow`). Only while the other chains hold nothing pending: their shares may
         shrink. Returns whether the share was asked for."""
         shared = self.shared
         if shared is None or len(shared.names) < 2 or self._no_recompute():
             return False
-        if any(member is not self and getattr(member, "calls", None) is not None and member.calls.alive()
-               for member in shared.members.values()):
+        if shared.others_busy(self.shared_name):
             return False
         smallest = step_minimum(structure, self._smallest_of(structure), self._figures)
         peaks = {sig: no_recompute_peak(self.entries[sig].chain) for sig in structure}
@@ -484,9 +482,7 @@ class Checkpointable(nn.Module):
 
     def _no_recompute(self) -> bool:
         """An automatic budget off CUDA means no recomputation (module docstring), for every call."""
-        if self.shared is not None:
-            return self.shared.value is None and self.shared.auto_bytes is None
-        return self.mem_limit is None and self._auto_none
+        return self._budget().no_recompute
 
     def _smallest(self, key: str) -> int:
         if key not in self._smallest_bytes:
@@ -609,16 +605,20 @@ class Checkpointable(nn.Module):
         )
         if self.budget is None:
             device = next(t.device for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
-            if self.shared is not None:  # one budget for several chains, split by need
-                self.budget = self.shared.share(self.shared_name, self, profile.chain, device, self.parameters())
-            elif self.mem_limit is None:
-                total = auto_budget(device, self.parameters())
-                self._auto_none = total is None
-                self.budget = no_recompute_peak(profile.chain) if total is None else total
-            else:
-                self.budget = resolve_budget(self.mem_limit, no_recompute_peak(profile.chain))
+            self.budget = self._budget_of(profile.chain, device)
         chosen = pipeline.plan_chain(profile.chain, self.budget, self.slots)
         return Entry(profile, chosen, pipeline.runner(self.stages, profile.chain, chosen, self.stage_names))
+
+    def _budget_of(self, chain: Chain, device: torch.device) -> int:
+        """This chain's bytes: the whole budget alone, or its share of one budget over several chains."""
+        return self._budget().bytes_for(chain, device, self.parameters(), self.shared_name, self.replan, self._busy)
+
+    def _budget(self) -> Budget:
+        return self.shared if self.shared is not None else self._own_budget
+
+    def _busy(self) -> bool:
+        """Whether a call of this step is pending (a budget shared with other chains waits to split again)."""
+        return bool(self.calls.alive())
 
     # -- what was planned -----------------------------------------------------------------------
     def _entry(self) -> Entry:
@@ -745,11 +745,11 @@ class Checkpointable(nn.Module):
         parse_budget(mem_limit)
         entries = list(self.entries.items())
         if not entries:
-            self.mem_limit, self.budget = mem_limit, None
+            self.mem_limit, self.budget, self._own_budget = mem_limit, None, Budget(mem_limit)
             return
         budget = resolve_budget(mem_limit, no_recompute_peak(entries[0][1].chain))
         chosen = {key: plan(entry.chain, budget, slots=self.slots) for key, entry in entries}
-        self.mem_limit, self.budget, self._auto_none = mem_limit, budget, False
+        self.mem_limit, self.budget, self._own_budget = mem_limit, budget, Budget(mem_limit)
         self._forget_call_plans()
         for key, entry in entries:
             self.entries[key] = Entry(entry.profile, chosen[key], PlanRunner(self.stages, chosen[key].ops,

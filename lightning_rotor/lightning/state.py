@@ -57,7 +57,7 @@ def _restore_one(rotor: Checkpointable, saved: dict[str, Any]) -> None:
         chain = Chain.from_dict(entries[0]["chain"])
         device = next((p.device for p in rotor.parameters()), torch.device("cpu"))
         try:
-            share = rotor.shared.share(rotor.shared_name, rotor, chain, device, rotor.parameters())
+            share = rotor._budget_of(chain, device)
             if share != rotor.budget:
                 rotor.replan(share)
         except InfeasibleBudget:

@@ -27,10 +27,10 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from lightning_rotor.budget import format_bytes, parse_budget
+from lightning_rotor.budget import MemLimit, format_bytes, parse_budget
 from lightning_rotor.discovery import HOWS
 from lightning_rotor.discretize import check_slots
-from lightning_rotor.lightning.wrap import Budget, Selector, Wrapped, unwrap, wrap
+from lightning_rotor.lightning.wrap import Selector, Wrapped, unwrap, wrap
 
 
 class ProfileProgress:
@@ -54,7 +54,7 @@ class ProfileProgress:
         rank_zero_info(f"rotor: profiling {self.name}: {done}/{total} stages, {seconds:.1f} s")
 
 
-def _check_budget(mem_limit: Budget | Mapping[str, Budget]) -> None:
+def _check_budget(mem_limit: MemLimit | Mapping[str, MemLimit]) -> None:
     """Fail at construction, in one line, on a budget that cannot be parsed."""
     values = mem_limit.values() if isinstance(mem_limit, Mapping) else [mem_limit]
     for value in values:
@@ -67,7 +67,7 @@ class _RotorMixin:
 
     def _init_rotor(
         self,
-        mem_limit: Budget | Mapping[str, Budget],
+        mem_limit: MemLimit | Mapping[str, MemLimit],
         include: Sequence[Selector] | None,
         exclude: Sequence[Selector],
         slots: int | None,

@@ -31,12 +31,12 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from lightning_rotor.budget import MemLimit
 from lightning_rotor.checkpointable import Checkpointable
 from lightning_rotor.discovery import HOWS
-from lightning_rotor.shared_budget import SharedBudget
+from lightning_rotor.shared_budget import Budget
 from lightning_rotor.stages import sequential_stages
 
-Budget = int | float | str | None
 Selector = str | type
 MIN_AUTO_STAGES = 4  # "auto" leaves a shorter Sequential (a head) alone beside another chain
 
@@ -163,7 +163,7 @@ def resolve_block_types(model: nn.Module, checkpoint_modules: Sequence[str | typ
     return tuple(types)
 
 
-def check_budget_names(mem_limit: Mapping[str, Budget], names: Sequence[str]) -> None:
+def check_budget_names(mem_limit: Mapping[str, MemLimit], names: Sequence[str]) -> None:
     """A per-chain budget dict must name exactly the wrapped chains."""
     unknown = sorted(set(mem_limit) - set(names))
     if unknown:
@@ -181,7 +181,7 @@ def _set(model: nn.Module, name: str, module: nn.Module) -> None:
 
 def wrap(
     model: nn.Module,
-    mem_limit: Budget | Mapping[str, Budget] = None,
+    mem_limit: MemLimit | Mapping[str, MemLimit] = None,
     *,
     include: Sequence[Selector] | None = None,
     exclude: Sequence[Selector] = (),
@@ -196,7 +196,7 @@ def wrap(
     if isinstance(mem_limit, Mapping):
         check_budget_names(mem_limit, [name for name, _ in chains])
     elif chains:
-        shared = SharedBudget(mem_limit, [name for name, _ in chains])
+        shared = Budget(mem_limit, [name for name, _ in chains])
     wrapped = []
     for name, module in chains:
         budget = mem_limit[name] if isinstance(mem_limit, Mapping) else mem_limit
