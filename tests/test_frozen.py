@@ -21,13 +21,13 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_rotor import Checkpointable, MemoryProbe
 from lightning_rotor.chain import Chain, ChainError
 from lightning_rotor.lightning import RotorStrategy
-from lightning_rotor.lightning.callback import stage_rows
 from lightning_rotor.lightning.state import rotor_modules
 from lightning_rotor.models.gpt import gpt, lm_loss
 from lightning_rotor.ops import Op, is_no_recompute, no_recompute_ops, shift_ops
 from lightning_rotor.planner import InfeasibleBudget, min_feasible_budget, plan, replay
 from lightning_rotor.reference import reference_min_budget, reference_plan
 from lightning_rotor.simulate import no_recompute_peak, simulate
+from lightning_rotor.tables import stage_rows
 
 torch.set_num_threads(1)  # tiny tensors: threads only contend on a shared machine
 

@@ -50,11 +50,13 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_rotor.budget import format_bytes
-from lightning_rotor.checkpointable import Checkpointable, Entry, StepMeasurement
+from lightning_rotor.checkpointable import Checkpointable
 from lightning_rotor.lightning.state import STATE_KEY, export_state, import_state, rotor_modules
+from lightning_rotor.measure import StepMeasurement
 from lightning_rotor.memory import MemoryProbe
-from lightning_rotor.ops import OpKind, forward_counts
+from lightning_rotor.pipeline import Entry
 from lightning_rotor.simulate import no_recompute_peak, simulate
+from lightning_rotor.tables import stage_markdown
 
 
 def _lightning_bookkeeping() -> tuple[Callable, ...]:
@@ -67,42 +69,6 @@ def _lightning_bookkeeping() -> tuple[Callable, ...]:
 
 
 LIGHTNING_BOOKKEEPING = _lightning_bookkeeping()
-
-
-def stage_rows(entry: Entry) -> list[tuple[str, int, int, float, float, str]]:
-    """(name, out bytes, saved bytes, fwd s, bwd s, decision) per stage of a plan."""
-    chain = entry.chain
-    runs = forward_counts(entry.plan.ops, chain.length)
-    kept = [False] * chain.length
-    for op in entry.plan.ops:
-        if op.kind is OpKind.FC:
-            kept[op.stage] = True
-    rows = []
-    for k in range(chain.length):
-        decision = "recompute" if runs[k] > 1 else "keep"
-        if k < chain.frozen:  # run once without recording, no backward (chain version 4)
-            decision = "frozen"
-        elif kept[k]:
-            decision += " (checkpoint input)"
-        rows.append((chain.names[k], chain.out_size[k], chain.saved_size[k], chain.fwd_time[k], chain.bwd_time[k],
-                     decision))
-    return rows
-
-
-def stage_markdown(name: str, entry: Entry) -> str:
-    chosen = entry.plan
-    lines = [
-        f"**{name}**: budget {format_bytes(chosen.mem_limit)}, predicted peak {format_bytes(chosen.peak)}, "
-        f"predicted step {chosen.time * 1e3:.2f} ms vs {entry.chain.no_recompute_time() * 1e3:.2f} ms without "
-        f"recomputation",
-        "",
-        "| stage | output | saved | fwd ms | bwd ms | decision |",
-        "|---|---:|---:|---:|---:|---|",
-    ]
-    for stage, out, saved, fwd, bwd, decision in stage_rows(entry):
-        lines.append(f"| {stage} | {format_bytes(out)} | {format_bytes(saved)} | {fwd * 1e3:.3f} | {bwd * 1e3:.3f} "
-                     f"| {decision} |")
-    return "\n".join(lines)
 
 
 def summary_text(chains: dict[str, Checkpointable]) -> str:

@@ -28,7 +28,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_rotor.budget import MemLimit, format_bytes, parse_budget
-from lightning_rotor.discovery import HOWS
+from lightning_rotor.discovery import DISCOVER_METHODS
 from lightning_rotor.discretize import check_slots
 from lightning_rotor.lightning.wrap import Selector, Wrapped, unwrap, wrap
 
@@ -76,8 +76,9 @@ class _RotorMixin:
     ) -> None:
         _check_budget(mem_limit)
         check_slots(slots)
-        if discover not in HOWS:
-            raise ValueError(f"discover={discover!r} is not a discovery method; use one of {', '.join(HOWS)}")
+        if discover not in DISCOVER_METHODS:
+            methods = ", ".join(DISCOVER_METHODS)
+            raise ValueError(f"discover={discover!r} is not a discovery method; use one of {methods}")
         if checkpoint_modules is not None and (isinstance(checkpoint_modules, (str, type)) or not all(
                 isinstance(c, (str, type)) for c in checkpoint_modules)):
             raise TypeError(f"checkpoint_modules must be a list of classes, class paths or class names, "

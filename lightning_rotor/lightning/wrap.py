@@ -33,7 +33,7 @@ from torch import nn
 
 from lightning_rotor.budget import MemLimit
 from lightning_rotor.checkpointable import Checkpointable
-from lightning_rotor.discovery import HOWS
+from lightning_rotor.discovery import DISCOVER_METHODS
 from lightning_rotor.shared_budget import Budget
 from lightning_rotor.stages import sequential_stages
 
@@ -88,8 +88,8 @@ def find_chains(
     discover: str = "sequential",
 ) -> tuple[list[tuple[str, nn.Module]], str]:
     """The submodules to wrap (outermost first, in module order) and, when none, why not."""
-    if discover not in HOWS:
-        raise ValueError(f"discover={discover!r} is not a discovery method; use one of {', '.join(HOWS)}")
+    if discover not in DISCOVER_METHODS:
+        raise ValueError(f"discover={discover!r} is not a discovery method; use one of {', '.join(DISCOVER_METHODS)}")
     found: list[tuple[str, nn.Module]] = []
     skipped: set[str] = set()
     seen_sequential = 0
@@ -201,8 +201,8 @@ def wrap(
     for name, module in chains:
         budget = mem_limit[name] if isinstance(mem_limit, Mapping) else mem_limit
         plain = is_candidate(module) and (types is None or discover == "sequential")
-        how = None if plain and discover in ("auto", "sequential") else discover
-        rotor = Checkpointable(module, budget, slots=slots, discover=how, checkpoint_modules=types,
+        method = None if plain and discover in ("auto", "sequential") else discover
+        rotor = Checkpointable(module, budget, slots=slots, discover=method, checkpoint_modules=types,
                                fallback_plain=discover == "auto" and include is None)
         if shared is not None:
             rotor.shared, rotor.shared_name = shared, name
