@@ -117,7 +117,7 @@ class PlanCache:
         self._call_entries: dict[tuple[str, int], Entry] = {}
         self._held: dict[tuple[str, int], tuple[int, int]] = {}
         self._smallest: dict[str, int] = {}
-        self.step_budgets: dict[tuple[tuple[str, ...], int | None], list[int]] = {}
+        self.step_budgets: dict[tuple[tuple[str, ...], int | None], list[int] | None] = {}
 
     def smallest(self, key: str) -> int:
         """The smallest feasible budget of `key`'s chain (found once)."""

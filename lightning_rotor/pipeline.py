@@ -87,11 +87,12 @@ def charge_outside(chain: Chain, outside: Outside) -> Chain:
     with its input, the forward after the chain, the loss and their backward as the chain's loss."""
     before, tail = outside
     tail_tmp = tail - chain.out_size[-1]
+    kept = chain.loss_tmp if chain.loss_tmp_kept is None else chain.loss_tmp_kept  # set by Chain's checks
     return dataclasses.replace(
         chain,
         input_size=chain.input_size + before,
         loss_tmp=max(chain.loss_tmp, tail_tmp),
-        loss_tmp_kept=max(chain.loss_tmp_kept, tail_tmp),
+        loss_tmp_kept=max(kept, tail_tmp),
     )
 
 
@@ -165,7 +166,7 @@ def measure_outside(
             output = module(*args, **kwargs)
             loss = proxy_loss(output)
             if loss.requires_grad:
-                loss.backward()
+                loss.backward()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
             del output, loss
     finally:
         run.uninstall()

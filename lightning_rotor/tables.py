@@ -16,7 +16,7 @@ def stage_rows(entry: Entry) -> list[tuple[str, int, int, float, float, str]]:
     runs = entry.runs
     kept = [False] * chain.length
     for op in entry.plan.ops:
-        if op.kind is OpKind.FC:
+        if op.kind is OpKind.FC and op.stage is not None:
             kept[op.stage] = True
     rows = []
     for k in range(chain.length):

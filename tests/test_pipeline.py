@@ -73,3 +73,29 @@ def test_prepare_takes_a_budget_of_the_chain_and_its_runner_trains_bitwise_as_pl
     pipeline.run_stages(stages, x).square().mean().backward()
     plain = [p.grad for s in stages for p in s.parameters()] + [x.grad]
     assert all(torch.equal(a, b) for a, b in zip(ours, plain, strict=True))
+
+
+def test_plan_cache_keys_by_signature_and_saves_plans_with_fingerprints():
+    import json
+
+    from lightning_rotor.cache import PlanCache, plan_key, signature
+
+    stages, x = stages_and_sample(length=4)
+    names = [f"s{k}" for k in range(4)]
+    cache = PlanCache(stages, names)
+    entry = pipeline.prepare(stages, x, no_recompute_peak, names=names, repeats=1)
+    key = plan_key(x, [True] * 8)
+    assert key == signature(x) and plan_key(x, [False] + [True] * 7).endswith("requires_grad=01111111")
+    assert plan_key(x[:8], [True] * 8) != key  # another batch size: another plan
+    cache.add(key, entry)
+    smaller = cache.plan_at(key, min_feasible_budget(entry.chain))
+    assert smaller.peak <= min_feasible_budget(entry.chain) < entry.plan.mem_limit
+
+    state = json.loads(json.dumps(cache.state_dict()))  # plain data
+    again = PlanCache(stages, names)
+    again.load_state_dict(state)
+    assert key in again and again.entry(key).plan.ops == entry.plan.ops and again.entry(key).chain == entry.chain
+
+    other, _ = stages_and_sample(length=4, width=16)
+    with pytest.raises(ValueError, match="saved plan is for other stages: s0, s1, s2, s3 differ"):
+        PlanCache(other, names).load_state_dict(state)
