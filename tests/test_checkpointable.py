@@ -65,15 +65,27 @@ class Embed(nn.Module):
 def mlp():
     hidden = [m for _ in range(4) for m in (nn.Linear(64, 64), nn.Tanh())]
     return nn.Sequential(
-        nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.BatchNorm1d(64), nn.ReLU(inplace=True),
-        nn.Dropout(0.3), *hidden, nn.Linear(64, 10),
+        nn.Linear(32, 64),
+        nn.ReLU(),
+        nn.Linear(64, 64),
+        nn.BatchNorm1d(64),
+        nn.ReLU(inplace=True),
+        nn.Dropout(0.3),
+        *hidden,
+        nn.Linear(64, 10),
     )
 
 
 def convnet():
     return nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
-        nn.Sequential(Block(8), Block(8), Block(8)), nn.MaxPool2d(2), Block(8), Block(8), nn.AdaptiveAvgPool2d(1),
+        nn.Conv2d(3, 8, 3, padding=1, bias=False),
+        nn.BatchNorm2d(8),
+        nn.ReLU(inplace=True),
+        nn.Sequential(Block(8), Block(8), Block(8)),
+        nn.MaxPool2d(2),
+        Block(8),
+        Block(8),
+        nn.AdaptiveAvgPool2d(1),
         nn.Flatten(),
         nn.Linear(8, 10),
     )

@@ -79,10 +79,13 @@ class _RotorMixin:
         if discover not in DISCOVER_METHODS:
             methods = ", ".join(DISCOVER_METHODS)
             raise ValueError(f"discover={discover!r} is not a discovery method; use one of {methods}")
-        if checkpoint_modules is not None and (isinstance(checkpoint_modules, (str, type)) or not all(
-                isinstance(c, (str, type)) for c in checkpoint_modules)):
-            raise TypeError(f"checkpoint_modules must be a list of classes, class paths or class names, "
-                            f"got {checkpoint_modules!r}")
+        if checkpoint_modules is not None and (
+            isinstance(checkpoint_modules, (str, type))
+            or not all(isinstance(c, (str, type)) for c in checkpoint_modules)
+        ):
+            raise TypeError(
+                f"checkpoint_modules must be a list of classes, class paths or class names, got {checkpoint_modules!r}"
+            )
         self.discover = discover
         self.checkpoint_modules = None if checkpoint_modules is None else list(checkpoint_modules)
         self.mem_limit = dict(mem_limit) if isinstance(mem_limit, Mapping) else mem_limit
@@ -106,8 +109,13 @@ class _RotorMixin:
         if module is None or trainer is None or trainer.state.fn != TrainerFn.FITTING or self.wrapped:
             return
         self.wrapped, self.not_wrapped_reason = wrap(
-            module, self.mem_limit, include=self.include, exclude=self.exclude, slots=self.slots,
-            discover=self.discover, checkpoint_modules=self.checkpoint_modules,
+            module,
+            self.mem_limit,
+            include=self.include,
+            exclude=self.exclude,
+            slots=self.slots,
+            discover=self.discover,
+            checkpoint_modules=self.checkpoint_modules,
         )
         if not self.wrapped:
             if not self._warned:
@@ -128,7 +136,8 @@ class _RotorMixin:
         else:
             total = f"budget {format_bytes(budget) if isinstance(budget, int) else budget}"
         parts = ", ".join(
-            f"{w.name} ({len(w.rotor.stages)} stages)" if w.rotor.stages is not None
+            f"{w.name} ({len(w.rotor.stages)} stages)"
+            if w.rotor.stages is not None
             else f"{w.name} ({type(w.original).__name__}, chain found on the first batch)"
             for w in self.wrapped
         )
@@ -272,6 +281,9 @@ class RotorDDPStrategy(_RotorMixin, DDPStrategy):
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         for name, start_method in (("rotor_ddp", "popen"), ("rotor_ddp_spawn", "spawn")):
             strategy_registry.register(
-                name, cls, description=f"DDP with rotor checkpointing, start_method '{start_method}'",
-                start_method=start_method, override=True,
+                name,
+                cls,
+                description=f"DDP with rotor checkpointing, start_method '{start_method}'",
+                start_method=start_method,
+                override=True,
             )

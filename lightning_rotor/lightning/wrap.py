@@ -67,8 +67,9 @@ def _stage_count(module: nn.Module) -> int:
 def is_user_model(module: nn.Module) -> bool:
     """A module of a class of the user's own (not torch's, not a container) with parameters: a model to discover."""
     cls = type(module)
-    if cls.__module__.startswith("torch.") or isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.ParameterList,
-                                                                    nn.ParameterDict)):
+    if cls.__module__.startswith("torch.") or isinstance(
+        module, (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+    ):
         return False
     return any(True for _ in module.parameters())
 
@@ -84,7 +85,9 @@ def _matches(name: str, module: nn.Module, selectors: Sequence[Selector]) -> boo
 
 
 def find_chains(
-    model: nn.Module, include: Sequence[Selector] | None = None, exclude: Sequence[Selector] = (),
+    model: nn.Module,
+    include: Sequence[Selector] | None = None,
+    exclude: Sequence[Selector] = (),
     discover: str = "sequential",
 ) -> tuple[list[tuple[str, nn.Module]], str]:
     """The submodules to wrap (outermost first, in module order) and, when none, why not."""
@@ -108,11 +111,15 @@ def find_chains(
             if not _matches(name, module, include):
                 continue
             if discover == "sequential" and not plain:
-                raise TypeError(f"include matched {name!r}, a {type(module).__name__}; with discover='sequential' "
-                                "rotor wraps plain nn.Sequential modules only (discover='auto' takes any model)")
+                raise TypeError(
+                    f"include matched {name!r}, a {type(module).__name__}; with discover='sequential' "
+                    "rotor wraps plain nn.Sequential modules only (discover='auto' takes any model)"
+                )
             if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
-                raise TypeError(f"include matched {name!r}, a {type(module).__name__}, which is never called; name "
-                                "the module whose forward loops over it, or its block class in checkpoint_modules")
+                raise TypeError(
+                    f"include matched {name!r}, a {type(module).__name__}, which is never called; name "
+                    "the module whose forward loops over it, or its block class in checkpoint_modules"
+                )
         elif not (is_candidate(module) or (discover != "sequential" and is_user_model(module))):
             continue
         found.append((name, module))
@@ -156,8 +163,10 @@ def resolve_block_types(model: nn.Module, checkpoint_modules: Sequence[str | typ
                 raise ValueError(f"checkpoint_modules: cannot import {item!r}") from None
         else:
             own = sorted(n for n, c in here.items() if not c.__module__.startswith("torch."))
-            raise ValueError(f"checkpoint_modules names {item!r}, which is no class of a submodule of "
-                             f"{type(model).__name__}; give a class, a class path, or one of: {', '.join(own)}")
+            raise ValueError(
+                f"checkpoint_modules names {item!r}, which is no class of a submodule of "
+                f"{type(model).__name__}; give a class, a class path, or one of: {', '.join(own)}"
+            )
     if not all(isinstance(t, type) and issubclass(t, nn.Module) for t in types):
         raise TypeError(f"checkpoint_modules must name nn.Module classes, got {types!r}")
     return tuple(types)
@@ -202,8 +211,14 @@ def wrap(
         budget = mem_limit[name] if isinstance(mem_limit, Mapping) else mem_limit
         plain = is_candidate(module) and (types is None or discover == "sequential")
         method = None if plain and discover in ("auto", "sequential") else discover
-        rotor = Checkpointable(module, budget, slots=slots, discover=method, checkpoint_modules=types,
-                               fallback_plain=discover == "auto" and include is None)
+        rotor = Checkpointable(
+            module,
+            budget,
+            slots=slots,
+            discover=method,
+            checkpoint_modules=types,
+            fallback_plain=discover == "auto" and include is None,
+        )
         if shared is not None:
             rotor.shared, rotor.shared_name = shared, name
         _set(model, name, rotor)
