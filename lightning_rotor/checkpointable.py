@@ -137,12 +137,12 @@ class Checkpointable(nn.Module):
         """The chain's stages (None until discovered) and an empty plan cache for them."""
         object.__setattr__(self, "stages", stages)
         self.stage_names = list(stages.names) if stages is not None else []
-        self.plans = PlanCache(stages, stages.names, self.slots) if stages is not None else None
+        self.plan_cache = PlanCache(stages, stages.names, self.slots) if stages is not None else None
 
     @property
     def entries(self) -> dict[str, Entry]:
         """Per plan key (input signature): the profile and the plan for the whole budget."""
-        return self.plans.entries if self.plans is not None else {}
+        return self.plan_cache.entries if self.plan_cache is not None else {}
 
     # -- the wrapped Sequential's container API ---------------------------------------------------
     def __bool__(self) -> bool:
@@ -282,7 +282,7 @@ class Checkpointable(nn.Module):
         """The whole-budget entry of plan key `key`, profiled and planned if new."""
         entry = self.entries.get(key)
         if entry is None:
-            entry = self.plans.add(key, self._prepare(value))
+            entry = self.plan_cache.add(key, self._prepare(value))
         self.last_entry = entry
         return entry
 
@@ -297,7 +297,7 @@ class Checkpointable(nn.Module):
         if self.budget is None:
             device = next(t.device for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
             self.budget = self._budget_of(measured.chain, device)
-        return self.plans.build(measured, pipeline.plan_chain(measured.chain, self.budget, self.slots))
+        return self.plan_cache.build(measured, pipeline.plan_chain(measured.chain, self.budget, self.slots))
 
     def _budget_of(self, chain: Chain, device: torch.device) -> int:
         """This chain's bytes: the whole budget alone, or its share of one budget over several chains."""
@@ -323,7 +323,7 @@ class Checkpointable(nn.Module):
 
         Raises `InfeasibleStep` when the call cannot fit in what is left, before it runs.
         """
-        plans = self.plans
+        plans = self.plan_cache
         prefix = self.calls.begin()
         for step in self.calls.take_finished():
             structure = tuple(sig for sig, _ in step)
@@ -357,20 +357,20 @@ class Checkpointable(nn.Module):
         wanted = []
         for structure, tried in self._structures.items():
             if len(structure) > position and structure[: position + 1] == (*prefix, key):
-                budgets = self.plans.learned_budgets(structure, self.budget, tried)
+                budgets = self.plan_cache.learned_budgets(structure, self.budget, tried)
                 if budgets is not None:
                     wanted.append(budgets[position])
         if wanted:
             return min(min(wanted), available)
         if position == 0 and self._structures:
             return available  # a new input signature: steps so far tell nothing, plan for the whole budget
-        return min(self.plans.smallest(key), available)  # the first step, or a call more: hold the least
+        return min(self.plan_cache.smallest(key), available)  # the first step, or a call more: hold the least
 
     def _grow_share(self, structure: tuple[str, ...]) -> bool:
         """Under a budget shared with other chains, a share that fits a step of `structure`'s calls
         (`Budget.grow`). Only while the other chains hold nothing pending: their shares may
         shrink. Returns whether the share was asked for."""
-        shared, plans = self.shared, self.plans
+        shared, plans = self.shared, self.plan_cache
         if shared is None or len(shared.names) < 2 or self._no_recompute() or shared.others_busy(self.shared_name):
             return False
         smallest = step_minimum(structure, plans.smallest_of(structure), plans.figures)
@@ -438,9 +438,9 @@ class Checkpointable(nn.Module):
             self.mem_limit, self.budget, self._own_budget = mem_limit, None, Budget(mem_limit)
             return
         budget = resolve_budget(mem_limit, no_recompute_peak(entries[0][1].chain))
-        replanned = self.plans.replanned(budget)
+        replanned = self.plan_cache.replanned(budget)
         self.mem_limit, self.budget, self._own_budget = mem_limit, budget, Budget(mem_limit)
-        self.plans.forget_call_plans()
+        self.plan_cache.forget_call_plans()
         for key, entry in entries:
             self.entries[key] = replanned[key]
             if self.last_entry is entry:
@@ -448,9 +448,9 @@ class Checkpointable(nn.Module):
 
     def plan_state(self) -> dict[str, Any]:
         """Profiles and plans as plain data, for checkpoints (`load_plan_state` reads it back)."""
-        if self.plans is None:
+        if self.plan_cache is None:
             return {"budget": self.budget, "stage_names": [], "fingerprints": [], "entries": []}
-        return {"budget": self.budget, **self.plans.state_dict()}
+        return {"budget": self.budget, **self.plan_cache.state_dict()}
 
     def load_plan_state(self, state: dict[str, Any]) -> None:
         """Reuse saved profiles and plans: inputs with a saved signature skip profiling.
@@ -460,9 +460,9 @@ class Checkpointable(nn.Module):
         another model would break the budget. On any mismatch nothing is loaded and
         a one-line ValueError says why; the module then profiles on its next forward.
         """
-        if self.plans is None:
+        if self.plan_cache is None:
             raise ValueError("saved plan state cannot load before the chain is found (no stages yet); nothing loaded")
-        self.plans.load_state_dict(state)
+        self.plan_cache.load_state_dict(state)
         if state.get("budget") is not None:
             self.budget = int(state["budget"])
 
@@ -489,8 +489,8 @@ class Checkpointable(nn.Module):
             elif expected is not None and self.budget != expected:
                 self.replan(self.mem_limit)
         except InfeasibleBudget:
-            self.plans.entries, self.budget = before
-            self.plans.forget_call_plans()
+            self.plan_cache.entries, self.budget = before
+            self.plan_cache.forget_call_plans()
             raise
 
     # -- measuring a step (lightning_rotor/measure.py) ---------------------------------------------
@@ -563,8 +563,8 @@ class Checkpointable(nn.Module):
             self._set_stages(None)
             self.last_entry = None
         self.outside = {}  # measured in the old dtype or device
-        if self.plans is not None:
-            self.plans.forget_call_plans()
+        if self.plan_cache is not None:
+            self.plan_cache.forget_call_plans()
         return self
 
     def extra_repr(self) -> str:
