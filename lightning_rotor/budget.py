@@ -3,6 +3,11 @@
 Users write budgets the way they think of memory: `6GiB`, `512MB`, a byte
 count, or a fraction of what the chain needs without recomputation (`0.5`,
 `"50%"`). Fractions need a chain to resolve; everything else does not.
+
+Words: `mem_limit=` is what the user gives (a `MemLimit`; None means automatic);
+a *budget* is what it resolves to, in bytes, or the object that resolves and shares
+it (`lightning_rotor.shared_budget.Budget`). This module is a leaf (no torch, no
+planner): the planner and the `plan` command read budgets with it.
 """
 
 from __future__ import annotations
@@ -11,13 +16,24 @@ import math
 import re
 from fractions import Fraction
 
-BudgetSpec = int | float | str
+MemLimit = int | float | str | None  # what users give as `mem_limit=`; None: automatic
+BudgetSpec = int | float | str  # a `MemLimit` that is not automatic (the planner's `mem_limit`)
 
 UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "k": 2**10,
+    "m": 2**20,
+    "g": 2**30,
+    "t": 2**40,
 }
 ACCEPTED = (
     "accepted: an integer number of bytes (8000000), a size with a unit "

@@ -83,16 +83,22 @@ class InfeasibleStep(InfeasibleBudget):
     def __init__(self, what: str, mem_limit: int, held: int, smallest: int, min_feasible: int, shared: str = ""):
         self.mem_limit, self.min_feasible, self.held = mem_limit, min_feasible, held
         if min_feasible > mem_limit and shared:
-            fix = (f"the step's calls need at least {format_bytes(min_feasible)} ({min_feasible} bytes), more than "
-                   f"chain {shared!r}'s share of the shared budget; give the chains their own budgets "
-                   f"(mem_limit={{{shared!r}: {min_feasible}, ...}}) or a larger total")
+            fix = (
+                f"the step's calls need at least {format_bytes(min_feasible)} ({min_feasible} bytes), more than "
+                f"chain {shared!r}'s share of the shared budget; give the chains their own budgets "
+                f"(mem_limit={{{shared!r}: {min_feasible}, ...}}) or a larger total"
+            )
         elif min_feasible > mem_limit:
-            fix = f"the step's calls need a budget of at least {format_bytes(min_feasible)}; " \
-                  f"use mem_limit >= {min_feasible}"
+            fix = (
+                f"the step's calls need a budget of at least {format_bytes(min_feasible)}; "
+                f"use mem_limit >= {min_feasible}"
+            )
         else:
-            fix = (f"the budget fits this step's calls planned together ({format_bytes(min_feasible)}), but the "
-                   "earlier calls were planned for steps of fewer calls; steps like this one are planned "
-                   "together from now on: run the step again")
+            fix = (
+                f"the budget fits this step's calls planned together ({format_bytes(min_feasible)}), but the "
+                "earlier calls were planned for steps of fewer calls; steps like this one are planned "
+                "together from now on: run the step again"
+            )
         ValueError.__init__(
             self,
             f"{what} needs at least {format_bytes(smallest)}, but the step's pending calls (forward run, backward "
@@ -101,8 +107,9 @@ class InfeasibleStep(InfeasibleBudget):
         )
 
 
-def step_budgets(signatures: Sequence[str], total: int, smallest: dict[str, int], plan_at: PlanAt,
-                 tried: Sequence[int] = ()) -> list[int] | None:
+def step_budgets(
+    signatures: Sequence[str], total: int, smallest: dict[str, int], plan_at: PlanAt, tried: Sequence[int] = ()
+) -> list[int] | None:
     """The budget of each call of a step, fastest in sum, such that the whole step fits `total` bytes.
 
     Call k gets at most `total` less what calls 0..k-1 hold. Tried: every call capped at one
@@ -181,8 +188,11 @@ class StepCalls:
         """Count `call` as pending until its backward starts or its graph goes (`output`: what it returned)."""
         self.step_peak = max(self.step_peak, self.held() + peak)
         self.step.append((call.signature, call.budget))
-        nodes = {id(t.grad_fn): t.grad_fn for t in tree_flatten(output)[0]
-                 if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+        nodes = {
+            id(t.grad_fn): t.grad_fn
+            for t in tree_flatten(output)[0]
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None
+        }
         if not nodes:
             return  # no graph: nothing is held for a backward
         self.pending.append(weakref.ref(call))

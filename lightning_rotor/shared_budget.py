@@ -1,10 +1,19 @@
-"""One activation budget for a whole model with several chains.
+"""The budget object: what `mem_limit=` resolves to, for one chain or shared by several.
 
-Each chain learns its needs on its first training call (its smallest feasible budget
-`min` and its no-recomputation peak `need`). The total is split by need: every chain
-gets its `min` first, and what is left is shared in proportion to `need - min` (a
-chain never gets more than its `need`: past it, bytes buy nothing). A fraction
-(`"50%"`) means that fraction of the sum of the chains' no-recomputation peaks.
+A `Budget` owns every way a budget becomes bytes: a byte count or size as given, a fraction
+(`"50%"`) of the chains' no-recomputation peaks, the automatic budget (`None`, below), a split
+between chains and a chain's growth when it is called several times per step. It receives
+`Chain`s (numbers) and hands back bytes; a chain that must plan again for a new share is told
+through the `replan` function it gave when it joined, never through its module.
+
+One chain alone (`Budget(mem_limit)`, `bytes_for` without other names): the bytes are resolved
+once, on its first profiled chain; a fraction is taken of that chain's no-recomputation peak.
+
+Several chains (`Budget(mem_limit, names)`): each chain learns its needs on its first training
+call (its smallest feasible budget `min` and its no-recomputation peak `need`). The total is
+split by need: every chain gets its `min` first, and what is left is shared in proportion to
+`need - min` (a chain never gets more than its `need`: past it, bytes buy nothing). A fraction
+means that fraction of the sum of the chains' no-recomputation peaks.
 
 Chains run one after another in a forward, so the split is only complete once every
 chain has run once; when a later chain joins, the earlier ones are planned again for
@@ -15,27 +24,38 @@ A chain called several times per step (lightning_rotor/calls.py) needs more than
 figures: `grow` raises its minimum and need to those of its step and splits again (the total
 stays what the chains' single calls made it).
 
-Automatic total (`None`): on CUDA, the device's free memory minus what the first
+Automatic budget (`None`): on CUDA, the device's free memory minus what the first
 optimizer step will still allocate for parameters (a gradient and `OPTIMIZER_STATES`
 states per trainable parameter without one yet), times `AUTO_MARGIN`; on any other
 device the chains' no-recomputation peaks (no recomputation: a CPU has no device
 memory to protect, and free RAM says nothing about what training may use).
+
+(Parsing lives in `lightning_rotor.budget`, a leaf module the planner imports; this object
+needs the planner, so it sits beside it rather than in it.)
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from fractions import Fraction
 
 import torch
 from torch import nn
 
-from lightning_rotor.budget import BudgetSpec, format_bytes, parse_budget
+from lightning_rotor.budget import MemLimit, format_bytes, parse_budget, resolve_budget
 from lightning_rotor.chain import Chain
 from lightning_rotor.planner import InfeasibleBudget, min_feasible_budget
 from lightning_rotor.simulate import no_recompute_peak
 
-__all__ = ["AUTO_MARGIN", "OPTIMIZER_STATES", "InfeasibleTotal", "SharedBudget", "auto_total", "split_by_need"]
+__all__ = [
+    "AUTO_MARGIN",
+    "OPTIMIZER_STATES",
+    "Budget",
+    "InfeasibleTotal",
+    "SharedBudget",
+    "auto_total",
+    "split_by_need",
+]
 
 AUTO_MARGIN = 0.9  # of the CUDA memory left for activations: allocator fragmentation and kernel workspaces
 OPTIMIZER_STATES = 2  # per parameter, as Adam keeps (SGD with momentum keeps 1): assumed before the optimizer runs
@@ -88,18 +108,32 @@ def auto_total(device: torch.device, parameters: Iterable[nn.Parameter]) -> int 
     return max(0, int(AUTO_MARGIN * (free - to_come)))
 
 
-class SharedBudget:
-    """The one budget of several chains (see the module docstring); chains join with `share`."""
+class Budget:
+    """The budget of one chain or of several (see the module docstring)."""
 
-    def __init__(self, total: BudgetSpec | None, names: Iterable[str] = ()):
-        self.total = total
-        self.value = None if total is None else parse_budget(total)
+    def __init__(self, mem_limit: MemLimit, names: Iterable[str] = ()) -> None:
+        self.total = mem_limit
+        self.value = None if mem_limit is None else parse_budget(mem_limit)
         self.names = list(names)  # every chain that will join (its share waits for its first call)
         self.needs: dict[str, tuple[int, int]] = {}
         self.grown: dict[str, tuple[int, int]] = {}  # chains with several calls per step: their steps' figures
-        self.members: dict[str, object] = {}
+        self.shares: dict[str, int] = {}  # bytes given to each chain that joined
+        self.replans: dict[str, Callable[[int], None]] = {}  # how to tell a chain its new share
+        self.busy: dict[str, Callable[[], bool]] = {}  # whether a chain has calls pending in this step
         self.auto_bytes: int | None = None  # the CUDA automatic total, measured once
+        self.auto_measured = False  # a lone chain's automatic budget was resolved (on its first chain)
         self.short = False  # the chains known so far need more than the total; raised once all have joined
+
+    @property
+    def shared(self) -> bool:
+        """Whether the budget is split between chains (a Lightning strategy's, even for one chain)."""
+        return bool(self.names)
+
+    @property
+    def no_recompute(self) -> bool:
+        """An automatic budget off CUDA: the no-recomputation peak, nothing recomputed, every call."""
+        measured = self.shared or self.auto_measured  # a lone chain's bytes saved in a checkpoint were not
+        return self.value is None and self.auto_bytes is None and measured
 
     def total_bytes(self) -> int:
         """The total in bytes for the chains known so far."""
@@ -110,12 +144,36 @@ class SharedBudget:
             return self.value
         return self.auto_bytes if self.auto_bytes is not None else peaks
 
-    def share(self, name: str, rotor: object, chain: Chain, device: torch.device,
-              parameters: Iterable[nn.Parameter] = ()) -> int:
+    def bytes_for(
+        self,
+        chain: Chain,
+        device: torch.device,
+        parameters: Iterable[nn.Parameter] = (),
+        name: str = "",
+        replan: Callable[[int], None] | None = None,
+        busy: Callable[[], bool] | None = None,
+    ) -> int:
+        """The bytes of chain `name` (profiled as `chain`): the whole budget alone, else its share (`share`)."""
+        if self.shared:
+            return self.share(name, chain, device, parameters, replan, busy)
+        if self.value is None:
+            self.auto_bytes, self.auto_measured = auto_total(device, parameters), True
+            return no_recompute_peak(chain) if self.auto_bytes is None else self.auto_bytes
+        return resolve_budget(self.value, no_recompute_peak(chain))
+
+    def share(
+        self,
+        name: str,
+        chain: Chain,
+        device: torch.device,
+        parameters: Iterable[nn.Parameter] = (),
+        replan: Callable[[int], None] | None = None,
+        busy: Callable[[], bool] | None = None,
+    ) -> int:
         """Register chain `name` (profiled as `chain`) and return its share in bytes.
 
-        Chains that joined before are planned again for their new share; raises
-        `InfeasibleTotal` before changing anything when the total cannot be met.
+        Chains that joined before are planned again for their new share (their `replan`);
+        raises `InfeasibleTotal` before changing anything when the total cannot be met.
         """
         if self.value is None and self.auto_bytes is None:
             self.auto_bytes = auto_total(device, parameters)
@@ -134,11 +192,17 @@ class SharedBudget:
             # until then this chain runs at its own smallest budget, so that they can be measured
             self.short = True
             shares = {n: m for n, (m, _) in needs.items()}
-        self.members[name] = rotor
-        for other, member in self.members.items():
-            if other != name and getattr(member, "budget", None) not in (None, shares[other]):
-                member.replan(shares[other])
+        if replan is not None:
+            self.replans[name] = replan
+        if busy is not None:
+            self.busy[name] = busy
+        self._tell_others(name, shares)
+        self.shares[name] = shares[name]
         return shares[name]
+
+    def others_busy(self, name: str) -> bool:
+        """Whether a chain other than `name` has calls pending in this step (its share may not shrink now)."""
+        return any(other != name and busy() for other, busy in self.busy.items())
 
     def grow(self, name: str, smallest: int, need: int) -> int:
         """Chain `name`'s steps need at least `smallest` bytes and `need` without recomputation
@@ -151,10 +215,15 @@ class SharedBudget:
         wanted = (max(old[0], smallest), max(old[1], need))
         shares = split_by_need(self.total_bytes(), {**self.needs, **self.grown, name: wanted})
         self.grown[name] = wanted
-        for other, member in self.members.items():
-            if other != name and getattr(member, "budget", None) not in (None, shares[other]):
-                member.replan(shares[other])
+        self._tell_others(name, shares)
+        self.shares[name] = shares[name]
         return shares[name]
+
+    def _tell_others(self, name: str, shares: dict[str, int]) -> None:
+        for other, replan in self.replans.items():
+            if other != name and self.shares.get(other) not in (None, shares[other]):
+                replan(shares[other])
+                self.shares[other] = shares[other]
 
     def check(self) -> None:
         """After the first batch: raise `InfeasibleTotal` (all chains that ran, and the smallest total)."""
@@ -163,3 +232,6 @@ class SharedBudget:
             if total < sum(m for m, _ in self.needs.values()):
                 raise InfeasibleTotal(total, self.needs)
             self.short = False
+
+
+SharedBudget = Budget  # the name before 0.2 (docs/checkpointable.md showed it)

@@ -381,7 +381,7 @@ def check(spec: Spec, fractions: Sequence[float] = FRACTIONS, report: Any = None
     # the loss is measured on the chain output; a module-level chain's output is the run's, not the model's:
     # there the rest of the forward and a cross-entropy stand-in for the loss are measured instead
     loss_tmp = None if spec.discover == "modules" else loss_of
-    rotor = Checkpointable(copy.deepcopy(plain), None, discover=spec.discover, loss_tmp=loss_tmp, repeats=1, warmup=0)
+    rotor = Checkpointable(copy.deepcopy(plain), None, discover=spec.discover, loss_fn=loss_tmp, repeats=1, warmup=0)
     say = report or (lambda line: None)
     say("profile")
     try:

@@ -27,16 +27,22 @@ def test_sizes(spec, expected):
 
 @pytest.mark.parametrize(
     ("spec", "fraction"),
-    [(0.5, Fraction(1, 2)), ("50%", Fraction(1, 2)), ("0.25", Fraction(1, 4)), (1.0, Fraction(1)),
-     ("12.5%", Fraction(1, 8))],
+    [
+        (0.5, Fraction(1, 2)),
+        ("50%", Fraction(1, 2)),
+        ("0.25", Fraction(1, 4)),
+        (1.0, Fraction(1)),
+        ("12.5%", Fraction(1, 8)),
+    ],
 )
 def test_fractions_resolve_against_reference_peak(spec, fraction):
     assert parse_budget(spec) == fraction
     assert resolve_budget(spec, 1000) == int(fraction * 1000)
 
 
-@pytest.mark.parametrize("spec", ["lots", "5 parsecs", "GiB", "", "-1GiB", "150%", "0%", 0, -3, True, None, [1],
-                                  float("nan"), 2.5])
+@pytest.mark.parametrize(
+    "spec", ["lots", "5 parsecs", "GiB", "", "-1GiB", "150%", "0%", 0, -3, True, None, [1], float("nan"), 2.5]
+)
 def test_bad_budgets_list_accepted_forms(spec):
     with pytest.raises(BudgetError) as err:
         parse_budget(spec)
@@ -50,16 +56,18 @@ def test_format_bytes():
     assert format_bytes(1437696) == "1.37 MiB"
 
 
-@pytest.mark.parametrize("spec", [1e19, 1e20, "1e19", "1e400", 2**64, 2**63, "1e999999999", "9" * 60, "-50%", "-0.5",
-                                  1.5, "1.5", "2.5e0"])
+@pytest.mark.parametrize(
+    "spec", [1e19, 1e20, "1e19", "1e400", 2**64, 2**63, "1e999999999", "9" * 60, "-50%", "-0.5", 1.5, "1.5", "2.5e0"]
+)
 def test_out_of_range_and_negative_budgets_get_one_line(spec):
     with pytest.raises(BudgetError) as err:
         parse_budget(spec)
     assert "\n" not in str(err.value) and "accepted:" in str(err.value)
 
 
-@pytest.mark.parametrize(("text", "number"), [("1.5", 1.5), ("5e-1", 0.5), ("0.5", 0.5), ("1.0", 1.0), ("1e3", 1e3),
-                                              ("1", 1), ("2", 2)])
+@pytest.mark.parametrize(
+    ("text", "number"), [("1.5", 1.5), ("5e-1", 0.5), ("0.5", 0.5), ("1.0", 1.0), ("1e3", 1e3), ("1", 1), ("2", 2)]
+)
 def test_a_string_means_what_its_number_means(text, number):
     try:
         expected = parse_budget(number)
@@ -73,3 +81,53 @@ def test_a_string_means_what_its_number_means(text, number):
 def test_largest_budget_is_accepted():
     assert parse_budget(2**62) == 2**62
     assert parse_budget(str(2**62)) == 2**62
+
+
+def _chain(scale):
+    from lightning_rotor.chain import Chain
+
+    return Chain.from_dict(
+        {
+            "version": 1,
+            "names": ["a", "b", "c"],
+            "input_size": 10 * scale,
+            "out_size": [20 * scale, 5 * scale, 7 * scale],
+            "saved_size": [30 * scale, 8 * scale, 7 * scale],
+            "fwd_time": [1.0, 2.0, 0.5],
+            "bwd_time": [3.0, 4.0, 1.0],
+            "fwd_tmp": [3, 1, 0],
+            "bwd_tmp": [4, 2, 0],
+            "loss_tmp": 6,
+        }
+    )
+
+
+def test_one_budget_object_resolves_alone_and_shares_between_chains_from_chains_only():
+    """The budget object takes Chains (numbers) and hands back bytes; a chain whose share changes is
+    told through the function it gave, never through its module."""
+    import torch
+
+    from lightning_rotor.planner import min_feasible_budget
+    from lightning_rotor.shared_budget import Budget, InfeasibleTotal, split_by_need
+    from lightning_rotor.simulate import no_recompute_peak
+
+    cpu = torch.device("cpu")
+    small, big = _chain(1), _chain(10)
+    alone = Budget("50%")
+    assert not alone.shared and alone.bytes_for(big, cpu) == no_recompute_peak(big) // 2
+    auto = Budget(None)
+    assert not auto.no_recompute  # nothing resolved yet
+    assert auto.bytes_for(big, cpu) == no_recompute_peak(big) and auto.no_recompute  # CPU: no recomputation
+
+    total = min_feasible_budget(small) + min_feasible_budget(big) + 50
+    shared = Budget(total, ["small", "big"])
+    told: list[int] = []
+    first = shared.bytes_for(small, cpu, name="small", replan=told.append)
+    assert first == total  # alone so far: the whole total (the other chain has not run yet)
+    second = shared.bytes_for(big, cpu, name="big")
+    needs = {n: (min_feasible_budget(c), no_recompute_peak(c)) for n, c in (("small", small), ("big", big))}
+    expected = split_by_need(total, needs)
+    assert second == expected["big"] and shared.shares == expected
+    assert told == [expected["small"]]  # the first chain is told its smaller share
+    with pytest.raises(InfeasibleTotal, match="smallest feasible budget"):
+        Budget(min_feasible_budget(big) - 1, ["big"]).bytes_for(big, cpu, name="big")

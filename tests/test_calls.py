@@ -40,8 +40,9 @@ LOSSES = {
     # the calls' outputs combined before one loss (D(real) + D(fake))
     "outputs summed": lambda d, real, fake: F.cross_entropy(d(real) + d(fake), REAL),
     # three calls
-    "three calls": lambda d, real, fake: (F.cross_entropy(d(real), REAL) + F.cross_entropy(d(fake), FAKE)
-                                          + F.cross_entropy(d(real * 0.5), REAL)),
+    "three calls": lambda d, real, fake: (
+        F.cross_entropy(d(real), REAL) + F.cross_entropy(d(fake), FAKE) + F.cross_entropy(d(real * 0.5), REAL)
+    ),
 }
 
 
@@ -96,7 +97,7 @@ def test_a_call_whose_graph_is_dropped_or_in_eval_mode_holds_nothing_afterwards(
     rotor.train()
     assert evaluated.requires_grad and rotor.calls.held() == 0
     rotor.zero_grad(set_to_none=True)
-    (peak, _), = measured_steps(rotor, LOSSES["two losses summed"], real, fake, steps=1)
+    ((peak, _),) = measured_steps(rotor, LOSSES["two losses summed"], real, fake, steps=1)
     assert [budget for _, budget in rotor.calls.step] == first  # planned as if the dropped calls never ran
     assert peak <= rotor.budget
 
@@ -177,7 +178,7 @@ class Critic(pl.LightningModule):
     def loss(self, batch):
         real, fake = batch
         n = real.shape[0]
-        return (F.cross_entropy(self.net(real), REAL[:n]) + F.cross_entropy(self.net(fake), FAKE[:n]))
+        return F.cross_entropy(self.net(real), REAL[:n]) + F.cross_entropy(self.net(fake), FAKE[:n])
 
     def training_step(self, batch, batch_idx):
         loss = self.loss(batch)
@@ -201,8 +202,9 @@ class Critic(pl.LightningModule):
 
 def gan_loader() -> DataLoader:
     g = torch.Generator().manual_seed(0)
-    return DataLoader(TensorDataset(torch.randn(5 * N, 64, generator=g), torch.randn(5 * N, 64, generator=g)),
-                      batch_size=N)
+    return DataLoader(
+        TensorDataset(torch.randn(5 * N, 64, generator=g), torch.randn(5 * N, 64, generator=g)), batch_size=N
+    )
 
 
 @pytest.mark.parametrize("manual", [False, True], ids=["automatic", "manual"])
@@ -211,10 +213,18 @@ def test_a_trainer_step_calling_the_model_twice_logs_a_measured_peak_within_the_
     for name, strategy in (("plain", "auto"), ("rotor", RotorStrategy(mem_limit=0.6))):
         logger = TensorBoardLogger(tmp_path / name, name="tb")
         model = Critic(manual)
-        pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=5, logger=logger,
-                   log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
-                   enable_model_summary=False, callbacks=[RotorCallback(measure_every_n_steps=1)]
-                   ).fit(model, gan_loader())
+        pl.Trainer(
+            strategy=strategy,
+            accelerator="cpu",
+            devices=1,
+            max_steps=5,
+            logger=logger,
+            log_every_n_steps=1,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[RotorCallback(measure_every_n_steps=1)],
+        ).fit(model, gan_loader())
         runs[name] = (model, logger)
     (plain, _), (rotor, logger) = runs["plain"], runs["rotor"]
     assert len(rotor.losses) == 5 and rotor.losses == plain.losses
@@ -236,9 +246,16 @@ def test_a_trainer_budget_too_small_for_two_calls_is_one_line_before_any_optimiz
     least = min_feasible_budget(probe.chain)  # one call fits, two do not
     model = Critic()
     before = copy.deepcopy(model.state_dict())
-    trainer = pl.Trainer(strategy=RotorStrategy(mem_limit=least), accelerator="cpu", devices=1, max_steps=2,
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False)
+    trainer = pl.Trainer(
+        strategy=RotorStrategy(mem_limit=least),
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     with pytest.raises(InfeasibleStep, match=r"call 2 of this step .* use mem_limit >= \d+$") as err:
         trainer.fit(model, gan_loader())
     assert "\n" not in str(err.value) and err.value.min_feasible > least
@@ -270,10 +287,18 @@ def test_a_shared_budget_is_split_again_for_a_chain_called_twice(tmp_path):
     for name, strategy in (("plain", "auto"), ("rotor", RotorStrategy(mem_limit=0.7))):
         logger = TensorBoardLogger(tmp_path / name, name="tb")
         model = Gan()
-        pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=4, logger=logger,
-                   log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
-                   enable_model_summary=False, callbacks=[RotorCallback(measure_every_n_steps=1)]
-                   + ([Keep()] if name == "rotor" else [])).fit(model, gan_loader())
+        pl.Trainer(
+            strategy=strategy,
+            accelerator="cpu",
+            devices=1,
+            max_steps=4,
+            logger=logger,
+            log_every_n_steps=1,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[RotorCallback(measure_every_n_steps=1)] + ([Keep()] if name == "rotor" else []),
+        ).fit(model, gan_loader())
         runs[name] = (model, logger)
     (plain, _), (rotor, logger) = runs["plain"], runs["rotor"]
     assert rotor.losses == plain.losses

@@ -65,15 +65,27 @@ class Embed(nn.Module):
 def mlp():
     hidden = [m for _ in range(4) for m in (nn.Linear(64, 64), nn.Tanh())]
     return nn.Sequential(
-        nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.BatchNorm1d(64), nn.ReLU(inplace=True),
-        nn.Dropout(0.3), *hidden, nn.Linear(64, 10),
+        nn.Linear(32, 64),
+        nn.ReLU(),
+        nn.Linear(64, 64),
+        nn.BatchNorm1d(64),
+        nn.ReLU(inplace=True),
+        nn.Dropout(0.3),
+        *hidden,
+        nn.Linear(64, 10),
     )
 
 
 def convnet():
     return nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
-        nn.Sequential(Block(8), Block(8), Block(8)), nn.MaxPool2d(2), Block(8), Block(8), nn.AdaptiveAvgPool2d(1),
+        nn.Conv2d(3, 8, 3, padding=1, bias=False),
+        nn.BatchNorm2d(8),
+        nn.ReLU(inplace=True),
+        nn.Sequential(Block(8), Block(8), Block(8)),
+        nn.MaxPool2d(2),
+        Block(8),
+        Block(8),
+        nn.AdaptiveAvgPool2d(1),
         nn.Flatten(),
         nn.Linear(8, 10),
     )
@@ -286,7 +298,7 @@ def test_saved_plans_are_reused_without_profiling(monkeypatch):
     def no_profiling(*args, **kwargs):
         raise AssertionError("profiled although a saved plan matches")
 
-    monkeypatch.setattr("lightning_rotor.checkpointable.profile_chain", no_profiling)
+    monkeypatch.setattr("lightning_rotor.pipeline.profile_chain", no_profiling)
     loss_of(fresh(x), y).backward()
     assert fresh.plan.ops == ckpt.plan.ops
     assert fresh.budget == ckpt.budget
@@ -380,3 +392,25 @@ def test_a_module_used_twice_trains_like_plain(budget):
     assert torch.equal(losses, expected)
     assert_same_state(plain, ckpt)
     assert (ckpt.plan.recomputed_stages > 0) == (budget == "min")
+
+
+def test_loss_fn_is_measured_and_loss_tmp_function_is_deprecated():
+    """`loss_fn=` takes the loss; a function given as `loss_tmp=` (the old form) still works, with a warning."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    x = torch.randn(16, 8)
+
+    def loss(out):
+        return out.square().mean()
+
+    new = Checkpointable(copy.deepcopy(net), loss_fn=loss, repeats=1)
+    new(x).sum().backward()
+    with pytest.warns(DeprecationWarning, match="loss_fn="):
+        old = Checkpointable(copy.deepcopy(net), loss_tmp=loss, repeats=1)
+    old(x).sum().backward()
+    assert old.loss_fn is loss and old.loss_tmp is None
+    assert new.chain.loss_tmp == old.chain.loss_tmp
+    with pytest.raises(ValueError, match="not both"):
+        Checkpointable(net, loss_tmp=64, loss_fn=loss)
+    with pytest.raises(TypeError, match="loss_tmp must be bytes"):
+        Checkpointable(net, loss_tmp="64")

@@ -208,8 +208,11 @@ def test_tied_weights_are_fine_alone_and_refused_under_ddp(how):
     assert "lm_head" in users and len(users) == 2
     again = Checkpointable(copy.deepcopy(model), "50%", discover=how, repeats=1, warmup=0)
     again.distributed = True  # what RotorDDPStrategy sets
-    with pytest.raises(RuntimeError, match=r"rotor under DDP: parameter 'transformer.wte.weight' is used by stages "
-                                           r".*lm_head.*\(tied weights\).*Untie it"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"rotor under DDP: parameter 'transformer.wte.weight' is used by stages "
+        r".*lm_head.*\(tied weights\).*Untie it",
+    ):
         loss_fn(again(x), y).backward()
 
 
@@ -219,8 +222,9 @@ def test_tied_weights_accumulated_over_micro_batches_stay_bitwise():
     plain, x, y, loss_fn = gpt_case()
     assert plain.lm_head.weight is plain.transformer.wte.weight
     rotor = Checkpointable(copy.deepcopy(plain), "50%", repeats=1, warmup=0)
-    micro = [(x[i::4], torch.randint(64, (x[i::4].numel(),), generator=torch.Generator().manual_seed(i)))
-             for i in range(4)]
+    micro = [
+        (x[i::4], torch.randint(64, (x[i::4].numel(),), generator=torch.Generator().manual_seed(i))) for i in range(4)
+    ]
     for model in (plain, rotor):
         torch.manual_seed(1)
         for _step in range(2):  # the second step accumulates onto gradients left by the first

@@ -26,16 +26,30 @@ TINY = [  # the quickstart, shrunk to run in seconds
 
 
 def test_quickstart_fits_and_logs_rotor_scalars(tmp_path):
-    code = main(["fit", "--config", QUICKSTART, "--trainer.max_steps=3", f"--trainer.default_root_dir={tmp_path}",
-                 f"--trainer.logger.init_args.save_dir={tmp_path}", *TINY])
+    code = main(
+        [
+            "fit",
+            "--config",
+            QUICKSTART,
+            "--trainer.max_steps=3",
+            f"--trainer.default_root_dir={tmp_path}",
+            f"--trainer.logger.init_args.save_dir={tmp_path}",
+            *TINY,
+        ]
+    )
     assert code == 0
     runs = list((tmp_path / "quickstart").glob("version_*"))
     assert len(runs) == 1
     acc = EventAccumulator(str(runs[0]), size_guidance={"scalars": 0})
     acc.Reload()
     scalars = acc.Tags()["scalars"]
-    for tag in ("rotor/mem_limit_bytes", "rotor/predicted_peak_bytes", "rotor/measured_peak_bytes",
-                "rotor/recomputed_stages", "train/loss"):
+    for tag in (
+        "rotor/mem_limit_bytes",
+        "rotor/predicted_peak_bytes",
+        "rotor/measured_peak_bytes",
+        "rotor/recomputed_stages",
+        "train/loss",
+    ):
         assert tag in scalars, tag
     assert "rotor/model/memory_curve" in acc.Tags()["images"]
     limit = acc.Scalars("rotor/mem_limit_bytes")[-1].value
@@ -67,14 +81,34 @@ def test_every_config_parses(capsys, configs):
 def test_strategy_name_on_the_command_line(tmp_path, capsys):
     assert console_main(["fit", "--config", QUICKSTART, "--trainer.strategy=rotor", "--print_config"]) == 0
     assert yaml.safe_load(capsys.readouterr().out)["trainer"]["strategy"] == "rotor"
-    code = console_main(["fit", "--config", QUICKSTART, "--trainer.strategy=rotor", "--trainer.max_steps=1",
-                         f"--trainer.default_root_dir={tmp_path}", "--trainer.logger=false", *TINY])
+    code = console_main(
+        [
+            "fit",
+            "--config",
+            QUICKSTART,
+            "--trainer.strategy=rotor",
+            "--trainer.max_steps=1",
+            f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.logger=false",
+            *TINY,
+        ]
+    )
     assert code == 0
 
 
 def test_infeasible_budget_is_one_line(tmp_path, capsys):
-    code = main(["fit", "--config", QUICKSTART, "--trainer.strategy.init_args.mem_limit=1KiB", "--trainer.max_steps=1",
-                 f"--trainer.default_root_dir={tmp_path}", "--trainer.logger=false", *TINY])
+    code = main(
+        [
+            "fit",
+            "--config",
+            QUICKSTART,
+            "--trainer.strategy.init_args.mem_limit=1KiB",
+            "--trainer.max_steps=1",
+            f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.logger=false",
+            *TINY,
+        ]
+    )
     assert code == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("lightning-rotor: error:") and "smallest feasible budget" in err[-1]
@@ -82,9 +116,18 @@ def test_infeasible_budget_is_one_line(tmp_path, capsys):
 
 @pytest.mark.parametrize("command", ["validate", "predict"])
 def test_evaluation_subcommands_run_the_plain_model(tmp_path, command):
-    code = console_main([command, "--config", QUICKSTART, f"--trainer.default_root_dir={tmp_path}",
-                         "--trainer.logger=false", "--trainer.limit_val_batches=2", "--trainer.limit_predict_batches=2",
-                         *TINY])
+    code = console_main(
+        [
+            command,
+            "--config",
+            QUICKSTART,
+            f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.logger=false",
+            "--trainer.limit_val_batches=2",
+            "--trainer.limit_predict_batches=2",
+            *TINY,
+        ]
+    )
     assert code == 0
 
 
@@ -97,16 +140,28 @@ def _config(tmp_path, text: str) -> str:
 @pytest.mark.parametrize(
     "extra",
     [
-        ["--config", "YAML:trainer:\n  strategy:\n    class_path: lightning_rotor.RotorStrategy\n    init_args:\n"
-                     "      mem_limit: lots\n"],
+        [
+            "--config",
+            "YAML:trainer:\n  strategy:\n    class_path: lightning_rotor.RotorStrategy\n    init_args:\n"
+            "      mem_limit: lots\n",
+        ],
         ["--trainer.strategy.mem_limit=lots"],
         ["--trainer.strategy=rotor", "--trainer.strategy.mem_limit=lots"],
     ],
 )
 def test_unparsable_budget_is_one_line(tmp_path, capfd, extra):
     extra = [_config(tmp_path, e[5:]) if e.startswith("YAML:") else e for e in extra]
-    code = main(["fit", "--config", QUICKSTART, "--trainer.max_steps=1", f"--trainer.default_root_dir={tmp_path}",
-                 *extra, *TINY])
+    code = main(
+        [
+            "fit",
+            "--config",
+            QUICKSTART,
+            "--trainer.max_steps=1",
+            f"--trainer.default_root_dir={tmp_path}",
+            *extra,
+            *TINY,
+        ]
+    )
     err = capfd.readouterr().err.strip()
     assert code in (1, 2)
     assert err.startswith("lightning-rotor: error: cannot parse budget 'lots'") and len(err.splitlines()) == 1
@@ -130,8 +185,19 @@ def test_strategy_name_takes_nested_options(tmp_path, capsys, extra):
 
 
 def test_ddp_spawn_name_keeps_its_start_method(capsys):
-    assert main(["fit", "--config", QUICKSTART, "--trainer.strategy=rotor_ddp_spawn", "--trainer.strategy.slots=400",
-                 "--print_config"]) == 0
+    assert (
+        main(
+            [
+                "fit",
+                "--config",
+                QUICKSTART,
+                "--trainer.strategy=rotor_ddp_spawn",
+                "--trainer.strategy.slots=400",
+                "--print_config",
+            ]
+        )
+        == 0
+    )
     strategy = yaml.safe_load(capsys.readouterr().out)["trainer"]["strategy"]
     assert strategy["class_path"] == "lightning_rotor.lightning.RotorDDPStrategy"
     assert strategy["init_args"]["start_method"] == "spawn"

@@ -36,7 +36,7 @@ def run_graph(found, *args, **kwargs):
 
 
 def graph_of(model, *args, **kwargs):
-    found = discover_chain(model, args, how="graph", sample_kwargs=kwargs)
+    found = discover_chain(model, args, discover="graph", sample_kwargs=kwargs)
     found.owner = model
     return found
 
@@ -121,7 +121,7 @@ def test_gpt_assert_on_length_becomes_a_guard_and_a_longer_input_fails_clearly()
 def test_value_branch_in_top_level_forward_names_file_and_line():
     model = Gated()
     with pytest.raises(ValueBranch, match=r"models_any.py:\d+: a Python branch depends on tensor values"):
-        discover(model, torch.randn(4, 16), how="graph")
+        discover(model, torch.randn(4, 16), discover="graph")
 
 
 def test_value_branch_falls_back_to_modules_and_a_diverging_call_fails_clearly():
@@ -175,7 +175,7 @@ def test_unet_carries_the_skips_as_a_tuple():
 
 def test_too_many_crossing_tensors_stay_inside_one_stage():
     model, x = unet_case()
-    found = discover_chain(model, (x,), how="graph", max_carry=2)
+    found = discover_chain(model, (x,), discover="graph", max_carry=2)
     found.owner = model
     assert len(found.stages) < 11
     assert same_forward(model, found, x)
@@ -239,19 +239,19 @@ def test_checkpoint_modules_choose_the_blocks():
     from models_any import Block
 
     model, x = gpt_case()
-    found = discover_chain(model, (x,), how="graph", checkpoint_modules={Block})
+    found = discover_chain(model, (x,), discover="graph", checkpoint_modules={Block})
     assert [n for n in found.stages.names if n.startswith("transformer.h.")] == [
         "transformer.h.0", "transformer.h.1", "transformer.h.2"]
 
 
 def test_bad_how_and_bad_checkpoint_modules_are_one_line_errors():
     model, x = gpt_case()
-    with pytest.raises(ValueError, match="how='bogus' is not a discovery method; use one of auto, sequential"):
-        discover(model, x, how="bogus")
+    with pytest.raises(ValueError, match="discover='bogus' is not a discovery method; use one of auto, sequential"):
+        discover(model, x, discover="bogus")
     with pytest.raises(TypeError, match="checkpoint_modules must be nn.Module classes"):
         discover(model, x, checkpoint_modules=["Block"])
     with pytest.raises(DiscoveryError, match="needs a plain nn.Sequential"):
-        discover(model, x, how="sequential")
+        discover(model, x, discover="sequential")
 
 
 def test_sequential_is_found_as_before():
@@ -266,7 +266,7 @@ def test_graph_chain_trains_like_plain_within_budget(name, label):
     build, _ = CASES[name]
     plain, x = build()
     model = copy.deepcopy(plain)
-    stages = discover(model, x, how="graph")
+    stages = discover(model, x, discover="graph")
     ckpt = Checkpointable(model, 10**12 if label == "unlimited" else label, stages=stages, repeats=1, warmup=0)
     try:
         ckpt.prepare_for(x)
@@ -313,3 +313,12 @@ def test_transformers_gpt2_falls_back_to_blocks_and_runs_them_exactly():
     model.eval()
     with torch.no_grad():
         assert torch.equal(model(x).logits, model(x).logits)
+
+
+def test_how_is_the_old_name_of_discover():
+    """`discover=` names the discovery method everywhere; `how=` (before 0.2) still works, with a warning."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    x = torch.randn(2, 8)
+    with pytest.warns(DeprecationWarning, match="discover="):
+        old = discover(model, x, how="sequential")
+    assert old.names == discover(model, x, discover="sequential").names

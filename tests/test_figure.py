@@ -22,8 +22,10 @@ def test_figure_draws_op_peaks_predicted_peak_budget_and_the_chains_measured_pea
     plan = ckpt.last_entry.plan  # the plan the measured step ran (a first step runs at the smallest budget)
     sim = simulate(ckpt.chain, plan.ops)
     labels = [op.label for op in plan.ops]
-    measured = [(labels.index(label, i if i < len(labels) else 0), after, during)
-                for i, ((label, after), during) in enumerate(zip(m.curve, m.op_peaks, strict=True))]
+    measured = [
+        (labels.index(label, i if i < len(labels) else 0), after, during)
+        for i, ((label, after), during) in enumerate(zip(m.curve, m.op_peaks, strict=True))
+    ]
     fig = curve_figure("model", labels, sim.curve, sim.op_peaks, measured, plan.mem_limit, m.chain_peak)
     lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
     op_peaks = lines["predicted op peak"].get_ydata()

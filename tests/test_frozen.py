@@ -22,12 +22,12 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_rotor import Checkpointable, MemoryProbe
 from lightning_rotor.chain import Chain, ChainError
 from lightning_rotor.lightning import RotorStrategy
-from lightning_rotor.lightning.callback import stage_rows
 from lightning_rotor.lightning.state import rotor_modules
 from lightning_rotor.models.gpt import gpt, lm_loss
 from lightning_rotor.ops import Op, is_no_recompute, no_recompute_ops, shift_ops
 from lightning_rotor.planner import InfeasibleBudget, min_feasible_budget, plan
 from lightning_rotor.simulate import no_recompute_peak, simulate
+from lightning_rotor.tables import stage_rows
 
 torch.set_num_threads(1)  # tiny tensors: threads only contend on a shared machine
 
@@ -83,7 +83,7 @@ def rotor_step(rotor, x, y, loss_fn):
 def assert_frozen_run_once(rotor):
     chain, runs = rotor.chain, rotor.last_entry.runs
     assert chain.frozen > 0 and runs[: chain.frozen] == [1] * chain.frozen
-    assert all(op.stage is None or op.stage >= chain.frozen for op in rotor.plan.ops[chain.frozen:])
+    assert all(op.stage is None or op.stage >= chain.frozen for op in rotor.plan.ops[chain.frozen :])
 
 
 def assert_same_grads(expected, got):
@@ -238,18 +238,35 @@ def test_a_frozen_prefix_plans_like_its_suffix_with_the_prefix_peak_added(pair, 
     assert got.no_recompute_time == math.fsum([*whole.fwd_time, *suffix.bwd_time])
     expected = reference_plan(suffix, budget, slots=got.slots)
     assert reference_plan(whole, budget, slots=got.slots) == (
-        None if expected is None else (expected[0], [("Fn", k) for k in range(f)] + [
-            (op[0], op[1] + f) if len(op) == 2 else op for op in expected[1]]))
+        None
+        if expected is None
+        else (
+            expected[0],
+            [("Fn", k) for k in range(f)] + [(op[0], op[1] + f) if len(op) == 2 else op for op in expected[1]],
+        )
+    )
 
 
 def sim_alone_times(chain, ops):
-    return [chain.fwd_time[op.stage] if op.kind.is_forward else chain.bwd_time[op.stage]
-            for op in ops if op.stage is not None]
+    return [
+        chain.fwd_time[op.stage] if op.kind.is_forward else chain.bwd_time[op.stage]
+        for op in ops
+        if op.stage is not None
+    ]
 
 
 def tiny_frozen_chain(**changes):
-    fields = dict(input_size=4, out_size=[8, 8, 8], saved_size=[8, 12, 12], fwd_time=[1.0, 1.0, 1.0],
-                  bwd_time=[0.0, 2.0, 2.0], fwd_tmp=[0, 0, 0], bwd_tmp=[0, -8, 0], loss_tmp=0, frozen=1)
+    fields = dict(
+        input_size=4,
+        out_size=[8, 8, 8],
+        saved_size=[8, 12, 12],
+        fwd_time=[1.0, 1.0, 1.0],
+        bwd_time=[0.0, 2.0, 2.0],
+        fwd_tmp=[0, 0, 0],
+        bwd_tmp=[0, -8, 0],
+        loss_tmp=0,
+        frozen=1,
+    )
     fields.update(changes)
     return Chain(**fields)
 
@@ -276,19 +293,36 @@ def test_b_of_the_first_trainable_stage_is_charged_without_its_input_gradient():
     # backward that makes no gradient for a_1: the peak is those 32 bytes, no δ_1 on top
     chain = tiny_frozen_chain()
     sim = simulate(chain, no_recompute_ops(3, 1))
-    assert sim.op_peaks == [4 + 8, 4 + 8 + 12, 4 + 8 + 12 + 12, 4 + 8 + 12 + 12 + 8, 4 + 8 + 12 + 12 + 8 + 8,
-                            4 + 8 + 12 + 8]
+    assert sim.op_peaks == [
+        4 + 8,
+        4 + 8 + 12,
+        4 + 8 + 12 + 12,
+        4 + 8 + 12 + 12 + 8,
+        4 + 8 + 12 + 12 + 8 + 8,
+        4 + 8 + 12 + 8,
+    ]
 
 
-@pytest.mark.parametrize("ops, where", [
-    ([("Fe", 0), ("Fe", 1), ("Fe", 2), ("Loss",), ("B", 2), ("B", 1), ("B", 0)], r"op 0 \(Fe 0\): stages 0..0 are "
-                                                                                 "frozen"),
-    ([("Fn", 0), ("Fc", 1), ("Fn", 2), ("Loss",), ("Fc", 0), ("Fe", 1), ("Fe", 2), ("B", 2), ("B", 1)],
-     r"op 4 \(Fc 0\): stage 0 is frozen"),
-    ([("Fn", 0), ("Fe", 1), ("Fe", 2), ("Loss",), ("B", 2), ("B", 1), ("B", 0)], r"op 6 \(B 0\): stage 0 is frozen"),
-    ([("Fn", 0), ("Fe", 1), ("Fe", 2), ("Loss",), ("B", 2)], r"ends before B 1 \(next expected: B 1\)"),
-    ([("Fn", 0), ("Fe", 1), ("Loss",)], r"op 2 \(Loss\): needs the chain output a_3"),
-])
+@pytest.mark.parametrize(
+    "ops, where",
+    [
+        (
+            [("Fe", 0), ("Fe", 1), ("Fe", 2), ("Loss",), ("B", 2), ("B", 1), ("B", 0)],
+            r"op 0 \(Fe 0\): stages 0..0 are "
+            "frozen",
+        ),
+        (
+            [("Fn", 0), ("Fc", 1), ("Fn", 2), ("Loss",), ("Fc", 0), ("Fe", 1), ("Fe", 2), ("B", 2), ("B", 1)],
+            r"op 4 \(Fc 0\): stage 0 is frozen",
+        ),
+        (
+            [("Fn", 0), ("Fe", 1), ("Fe", 2), ("Loss",), ("B", 2), ("B", 1), ("B", 0)],
+            r"op 6 \(B 0\): stage 0 is frozen",
+        ),
+        ([("Fn", 0), ("Fe", 1), ("Fe", 2), ("Loss",), ("B", 2)], r"ends before B 1 \(next expected: B 1\)"),
+        ([("Fn", 0), ("Fe", 1), ("Loss",)], r"op 2 \(Loss\): needs the chain output a_3"),
+    ],
+)
 def test_plans_that_touch_a_frozen_stage_again_are_refused_by_name(ops, where):
     with pytest.raises(ValueError, match=where):
         simulate(tiny_frozen_chain(), ops)
@@ -341,7 +375,7 @@ class Seen(pl.Callback):
         assert_frozen_run_once(rotor)
         decisions = [row[-1] for row in stage_rows(rotor.last_entry)]
         assert decisions[: rotor.chain.frozen] == ["frozen"] * rotor.chain.frozen
-        assert "frozen" not in decisions[rotor.chain.frozen:]
+        assert "frozen" not in decisions[rotor.chain.frozen :]
 
 
 def test_fine_tuning_through_a_trainer_equals_plain_training(tmp_path):
@@ -351,9 +385,18 @@ def test_fine_tuning_through_a_trainer_equals_plain_training(tmp_path):
     for name, strategy in (("plain", "auto"), ("rotor", RotorStrategy(mem_limit=0.5))):
         model, seen = FineTune(), Seen()
         torch.manual_seed(7)
-        pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, default_root_dir=tmp_path / name, max_steps=4,
-                   logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                   callbacks=[seen] if name == "rotor" else []).fit(model, DataLoader(data, batch_size=128))
+        pl.Trainer(
+            strategy=strategy,
+            accelerator="cpu",
+            devices=1,
+            default_root_dir=tmp_path / name,
+            max_steps=4,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[seen] if name == "rotor" else [],
+        ).fit(model, DataLoader(data, batch_size=128))
         runs[name] = (model, seen)
     (plain, _), (rotor, seen) = runs["plain"], runs["rotor"]
     assert seen.frozen == [25, 25, 13, 13] and seen.plans == [1, 1, 2, 2] and min(seen.recomputed) > 0

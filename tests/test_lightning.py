@@ -27,9 +27,15 @@ BUDGET = 0.7  # of the no-recomputation peak: forces recomputation in the nets b
 
 def make_net() -> nn.Sequential:
     return nn.Sequential(
-        nn.Linear(12, 48), nn.BatchNorm1d(48), nn.ReLU(),
+        nn.Linear(12, 48),
+        nn.BatchNorm1d(48),
+        nn.ReLU(),
         nn.Sequential(nn.Linear(48, 48), nn.Tanh(), nn.Dropout(0.2)),
-        nn.Linear(48, 48), nn.GELU(), nn.Linear(48, 48), nn.Sigmoid(), nn.Linear(48, 5),
+        nn.Linear(48, 48),
+        nn.GELU(),
+        nn.Linear(48, 48),
+        nn.Sigmoid(),
+        nn.Linear(48, 5),
     )
 
 
@@ -112,8 +118,16 @@ def loader(n: int = 64, batch_size: int = 8) -> DataLoader:
 def trainer(tmp_path, strategy="auto", **kw) -> pl.Trainer:
     kw.setdefault("logger", False)
     kw.setdefault("max_steps", 3)
-    return pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, default_root_dir=tmp_path,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kw)
+    return pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=1,
+        default_root_dir=tmp_path,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kw,
+    )
 
 
 class Keep(pl.Callback):
@@ -155,8 +169,11 @@ def test_one_budget_is_split_by_need_and_an_infeasible_total_names_chains_and_th
     assert shares == {"features": 300 + 350 * 700 // 750, "head": 50 + 350 * 50 // 750}
     assert sum(shares.values()) <= 700
     assert split_by_need(2000, needs)["head"] >= 100  # enough for both: no chain recomputes
-    with pytest.raises(InfeasibleTotal, match=r"smallest feasible budget .*\(350 bytes\) \(the total\) for chains "
-                                              r"'features' \(>= 300 B\), 'head' \(>= 50 B\); use mem_limit >= 350"):
+    with pytest.raises(
+        InfeasibleTotal,
+        match=r"smallest feasible budget .*\(350 bytes\) \(the total\) for chains "
+        r"'features' \(>= 300 B\), 'head' \(>= 50 B\); use mem_limit >= 350",
+    ):
         split_by_need(349, needs)
 
 
@@ -198,8 +215,14 @@ def test_same_losses_grads_and_buffers_as_plain_training(tmp_path, precision, ac
     for name, strategy in (("plain", "auto"), ("rotor", RotorStrategy(mem_limit=BUDGET))):
         model, keep = Net(), Keep()
         torch.manual_seed(7)
-        trainer(tmp_path / name, strategy, precision=precision, accumulate_grad_batches=accumulate,
-                max_steps=3, callbacks=[keep]).fit(model, loader())
+        trainer(
+            tmp_path / name,
+            strategy,
+            precision=precision,
+            accumulate_grad_batches=accumulate,
+            max_steps=3,
+            callbacks=[keep],
+        ).fit(model, loader())
         runs[name] = (model, keep)
     (plain, _), (rotor, keep) = runs["plain"], runs["rotor"]
     assert sum(r > 1 for r in keep.modules["net"].last_entry.runs) > 0  # the budget really forces recomputation
@@ -248,12 +271,26 @@ def test_two_chains_share_a_fractional_budget(tmp_path):
 def test_tensorboard_gets_rotor_scalars_curve_and_stage_table(tmp_path):
     logger = TensorBoardLogger(tmp_path, name="tb")
     keep = Keep()
-    trainer(tmp_path, RotorStrategy(mem_limit=BUDGET), logger=logger, log_every_n_steps=1, max_steps=4,
-            callbacks=[keep, RotorCallback(measure_every_n_steps=2)]).fit(Net(), loader())
+    trainer(
+        tmp_path,
+        RotorStrategy(mem_limit=BUDGET),
+        logger=logger,
+        log_every_n_steps=1,
+        max_steps=4,
+        callbacks=[keep, RotorCallback(measure_every_n_steps=2)],
+    ).fit(Net(), loader())
     acc = events(logger.log_dir)
     scalars = acc.Tags()["scalars"]
-    for tag in ("mem_limit_bytes", "predicted_peak_bytes", "measured_peak_bytes", "recomputed_stages",
-                "step_seconds", "step_overhead", "predicted_overhead", "no_recompute_seconds"):
+    for tag in (
+        "mem_limit_bytes",
+        "predicted_peak_bytes",
+        "measured_peak_bytes",
+        "recomputed_stages",
+        "step_seconds",
+        "step_overhead",
+        "predicted_overhead",
+        "no_recompute_seconds",
+    ):
         assert f"rotor/{tag}" in scalars, tag
     assert len(acc.Scalars("rotor/mem_limit_bytes")) == 4  # every step
     rotor = keep.modules["net"]
@@ -305,8 +342,7 @@ def test_checkpoint_carries_chains_resume_skips_profiling_and_cross_loads(tmp_pa
         def on_train_end(self, trainer, pl_module):
             trainer.save_checkpoint(tmp_path / "mid.ckpt")
 
-    trainer(tmp_path / "b", RotorStrategy(mem_limit=BUDGET), max_steps=2, callbacks=[SaveMidRun()]).fit(Net(),
-                                                                                                       loader())
+    trainer(tmp_path / "b", RotorStrategy(mem_limit=BUDGET), max_steps=2, callbacks=[SaveMidRun()]).fit(Net(), loader())
     ckpt = torch.load(tmp_path / "mid.ckpt", weights_only=True)
     saved = ckpt["rotor"]["modules"]["net"]
     assert saved["entries"] and saved["entries"][0]["plan"]["ops"]
@@ -317,7 +353,8 @@ def test_checkpoint_carries_chains_resume_skips_profiling_and_cross_loads(tmp_pa
     keep = Keep()
     resumed = Net()
     trainer(tmp_path / "c", RotorStrategy(mem_limit=BUDGET), max_steps=4, callbacks=[keep]).fit(
-        resumed, loader(), ckpt_path=tmp_path / "mid.ckpt")
+        resumed, loader(), ckpt_path=tmp_path / "mid.ckpt"
+    )
     rotor = keep.modules["net"]
     assert len(keep.entries_at_start["net"]) == 1  # restored before the first batch
     assert [id(e) for e in rotor.entries.values()] == keep.entries_at_start["net"]  # and never profiled again
@@ -337,8 +374,9 @@ def test_checkpoint_carries_chains_resume_skips_profiling_and_cross_loads(tmp_pa
     trainer(tmp_path / "e", max_steps=2, callbacks=[SavePlain()]).fit(Net(), loader())
     assert "rotor" not in torch.load(tmp_path / "plain.ckpt", weights_only=True)
     again = Net()
-    trainer(tmp_path / "f", RotorStrategy(mem_limit=BUDGET), max_steps=4).fit(again, loader(),
-                                                                              ckpt_path=tmp_path / "plain.ckpt")
+    trainer(tmp_path / "f", RotorStrategy(mem_limit=BUDGET), max_steps=4).fit(
+        again, loader(), ckpt_path=tmp_path / "plain.ckpt"
+    )
     torch.testing.assert_close(again.losses, resumed.losses, rtol=0, atol=0)
 
 
@@ -350,8 +388,17 @@ def test_gpu_accelerator_puts_rotor_on_cuda(tmp_path):
     for name, chosen in (("plain", "auto"), ("rotor", strategy)):
         model = Net()
         torch.manual_seed(7)
-        pl.Trainer(strategy=chosen, accelerator="gpu", devices=1, max_steps=3, logger=False, default_root_dir=tmp_path,
-                   enable_checkpointing=False, enable_progress_bar=False, callbacks=[keep]).fit(model, loader())
+        pl.Trainer(
+            strategy=chosen,
+            accelerator="gpu",
+            devices=1,
+            max_steps=3,
+            logger=False,
+            default_root_dir=tmp_path,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            callbacks=[keep],
+        ).fit(model, loader())
         runs[name] = model
     assert strategy.root_device.type == "cuda"
     assert next(iter(keep.modules["net"].entries.values())).runner.token_device.type == "cuda"
@@ -396,12 +443,19 @@ def test_fast_profiling_prints_no_progress(tmp_path, caplog):
 @pytest.mark.parametrize(
     "state",
     [
-        None, 5, {"version": 1, "modules": 5}, {"version": 1, "modules": {"net": "garbage"}},
+        None,
+        5,
+        {"version": 1, "modules": 5},
+        {"version": 1, "modules": {"net": "garbage"}},
         {"version": 1, "modules": {"net": {"stages": 7}}},
         {"version": 1, "modules": {"net": {"stages": ["0", "1"], "entries": 5}}},
         {"version": 1, "modules": {"net": {"stages": ["0", "1"], "entries": [{"chain": 3}]}}},
-        {"version": 1, "modules": {"net": {"stages": ["0", "1"], "stage_names": ["0", "1"], "fingerprints": [1, 2],
-                                           "entries": [5]}}},
+        {
+            "version": 1,
+            "modules": {
+                "net": {"stages": ["0", "1"], "stage_names": ["0", "1"], "fingerprints": [1, 2], "entries": [5]}
+            },
+        },
     ],
 )
 def test_malformed_plan_states_are_reported_not_raised(state):

@@ -50,9 +50,14 @@ class CNNTask(pl.LightningModule):
         super().__init__()
         torch.manual_seed(0)
         self.features = nn.Sequential(
-            nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
-            nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
-            nn.Conv2d(8, 16, 3, padding=1, stride=2), nn.ReLU(),
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(8, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(8, 16, 3, padding=1, stride=2),
+            nn.ReLU(),
         )
         self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 5))
 
@@ -72,8 +77,9 @@ def tokens(n=32, t=32):
 
 def images(n=32):
     g = torch.Generator().manual_seed(0)
-    return DataLoader(TensorDataset(torch.randn(n, 3, 16, 16, generator=g), torch.randint(5, (n,), generator=g)),
-                      batch_size=8)
+    return DataLoader(
+        TensorDataset(torch.randn(n, 3, 16, 16, generator=g), torch.randint(5, (n,), generator=g)), batch_size=8
+    )
 
 
 class Keep(pl.Callback):
@@ -87,9 +93,18 @@ class Keep(pl.Callback):
 
 
 def fit(tmp_path, model, data, strategy="auto", **kw):
-    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, default_root_dir=tmp_path, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         max_steps=3, **kw)
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=1,
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        max_steps=3,
+        **kw,
+    )
     torch.manual_seed(7)
     trainer.fit(model, data)
     return trainer
@@ -99,7 +114,7 @@ def test_gpt_with_modulelist_trains_bitwise_like_plain_under_half_the_memory(tmp
     plain, rotor, keep = GPTTask(), GPTTask(), Keep()
     fit(tmp_path / "plain", plain, tokens())
     fit(tmp_path / "rotor", rotor, tokens(), RotorStrategy(mem_limit="50%", discover="auto"), callbacks=[keep])
-    (name, wrapped), = keep.modules.items()
+    ((name, wrapped),) = keep.modules.items()
     assert name == "model"  # the whole GPT, not its inner mlp Sequentials
     assert wrapped.discovery.kind == "graph" and len(wrapped.stages) >= 6
     assert sum(r > 1 for r in wrapped.last_entry.runs) > 0  # the budget forces recomputation
@@ -132,8 +147,11 @@ def test_checkpoint_modules_by_name_keep_blocks_whole(tmp_path):
     fit(tmp_path, GPTTask(), tokens(), RotorStrategy(mem_limit="50%", checkpoint_modules=["Block"]), callbacks=[keep])
     stages = keep.modules["model"].stage_names
     assert [s for s in stages if s.startswith("transformer.h")] == [f"transformer.h.{i}" for i in range(4)]
-    with pytest.raises(ValueError, match="checkpoint_modules names 'Blok', which is no class of a submodule of "
-                                         "GPTTask; give a class, a class path, or one of: .*Block"):
+    with pytest.raises(
+        ValueError,
+        match="checkpoint_modules names 'Blok', which is no class of a submodule of "
+        "GPTTask; give a class, a class path, or one of: .*Block",
+    ):
         fit(tmp_path, GPTTask(), tokens(), RotorStrategy(checkpoint_modules=["Blok"]))
     assert find_chains(GPTTask(), discover="auto")[0][0][0] == "model"
     assert Block in {type(m) for m in GPTTask().modules()}
@@ -152,8 +170,11 @@ def test_infeasible_total_names_every_chain_and_the_smallest_total(tmp_path):
     model = CNNTask()
     strategy = RotorStrategy(mem_limit=1000, discover="sequential")  # wraps features and head
     before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(InfeasibleTotal, match=r"\(the total\) for chains 'features' \(>= .*\), 'head' \(>= .*\); "
-                                              r"use mem_limit >= \d+") as err:
+    with pytest.raises(
+        InfeasibleTotal,
+        match=r"\(the total\) for chains 'features' \(>= .*\), 'head' \(>= .*\); "
+        r"use mem_limit >= \d+",
+    ) as err:
         fit(tmp_path, model, images(), strategy)
     smallest = err.value.min_feasible
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))  # no step was taken
@@ -200,14 +221,28 @@ def test_resume_with_two_chains_keeps_the_split_of_one_byte_budget(tmp_path):
             trainer.save_checkpoint(tmp_path / "mid.ckpt")
 
     first = Keep()
-    fit(tmp_path / "a", CNNTask(), images(), RotorStrategy(mem_limit=600_000, discover="sequential"),
-        callbacks=[Save(), first])
+    fit(
+        tmp_path / "a",
+        CNNTask(),
+        images(),
+        RotorStrategy(mem_limit=600_000, discover="sequential"),
+        callbacks=[Save(), first],
+    )
     before = {name: r.plan.mem_limit for name, r in first.modules.items()}
     assert sorted(before) == ["features", "head"] and sum(before.values()) <= 600_000
     resumed = Keep()
-    trainer = pl.Trainer(strategy=RotorStrategy(mem_limit=600_000, discover="sequential"), accelerator="cpu",
-                         devices=1, default_root_dir=tmp_path / "b", logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, max_steps=4, callbacks=[resumed])
+    trainer = pl.Trainer(
+        strategy=RotorStrategy(mem_limit=600_000, discover="sequential"),
+        accelerator="cpu",
+        devices=1,
+        default_root_dir=tmp_path / "b",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        max_steps=4,
+        callbacks=[resumed],
+    )
     trainer.fit(CNNTask(), images(), ckpt_path=tmp_path / "mid.ckpt")
     after = {name: r.plan.mem_limit for name, r in resumed.modules.items()}
     assert after == before  # each chain its share again, never the whole total each
@@ -223,9 +258,18 @@ def test_resume_restores_a_discovered_chains_plans_once_it_is_found_again(tmp_pa
     saved = torch.load(tmp_path / "mid.ckpt", weights_only=True)["rotor"]["modules"]["model"]
     assert saved["stages"] == first.modules["model"].stage_names and saved["entries"]
     resumed, model = Keep(), GPTTask()
-    trainer = pl.Trainer(strategy=RotorStrategy(mem_limit="50%"), accelerator="cpu", devices=1, logger=False,
-                         default_root_dir=tmp_path / "b", enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, max_steps=5, callbacks=[resumed])
+    trainer = pl.Trainer(
+        strategy=RotorStrategy(mem_limit="50%"),
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        default_root_dir=tmp_path / "b",
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        max_steps=5,
+        callbacks=[resumed],
+    )
     trainer.fit(model, tokens(), ckpt_path=tmp_path / "mid.ckpt")
     rotor = resumed.modules["model"]
     assert len(model.losses) == 2 and rotor.discovery.kind == "graph"

@@ -17,8 +17,16 @@ class Net(pl.LightningModule):
         super().__init__()
         torch.manual_seed(1)
         self.net = nn.Sequential(
-            nn.Linear(12, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 32), nn.Tanh(),
-            nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32), nn.Sigmoid(), nn.Linear(32, 5),
+            nn.Linear(12, 32),
+            nn.BatchNorm1d(32),
+            nn.ReLU(),
+            nn.Linear(32, 32),
+            nn.Tanh(),
+            nn.Linear(32, 32),
+            nn.GELU(),
+            nn.Linear(32, 32),
+            nn.Sigmoid(),
+            nn.Linear(32, 5),
         )
 
     def training_step(self, batch, batch_idx):
@@ -48,9 +56,18 @@ def loader() -> DataLoader:
 
 def fit(tmp_path, strategy, callbacks=()) -> Net:
     model = Net()
-    pl.Trainer(strategy=strategy, callbacks=list(callbacks), accelerator="cpu", devices=2, max_steps=3, logger=False,
-               default_root_dir=tmp_path, enable_checkpointing=False, enable_progress_bar=False,
-               enable_model_summary=False).fit(model, loader())
+    pl.Trainer(
+        strategy=strategy,
+        callbacks=list(callbacks),
+        accelerator="cpu",
+        devices=2,
+        max_steps=3,
+        logger=False,
+        default_root_dir=tmp_path,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    ).fit(model, loader())
     return model
 
 
@@ -59,8 +76,9 @@ def test_rotor_ddp_spawn_equals_plain_ddp(tmp_path):
     rotor = fit(tmp_path / "rotor", RotorDDPStrategy(mem_limit=0.7, start_method="spawn"), [Report(tmp_path)])
     assert all(int((tmp_path / f"rank{r}").read_text()) > 0 for r in (0, 1))  # both processes recomputed
     untrained = Net()
-    assert any(not torch.equal(a, b) for a, b in zip(plain.state_dict().values(), untrained.state_dict().values(),
-                                                      strict=True))
+    assert any(
+        not torch.equal(a, b) for a, b in zip(plain.state_dict().values(), untrained.state_dict().values(), strict=True)
+    )
     assert isinstance(rotor.net, nn.Sequential) and type(rotor.net) is nn.Sequential
     for (name, a), b in zip(rotor.state_dict().items(), plain.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
@@ -103,13 +121,23 @@ def test_rotor_ddp_spawn_on_a_discovered_chain_equals_plain_ddp(tmp_path):
     data = torch.randint(32, (32, 17), generator=g)
     tokens = DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=4)
     models = {}
-    for name, strategy, callbacks in (("plain", "ddp_spawn", []),
-                                      ("rotor", RotorDDPStrategy(mem_limit=0.5, start_method="spawn"),
-                                       [ReportKind(tmp_path)])):
+    for name, strategy, callbacks in (
+        ("plain", "ddp_spawn", []),
+        ("rotor", RotorDDPStrategy(mem_limit=0.5, start_method="spawn"), [ReportKind(tmp_path)]),
+    ):
         model = GPTNet()
-        pl.Trainer(strategy=strategy, callbacks=callbacks, accelerator="cpu", devices=2, max_steps=3, logger=False,
-                   default_root_dir=tmp_path / name, enable_checkpointing=False, enable_progress_bar=False,
-                   enable_model_summary=False).fit(model, tokens)
+        pl.Trainer(
+            strategy=strategy,
+            callbacks=callbacks,
+            accelerator="cpu",
+            devices=2,
+            max_steps=3,
+            logger=False,
+            default_root_dir=tmp_path / name,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        ).fit(model, tokens)
         models[name] = model
     for rank in (0, 1):
         kind, recomputed = (tmp_path / f"gpt{rank}").read_text().split()

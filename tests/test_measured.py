@@ -24,14 +24,28 @@ from lightning_rotor.lightning.data import SyntheticImages
 from lightning_rotor.lightning.module import ModelTask
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
-QUIET = ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
-         "--trainer.num_sanity_val_steps=0", "--trainer.log_every_n_steps=1", "--trainer.max_steps=3"]
+QUIET = [
+    "--trainer.enable_progress_bar=false",
+    "--trainer.enable_model_summary=false",
+    "--trainer.num_sanity_val_steps=0",
+    "--trainer.log_every_n_steps=1",
+    "--trainer.max_steps=3",
+]
 TINY = {
-    "quickstart.yaml": ["--model.init_args.model_kwargs={width: 4, num_classes: 10}", "--data.init_args.num_samples=64",
-                        "--data.init_args.batch_size=8", "--data.init_args.image_size=16"],
-    "gpt.yaml": ["--model.init_args.model_kwargs={vocab_size: 64, block_size: 16, n_layer: 2, n_head: 2, n_embd: 16, "
-                 "dropout: 0.1}", "--data.init_args.num_samples=64", "--data.init_args.seq_len=16",
-                 "--data.init_args.vocab_size=64", "--data.init_args.batch_size=4"],
+    "quickstart.yaml": [
+        "--model.init_args.model_kwargs={width: 4, num_classes: 10}",
+        "--data.init_args.num_samples=64",
+        "--data.init_args.batch_size=8",
+        "--data.init_args.image_size=16",
+    ],
+    "gpt.yaml": [
+        "--model.init_args.model_kwargs={vocab_size: 64, block_size: 16, n_layer: 2, n_head: 2, n_embd: 16, "
+        "dropout: 0.1}",
+        "--data.init_args.num_samples=64",
+        "--data.init_args.seq_len=16",
+        "--data.init_args.vocab_size=64",
+        "--data.init_args.batch_size=4",
+    ],
 }
 
 
@@ -46,8 +60,19 @@ def scalars(folder: Path) -> dict[str, list[float]]:
 @pytest.mark.parametrize("configs", [["quickstart.yaml"], ["gpt.yaml"], ["gpt.yaml", "bf16.yaml"]])
 def test_measured_peak_equals_the_prediction_in_the_shipped_configs(tmp_path, configs):
     args = [a for name in configs for a in ("--config", str(CONFIGS / name))]
-    assert main(["fit", *args, *TINY[configs[0]], *QUIET, f"--trainer.default_root_dir={tmp_path}",
-                 f"--trainer.logger.init_args.save_dir={tmp_path}"]) == 0
+    assert (
+        main(
+            [
+                "fit",
+                *args,
+                *TINY[configs[0]],
+                *QUIET,
+                f"--trainer.default_root_dir={tmp_path}",
+                f"--trainer.logger.init_args.save_dir={tmp_path}",
+            ]
+        )
+        == 0
+    )
     logged = scalars(tmp_path)
     measured = logged["rotor/measured_peak_bytes"]
     assert measured, "no step was measured"
@@ -62,9 +87,18 @@ def test_ddp_measured_peak_leaves_out_the_reducer_buckets(tmp_path):
     buckets (as many bytes as the parameters, more than the whole budget here)."""
     model = ModelTask("resnet18", {"width": 4, "num_classes": 10})
     data = SyntheticImages(num_samples=64, val_samples=8, image_size=16, num_classes=10, batch_size=8)
-    pl.Trainer(strategy=RotorDDPStrategy(mem_limit="75%", start_method="spawn"), accelerator="cpu", devices=2,
-               max_steps=2, log_every_n_steps=1, limit_val_batches=0, logger=TensorBoardLogger(tmp_path, name="ddp"),
-               enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).fit(model, data)
+    pl.Trainer(
+        strategy=RotorDDPStrategy(mem_limit="75%", start_method="spawn"),
+        accelerator="cpu",
+        devices=2,
+        max_steps=2,
+        log_every_n_steps=1,
+        limit_val_batches=0,
+        logger=TensorBoardLogger(tmp_path, name="ddp"),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    ).fit(model, data)
     logged = scalars(tmp_path)  # rank zero's
     measured, limit = logged["rotor/measured_peak_bytes"], logged["rotor/mem_limit_bytes"][-1]
     assert measured and max(measured) <= limit
@@ -90,14 +124,22 @@ class Hoarder(pl.LightningModule):
 
 def test_a_measured_peak_above_the_budget_is_warned_about_in_one_line(tmp_path):
     g = torch.Generator().manual_seed(0)
-    data = DataLoader(TensorDataset(torch.randn(32, 16, generator=g), torch.randint(0, 4, (32,), generator=g)),
-                      batch_size=8)
+    data = DataLoader(
+        TensorDataset(torch.randn(32, 16, generator=g), torch.randint(0, 4, (32,), generator=g)), batch_size=8
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        pl.Trainer(strategy=RotorStrategy(mem_limit="100%"), accelerator="cpu", max_steps=3, logger=False,
-                   callbacks=[RotorCallback(measure_every_n_steps=1)], default_root_dir=tmp_path,
-                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                   ).fit(Hoarder(), data)
+        pl.Trainer(
+            strategy=RotorStrategy(mem_limit="100%"),
+            accelerator="cpu",
+            max_steps=3,
+            logger=False,
+            callbacks=[RotorCallback(measure_every_n_steps=1)],
+            default_root_dir=tmp_path,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        ).fit(Hoarder(), data)
     over = [str(w.message) for w in caught if "above the budget" in str(w.message)]
     assert len(over) == 1 and "\n" not in over[0], over  # once for the plan, though two steps were measured
     assert "of net:" in over[0]

@@ -1,6 +1,6 @@
 """Discovery: find the chain `a_{k+1} = F_k(a_k)` in a model as users write it.
 
-Three producers of `Stages` (lightning_rotor/stages.py), picked by `how`:
+Three producers of `Stages` (lightning_rotor/stages.py), picked by `discover=`:
 
 - "sequential": an `nn.Sequential`'s leaves (`sequential_stages`);
 - "graph": a torch.fx trace on the sample, cut where few tensors cross
@@ -18,6 +18,7 @@ why a fallback was taken. docs/discovery.md states the guarantees and limits.
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,11 +39,11 @@ from lightning_rotor.discovery.modules import ChainDiverged, ModuleRun, find_run
 from lightning_rotor.stages import Stages, sequential_stages
 
 __all__ = [
-    "HOWS", "ChainDiverged", "Discovery", "DiscoveryError", "GuardFailed", "ValueBranch", "block_types",
+    "DISCOVER_METHODS", "ChainDiverged", "Discovery", "DiscoveryError", "GuardFailed", "ValueBranch", "block_types",
     "discover", "discover_chain", "join_in_place",
 ]
 
-HOWS = ("auto", "sequential", "graph", "modules")
+DISCOVER_METHODS = ("auto", "sequential", "graph", "modules")  # what `discover=` accepts, everywhere
 
 
 @dataclass
@@ -50,8 +51,8 @@ class Discovery:
     """What discovery found: the stages and how a call of the module becomes the chain input."""
 
     stages: Stages
-    graph: GraphChain | None = None  # how="graph": the whole forward is the chain
-    run: ModuleRun | None = None  # how="modules": only this run of blocks is the chain
+    graph: GraphChain | None = None  # discover="graph": the whole forward is the chain
+    run: ModuleRun | None = None  # discover="modules": only this run of blocks is the chain
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -124,7 +125,7 @@ def _bind(module: nn.Module, args: Sequence[Any], kwargs: dict[str, Any]) -> dic
     sig = inspect.signature(module.forward)
     if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in sig.parameters.values()):
         raise DiscoveryError(f"{type(module).__name__}.forward takes *args or **kwargs, which graph discovery "
-                             "cannot name; use how='modules'")
+                             "cannot name; use discover='modules'")
     bound = sig.bind(*args, **kwargs)
     bound.apply_defaults()
     return dict(bound.arguments)
@@ -169,19 +170,20 @@ def _modules(module: nn.Module, args: Sequence[Any], kwargs: dict[str, Any],
 def discover_chain(
     module: nn.Module,
     sample_args: Sequence[Any] | Any,
-    how: str = "auto",
+    discover: str = "auto",
     checkpoint_modules: Sequence[type] | set[type] | None = None,
     *,
     sample_kwargs: dict[str, Any] | None = None,
     max_carry: int = DEFAULT_MAX_CARRY,
+    how: str | None = None,
 ) -> Discovery:
     """Find the chain in `module` on a sample call `module(*sample_args, **sample_kwargs)`.
 
     Leaves no trace: buffers and the RNG stream are as before. Raises `DiscoveryError`
-    (or `ValueBranch`, with file and line) when `how` cannot find a chain.
+    (or `ValueBranch`, with file and line) when `discover` cannot find a chain. (`how=` is
+    the name before 0.2 and still works, with a DeprecationWarning.)
     """
-    if how not in HOWS:
-        raise ValueError(f"how={how!r} is not a discovery method; use one of {', '.join(HOWS)}")
+    method = _method(discover, how)
     if not isinstance(module, nn.Module):
         raise TypeError(f"discover needs an nn.Module, got {type(module).__name__}")
     args = _copy(tuple(sample_args) if isinstance(sample_args, (tuple, list)) else (sample_args,))
@@ -190,15 +192,15 @@ def discover_chain(
     if types is not None and not all(isinstance(t, type) and issubclass(t, nn.Module) for t in types):
         raise TypeError(f"checkpoint_modules must be nn.Module classes, got {list(checkpoint_modules)!r}")
     plain_sequential = isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward
-    if how == "sequential" or (how == "auto" and plain_sequential and types is None):
+    if method == "sequential" or (method == "auto" and plain_sequential and types is None):
         if not plain_sequential:
-            raise DiscoveryError(f"how='sequential' needs a plain nn.Sequential, got {type(module).__name__}; "
-                                 "use how='graph' or 'modules'")
+            raise DiscoveryError(f"discover='sequential' needs a plain nn.Sequential, got {type(module).__name__}; "
+                                 "use discover='graph' or 'modules'")
         stages = join_in_place(sequential_stages(module), args[0] if len(args) == 1 else args)
         return Discovery(stages, notes=[f"sequential: {len(stages)} stages", *stages.notes])
-    if how == "modules":
+    if method == "modules":
         return _modules(module, args, kwargs, types)
-    if how == "graph":
+    if method == "graph":
         return _graph(module, args, kwargs, types, max_carry)
     try:
         found = _graph(module, args, kwargs, types, max_carry)
@@ -219,9 +221,20 @@ def discover_chain(
 def discover(
     module: nn.Module,
     sample_args: Sequence[Any] | Any,
-    how: str = "auto",
+    discover: str = "auto",
     checkpoint_modules: Sequence[type] | set[type] | None = None,
     **options: Any,
 ) -> Stages:
     """The stages of `module`'s chain (see `discover_chain`, which also says how to call them)."""
-    return discover_chain(module, sample_args, how, checkpoint_modules, **options).stages
+    return discover_chain(module, sample_args, discover, checkpoint_modules, **options).stages
+
+
+def _method(discover: str, how: str | None) -> str:
+    """The discovery method asked for; `how=` (before 0.2) still works, with a DeprecationWarning."""
+    if how is not None:
+        warnings.warn("discover_chain(how=...) is deprecated: give the method as discover=",
+                      DeprecationWarning, stacklevel=3)
+        discover = how
+    if discover not in DISCOVER_METHODS:
+        raise ValueError(f"discover={discover!r} is not a discovery method; use one of {', '.join(DISCOVER_METHODS)}")
+    return discover

@@ -104,7 +104,7 @@ class ShapeProxy(fx.Proxy):
             raise ValueBranch(
                 f"{where}: {what} depends on tensor values in the top-level forward, so no single traced graph "
                 "holds for every input; move the branch into a submodule (it then runs whole inside one stage), "
-                "or use module-level discovery (how='modules')"
+                "or use module-level discovery (discover='modules')"
             )
         return self._value()
 
@@ -422,7 +422,7 @@ def _cut(root: nn.Module, graph: fx.Graph, tracer: ShapeTracer, max_carry: int) 
             if start < 0:  # NOTE: [in-place block start]: the chain input has no producer to share a stage with
                 raise DiscoveryError(
                     f"the forward writes in place into its input ({_describe(n, root)}): the first stage would "
-                    "overwrite the chain input it is recomputed from; module-level discovery (how='modules') runs "
+                    "overwrite the chain input it is recomputed from; module-level discovery (discover='modules') runs "
                     "such a write before the chain, or make it out-of-place"
                 )
 

@@ -50,11 +50,13 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_rotor.budget import format_bytes
-from lightning_rotor.checkpointable import Checkpointable, Entry, StepMeasurement
+from lightning_rotor.checkpointable import Checkpointable
 from lightning_rotor.lightning.state import STATE_KEY, export_state, import_state, rotor_modules
+from lightning_rotor.measure import StepMeasurement
 from lightning_rotor.memory import MemoryProbe
-from lightning_rotor.ops import OpKind, forward_counts
+from lightning_rotor.pipeline import Entry
 from lightning_rotor.simulate import no_recompute_peak, simulate
+from lightning_rotor.tables import stage_markdown
 
 
 def _lightning_bookkeeping() -> tuple[Callable, ...]:
@@ -69,46 +71,18 @@ def _lightning_bookkeeping() -> tuple[Callable, ...]:
 LIGHTNING_BOOKKEEPING = _lightning_bookkeeping()
 
 
-def stage_rows(entry: Entry) -> list[tuple[str, int, int, float, float, str]]:
-    """(name, out bytes, saved bytes, fwd s, bwd s, decision) per stage of a plan."""
-    chain = entry.chain
-    runs = forward_counts(entry.plan.ops, chain.length)
-    kept = [False] * chain.length
-    for op in entry.plan.ops:
-        if op.kind is OpKind.FC:
-            kept[op.stage] = True
-    rows = []
-    for k in range(chain.length):
-        decision = "recompute" if runs[k] > 1 else "keep"
-        if k < chain.frozen:  # run once without recording, no backward (chain version 4)
-            decision = "frozen"
-        elif kept[k]:
-            decision += " (checkpoint input)"
-        rows.append((chain.names[k], chain.out_size[k], chain.saved_size[k], chain.fwd_time[k], chain.bwd_time[k],
-                     decision))
-    return rows
-
-
-def stage_markdown(name: str, entry: Entry) -> str:
-    chosen = entry.plan
-    lines = [
-        f"**{name}**: budget {format_bytes(chosen.mem_limit)}, predicted peak {format_bytes(chosen.peak)}, "
-        f"predicted step {chosen.time * 1e3:.2f} ms vs {entry.chain.no_recompute_time() * 1e3:.2f} ms without "
-        f"recomputation",
-        "",
-        "| stage | output | saved | fwd ms | bwd ms | decision |",
-        "|---|---:|---:|---:|---:|---|",
-    ]
-    for stage, out, saved, fwd, bwd, decision in stage_rows(entry):
-        lines.append(f"| {stage} | {format_bytes(out)} | {format_bytes(saved)} | {fwd * 1e3:.3f} | {bwd * 1e3:.3f} "
-                     f"| {decision} |")
-    return "\n".join(lines)
-
-
 def summary_text(chains: dict[str, Checkpointable]) -> str:
     """The start-of-training table: one row per chain (rich when installed, plain otherwise)."""
-    header = ("chain", "stages", "budget", "predicted peak", "no-recompute peak", "recomputed", "predicted step",
-              "profiling")
+    header = (
+        "chain",
+        "stages",
+        "budget",
+        "predicted peak",
+        "no-recompute peak",
+        "recomputed",
+        "predicted step",
+        "profiling",
+    )
     rows = []
     for name, rotor in chains.items():
         if rotor.last_entry is None:
@@ -116,10 +90,18 @@ def summary_text(chains: dict[str, Checkpointable]) -> str:
         entry = rotor.entry  # the whole-budget plan (a first step runs each call at its smallest budget)
         no_recompute = no_recompute_peak(entry.chain)
         base = entry.chain.no_recompute_time()
-        rows.append((name, str(entry.chain.length), format_bytes(entry.plan.mem_limit), format_bytes(entry.plan.peak),
-                     format_bytes(no_recompute), str(entry.plan.recomputed_stages),
-                     f"{entry.plan.time * 1e3:.1f} ms ({entry.plan.time / base:.2f}x)" if base > 0 else "-",
-                     f"{entry.profile.seconds:.2f} s"))
+        rows.append(
+            (
+                name,
+                str(entry.chain.length),
+                format_bytes(entry.plan.mem_limit),
+                format_bytes(entry.plan.peak),
+                format_bytes(no_recompute),
+                str(entry.plan.recomputed_stages),
+                f"{entry.plan.time * 1e3:.1f} ms ({entry.plan.time / base:.2f}x)" if base > 0 else "-",
+                f"{entry.profile.seconds:.2f} s",
+            )
+        )
     try:
         from rich.console import Console
         from rich.table import Table
@@ -163,8 +145,11 @@ class RotorCallback(Callback):
     """
 
     def __init__(self, measure_every_n_steps: int = 50, log_curves: bool = True, print_summary: bool = True):
-        if isinstance(measure_every_n_steps, bool) or not isinstance(measure_every_n_steps, int) \
-                or measure_every_n_steps < 0:
+        if (
+            isinstance(measure_every_n_steps, bool)
+            or not isinstance(measure_every_n_steps, int)
+            or measure_every_n_steps < 0
+        ):
             raise ValueError(f"measure_every_n_steps must be an integer >= 0, got {measure_every_n_steps!r}")
         self.measure_every_n_steps = measure_every_n_steps
         self.log_curves = log_curves
@@ -197,8 +182,10 @@ class RotorCallback(Callback):
         restored, problems = import_state(pl_module, self._pending)
         self._pending = None
         if restored:
-            rank_zero_info(f"rotor: chains and plans of {', '.join(restored)} restored from the checkpoint; "
-                           "no profiling for the same input shapes")
+            rank_zero_info(
+                f"rotor: chains and plans of {', '.join(restored)} restored from the checkpoint; "
+                "no profiling for the same input shapes"
+            )
         for problem in problems:
             rank_zero_warn(f"rotor: checkpoint state not restored for {problem}")
 
@@ -215,8 +202,9 @@ class RotorCallback(Callback):
         n = self.measure_every_n_steps
         return n > 0 and self._steps_since_measure >= n
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         chains = rotor_modules(pl_module)
         self._measurements = []
         if self._wants_measure(chains):
@@ -224,8 +212,13 @@ class RotorCallback(Callback):
                 # on CPU count the whole step, excluding every parameter of the LightningModule and what the
                 # strategy's wrapper (DDP) keeps; the chain input is tracked by the chain, the rest of the batch
                 # is data, not activations
-                wide = MemoryProbe([pl_module, trainer.strategy.model], record_curve=True,
-                                   bookkeeping=LIGHTNING_BOOKKEEPING) if pl_module.device.type != "cuda" else None
+                wide = (
+                    MemoryProbe(
+                        [pl_module, trainer.strategy.model], record_curve=True, bookkeeping=LIGHTNING_BOOKKEEPING
+                    )
+                    if pl_module.device.type != "cuda"
+                    else None
+                )
                 m = rotor.measure_step(probe=wide)
                 m.__enter__()
                 self._measurements.append((name, rotor, m, len(rotor.entries)))
@@ -252,8 +245,9 @@ class RotorCallback(Callback):
         self._close_measurements()
         self._measurements = []
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if pl_module.device.type == "cuda":
             torch.cuda.synchronize(pl_module.device)
         seconds = time.perf_counter() - self._t0
@@ -266,8 +260,10 @@ class RotorCallback(Callback):
         if not planned:
             if not self._warned_unused:
                 self._warned_unused = True
-                rank_zero_warn(f"rotor: the wrapped chain(s) {', '.join(chains)} did not run in the training "
-                               "forward of the first batch, so nothing was profiled or planned")
+                rank_zero_warn(
+                    f"rotor: the wrapped chain(s) {', '.join(chains)} did not run in the training "
+                    "forward of the first batch, so nothing was profiled or planned"
+                )
             return
         profiled = any(len(rotor.entries) != self._entries_before.get(name, 0) for name, rotor in chains.items())
         measured = self._measurements
@@ -282,8 +278,10 @@ class RotorCallback(Callback):
             if trainer.is_global_zero and self.log_curves and id(m.entry) not in self._curves_done:
                 self._curves_done.add(id(m.entry))
                 self._log_plan(trainer, name, m.entry, m)
-        self._check_budget(planned, [m.peak for _, rotor, m, before in measured
-                                     if len(rotor.entries) == before and m.entry is not None])
+        self._check_budget(
+            planned,
+            [m.peak for _, rotor, m, before in measured if len(rotor.entries) == before and m.entry is not None],
+        )
         if trainer.is_global_zero:
             for name, rotor in planned.items():
                 entry = rotor.last_entry
@@ -304,9 +302,11 @@ class RotorCallback(Callback):
         peak = max(peaks, default=0)
         if peak > budget and plans not in self._warned_over:
             self._warned_over.add(plans)
-            rank_zero_warn(f"rotor: the measured activation peak {format_bytes(peak)} ({peak} bytes) is above the "
-                           f"budget {format_bytes(budget)} ({budget} bytes) of {', '.join(chains)}: the step holds "
-                           "more than the plan predicts (see rotor/<chain>/memory_curve)")
+            rank_zero_warn(
+                f"rotor: the measured activation peak {format_bytes(peak)} ({peak} bytes) is above the "
+                f"budget {format_bytes(budget)} ({budget} bytes) of {', '.join(chains)}: the step holds "
+                "more than the plan predicts (see rotor/<chain>/memory_curve)"
+            )
 
     # -- logging ----------------------------------------------------------------------------------------
     def _log_metrics(self, pl_module: pl.LightningModule, chains: dict[str, Checkpointable]) -> None:
@@ -316,10 +316,12 @@ class RotorCallback(Callback):
         # per chain: its budget, which covers all its calls in a step, and the step's predicted peak
         # (the largest of each call's plan peak above what the step's earlier calls still held)
         metrics = {
-            "rotor/mem_limit_bytes": float(sum(rotor.step_limit or e.plan.mem_limit
-                                               for rotor, e in zip(chains.values(), entries, strict=True))),
-            "rotor/predicted_peak_bytes": float(sum(rotor.calls.step_peak or e.plan.peak
-                                                    for rotor, e in zip(chains.values(), entries, strict=True))),
+            "rotor/mem_limit_bytes": float(
+                sum(rotor.step_limit or e.plan.mem_limit for rotor, e in zip(chains.values(), entries, strict=True))
+            ),
+            "rotor/predicted_peak_bytes": float(
+                sum(rotor.calls.step_peak or e.plan.peak for rotor, e in zip(chains.values(), entries, strict=True))
+            ),
             "rotor/recomputed_stages": float(sum(e.plan.recomputed_stages for e in entries)),
             "rotor/no_recompute_seconds": no_recompute,
             "rotor/predicted_seconds": predicted,
@@ -366,13 +368,19 @@ class RotorCallback(Callback):
                 experiment.add_scalar(f"{tag}/measured_bytes", after, i)
                 experiment.add_scalar(f"{tag}/measured_op_peak_bytes", during, i)
             if hasattr(experiment, "add_figure"):
-                figure = curve_figure(name, ops, sim.curve, sim.op_peaks, measured, entry.plan.mem_limit,
-                                      m.chain_peak)
+                figure = curve_figure(name, ops, sim.curve, sim.op_peaks, measured, entry.plan.mem_limit, m.chain_peak)
                 experiment.add_figure(f"rotor/{name}/memory_curve", figure, trainer.global_step)
 
 
-def curve_figure(name: str, ops: list[str], predicted: list[int], predicted_peaks: list[int],
-                 measured: list[tuple[int, int, int]], mem_limit: int, measured_peak: int) -> Any:
+def curve_figure(
+    name: str,
+    ops: list[str],
+    predicted: list[int],
+    predicted_peaks: list[int],
+    measured: list[tuple[int, int, int]],
+    mem_limit: int,
+    measured_peak: int,
+) -> Any:
     """Bytes alive after each op and the peak during it (MiB), predicted and measured, against the budget.
 
     `measured` holds (op index, bytes after, peak during); `measured_peak` is this chain's measured peak.
@@ -388,17 +396,31 @@ def curve_figure(name: str, ops: list[str], predicted: list[int], predicted_peak
     ax.step(x, [b / mib for b in predicted], where="mid", label="predicted after op")
     ax.plot(x, [b / mib for b in predicted_peaks], "_", markersize=8, color="tab:blue", label="predicted op peak")
     predicted_peak = max(predicted_peaks, default=0)
-    ax.axhline(predicted_peak / mib, color="tab:blue", linestyle=":",
-               label=f"predicted peak {format_bytes(predicted_peak)}")
+    ax.axhline(
+        predicted_peak / mib, color="tab:blue", linestyle=":", label=f"predicted peak {format_bytes(predicted_peak)}"
+    )
     if measured:
-        ax.plot([i for i, _, _ in measured], [b / mib for _, b, _ in measured], "o", markersize=3,
-                color="tab:orange", label="measured after op")
-        ax.plot([i for i, _, _ in measured], [b / mib for _, _, b in measured], "^", markersize=3,
-                color="tab:orange", label="measured op peak")
+        ax.plot(
+            [i for i, _, _ in measured],
+            [b / mib for _, b, _ in measured],
+            "o",
+            markersize=3,
+            color="tab:orange",
+            label="measured after op",
+        )
+        ax.plot(
+            [i for i, _, _ in measured],
+            [b / mib for _, _, b in measured],
+            "^",
+            markersize=3,
+            color="tab:orange",
+            label="measured op peak",
+        )
     ax.axhline(mem_limit / mib, color="red", linestyle="--", label=f"budget {format_bytes(mem_limit)}")
     if measured_peak:
-        ax.axhline(measured_peak / mib, color="gray", linestyle="-.",
-                   label=f"measured peak {format_bytes(measured_peak)}")
+        ax.axhline(
+            measured_peak / mib, color="gray", linestyle="-.", label=f"measured peak {format_bytes(measured_peak)}"
+        )
     ax.set_xticks(list(x))
     ax.set_xticklabels(ops, rotation=90, fontsize=6)
     top = max(mem_limit, measured_peak, predicted_peak, *predicted, *(b for _, _, b in measured))

@@ -54,8 +54,17 @@ class _Synthetic(pl.LightningDataModule):
 class SyntheticImages(_Synthetic):
     """Images `(channels, image_size, image_size)` in `num_classes` learnable classes."""
 
-    def __init__(self, num_samples: int = 1024, val_samples: int = 128, image_size: int = 32, channels: int = 3,
-                 num_classes: int = 10, noise: float = 1.0, batch_size: int = 32, seed: int = 0):
+    def __init__(
+        self,
+        num_samples: int = 1024,
+        val_samples: int = 128,
+        image_size: int = 32,
+        channels: int = 3,
+        num_classes: int = 10,
+        noise: float = 1.0,
+        batch_size: int = 32,
+        seed: int = 0,
+    ):
         super().__init__(num_samples, val_samples, batch_size, seed)
         _check_positive(image_size=image_size, channels=channels, num_classes=num_classes)
         self.image_size, self.channels, self.num_classes, self.noise = image_size, channels, num_classes, noise
@@ -72,8 +81,16 @@ class SyntheticImages(_Synthetic):
 class SyntheticTokens(_Synthetic):
     """Token sequences of `seq_len` over `vocab_size`; targets are the inputs shifted by one."""
 
-    def __init__(self, num_samples: int = 1024, val_samples: int = 128, seq_len: int = 64, vocab_size: int = 256,
-                 rules: int = 4, batch_size: int = 16, seed: int = 0):
+    def __init__(
+        self,
+        num_samples: int = 1024,
+        val_samples: int = 128,
+        seq_len: int = 64,
+        vocab_size: int = 256,
+        rules: int = 4,
+        batch_size: int = 16,
+        seed: int = 0,
+    ):
         super().__init__(num_samples, val_samples, batch_size, seed)
         _check_positive(seq_len=seq_len, vocab_size=vocab_size, rules=rules)
         self.seq_len, self.vocab_size, self.rules = seq_len, vocab_size, rules

@@ -19,8 +19,14 @@ from lightning_rotor.models import get_model, get_spec
 class ModelTask(pl.LightningModule):
     """`model` names an entry of `lightning_rotor.models.MODELS`; `model_kwargs` are its size arguments."""
 
-    def __init__(self, model: str = "resnet18", model_kwargs: dict[str, Any] | None = None, lr: float = 0.05,
-                 momentum: float = 0.9, weight_decay: float = 0.0):
+    def __init__(
+        self,
+        model: str = "resnet18",
+        model_kwargs: dict[str, Any] | None = None,
+        lr: float = 0.05,
+        momentum: float = 0.9,
+        weight_decay: float = 0.0,
+    ):
         super().__init__()
         self.save_hyperparameters()
         self.model = get_model(model, **(model_kwargs or {}))
@@ -51,5 +57,9 @@ class ModelTask(pl.LightningModule):
         return self.model(batch[0]).argmax(-1)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=self.hparams.momentum,
-                               weight_decay=self.hparams.weight_decay)
+        return torch.optim.SGD(
+            self.parameters(),
+            lr=self.hparams.lr,
+            momentum=self.hparams.momentum,
+            weight_decay=self.hparams.weight_decay,
+        )

@@ -2,13 +2,13 @@
 
 `checkpoint["rotor"]` maps each rotor module's name (its path in the
 LightningModule) to its stage names and `Checkpointable.plan_state()`: the
-budget and, per input signature, the chain and the plan. All of it is plain
+budget and its `PlanCache`'s state (per input signature, the chain and the plan). All of it is plain
 data (lists, dicts, strings, numbers), so checkpoints load with
 `weights_only=True`, and a Trainer without rotor ignores the key. Restoring
 puts the chains back, so resuming with the same shapes skips profiling. When
 the module's budget now resolves to different bytes than the saved one, the
-saved chains are re-planned for the new budget (planning is cheap; profiling
-is what is skipped).
+saved chains are re-planned for the new budget (`Checkpointable.restore_plans`;
+planning is cheap, profiling is what is skipped).
 """
 
 from __future__ import annotations
@@ -17,14 +17,11 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import nn
 
-from lightning_rotor.budget import resolve_budget
-from lightning_rotor.chain import Chain, ChainError
+from lightning_rotor.chain import ChainError
 from lightning_rotor.checkpointable import Checkpointable
 from lightning_rotor.planner import InfeasibleBudget
-from lightning_rotor.simulate import no_recompute_peak
 
 STATE_KEY = "rotor"
 STATE_VERSION = 1
@@ -48,33 +45,7 @@ def export_state(model: nn.Module) -> dict[str, Any]:
 
 
 def _restore_one(rotor: Checkpointable, saved: dict[str, Any]) -> None:
-    entries = saved.get("entries") or []
-    if not entries:
-        return
-    if rotor.shared is not None:  # one budget over several chains: this chain's share, as on a first batch
-        before = dict(rotor.entries), rotor.budget
-        rotor.load_plan_state(saved)
-        chain = Chain.from_dict(entries[0]["chain"])
-        device = next((p.device for p in rotor.parameters()), torch.device("cpu"))
-        try:
-            share = rotor.shared.share(rotor.shared_name, rotor, chain, device, rotor.parameters())
-            if share != rotor.budget:
-                rotor.replan(share)
-        except InfeasibleBudget:
-            rotor.entries, rotor.budget = before
-            raise
-        return
-    expected = None
-    if rotor.mem_limit is not None:  # the user's budget now, resolved as on the first signature
-        expected = resolve_budget(rotor.mem_limit, no_recompute_peak(Chain.from_dict(entries[0]["chain"])))
-    before = dict(rotor.entries), rotor.budget
-    rotor.load_plan_state(saved)
-    if expected is not None and rotor.budget != expected:
-        try:  # a budget that cannot be met raises here, as it does on a fresh run's first step
-            rotor.replan(rotor.mem_limit)
-        except InfeasibleBudget:
-            rotor.entries, rotor.budget = before
-            raise
+    rotor.restore_plans(saved)  # loads, then plans again where the budget now resolves differently
 
 
 def _restore_after_discovery(name: str, saved: dict[str, Any]) -> Callable[[Checkpointable], None]:
@@ -82,16 +53,17 @@ def _restore_after_discovery(name: str, saved: dict[str, Any]) -> Callable[[Chec
 
     def restore(rotor: Checkpointable) -> None:
         if list(saved.get("stages", [])) != list(rotor.stage_names):
-            warnings.warn(f"rotor: {name}: the checkpoint's stages differ from the ones found now; "
-                          "it will be profiled again", stacklevel=2)
+            warnings.warn(
+                f"rotor: {name}: the checkpoint's stages differ from the ones found now; it will be profiled again",
+                stacklevel=2,
+            )
             return
         try:
             _restore_one(rotor, saved)
         except InfeasibleBudget:
             raise
         except (ChainError, KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
-            warnings.warn(f"rotor: {name}: saved plan state not used ({err}); it will be profiled again",
-                          stacklevel=2)
+            warnings.warn(f"rotor: {name}: saved plan state not used ({err}); it will be profiled again", stacklevel=2)
 
     return restore
 

@@ -27,10 +27,10 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from lightning_rotor.budget import format_bytes, parse_budget
-from lightning_rotor.discovery import HOWS
+from lightning_rotor.budget import MemLimit, format_bytes, parse_budget
+from lightning_rotor.discovery import DISCOVER_METHODS
 from lightning_rotor.discretize import check_slots
-from lightning_rotor.lightning.wrap import Budget, Selector, Wrapped, unwrap, wrap
+from lightning_rotor.lightning.wrap import Selector, Wrapped, unwrap, wrap
 
 
 class ProfileProgress:
@@ -54,7 +54,7 @@ class ProfileProgress:
         rank_zero_info(f"rotor: profiling {self.name}: {done}/{total} stages, {seconds:.1f} s")
 
 
-def _check_budget(mem_limit: Budget | Mapping[str, Budget]) -> None:
+def _check_budget(mem_limit: MemLimit | Mapping[str, MemLimit]) -> None:
     """Fail at construction, in one line, on a budget that cannot be parsed."""
     values = mem_limit.values() if isinstance(mem_limit, Mapping) else [mem_limit]
     for value in values:
@@ -67,7 +67,7 @@ class _RotorMixin:
 
     def _init_rotor(
         self,
-        mem_limit: Budget | Mapping[str, Budget],
+        mem_limit: MemLimit | Mapping[str, MemLimit],
         include: Sequence[Selector] | None,
         exclude: Sequence[Selector],
         slots: int | None,
@@ -76,12 +76,16 @@ class _RotorMixin:
     ) -> None:
         _check_budget(mem_limit)
         check_slots(slots)
-        if discover not in HOWS:
-            raise ValueError(f"discover={discover!r} is not a discovery method; use one of {', '.join(HOWS)}")
-        if checkpoint_modules is not None and (isinstance(checkpoint_modules, (str, type)) or not all(
-                isinstance(c, (str, type)) for c in checkpoint_modules)):
-            raise TypeError(f"checkpoint_modules must be a list of classes, class paths or class names, "
-                            f"got {checkpoint_modules!r}")
+        if discover not in DISCOVER_METHODS:
+            methods = ", ".join(DISCOVER_METHODS)
+            raise ValueError(f"discover={discover!r} is not a discovery method; use one of {methods}")
+        if checkpoint_modules is not None and (
+            isinstance(checkpoint_modules, (str, type))
+            or not all(isinstance(c, (str, type)) for c in checkpoint_modules)
+        ):
+            raise TypeError(
+                f"checkpoint_modules must be a list of classes, class paths or class names, got {checkpoint_modules!r}"
+            )
         self.discover = discover
         self.checkpoint_modules = None if checkpoint_modules is None else list(checkpoint_modules)
         self.mem_limit = dict(mem_limit) if isinstance(mem_limit, Mapping) else mem_limit
@@ -105,8 +109,13 @@ class _RotorMixin:
         if module is None or trainer is None or trainer.state.fn != TrainerFn.FITTING or self.wrapped:
             return
         self.wrapped, self.not_wrapped_reason = wrap(
-            module, self.mem_limit, include=self.include, exclude=self.exclude, slots=self.slots,
-            discover=self.discover, checkpoint_modules=self.checkpoint_modules,
+            module,
+            self.mem_limit,
+            include=self.include,
+            exclude=self.exclude,
+            slots=self.slots,
+            discover=self.discover,
+            checkpoint_modules=self.checkpoint_modules,
         )
         if not self.wrapped:
             if not self._warned:
@@ -127,7 +136,8 @@ class _RotorMixin:
         else:
             total = f"budget {format_bytes(budget) if isinstance(budget, int) else budget}"
         parts = ", ".join(
-            f"{w.name} ({len(w.rotor.stages)} stages)" if w.rotor.stages is not None
+            f"{w.name} ({len(w.rotor.stages)} stages)"
+            if w.rotor.stages is not None
             else f"{w.name} ({type(w.original).__name__}, chain found on the first batch)"
             for w in self.wrapped
         )
@@ -271,6 +281,9 @@ class RotorDDPStrategy(_RotorMixin, DDPStrategy):
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         for name, start_method in (("rotor_ddp", "popen"), ("rotor_ddp_spawn", "spawn")):
             strategy_registry.register(
-                name, cls, description=f"DDP with rotor checkpointing, start_method '{start_method}'",
-                start_method=start_method, override=True,
+                name,
+                cls,
+                description=f"DDP with rotor checkpointing, start_method '{start_method}'",
+                start_method=start_method,
+                override=True,
             )

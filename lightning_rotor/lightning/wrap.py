@@ -31,12 +31,12 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from lightning_rotor.budget import MemLimit
 from lightning_rotor.checkpointable import Checkpointable
-from lightning_rotor.discovery import HOWS
-from lightning_rotor.shared_budget import SharedBudget
+from lightning_rotor.discovery import DISCOVER_METHODS
+from lightning_rotor.shared_budget import Budget
 from lightning_rotor.stages import sequential_stages
 
-Budget = int | float | str | None
 Selector = str | type
 MIN_AUTO_STAGES = 4  # "auto" leaves a shorter Sequential (a head) alone beside another chain
 
@@ -67,8 +67,9 @@ def _stage_count(module: nn.Module) -> int:
 def is_user_model(module: nn.Module) -> bool:
     """A module of a class of the user's own (not torch's, not a container) with parameters: a model to discover."""
     cls = type(module)
-    if cls.__module__.startswith("torch.") or isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.ParameterList,
-                                                                    nn.ParameterDict)):
+    if cls.__module__.startswith("torch.") or isinstance(
+        module, (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+    ):
         return False
     return any(True for _ in module.parameters())
 
@@ -84,12 +85,14 @@ def _matches(name: str, module: nn.Module, selectors: Sequence[Selector]) -> boo
 
 
 def find_chains(
-    model: nn.Module, include: Sequence[Selector] | None = None, exclude: Sequence[Selector] = (),
+    model: nn.Module,
+    include: Sequence[Selector] | None = None,
+    exclude: Sequence[Selector] = (),
     discover: str = "sequential",
 ) -> tuple[list[tuple[str, nn.Module]], str]:
     """The submodules to wrap (outermost first, in module order) and, when none, why not."""
-    if discover not in HOWS:
-        raise ValueError(f"discover={discover!r} is not a discovery method; use one of {', '.join(HOWS)}")
+    if discover not in DISCOVER_METHODS:
+        raise ValueError(f"discover={discover!r} is not a discovery method; use one of {', '.join(DISCOVER_METHODS)}")
     found: list[tuple[str, nn.Module]] = []
     skipped: set[str] = set()
     seen_sequential = 0
@@ -108,11 +111,15 @@ def find_chains(
             if not _matches(name, module, include):
                 continue
             if discover == "sequential" and not plain:
-                raise TypeError(f"include matched {name!r}, a {type(module).__name__}; with discover='sequential' "
-                                "rotor wraps plain nn.Sequential modules only (discover='auto' takes any model)")
+                raise TypeError(
+                    f"include matched {name!r}, a {type(module).__name__}; with discover='sequential' "
+                    "rotor wraps plain nn.Sequential modules only (discover='auto' takes any model)"
+                )
             if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
-                raise TypeError(f"include matched {name!r}, a {type(module).__name__}, which is never called; name "
-                                "the module whose forward loops over it, or its block class in checkpoint_modules")
+                raise TypeError(
+                    f"include matched {name!r}, a {type(module).__name__}, which is never called; name "
+                    "the module whose forward loops over it, or its block class in checkpoint_modules"
+                )
         elif not (is_candidate(module) or (discover != "sequential" and is_user_model(module))):
             continue
         found.append((name, module))
@@ -156,14 +163,16 @@ def resolve_block_types(model: nn.Module, checkpoint_modules: Sequence[str | typ
                 raise ValueError(f"checkpoint_modules: cannot import {item!r}") from None
         else:
             own = sorted(n for n, c in here.items() if not c.__module__.startswith("torch."))
-            raise ValueError(f"checkpoint_modules names {item!r}, which is no class of a submodule of "
-                             f"{type(model).__name__}; give a class, a class path, or one of: {', '.join(own)}")
+            raise ValueError(
+                f"checkpoint_modules names {item!r}, which is no class of a submodule of "
+                f"{type(model).__name__}; give a class, a class path, or one of: {', '.join(own)}"
+            )
     if not all(isinstance(t, type) and issubclass(t, nn.Module) for t in types):
         raise TypeError(f"checkpoint_modules must name nn.Module classes, got {types!r}")
     return tuple(types)
 
 
-def check_budget_names(mem_limit: Mapping[str, Budget], names: Sequence[str]) -> None:
+def check_budget_names(mem_limit: Mapping[str, MemLimit], names: Sequence[str]) -> None:
     """A per-chain budget dict must name exactly the wrapped chains."""
     unknown = sorted(set(mem_limit) - set(names))
     if unknown:
@@ -181,7 +190,7 @@ def _set(model: nn.Module, name: str, module: nn.Module) -> None:
 
 def wrap(
     model: nn.Module,
-    mem_limit: Budget | Mapping[str, Budget] = None,
+    mem_limit: MemLimit | Mapping[str, MemLimit] = None,
     *,
     include: Sequence[Selector] | None = None,
     exclude: Sequence[Selector] = (),
@@ -196,14 +205,20 @@ def wrap(
     if isinstance(mem_limit, Mapping):
         check_budget_names(mem_limit, [name for name, _ in chains])
     elif chains:
-        shared = SharedBudget(mem_limit, [name for name, _ in chains])
+        shared = Budget(mem_limit, [name for name, _ in chains])
     wrapped = []
     for name, module in chains:
         budget = mem_limit[name] if isinstance(mem_limit, Mapping) else mem_limit
         plain = is_candidate(module) and (types is None or discover == "sequential")
-        how = None if plain and discover in ("auto", "sequential") else discover
-        rotor = Checkpointable(module, budget, slots=slots, discover=how, checkpoint_modules=types,
-                               fallback_plain=discover == "auto" and include is None)
+        method = None if plain and discover in ("auto", "sequential") else discover
+        rotor = Checkpointable(
+            module,
+            budget,
+            slots=slots,
+            discover=method,
+            checkpoint_modules=types,
+            fallback_plain=discover == "auto" and include is None,
+        )
         if shared is not None:
             rotor.shared, rotor.shared_name = shared, name
         _set(model, name, rotor)
