@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from training import grads
 
 from lightning_rotor.chain import Chain
 from lightning_rotor.execute import PlanRunner
@@ -50,10 +51,6 @@ def step(run, model, x, y):
     loss = F.cross_entropy(run(x), y)
     loss.backward()
     return loss.detach()
-
-
-def grads(model):
-    return [p.grad.clone() for p in model.parameters()]
 
 
 def test_recomputed_plan_matches_plain_bitwise_with_dropout_and_batchnorm():

@@ -16,10 +16,12 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from fitting import quiet_trainer
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
+from training import grads
 
 from lightning_rotor.checkpointable import Checkpointable
 from lightning_rotor.lightning import RotorStrategy
@@ -57,10 +59,6 @@ def step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return loss.detach()
 
 
-def grads(model: nn.Module) -> list[torch.Tensor]:
-    return [p.grad.clone() for p in model.parameters()]
-
-
 class LitNet(pl.LightningModule):
     def __init__(self):
         super().__init__()
@@ -84,12 +82,6 @@ def lit_loader() -> DataLoader:
     g = torch.Generator().manual_seed(0)
     return DataLoader(TensorDataset(torch.randn(48, 24, generator=g), torch.randint(0, 4, (48,), generator=g)),
                       batch_size=16)
-
-
-def lit_trainer(tmp_path, **kw) -> pl.Trainer:
-    kw.setdefault("max_steps", 3)
-    return pl.Trainer(accelerator="cpu", devices=1, default_root_dir=tmp_path, logger=False,
-                      enable_progress_bar=False, enable_model_summary=False, **kw)
 
 
 # == promise: bad input is refused in one clear line, before anything is half done ===========================
@@ -165,14 +157,14 @@ def test_checkpoint_of_another_model_is_profiled_again_with_a_warning(tmp_path):
         def on_train_end(self, trainer, pl_module):
             trainer.save_checkpoint(tmp_path / "small.ckpt")
 
-    lit_trainer(tmp_path / "a", strategy=RotorStrategy(mem_limit=0.75), enable_checkpointing=False,
+    quiet_trainer(tmp_path / "a", strategy=RotorStrategy(mem_limit=0.75),
                 callbacks=[Save()]).fit(WideLit(16), lit_loader())
     big = WideLit(256)
     ckpt = torch.load(tmp_path / "small.ckpt", weights_only=True)
     ckpt["state_dict"] = big.state_dict()  # the weights fit; only the rotor state is the small model's
     torch.save(ckpt, tmp_path / "mixed.ckpt")
     with pytest.warns(UserWarning, match="saved plan state not used .*differ.*profiled again"):
-        lit_trainer(tmp_path / "b", strategy=RotorStrategy(mem_limit=0.9), enable_checkpointing=False,
+        quiet_trainer(tmp_path / "b", strategy=RotorStrategy(mem_limit=0.9),
                     max_steps=4).fit(big, lit_loader(), ckpt_path=tmp_path / "mixed.ckpt")
 
 
@@ -184,14 +176,14 @@ def test_resume_with_an_infeasible_budget_fails_as_a_fresh_run_does(tmp_path):
         def on_train_end(self, trainer, pl_module):
             trainer.save_checkpoint(tmp_path / "mid.ckpt")
 
-    lit_trainer(tmp_path / "a", strategy=RotorStrategy(mem_limit=0.75), enable_checkpointing=False,
+    quiet_trainer(tmp_path / "a", strategy=RotorStrategy(mem_limit=0.75),
                 max_steps=2, callbacks=[Save()]).fit(LitNet(), lit_loader())
     with pytest.raises(InfeasibleBudget) as fresh:
-        lit_trainer(tmp_path / "b", strategy=RotorStrategy(mem_limit="1KiB"), enable_checkpointing=False,
+        quiet_trainer(tmp_path / "b", strategy=RotorStrategy(mem_limit="1KiB"),
                     max_steps=4).fit(LitNet(), lit_loader())
     resumed_model = LitNet()
     with pytest.raises(InfeasibleBudget) as resumed:
-        lit_trainer(tmp_path / "c", strategy=RotorStrategy(mem_limit="1KiB"), enable_checkpointing=False,
+        quiet_trainer(tmp_path / "c", strategy=RotorStrategy(mem_limit="1KiB"),
                     max_steps=4).fit(resumed_model, lit_loader(), ckpt_path=tmp_path / "mid.ckpt")
     assert resumed.value.min_feasible == fresh.value.min_feasible
     assert resumed.value.mem_limit == fresh.value.mem_limit == 1024
@@ -293,7 +285,7 @@ class DeepCopies(pl.Callback):
 
 def test_callback_deep_copying_the_module_during_fit(tmp_path):
     copies = DeepCopies()
-    lit_trainer(tmp_path, strategy=RotorStrategy(mem_limit=0.75), enable_checkpointing=False,
+    quiet_trainer(tmp_path, strategy=RotorStrategy(mem_limit=0.75),
                 callbacks=[copies]).fit(LitNet(), lit_loader())
     assert copies.copies == 9
 
