@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import lightning.pytorch as pl
+import pytest
 import torch
 import torch.nn.functional as F
 from fitting import classes_loader, quiet_trainer
@@ -11,6 +12,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_rotor.lightning import RotorDDPStrategy
 from lightning_rotor.lightning.state import rotor_modules
+
+pytestmark = pytest.mark.slow  # two spawned processes per fit
 
 
 class Net(pl.LightningModule):

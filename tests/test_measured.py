@@ -58,6 +58,7 @@ def test_measured_peak_equals_the_prediction_in_the_shipped_configs(tmp_path, co
     assert measured == [predicted] * len(measured)
 
 
+@pytest.mark.slow
 def test_ddp_measured_peak_leaves_out_the_reducer_buckets(tmp_path):
     """2 processes over gloo. Step 0 profiles; step 1, measured, is the one where DDP reallocates its gradient
     buckets (as many bytes as the parameters, more than the whole budget here)."""

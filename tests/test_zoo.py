@@ -52,6 +52,7 @@ def test_segments_are_cut_as_torch_cuts_them():
         segment_bounds(3, 4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ZOO)
 def test_simulator_predicts_what_torch_checkpointing_measures(name):
     _, chain, plain, uniform = zoo(name)
