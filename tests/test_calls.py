@@ -18,8 +18,6 @@ from lightning_rotor.memory import MemoryProbe
 from lightning_rotor.planner import min_feasible_budget
 from lightning_rotor.simulate import no_recompute_peak
 
-torch.set_num_threads(1)
-
 N = 128
 
 

@@ -18,8 +18,6 @@ from lightning_rotor.checkpointable import Checkpointable
 from lightning_rotor.discovery import ChainDiverged, GuardFailed
 from lightning_rotor.planner import InfeasibleBudget
 
-torch.set_num_threads(1)
-
 
 def classes_loss(out, y):
     return nn.functional.cross_entropy(out, y)  # per image, or per pixel for the U-Net

@@ -24,8 +24,6 @@ from lightning_rotor.discovery import DiscoveryError, discover_chain
 from lightning_rotor.lightning import RotorCallback, RotorStrategy
 from lightning_rotor.profile import InplaceError
 
-torch.set_num_threads(1)
-
 WIDTH = 32
 STARTS = ("relu", None, "add", None, "relu", None)  # what each block does first to its input
 

@@ -16,8 +16,6 @@ from training import assert_same_state, measured_step, tokens_loss, train
 from lightning_rotor.checkpointable import Checkpointable
 from lightning_rotor.discovery import discover_chain
 
-torch.set_num_threads(1)
-
 
 class MadeInForward(nn.Module):
     """Calls a module made inside its forward, as litgpt's GPT does with `nn.Identity()`."""

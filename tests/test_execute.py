@@ -16,8 +16,6 @@ from lightning_rotor.profile import InplaceError, profile_chain
 from lightning_rotor.simulate import simulate
 from lightning_rotor.stages import sequential_stages
 
-torch.set_num_threads(1)
-
 # every stage recomputed at least once, with checkpoints kept and dropped
 RECOMPUTE_ALL = [("Fc", 0), ("Fn", 1), ("Fn", 2), ("Fe", 3), ("Loss",), ("B", 3), ("Fc", 0), ("Fn", 1), ("Fe", 2),
                  ("B", 2), ("Fe", 0), ("Fe", 1), ("B", 1), ("B", 0)]

@@ -30,8 +30,6 @@ from lightning_rotor.planner import InfeasibleBudget, min_feasible_budget, plan,
 from lightning_rotor.reference import reference_min_budget, reference_plan
 from lightning_rotor.simulate import no_recompute_peak, simulate
 
-torch.set_num_threads(1)  # tiny tensors: threads only contend on a shared machine
-
 
 def frozen_gpt():
     """Embeddings and 5 of 6 blocks frozen: fine-tuning the last block, the final norm and the head."""

@@ -15,8 +15,6 @@ from lightning_rotor.lightning import RotorStrategy
 from lightning_rotor.lightning.wrap import find_chains, resolve_block_types
 from lightning_rotor.shared_budget import InfeasibleTotal
 
-torch.set_num_threads(1)
-
 
 class GPTTask(pl.LightningModule):
     """A nanoGPT-style model (ModuleList blocks, tied head, dropout) trained on int64 tokens."""

@@ -16,8 +16,6 @@ from training import tokens_loss
 
 from lightning_rotor import Checkpointable
 
-torch.set_num_threads(1)
-
 
 class TiedNet(nn.Module):
     """A run of blocks between a stem (BatchNorm, dropout) and a head tied to the stem's weight.

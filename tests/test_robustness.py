@@ -26,8 +26,6 @@ from training import grads
 from lightning_rotor.checkpointable import Checkpointable
 from lightning_rotor.lightning import RotorStrategy
 
-torch.set_num_threads(1)
-
 
 # -- models, data and one plain step, shared by the sections below -------------------------------------------
 def dropout_net(seed: int = 0) -> nn.Sequential:

@@ -22,7 +22,6 @@ from lightning_rotor.planner import min_feasible_budget, plan
 from lightning_rotor.profile import profile_chain
 from lightning_rotor.simulate import no_recompute_peak, simulate
 
-torch.set_num_threads(1)
 ZOO = ("mobilenet", "gpt", "hetero", "resnet50")
 _cache: dict = {}
 
