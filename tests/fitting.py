@@ -1,4 +1,4 @@
-"""Lightning helpers shared by the test files: a quiet Trainer, the data and the callback their tests share.
+"""Lightning helpers shared by the test files: a quiet Trainer, and the data and callbacks their tests share.
 
 Plain functions, not fixtures: they take the folder, strategy and options of each run as arguments.
 """
@@ -33,3 +33,13 @@ class KeepRotorModules(pl.Callback):
 
     def on_train_end(self, trainer, pl_module):
         self.modules = rotor_modules(pl_module)
+
+
+class SaveAtEnd(pl.Callback):
+    """Saves a checkpoint to `path` when training ends, for a later fit to resume from."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def on_train_end(self, trainer, pl_module):
+        trainer.save_checkpoint(self.path)

@@ -8,7 +8,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from fitting import classes_loader, quiet_trainer
+from fitting import SaveAtEnd, classes_loader, quiet_trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
@@ -288,12 +288,8 @@ def test_chain_never_run_in_training_warns(tmp_path):
 
 # -- checkpoints --------------------------------------------------------------------------------------
 def test_checkpoint_carries_chains_resume_skips_profiling_and_cross_loads(tmp_path):
-    class SaveMidRun(pl.Callback):
-        def on_train_end(self, trainer, pl_module):
-            trainer.save_checkpoint(tmp_path / "mid.ckpt")
-
-    quiet_trainer(tmp_path / "b", RotorStrategy(mem_limit=BUDGET), max_steps=2, callbacks=[SaveMidRun()]).fit(
-        Net(), classes_loader())
+    quiet_trainer(tmp_path / "b", RotorStrategy(mem_limit=BUDGET), max_steps=2,
+                  callbacks=[SaveAtEnd(tmp_path / "mid.ckpt")]).fit(Net(), classes_loader())
     ckpt = torch.load(tmp_path / "mid.ckpt", weights_only=True)
     saved = ckpt["rotor"]["modules"]["net"]
     assert saved["entries"] and saved["entries"][0]["plan"]["ops"]
@@ -317,11 +313,8 @@ def test_checkpoint_carries_chains_resume_skips_profiling_and_cross_loads(tmp_pa
     torch.testing.assert_close(plain.losses, resumed.losses, rtol=0, atol=0)
 
     # a checkpoint made without rotor resumes under rotor
-    class SavePlain(pl.Callback):
-        def on_train_end(self, trainer, pl_module):
-            trainer.save_checkpoint(tmp_path / "plain.ckpt")
-
-    quiet_trainer(tmp_path / "e", max_steps=2, callbacks=[SavePlain()]).fit(Net(), classes_loader())
+    quiet_trainer(tmp_path / "e", max_steps=2, callbacks=[SaveAtEnd(tmp_path / "plain.ckpt")]).fit(
+        Net(), classes_loader())
     assert "rotor" not in torch.load(tmp_path / "plain.ckpt", weights_only=True)
     again = Net()
     quiet_trainer(tmp_path / "f", RotorStrategy(mem_limit=BUDGET), max_steps=4).fit(again, classes_loader(),

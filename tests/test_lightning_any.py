@@ -6,7 +6,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from fitting import KeepRotorModules, quiet_trainer
+from fitting import KeepRotorModules, SaveAtEnd, quiet_trainer
 from models_any import GPT, BasicBlock, Block
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -180,13 +180,9 @@ def test_discover_and_checkpoint_modules_from_yaml(tmp_path, capsys):
 
 
 def test_resume_with_two_chains_keeps_the_split_of_one_byte_budget(tmp_path):
-    class Save(pl.Callback):
-        def on_train_end(self, trainer, pl_module):
-            trainer.save_checkpoint(tmp_path / "mid.ckpt")
-
     first = KeepRotorModules()
     fit(tmp_path / "a", CNNTask(), images(), RotorStrategy(mem_limit=600_000, discover="sequential"),
-        callbacks=[Save(), first])
+        callbacks=[SaveAtEnd(tmp_path / "mid.ckpt"), first])
     before = {name: r.plan.mem_limit for name, r in first.modules.items()}
     assert sorted(before) == ["features", "head"] and sum(before.values()) <= 600_000
     resumed = KeepRotorModules()
@@ -198,12 +194,9 @@ def test_resume_with_two_chains_keeps_the_split_of_one_byte_budget(tmp_path):
 
 
 def test_resume_restores_a_discovered_chains_plans_once_it_is_found_again(tmp_path):
-    class Save(pl.Callback):
-        def on_train_end(self, trainer, pl_module):
-            trainer.save_checkpoint(tmp_path / "mid.ckpt")
-
     first = KeepRotorModules()
-    fit(tmp_path / "a", GPTTask(), tokens(), RotorStrategy(mem_limit="50%"), callbacks=[Save(), first])
+    fit(tmp_path / "a", GPTTask(), tokens(), RotorStrategy(mem_limit="50%"),
+        callbacks=[SaveAtEnd(tmp_path / "mid.ckpt"), first])
     saved = torch.load(tmp_path / "mid.ckpt", weights_only=True)["rotor"]["modules"]["model"]
     assert saved["stages"] == first.modules["model"].stage_names and saved["entries"]
     resumed, model = KeepRotorModules(), GPTTask()

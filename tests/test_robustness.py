@@ -16,7 +16,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from fitting import quiet_trainer
+from fitting import SaveAtEnd, quiet_trainer
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -151,38 +151,30 @@ def test_plan_state_without_fingerprints_is_not_loaded():
 
 
 def test_checkpoint_of_another_model_is_profiled_again_with_a_warning(tmp_path):
-    class Save(pl.Callback):
-        def on_train_end(self, trainer, pl_module):
-            trainer.save_checkpoint(tmp_path / "small.ckpt")
-
     quiet_trainer(tmp_path / "a", strategy=RotorStrategy(mem_limit=0.75),
-                callbacks=[Save()]).fit(WideLit(16), lit_loader())
+                  callbacks=[SaveAtEnd(tmp_path / "small.ckpt")]).fit(WideLit(16), lit_loader())
     big = WideLit(256)
     ckpt = torch.load(tmp_path / "small.ckpt", weights_only=True)
     ckpt["state_dict"] = big.state_dict()  # the weights fit; only the rotor state is the small model's
     torch.save(ckpt, tmp_path / "mixed.ckpt")
     with pytest.warns(UserWarning, match="saved plan state not used .*differ.*profiled again"):
         quiet_trainer(tmp_path / "b", strategy=RotorStrategy(mem_limit=0.9),
-                    max_steps=4).fit(big, lit_loader(), ckpt_path=tmp_path / "mixed.ckpt")
+                      max_steps=4).fit(big, lit_loader(), ckpt_path=tmp_path / "mixed.ckpt")
 
 
 # -- budgets: a resume refuses an infeasible budget as a fresh run does --------------------------------------
 def test_resume_with_an_infeasible_budget_fails_as_a_fresh_run_does(tmp_path):
     from lightning_rotor.planner import InfeasibleBudget
 
-    class Save(pl.Callback):
-        def on_train_end(self, trainer, pl_module):
-            trainer.save_checkpoint(tmp_path / "mid.ckpt")
-
     quiet_trainer(tmp_path / "a", strategy=RotorStrategy(mem_limit=0.75),
-                max_steps=2, callbacks=[Save()]).fit(LitNet(), lit_loader())
+                  max_steps=2, callbacks=[SaveAtEnd(tmp_path / "mid.ckpt")]).fit(LitNet(), lit_loader())
     with pytest.raises(InfeasibleBudget) as fresh:
         quiet_trainer(tmp_path / "b", strategy=RotorStrategy(mem_limit="1KiB"),
-                    max_steps=4).fit(LitNet(), lit_loader())
+                      max_steps=4).fit(LitNet(), lit_loader())
     resumed_model = LitNet()
     with pytest.raises(InfeasibleBudget) as resumed:
         quiet_trainer(tmp_path / "c", strategy=RotorStrategy(mem_limit="1KiB"),
-                    max_steps=4).fit(resumed_model, lit_loader(), ckpt_path=tmp_path / "mid.ckpt")
+                      max_steps=4).fit(resumed_model, lit_loader(), ckpt_path=tmp_path / "mid.ckpt")
     assert resumed.value.min_feasible == fresh.value.min_feasible
     assert resumed.value.mem_limit == fresh.value.mem_limit == 1024
 
@@ -284,7 +276,7 @@ class DeepCopies(pl.Callback):
 def test_callback_deep_copying_the_module_during_fit(tmp_path):
     copies = DeepCopies()
     quiet_trainer(tmp_path, strategy=RotorStrategy(mem_limit=0.75),
-                callbacks=[copies]).fit(LitNet(), lit_loader())
+                  callbacks=[copies]).fit(LitNet(), lit_loader())
     assert copies.copies == 9
 
 
