@@ -1,12 +1,21 @@
-"""Acceptance models installed outside the venv (`pip install --no-deps --target .models litgpt psutil`).
+"""Set-up shared by every test file.
 
-Their directory (`.models` at the repository root, or `LIGHTNING_ROTOR_TEST_MODELS`) is put on
+Acceptance models installed outside the venv (`pip install --no-deps --target .models litgpt psutil`):
+their directory (`.models` at the repository root, or `LIGHTNING_ROTOR_TEST_MODELS`) is put on
 `sys.path` when it exists; tests that need such a model skip cleanly without it (`importorskip`).
+
+One intra-op thread: the tensors are tiny, so threads only contend on a shared machine. Set here at
+import, before collection imports the test files (some build and profile models while collected).
+Helpers are plain functions in training.py (PyTorch) and fitting.py (Lightning).
 """
 
 import os
 import sys
 from pathlib import Path
+
+import torch
+
+torch.set_num_threads(1)
 
 _MODELS = Path(os.environ.get("LIGHTNING_ROTOR_TEST_MODELS", Path(__file__).resolve().parents[1] / ".models"))
 if _MODELS.is_dir() and str(_MODELS) not in sys.path:

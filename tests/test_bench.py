@@ -35,6 +35,7 @@ def bench_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     return out, stdout.getvalue()
 
 
+@pytest.mark.slow
 def test_every_method_produces_a_row(bench_run: tuple[Path, str]) -> None:
     out, _ = bench_run
     rows = read_rows(out / "mlp.csv")
@@ -55,6 +56,7 @@ def test_every_method_produces_a_row(bench_run: tuple[Path, str]) -> None:
             assert float(r["step_ms"]) > 0 and int(r["measured_peak"]) > 0, r
 
 
+@pytest.mark.slow
 def test_rotor_rows_respect_their_budget_and_prediction(bench_run: tuple[Path, str]) -> None:
     out, _ = bench_run
     rows = read_rows(out / "mlp.csv")
@@ -85,6 +87,7 @@ def test_checkpointing_lowers_the_measured_peak_of_a_transformer(tmp_path: Path)
     assert peak[("recompute_all", "7")] < none
 
 
+@pytest.mark.slow
 def test_csv_parses_and_markdown_and_png_are_written(bench_run: tuple[Path, str]) -> None:
     out, stdout = bench_run
     rows = read_rows(out / "mlp.csv")
@@ -100,6 +103,7 @@ def test_csv_parses_and_markdown_and_png_are_written(bench_run: tuple[Path, str]
     assert len(table) == 2 + len(rows)
 
 
+@pytest.mark.slow
 def test_a_csv_is_reported_again(bench_run: tuple[Path, str], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out, stdout = bench_run
     assert main(["--from-csv", str(out / "mlp.csv"), "--out", str(tmp_path)]) == 0

@@ -6,6 +6,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from fitting import quiet_trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
@@ -16,8 +17,6 @@ from lightning_rotor.lightning import RotorCallback, RotorStrategy
 from lightning_rotor.memory import MemoryProbe
 from lightning_rotor.planner import min_feasible_budget
 from lightning_rotor.simulate import no_recompute_peak
-
-torch.set_num_threads(1)
 
 N = 128
 
@@ -213,18 +212,8 @@ def test_a_trainer_step_calling_the_model_twice_logs_a_measured_peak_within_the_
     for name, strategy in (("plain", "auto"), ("rotor", RotorStrategy(mem_limit=0.6))):
         logger = TensorBoardLogger(tmp_path / name, name="tb")
         model = Critic(manual)
-        pl.Trainer(
-            strategy=strategy,
-            accelerator="cpu",
-            devices=1,
-            max_steps=5,
-            logger=logger,
-            log_every_n_steps=1,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            callbacks=[RotorCallback(measure_every_n_steps=1)],
-        ).fit(model, gan_loader())
+        quiet_trainer(tmp_path / name, strategy, max_steps=5, logger=logger, log_every_n_steps=1,
+                      callbacks=[RotorCallback(measure_every_n_steps=1)]).fit(model, gan_loader())
         runs[name] = (model, logger)
     (plain, _), (rotor, logger) = runs["plain"], runs["rotor"]
     assert len(rotor.losses) == 5 and rotor.losses == plain.losses
@@ -246,16 +235,7 @@ def test_a_trainer_budget_too_small_for_two_calls_is_one_line_before_any_optimiz
     least = min_feasible_budget(probe.chain)  # one call fits, two do not
     model = Critic()
     before = copy.deepcopy(model.state_dict())
-    trainer = pl.Trainer(
-        strategy=RotorStrategy(mem_limit=least),
-        accelerator="cpu",
-        devices=1,
-        max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(tmp_path, RotorStrategy(mem_limit=least), max_steps=2)
     with pytest.raises(InfeasibleStep, match=r"call 2 of this step .* use mem_limit >= \d+$") as err:
         trainer.fit(model, gan_loader())
     assert "\n" not in str(err.value) and err.value.min_feasible > least
@@ -287,18 +267,9 @@ def test_a_shared_budget_is_split_again_for_a_chain_called_twice(tmp_path):
     for name, strategy in (("plain", "auto"), ("rotor", RotorStrategy(mem_limit=0.7))):
         logger = TensorBoardLogger(tmp_path / name, name="tb")
         model = Gan()
-        pl.Trainer(
-            strategy=strategy,
-            accelerator="cpu",
-            devices=1,
-            max_steps=4,
-            logger=logger,
-            log_every_n_steps=1,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            callbacks=[RotorCallback(measure_every_n_steps=1)] + ([Keep()] if name == "rotor" else []),
-        ).fit(model, gan_loader())
+        quiet_trainer(tmp_path / name, strategy, max_steps=4, logger=logger, log_every_n_steps=1,
+                      callbacks=[RotorCallback(measure_every_n_steps=1)] + ([Keep()] if name == "rotor" else [])
+                      ).fit(model, gan_loader())
         runs[name] = (model, logger)
     (plain, _), (rotor, logger) = runs["plain"], runs["rotor"]
     assert rotor.losses == plain.losses

@@ -16,8 +16,6 @@ from lightning_rotor.discovery import DiscoveryError
 from lightning_rotor.planner import InfeasibleBudget, min_feasible_budget
 from lightning_rotor.simulate import no_recompute_peak
 
-torch.set_num_threads(1)
-
 
 class Block(nn.Module):
     """Residual conv block with BatchNorm and an in-place ReLU, like a ResNet's."""

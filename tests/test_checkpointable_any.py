@@ -12,18 +12,11 @@ import pytest
 import torch
 from models_any import GPT, Block, Gated, ReluUNet, ResNet, UNet, gpt2
 from torch import nn
-from training import assert_same_state, measured_step, train
+from training import assert_same_state, measured_step, tokens_loss, train
 
 from lightning_rotor.checkpointable import Checkpointable
 from lightning_rotor.discovery import ChainDiverged, GuardFailed
 from lightning_rotor.planner import InfeasibleBudget
-
-torch.set_num_threads(1)
-
-
-def tokens_loss(out, y):
-    logits = out.logits if hasattr(out, "logits") else out
-    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y)
 
 
 def classes_loss(out, y):

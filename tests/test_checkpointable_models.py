@@ -18,7 +18,6 @@ from lightning_rotor.models import MODELS
 from lightning_rotor.planner import InfeasibleBudget, min_feasible_budget
 from lightning_rotor.simulate import no_recompute_peak
 
-torch.set_num_threads(1)
 BATCH = 8
 BUDGETS = ("min", "25%", "50%", "75%", "unlimited")
 

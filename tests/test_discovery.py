@@ -19,8 +19,6 @@ from lightning_rotor.discovery import (
 )
 from lightning_rotor.planner import InfeasibleBudget
 
-torch.set_num_threads(1)
-
 
 def run_graph(found, *args, **kwargs):
     """The graph chain's stages one after another on a call's arguments."""

@@ -14,6 +14,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from fitting import KeepRotorModules, quiet_trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from training import assert_same_state, measured_step, train
@@ -22,9 +23,6 @@ from lightning_rotor.checkpointable import Checkpointable
 from lightning_rotor.discovery import DiscoveryError, discover_chain
 from lightning_rotor.engine import InplaceError
 from lightning_rotor.lightning import RotorCallback, RotorStrategy
-from lightning_rotor.lightning.state import rotor_modules
-
-torch.set_num_threads(1)
 
 WIDTH = 32
 STARTS = ("relu", None, "add", None, "relu", None)  # what each block does first to its input
@@ -154,26 +152,16 @@ class Task(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-class Keep(pl.Callback):
-    def __init__(self):
-        self.modules = {}
-
-    def on_train_end(self, trainer, pl_module):
-        self.modules = rotor_modules(pl_module)
-
-
 def fit(tmp_path, task, strategy="auto", callbacks=()):
     x, y = data()
-    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, default_root_dir=tmp_path, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         max_steps=3, callbacks=list(callbacks))
+    trainer = quiet_trainer(tmp_path, strategy, callbacks=list(callbacks))
     torch.manual_seed(7)
     trainer.fit(task, DataLoader(TensorDataset(x, y), batch_size=32))
 
 
 @pytest.mark.parametrize("strategy", ["rotor", "recompute"])
 def test_in_place_block_start_through_a_trainer(tmp_path, strategy):
-    plain, rotor, keep = Task(), Task(), Keep()
+    plain, rotor, keep = Task(), Task(), KeepRotorModules()
     measure = RotorCallback(measure_every_n_steps=1, log_curves=False, print_summary=False)
     fit(tmp_path / "plain", plain)
     fit(tmp_path / "rotor", rotor, strategy if strategy == "rotor" else RotorStrategy(mem_limit="60%"),

@@ -11,16 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from training import assert_same_state, measured_step, train
+from training import assert_same_state, measured_step, tokens_loss, train
 
 from lightning_rotor.checkpointable import Checkpointable
 from lightning_rotor.discovery import discover_chain
-
-torch.set_num_threads(1)
-
-
-def tokens_loss(out, y):
-    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y)
 
 
 class MadeInForward(nn.Module):
@@ -106,6 +100,7 @@ def test_litgpt_trains_like_plain_within_budget(how, label):
 
 def test_litgpt_through_a_trainer_with_half_the_memory(tmp_path):
     import lightning.pytorch as pl
+    from fitting import quiet_trainer
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_rotor.lightning import RotorCallback, RotorStrategy
@@ -137,9 +132,7 @@ def test_litgpt_through_a_trainer_with_half_the_memory(tmp_path):
     tasks = []
     for strategy, callbacks in (("auto", []), (RotorStrategy(mem_limit="50%"), [measure])):
         task = Task()
-        pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, default_root_dir=tmp_path, logger=False,
-                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, max_steps=3,
-                   callbacks=callbacks).fit(task, loader)
+        quiet_trainer(tmp_path, strategy, callbacks=callbacks).fit(task, loader)
         tasks.append(task)
     plain, rotor = tasks
     (wrapped,) = rotor.chains.values()

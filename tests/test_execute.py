@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from training import grads
 
 from lightning_rotor.chain import Chain
 from lightning_rotor.engine import InplaceError
@@ -15,8 +16,6 @@ from lightning_rotor.ops import no_recompute_ops
 from lightning_rotor.profile import profile_chain
 from lightning_rotor.simulate import simulate
 from lightning_rotor.stages import sequential_stages
-
-torch.set_num_threads(1)
 
 # every stage recomputed at least once, with checkpoints kept and dropped
 RECOMPUTE_ALL = [("Fc", 0), ("Fn", 1), ("Fn", 2), ("Fe", 3), ("Loss",), ("B", 3), ("Fc", 0), ("Fn", 1), ("Fe", 2),
@@ -51,10 +50,6 @@ def step(run, model, x, y):
     loss = F.cross_entropy(run(x), y)
     loss.backward()
     return loss.detach()
-
-
-def grads(model):
-    return [p.grad.clone() for p in model.parameters()]
 
 
 def test_recomputed_plan_matches_plain_bitwise_with_dropout_and_batchnorm():

@@ -12,6 +12,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from fitting import quiet_trainer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference_planner import reference_min_budget, reference_plan
@@ -28,8 +29,6 @@ from lightning_rotor.ops import Op, is_no_recompute, no_recompute_ops, shift_ops
 from lightning_rotor.planner import InfeasibleBudget, min_feasible_budget, plan
 from lightning_rotor.simulate import no_recompute_peak, simulate
 from lightning_rotor.tables import stage_rows
-
-torch.set_num_threads(1)  # tiny tensors: threads only contend on a shared machine
 
 
 def frozen_gpt():
@@ -385,18 +384,8 @@ def test_fine_tuning_through_a_trainer_equals_plain_training(tmp_path):
     for name, strategy in (("plain", "auto"), ("rotor", RotorStrategy(mem_limit=0.5))):
         model, seen = FineTune(), Seen()
         torch.manual_seed(7)
-        pl.Trainer(
-            strategy=strategy,
-            accelerator="cpu",
-            devices=1,
-            default_root_dir=tmp_path / name,
-            max_steps=4,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            callbacks=[seen] if name == "rotor" else [],
-        ).fit(model, DataLoader(data, batch_size=128))
+        quiet_trainer(tmp_path / name, strategy, max_steps=4, callbacks=[seen] if name == "rotor" else []).fit(
+            model, DataLoader(data, batch_size=128))
         runs[name] = (model, seen)
     (plain, _), (rotor, seen) = runs["plain"], runs["rotor"]
     assert seen.frozen == [25, 25, 13, 13] and seen.plans == [1, 1, 2, 2] and min(seen.recomputed) > 0

@@ -14,6 +14,8 @@ a stage writes its input, a kept checkpoint, in place) is allowed when it is one
 import pytest
 from fuzz_models import FRACTIONS, Spec, Worker
 
+pytestmark = pytest.mark.slow  # a child process that trains every case at every budget
+
 _RELU = ("act", "relu", "module")
 
 # Cases the fuzzer found (shrunk by hand), each a failure class of its own; run on every test run

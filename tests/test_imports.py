@@ -32,6 +32,7 @@ def test_plan_command_loads_nothing_heavy(tmp_path):
     assert run(code) == "0 []"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "imports",
     [

@@ -56,6 +56,7 @@ def python(code: str, cwd: Path, pythonpath: str | None) -> subprocess.Completed
                           timeout=300)
 
 
+@pytest.mark.slow
 def test_a_checkout_without_a_build_uses_the_installed_copys_planner(tmp_path):
     so = built_planner()
     for build_requirement in ("setuptools", "pybind11"):  # pyproject's build-system, used without isolation

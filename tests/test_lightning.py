@@ -8,10 +8,10 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from fitting import SaveAtEnd, classes_loader, quiet_trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_rotor.budget import BudgetError, resolve_budget
 from lightning_rotor.checkpointable import Checkpointable
@@ -109,27 +109,6 @@ class Flat(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def loader(n: int = 64, batch_size: int = 8) -> DataLoader:
-    g = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(n, 12, generator=g), torch.randint(0, 5, (n,), generator=g))
-    return DataLoader(data, batch_size=batch_size)
-
-
-def trainer(tmp_path, strategy="auto", **kw) -> pl.Trainer:
-    kw.setdefault("logger", False)
-    kw.setdefault("max_steps", 3)
-    return pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=1,
-        default_root_dir=tmp_path,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **kw,
-    )
-
-
 class Keep(pl.Callback):
     """Remembers the rotor modules while they are in the model (the strategy unwraps at teardown)."""
 
@@ -191,7 +170,7 @@ def test_wrap_keeps_parameters_and_keys_and_unwrap_restores():
 
 
 def test_registry_names_and_device_from_accelerator(tmp_path):
-    t = trainer(tmp_path, "rotor")
+    t = quiet_trainer(tmp_path, "rotor")
     assert isinstance(t.strategy, RotorStrategy) and t.strategy.root_device == torch.device("cpu")
     spawn = pl.Trainer(strategy="rotor_ddp_spawn", accelerator="cpu", devices=2, logger=False)
     assert isinstance(spawn.strategy, RotorDDPStrategy) and spawn.strategy._start_method == "spawn"
@@ -215,14 +194,8 @@ def test_same_losses_grads_and_buffers_as_plain_training(tmp_path, precision, ac
     for name, strategy in (("plain", "auto"), ("rotor", RotorStrategy(mem_limit=BUDGET))):
         model, keep = Net(), Keep()
         torch.manual_seed(7)
-        trainer(
-            tmp_path / name,
-            strategy,
-            precision=precision,
-            accumulate_grad_batches=accumulate,
-            max_steps=3,
-            callbacks=[keep],
-        ).fit(model, loader())
+        quiet_trainer(tmp_path / name, strategy, precision=precision, accumulate_grad_batches=accumulate,
+                      max_steps=3, callbacks=[keep]).fit(model, classes_loader())
         runs[name] = (model, keep)
     (plain, _), (rotor, keep) = runs["plain"], runs["rotor"]
     assert sum(r > 1 for r in keep.modules["net"].last_entry.runs) > 0  # the budget really forces recomputation
@@ -241,7 +214,7 @@ def test_manual_optimization(tmp_path):
     for name, strategy in (("plain", "auto"), ("rotor", RotorStrategy(mem_limit=BUDGET))):
         model = ManualNet()
         torch.manual_seed(7)
-        trainer(tmp_path / name, strategy, max_steps=3).fit(model, loader())
+        quiet_trainer(tmp_path / name, strategy, max_steps=3).fit(model, classes_loader())
         runs[name] = model
     torch.testing.assert_close(runs["rotor"].losses, runs["plain"].losses, rtol=0, atol=0)
     for a, b in zip(runs["rotor"].parameters(), runs["plain"].parameters(), strict=True):
@@ -254,7 +227,7 @@ def test_two_chains_share_a_fractional_budget(tmp_path):
     for name, strategy in (("plain", "auto"), ("rotor", RotorStrategy(mem_limit=BUDGET))):
         model = TwoChains()
         torch.manual_seed(7)
-        trainer(tmp_path / name, strategy, max_steps=3, callbacks=[keep]).fit(model, loader())
+        quiet_trainer(tmp_path / name, strategy, max_steps=3, callbacks=[keep]).fit(model, classes_loader())
         runs[name] = model
     assert sorted(keep.modules) == ["net", "tail"]
     # one budget, the fraction of the chains' summed no-recomputation peaks, split by need
@@ -271,14 +244,8 @@ def test_two_chains_share_a_fractional_budget(tmp_path):
 def test_tensorboard_gets_rotor_scalars_curve_and_stage_table(tmp_path):
     logger = TensorBoardLogger(tmp_path, name="tb")
     keep = Keep()
-    trainer(
-        tmp_path,
-        RotorStrategy(mem_limit=BUDGET),
-        logger=logger,
-        log_every_n_steps=1,
-        max_steps=4,
-        callbacks=[keep, RotorCallback(measure_every_n_steps=2)],
-    ).fit(Net(), loader())
+    quiet_trainer(tmp_path, RotorStrategy(mem_limit=BUDGET), logger=logger, log_every_n_steps=1, max_steps=4,
+                  callbacks=[keep, RotorCallback(measure_every_n_steps=2)]).fit(Net(), classes_loader())
     acc = events(logger.log_dir)
     scalars = acc.Tags()["scalars"]
     for tag in (
@@ -310,7 +277,7 @@ def test_tensorboard_gets_rotor_scalars_curve_and_stage_table(tmp_path):
 
 
 def test_callback_summary_printed(tmp_path, capsys):
-    trainer(tmp_path, RotorStrategy(mem_limit=BUDGET), max_steps=2).fit(Net(), loader())
+    quiet_trainer(tmp_path, RotorStrategy(mem_limit=BUDGET), max_steps=2).fit(Net(), classes_loader())
     out = capsys.readouterr().out
     assert "rotor plan" in out and "predicted peak" in out
 
@@ -320,7 +287,7 @@ def test_nothing_to_wrap_warns_once_and_trains(tmp_path):
     before = [p.detach().clone() for p in model.parameters()]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer(tmp_path, RotorStrategy(mem_limit="1MiB"), max_steps=2).fit(model, loader())
+        quiet_trainer(tmp_path, RotorStrategy(mem_limit="1MiB"), max_steps=2).fit(model, classes_loader())
     messages = [str(w.message) for w in caught if "nothing to checkpoint" in str(w.message)]
     assert len(messages) == 1 and "no nn.Sequential" in messages[0]
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
@@ -333,16 +300,13 @@ def test_chain_never_run_in_training_warns(tmp_path):
             self.spare = nn.Sequential(nn.Linear(2, 2), nn.ReLU())  # wrappable, but training_step never calls it
 
     with pytest.warns(UserWarning, match="did not run in the training forward"):
-        trainer(tmp_path, RotorStrategy(mem_limit="1MiB"), max_steps=2).fit(Unused(), loader())
+        quiet_trainer(tmp_path, RotorStrategy(mem_limit="1MiB"), max_steps=2).fit(Unused(), classes_loader())
 
 
 # -- checkpoints --------------------------------------------------------------------------------------
 def test_checkpoint_carries_chains_resume_skips_profiling_and_cross_loads(tmp_path):
-    class SaveMidRun(pl.Callback):
-        def on_train_end(self, trainer, pl_module):
-            trainer.save_checkpoint(tmp_path / "mid.ckpt")
-
-    trainer(tmp_path / "b", RotorStrategy(mem_limit=BUDGET), max_steps=2, callbacks=[SaveMidRun()]).fit(Net(), loader())
+    quiet_trainer(tmp_path / "b", RotorStrategy(mem_limit=BUDGET), max_steps=2,
+                  callbacks=[SaveAtEnd(tmp_path / "mid.ckpt")]).fit(Net(), classes_loader())
     ckpt = torch.load(tmp_path / "mid.ckpt", weights_only=True)
     saved = ckpt["rotor"]["modules"]["net"]
     assert saved["entries"] and saved["entries"][0]["plan"]["ops"]
@@ -352,9 +316,8 @@ def test_checkpoint_carries_chains_resume_skips_profiling_and_cross_loads(tmp_pa
     # resume with rotor: the chain comes from the checkpoint, nothing is profiled
     keep = Keep()
     resumed = Net()
-    trainer(tmp_path / "c", RotorStrategy(mem_limit=BUDGET), max_steps=4, callbacks=[keep]).fit(
-        resumed, loader(), ckpt_path=tmp_path / "mid.ckpt"
-    )
+    quiet_trainer(tmp_path / "c", RotorStrategy(mem_limit=BUDGET), max_steps=4, callbacks=[keep]).fit(
+        resumed, classes_loader(), ckpt_path=tmp_path / "mid.ckpt")
     rotor = keep.modules["net"]
     assert len(keep.entries_at_start["net"]) == 1  # restored before the first batch
     assert [id(e) for e in rotor.entries.values()] == keep.entries_at_start["net"]  # and never profiled again
@@ -362,21 +325,17 @@ def test_checkpoint_carries_chains_resume_skips_profiling_and_cross_loads(tmp_pa
 
     # into a Trainer without rotor
     plain = Net()
-    trainer(tmp_path / "d", max_steps=4).fit(plain, loader(), ckpt_path=tmp_path / "mid.ckpt")
+    quiet_trainer(tmp_path / "d", max_steps=4).fit(plain, classes_loader(), ckpt_path=tmp_path / "mid.ckpt")
     assert len(plain.losses) == 2
     torch.testing.assert_close(plain.losses, resumed.losses, rtol=0, atol=0)
 
     # a checkpoint made without rotor resumes under rotor
-    class SavePlain(pl.Callback):
-        def on_train_end(self, trainer, pl_module):
-            trainer.save_checkpoint(tmp_path / "plain.ckpt")
-
-    trainer(tmp_path / "e", max_steps=2, callbacks=[SavePlain()]).fit(Net(), loader())
+    quiet_trainer(tmp_path / "e", max_steps=2, callbacks=[SaveAtEnd(tmp_path / "plain.ckpt")]).fit(
+        Net(), classes_loader())
     assert "rotor" not in torch.load(tmp_path / "plain.ckpt", weights_only=True)
     again = Net()
-    trainer(tmp_path / "f", RotorStrategy(mem_limit=BUDGET), max_steps=4).fit(
-        again, loader(), ckpt_path=tmp_path / "plain.ckpt"
-    )
+    quiet_trainer(tmp_path / "f", RotorStrategy(mem_limit=BUDGET), max_steps=4).fit(again, classes_loader(),
+                                                                                    ckpt_path=tmp_path / "plain.ckpt")
     torch.testing.assert_close(again.losses, resumed.losses, rtol=0, atol=0)
 
 
@@ -388,17 +347,7 @@ def test_gpu_accelerator_puts_rotor_on_cuda(tmp_path):
     for name, chosen in (("plain", "auto"), ("rotor", strategy)):
         model = Net()
         torch.manual_seed(7)
-        pl.Trainer(
-            strategy=chosen,
-            accelerator="gpu",
-            devices=1,
-            max_steps=3,
-            logger=False,
-            default_root_dir=tmp_path,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            callbacks=[keep],
-        ).fit(model, loader())
+        quiet_trainer(tmp_path, chosen, accelerator="gpu", callbacks=[keep]).fit(model, classes_loader())
         runs[name] = model
     assert strategy.root_device.type == "cuda"
     assert next(iter(keep.modules["net"].entries.values())).runner.token_device.type == "cuda"
@@ -425,7 +374,7 @@ def test_slow_profiling_shows_progress(tmp_path, caplog):
     import logging
 
     with caplog.at_level(logging.INFO):
-        trainer(tmp_path, RotorStrategy(mem_limit=1.0), max_steps=1).fit(SlowNet(), loader())
+        quiet_trainer(tmp_path, RotorStrategy(mem_limit=1.0), max_steps=1).fit(SlowNet(), classes_loader())
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("rotor: profiling net:")]
     assert lines, [r.getMessage() for r in caplog.records]
     assert lines[-1].startswith("rotor: profiling net: 4/4 stages, ") and lines[-1].endswith(" s")
@@ -436,7 +385,7 @@ def test_fast_profiling_prints_no_progress(tmp_path, caplog):
     import logging
 
     with caplog.at_level(logging.INFO):
-        trainer(tmp_path, RotorStrategy(mem_limit=1.0), max_steps=1).fit(Net(), loader())
+        quiet_trainer(tmp_path, RotorStrategy(mem_limit=1.0), max_steps=1).fit(Net(), classes_loader())
     assert not [r for r in caplog.records if "rotor: profiling net:" in r.getMessage()]
 
 

@@ -6,17 +6,14 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from fitting import KeepRotorModules, SaveAtEnd, quiet_trainer
 from models_any import GPT, BasicBlock, Block
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_rotor.checkpointable import Checkpointable
 from lightning_rotor.lightning import RotorStrategy
-from lightning_rotor.lightning.state import rotor_modules
 from lightning_rotor.lightning.wrap import find_chains, resolve_block_types
 from lightning_rotor.shared_budget import InfeasibleTotal
-
-torch.set_num_threads(1)
 
 
 class GPTTask(pl.LightningModule):
@@ -82,36 +79,15 @@ def images(n=32):
     )
 
 
-class Keep(pl.Callback):
-    """The rotor modules while they are in the model (the strategy unwraps them at teardown)."""
-
-    def __init__(self):
-        self.modules: dict[str, Checkpointable] = {}
-
-    def on_train_end(self, trainer, pl_module):
-        self.modules = rotor_modules(pl_module)
-
-
 def fit(tmp_path, model, data, strategy="auto", **kw):
-    trainer = pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=1,
-        default_root_dir=tmp_path,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        max_steps=3,
-        **kw,
-    )
+    trainer = quiet_trainer(tmp_path, strategy, **kw)
     torch.manual_seed(7)
     trainer.fit(model, data)
     return trainer
 
 
 def test_gpt_with_modulelist_trains_bitwise_like_plain_under_half_the_memory(tmp_path, capsys):
-    plain, rotor, keep = GPTTask(), GPTTask(), Keep()
+    plain, rotor, keep = GPTTask(), GPTTask(), KeepRotorModules()
     fit(tmp_path / "plain", plain, tokens())
     fit(tmp_path / "rotor", rotor, tokens(), RotorStrategy(mem_limit="50%", discover="auto"), callbacks=[keep])
     ((name, wrapped),) = keep.modules.items()
@@ -132,7 +108,7 @@ def test_gpt_with_modulelist_trains_bitwise_like_plain_under_half_the_memory(tmp
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_tied_gpt_with_gradient_accumulation_and_clipping_stays_bitwise(tmp_path, precision):
     """issue 15: accumulate_grad_batches=4 with a tied embedding and LM head drifted 0.0102 in 4 steps."""
-    plain, rotor, keep = GPTTask(), GPTTask(), Keep()
+    plain, rotor, keep = GPTTask(), GPTTask(), KeepRotorModules()
     kw = dict(accumulate_grad_batches=4, gradient_clip_val=1.0, precision=precision)
     fit(tmp_path / "plain", plain, tokens(64), **kw)
     fit(tmp_path / "rotor", rotor, tokens(64), RotorStrategy(mem_limit="50%"), callbacks=[keep], **kw)
@@ -143,7 +119,7 @@ def test_tied_gpt_with_gradient_accumulation_and_clipping_stays_bitwise(tmp_path
 
 
 def test_checkpoint_modules_by_name_keep_blocks_whole(tmp_path):
-    keep = Keep()
+    keep = KeepRotorModules()
     fit(tmp_path, GPTTask(), tokens(), RotorStrategy(mem_limit="50%", checkpoint_modules=["Block"]), callbacks=[keep])
     stages = keep.modules["model"].stage_names
     assert [s for s in stages if s.startswith("transformer.h")] == [f"transformer.h.{i}" for i in range(4)]
@@ -161,7 +137,7 @@ def test_auto_does_not_wrap_a_small_head_on_its_own(tmp_path):
     found, _ = find_chains(CNNTask(), discover="auto")
     assert [n for n, _ in found] == ["features"]
     assert [n for n, _ in find_chains(CNNTask(), discover="sequential")[0]] == ["features", "head"]
-    keep = Keep()
+    keep = KeepRotorModules()
     fit(tmp_path, CNNTask(), images(), RotorStrategy(mem_limit="90%"), callbacks=[keep])
     assert list(keep.modules) == ["features"]
 
@@ -178,7 +154,7 @@ def test_infeasible_total_names_every_chain_and_the_smallest_total(tmp_path):
         fit(tmp_path, model, images(), strategy)
     smallest = err.value.min_feasible
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))  # no step was taken
-    keep = Keep()
+    keep = KeepRotorModules()
     fit(tmp_path, CNNTask(), images(), RotorStrategy(mem_limit=smallest, discover="sequential"), callbacks=[keep])
     assert sum(r.plan.mem_limit for r in keep.modules.values()) <= smallest  # the stated total works
 
@@ -216,60 +192,27 @@ def test_discover_and_checkpoint_modules_from_yaml(tmp_path, capsys):
 
 
 def test_resume_with_two_chains_keeps_the_split_of_one_byte_budget(tmp_path):
-    class Save(pl.Callback):
-        def on_train_end(self, trainer, pl_module):
-            trainer.save_checkpoint(tmp_path / "mid.ckpt")
-
-    first = Keep()
-    fit(
-        tmp_path / "a",
-        CNNTask(),
-        images(),
-        RotorStrategy(mem_limit=600_000, discover="sequential"),
-        callbacks=[Save(), first],
-    )
+    first = KeepRotorModules()
+    fit(tmp_path / "a", CNNTask(), images(), RotorStrategy(mem_limit=600_000, discover="sequential"),
+        callbacks=[SaveAtEnd(tmp_path / "mid.ckpt"), first])
     before = {name: r.plan.mem_limit for name, r in first.modules.items()}
     assert sorted(before) == ["features", "head"] and sum(before.values()) <= 600_000
-    resumed = Keep()
-    trainer = pl.Trainer(
-        strategy=RotorStrategy(mem_limit=600_000, discover="sequential"),
-        accelerator="cpu",
-        devices=1,
-        default_root_dir=tmp_path / "b",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        max_steps=4,
-        callbacks=[resumed],
-    )
+    resumed = KeepRotorModules()
+    trainer = quiet_trainer(tmp_path / "b", RotorStrategy(mem_limit=600_000, discover="sequential"), max_steps=4,
+                            callbacks=[resumed])
     trainer.fit(CNNTask(), images(), ckpt_path=tmp_path / "mid.ckpt")
     after = {name: r.plan.mem_limit for name, r in resumed.modules.items()}
     assert after == before  # each chain its share again, never the whole total each
 
 
 def test_resume_restores_a_discovered_chains_plans_once_it_is_found_again(tmp_path):
-    class Save(pl.Callback):
-        def on_train_end(self, trainer, pl_module):
-            trainer.save_checkpoint(tmp_path / "mid.ckpt")
-
-    first = Keep()
-    fit(tmp_path / "a", GPTTask(), tokens(), RotorStrategy(mem_limit="50%"), callbacks=[Save(), first])
+    first = KeepRotorModules()
+    fit(tmp_path / "a", GPTTask(), tokens(), RotorStrategy(mem_limit="50%"),
+        callbacks=[SaveAtEnd(tmp_path / "mid.ckpt"), first])
     saved = torch.load(tmp_path / "mid.ckpt", weights_only=True)["rotor"]["modules"]["model"]
     assert saved["stages"] == first.modules["model"].stage_names and saved["entries"]
-    resumed, model = Keep(), GPTTask()
-    trainer = pl.Trainer(
-        strategy=RotorStrategy(mem_limit="50%"),
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        default_root_dir=tmp_path / "b",
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        max_steps=5,
-        callbacks=[resumed],
-    )
+    resumed, model = KeepRotorModules(), GPTTask()
+    trainer = quiet_trainer(tmp_path / "b", RotorStrategy(mem_limit="50%"), max_steps=5, callbacks=[resumed])
     trainer.fit(model, tokens(), ckpt_path=tmp_path / "mid.ckpt")
     rotor = resumed.modules["model"]
     assert len(model.losses) == 2 and rotor.discovery.kind == "graph"
@@ -298,7 +241,7 @@ class GPT2Task(GPTTask):
 
 def test_transformers_gpt2_through_a_trainer_equals_plain_training(tmp_path):
     pytest.importorskip("transformers")
-    plain, rotor, keep = GPT2Task(), GPT2Task(), Keep()
+    plain, rotor, keep = GPT2Task(), GPT2Task(), KeepRotorModules()
     fit(tmp_path / "plain", plain, tokens())
     fit(tmp_path / "rotor", rotor, tokens(), RotorStrategy(mem_limit="50%"), callbacks=[keep])
     wrapped = keep.modules["model"]

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import lightning.pytorch as pl
+import pytest
 import torch
 import torch.nn.functional as F
+from fitting import classes_loader, quiet_trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_rotor.lightning import RotorDDPStrategy
 from lightning_rotor.lightning.state import rotor_modules
+
+pytestmark = pytest.mark.slow  # two spawned processes per fit
 
 
 class Net(pl.LightningModule):
@@ -48,26 +52,9 @@ class Report(pl.Callback):
         (self.folder / f"rank{trainer.global_rank}").write_text(str(sum(r > 1 for r in runs)))
 
 
-def loader() -> DataLoader:
-    g = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(64, 12, generator=g), torch.randint(0, 5, (64,), generator=g))
-    return DataLoader(data, batch_size=8)
-
-
 def fit(tmp_path, strategy, callbacks=()) -> Net:
     model = Net()
-    pl.Trainer(
-        strategy=strategy,
-        callbacks=list(callbacks),
-        accelerator="cpu",
-        devices=2,
-        max_steps=3,
-        logger=False,
-        default_root_dir=tmp_path,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    ).fit(model, loader())
+    quiet_trainer(tmp_path, strategy, devices=2, callbacks=list(callbacks)).fit(model, classes_loader())
     return model
 
 
@@ -126,18 +113,7 @@ def test_rotor_ddp_spawn_on_a_discovered_chain_equals_plain_ddp(tmp_path):
         ("rotor", RotorDDPStrategy(mem_limit=0.5, start_method="spawn"), [ReportKind(tmp_path)]),
     ):
         model = GPTNet()
-        pl.Trainer(
-            strategy=strategy,
-            callbacks=callbacks,
-            accelerator="cpu",
-            devices=2,
-            max_steps=3,
-            logger=False,
-            default_root_dir=tmp_path / name,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        ).fit(model, tokens)
+        quiet_trainer(tmp_path / name, strategy, devices=2, callbacks=callbacks).fit(model, tokens)
         models[name] = model
     for rank in (0, 1):
         kind, recomputed = (tmp_path / f"gpt{rank}").read_text().split()

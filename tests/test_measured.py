@@ -13,6 +13,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from fitting import quiet_trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
@@ -82,23 +83,15 @@ def test_measured_peak_equals_the_prediction_in_the_shipped_configs(tmp_path, co
     assert measured == [predicted] * len(measured)
 
 
+@pytest.mark.slow
 def test_ddp_measured_peak_leaves_out_the_reducer_buckets(tmp_path):
     """2 processes over gloo. Step 0 profiles; step 1, measured, is the one where DDP reallocates its gradient
     buckets (as many bytes as the parameters, more than the whole budget here)."""
     model = ModelTask("resnet18", {"width": 4, "num_classes": 10})
     data = SyntheticImages(num_samples=64, val_samples=8, image_size=16, num_classes=10, batch_size=8)
-    pl.Trainer(
-        strategy=RotorDDPStrategy(mem_limit="75%", start_method="spawn"),
-        accelerator="cpu",
-        devices=2,
-        max_steps=2,
-        log_every_n_steps=1,
-        limit_val_batches=0,
-        logger=TensorBoardLogger(tmp_path, name="ddp"),
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    ).fit(model, data)
+    quiet_trainer(tmp_path, RotorDDPStrategy(mem_limit="75%", start_method="spawn"), devices=2, max_steps=2,
+                  log_every_n_steps=1, limit_val_batches=0, logger=TensorBoardLogger(tmp_path, name="ddp")
+                  ).fit(model, data)
     logged = scalars(tmp_path)  # rank zero's
     measured, limit = logged["rotor/measured_peak_bytes"], logged["rotor/mem_limit_bytes"][-1]
     assert measured and max(measured) <= limit
@@ -129,17 +122,8 @@ def test_a_measured_peak_above_the_budget_is_warned_about_in_one_line(tmp_path):
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        pl.Trainer(
-            strategy=RotorStrategy(mem_limit="100%"),
-            accelerator="cpu",
-            max_steps=3,
-            logger=False,
-            callbacks=[RotorCallback(measure_every_n_steps=1)],
-            default_root_dir=tmp_path,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        ).fit(Hoarder(), data)
+        quiet_trainer(tmp_path, RotorStrategy(mem_limit="100%"), callbacks=[RotorCallback(measure_every_n_steps=1)]
+                      ).fit(Hoarder(), data)
     over = [str(w.message) for w in caught if "above the budget" in str(w.message)]
     assert len(over) == 1 and "\n" not in over[0], over  # once for the plan, though two steps were measured
     assert "of net:" in over[0]

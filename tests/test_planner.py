@@ -87,6 +87,7 @@ def forward_ops(ops):
     return sum(1 for op in ops if op[0] in FORWARD_KINDS)
 
 
+@pytest.mark.slow
 @settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(chain=chains(), where=st.floats(0, 1.2), slots=st.sampled_from([3, 8, 40, 500]))
 def test_cpp_equals_reference(chain, where, slots):
@@ -103,6 +104,7 @@ def test_cpp_equals_reference(chain, where, slots):
     assert simulate(chain, got[1]).peak <= budget
 
 
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None)
 @given(chain=chains(), where=st.floats(-0.2, 1.2))
 def test_plan_within_budget_and_reports_simulated_figures(chain, where):
@@ -135,6 +137,7 @@ def test_min_feasible_budget_plans_and_one_byte_less_does_not(chain):
         assert f"({smallest} bytes)" in str(err.value)
 
 
+@pytest.mark.slow
 @settings(max_examples=500, deadline=None)
 @given(chain=chains(), where=st.floats(0, 1.2), slots=st.sampled_from([3, 8, 40, 500]))
 def test_releasing_stage_inputs_never_hurts(chain, where, slots):
@@ -169,6 +172,7 @@ def persistent_schedules(length):
     return family(0, length, False)
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(chain=chains(max_length=4), where=st.floats(0, 1))
 def test_planners_account_like_the_simulator(chain, where):

@@ -10,8 +10,6 @@ from torch import nn
 from lightning_rotor.profile import MIN_ROUNDS, profile_chain
 from lightning_rotor.stages import sequential_stages
 
-torch.set_num_threads(1)
-
 
 def test_sizes_of_known_stages():
     # batch 16, width 64, float32: every activation is 4096 bytes

@@ -12,10 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from training import tokens_loss
 
 from lightning_rotor import Checkpointable
-
-torch.set_num_threads(1)
 
 
 class TiedNet(nn.Module):
@@ -48,11 +47,6 @@ def gpt2_case(batch: int):
     g = torch.Generator().manual_seed(batch)
     x = torch.randint(64, (batch, 8 + batch), generator=g)
     return x, torch.randint(64, (x.numel(),), generator=g)
-
-
-def tokens_loss(out, y):
-    logits = out.logits if hasattr(out, "logits") else out
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y)
 
 
 def gpt2_model():

@@ -136,6 +136,7 @@ finally:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("other", [None, "daemon", "thread"])
 def test_alone_recomputed_dropout_stages_run_with_no_mode_and_train_like_plain(other):
     """No other thread that may draw (none, or only a daemon service thread): the first run only notes the

@@ -1,4 +1,6 @@
-"""Unusual but legal PyTorch use around a rotor module: copies, threads, autograd variants, resumes."""
+"""Unusual but legal PyTorch use around a rotor module (copies, threads, autograd variants, resumes), by the
+promise each test checks: bad input refused in one clear line; gradients bitwise equal to plain training; the
+module standing in for the Sequential it wraps."""
 
 from __future__ import annotations
 
@@ -14,21 +16,33 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from fitting import SaveAtEnd, quiet_trainer
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
+from training import grads
 
 from lightning_rotor.checkpointable import Checkpointable
 from lightning_rotor.lightning import RotorStrategy
 
-torch.set_num_threads(1)
 
-
+# -- models, data and one plain step, shared by the sections below -------------------------------------------
 def dropout_net(seed: int = 0) -> nn.Sequential:
     torch.manual_seed(seed)
     return nn.Sequential(*[m for _ in range(5) for m in (nn.Linear(24, 24), nn.Tanh(), nn.Dropout(0.2))],
                          nn.Linear(24, 4))
+
+
+def tanh_net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[m for _ in range(5) for m in (nn.Linear(24, 24), nn.Tanh())], nn.Linear(24, 4))
+
+
+def wide_net(width: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    hidden = [m for _ in range(4) for m in (nn.Linear(width, width), nn.Tanh())]
+    return nn.Sequential(nn.Linear(24, width), nn.Tanh(), *hidden, nn.Linear(width, 4))
 
 
 def data(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,10 +57,130 @@ def step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return loss.detach()
 
 
-def grads(model: nn.Module) -> list[torch.Tensor]:
-    return [p.grad.clone() for p in model.parameters()]
+class LitNet(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = dropout_net()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+class WideLit(LitNet):
+    def __init__(self, width: int):
+        super().__init__()
+        self.net = wide_net(width)
+
+
+def lit_loader() -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    return DataLoader(TensorDataset(torch.randn(48, 24, generator=g), torch.randint(0, 4, (48,), generator=g)),
+                      batch_size=16)
+
+
+# == promise: bad input is refused in one clear line, before anything is half done ===========================
+# -- autograd calls rotor cannot serve while its plan recomputes ---------------------------------------------
+AUTOGRAD_CALLS = {
+    "grad of params": lambda loss, model, x: torch.autograd.grad(loss, list(model.parameters())),
+    "grad of params, allow_unused": lambda loss, model, x: torch.autograd.grad(
+        loss, list(model.parameters()), allow_unused=True),
+    "grad of input": lambda loss, model, x: torch.autograd.grad(loss, x),
+    "backward(inputs=)": lambda loss, model, x: loss.backward(inputs=[model[0].weight]),
+    "create_graph": lambda loss, model, x: torch.autograd.grad(loss, x, create_graph=True)[0].sum().backward(),
+    "retain_graph twice": lambda loss, model, x: (loss.backward(retain_graph=True), loss.backward()),
+}
+
+
+@pytest.mark.parametrize("name", list(AUTOGRAD_CALLS))
+def test_autograd_variants_are_refused_with_one_clear_error_when_the_plan_recomputes(name):
+    rotor = Checkpointable(tanh_net(), 0.75)
+    x, y = data()
+    step(rotor, x, y)
+    assert rotor.plan.recomputed_stages > 0
+    rotor.zero_grad(set_to_none=True)
+    xr = x.clone().requires_grad_(True)
+    loss = F.cross_entropy(rotor(xr), y)
+    match = "once per forward" if name == "retain_graph twice" else "not supported while the plan recomputes"
+    with pytest.raises(RuntimeError, match=match) as err:
+        AUTOGRAD_CALLS[name](loss, rotor, xr)
+    assert "\n" not in str(err.value)
+    if name != "retain_graph twice":  # refused before any gradient was written
+        assert all(p.grad is None for p in rotor.parameters()) and xr.grad is None
+
+
+# -- nothing to run the chain on -----------------------------------------------------------------------------
+def test_no_input_is_one_clear_error():
+    with pytest.raises(TypeError, match="needs the chain input"):
+        Checkpointable(tanh_net(), 0.75)()
+
+
+# -- saved plans: only this chain's plan is loaded; another one is refused, or profiled again with a warning
+def test_plan_of_another_model_with_the_same_stage_names_is_refused():
+    x, y = data()
+    small = Checkpointable(wide_net(16), 0.75)
+    step(small, x, y)
+    state = small.plan_state()
+    big = Checkpointable(wide_net(256), 0.9)
+    assert big.stage_names == small.stage_names
+    with pytest.raises(ValueError, match="differ in module types or parameter/buffer shapes") as err:
+        big.load_plan_state(state)
+    assert "\n" not in str(err.value)
+    assert big.entries == {} and big.budget is None  # nothing forced in: the next forward profiles
+    with big.measure_step() as m:
+        step(big, x, y)
+    assert m.peak <= big.plan.mem_limit
+    twin = Checkpointable(wide_net(16), 0.75)  # the same chain loads
+    twin.load_plan_state(state)
+    assert twin.entries.keys() == small.entries.keys() and twin.budget == small.budget
+
+
+def test_plan_state_without_fingerprints_is_not_loaded():
+    x, y = data()
+    rotor = Checkpointable(wide_net(16), 0.75)
+    step(rotor, x, y)
+    state = rotor.plan_state()
+    del state["fingerprints"]
+    fresh = Checkpointable(wide_net(16), 0.75)
+    with pytest.raises(ValueError, match="no stage fingerprints"):
+        fresh.load_plan_state(state)
+    assert fresh.entries == {}
+
+
+def test_checkpoint_of_another_model_is_profiled_again_with_a_warning(tmp_path):
+    quiet_trainer(tmp_path / "a", strategy=RotorStrategy(mem_limit=0.75),
+                  callbacks=[SaveAtEnd(tmp_path / "small.ckpt")]).fit(WideLit(16), lit_loader())
+    big = WideLit(256)
+    ckpt = torch.load(tmp_path / "small.ckpt", weights_only=True)
+    ckpt["state_dict"] = big.state_dict()  # the weights fit; only the rotor state is the small model's
+    torch.save(ckpt, tmp_path / "mixed.ckpt")
+    with pytest.warns(UserWarning, match="saved plan state not used .*differ.*profiled again"):
+        quiet_trainer(tmp_path / "b", strategy=RotorStrategy(mem_limit=0.9),
+                      max_steps=4).fit(big, lit_loader(), ckpt_path=tmp_path / "mixed.ckpt")
+
+
+# -- budgets: a resume refuses an infeasible budget as a fresh run does --------------------------------------
+def test_resume_with_an_infeasible_budget_fails_as_a_fresh_run_does(tmp_path):
+    from lightning_rotor.planner import InfeasibleBudget
+
+    quiet_trainer(tmp_path / "a", strategy=RotorStrategy(mem_limit=0.75),
+                  max_steps=2, callbacks=[SaveAtEnd(tmp_path / "mid.ckpt")]).fit(LitNet(), lit_loader())
+    with pytest.raises(InfeasibleBudget) as fresh:
+        quiet_trainer(tmp_path / "b", strategy=RotorStrategy(mem_limit="1KiB"),
+                      max_steps=4).fit(LitNet(), lit_loader())
+    resumed_model = LitNet()
+    with pytest.raises(InfeasibleBudget) as resumed:
+        quiet_trainer(tmp_path / "c", strategy=RotorStrategy(mem_limit="1KiB"),
+                      max_steps=4).fit(resumed_model, lit_loader(), ckpt_path=tmp_path / "mid.ckpt")
+    assert resumed.value.min_feasible == fresh.value.min_feasible
+    assert resumed.value.mem_limit == fresh.value.mem_limit == 1024
+
+
+# == promise: gradients bitwise equal to plain training ======================================================
+# -- through copies of a measured module (deepcopy, pickle, torch.save; mid-step; from a callback) -----------
 def raw_handles(root: object) -> list[str]:
     """Storage weak references or dispatch modes reachable from `root` (the object graph, not tensors' data)."""
     found, seen, todo = [], set(), [root]
@@ -61,7 +195,6 @@ def raw_handles(root: object) -> list[str]:
     return found
 
 
-# -- 1. copies of a measured module ---------------------------------------------------------------------
 def measured_rotor() -> tuple[Checkpointable, torch.Tensor, torch.Tensor]:
     rotor = Checkpointable(dropout_net(), 0.5)
     x, y = data()
@@ -119,19 +252,6 @@ def test_copy_while_a_step_is_measured():
     assert all(p.grad is not None for p in twin.parameters())
 
 
-class LitNet(pl.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.net = dropout_net()
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return F.cross_entropy(self.net(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
 class DeepCopies(pl.Callback):
     """EMA/teacher style: deep-copies the LightningModule at several points of every step."""
 
@@ -153,42 +273,14 @@ class DeepCopies(pl.Callback):
         self._copy(pl_module)
 
 
-def lit_loader() -> DataLoader:
-    g = torch.Generator().manual_seed(0)
-    return DataLoader(TensorDataset(torch.randn(48, 24, generator=g), torch.randint(0, 4, (48,), generator=g)),
-                      batch_size=16)
-
-
-def lit_trainer(tmp_path, **kw) -> pl.Trainer:
-    kw.setdefault("max_steps", 3)
-    return pl.Trainer(accelerator="cpu", devices=1, default_root_dir=tmp_path, logger=False,
-                      enable_progress_bar=False, enable_model_summary=False, **kw)
-
-
 def test_callback_deep_copying_the_module_during_fit(tmp_path):
     copies = DeepCopies()
-    lit_trainer(tmp_path, strategy=RotorStrategy(mem_limit=0.75), enable_checkpointing=False,
-                callbacks=[copies]).fit(LitNet(), lit_loader())
+    quiet_trainer(tmp_path, strategy=RotorStrategy(mem_limit=0.75),
+                  callbacks=[copies]).fit(LitNet(), lit_loader())
     assert copies.copies == 9
 
 
-# -- 3. autograd calls other than loss.backward() ------------------------------------------------------
-def tanh_net() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(*[m for _ in range(5) for m in (nn.Linear(24, 24), nn.Tanh())], nn.Linear(24, 4))
-
-
-AUTOGRAD_CALLS = {
-    "grad of params": lambda loss, model, x: torch.autograd.grad(loss, list(model.parameters())),
-    "grad of params, allow_unused": lambda loss, model, x: torch.autograd.grad(
-        loss, list(model.parameters()), allow_unused=True),
-    "grad of input": lambda loss, model, x: torch.autograd.grad(loss, x),
-    "backward(inputs=)": lambda loss, model, x: loss.backward(inputs=[model[0].weight]),
-    "create_graph": lambda loss, model, x: torch.autograd.grad(loss, x, create_graph=True)[0].sum().backward(),
-    "retain_graph twice": lambda loss, model, x: (loss.backward(retain_graph=True), loss.backward()),
-}
-
-
+# -- through autograd calls other than loss.backward(), when nothing is recomputed ---------------------------
 def _autograd_result(model: nn.Module, x: torch.Tensor, y: torch.Tensor, call) -> list:
     model.zero_grad(set_to_none=True)
     x = x.clone().requires_grad_(True)
@@ -200,23 +292,6 @@ def _autograd_result(model: nn.Module, x: torch.Tensor, y: torch.Tensor, call) -
 def _same(a: list, b: list) -> bool:
     return len(a) == len(b) and all((u is None and v is None) or (u is not None and v is not None and torch.equal(u, v))
                                     for u, v in zip(a, b, strict=True))
-
-
-@pytest.mark.parametrize("name", list(AUTOGRAD_CALLS))
-def test_autograd_variants_are_refused_with_one_clear_error_when_the_plan_recomputes(name):
-    rotor = Checkpointable(tanh_net(), 0.75)
-    x, y = data()
-    step(rotor, x, y)
-    assert rotor.plan.recomputed_stages > 0
-    rotor.zero_grad(set_to_none=True)
-    xr = x.clone().requires_grad_(True)
-    loss = F.cross_entropy(rotor(xr), y)
-    match = "once per forward" if name == "retain_graph twice" else "not supported while the plan recomputes"
-    with pytest.raises(RuntimeError, match=match) as err:
-        AUTOGRAD_CALLS[name](loss, rotor, xr)
-    assert "\n" not in str(err.value)
-    if name != "retain_graph twice":  # refused before any gradient was written
-        assert all(p.grad is None for p in rotor.parameters()) and xr.grad is None
 
 
 @pytest.mark.parametrize("name", list(AUTOGRAD_CALLS))
@@ -241,19 +316,20 @@ def test_backward_of_a_loss_not_through_the_chain_is_untouched():
     assert all(p.grad is None for p in rotor.parameters())
 
 
-# -- 6. the wrapped Sequential's container API and several inputs --------------------------------------
-def test_wrapped_sequential_iterates_indexes_and_has_a_length():
-    seq = tanh_net()
-    rotor = Checkpointable(seq, 0.75)
-    assert len(rotor) == len(seq) == 11
-    assert list(rotor) == list(seq)
-    assert rotor[0] is seq[0] and rotor[-1] is seq[-1]
-    part = rotor[2:5]
-    assert isinstance(part, nn.Sequential) and list(part) == list(seq)[2:5]
-    with pytest.raises(IndexError):
-        rotor[11]
+def test_post_accumulate_grad_hooks_run_once_per_backward_as_in_plain_training():
+    rotor = Checkpointable(tanh_net(), 0.75)
+    x, y = data()
+    step(rotor, x, y)
+    assert rotor.plan.recomputed_stages > 0
+    seen: list[tuple[int, bool]] = []
+    for i, p in enumerate(rotor.parameters()):
+        p.register_post_accumulate_grad_hook(lambda q, i=i: seen.append((i, q.grad is not None)))
+    step(rotor, x, y)
+    n = len(list(rotor.parameters()))
+    assert sorted(seen) == [(i, True) for i in range(n)]
 
 
+# -- with several inputs, at every budget --------------------------------------------------------------------
 class Pair(nn.Module):
     """A first stage taking two tensors, as one tuple (an nn.Sequential passes one value along)."""
 
@@ -292,93 +368,7 @@ def test_several_inputs_reach_the_first_stage_as_one_tuple_at_every_budget(budge
         assert torch.equal(rotor(a, b), plain((a, b)))
 
 
-def test_no_input_is_one_clear_error():
-    with pytest.raises(TypeError, match="needs the chain input"):
-        Checkpointable(tanh_net(), 0.75)()
-
-
-# -- 4. a saved plan must be this chain's ---------------------------------------------------------------
-def wide_net(width: int) -> nn.Sequential:
-    torch.manual_seed(0)
-    hidden = [m for _ in range(4) for m in (nn.Linear(width, width), nn.Tanh())]
-    return nn.Sequential(nn.Linear(24, width), nn.Tanh(), *hidden, nn.Linear(width, 4))
-
-
-def test_plan_of_another_model_with_the_same_stage_names_is_refused():
-    x, y = data()
-    small = Checkpointable(wide_net(16), 0.75)
-    step(small, x, y)
-    state = small.plan_state()
-    big = Checkpointable(wide_net(256), 0.9)
-    assert big.stage_names == small.stage_names
-    with pytest.raises(ValueError, match="differ in module types or parameter/buffer shapes") as err:
-        big.load_plan_state(state)
-    assert "\n" not in str(err.value)
-    assert big.entries == {} and big.budget is None  # nothing forced in: the next forward profiles
-    with big.measure_step() as m:
-        step(big, x, y)
-    assert m.peak <= big.plan.mem_limit
-    twin = Checkpointable(wide_net(16), 0.75)  # the same chain loads
-    twin.load_plan_state(state)
-    assert twin.entries.keys() == small.entries.keys() and twin.budget == small.budget
-
-
-def test_plan_state_without_fingerprints_is_not_loaded():
-    x, y = data()
-    rotor = Checkpointable(wide_net(16), 0.75)
-    step(rotor, x, y)
-    state = rotor.plan_state()
-    del state["fingerprints"]
-    fresh = Checkpointable(wide_net(16), 0.75)
-    with pytest.raises(ValueError, match="no stage fingerprints"):
-        fresh.load_plan_state(state)
-    assert fresh.entries == {}
-
-
-class WideLit(LitNet):
-    def __init__(self, width: int):
-        super().__init__()
-        self.net = wide_net(width)
-
-
-def test_checkpoint_of_another_model_is_profiled_again_with_a_warning(tmp_path):
-    class Save(pl.Callback):
-        def on_train_end(self, trainer, pl_module):
-            trainer.save_checkpoint(tmp_path / "small.ckpt")
-
-    lit_trainer(tmp_path / "a", strategy=RotorStrategy(mem_limit=0.75), enable_checkpointing=False,
-                callbacks=[Save()]).fit(WideLit(16), lit_loader())
-    big = WideLit(256)
-    ckpt = torch.load(tmp_path / "small.ckpt", weights_only=True)
-    ckpt["state_dict"] = big.state_dict()  # the weights fit; only the rotor state is the small model's
-    torch.save(ckpt, tmp_path / "mixed.ckpt")
-    with pytest.warns(UserWarning, match="saved plan state not used .*differ.*profiled again"):
-        lit_trainer(tmp_path / "b", strategy=RotorStrategy(mem_limit=0.9), enable_checkpointing=False,
-                    max_steps=4).fit(big, lit_loader(), ckpt_path=tmp_path / "mixed.ckpt")
-
-
-# -- 5. resuming with a budget that cannot be met -------------------------------------------------------
-def test_resume_with_an_infeasible_budget_fails_as_a_fresh_run_does(tmp_path):
-    from lightning_rotor.planner import InfeasibleBudget
-
-    class Save(pl.Callback):
-        def on_train_end(self, trainer, pl_module):
-            trainer.save_checkpoint(tmp_path / "mid.ckpt")
-
-    lit_trainer(tmp_path / "a", strategy=RotorStrategy(mem_limit=0.75), enable_checkpointing=False,
-                max_steps=2, callbacks=[Save()]).fit(LitNet(), lit_loader())
-    with pytest.raises(InfeasibleBudget) as fresh:
-        lit_trainer(tmp_path / "b", strategy=RotorStrategy(mem_limit="1KiB"), enable_checkpointing=False,
-                    max_steps=4).fit(LitNet(), lit_loader())
-    resumed_model = LitNet()
-    with pytest.raises(InfeasibleBudget) as resumed:
-        lit_trainer(tmp_path / "c", strategy=RotorStrategy(mem_limit="1KiB"), enable_checkpointing=False,
-                    max_steps=4).fit(resumed_model, lit_loader(), ckpt_path=tmp_path / "mid.ckpt")
-    assert resumed.value.min_feasible == fresh.value.min_feasible
-    assert resumed.value.mem_limit == fresh.value.mem_limit == 1024
-
-
-# -- 2. threads: replays draw their first run's numbers, and the process-wide generator is never rewound ----
+# -- with random numbers: replays draw their first run's numbers, across threads; the generator is never rewound
 class FixedDropout(nn.Module):
     """Dropout with given masks, computed as nn.Dropout computes it on CPU (input * mask / (1 - p))."""
 
@@ -490,19 +480,6 @@ def test_a_thread_drawing_random_numbers_during_training_sees_no_repeats():
             assert torch.equal(a, b)
 
 
-def test_post_accumulate_grad_hooks_run_once_per_backward_as_in_plain_training():
-    rotor = Checkpointable(tanh_net(), 0.75)
-    x, y = data()
-    step(rotor, x, y)
-    assert rotor.plan.recomputed_stages > 0
-    seen: list[tuple[int, bool]] = []
-    for i, p in enumerate(rotor.parameters()):
-        p.register_post_accumulate_grad_hook(lambda q, i=i: seen.append((i, q.grad is not None)))
-    step(rotor, x, y)
-    n = len(list(rotor.parameters()))
-    assert sorted(seen) == [(i, True) for i in range(n)]
-
-
 class SometimesDropout(nn.Module):
     """Draws random numbers only when `active` (control flow that changes between steps)."""
 
@@ -537,3 +514,16 @@ def test_a_stage_that_starts_drawing_later_is_still_replayed_exactly():
     # all quiet after an inactive step; the stages holding dropout are recorded again once they drew
     assert quiet[0] == quiet[1] == quiet[4] == quiet[5] == recomputed
     assert quiet[2] < recomputed and quiet[3] < recomputed
+
+
+# == promise: the module stands in for the Sequential it wraps ===============================================
+def test_wrapped_sequential_iterates_indexes_and_has_a_length():
+    seq = tanh_net()
+    rotor = Checkpointable(seq, 0.75)
+    assert len(rotor) == len(seq) == 11
+    assert list(rotor) == list(seq)
+    assert rotor[0] is seq[0] and rotor[-1] is seq[-1]
+    part = rotor[2:5]
+    assert isinstance(part, nn.Sequential) and list(part) == list(seq)[2:5]
+    with pytest.raises(IndexError):
+        rotor[11]

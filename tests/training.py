@@ -1,6 +1,11 @@
-"""A few optimizer steps, the same for a plain model and its rotor-wrapped copy."""
+"""Plain-PyTorch helpers shared by the test files: a few optimizer steps the same for a plain model and its
+rotor-wrapped copy, losses, and the comparisons of their results (Lightning helpers: fitting.py).
+
+Plain functions, not fixtures: they take the model and data they work on as arguments.
+"""
 
 import torch
+import torch.nn.functional as F
 
 
 def train(model, x, y, loss_fn, steps=3, lr=0.1):
@@ -16,6 +21,17 @@ def train(model, x, y, loss_fn, steps=3, lr=0.1):
             opt.step()
         losses.append(loss.detach())
     return torch.stack(losses)
+
+
+def grads(model):
+    """Every parameter's gradient, cloned: the next step overwrites `.grad`."""
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def tokens_loss(out, y):
+    """Cross-entropy of token logits against flat targets; `out` is a tensor or a Hugging Face output (`.logits`)."""
+    logits = out.logits if hasattr(out, "logits") else out
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y)
 
 
 def assert_same_state(plain, wrapped):
@@ -39,3 +55,4 @@ def check_measured_peak(ckpt, measured):
     chosen = ckpt.plan
     assert measured <= chosen.mem_limit
     assert 0.9 * chosen.peak <= measured <= chosen.peak, (measured, chosen.peak)
+
