@@ -62,6 +62,7 @@ from lightning_rotor.calls import (
 from lightning_rotor.chain import Chain
 from lightning_rotor.discretize import check_slots
 from lightning_rotor.execute import PlanRunner
+from lightning_rotor.huggingface import without_kv_cache
 from lightning_rotor.memory import CudaMemoryProbe, MemoryProbe, storage_bytes
 from lightning_rotor.ops import forward_counts, is_no_recompute
 from lightning_rotor.planner import InfeasibleBudget, Plan, min_feasible_budget, plan
@@ -329,6 +330,7 @@ class Checkpointable(nn.Module):
             return self._run(value, lambda: self.module(value))
         if not self.training or not torch.is_grad_enabled() or self.no_chain:
             return self.module(*args, **kwargs)  # the user's forward, as written (traced code freezes `training`)
+        args, kwargs = without_kv_cache(self.module, args, kwargs)  # Hugging Face: no KV cache in training
         found = self.discovery
         if found is None:
             from lightning_rotor.discovery import DiscoveryError
