@@ -80,11 +80,12 @@ def test_bad_input_is_one_line():
     assert "\n" not in str(err.value)
 
 
-def test_fabric_loop_equals_plain_fabric_within_budget(tmp_path, capsys):
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_fabric_loop_equals_plain_fabric_within_budget(tmp_path, capsys, precision):
     logger = TensorBoardLogger(tmp_path, name="tb")
-    _, _, plain = run("auto")
-    fabric, model, got = run(RotorFabricStrategy(mem_limit="50%", measure_every_n_steps=0), loggers=logger)
-    strategy = fabric.strategy
+    _, _, plain = run("auto", precision=precision)
+    strategy = RotorFabricStrategy(mem_limit="50%", measure_every_n_steps=0)
+    fabric, model, got = run(strategy, loggers=logger, precision=precision)
     rotor = strategy.chains["model"]
     assert isinstance(model.module, GPT) and model._forward_module is rotor  # the whole model is the chain
     assert rotor.discovery.kind == "graph" and sum(r > 1 for r in rotor.last_entry.runs) > 0  # recomputes
