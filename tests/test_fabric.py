@@ -15,6 +15,7 @@ from lightning_rotor.budget import BudgetError
 from lightning_rotor.checkpointable import Checkpointable
 from lightning_rotor.fabric import RotorFabricStrategy
 from lightning_rotor.memory import MemoryProbe
+from lightning_rotor.planner import min_feasible_budget
 
 torch.set_num_threads(1)
 
@@ -147,3 +148,18 @@ def test_two_modules_set_up_apart_are_two_chains():
     fabric.backward(d(g(torch.randn(8, 16))).sum())
     limits = [r.plan.mem_limit for r in fabric.strategy.chains.values()]
     assert fabric.strategy.metrics["rotor/mem_limit_bytes"] == sum(limits)
+
+
+def test_a_kept_output_above_the_budget_is_warned_about_once():
+    fabric = Fabric(strategy=RotorFabricStrategy(measure_every_n_steps=1), accelerator="cpu", devices=1)
+    torch.manual_seed(0)
+    model = fabric.setup(GPT(n_layer=4, n_embd=32, block_size=16))
+    with pytest.warns(UserWarning, match="keeps the model's output alive") as record:
+        for i, (x, y) in enumerate(batches(4)):
+            logits = model(x)  # kept through the backward: the plan does not expect it
+            fabric.backward(lm_loss(logits, y))
+            if i == 0:  # the smallest budget leaves no room for the logits
+                rotor = fabric.strategy.chains["model"]
+                rotor.replan(min_feasible_budget(rotor.chain))
+    assert sum("is above the budget" in str(w.message) for w in record) == 1  # once per plan
+    assert fabric.strategy.metrics["rotor/measured_peak_bytes"] > rotor.plan.mem_limit

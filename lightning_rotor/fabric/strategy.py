@@ -250,10 +250,11 @@ class RotorFabricStrategy(SingleDeviceStrategy):
                 )
             return
         profiled = any(len(r.entries) != self._entries_before.get(n, 0) for n, r in self.chains.items())
-        peaks = [m.peak for rotor, m, before in self._measurements if len(rotor.entries) == before and m.entry]
+        peaks = []
         for rotor, m, before in self._measurements:
             if len(rotor.entries) == before and m.entry is not None:  # else a new signature was profiled inside
                 self._measured_once.add(id(m.entry))
+                peaks.append(m.peak)
         self._measurements = []
         if peaks:
             self._measured_peak = max(peaks)
