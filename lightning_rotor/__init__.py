@@ -7,7 +7,8 @@ executes it. `RotorStrategy` does all of that for a LightningModule.
 Names are imported on first use, so `import lightning_rotor` (and the `plan`
 command) loads neither torch nor Lightning, matplotlib or TensorBoard. It does
 register the strategy names `"rotor"`, `"rotor_ddp"` and `"rotor_ddp_spawn"` for
-`Trainer(strategy=...)`: at once if Lightning is loaded, else as soon as it is.
+`Trainer(strategy=...)`, and `"rotor"` for `Fabric(strategy=...)`: at once if Lightning
+is loaded, else as soon as it is.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ _HOMES = {
     "discover_chain": "discovery",
     "RotorCallback": "lightning",
     "RotorDDPStrategy": "lightning",
+    "RotorFabricStrategy": "fabric",
     "RotorStrategy": "lightning",
     "CudaMemoryProbe": "memory",
     "MemoryProbe": "memory",
@@ -68,6 +70,7 @@ __all__ = [
     "Plan",
     "RotorCallback",
     "RotorDDPStrategy",
+    "RotorFabricStrategy",
     "RotorStrategy",
     "Simulation",
     "Stages",
@@ -111,6 +114,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
         discover_chain,
     )
     from lightning_rotor.engine import InplaceError
+    from lightning_rotor.fabric import RotorFabricStrategy
     from lightning_rotor.lightning import RotorCallback, RotorDDPStrategy, RotorStrategy
     from lightning_rotor.memory import CudaMemoryProbe, MemoryProbe
     from lightning_rotor.ops import Op, OpKind

@@ -40,6 +40,7 @@ from lightning_rotor.cache import PlanCache, plan_key, signature
 from lightning_rotor.calls import Call, InfeasibleStep, StepCalls, describe, step_minimum
 from lightning_rotor.chain import Chain
 from lightning_rotor.discretize import check_slots
+from lightning_rotor.huggingface import without_kv_cache
 from lightning_rotor.measure import StepMeasurement
 from lightning_rotor.memory import CudaMemoryProbe, MemoryProbe
 from lightning_rotor.ops import is_no_recompute
@@ -180,6 +181,7 @@ class Checkpointable(nn.Module):
             return self._run(value, lambda: self.module(value))
         if not self.training or not torch.is_grad_enabled() or self.no_chain:
             return self.module(*args, **kwargs)  # the user's forward, as written (traced code freezes `training`)
+        args, kwargs = without_kv_cache(self.module, args, kwargs)  # Hugging Face: no KV cache in training
         found = self.discovery
         if found is None:
             from lightning_rotor.discovery import DiscoveryError

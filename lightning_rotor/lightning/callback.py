@@ -136,6 +136,34 @@ def discovery_lines(chains: dict[str, Checkpointable]) -> list[str]:
     return lines
 
 
+def step_metrics(chains: dict[str, Checkpointable], step_seconds: float | None = None,
+                 measured_peak: int | None = None) -> dict[str, float]:
+    """The `rotor/...` scalars of a step, summed over `chains` (the Trainer's callback and Fabric log the same)."""
+    entries = [rotor.last_entry for rotor in chains.values()]
+    no_recompute = sum(e.chain.no_recompute_time() for e in entries)
+    predicted = sum(e.plan.time for e in entries)
+    # per chain: its budget, which covers all its calls in a step, and the step's predicted peak
+    # (the largest of each call's plan peak above what the step's earlier calls still held)
+    metrics = {
+        "rotor/mem_limit_bytes": float(sum(rotor.step_limit or e.plan.mem_limit
+                                           for rotor, e in zip(chains.values(), entries, strict=True))),
+        "rotor/predicted_peak_bytes": float(sum(rotor.calls.step_peak or e.plan.peak
+                                                for rotor, e in zip(chains.values(), entries, strict=True))),
+        "rotor/recomputed_stages": float(sum(e.plan.recomputed_stages for e in entries)),
+        "rotor/no_recompute_seconds": no_recompute,
+        "rotor/predicted_seconds": predicted,
+    }
+    if no_recompute > 0:
+        metrics["rotor/predicted_overhead"] = predicted / no_recompute - 1
+    if measured_peak is not None:
+        metrics["rotor/measured_peak_bytes"] = float(measured_peak)
+    if step_seconds is not None:
+        metrics["rotor/step_seconds"] = step_seconds
+        if no_recompute > 0:
+            metrics["rotor/step_overhead"] = step_seconds / no_recompute - 1
+    return metrics
+
+
 class RotorCallback(Callback):
     """Logs rotor's budgets, peaks, times and plans; carries chains in checkpoints.
 
@@ -310,30 +338,7 @@ class RotorCallback(Callback):
 
     # -- logging ----------------------------------------------------------------------------------------
     def _log_metrics(self, pl_module: pl.LightningModule, chains: dict[str, Checkpointable]) -> None:
-        entries = [rotor.last_entry for rotor in chains.values()]
-        no_recompute = sum(e.chain.no_recompute_time() for e in entries)
-        predicted = sum(e.plan.time for e in entries)
-        # per chain: its budget, which covers all its calls in a step, and the step's predicted peak
-        # (the largest of each call's plan peak above what the step's earlier calls still held)
-        metrics = {
-            "rotor/mem_limit_bytes": float(
-                sum(rotor.step_limit or e.plan.mem_limit for rotor, e in zip(chains.values(), entries, strict=True))
-            ),
-            "rotor/predicted_peak_bytes": float(
-                sum(rotor.calls.step_peak or e.plan.peak for rotor, e in zip(chains.values(), entries, strict=True))
-            ),
-            "rotor/recomputed_stages": float(sum(e.plan.recomputed_stages for e in entries)),
-            "rotor/no_recompute_seconds": no_recompute,
-            "rotor/predicted_seconds": predicted,
-        }
-        if no_recompute > 0:
-            metrics["rotor/predicted_overhead"] = predicted / no_recompute - 1
-        if self._measured_peak is not None:
-            metrics["rotor/measured_peak_bytes"] = float(self._measured_peak)
-        if self._step_seconds is not None:
-            metrics["rotor/step_seconds"] = self._step_seconds
-            if no_recompute > 0:
-                metrics["rotor/step_overhead"] = self._step_seconds / no_recompute - 1
+        metrics = step_metrics(chains, self._step_seconds, self._measured_peak)
         for key, value in metrics.items():
             pl_module.log(key, value, on_step=True, on_epoch=False, rank_zero_only=True, batch_size=1)
 
