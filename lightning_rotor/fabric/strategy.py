@@ -28,13 +28,12 @@ from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from lightning_rotor.budget import format_bytes, parse_budget
-from lightning_rotor.checkpointable import Checkpointable, StepMeasurement
-from lightning_rotor.discovery import HOWS
-from lightning_rotor.discretize import check_slots
+from lightning_rotor.budget import MemLimit, format_bytes
+from lightning_rotor.checkpointable import Checkpointable
 from lightning_rotor.lightning.callback import step_metrics, summary_text
 from lightning_rotor.lightning.strategy import ProfileProgress
-from lightning_rotor.lightning.wrap import Budget, Selector, is_candidate, is_user_model, wrap
+from lightning_rotor.lightning.wrap import Selector, check_rotor_arguments, is_candidate, is_user_model, wrap
+from lightning_rotor.measure import StepMeasurement
 from lightning_rotor.memory import MemoryProbe
 
 ROOT = "model"  # the chain's name when the whole set-up module is wrapped
@@ -293,25 +292,14 @@ def _outermost_rotor(module: nn.Module) -> dict[str, Checkpointable]:
 
 
 def _check_arguments(
-    mem_limit: Budget | Mapping[str, Budget],
+    mem_limit: MemLimit | Mapping[str, MemLimit],
     slots: int | None,
     discover: str,
     checkpoint_modules: Sequence[Selector] | None,
     measure_every_n_steps: int,
 ) -> None:
     """Fail at construction, in one line, on an argument rotor cannot use."""
-    for value in mem_limit.values() if isinstance(mem_limit, Mapping) else [mem_limit]:
-        if value is not None:
-            parse_budget(value)
-    check_slots(slots)
-    if discover not in HOWS:
-        raise ValueError(f"discover={discover!r} is not a discovery method; use one of {', '.join(HOWS)}")
-    if checkpoint_modules is not None and (
-        isinstance(checkpoint_modules, (str, type)) or not all(isinstance(c, (str, type)) for c in checkpoint_modules)
-    ):
-        raise TypeError(
-            f"checkpoint_modules must be a list of classes, class paths or class names, got {checkpoint_modules!r}"
-        )
+    check_rotor_arguments(mem_limit, slots, discover, checkpoint_modules)
     if (
         isinstance(measure_every_n_steps, bool)
         or not isinstance(measure_every_n_steps, int)

@@ -27,10 +27,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from lightning_rotor.budget import MemLimit, format_bytes, parse_budget
-from lightning_rotor.discovery import DISCOVER_METHODS
-from lightning_rotor.discretize import check_slots
-from lightning_rotor.lightning.wrap import Selector, Wrapped, unwrap, wrap
+from lightning_rotor.budget import MemLimit, format_bytes
+from lightning_rotor.lightning.wrap import Selector, Wrapped, check_rotor_arguments, unwrap, wrap
 
 
 class ProfileProgress:
@@ -54,14 +52,6 @@ class ProfileProgress:
         rank_zero_info(f"rotor: profiling {self.name}: {done}/{total} stages, {seconds:.1f} s")
 
 
-def _check_budget(mem_limit: MemLimit | Mapping[str, MemLimit]) -> None:
-    """Fail at construction, in one line, on a budget that cannot be parsed."""
-    values = mem_limit.values() if isinstance(mem_limit, Mapping) else [mem_limit]
-    for value in values:
-        if value is not None:
-            parse_budget(value)
-
-
 class _RotorMixin:
     """The rotor part shared by the single-device and DDP strategies."""
 
@@ -74,18 +64,7 @@ class _RotorMixin:
         discover: str = "auto",
         checkpoint_modules: Sequence[str | type] | None = None,
     ) -> None:
-        _check_budget(mem_limit)
-        check_slots(slots)
-        if discover not in DISCOVER_METHODS:
-            methods = ", ".join(DISCOVER_METHODS)
-            raise ValueError(f"discover={discover!r} is not a discovery method; use one of {methods}")
-        if checkpoint_modules is not None and (
-            isinstance(checkpoint_modules, (str, type))
-            or not all(isinstance(c, (str, type)) for c in checkpoint_modules)
-        ):
-            raise TypeError(
-                f"checkpoint_modules must be a list of classes, class paths or class names, got {checkpoint_modules!r}"
-            )
+        check_rotor_arguments(mem_limit, slots, discover, checkpoint_modules)
         self.discover = discover
         self.checkpoint_modules = None if checkpoint_modules is None else list(checkpoint_modules)
         self.mem_limit = dict(mem_limit) if isinstance(mem_limit, Mapping) else mem_limit

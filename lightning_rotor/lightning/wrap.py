@@ -31,9 +31,10 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from lightning_rotor.budget import MemLimit
+from lightning_rotor.budget import MemLimit, parse_budget
 from lightning_rotor.checkpointable import Checkpointable
 from lightning_rotor.discovery import DISCOVER_METHODS
+from lightning_rotor.discretize import check_slots
 from lightning_rotor.shared_budget import Budget
 from lightning_rotor.stages import sequential_stages
 
@@ -230,3 +231,24 @@ def unwrap(model: nn.Module, wrapped: Sequence[Wrapped]) -> None:
     """Put the user's modules back where `wrap` put rotor modules."""
     for item in reversed(wrapped):
         _set(model, item.name, item.original)
+
+
+def check_rotor_arguments(
+    mem_limit: MemLimit | Mapping[str, MemLimit],
+    slots: int | None,
+    discover: str,
+    checkpoint_modules: Sequence[Selector] | None,
+) -> None:
+    """Fail at construction, in one line, on a rotor argument that cannot be used (Trainer and Fabric)."""
+    for value in mem_limit.values() if isinstance(mem_limit, Mapping) else [mem_limit]:
+        if value is not None:
+            parse_budget(value)
+    check_slots(slots)
+    if discover not in DISCOVER_METHODS:
+        raise ValueError(f"discover={discover!r} is not a discovery method; use one of {', '.join(DISCOVER_METHODS)}")
+    if checkpoint_modules is not None and (
+        isinstance(checkpoint_modules, (str, type)) or not all(isinstance(c, (str, type)) for c in checkpoint_modules)
+    ):
+        raise TypeError(
+            f"checkpoint_modules must be a list of classes, class paths or class names, got {checkpoint_modules!r}"
+        )
