@@ -84,6 +84,8 @@ class Checkpointable(nn.Module):
     `state_dict()` keys are the wrapped module's.
     """
 
+    stages: Stages | None  # set by _set_stages, outside nn.Module's registries
+
     def __init__(
         self,
         module: nn.Module,

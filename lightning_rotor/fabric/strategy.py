@@ -267,7 +267,11 @@ class RotorFabricStrategy(SingleDeviceStrategy):
 
     def _check_budget(self, chains: dict[str, Checkpointable], peak: int) -> None:
         """One line, once per set of plans, when a measured peak is above the summed budgets."""
-        budget = sum(rotor.last_entry.plan.mem_limit for rotor in chains.values())
+        budget = 0
+        for rotor in chains.values():
+            entry = rotor.last_entry
+            assert entry is not None  # a chain that ran this step
+            budget += rotor.step_limit or entry.plan.budget
         plans = tuple(id(rotor.last_entry) for rotor in chains.values())
         if peak > budget and plans not in self._warned_over:
             self._warned_over.add(plans)
