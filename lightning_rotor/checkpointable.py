@@ -60,6 +60,7 @@ from lightning_rotor.calls import (
     step_minimum,
 )
 from lightning_rotor.chain import Chain
+from lightning_rotor.compile import compile_stages, stage_compiler, train_eagerly, unwrap_compiled
 from lightning_rotor.discretize import check_slots
 from lightning_rotor.execute import PlanRunner
 from lightning_rotor.memory import CudaMemoryProbe, MemoryProbe, storage_bytes
@@ -223,11 +224,14 @@ class Checkpointable(nn.Module):
         repeats: int = 5,
         warmup: int = 0,
         fallback_plain: bool = False,
+        compile: bool | dict[str, Any] | None = None,
     ):
         from lightning_rotor.discovery import HOWS
 
         if not isinstance(module, nn.Module):
             raise TypeError(f"Checkpointable wraps an nn.Module, got {type(module).__name__}")
+        module, compiled = unwrap_compiled(module)  # torch.compile(m): stages of m, compiled alike (compile.py)
+        compiler = stage_compiler(compile, compiled)
         if stages is not None and not isinstance(stages, Stages):
             raise TypeError(f"stages must be a lightning_rotor.Stages, got {type(stages).__name__}")
         if discover is not None and discover not in HOWS:
@@ -251,6 +255,7 @@ class Checkpointable(nn.Module):
         check_slots(slots)
         if discover == "sequential":
             stages = sequential_stages(module)
+        stages = compile_stages(stages, compiler) if stages is not None else None
         for name, child in module._modules.items():  # every entry, repeats too: state_dict keys stay the module's
             if child is not None:
                 self.add_module(name, child)
@@ -262,6 +267,7 @@ class Checkpointable(nn.Module):
                 self.register_buffer(name, buf, persistent=name not in module._non_persistent_buffers_set)
         object.__setattr__(self, "module", module)  # not registered: state_dict keys stay the module's
         object.__setattr__(self, "stages", stages)  # None until the first training call when discovering
+        object.__setattr__(self, "compiler", compiler)  # compiles each stage (None: stages run eagerly)
         self.discover = None if discover == "sequential" else discover  # None: the stages are known
         self._join_in_place = discover == "sequential"  # on the first training call (`join_in_place`)
         self.checkpoint_modules = types
@@ -316,6 +322,8 @@ class Checkpointable(nn.Module):
         is called as written (`rotor(idx, targets=None)`); its chain is discovered on the
         first training call (`discover=`, docs/discovery.md).
         """
+        if torch.compiler.is_compiling() and self.training and torch.is_grad_enabled():
+            return train_eagerly(self, *args, **kwargs)  # a graph break: rotor's step runs eagerly (compile.py)
         if self.stages is not None and self.discovery is None:  # an nn.Sequential, or stages given
             if kwargs:
                 raise TypeError(f"a chain of stages takes its input positionally, got keyword(s) {sorted(kwargs)}")
@@ -415,7 +423,7 @@ class Checkpointable(nn.Module):
             raise RuntimeError("this Checkpointable was given its stages; there is nothing to discover")
         found = discover_chain(self.module, args, self.discover, self.checkpoint_modules, sample_kwargs=kwargs)
         self.discovery = found
-        object.__setattr__(self, "stages", found.stages)
+        object.__setattr__(self, "stages", compile_stages(found.stages, self.compiler))
         self.stage_names = list(found.stages.names)
         hook, self.on_discovered = self.on_discovered, None
         if hook is not None:  # e.g. plans saved in a checkpoint, restored now that the stages are known
@@ -441,7 +449,7 @@ class Checkpointable(nn.Module):
         measurement = self._measurement
         # after another call of the step, plain autograd would hold this call's parameter gradients until the
         # earlier call's backward (one accumulator per parameter waits for both): run the plan instead
-        plain = alone and is_no_recompute(entry.plan.ops)
+        plain = alone and is_no_recompute(entry.plan.ops) and self.compiler is None  # compiled: stages as planned
         if plain and measurement is None:
             output = plain_call()  # no recomputation: plain autograd frees exactly as the plan does
             self.calls.add(call, peak, output)
