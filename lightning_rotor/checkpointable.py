@@ -268,6 +268,7 @@ class Checkpointable(nn.Module):
         object.__setattr__(self, "module", module)  # not registered: state_dict keys stay the module's
         object.__setattr__(self, "stages", stages)  # None until the first training call when discovering
         object.__setattr__(self, "compiler", compiler)  # compiles each stage (None: stages run eagerly)
+        object.__setattr__(self, "plain_module", compiler(module) if compiler else module)  # eval and no_grad
         self.discover = None if discover == "sequential" else discover  # None: the stages are known
         self._join_in_place = discover == "sequential"  # on the first training call (`join_in_place`)
         self.checkpoint_modules = types
@@ -331,12 +332,12 @@ class Checkpointable(nn.Module):
                 raise TypeError("Checkpointable needs the chain input: call it with one tensor or several")
             value = args[0] if len(args) == 1 else args
             if not self.training or not torch.is_grad_enabled():
-                return self.module(value)
+                return self.plain_module(value)
             if self._join_in_place:
                 self._join_in_place_on(value)
             return self._run(value, lambda: self.module(value))
         if not self.training or not torch.is_grad_enabled() or self.no_chain:
-            return self.module(*args, **kwargs)  # the user's forward, as written (traced code freezes `training`)
+            return self.plain_module(*args, **kwargs)  # the user's forward, as written (traced code freezes `training`)
         found = self.discovery
         if found is None:
             from lightning_rotor.discovery import DiscoveryError

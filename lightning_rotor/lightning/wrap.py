@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from lightning_rotor.checkpointable import Checkpointable
+from lightning_rotor.compile import compiled_inner
 from lightning_rotor.discovery import HOWS
 from lightning_rotor.shared_budget import SharedBudget
 from lightning_rotor.stages import sequential_stages
@@ -93,9 +94,10 @@ def find_chains(
     found: list[tuple[str, nn.Module]] = []
     skipped: set[str] = set()
     seen_sequential = 0
-    for name, module in model.named_modules():
+    for name, stands in model.named_modules():
         if not name or any(name.startswith(p + ".") for p in skipped):
             continue
+        module = compiled_inner(stands) or stands  # torch.compile(submodule): judged by what it compiles
         if isinstance(module, Checkpointable):
             skipped.add(name)  # already rotor's (wrapped by hand)
             continue
@@ -115,7 +117,7 @@ def find_chains(
                                 "the module whose forward loops over it, or its block class in checkpoint_modules")
         elif not (is_candidate(module) or (discover != "sequential" and is_user_model(module))):
             continue
-        found.append((name, module))
+        found.append((name, stands))  # a compiled one is swapped whole: its stages compiled alike (compile.py)
         skipped.add(name)
     if discover == "auto" and include is None and len(found) > 1:
         big = [(n, m) for n, m in found if not 2 <= _stage_count(m) < MIN_AUTO_STAGES]
@@ -188,6 +190,7 @@ def wrap(
     slots: int | None = None,
     discover: str = "sequential",
     checkpoint_modules: Sequence[str | type] | None = None,
+    compile: bool | dict | None = None,
 ) -> tuple[list[Wrapped], str]:
     """Swap `Checkpointable`s in for the chosen submodules of `model`, in place, under one budget."""
     chains, why = find_chains(model, include, exclude, discover)
@@ -203,7 +206,8 @@ def wrap(
         plain = is_candidate(module) and (types is None or discover == "sequential")
         how = None if plain and discover in ("auto", "sequential") else discover
         rotor = Checkpointable(module, budget, slots=slots, discover=how, checkpoint_modules=types,
-                               fallback_plain=discover == "auto" and include is None)
+                               fallback_plain=discover == "auto" and include is None,
+                               compile=None if compiled_inner(module) is not None else compile)  # compiled: its own
         if shared is not None:
             rotor.shared, rotor.shared_name = shared, name
         _set(model, name, rotor)
