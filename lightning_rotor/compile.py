@@ -25,30 +25,45 @@ default generator).
 
 Private torch API used here (torch 2.13): `OptimizedModule` and its `dynamo_ctx`, the
 context that compiled it, applied again to each stage so that every option (backend,
-mode, options, dynamic, fullgraph) is the user's own.
+mode, options, dynamic, fullgraph) is the user's own; `torch._disable_dynamo`, which is
+`torch.compiler.disable` importing dynamo on its first call (seconds) rather than at ours.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
-from torch._dynamo.eval_frame import OptimizedModule
 
 from lightning_rotor.stages import Stages
 
-__all__ = ["COMPILE_KEYS", "StageCompiler", "compile_stages", "stage_compiler", "train_eagerly", "unwrap_compiled"]
+__all__ = [
+    "COMPILE_KEYS",
+    "StageCompiler",
+    "compile_stages",
+    "rewinds",
+    "stage_compiler",
+    "train_eagerly",
+    "unwrap_compiled",
+]
 
 StageCompiler = Callable[[nn.Module], nn.Module]
 COMPILE_KEYS = ("fullgraph", "dynamic", "backend", "mode", "options", "disable")
 
 
+def is_compiled(module: nn.Module) -> bool:
+    """Whether `module` is a `torch.compile`d module (without importing dynamo: seconds, when nothing compiles)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
+
+
 def unwrap_compiled(module: nn.Module) -> tuple[nn.Module, StageCompiler | None]:
     """(the original module, a compiler of stages with its options) for a `torch.compile`d module;
     `(module, None)` for any other."""
-    if isinstance(module, OptimizedModule):
+    if is_compiled(module):
         ctx = module.dynamo_ctx
         return module._orig_mod, lambda stage: ctx(stage)
     return module, None
@@ -77,20 +92,72 @@ def stage_compiler(
     return lambda stage: torch.compile(stage, **options)
 
 
+class CompiledStage(nn.Module):
+    """A stage run compiled, or as written while a TorchDispatchMode is active.
+
+    NOTE: [no compiled frame under a dispatch mode] dynamo does not compile under a TorchDispatchMode
+    ("non-infra torch dispatch mode present", torch 2.13 convert_frame.py), and a frame it skipped so
+    stays skipped: one call of a compiled module under rotor's `MemoryProbe` (profiling, a measured
+    step on the CPU) would leave every compiled module of the process running eagerly from then on.
+    So under a mode the stage calls its module as written (the profiler measures the memory of that
+    eager run; times are measured without a mode, compiled), and outside one the compiled module.
+    """
+
+    def __init__(self, compiled: nn.Module):
+        super().__init__()
+        self.compiled = compiled
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch._C._len_torch_dispatch_stack():  # private, torch 2.13: the active dispatch modes
+            return self.compiled._orig_mod(*args, **kwargs)
+        return self.compiled(*args, **kwargs)
+
+
 def compile_stages(stages: Stages, compiler: StageCompiler | None) -> Stages:
-    """`stages` with each stage's module compiled (the same parameters: an OptimizedModule wraps it)."""
-    if compiler is None or all(isinstance(m, OptimizedModule) for m in stages):
+    """`stages` with each stage's module compiled (the same parameters: the compiled module wraps it)."""
+    if compiler is None or all(isinstance(m, CompiledStage) for m in stages):
         return stages
-    modules = tuple(m if isinstance(m, OptimizedModule) else compiler(m) for m in stages)
+    _allow_recompiles(4 * len(stages))
+    modules = tuple(
+        m if isinstance(m, CompiledStage) else CompiledStage(m if is_compiled(m) else compiler(m)) for m in stages
+    )
     return Stages(stages.names, modules, kind=stages.kind, notes=(*stages.notes, "stages compiled"))
+
+
+def _allow_recompiles(needed: int) -> None:
+    """Raise dynamo's per-code recompile limit to `needed` when lower.
+
+    NOTE: [one code object for every compiled module] every compiled module runs through one shared
+    frame (torch 2.13: `external_utils.inner` for torch.nn modules, `Module._call_impl` for others),
+    and dynamo keeps at most `recompile_limit` (8) graphs per code object. Stages of several classes,
+    each run with and without grad (recomputations), pass 8 at once; past it dynamo runs every compiled
+    module of the process eagerly, silently. Stages of one class (a transformer's blocks) share graphs.
+    """
+    import torch._dynamo
+
+    if torch._dynamo.config.recompile_limit < needed:
+        torch._dynamo.config.recompile_limit = needed
 
 
 def compiled_inner(module: nn.Module) -> nn.Module | None:
     """The module a `torch.compile`d module compiles (None when `module` is not compiled)."""
-    return module._orig_mod if isinstance(module, OptimizedModule) else None
+    return module._orig_mod if is_compiled(module) else None
 
 
-@torch.compiler.disable
+def rewinds(stage: nn.Module) -> bool:
+    """Whether a recomputed stage replays its random numbers by rewinding the default generators.
+
+    NOTE: [compiled stages rewind] dynamo runs a frame eagerly while a TorchDispatchMode is active
+    ("non-infra torch dispatch mode present", torch 2.13 convert_frame.py), so rng.py's per-op modes
+    (chosen when other non-daemon threads live, and inductor leaves one: its compile thread pool)
+    would run a compiled stage eagerly, slower and with other rounding. A compiled stage is replayed
+    as torch.utils.checkpoint replays: the default generators rewound to their state before the first
+    run and put back after (`rng.Rewind`); exact unless another thread draws in between.
+    """
+    return any(is_compiled(m) for m in stage.modules())
+
+
+@torch._disable_dynamo  # torch.compiler.disable, importing dynamo on the first call only
 def train_eagerly(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """`module.forward` run eagerly under torch.compile: a graph break around rotor's training step.
 

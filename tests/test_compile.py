@@ -10,6 +10,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 from torch import nn
 from torch._dynamo.eval_frame import OptimizedModule
 from torch._dynamo.testing import CompileCounterWithBackend
@@ -17,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from training import train
 
 from lightning_rotor.checkpointable import Checkpointable
-from lightning_rotor.compile import compile_stages
+from lightning_rotor.compile import CompiledStage, compile_stages
 from lightning_rotor.lightning import RotorStrategy
 from lightning_rotor.lightning.state import rotor_modules
 from lightning_rotor.models.gpt import gpt, lm_loss
@@ -69,7 +70,7 @@ def test_compiled_stages_recompute_dropout_exactly(form):
         else Checkpointable(net, 0.7, compile=AOT)
     )
     losses = train(rotor, x, y, F.cross_entropy)
-    assert all(isinstance(stage, OptimizedModule) for stage in rotor.stages)
+    assert all(isinstance(stage, CompiledStage) for stage in rotor.stages)
     recomputed = [name for name, runs in zip(rotor.stage_names, rotor.entry.runs, strict=True) if runs > 1]
     assert any(isinstance(rotor.module.get_submodule(n), nn.Dropout) for n in recomputed), recomputed
     plain = make_net()
@@ -87,7 +88,7 @@ def test_compiled_model_is_discovered_on_the_original_module():
 
     def model():
         torch.manual_seed(0)
-        return nn.Sequential(gpt(vocab_size=32, block_size=8, n_layer=3, n_head=2, n_embd=16, dropout=0.2))
+        return nn.Sequential(gpt(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=8, dropout=0.2))
 
     g = torch.Generator().manual_seed(0)
     idx, targets = torch.randint(32, (2, 8), generator=g), torch.randint(32, (2, 8), generator=g)
@@ -95,7 +96,7 @@ def test_compiled_model_is_discovered_on_the_original_module():
     rotor = Checkpointable(torch.compile(a[0], **AOT), 0.5, discover="graph")
     whole = Checkpointable(torch.compile(b[0], **AOT), None, discover="graph")
     assert torch.equal(train(rotor, idx, targets, lm_loss), train(whole, idx, targets, lm_loss))
-    assert rotor.discovery.kind == "graph" and all(isinstance(s, OptimizedModule) for s in rotor.stages)
+    assert rotor.discovery.kind == "graph" and all(isinstance(s, CompiledStage) for s in rotor.stages)
     assert max(rotor.entry.runs) > 1 and max(whole.entry.runs) == 1
     assert_same_grads(a, b)
 
@@ -208,7 +209,7 @@ def test_strategy_trains_compiled_stages(tmp_path, form):
     rotor, plain = Net(compiled), Net(compiled)
     keep = fit(tmp_path / "rotor", rotor, RotorStrategy(0.7, **extra))
     chain = keep.modules["net"]
-    assert all(isinstance(stage, OptimizedModule) for stage in chain.stages)
+    assert all(isinstance(stage, CompiledStage) for stage in chain.stages)
     assert max(chain.last_entry.runs) > 1  # the budget forces recomputation
     assert isinstance(rotor.net, OptimizedModule) == compiled  # the user's module is put back at teardown
     reference = fit(tmp_path / "plain", plain, RotorStrategy(None, **extra)).modules["net"]
@@ -216,3 +217,53 @@ def test_strategy_trains_compiled_stages(tmp_path, form):
     assert len(rotor.losses) == 3 and torch.equal(torch.stack(rotor.losses), torch.stack(plain.losses))
     for step_a, step_b in zip(rotor.grads, plain.grads, strict=True):
         assert all(torch.equal(a, b) for a, b in zip(step_a, step_b, strict=True))
+
+
+def test_yaml_compile_option_reaches_the_strategy(capsys):
+    """`compile:` in the strategy's init_args of a LightningCLI config (here on the command line); training
+    with it is `test_strategy_trains_compiled_stages` (a full CLI fit compiles a ResNet: minutes on a busy CPU)."""
+    from test_cli import QUICKSTART
+
+    from lightning_rotor.lightning.cli import main
+
+    assert (
+        main(["fit", "--config", QUICKSTART, "--trainer.strategy.compile={backend: aot_eager}", "--print_config"]) == 0
+    )
+    assert yaml.safe_load(capsys.readouterr().out)["trainer"]["strategy"]["init_args"]["compile"] == AOT
+
+
+def test_recomputed_compiled_stages_run_compiled_while_other_threads_live():
+    """With a non-daemon thread alive (inductor leaves one: its compile pool), rng.py would record and replay
+    random ops under dispatch modes, under which dynamo runs a stage eagerly; compiled stages rewind the
+    generators instead (NOTE: [compiled stages rewind]): every stage call runs a compiled graph, and dropout
+    replays exactly."""
+    import threading
+
+    calls = []
+
+    def counting(gm, example_inputs):
+        def run(*args):
+            calls.append(1)
+            return gm(*args)
+
+        return run
+
+    x, y = sample()
+    net = make_net()
+    rotor = Checkpointable(net, 0.7, compile={"backend": counting})
+    train(rotor, x, y, F.cross_entropy, steps=1)  # profile and plan
+    release = threading.Event()
+    other = threading.Thread(target=release.wait)  # not a daemon: rng.py's "not alone"
+    other.start()
+    try:
+        calls.clear()
+        losses = train(rotor, x, y, F.cross_entropy, steps=2)
+    finally:
+        release.set()
+        other.join()
+    runs = sum(rotor.entry.runs)
+    assert max(rotor.entry.runs) > 1 and len(calls) == 2 * runs  # each stage run, recomputations too, compiled
+    plain = make_net()
+    plain_model = StagesInTurn(plain)
+    train(plain_model, x, y, F.cross_entropy, steps=1)
+    assert torch.equal(losses, train(plain_model, x, y, F.cross_entropy, steps=2))
