@@ -3,7 +3,8 @@
     python benchmarks/compile.py                      # inductor on the CPU, a small GPT
     python benchmarks/compile.py --backend aot_eager --steps 3   # a quick smoke run
 
-Methods, each a copy of one GPT (lightning_rotor.models.gpt, dropout on), one forward+backward per step:
+Methods, each a copy of one GPT (lightning_rotor.models.gpt, dropout on), one forward+backward per step,
+the methods in turn (one step each per round, after every method's warm-up):
 
 - `stages`: the GPT's stages (embedding, each block, final norm, head) compiled one by one and run in
   turn, no checkpointing: what rotor's stages are, without recomputation;
@@ -28,6 +29,7 @@ import os
 import statistics
 import sys
 import time
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -82,21 +84,57 @@ class InTurn(nn.Module):
         return x
 
 
-def run(model: nn.Module, x: torch.Tensor, y: torch.Tensor, warmup: int, steps: int) -> dict[str, Any]:
-    """Seconds and resident peaks of the timed steps (after `warmup` steps: compiling, profiling)."""
-    times, peaks = [], []
-    for i in range(warmup + steps):
-        model.zero_grad(set_to_none=False)  # gradients stay allocated: they are in the resident base
-        torch.manual_seed(i)
-        with ResidentPeak() as resident:
-            start = time.perf_counter()
-            lm_loss(model(x), y).backward()
-            seconds = time.perf_counter() - start
-        if i >= warmup:
-            times.append(seconds)
-            peaks.append(resident.peak)
-    grads = [p.grad.clone() for p in model.parameters()]
-    return {"times": times, "peaks": peaks, "grads": grads}
+def _whole(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x)
+
+
+class Whole(nn.Module):
+    """The model compiled as one graph under `activation_memory_budget = fraction`.
+
+    Each fraction compiles a function of its own code object: dynamo caches graphs per code object and
+    does not guard on the budget, so two copies of one model would share the first one's graph.
+    """
+
+    def __init__(self, model: nn.Module, fraction: float, options: dict[str, Any]):
+        super().__init__()
+        self.model = model
+        self.fraction = fraction
+        code = _whole.__code__.replace(co_name=f"whole_amb_{str(fraction).replace('.', '_')}")
+        self.compiled = torch.compile(types.FunctionType(code, _whole.__globals__), **options)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch._functorch.config.patch(activation_memory_budget=self.fraction):
+            return self.compiled(self.model, x)
+
+
+def step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, seed: int) -> tuple[float, int]:
+    """Seconds and resident peak of one forward+backward."""
+    model.zero_grad(set_to_none=False)  # gradients stay allocated: they are in the resident base
+    torch.manual_seed(seed)
+    with ResidentPeak() as resident:
+        start = time.perf_counter()
+        lm_loss(model(x), y).backward()
+        seconds = time.perf_counter() - start
+    return seconds, resident.peak
+
+
+def run_all(
+    models: dict[str, nn.Module], x: torch.Tensor, y: torch.Tensor, warmup: int, steps: int
+) -> dict[str, dict[str, Any]]:
+    """Warm every model up (compiling, profiling), then time them in turn, one step each per round:
+    a burst of load on the shared machine slows one round of every method, not one method."""
+    for model in models.values():
+        for i in range(warmup):
+            step(model, x, y, i)
+    results: dict[str, dict[str, Any]] = {name: {"times": [], "peaks": []} for name in models}
+    for i in range(steps):
+        for name, model in models.items():
+            seconds, peak = step(model, x, y, warmup + i)
+            results[name]["times"].append(seconds)
+            results[name]["peaks"].append(peak)
+    for name, model in models.items():
+        results[name]["grads"] = [p.grad.clone() for p in model.parameters()]
+    return results
 
 
 def probe_peak(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> int:
@@ -122,9 +160,10 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=256)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--amb", type=float, nargs="*", default=[0.5, 0.2], help="activation_memory_budget values")
+    parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     if os.environ.get("MALLOC_MMAP_THRESHOLD_") != MMAP_THRESHOLD:
@@ -140,39 +179,34 @@ def main() -> None:
         n_layer=args.n_layer,
         n_head=args.n_head,
         n_embd=args.n_embd,
-        dropout=0.1,
+        dropout=args.dropout,
     )
     g = torch.Generator().manual_seed(1)
     x = torch.randint(args.vocab, (args.batch, args.seq), generator=g)
     y = torch.randint(args.vocab, (args.batch, args.seq), generator=g)
     print(
         f"# GPT n_layer={args.n_layer} n_embd={args.n_embd} n_head={args.n_head} seq={args.seq} "
-        f"batch={args.batch} vocab={args.vocab}; backend={args.backend}; torch {torch.__version__}; "
+        f"batch={args.batch} vocab={args.vocab} dropout={args.dropout}; backend={args.backend}; "
+        f"torch {torch.__version__}; "
         f"{args.threads} threads; {args.steps} timed steps after {args.warmup}"
     )
-    results: dict[str, dict[str, Any]] = {}
     compile_stage = lambda m: torch.compile(m, **options)  # noqa: E731
-
     started = time.perf_counter()
-    results["stages"] = run(InTurn(copy.deepcopy(base), compile_stage, False), x, y, args.warmup, args.steps)
     ckpt = InTurn(copy.deepcopy(base), compile_stage, True)
-    results["ckpt-blocks"] = run(ckpt, x, y, args.warmup, args.steps)
-    budget = probe_peak(ckpt, x, y)
+    for i in range(args.warmup):
+        step(ckpt, x, y, i)
+    budget = probe_peak(ckpt, x, y)  # per-block checkpointing's peak by rotor's meter: rotor's budget
     rotor = Checkpointable(copy.deepcopy(base), budget, compile=options)
-    results["rotor"] = run(rotor, x, y, args.warmup, args.steps)
+    models: dict[str, nn.Module] = {
+        "stages": InTurn(copy.deepcopy(base), compile_stage, False),
+        "ckpt-blocks": ckpt,
+        "rotor": rotor,
+        **{f"amb={f}": Whole(copy.deepcopy(base), f, options) for f in args.amb},
+    }
+    results = run_all(models, x, y, args.warmup, args.steps)
     runs = rotor.entry.runs
-    results["rotor"]["probe"] = probe_peak(rotor, x, y)
-    results["ckpt-blocks"]["probe"] = budget
-    results["stages"]["probe"] = probe_peak(InTurn(copy.deepcopy(base), compile_stage, False), x, y)
-    for fraction in args.amb:
-        torch._dynamo.reset()
-        torch._functorch.config.activation_memory_budget = fraction
-        try:
-            results[f"amb={fraction}"] = run(
-                torch.compile(copy.deepcopy(base), **options), x, y, args.warmup, args.steps
-            )
-        finally:
-            torch._functorch.config.activation_memory_budget = 1.0
+    for name in ("stages", "ckpt-blocks", "rotor"):
+        results[name]["probe"] = probe_peak(models[name], x, y)
     print(
         f"# rotor budget {mib(budget)} MiB (ckpt-blocks' MemoryProbe peak); rotor runs per stage {runs}; "
         f"predicted peak {mib(rotor.plan.peak)} MiB; total {time.perf_counter() - started:.0f} s"

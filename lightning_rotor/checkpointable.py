@@ -209,6 +209,9 @@ class Checkpointable(nn.Module):
     After the first training forward: `.chain`, `.plan`, `.profile`, `.summary()`,
     `.profile_seconds`; `.entries` holds one profile and plan per input signature.
     `state_dict()` keys are the wrapped module's.
+
+    `compile`: True or a dict of torch.compile arguments compiles each stage; a module given as
+    `torch.compile(m)` is discovered on `m` and its stages compiled with its options (docs/compile.md).
     """
 
     def __init__(
