@@ -154,7 +154,9 @@ def rewinds(stage: nn.Module) -> bool:
     as torch.utils.checkpoint replays: the default generators rewound to their state before the first
     run and put back after (`rng.Rewind`); exact unless another thread draws in between.
     """
-    return any(is_compiled(m) for m in stage.modules())
+    if isinstance(stage, nn.Sequential):  # compiled stages joined by `join_in_place`
+        return any(isinstance(m, CompiledStage) for m in stage)
+    return isinstance(stage, CompiledStage)
 
 
 @torch._disable_dynamo  # torch.compiler.disable, importing dynamo on the first call only
