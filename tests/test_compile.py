@@ -267,3 +267,15 @@ def test_recomputed_compiled_stages_run_compiled_while_other_threads_live():
     plain_model = StagesInTurn(plain)
     train(plain_model, x, y, F.cross_entropy, steps=1)
     assert torch.equal(losses, train(plain_model, x, y, F.cross_entropy, steps=2))
+
+
+def test_compiled_lightning_module_trains_with_rotor_as_a_graph_break(tmp_path):
+    """`trainer.fit(torch.compile(module))`: Lightning compiles training_step; the chain rotor wraps in it is a
+    graph break (rotor eager, the rest compiled), bitwise equal to the same compiled module without rotor."""
+    rotor, plain = Net(False), Net(False)
+    chain = fit(tmp_path / "rotor", torch.compile(rotor, **AOT), RotorStrategy(0.7)).modules["net"]
+    assert max(chain.last_entry.runs) > 1
+    fit(tmp_path / "plain", torch.compile(plain, **AOT), "auto")
+    assert len(rotor.losses) == 3 and torch.equal(torch.stack(rotor.losses), torch.stack(plain.losses))
+    for step_a, step_b in zip(rotor.grads, plain.grads, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(step_a, step_b, strict=True))
