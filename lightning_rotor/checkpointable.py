@@ -39,6 +39,7 @@ from lightning_rotor.budget import MemLimit, parse_budget, resolve_budget
 from lightning_rotor.cache import PlanCache, plan_key, signature
 from lightning_rotor.calls import Call, InfeasibleStep, StepCalls, describe, step_minimum
 from lightning_rotor.chain import Chain
+from lightning_rotor.compile import compile_stages, stage_compiler, train_eagerly, unwrap_compiled
 from lightning_rotor.discretize import check_slots
 from lightning_rotor.huggingface import without_kv_cache
 from lightning_rotor.measure import StepMeasurement
@@ -82,6 +83,9 @@ class Checkpointable(nn.Module):
     After the first training forward: `.chain`, `.plan`, `.profile`, `.summary()`,
     `.profile_seconds`; `.entries` holds one profile and plan per input signature.
     `state_dict()` keys are the wrapped module's.
+
+    `compile`: True or a dict of torch.compile arguments compiles each stage; a module given as
+    `torch.compile(m)` is discovered on `m` and its stages compiled with its options (docs/compile.md).
     """
 
     stages: Stages | None  # set by _set_stages, outside nn.Module's registries
@@ -100,13 +104,20 @@ class Checkpointable(nn.Module):
         repeats: int = 5,
         warmup: int = 0,
         fallback_plain: bool = False,
+        compile: bool | dict[str, Any] | None = None,
     ):
+        compiled = None
+        if isinstance(module, nn.Module):  # torch.compile(m): stages of m, compiled alike (compile.py)
+            module, compiled = unwrap_compiled(module)
+        compiler = stage_compiler(compile, compiled)
         discover, types = _check_settings(module, stages, discover, checkpoint_modules)
         own_budget = Budget(mem_limit)  # bad budgets fail here, with the accepted forms
         check_slots(slots)
         super().__init__()
         _adopt(self, module)
         object.__setattr__(self, "module", module)  # not registered: state_dict keys stay the module's
+        object.__setattr__(self, "compiler", compiler)  # compiles each stage (None: stages run eagerly)
+        object.__setattr__(self, "plain_module", compiler(module) if compiler else module)  # eval and no_grad
         self.discover = None if discover == "sequential" else discover  # None: the stages are known
         self._join_in_place = discover == "sequential"  # on the first training call (`join_in_place`)
         self.checkpoint_modules = types
@@ -137,7 +148,8 @@ class Checkpointable(nn.Module):
         self._set_stages(sequential_stages(module) if discover == "sequential" else stages)
 
     def _set_stages(self, stages: Stages | None) -> None:
-        """The chain's stages (None until discovered) and an empty plan cache for them."""
+        """The chain's stages (None until discovered; compiled when asked) and an empty plan cache for them."""
+        stages = compile_stages(stages, self.compiler) if stages is not None else None
         object.__setattr__(self, "stages", stages)
         self.stage_names = list(stages.names) if stages is not None else []
         self.plan_cache = PlanCache(stages, stages.names, self.slots) if stages is not None else None
@@ -170,6 +182,8 @@ class Checkpointable(nn.Module):
         is called as written (`rotor(idx, targets=None)`); its chain is discovered on the
         first training call (`discover=`, docs/discovery.md).
         """
+        if torch.compiler.is_compiling() and self.training and torch.is_grad_enabled():
+            return train_eagerly(self, *args, **kwargs)  # a graph break: rotor's step runs eagerly (compile.py)
         if self.stages is not None and self.discovery is None:  # an nn.Sequential, or stages given
             if kwargs:
                 raise TypeError(f"a chain of stages takes its input positionally, got keyword(s) {sorted(kwargs)}")
@@ -177,12 +191,12 @@ class Checkpointable(nn.Module):
                 raise TypeError("Checkpointable needs the chain input: call it with one tensor or several")
             value = args[0] if len(args) == 1 else args
             if not self.training or not torch.is_grad_enabled():
-                return self.module(value)
+                return self.plain_module(value)
             if self._join_in_place:
                 self._join_in_place_on(value)
             return self._run(value, lambda: self.module(value))
         if not self.training or not torch.is_grad_enabled() or self.no_chain:
-            return self.module(*args, **kwargs)  # the user's forward, as written (traced code freezes `training`)
+            return self.plain_module(*args, **kwargs)  # the user's forward, as written (traced code freezes `training`)
         args, kwargs = without_kv_cache(self.module, args, kwargs)  # Hugging Face: no KV cache in training
         found = self.discovery
         if found is None:
@@ -257,7 +271,7 @@ class Checkpointable(nn.Module):
         measurement = self._measurement
         # after another call of the step, plain autograd would hold this call's parameter gradients until the
         # earlier call's backward (one accumulator per parameter waits for both): run the plan instead
-        plain = alone and is_no_recompute(entry.plan.ops)
+        plain = alone and is_no_recompute(entry.plan.ops) and self.compiler is None  # compiled: stages as planned
         if plain and measurement is None:
             output = plain_call()  # no recomputation: plain autograd frees exactly as the plan does
             self.calls.add(call, peak, output)

@@ -28,6 +28,7 @@ from lightning_rotor._torch_compat import (
     tree_flatten,
     tree_unflatten,
 )
+from lightning_rotor.compile import rewinds
 from lightning_rotor.engine import (
     HandOver,
     backward_from_edges,
@@ -214,7 +215,7 @@ class _Step:
 
     def _remember(self, k: int, stage: nn.Module, stack: ExitStack) -> None:
         """Before a recomputed stage's first run: how to replay its random numbers (lightning_rotor/rng.py)."""
-        if k in self.runner.quiet or alone():  # alone: no mode now, rewind on the replay (lightning_rotor/rng.py)
+        if k in self.runner.quiet or alone() or rewinds(stage):  # no mode now, rewind on the replay (rng.py)
             self.rng[k] = GeneratorWatch(self.rng_devices)
         else:
             self.rng[k] = stack.enter_context(RecordRandom()).states
@@ -238,7 +239,7 @@ class _Step:
         """Recompute exactly as the first run: same RNG, same autocast, buffers untouched."""
         record = self.rng[k]  # the default generators are never rewound
         if isinstance(record, GeneratorWatch):
-            stack.enter_context(Rewind(record) if alone() else ReplayFrom(record))
+            stack.enter_context(Rewind(record) if alone() or rewinds(stage) else ReplayFrom(record))
         elif record:
             stack.enter_context(ReplayRandom(record, self.runner.names[k]))
         self.autocast.enter(stack)

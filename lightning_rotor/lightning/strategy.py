@@ -28,6 +28,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_rotor.budget import MemLimit, format_bytes
+from lightning_rotor.compile import stage_compiler
 from lightning_rotor.lightning.wrap import Selector, Wrapped, check_rotor_arguments, unwrap, wrap
 
 
@@ -63,14 +64,17 @@ class _RotorMixin:
         slots: int | None,
         discover: str = "auto",
         checkpoint_modules: Sequence[str | type] | None = None,
+        compile: bool | dict | None = None,
     ) -> None:
         check_rotor_arguments(mem_limit, slots, discover, checkpoint_modules)
+        stage_compiler(compile)  # a bad compile= fails here, in one line
         self.discover = discover
         self.checkpoint_modules = None if checkpoint_modules is None else list(checkpoint_modules)
         self.mem_limit = dict(mem_limit) if isinstance(mem_limit, Mapping) else mem_limit
         self.include = None if include is None else list(include)
         self.exclude = list(exclude or ())
         self.slots = slots
+        self.compile = compile
         self.wrapped: list[Wrapped] = []
         self.not_wrapped_reason = ""
         self._warned = False
@@ -95,6 +99,7 @@ class _RotorMixin:
             slots=self.slots,
             discover=self.discover,
             checkpoint_modules=self.checkpoint_modules,
+            compile=self.compile,
         )
         if not self.wrapped:
             if not self._warned:
@@ -153,7 +158,8 @@ class RotorStrategy(_RotorMixin, SingleDeviceStrategy):
     or "sequential" (only nn.Sequential parts, as before). `checkpoint_modules`: block
     classes (classes, class paths or names) each kept whole in one stage.
     `include` / `exclude`: submodule names (globs allowed), class names or classes
-    overriding what is wrapped. `slots`: the planner's memory precision (None: automatic). `device`:
+    overriding what is wrapped. `slots`: the planner's memory precision (None: automatic). `compile`: True
+    or a dict of torch.compile arguments compiles each stage (docs/compile.md). `device`:
     leave None to take the Trainer's accelerator and `devices`.
     """
 
@@ -168,6 +174,7 @@ class RotorStrategy(_RotorMixin, SingleDeviceStrategy):
         slots: int | None = None,
         discover: str = "auto",
         checkpoint_modules: list[str | type] | None = None,
+        compile: bool | dict | None = None,
         device: str | torch.device | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         checkpoint_io: CheckpointIO | None = None,
@@ -176,7 +183,7 @@ class RotorStrategy(_RotorMixin, SingleDeviceStrategy):
         super().__init__(
             device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin
         )
-        self._init_rotor(mem_limit, include, exclude or (), slots, discover, checkpoint_modules)
+        self._init_rotor(mem_limit, include, exclude or (), slots, discover, checkpoint_modules, compile)
         self._device = None if device is None else torch.device(device)
         self._parallel_devices: list[torch.device] = []
 
@@ -225,6 +232,7 @@ class RotorDDPStrategy(_RotorMixin, DDPStrategy):
         slots: int | None = None,
         discover: str = "auto",
         checkpoint_modules: list[str | type] | None = None,
+        compile: bool | dict | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -254,7 +262,7 @@ class RotorDDPStrategy(_RotorMixin, DDPStrategy):
             start_method=start_method,
             **kwargs,
         )
-        self._init_rotor(mem_limit, include, exclude or (), slots, discover, checkpoint_modules)
+        self._init_rotor(mem_limit, include, exclude or (), slots, discover, checkpoint_modules, compile)
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:

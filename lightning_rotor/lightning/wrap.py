@@ -33,6 +33,7 @@ from torch import nn
 
 from lightning_rotor.budget import MemLimit, parse_budget
 from lightning_rotor.checkpointable import Checkpointable
+from lightning_rotor.compile import compiled_inner
 from lightning_rotor.discovery import DISCOVER_METHODS
 from lightning_rotor.discretize import check_slots
 from lightning_rotor.shared_budget import Budget
@@ -97,9 +98,10 @@ def find_chains(
     found: list[tuple[str, nn.Module]] = []
     skipped: set[str] = set()
     seen_sequential = 0
-    for name, module in model.named_modules():
+    for name, stands in model.named_modules():
         if not name or any(name.startswith(p + ".") for p in skipped):
             continue
+        module = compiled_inner(stands) or stands  # torch.compile(submodule): judged by what it compiles
         if isinstance(module, Checkpointable):
             skipped.add(name)  # already rotor's (wrapped by hand)
             continue
@@ -123,7 +125,7 @@ def find_chains(
                 )
         elif not (is_candidate(module) or (discover != "sequential" and is_user_model(module))):
             continue
-        found.append((name, module))
+        found.append((name, stands))  # a compiled one is swapped whole: its stages compiled alike (compile.py)
         skipped.add(name)
     if discover == "auto" and include is None and len(found) > 1:
         big = [(n, m) for n, m in found if not 2 <= _stage_count(m) < MIN_AUTO_STAGES]
@@ -198,6 +200,7 @@ def wrap(
     slots: int | None = None,
     discover: str = "sequential",
     checkpoint_modules: Sequence[str | type] | None = None,
+    compile: bool | dict | None = None,
 ) -> tuple[list[Wrapped], str]:
     """Swap `Checkpointable`s in for the chosen submodules of `model`, in place, under one budget."""
     chains, why = find_chains(model, include, exclude, discover)
@@ -219,6 +222,7 @@ def wrap(
             discover=method,
             checkpoint_modules=types,
             fallback_plain=discover == "auto" and include is None,
+            compile=None if compiled_inner(module) is not None else compile,  # compiled: its own options
         )
         if shared is not None:
             rotor.shared, rotor.shared_name = shared, name

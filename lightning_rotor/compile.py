@@ -1,0 +1,169 @@
+"""torch.compile with rotor: rotor outside, compile inside.
+
+Rotor needs the chain's stages as separate calls (it runs, frees and recomputes them
+one by one), so a chain is never compiled as one graph. Instead:
+
+- `Checkpointable(torch.compile(m))` (or `compile=True`, or a dict of `torch.compile`
+  keyword arguments): the chain is discovered on the original module `m`, and each
+  stage's callable is compiled with the same options. The profiler measures and the
+  executor runs the compiled stages, so the plan is made for what actually runs.
+- `torch.compile(Checkpointable(m))`, or a compiled model holding a `Checkpointable`:
+  dynamo breaks the graph at rotor's training forward, which runs eagerly
+  (`train_eagerly`); the rest of the model is compiled. Evaluation and `no_grad`
+  calls are compiled as usual.
+
+NOTE: [compiled stages and equality] A compiled stage is bitwise equal to itself run
+again (same graph, same kernels), but not necessarily to the same code run eagerly or
+compiled as part of a bigger graph (other fusions round differently). So rotor with
+compiled stages is compared with the *same compiled stages* run one after the other
+without recomputation, the "plain training" of this setup. With `backend="eager"` or
+`"aot_eager"` the stages run the same aten ops as eager code. Dropout in a recomputed
+stage draws the numbers of its first run (lightning_rotor/rng.py): the executor rewinds
+or replays the generators around the stage call, and compiled code draws from them as
+eager code does (aot_eager: the aten random ops; inductor: its seeds are drawn from the
+default generator).
+
+Private torch API used here (torch 2.13): `OptimizedModule` and its `dynamo_ctx`, the
+context that compiled it, applied again to each stage so that every option (backend,
+mode, options, dynamic, fullgraph) is the user's own; `torch._disable_dynamo`, which is
+`torch.compiler.disable` importing dynamo on its first call (seconds) rather than at ours.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_rotor.stages import Stages
+
+__all__ = [
+    "COMPILE_KEYS",
+    "StageCompiler",
+    "compile_stages",
+    "rewinds",
+    "stage_compiler",
+    "train_eagerly",
+    "unwrap_compiled",
+]
+
+StageCompiler = Callable[[nn.Module], nn.Module]
+COMPILE_KEYS = ("fullgraph", "dynamic", "backend", "mode", "options", "disable")
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """Whether `module` is a `torch.compile`d module (without importing dynamo: seconds, when nothing compiles)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
+
+
+def unwrap_compiled(module: nn.Module) -> tuple[nn.Module, StageCompiler | None]:
+    """(the original module, a compiler of stages with its options) for a `torch.compile`d module;
+    `(module, None)` for any other."""
+    if is_compiled(module):
+        ctx = module.dynamo_ctx
+        return module._orig_mod, lambda stage: ctx(stage)
+    return module, None
+
+
+def stage_compiler(
+    compile: bool | Mapping[str, Any] | None, found: StageCompiler | None = None
+) -> StageCompiler | None:
+    """The compiler of stages for `compile=` (False/None: none, True: torch.compile's defaults,
+    a dict: torch.compile's keyword arguments), or `found` on an already compiled module."""
+    if compile is None or compile is False:
+        return found
+    if found is not None:
+        raise ValueError(
+            "the module is compiled already (torch.compile(m)); its stages are compiled with its "
+            "options: leave compile= out, or pass the uncompiled module with compile="
+        )
+    if compile is True:
+        return torch.compile
+    if not isinstance(compile, Mapping):
+        raise TypeError(f"compile= takes True, False or a dict of torch.compile arguments, got {compile!r}")
+    unknown = sorted(set(compile) - set(COMPILE_KEYS))
+    if unknown:
+        raise ValueError(f"compile= got {unknown}, which torch.compile does not take; use {', '.join(COMPILE_KEYS)}")
+    options = dict(compile)
+    return lambda stage: torch.compile(stage, **options)
+
+
+class CompiledStage(nn.Module):
+    """A stage run compiled, or as written while a TorchDispatchMode is active.
+
+    NOTE: [no compiled frame under a dispatch mode] dynamo does not compile under a TorchDispatchMode
+    ("non-infra torch dispatch mode present", torch 2.13 convert_frame.py), and a frame it skipped so
+    stays skipped: one call of a compiled module under rotor's `MemoryProbe` (profiling, a measured
+    step on the CPU) would leave every compiled module of the process running eagerly from then on.
+    So under a mode the stage calls its module as written (the profiler measures the memory of that
+    eager run; times are measured without a mode, compiled), and outside one the compiled module.
+    """
+
+    def __init__(self, compiled: nn.Module):
+        super().__init__()
+        self.compiled = compiled
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch._C._len_torch_dispatch_stack():  # private, torch 2.13: the active dispatch modes
+            return self.compiled._orig_mod(*args, **kwargs)
+        return self.compiled(*args, **kwargs)
+
+
+def compile_stages(stages: Stages, compiler: StageCompiler | None) -> Stages:
+    """`stages` with each stage's module compiled (the same parameters: the compiled module wraps it)."""
+    if compiler is None or all(isinstance(m, CompiledStage) for m in stages):
+        return stages
+    _allow_recompiles(4 * len(stages))
+    modules = tuple(
+        m if isinstance(m, CompiledStage) else CompiledStage(m if is_compiled(m) else compiler(m)) for m in stages
+    )
+    return Stages(stages.names, modules, kind=stages.kind, notes=(*stages.notes, "stages compiled"))
+
+
+def _allow_recompiles(needed: int) -> None:
+    """Raise dynamo's per-code recompile limit to `needed` when lower.
+
+    NOTE: [one code object for every compiled module] every compiled module runs through one shared
+    frame (torch 2.13: `external_utils.inner` for torch.nn modules, `Module._call_impl` for others),
+    and dynamo keeps at most `recompile_limit` (8) graphs per code object. Stages of several classes,
+    each run with and without grad (recomputations), pass 8 at once; past it dynamo runs every compiled
+    module of the process eagerly, silently. Stages of one class (a transformer's blocks) share graphs.
+    """
+    import torch._dynamo
+
+    if torch._dynamo.config.recompile_limit < needed:
+        torch._dynamo.config.recompile_limit = needed
+
+
+def compiled_inner(module: nn.Module) -> nn.Module | None:
+    """The module a `torch.compile`d module compiles (None when `module` is not compiled)."""
+    return module._orig_mod if is_compiled(module) else None
+
+
+def rewinds(stage: nn.Module) -> bool:
+    """Whether a recomputed stage replays its random numbers by rewinding the default generators.
+
+    NOTE: [compiled stages rewind] dynamo runs a frame eagerly while a TorchDispatchMode is active
+    ("non-infra torch dispatch mode present", torch 2.13 convert_frame.py), so rng.py's per-op modes
+    (chosen when other non-daemon threads live, and inductor leaves one: its compile thread pool)
+    would run a compiled stage eagerly, slower and with other rounding. A compiled stage is replayed
+    as torch.utils.checkpoint replays: the default generators rewound to their state before the first
+    run and put back after (`rng.Rewind`); exact unless another thread draws in between.
+    """
+    if isinstance(stage, nn.Sequential):  # compiled stages joined by `join_in_place`
+        return any(isinstance(m, CompiledStage) for m in stage)
+    return isinstance(stage, CompiledStage)
+
+
+@torch._disable_dynamo  # torch.compiler.disable, importing dynamo on the first call only
+def train_eagerly(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """`module.forward` run eagerly under torch.compile: a graph break around rotor's training step.
+
+    Dynamo cannot trace rotor's step (profiling, a custom autograd Function holding Python
+    state, dispatch modes); outside dynamo the step runs as in eager training.
+    """
+    return module.forward(*args, **kwargs)
