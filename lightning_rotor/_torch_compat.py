@@ -30,6 +30,11 @@ __all__ = [
     "TorchDispatchMode",
     "accumulated_leaf",
     "activation_memory_budget",
+    "allow_recompiles",
+    "compiled_parts",
+    "disable_dynamo",
+    "dispatch_modes_active",
+    "optimized_module_type",
     "allocation_bytes",
     "backward_is_full",
     "ddp_pre_forward",
@@ -199,6 +204,43 @@ def op_arguments(op: Any) -> Sequence[Any]:
     writes into its first argument; there is no public accessor to an overload's schema.
     """
     return op._schema.arguments
+
+
+# -- torch.compile ------------------------------------------------------------------------------
+def optimized_module_type() -> type | None:
+    """`torch.compile`'s module wrapper class, or None while dynamo was never imported (importing it
+    takes seconds, and a module cannot be compiled before it is)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return None if eval_frame is None else eval_frame.OptimizedModule
+
+
+def compiled_parts(module: nn.Module) -> tuple[nn.Module, Callable[[nn.Module], nn.Module]]:
+    """(the original module, the context that compiled it) of a `torch.compile`d module.
+
+    `OptimizedModule._orig_mod` and `.dynamo_ctx`: applying the same context to each stage keeps
+    every option the user gave (backend, mode, options, dynamic, fullgraph).
+    """
+    return module._orig_mod, module.dynamo_ctx
+
+
+def dispatch_modes_active() -> bool:
+    """Whether a TorchDispatchMode is active (`torch._C._len_torch_dispatch_stack`): dynamo does not
+    compile under one, and a frame it skipped so stays skipped (compile.py, `CompiledStage`)."""
+    return bool(torch._C._len_torch_dispatch_stack())
+
+
+def allow_recompiles(needed: int) -> None:
+    """Raise dynamo's per-code recompile limit (`torch._dynamo.config.recompile_limit`) to `needed`."""
+    import torch._dynamo
+
+    if torch._dynamo.config.recompile_limit < needed:
+        torch._dynamo.config.recompile_limit = needed
+
+
+def disable_dynamo(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`torch.compiler.disable`, importing dynamo on the first call rather than at ours
+    (`torch._disable_dynamo`, a graph break around `fn`)."""
+    return torch._disable_dynamo(fn)  # type: ignore[no-any-return]
 
 
 # -- torch.compile and the profiler (bench only) ------------------------------------------------

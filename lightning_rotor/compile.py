@@ -23,21 +23,25 @@ or replays the generators around the stage call, and compiled code draws from th
 eager code does (aot_eager: the aten random ops; inductor: its seeds are drawn from the
 default generator).
 
-Private torch API used here (torch 2.13): `OptimizedModule` and its `dynamo_ctx`, the
-context that compiled it, applied again to each stage so that every option (backend,
-mode, options, dynamic, fullgraph) is the user's own; `torch._disable_dynamo`, which is
-`torch.compiler.disable` importing dynamo on its first call (seconds) rather than at ours.
+The private torch APIs this needs (the compiled module's parts, the dispatch-mode stack,
+dynamo's recompile limit, a lazy `torch.compiler.disable`) are in `_torch_compat.py`.
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from lightning_rotor._torch_compat import (
+    allow_recompiles,
+    compiled_parts,
+    disable_dynamo,
+    dispatch_modes_active,
+    optimized_module_type,
+)
 from lightning_rotor.stages import Stages
 
 __all__ = [
@@ -56,16 +60,16 @@ COMPILE_KEYS = ("fullgraph", "dynamic", "backend", "mode", "options", "disable")
 
 def is_compiled(module: nn.Module) -> bool:
     """Whether `module` is a `torch.compile`d module (without importing dynamo: seconds, when nothing compiles)."""
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
+    optimized = optimized_module_type()
+    return optimized is not None and isinstance(module, optimized)
 
 
 def unwrap_compiled(module: nn.Module) -> tuple[nn.Module, StageCompiler | None]:
     """(the original module, a compiler of stages with its options) for a `torch.compile`d module;
     `(module, None)` for any other."""
     if is_compiled(module):
-        ctx = module.dynamo_ctx
-        return module._orig_mod, lambda stage: ctx(stage)
+        original, ctx = compiled_parts(module)
+        return original, lambda stage: ctx(stage)
     return module, None
 
 
@@ -108,8 +112,8 @@ class CompiledStage(nn.Module):
         self.compiled = compiled
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if torch._C._len_torch_dispatch_stack():  # private, torch 2.13: the active dispatch modes
-            return self.compiled._orig_mod(*args, **kwargs)
+        if dispatch_modes_active():
+            return compiled_parts(self.compiled)[0](*args, **kwargs)
         return self.compiled(*args, **kwargs)
 
 
@@ -133,15 +137,12 @@ def _allow_recompiles(needed: int) -> None:
     each run with and without grad (recomputations), pass 8 at once; past it dynamo runs every compiled
     module of the process eagerly, silently. Stages of one class (a transformer's blocks) share graphs.
     """
-    import torch._dynamo
-
-    if torch._dynamo.config.recompile_limit < needed:
-        torch._dynamo.config.recompile_limit = needed
+    allow_recompiles(needed)
 
 
 def compiled_inner(module: nn.Module) -> nn.Module | None:
     """The module a `torch.compile`d module compiles (None when `module` is not compiled)."""
-    return module._orig_mod if is_compiled(module) else None
+    return compiled_parts(module)[0] if is_compiled(module) else None
 
 
 def rewinds(stage: nn.Module) -> bool:
@@ -159,7 +160,7 @@ def rewinds(stage: nn.Module) -> bool:
     return isinstance(stage, CompiledStage)
 
 
-@torch._disable_dynamo  # torch.compiler.disable, importing dynamo on the first call only
+@disable_dynamo  # torch.compiler.disable, importing dynamo on the first call only
 def train_eagerly(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """`module.forward` run eagerly under torch.compile: a graph break around rotor's training step.
 
