@@ -33,8 +33,16 @@ def dense_workload(stages: int, width: int, batch: int) -> Workload:
     model = nn.Sequential(*[Dense(width) for _ in range(stages)])
     found = sequential_stages(model)
     x = torch.randn(batch, width)
-    return Workload(name="dense", model=model, x=x, y=None, loss=lambda out, _y: out.sum(), device=x.device,
-                    stage_names=list(found.names), stages=list(found.modules))
+    return Workload(
+        name="dense",
+        model=model,
+        x=x,
+        y=None,
+        loss=lambda out, _y: out.sum(),
+        device=x.device,
+        stage_names=list(found.names),
+        stages=list(found.modules),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,8 +78,10 @@ def main(argv: list[str] | None = None) -> int:
             start = time.perf_counter()
             train_step(w, forward, 0)
             times[name].append(time.perf_counter() - start)
-    print(f"{args.model or 'Dense'}: {length} stages, {args.repeats} interleaved rounds, "
-          f"{torch.get_num_threads()} thread(s)")
+    print(
+        f"{args.model or 'Dense'}: {length} stages, {args.repeats} interleaved rounds, "
+        f"{torch.get_num_threads()} thread(s)"
+    )
     medians = {}
     for name, ts in times.items():
         medians[name] = statistics.median(ts)

@@ -46,8 +46,9 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     args = parser.parse_args()
     torch.manual_seed(0)
-    model = gpt(vocab_size=args.vocab, block_size=args.seq, n_layer=args.n_layer, n_head=4, n_embd=args.n_embd,
-                dropout=0.1)
+    model = gpt(
+        vocab_size=args.vocab, block_size=args.seq, n_layer=args.n_layer, n_head=4, n_embd=args.n_embd, dropout=0.1
+    )
     model.embed.requires_grad_(False)
     for block in model.blocks[:-1]:
         block.requires_grad_(False)
@@ -59,18 +60,22 @@ def main() -> None:
     probe.prepare_for(x)
     chain = probe.chain
     frozen = getattr(chain, "frozen", 0)  # 0 before chain version 4
-    print(f"rotor chain: {chain.length} stages, frozen prefix {frozen}; predicted no-recompute peak "
-          f"{no_recompute_peak(chain)} bytes ({no_recompute_peak(chain) / plain:.3f}x plain), smallest feasible "
-          f"budget {min_feasible_budget(chain)}")
+    print(
+        f"rotor chain: {chain.length} stages, frozen prefix {frozen}; predicted no-recompute peak "
+        f"{no_recompute_peak(chain)} bytes ({no_recompute_peak(chain) / plain:.3f}x plain), smallest feasible "
+        f"budget {min_feasible_budget(chain)}"
+    )
     for label, budget in (("plain's peak", plain), ("smallest feasible", min_feasible_budget(chain))):
         rotor = Checkpointable(copy.deepcopy(model), mem_limit=budget).train()
         step(rotor, x, y, rotor=True)  # profiles and plans
         peak, got = step(rotor, x, y, rotor=True)
         same = all(torch.equal(a, b) for a, b in zip(grads, got, strict=True))
         runs = rotor.last_entry.runs
-        print(f"budget {label} ({budget}): measured {peak} bytes ({peak / plain:.3f}x plain), predicted "
-              f"{rotor.plan.peak}, recomputed stages {[n for n, r in zip(chain.names, runs, strict=True) if r > 1]}, "
-              f"gradients equal: {same}")
+        print(
+            f"budget {label} ({budget}): measured {peak} bytes ({peak / plain:.3f}x plain), predicted "
+            f"{rotor.plan.peak}, recomputed stages {[n for n, r in zip(chain.names, runs, strict=True) if r > 1]}, "
+            f"gradients equal: {same}"
+        )
 
 
 if __name__ == "__main__":

@@ -34,15 +34,21 @@ CLASSES = ("crash", "hang", "error", "not bitwise", "over budget", "refused")
 RERUN = ("crash", "hang", "not bitwise")  # run again alone in a fresh process: do they reproduce on their own?
 
 
-def fuzz(examples: int, seconds: float, fractions: tuple[float, ...], start: int, kinds: list[str],
-         worker: Worker) -> list[Outcome]:
+def fuzz(
+    examples: int, seconds: float, fractions: tuple[float, ...], start: int, kinds: list[str], worker: Worker
+) -> list[Outcome]:
     """Run up to `examples` generated cases (or until `seconds` have passed); no shrinking."""
     outcomes: list[Outcome] = []
     deadline = time.monotonic() + seconds
 
     @seed(start)
-    @settings(max_examples=examples, deadline=None, database=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
     @given(specs(discover=kinds))
     def case(spec: Spec) -> None:
         if time.monotonic() > deadline:
@@ -61,14 +67,22 @@ def fuzz(examples: int, seconds: float, fractions: tuple[float, ...], start: int
     return outcomes
 
 
-def shrink(cls: str, examples: int, fractions: tuple[float, ...], start: int, kinds: list[str],
-           worker: Worker) -> Spec | None:
+def shrink(
+    cls: str, examples: int, fractions: tuple[float, ...], start: int, kinds: list[str], worker: Worker
+) -> Spec | None:
     """The smallest case hypothesis finds failing with `cls` (None when none is found in `examples`)."""
     found: list[Spec] = []
 
     @seed(start)
-    @settings(max_examples=examples, deadline=None, database=None, phases=[Phase.generate, Phase.shrink],
-              suppress_health_check=list(HealthCheck), report_multiple_bugs=False, print_blob=False)
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        phases=[Phase.generate, Phase.shrink],
+        suppress_health_check=list(HealthCheck),
+        report_multiple_bugs=False,
+        print_blob=False,
+    )
     @given(specs(discover=kinds))
     def case(spec: Spec) -> None:
         outcome = worker.run(spec, fractions)
@@ -83,8 +97,13 @@ def shrink(cls: str, examples: int, fractions: tuple[float, ...], start: int, ki
     return None
 
 
-def report(outcomes: list[Outcome], args: argparse.Namespace, seconds: float,
-           minimal: dict[str, tuple[Spec, Outcome]], commit: str) -> str:
+def report(
+    outcomes: list[Outcome],
+    args: argparse.Namespace,
+    seconds: float,
+    minimal: dict[str, tuple[Spec, Outcome]],
+    commit: str,
+) -> str:
     cases = [o for o in outcomes if not o.skipped]
     by_class: dict[str, list[Outcome]] = collections.defaultdict(list)
     for o in cases:
@@ -109,8 +128,10 @@ def report(outcomes: list[Outcome], args: argparse.Namespace, seconds: float,
     for cls in CLASSES:
         lines.append(f"| cases with: {cls} | {len(by_class.get(cls, []))} |")
     again = [o for o in cases if o.alone is not None]
-    lines.append(f"| crash, hang or not bitwise, run again alone in a fresh process: the same class again | "
-                 f"{sum(any(c in o.alone for c, _ in o.failures if c in RERUN) for o in again)} of {len(again)} |")
+    lines.append(
+        f"| crash, hang or not bitwise, run again alone in a fresh process: the same class again | "
+        f"{sum(any(c in o.alone for c, _ in o.failures if c in RERUN) for o in again)} of {len(again)} |"
+    )
     for cls in CLASSES:
         found = by_class.get(cls, [])
         if not found:
@@ -157,10 +178,16 @@ def main() -> None:
     parser.add_argument("--examples", type=int, default=500, help="cases generated at most")
     parser.add_argument("--seconds", type=float, default=1200, help="stop generating after this many seconds")
     parser.add_argument("--seed", type=int, default=0, help="hypothesis seed (the same seed: the same cases)")
-    parser.add_argument("--discover", nargs="+", default=["graph", "sequential", "modules"],
-                        choices=["graph", "sequential", "modules"])
-    parser.add_argument("--fractions", type=float, nargs="+", default=list(FRACTIONS),
-                        help="budgets, as fractions of the way from the smallest feasible to the plain peak")
+    parser.add_argument(
+        "--discover", nargs="+", default=["graph", "sequential", "modules"], choices=["graph", "sequential", "modules"]
+    )
+    parser.add_argument(
+        "--fractions",
+        type=float,
+        nargs="+",
+        default=list(FRACTIONS),
+        help="budgets, as fractions of the way from the smallest feasible to the plain peak",
+    )
     parser.add_argument("--timeout", type=float, default=300, help="seconds a case may run before it is a hang")
     parser.add_argument("--shrink", action="store_true", help="also shrink one case per failure class found")
     parser.add_argument("--show", type=int, default=5, help="failing cases listed per class")

@@ -79,8 +79,13 @@ def worker(steps: int, threads: int) -> dict:
 def run_one(steps: int, threads: int, tree: str | None = None) -> dict:
     """One run in a fresh process; `tree`: import lightning_rotor from that checkout instead."""
     env = dict(os.environ, PYTHONPATH=tree) if tree else None
-    out = subprocess.run([sys.executable, __file__, "--worker", "--steps", str(steps), "--threads", str(threads)],
-                         check=True, capture_output=True, text=True, env=env)
+    out = subprocess.run(
+        [sys.executable, __file__, "--worker", "--steps", str(steps), "--threads", str(threads)],
+        check=True,
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -103,19 +108,24 @@ def report(load: int, results: list[dict], label: str = "") -> str:
     plans = Counter(r["plan"] for r in results)
     modal, same = plans.most_common(1)[0]
     recomputed = next(r["recomputed"] for r in results if r["plan"] == modal)
-    lines = [f"### {label}background load: {load} busy process(es), {len(results)} runs, "
-             f"{results[0]['threads']} intra-op thread(s)", "",
-             f"- same plan: {same} of {len(results)} ({len(plans)} distinct); most common recomputes "
-             f"{len(recomputed)} stage(s): {', '.join(recomputed) or 'none'}", "",
-             "| run | recomputed | predicted ms | measured median ms | min | max | predicted/measured | "
-             "profiling s | = steps | rounds spread | worst stage spread | predicted/measured, fastest round |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"### {label}background load: {load} busy process(es), {len(results)} runs, "
+        f"{results[0]['threads']} intra-op thread(s)",
+        "",
+        f"- same plan: {same} of {len(results)} ({len(plans)} distinct); most common recomputes "
+        f"{len(recomputed)} stage(s): {', '.join(recomputed) or 'none'}",
+        "",
+        "| run | recomputed | predicted ms | measured median ms | min | max | predicted/measured | "
+        "profiling s | = steps | rounds spread | worst stage spread | predicted/measured, fastest round |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for i, r in enumerate(results):
         lines.append(
             f"| {i + 1} | {len(r['recomputed'])} | {r['predicted_ms']:.1f} | {r['measured_ms']:.1f} | "
             f"{r['measured_min_ms']:.1f} | {r['measured_max_ms']:.1f} | {r['predicted_ms'] / r['measured_ms']:.2f} | "
             f"{r['profile_s']:.2f} | {r['profile_s'] * 1e3 / r['measured_ms']:.1f} | {_spread(r['rounds_ms'])} | "
-            f"{r['spread']:.0%} | {_at_fastest_round(r)} |")
+            f"{r['spread']:.0%} | {_at_fastest_round(r)} |"
+        )
     ratios = [r["predicted_ms"] / r["measured_ms"] for r in results]
     # how far apart the distinct plans are: each run's plan priced with every run's profile, against that run's own
     from lightning_rotor.chain import Chain
@@ -130,11 +140,15 @@ def report(load: int, results: list[dict], label: str = "") -> str:
     except ValueError:  # a baseline's chains in a format this tree does not read
         gap = "n/a"
     predicted = [r["predicted_ms"] for r in results]
-    lines += ["", f"- predicted/measured: median {statistics.median(ratios):.2f}, range {min(ratios):.2f}-"
-              f"{max(ratios):.2f}; predicted step median {statistics.median(predicted):.1f} ms, range "
-              f"{min(predicted):.1f}-{max(predicted):.1f} ms",
-              f"- distinct plans priced on the same profile differ by at most {gap} (near-ties when small)",
-              f"- load average while running: {os.getloadavg()[0]:.1f}", ""]
+    lines += [
+        "",
+        f"- predicted/measured: median {statistics.median(ratios):.2f}, range {min(ratios):.2f}-"
+        f"{max(ratios):.2f}; predicted step median {statistics.median(predicted):.1f} ms, range "
+        f"{min(predicted):.1f}-{max(predicted):.1f} ms",
+        f"- distinct plans priced on the same profile differ by at most {gap} (near-ties when small)",
+        f"- load average while running: {os.getloadavg()[0]:.1f}",
+        "",
+    ]
     return "\n".join(lines)
 
 

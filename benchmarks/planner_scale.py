@@ -17,11 +17,15 @@ from lightning_rotor.planner import plan
 def long_chain(length: int) -> Chain:
     rng = random.Random(0)
     out = [rng.randint(1000, 100000) for _ in range(length)]
-    return Chain(input_size=5000, out_size=out, saved_size=[o + rng.randint(0, 100000) for o in out],
-                 fwd_time=[rng.uniform(1e-3, 5e-3) for _ in range(length)],
-                 bwd_time=[rng.uniform(2e-3, 1e-2) for _ in range(length)],
-                 fwd_tmp=[rng.randint(0, 1000) for _ in range(length)],
-                 bwd_tmp=[rng.randint(0, 1000) for _ in range(length)])
+    return Chain(
+        input_size=5000,
+        out_size=out,
+        saved_size=[o + rng.randint(0, 100000) for o in out],
+        fwd_time=[rng.uniform(1e-3, 5e-3) for _ in range(length)],
+        bwd_time=[rng.uniform(2e-3, 1e-2) for _ in range(length)],
+        fwd_tmp=[rng.randint(0, 1000) for _ in range(length)],
+        bwd_tmp=[rng.randint(0, 1000) for _ in range(length)],
+    )
 
 
 def main() -> None:

@@ -101,8 +101,16 @@ def compile_yardstick(workdir: Path) -> Path:
 
 def yardstick_input(chain: Chain, budget: int, slots: int = 500) -> str:
     d = discretize(chain, budget, slots=slots)
-    rows = [[d.length, d.slots, d.loss_tmp], d.size, d.saved, d.fwd_tmp, d.fwd_tmp_nograd, d.bwd_tmp, d.fwd_cost,
-            d.bwd_cost]
+    rows = [
+        [d.length, d.slots, d.loss_tmp],
+        d.size,
+        d.saved,
+        d.fwd_tmp,
+        d.fwd_tmp_nograd,
+        d.bwd_tmp,
+        d.fwd_cost,
+        d.bwd_cost,
+    ]
     return "\n".join(" ".join(str(x) for x in row) for row in rows) + "\n"
 
 
@@ -114,8 +122,9 @@ def run_yardstick(exe: Path, text: str) -> tuple[int | None, float]:
 
 def planner_cost(chain: Chain, budget: int, slots: int = 500) -> int | None:
     d = discretize(chain, budget, slots=slots)
-    found = _planner.solve(d.size, d.saved, d.fwd_tmp, d.fwd_tmp_nograd, d.bwd_tmp, d.loss_tmp, d.fwd_cost,
-                           d.bwd_cost, d.slots)
+    found = _planner.solve(
+        d.size, d.saved, d.fwd_tmp, d.fwd_tmp_nograd, d.bwd_tmp, d.loss_tmp, d.fwd_cost, d.bwd_cost, d.slots
+    )
     return None if found is None else found[0]
 
 
@@ -140,8 +149,9 @@ def planner_memory(chain: Chain, budget: int) -> tuple[int, int]:
     d = discretize(chain, budget)
     args = [d.size, d.saved, d.fwd_tmp, d.fwd_tmp_nograd, d.bwd_tmp, d.loss_tmp, d.fwd_cost, d.bwd_cost, d.slots]
     code = MEMORY_PROBE.format(so=_planner.__file__)
-    out = subprocess.run([sys.executable, "-c", code], input=json.dumps(args), capture_output=True, text=True,
-                         check=True).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", code], input=json.dumps(args), capture_output=True, text=True, check=True
+    ).stdout.split()
     return int(out[0]), int(out[1])
 
 
@@ -181,13 +191,24 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  lightning_rotor DP only, {threads} thread(s): {spread(solve_times)}")
     print(f"  lightning_rotor DP only, 1 thread:    {spread(single_times)}")
     print(f"  simulate() of the plan:       {spread(simulate_times)}")
-    print(f"  speedup (median/median): whole plan() {speedup:.1f}x, DP against DP {dp_speedup:.1f}x "
-          f"({threads} thread(s)), {single_speedup:.1f}x (1 thread)")
-    results["compare"] = {"length": args.length, "budget": budget, "cost": ours, "yardstick_s": yard_times,
-                          "plan_s": plan_times, "solve_s": solve_times, "solve_1thread_s": single_times,
-                          "simulate_s": simulate_times,
-                          "threads": threads, "speedup": speedup, "dp_speedup": dp_speedup,
-                          "dp_speedup_1thread": single_speedup}
+    print(
+        f"  speedup (median/median): whole plan() {speedup:.1f}x, DP against DP {dp_speedup:.1f}x "
+        f"({threads} thread(s)), {single_speedup:.1f}x (1 thread)"
+    )
+    results["compare"] = {
+        "length": args.length,
+        "budget": budget,
+        "cost": ours,
+        "yardstick_s": yard_times,
+        "plan_s": plan_times,
+        "solve_s": solve_times,
+        "solve_1thread_s": single_times,
+        "simulate_s": simulate_times,
+        "threads": threads,
+        "speedup": speedup,
+        "dp_speedup": dp_speedup,
+        "dp_speedup_1thread": single_speedup,
+    }
 
     large = bench_chain(args.large)
     large_budget = int(0.4 * no_recompute_peak(large))
@@ -197,8 +218,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"L={args.large} at 40%: simulate() of the plan {spread(large_simulate)}")
     before, after = planner_memory(large, large_budget)
     print(f"L={args.large}: planner process peak RSS {after / MiB:.0f} MiB (before the DP: {before / MiB:.0f} MiB)")
-    results["large"] = {"length": args.large, "plan_s": large_times, "simulate_s": large_simulate,
-                        "rss_before": before, "rss_after": after}
+    results["large"] = {
+        "length": args.large,
+        "plan_s": large_times,
+        "simulate_s": large_simulate,
+        "rss_before": before,
+        "rss_after": after,
+    }
     print(json.dumps(results))
     return 0
 

@@ -73,8 +73,14 @@ def configs_for(
     plain = Config("plain", w.model)
     uniform = [Config(f"cs{s}", _segments(seq, s)) for s in range(2, length + 1)]
     uniform.append(Config("every", _each_checkpointed(w.stages)))
-    ops_of = {c.name: (checkpoint_sequential_ops(length, int(c.name[2:])) if c.name.startswith("cs")
-                       else checkpoint_every_stage_ops(length)) for c in uniform}
+    ops_of = {
+        c.name: (
+            checkpoint_sequential_ops(length, int(c.name[2:]))
+            if c.name.startswith("cs")
+            else checkpoint_every_stage_ops(length)
+        )
+        for c in uniform
+    }
     for c in [plain, *uniform]:
         train_step(w, c.forward, 0)  # warm-up, then the peak of one step
         c.measured = measure_peak(w, c.forward, 0)
@@ -97,8 +103,10 @@ def configs_for(
         at[label] = rotor[key]
     # the executor on torch's own schedule: the cheapest uniform scheme by memory, and sqrt(L) segments
     middle = f"cs{max(2, round(math.sqrt(length)))}"
-    executed = [Config(f"exec:{name}", PlanRunner(w.stages, ops_of[name], w.stage_names, in_free=chain.in_free))
-                for name in dict.fromkeys([middle, min(uniform, key=lambda c: c.measured).name])]
+    executed = [
+        Config(f"exec:{name}", PlanRunner(w.stages, ops_of[name], w.stage_names, in_free=chain.in_free))
+        for name in dict.fromkeys([middle, min(uniform, key=lambda c: c.measured).name])
+    ]
     for c in executed:
         train_step(w, c.forward, 0)
     every = [plain, *uniform, *rotor.values(), *executed]
@@ -113,8 +121,14 @@ def configs_for(
             start = time.perf_counter()
             train_step(w, c.forward, 0)
             c.times.append(time.perf_counter() - start)
-    return every, {"chain": chain, "plain": plain, "uniform": uniform, "at": at, "smallest": smallest,
-                   "executed": executed}
+    return every, {
+        "chain": chain,
+        "plain": plain,
+        "uniform": uniform,
+        "at": at,
+        "smallest": smallest,
+        "executed": executed,
+    }
 
 
 def mib(n: int | None) -> str:
@@ -123,13 +137,18 @@ def mib(n: int | None) -> str:
 
 def report(name: str, w: Workload, every: list[Config], s: dict[str, Any]) -> tuple[list[str], list[float], dict]:
     plain, uniform, at = s["plain"], s["uniform"], s["at"]
-    lines = [f"### {name} ({len(w.stages)} stages, batch {w.x.shape[0]}, {len(plain.times)} interleaved rounds)", "",
-             "| config | budget MiB | predicted MiB | measured MiB | meas/pred | recomputed | median ms | spread |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"### {name} ({len(w.stages)} stages, batch {w.x.shape[0]}, {len(plain.times)} interleaved rounds)",
+        "",
+        "| config | budget MiB | predicted MiB | measured MiB | meas/pred | recomputed | median ms | spread |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for c in every:
         ratio = f"{c.measured / c.predicted:.3f}" if c.predicted else "-"
-        lines.append(f"| {c.name} | {mib(c.budget)} | {mib(c.predicted)} | {mib(c.measured)} | {ratio} | "
-                     f"{'-' if c.recomputed is None else c.recomputed} | {c.median * 1e3:.1f} | {c.spread:.0%} |")
+        lines.append(
+            f"| {c.name} | {mib(c.budget)} | {mib(c.predicted)} | {mib(c.measured)} | {ratio} | "
+            f"{'-' if c.recomputed is None else c.recomputed} | {c.median * 1e3:.1f} | {c.spread:.0%} |"
+        )
     lowest = min(uniform, key=lambda c: c.measured)
     ratios = []
     worst = (0.0, "")
@@ -139,29 +158,38 @@ def report(name: str, w: Workload, every: list[Config], s: dict[str, Any]) -> tu
             ratio = r.median / c.median
             ratios.append(ratio)
             worst = max(worst, (ratio, c.name))
-    executed = ", ".join(f"{c.name[5:]} {c.median / next(u for u in uniform if u.name == c.name[5:]).median:.3f}x"
-                         for c in s["executed"])
+    executed = ", ".join(
+        f"{c.name[5:]} {c.median / next(u for u in uniform if u.name == c.name[5:]).median:.3f}x" for c in s["executed"]
+    )
     summary = {
         "model": name,
-        "min_budget": s["smallest"], "lowest_uniform": lowest.measured, "lowest_name": lowest.name,
-        "plain": plain.measured, "plain_recomputed": at["plain"].recomputed if at.get("plain") else None,
+        "min_budget": s["smallest"],
+        "lowest_uniform": lowest.measured,
+        "lowest_name": lowest.name,
+        "plain": plain.measured,
+        "plain_recomputed": at["plain"].recomputed if at.get("plain") else None,
         "geomean": math.exp(statistics.fmean(math.log(r) for r in ratios)) if ratios else None,
-        "worst": worst, "points": len(ratios), "planned": sum(1 for c in uniform if at.get(c.name)),
+        "worst": worst,
+        "points": len(ratios),
+        "planned": sum(1 for c in uniform if at.get(c.name)),
         "within_2pct": sum(1 for r in ratios if r <= 1.02),
         "meas_pred": [c.measured / c.predicted for c in every if c.predicted],
         "over_budget": [c.name for c in every if c.budget is not None and c.measured > c.budget],
         "executed": executed,
     }
-    lines += ["", f"- smallest feasible budget {mib(s['smallest'])} MiB vs lowest uniform peak "
-              f"{mib(lowest.measured)} MiB ({lowest.name}): {s['smallest'] / lowest.measured:.3f}",
-              f"- plain peak {mib(plain.measured)} MiB; rotor planned there recomputes "
-              f"{summary['plain_recomputed']} stages",
-              f"- rotor at each uniform scheme's peak: {summary['planned']} of {len(uniform)} planned, "
-              f"median time ratio geomean {summary['geomean']:.3f}, worst {worst[0]:.3f} ({worst[1]}), "
-              f"{summary['within_2pct']} of {len(ratios)} within 1.02x",
-              f"- measured/predicted over rotor's plans: {min(summary['meas_pred']):.3f}–"
-              f"{max(summary['meas_pred']):.3f}; above budget: {summary['over_budget'] or 'none'}",
-              f"- rotor's executor on torch's own schedule vs torch: {executed}", ""]
+    lines += [
+        "",
+        f"- smallest feasible budget {mib(s['smallest'])} MiB vs lowest uniform peak "
+        f"{mib(lowest.measured)} MiB ({lowest.name}): {s['smallest'] / lowest.measured:.3f}",
+        f"- plain peak {mib(plain.measured)} MiB; rotor planned there recomputes {summary['plain_recomputed']} stages",
+        f"- rotor at each uniform scheme's peak: {summary['planned']} of {len(uniform)} planned, "
+        f"median time ratio geomean {summary['geomean']:.3f}, worst {worst[0]:.3f} ({worst[1]}), "
+        f"{summary['within_2pct']} of {len(ratios)} within 1.02x",
+        f"- measured/predicted over rotor's plans: {min(summary['meas_pred']):.3f}–"
+        f"{max(summary['meas_pred']):.3f}; above budget: {summary['over_budget'] or 'none'}",
+        f"- rotor's executor on torch's own schedule vs torch: {executed}",
+        "",
+    ]
     return lines, ratios, summary
 
 
@@ -171,15 +199,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", default="bench", choices=["tiny", "bench"])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--min-seconds", type=float, default=0.0,
-                        help="run more rounds than --repeats until each configuration has run this long in all")
+    parser.add_argument(
+        "--min-seconds",
+        type=float,
+        default=0.0,
+        help="run more rounds than --repeats until each configuration has run this long in all",
+    )
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--out", default=None, help="also write the markdown report here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    out = [f"Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {platform.processor() or platform.machine()}, "
-           f"{torch.get_num_threads()} threads, torch {torch.__version__}; "
-           f"`python benchmarks/zoo.py {' '.join(sys.argv[1:] if argv is None else argv)}`", ""]
+    out = [
+        f"Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {platform.processor() or platform.machine()}, "
+        f"{torch.get_num_threads()} threads, torch {torch.__version__}; "
+        f"`python benchmarks/zoo.py {' '.join(sys.argv[1:] if argv is None else argv)}`",
+        "",
+    ]
     all_ratios: list[float] = []
     summaries = []
     for name in args.models:
@@ -190,16 +225,25 @@ def main(argv: list[str] | None = None) -> int:
         summaries.append(summary)
         out += lines
         print("\n".join(lines), flush=True)
-    out += ["### Summary", "", "| model | min budget / lowest uniform | plain: recomputed | time ratio geomean "
-            "| worst | within 1.02x | meas/pred |", "|---|---|---|---|---|---|---|"]
+    out += [
+        "### Summary",
+        "",
+        "| model | min budget / lowest uniform | plain: recomputed | time ratio geomean "
+        "| worst | within 1.02x | meas/pred |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for m in summaries:
-        out.append(f"| {m['model']} | {m['min_budget'] / m['lowest_uniform']:.3f} | {m['plain_recomputed']} | "
-                   f"{m['geomean']:.3f} | {m['worst'][0]:.3f} ({m['worst'][1]}) | {m['within_2pct']}/{m['points']} | "
-                   f"{min(m['meas_pred']):.3f}–{max(m['meas_pred']):.3f} |")
+        out.append(
+            f"| {m['model']} | {m['min_budget'] / m['lowest_uniform']:.3f} | {m['plain_recomputed']} | "
+            f"{m['geomean']:.3f} | {m['worst'][0]:.3f} ({m['worst'][1]}) | {m['within_2pct']}/{m['points']} | "
+            f"{min(m['meas_pred']):.3f}–{max(m['meas_pred']):.3f} |"
+        )
     if all_ratios:
-        out.append(f"\nAll points: geomean {math.exp(statistics.fmean(math.log(r) for r in all_ratios)):.3f} "
-                   f"over {len(all_ratios)} points.")
-    print("\n".join(out[-len(summaries) - 5:]))
+        out.append(
+            f"\nAll points: geomean {math.exp(statistics.fmean(math.log(r) for r in all_ratios)):.3f} "
+            f"over {len(all_ratios)} points."
+        )
+    print("\n".join(out[-len(summaries) - 5 :]))
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(out) + "\n")

@@ -34,8 +34,15 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab: int = 256, block_size: int = 64, layers: int = 6, width: int = 64, heads: int = 4,
-                 dropout: float = 0.1):
+    def __init__(
+        self,
+        vocab: int = 256,
+        block_size: int = 64,
+        layers: int = 6,
+        width: int = 64,
+        heads: int = 4,
+        dropout: float = 0.1,
+    ):
         super().__init__()
         self.block_size = block_size
         self.wte, self.wpe = nn.Embedding(vocab, width), nn.Embedding(block_size, width)
@@ -75,8 +82,13 @@ def main() -> None:
     torch.manual_seed(0)
     text = torch.randint(256, (64, 65))
     data = DataLoader(TensorDataset(text[:, :-1], text[:, 1:]), batch_size=16)
-    trainer = pl.Trainer(strategy=RotorStrategy(mem_limit="50%"), accelerator="cpu", max_steps=8, logger=False,
-                         enable_checkpointing=False)
+    trainer = pl.Trainer(
+        strategy=RotorStrategy(mem_limit="50%"),
+        accelerator="cpu",
+        max_steps=8,
+        logger=False,
+        enable_checkpointing=False,
+    )
     trainer.fit(LanguageModel(), data)
 
 

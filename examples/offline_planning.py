@@ -47,9 +47,11 @@ def main() -> None:
     torch.manual_seed(0)
     chain = Chain.load(args.chain) if args.chain else profile_resnet(Path("chain.json"))
     peak = no_recompute_peak(chain)
-    print(f"{chain.length} stages; no recomputation: peak {format_bytes(peak)}, "
-          f"step {chain.no_recompute_time() * 1e3:.2f} ms; smallest feasible budget "
-          f"{format_bytes(min_feasible_budget(chain))}")
+    print(
+        f"{chain.length} stages; no recomputation: peak {format_bytes(peak)}, "
+        f"step {chain.no_recompute_time() * 1e3:.2f} ms; smallest feasible budget "
+        f"{format_bytes(min_feasible_budget(chain))}"
+    )
     print(f"{'budget':>10}  {'peak':>11}  {'time':>9}  {'overhead':>8}  recomputed")
     for budget in args.budgets:
         try:
@@ -60,8 +62,10 @@ def main() -> None:
         replay = simulate(chain, chosen.ops)  # the simulator is the referee
         assert replay.peak == chosen.peak and replay.peak <= chosen.mem_limit
         overhead = chosen.time / chain.no_recompute_time() - 1
-        print(f"{budget:>10}  {format_bytes(chosen.peak):>11}  {chosen.time * 1e3:7.2f}ms  {overhead:8.1%}  "
-              f"{chosen.recomputed_stages}")
+        print(
+            f"{budget:>10}  {format_bytes(chosen.peak):>11}  {chosen.time * 1e3:7.2f}ms  {overhead:8.1%}  "
+            f"{chosen.recomputed_stages}"
+        )
 
 
 if __name__ == "__main__":

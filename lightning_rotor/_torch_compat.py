@@ -220,7 +220,9 @@ def compiled_parts(module: nn.Module) -> tuple[nn.Module, Callable[[nn.Module], 
     `OptimizedModule._orig_mod` and `.dynamo_ctx`: applying the same context to each stage keeps
     every option the user gave (backend, mode, options, dynamic, fullgraph).
     """
-    return module._orig_mod, module.dynamo_ctx
+    original: nn.Module = module._orig_mod  # type: ignore[assignment]
+    ctx: Callable[[nn.Module], nn.Module] = module.dynamo_ctx  # type: ignore[assignment]
+    return original, ctx
 
 
 def dispatch_modes_active() -> bool:
@@ -240,7 +242,7 @@ def allow_recompiles(needed: int) -> None:
 def disable_dynamo(fn: Callable[..., Any]) -> Callable[..., Any]:
     """`torch.compiler.disable`, importing dynamo on the first call rather than at ours
     (`torch._disable_dynamo`, a graph break around `fn`)."""
-    return torch._disable_dynamo(fn)  # type: ignore[no-any-return]
+    return torch._disable_dynamo(fn)
 
 
 # -- torch.compile and the profiler (bench only) ------------------------------------------------

@@ -33,8 +33,10 @@ def main(argv: list[str] | None = None) -> int:
 
         rest = argv
     else:
-        print(f"lightning-rotor: unknown command {command!r}; commands: plan, bench, fit, validate, test, predict",
-              file=sys.stderr)
+        print(
+            f"lightning-rotor: unknown command {command!r}; commands: plan, bench, fit, validate, test, predict",
+            file=sys.stderr,
+        )
         return 2
     return run(rest) or 0
 

@@ -30,7 +30,7 @@ dynamo's recompile limit, a lazy `torch.compiler.disable`) are in `_torch_compat
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -86,14 +86,14 @@ def stage_compiler(
             "options: leave compile= out, or pass the uncompiled module with compile="
         )
     if compile is True:
-        return torch.compile
+        return lambda stage: cast(nn.Module, torch.compile(stage))
     if not isinstance(compile, Mapping):
         raise TypeError(f"compile= takes True, False or a dict of torch.compile arguments, got {compile!r}")
     unknown = sorted(set(compile) - set(COMPILE_KEYS))
     if unknown:
         raise ValueError(f"compile= got {unknown}, which torch.compile does not take; use {', '.join(COMPILE_KEYS)}")
     options = dict(compile)
-    return lambda stage: torch.compile(stage, **options)
+    return lambda stage: cast(nn.Module, torch.compile(stage, **options))
 
 
 class CompiledStage(nn.Module):

@@ -13,8 +13,15 @@ from lightning_rotor.lightning.state import rotor_modules
 def quiet_trainer(root, strategy="auto", **kw) -> pl.Trainer:
     """A CPU Trainer of 3 steps under `root` that writes and prints nothing a test did not ask for (no logger,
     checkpoint, progress bar or model summary); any keyword overrides these."""
-    quiet = dict(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
-                 enable_progress_bar=False, enable_model_summary=False)
+    quiet = dict(
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     return pl.Trainer(strategy=strategy, default_root_dir=root, **{**quiet, **kw})
 
 

@@ -531,8 +531,12 @@ class Worker:
 
 
 # -- hypothesis strategies --------------------------------------------------------------------
-def specs(max_ops: int = 18, max_blocks: int = 5, discover: Sequence[str] = ("graph", "sequential", "modules"),
-          skip_over: Sequence[bool] = (False, True)) -> Any:
+def specs(
+    max_ops: int = 18,
+    max_blocks: int = 5,
+    discover: Sequence[str] = ("graph", "sequential", "modules"),
+    skip_over: Sequence[bool] = (False, True),
+) -> Any:
     """A hypothesis strategy of `Spec`s (hypothesis is imported here: a test dependency only).
 
     `skip_over`: the values drawn for `Spec.skip_over` (a module-level run's input used after the run).
@@ -555,18 +559,24 @@ def specs(max_ops: int = 18, max_blocks: int = 5, discover: Sequence[str] = ("gr
     block_ops = st.lists(st.one_of(leaf, skip_ops), min_size=1, max_size=6).map(_valid_skips)
     block = st.tuples(st.just("block"), block_ops)
     graph_ops = st.lists(
-        st.one_of(leaf, skip_ops, skip_ops, st.tuples(st.just("out"), st.booleans()), block), min_size=2,
+        st.one_of(leaf, skip_ops, skip_ops, st.tuples(st.just("out"), st.booleans()), block),
+        min_size=2,
         max_size=max_ops,
     ).map(lambda ops: _valid_skips([("layer",), *ops]))
-    sequential_ops = st.lists(st.one_of(leaf, block), min_size=2, max_size=max_ops).map(
-        lambda ops: (("layer",), *ops))
+    sequential_ops = st.lists(st.one_of(leaf, block), min_size=2, max_size=max_ops).map(lambda ops: (("layer",), *ops))
     common = {"conv": st.booleans(), "input_grad": st.booleans(), "seed": st.integers(0, 2**16)}
     graph = st.builds(Spec, discover=st.just("graph"), ops=graph_ops, **common)
-    sequential = st.builds(Spec, discover=st.just("sequential"), ops=sequential_ops,
-                           outputs=st.integers(1, 3), **common)
-    modules = st.builds(Spec, discover=st.just("modules"), blocks=st.lists(block_ops, min_size=2,
-                        max_size=max_blocks).map(tuple), outputs=st.integers(1, 3),
-                        skip_over=st.sampled_from(tuple(skip_over)), **common)
+    sequential = st.builds(
+        Spec, discover=st.just("sequential"), ops=sequential_ops, outputs=st.integers(1, 3), **common
+    )
+    modules = st.builds(
+        Spec,
+        discover=st.just("modules"),
+        blocks=st.lists(block_ops, min_size=2, max_size=max_blocks).map(tuple),
+        outputs=st.integers(1, 3),
+        skip_over=st.sampled_from(tuple(skip_over)),
+        **common,
+    )
     chosen = {"graph": graph, "sequential": sequential, "modules": modules}
     return st.one_of(*(chosen[d] for d in discover))
 

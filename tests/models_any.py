@@ -11,8 +11,21 @@ from torch import nn
 
 from lightning_rotor.bench.any_models import GPT, MLP, BasicBlock, Block, CausalSelfAttention, ResNet, gpt2
 
-__all__ = ["GPT", "MLP", "BasicBlock", "Block", "CausalSelfAttention", "Clamp", "DoubleConv", "Gated", "ResNet",
-           "UNet", "Up", "WithInnerBranch", "gpt2"]
+__all__ = [
+    "GPT",
+    "MLP",
+    "BasicBlock",
+    "Block",
+    "CausalSelfAttention",
+    "Clamp",
+    "DoubleConv",
+    "Gated",
+    "ResNet",
+    "UNet",
+    "Up",
+    "WithInnerBranch",
+    "gpt2",
+]
 
 
 # -- U-Net with long skips ---------------------------------------------------------------------------
@@ -20,8 +33,12 @@ class DoubleConv(nn.Module):
     def __init__(self, cin, cout):
         super().__init__()
         self.conv = nn.Sequential(
-            nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU(inplace=True),
-            nn.Conv2d(cout, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU(inplace=True),
+            nn.Conv2d(cin, cout, 3, padding=1),
+            nn.BatchNorm2d(cout),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(cout, cout, 3, padding=1),
+            nn.BatchNorm2d(cout),
+            nn.ReLU(inplace=True),
         )
 
     def forward(self, x):

@@ -8,8 +8,20 @@ import pytest
 
 from lightning_rotor.bench import main
 
-TINY_GPT = ["--model", "gpt_any", "--set", "n_layer=3", "--set", "n_embd=32", "--set", "block_size=32",
-            "--set", "vocab_size=128", "--batch-size", "4"]
+TINY_GPT = [
+    "--model",
+    "gpt_any",
+    "--set",
+    "n_layer=3",
+    "--set",
+    "n_embd=32",
+    "--set",
+    "block_size=32",
+    "--set",
+    "vocab_size=128",
+    "--batch-size",
+    "4",
+]
 FAST = ["--repeats", "1", "--warmup", "0", "--threads", "1", "--quiet", "--no-compile"]
 
 
@@ -34,8 +46,20 @@ def test_gpt_any_rows_rotor_within_budget_and_per_block(tmp_path, monkeypatch):
 def test_transformers_gpt2_is_a_bench_model(tmp_path, monkeypatch):
     pytest.importorskip("transformers")
     monkeypatch.setattr(sys, "stdout", io.StringIO())
-    args = ["--model", "gpt2_hf", "--set", "n_layer=2", "--set", "n_embd=32", "--set", "n_positions=32",
-            "--set", "vocab_size=128", "--batch-size", "2"]
+    args = [
+        "--model",
+        "gpt2_hf",
+        "--set",
+        "n_layer=2",
+        "--set",
+        "n_embd=32",
+        "--set",
+        "n_positions=32",
+        "--set",
+        "vocab_size=128",
+        "--batch-size",
+        "2",
+    ]
     assert main([*args, *FAST, "--budgets", "0.5", "--out", str(tmp_path)]) == 0
     with (tmp_path / "gpt2_hf.csv").open() as f:
         methods = [r["method"] for r in csv.DictReader(f)]

@@ -212,8 +212,14 @@ def test_a_trainer_step_calling_the_model_twice_logs_a_measured_peak_within_the_
     for name, strategy in (("plain", "auto"), ("rotor", RotorStrategy(mem_limit=0.6))):
         logger = TensorBoardLogger(tmp_path / name, name="tb")
         model = Critic(manual)
-        quiet_trainer(tmp_path / name, strategy, max_steps=5, logger=logger, log_every_n_steps=1,
-                      callbacks=[RotorCallback(measure_every_n_steps=1)]).fit(model, gan_loader())
+        quiet_trainer(
+            tmp_path / name,
+            strategy,
+            max_steps=5,
+            logger=logger,
+            log_every_n_steps=1,
+            callbacks=[RotorCallback(measure_every_n_steps=1)],
+        ).fit(model, gan_loader())
         runs[name] = (model, logger)
     (plain, _), (rotor, logger) = runs["plain"], runs["rotor"]
     assert len(rotor.losses) == 5 and rotor.losses == plain.losses
@@ -267,9 +273,14 @@ def test_a_shared_budget_is_split_again_for_a_chain_called_twice(tmp_path):
     for name, strategy in (("plain", "auto"), ("rotor", RotorStrategy(mem_limit=0.7))):
         logger = TensorBoardLogger(tmp_path / name, name="tb")
         model = Gan()
-        quiet_trainer(tmp_path / name, strategy, max_steps=4, logger=logger, log_every_n_steps=1,
-                      callbacks=[RotorCallback(measure_every_n_steps=1)] + ([Keep()] if name == "rotor" else [])
-                      ).fit(model, gan_loader())
+        quiet_trainer(
+            tmp_path / name,
+            strategy,
+            max_steps=4,
+            logger=logger,
+            log_every_n_steps=1,
+            callbacks=[RotorCallback(measure_every_n_steps=1)] + ([Keep()] if name == "rotor" else []),
+        ).fit(model, gan_loader())
         runs[name] = (model, logger)
     (plain, _), (rotor, logger) = runs["plain"], runs["rotor"]
     assert rotor.losses == plain.losses

@@ -98,6 +98,7 @@ def test_gpt_assert_on_length_becomes_a_guard_and_a_longer_input_fails_clearly()
     assert "2 shape guard(s)" in found.notes[0] or "shape guard" in found.notes[0]
     short = torch.randint(64, (2, 5))
     assert same_forward(model, found, short)  # other lengths that pass the assert run the same graph
+
     class Branchy(nn.Module):
         def __init__(self):
             super().__init__()
@@ -239,7 +240,10 @@ def test_checkpoint_modules_choose_the_blocks():
     model, x = gpt_case()
     found = discover_chain(model, (x,), discover="graph", checkpoint_modules={Block})
     assert [n for n in found.stages.names if n.startswith("transformer.h.")] == [
-        "transformer.h.0", "transformer.h.1", "transformer.h.2"]
+        "transformer.h.0",
+        "transformer.h.1",
+        "transformer.h.2",
+    ]
 
 
 def test_bad_how_and_bad_checkpoint_modules_are_one_line_errors():
@@ -282,6 +286,7 @@ def test_graph_chain_trains_like_plain_within_budget(name, label):
 
         def loss_fn(out, y):
             return nn.functional.cross_entropy(out, y)
+
     assert torch.equal(train(plain, x, y, loss_fn, lr=0.05), train(ckpt, x, y, loss_fn, lr=0.05))
     assert_same_state(plain, ckpt)
     m = measured_step(ckpt, x, y, loss_fn)

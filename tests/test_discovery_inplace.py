@@ -90,8 +90,9 @@ def test_in_place_block_start_trains_like_plain_within_budget(case, label):
     torch.manual_seed(0)
     plain = build()
     x, y = data()
-    rotor = Checkpointable(copy.deepcopy(plain), 10**12 if label == "unlimited" else "60%", repeats=1, warmup=0,
-                           **options)
+    rotor = Checkpointable(
+        copy.deepcopy(plain), 10**12 if label == "unlimited" else "60%", repeats=1, warmup=0, **options
+    )
     losses = train(rotor, x, y, loss_fn)
     assert torch.equal(train(plain, x, y, loss_fn), losses)
     assert_same_state(plain, rotor)
@@ -164,8 +165,12 @@ def test_in_place_block_start_through_a_trainer(tmp_path, strategy):
     plain, rotor, keep = Task(), Task(), KeepRotorModules()
     measure = RotorCallback(measure_every_n_steps=1, log_curves=False, print_summary=False)
     fit(tmp_path / "plain", plain)
-    fit(tmp_path / "rotor", rotor, strategy if strategy == "rotor" else RotorStrategy(mem_limit="60%"),
-        callbacks=[keep, measure])
+    fit(
+        tmp_path / "rotor",
+        rotor,
+        strategy if strategy == "rotor" else RotorStrategy(mem_limit="60%"),
+        callbacks=[keep, measure],
+    )
     (wrapped,) = keep.modules.values()
     assert len(wrapped.stages) >= 3
     recomputed = sum(r > 1 for r in wrapped.last_entry.runs)
@@ -204,8 +209,11 @@ def test_a_write_into_the_forwards_input_falls_back_to_a_run_that_starts_after_i
     assert found.stages.names == ("blocks.0", "blocks.1", "blocks.2", "blocks.3")
 
 
-@pytest.mark.xfail(strict=True, reason="Checkpointable._measure_outside runs the user's forward on the caller's "
-                   "tensors, so a forward writing into its input writes twice on the first call (run it on copies)")
+@pytest.mark.xfail(
+    strict=True,
+    reason="Checkpointable._measure_outside runs the user's forward on the caller's "
+    "tensors, so a forward writing into its input writes twice on the first call (run it on copies)",
+)
 def test_a_model_writing_into_its_input_trains_like_plain():
     torch.manual_seed(0)
     plain, x = WritesItsInput(), torch.randn(32, WIDTH)
@@ -222,7 +230,10 @@ def test_a_sequential_that_writes_into_its_input_first_is_refused_in_one_line_be
     model = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(8, WIDTH), nn.Tanh(), nn.Linear(WIDTH, 4))
     before = [p.detach().clone() for p in model.parameters()]
     x, y = data()
-    with pytest.raises(InplaceError, match=r"^stage 0 \(0\) writes in place into the chain input, .* make that "
-                                           r"operation out-of-place \(e\.g\. ReLU\(inplace=False\), x = x \+ 1\)"):
+    with pytest.raises(
+        InplaceError,
+        match=r"^stage 0 \(0\) writes in place into the chain input, .* make that "
+        r"operation out-of-place \(e\.g\. ReLU\(inplace=False\), x = x \+ 1\)",
+    ):
         train(Checkpointable(model, "60%", repeats=1, warmup=0), x, y, loss_fn)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))

@@ -71,9 +71,21 @@ def litgpt_case():
     from litgpt.config import Config
     from litgpt.model import GPT
 
-    config = Config(n_layer=6, n_embd=64, n_head=4, n_query_groups=2, vocab_size=256, padded_vocab_size=256,
-                    block_size=64, bias=False, norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP",
-                    intermediate_size=172, parallel_residual=False, rotary_percentage=1.0)
+    config = Config(
+        n_layer=6,
+        n_embd=64,
+        n_head=4,
+        n_query_groups=2,
+        vocab_size=256,
+        padded_vocab_size=256,
+        block_size=64,
+        bias=False,
+        norm_class_name="RMSNorm",
+        mlp_class_name="LLaMAMLP",
+        intermediate_size=172,
+        parallel_residual=False,
+        rotary_percentage=1.0,
+    )
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
     x = torch.randint(256, (2, 64), generator=g)
@@ -84,14 +96,19 @@ def litgpt_case():
 @pytest.mark.parametrize("label", ["50%", "unlimited"])
 def test_litgpt_trains_like_plain_within_budget(how, label):
     plain, x, y = litgpt_case()
-    rotor = Checkpointable(copy.deepcopy(plain), 10**12 if label == "unlimited" else label, discover=how,
-                           repeats=1, warmup=0)
+    rotor = Checkpointable(
+        copy.deepcopy(plain), 10**12 if label == "unlimited" else label, discover=how, repeats=1, warmup=0
+    )
     assert torch.equal(train(rotor, x, y, tokens_loss), train(plain, x, y, tokens_loss))
     assert_same_state(plain, rotor)
     assert rotor.discovery.kind == ("graph" if how == "auto" else "modules")
     if how == "auto":  # the whole forward is the chain: embedding, the six blocks, the norm, the head
-        assert rotor.stage_names == ["transformer.wte", *(f"transformer.h.{i}" for i in range(6)),
-                                     "transformer.ln_f", "lm_head"]
+        assert rotor.stage_names == [
+            "transformer.wte",
+            *(f"transformer.h.{i}" for i in range(6)),
+            "transformer.ln_f",
+            "lm_head",
+        ]
     recomputed = sum(r > 1 for r in rotor.last_entry.runs)
     assert recomputed > 0 if label == "50%" else recomputed == 0
     m = measured_step(rotor, x, y, tokens_loss)

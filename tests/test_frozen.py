@@ -385,7 +385,8 @@ def test_fine_tuning_through_a_trainer_equals_plain_training(tmp_path):
         model, seen = FineTune(), Seen()
         torch.manual_seed(7)
         quiet_trainer(tmp_path / name, strategy, max_steps=4, callbacks=[seen] if name == "rotor" else []).fit(
-            model, DataLoader(data, batch_size=128))
+            model, DataLoader(data, batch_size=128)
+        )
         runs[name] = (model, seen)
     (plain, _), (rotor, seen) = runs["plain"], runs["rotor"]
     assert seen.frozen == [25, 25, 13, 13] and seen.plans == [1, 1, 2, 2] and min(seen.recomputed) > 0

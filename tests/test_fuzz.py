@@ -22,65 +22,113 @@ _RELU = ("act", "relu", "module")
 FOUND = {
     # U-Net-like: skips saved by ReLU (it keeps its output) carried across 20 stages into torch.cat;
     # segfaulted in the joined backward at the smallest feasible budget before 23bdc97
-    "unet_skips": Spec(discover="graph", conv=True, ops=(
-        ("layer",), ("bn",), _RELU, ("save",), ("layer",), ("bn",), _RELU, ("save",), ("layer",), ("bn",), _RELU,
-        ("save",), ("layer",), ("bn",), _RELU, ("cat", 0), ("layer",), _RELU, ("cat", 0), ("layer",), _RELU,
-        ("cat", 0), ("layer",))),
+    "unet_skips": Spec(
+        discover="graph",
+        conv=True,
+        ops=(
+            ("layer",),
+            ("bn",),
+            _RELU,
+            ("save",),
+            ("layer",),
+            ("bn",),
+            _RELU,
+            ("save",),
+            ("layer",),
+            ("bn",),
+            _RELU,
+            ("save",),
+            ("layer",),
+            ("bn",),
+            _RELU,
+            ("cat", 0),
+            ("layer",),
+            _RELU,
+            ("cat", 0),
+            ("layer",),
+            _RELU,
+            ("cat", 0),
+            ("layer",),
+        ),
+    ),
     # two dropout blocks in a loop, the run's input added after it, three outputs: segfaulted before 23bdc97
-    "loop_dropout_input_used_after": Spec(discover="modules", conv=False, blocks=(
-        (("dropout", 0.1, "functional"),), (("dropout", 0.1, "functional"),)), outputs=3, skip_over=True),
+    "loop_dropout_input_used_after": Spec(
+        discover="modules",
+        conv=False,
+        blocks=((("dropout", 0.1, "functional"),), (("dropout", 0.1, "functional"),)),
+        outputs=3,
+        skip_over=True,
+    ),
     # the chain output holds the last stage's input as it is, (x, head(x)): "backpropagated only once" error
-    "output_passes_input_through": Spec(discover="sequential", conv=False, ops=(("layer",), ("layer",)),
-                                        outputs=2, seed=2),
-    "graph_output_passes_input_through": Spec(discover="graph", conv=False, ops=(
-        ("layer",), ("out", True), ("layer",)), seed=2),
+    "output_passes_input_through": Spec(
+        discover="sequential", conv=False, ops=(("layer",), ("layer",)), outputs=2, seed=2
+    ),
+    "graph_output_passes_input_through": Spec(
+        discover="graph", conv=False, ops=(("layer",), ("out", True), ("layer",)), seed=2
+    ),
     # x = lin(x); skip = x; x += skip; return x + skip: traced as x = x + skip, another loss
-    "inplace_add_into_an_alias": Spec(discover="graph", conv=False, ops=(
-        ("layer",), ("save",), ("add", 0, True, True))),
+    "inplace_add_into_an_alias": Spec(
+        discover="graph", conv=False, ops=(("layer",), ("save",), ("add", 0, True, True))
+    ),
     # Linear, transpose + reshape (a view), GELU, BatchNorm1d: gradients 1 ulp off when B 2 ran on its own
     # (another gradient layout than plain autograd's; bitwise since fbbd714)
-    "gelu_after_a_view_then_batchnorm": Spec(discover="graph", conv=False, ops=(
-        ("layer",), ("view", "reshape"), ("act", "gelu", "module"), ("bn",))),
+    "gelu_after_a_view_then_batchnorm": Spec(
+        discover="graph", conv=False, ops=(("layer",), ("view", "reshape"), ("act", "gelu", "module"), ("bn",))
+    ),
     # the run's input added after the run: its gradient waits through the chain's backward, uncharged
-    "loop_input_used_after": Spec(discover="modules", conv=False, blocks=(
-        (("act", "tanh", "module"),), (("layer",),)), skip_over=True),
+    "loop_input_used_after": Spec(
+        discover="modules", conv=False, blocks=((("act", "tanh", "module"),), (("layer",),)), skip_over=True
+    ),
     # Linear, BatchNorm, transpose in a loop: the gradient reaching BatchNorm's output was contiguous where
     # plain autograd's is transposed, and BatchNorm's backward rounded otherwise (bitwise since fbbd714);
     # still 4 bytes over the smallest feasible budget
-    "loop_batchnorm_then_transpose": Spec(discover="modules", conv=False, blocks=(
-        (("bn",),), (("view", "transpose"),))),
+    "loop_batchnorm_then_transpose": Spec(
+        discover="modules", conv=False, blocks=((("bn",),), (("view", "transpose"),))
+    ),
     # a block adding BatchNorm's output and input: B 1, run joined with B 0, peaks 64 bytes over the budget
-    "sequential_block_with_batchnorm_skips": Spec(discover="sequential", conv=False, ops=(
-        ("layer",), ("block", (("save",), ("bn",), ("save",))), ("layer",))),
+    "sequential_block_with_batchnorm_skips": Spec(
+        discover="sequential", conv=False, ops=(("layer",), ("block", (("save",), ("bn",), ("save",))), ("layer",))
+    ),
     # the first Linear's output carried through three stages to the output: "backpropagated only once", and
     # with measured stage times another plan where B 2 peaked 1 KiB over the budget
-    "graph_output_carried_through_stages": Spec(discover="graph", conv=False, ops=(
-        ("layer",), ("out", False), ("view", "reshape"), ("layer",), ("layer",), ("scale_",), ("layer",))),
+    "graph_output_carried_through_stages": Spec(
+        discover="graph",
+        conv=False,
+        ops=(("layer",), ("out", False), ("view", "reshape"), ("layer",), ("layer",), ("scale_",), ("layer",)),
+    ),
     # nn.Sequential(Linear, ReLU(inplace=True), Linear, Identity) on (4, 8, 8): 1 KiB over the budget even
     # with nothing recomputed (2-D input, or Tanh, or no Identity: within)
-    "sequential_inplace_relu_then_identity": Spec(discover="sequential", conv=False, ops=(
-        ("layer",), ("act", "relu", "inplace"), ("layer",))),
+    "sequential_inplace_relu_then_identity": Spec(
+        discover="sequential", conv=False, ops=(("layer",), ("act", "relu", "inplace"), ("layer",))
+    ),
     # the run's input used after the run and requiring grad: the first call's measurement of the rest of the
     # forward (Checkpointable._measure_outside) adds its stand-in loss's gradient into the input's .grad
-    "loop_input_grad_first_step": Spec(discover="modules", conv=False, blocks=((("layer",),), (("layer",),)),
-                                       skip_over=True, input_grad=True),
+    "loop_input_grad_first_step": Spec(
+        discover="modules", conv=False, blocks=((("layer",),), (("layer",),)), skip_over=True, input_grad=True
+    ),
     # blocks returning x + x, the run's input added after the run: with the executor running even the
     # no-recomputation plan (a measured step), the stem's gradients differ from plain training's
-    "loop_doubling_blocks_input_used_after": Spec(discover="modules", conv=False, blocks=(
-        (("save",),), (("save",),)), skip_over=True),
+    "loop_doubling_blocks_input_used_after": Spec(
+        discover="modules", conv=False, blocks=((("save",),), (("save",),)), skip_over=True
+    ),
     # the forward after a module-level run writes the run's output in place (sigmoid_)
-    "loop_output_written_in_place": Spec(discover="modules", conv=False, blocks=(
-        (("layer",),), (("act", "sigmoid", "inplace"),), (("view", "chunk"),))),
+    "loop_output_written_in_place": Spec(
+        discover="modules", conv=False, blocks=((("layer",),), (("act", "sigmoid", "inplace"),), (("view", "chunk"),))
+    ),
     # found by the random run: a transposed chain output (the loss reshapes a non-contiguous a_L)
     "graph_transposed_output": Spec(discover="graph", conv=False, ops=(("layer",), ("layer",), ("view", "transpose"))),
     # found by the random run: a Sequential with an in-place ReLU joined to the Linear before it
-    "sequential_inplace_relu": Spec(discover="sequential", conv=False, ops=(
-        ("layer",), ("act", "relu", "inplace"), ("layer",))),
+    "sequential_inplace_relu": Spec(
+        discover="sequential", conv=False, ops=(("layer",), ("act", "relu", "inplace"), ("layer",))
+    ),
     # found by the last random run (benchmarks/results/fuzz_issue15_final.md): BatchNorms, a skip into torch.cat,
     # the output transposed, gradients off at the smallest budgets
-    "graph_transposed_output_with_skip": Spec(discover="graph", conv=False, ops=(
-        ("layer",), ("save",), ("bn",), ("bn",), ("cat", 0), ("out", True), ("view", "transpose"), ("save",)),
-        seed=1312),
+    "graph_transposed_output_with_skip": Spec(
+        discover="graph",
+        conv=False,
+        ops=(("layer",), ("save",), ("bn",), ("bn",), ("cat", 0), ("out", True), ("view", "transpose"), ("save",)),
+        seed=1312,
+    ),
 }
 
 
@@ -92,40 +140,46 @@ def worker():
 
 def assert_kept_promises(outcome, spec):
     # rotor may refuse a stage that writes its input in place (a kept checkpoint), in one clear line
-    failures = [(cls, line) for cls, line in outcome.failures
-                if cls != "refused" or "\n" in line or "modified its input in place" not in line]
+    failures = [
+        (cls, line)
+        for cls, line in outcome.failures
+        if cls != "refused" or "\n" in line or "modified its input in place" not in line
+    ]
     lines = "\n".join(f"  {cls}: {line}" for cls, line in failures)
-    assert not failures, f"{outcome.stages} stages, {outcome.plans} plans ran; reproduce with " \
-                         f"fuzz_models.check({spec!r}):\n{lines}"
+    assert not failures, (
+        f"{outcome.stages} stages, {outcome.plans} plans ran; reproduce with fuzz_models.check({spec!r}):\n{lines}"
+    )
 
 
 # Found and still open (issue 15's closing note; docs/benchmarks.md, "Fuzzing the executor"). Strict: a fix
 # makes its case pass and this mark fail, so the list cannot go stale.
 OPEN = {
     "loop_input_used_after": "a module-level run's input used after the run: its gradient waits in the "
-                             "engine through the chain's backward, charged nowhere",
+    "engine through the chain's backward, charged nowhere",
     "loop_doubling_blocks_input_used_after": "a run's input used inside the first stage twice and after the "
-                                             "run: the chain returns one summed δ_0, plain autograd adds the "
-                                             "three parts in arrival order",
+    "run: the chain returns one summed δ_0, plain autograd adds the "
+    "three parts in arrival order",
     "loop_output_written_in_place": "code after a module-level run writes the run's output in place: 736 B "
-                                    "over the budget",
+    "over the budget",
     "loop_batchnorm_then_transpose": "4 bytes over the smallest feasible budget",
     "sequential_block_with_batchnorm_skips": "B 1 inside a joined call peaks 64 bytes over the budget",
     "sequential_inplace_relu_then_identity": "ReLU(inplace) then Identity on a 3-d input: 1 KiB over the "
-                                             "budget with nothing recomputed",
+    "budget with nothing recomputed",
     "graph_transposed_output": "a transposed chain output: 1 KiB over the smallest budgets (the loss backward's "
-                               "gradient of a non-contiguous a_L)",
-    "sequential_inplace_relu": "an in-place ReLU joined to the Linear before it: 1 KiB over with nothing "
-                               "recomputed",
+    "gradient of a non-contiguous a_L)",
+    "sequential_inplace_relu": "an in-place ReLU joined to the Linear before it: 1 KiB over with nothing recomputed",
     "graph_transposed_output_with_skip": "a skip concatenated, then a transposed output carrying it: the three "
-                                         "lowest stages get other gradients at the smallest budgets",
+    "lowest stages get other gradients at the smallest budgets",
 }
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=OPEN[name])) if name in OPEN else name
-    for name in FOUND
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=OPEN[name])) if name in OPEN else name
+        for name in FOUND
+    ],
+)
 def test_cases_the_fuzzer_found(worker, name):
     outcome = worker.run(FOUND[name], FRACTIONS)
     assert outcome.plans > 0 or outcome.failures, outcome

@@ -44,10 +44,12 @@ def test_plan_command_loads_nothing_heavy(tmp_path):
     ],
 )
 def test_strategy_names_registered_in_any_import_order(imports):
-    code = f"{imports}\nfrom lightning.pytorch.strategies import StrategyRegistry\n" \
-           "from lightning.fabric.strategies import STRATEGY_REGISTRY\n" \
-           "print(all(n in StrategyRegistry for n in ('rotor', 'rotor_ddp', 'rotor_ddp_spawn')), " \
-           "'rotor' in STRATEGY_REGISTRY)"
+    code = (
+        f"{imports}\nfrom lightning.pytorch.strategies import StrategyRegistry\n"
+        "from lightning.fabric.strategies import STRATEGY_REGISTRY\n"
+        "print(all(n in StrategyRegistry for n in ('rotor', 'rotor_ddp', 'rotor_ddp_spawn')), "
+        "'rotor' in STRATEGY_REGISTRY)"
+    )
     assert run(code) == "True True"  # the Trainer's names and Fabric's
 
 

@@ -37,8 +37,11 @@ def built_planner() -> Path:
 
 def checkout_without_build(tmp_path: Path) -> Path:
     checkout = tmp_path / "checkout"
-    shutil.copytree(ROOT / "lightning_rotor", checkout / "lightning_rotor",
-                    ignore=shutil.ignore_patterns("_planner.*", "__pycache__"))
+    shutil.copytree(
+        ROOT / "lightning_rotor",
+        checkout / "lightning_rotor",
+        ignore=shutil.ignore_patterns("_planner.*", "__pycache__"),
+    )
     return checkout
 
 
@@ -52,8 +55,7 @@ def python(code: str, cwd: Path, pythonpath: str | None) -> subprocess.Completed
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
-    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.slow
@@ -71,9 +73,24 @@ def test_a_checkout_without_a_build_uses_the_installed_copys_planner(tmp_path):
     build.mkdir(parents=True)
     shutil.copy2(so, build / so.name)  # newer than the sources: build_ext finds it up to date (a compile otherwise)
     site = tmp_path / "site"
-    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                           "--no-index", "--target", str(site), str(source)], capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--target",
+            str(site),
+            str(source),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr
     assert (site / "lightning_rotor" / so.name).is_file()
 

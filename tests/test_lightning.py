@@ -194,8 +194,14 @@ def test_same_losses_grads_and_buffers_as_plain_training(tmp_path, precision, ac
     for name, strategy in (("plain", "auto"), ("rotor", RotorStrategy(mem_limit=BUDGET))):
         model, keep = Net(), Keep()
         torch.manual_seed(7)
-        quiet_trainer(tmp_path / name, strategy, precision=precision, accumulate_grad_batches=accumulate,
-                      max_steps=3, callbacks=[keep]).fit(model, classes_loader())
+        quiet_trainer(
+            tmp_path / name,
+            strategy,
+            precision=precision,
+            accumulate_grad_batches=accumulate,
+            max_steps=3,
+            callbacks=[keep],
+        ).fit(model, classes_loader())
         runs[name] = (model, keep)
     (plain, _), (rotor, keep) = runs["plain"], runs["rotor"]
     assert sum(r > 1 for r in keep.modules["net"].last_entry.runs) > 0  # the budget really forces recomputation
@@ -244,8 +250,14 @@ def test_two_chains_share_a_fractional_budget(tmp_path):
 def test_tensorboard_gets_rotor_scalars_curve_and_stage_table(tmp_path):
     logger = TensorBoardLogger(tmp_path, name="tb")
     keep = Keep()
-    quiet_trainer(tmp_path, RotorStrategy(mem_limit=BUDGET), logger=logger, log_every_n_steps=1, max_steps=4,
-                  callbacks=[keep, RotorCallback(measure_every_n_steps=2)]).fit(Net(), classes_loader())
+    quiet_trainer(
+        tmp_path,
+        RotorStrategy(mem_limit=BUDGET),
+        logger=logger,
+        log_every_n_steps=1,
+        max_steps=4,
+        callbacks=[keep, RotorCallback(measure_every_n_steps=2)],
+    ).fit(Net(), classes_loader())
     acc = events(logger.log_dir)
     scalars = acc.Tags()["scalars"]
     for tag in (
@@ -305,8 +317,9 @@ def test_chain_never_run_in_training_warns(tmp_path):
 
 # -- checkpoints --------------------------------------------------------------------------------------
 def test_checkpoint_carries_chains_resume_skips_profiling_and_cross_loads(tmp_path):
-    quiet_trainer(tmp_path / "b", RotorStrategy(mem_limit=BUDGET), max_steps=2,
-                  callbacks=[SaveAtEnd(tmp_path / "mid.ckpt")]).fit(Net(), classes_loader())
+    quiet_trainer(
+        tmp_path / "b", RotorStrategy(mem_limit=BUDGET), max_steps=2, callbacks=[SaveAtEnd(tmp_path / "mid.ckpt")]
+    ).fit(Net(), classes_loader())
     ckpt = torch.load(tmp_path / "mid.ckpt", weights_only=True)
     saved = ckpt["rotor"]["modules"]["net"]
     assert saved["entries"] and saved["entries"][0]["plan"]["ops"]
@@ -317,7 +330,8 @@ def test_checkpoint_carries_chains_resume_skips_profiling_and_cross_loads(tmp_pa
     keep = Keep()
     resumed = Net()
     quiet_trainer(tmp_path / "c", RotorStrategy(mem_limit=BUDGET), max_steps=4, callbacks=[keep]).fit(
-        resumed, classes_loader(), ckpt_path=tmp_path / "mid.ckpt")
+        resumed, classes_loader(), ckpt_path=tmp_path / "mid.ckpt"
+    )
     rotor = keep.modules["net"]
     assert len(keep.entries_at_start["net"]) == 1  # restored before the first batch
     assert [id(e) for e in rotor.entries.values()] == keep.entries_at_start["net"]  # and never profiled again
@@ -331,11 +345,13 @@ def test_checkpoint_carries_chains_resume_skips_profiling_and_cross_loads(tmp_pa
 
     # a checkpoint made without rotor resumes under rotor
     quiet_trainer(tmp_path / "e", max_steps=2, callbacks=[SaveAtEnd(tmp_path / "plain.ckpt")]).fit(
-        Net(), classes_loader())
+        Net(), classes_loader()
+    )
     assert "rotor" not in torch.load(tmp_path / "plain.ckpt", weights_only=True)
     again = Net()
-    quiet_trainer(tmp_path / "f", RotorStrategy(mem_limit=BUDGET), max_steps=4).fit(again, classes_loader(),
-                                                                                    ckpt_path=tmp_path / "plain.ckpt")
+    quiet_trainer(tmp_path / "f", RotorStrategy(mem_limit=BUDGET), max_steps=4).fit(
+        again, classes_loader(), ckpt_path=tmp_path / "plain.ckpt"
+    )
     torch.testing.assert_close(again.losses, resumed.losses, rtol=0, atol=0)
 
 

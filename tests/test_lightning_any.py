@@ -193,13 +193,19 @@ def test_discover_and_checkpoint_modules_from_yaml(tmp_path, capsys):
 
 def test_resume_with_two_chains_keeps_the_split_of_one_byte_budget(tmp_path):
     first = KeepRotorModules()
-    fit(tmp_path / "a", CNNTask(), images(), RotorStrategy(mem_limit=600_000, discover="sequential"),
-        callbacks=[SaveAtEnd(tmp_path / "mid.ckpt"), first])
+    fit(
+        tmp_path / "a",
+        CNNTask(),
+        images(),
+        RotorStrategy(mem_limit=600_000, discover="sequential"),
+        callbacks=[SaveAtEnd(tmp_path / "mid.ckpt"), first],
+    )
     before = {name: r.plan.mem_limit for name, r in first.modules.items()}
     assert sorted(before) == ["features", "head"] and sum(before.values()) <= 600_000
     resumed = KeepRotorModules()
-    trainer = quiet_trainer(tmp_path / "b", RotorStrategy(mem_limit=600_000, discover="sequential"), max_steps=4,
-                            callbacks=[resumed])
+    trainer = quiet_trainer(
+        tmp_path / "b", RotorStrategy(mem_limit=600_000, discover="sequential"), max_steps=4, callbacks=[resumed]
+    )
     trainer.fit(CNNTask(), images(), ckpt_path=tmp_path / "mid.ckpt")
     after = {name: r.plan.mem_limit for name, r in resumed.modules.items()}
     assert after == before  # each chain its share again, never the whole total each
@@ -207,8 +213,13 @@ def test_resume_with_two_chains_keeps_the_split_of_one_byte_budget(tmp_path):
 
 def test_resume_restores_a_discovered_chains_plans_once_it_is_found_again(tmp_path):
     first = KeepRotorModules()
-    fit(tmp_path / "a", GPTTask(), tokens(), RotorStrategy(mem_limit="50%"),
-        callbacks=[SaveAtEnd(tmp_path / "mid.ckpt"), first])
+    fit(
+        tmp_path / "a",
+        GPTTask(),
+        tokens(),
+        RotorStrategy(mem_limit="50%"),
+        callbacks=[SaveAtEnd(tmp_path / "mid.ckpt"), first],
+    )
     saved = torch.load(tmp_path / "mid.ckpt", weights_only=True)["rotor"]["modules"]["model"]
     assert saved["stages"] == first.modules["model"].stage_names and saved["entries"]
     resumed, model = KeepRotorModules(), GPTTask()

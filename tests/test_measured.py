@@ -89,9 +89,15 @@ def test_ddp_measured_peak_leaves_out_the_reducer_buckets(tmp_path):
     buckets (as many bytes as the parameters, more than the whole budget here)."""
     model = ModelTask("resnet18", {"width": 4, "num_classes": 10})
     data = SyntheticImages(num_samples=64, val_samples=8, image_size=16, num_classes=10, batch_size=8)
-    quiet_trainer(tmp_path, RotorDDPStrategy(mem_limit="75%", start_method="spawn"), devices=2, max_steps=2,
-                  log_every_n_steps=1, limit_val_batches=0, logger=TensorBoardLogger(tmp_path, name="ddp")
-                  ).fit(model, data)
+    quiet_trainer(
+        tmp_path,
+        RotorDDPStrategy(mem_limit="75%", start_method="spawn"),
+        devices=2,
+        max_steps=2,
+        log_every_n_steps=1,
+        limit_val_batches=0,
+        logger=TensorBoardLogger(tmp_path, name="ddp"),
+    ).fit(model, data)
     logged = scalars(tmp_path)  # rank zero's
     measured, limit = logged["rotor/measured_peak_bytes"], logged["rotor/mem_limit_bytes"][-1]
     assert measured and max(measured) <= limit
@@ -122,8 +128,9 @@ def test_a_measured_peak_above_the_budget_is_warned_about_in_one_line(tmp_path):
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        quiet_trainer(tmp_path, RotorStrategy(mem_limit="100%"), callbacks=[RotorCallback(measure_every_n_steps=1)]
-                      ).fit(Hoarder(), data)
+        quiet_trainer(
+            tmp_path, RotorStrategy(mem_limit="100%"), callbacks=[RotorCallback(measure_every_n_steps=1)]
+        ).fit(Hoarder(), data)
     over = [str(w.message) for w in caught if "above the budget" in str(w.message)]
     assert len(over) == 1 and "\n" not in over[0], over  # once for the plan, though two steps were measured
     assert "of net:" in over[0]

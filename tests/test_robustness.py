@@ -30,8 +30,9 @@ from lightning_rotor.lightning import RotorStrategy
 # -- models, data and one plain step, shared by the sections below -------------------------------------------
 def dropout_net(seed: int = 0) -> nn.Sequential:
     torch.manual_seed(seed)
-    return nn.Sequential(*[m for _ in range(5) for m in (nn.Linear(24, 24), nn.Tanh(), nn.Dropout(0.2))],
-                         nn.Linear(24, 4))
+    return nn.Sequential(
+        *[m for _ in range(5) for m in (nn.Linear(24, 24), nn.Tanh(), nn.Dropout(0.2))], nn.Linear(24, 4)
+    )
 
 
 def tanh_net() -> nn.Sequential:
@@ -78,8 +79,9 @@ class WideLit(LitNet):
 
 def lit_loader() -> DataLoader:
     g = torch.Generator().manual_seed(0)
-    return DataLoader(TensorDataset(torch.randn(48, 24, generator=g), torch.randint(0, 4, (48,), generator=g)),
-                      batch_size=16)
+    return DataLoader(
+        TensorDataset(torch.randn(48, 24, generator=g), torch.randint(0, 4, (48,), generator=g)), batch_size=16
+    )
 
 
 # == promise: bad input is refused in one clear line, before anything is half done ===========================
@@ -87,7 +89,8 @@ def lit_loader() -> DataLoader:
 AUTOGRAD_CALLS = {
     "grad of params": lambda loss, model, x: torch.autograd.grad(loss, list(model.parameters())),
     "grad of params, allow_unused": lambda loss, model, x: torch.autograd.grad(
-        loss, list(model.parameters()), allow_unused=True),
+        loss, list(model.parameters()), allow_unused=True
+    ),
     "grad of input": lambda loss, model, x: torch.autograd.grad(loss, x),
     "backward(inputs=)": lambda loss, model, x: loss.backward(inputs=[model[0].weight]),
     "create_graph": lambda loss, model, x: torch.autograd.grad(loss, x, create_graph=True)[0].sum().backward(),
@@ -151,30 +154,36 @@ def test_plan_state_without_fingerprints_is_not_loaded():
 
 
 def test_checkpoint_of_another_model_is_profiled_again_with_a_warning(tmp_path):
-    quiet_trainer(tmp_path / "a", strategy=RotorStrategy(mem_limit=0.75),
-                  callbacks=[SaveAtEnd(tmp_path / "small.ckpt")]).fit(WideLit(16), lit_loader())
+    quiet_trainer(
+        tmp_path / "a", strategy=RotorStrategy(mem_limit=0.75), callbacks=[SaveAtEnd(tmp_path / "small.ckpt")]
+    ).fit(WideLit(16), lit_loader())
     big = WideLit(256)
     ckpt = torch.load(tmp_path / "small.ckpt", weights_only=True)
     ckpt["state_dict"] = big.state_dict()  # the weights fit; only the rotor state is the small model's
     torch.save(ckpt, tmp_path / "mixed.ckpt")
     with pytest.warns(UserWarning, match="saved plan state not used .*differ.*profiled again"):
-        quiet_trainer(tmp_path / "b", strategy=RotorStrategy(mem_limit=0.9),
-                      max_steps=4).fit(big, lit_loader(), ckpt_path=tmp_path / "mixed.ckpt")
+        quiet_trainer(tmp_path / "b", strategy=RotorStrategy(mem_limit=0.9), max_steps=4).fit(
+            big, lit_loader(), ckpt_path=tmp_path / "mixed.ckpt"
+        )
 
 
 # -- budgets: a resume refuses an infeasible budget as a fresh run does --------------------------------------
 def test_resume_with_an_infeasible_budget_fails_as_a_fresh_run_does(tmp_path):
     from lightning_rotor.planner import InfeasibleBudget
 
-    quiet_trainer(tmp_path / "a", strategy=RotorStrategy(mem_limit=0.75),
-                  max_steps=2, callbacks=[SaveAtEnd(tmp_path / "mid.ckpt")]).fit(LitNet(), lit_loader())
+    quiet_trainer(
+        tmp_path / "a",
+        strategy=RotorStrategy(mem_limit=0.75),
+        max_steps=2,
+        callbacks=[SaveAtEnd(tmp_path / "mid.ckpt")],
+    ).fit(LitNet(), lit_loader())
     with pytest.raises(InfeasibleBudget) as fresh:
-        quiet_trainer(tmp_path / "b", strategy=RotorStrategy(mem_limit="1KiB"),
-                      max_steps=4).fit(LitNet(), lit_loader())
+        quiet_trainer(tmp_path / "b", strategy=RotorStrategy(mem_limit="1KiB"), max_steps=4).fit(LitNet(), lit_loader())
     resumed_model = LitNet()
     with pytest.raises(InfeasibleBudget) as resumed:
-        quiet_trainer(tmp_path / "c", strategy=RotorStrategy(mem_limit="1KiB"),
-                      max_steps=4).fit(resumed_model, lit_loader(), ckpt_path=tmp_path / "mid.ckpt")
+        quiet_trainer(tmp_path / "c", strategy=RotorStrategy(mem_limit="1KiB"), max_steps=4).fit(
+            resumed_model, lit_loader(), ckpt_path=tmp_path / "mid.ckpt"
+        )
     assert resumed.value.min_feasible == fresh.value.min_feasible
     assert resumed.value.mem_limit == fresh.value.mem_limit == 1024
 
@@ -220,8 +229,9 @@ def _save_load(module: nn.Module) -> nn.Module:
 @pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
 def test_copy_after_a_measured_step_trains_bitwise_like_the_original(how):
     rotor, x, y = measured_rotor()
-    copier = {"deepcopy": copy.deepcopy, "pickle": lambda m: pickle.loads(pickle.dumps(m)),
-              "torch.save": _save_load}[how]
+    copier = {"deepcopy": copy.deepcopy, "pickle": lambda m: pickle.loads(pickle.dumps(m)), "torch.save": _save_load}[
+        how
+    ]
     twin = copier(rotor)
     assert twin.entries.keys() == rotor.entries.keys()  # the plan travels with the copy
     for _ in range(2):
@@ -275,8 +285,7 @@ class DeepCopies(pl.Callback):
 
 def test_callback_deep_copying_the_module_during_fit(tmp_path):
     copies = DeepCopies()
-    quiet_trainer(tmp_path, strategy=RotorStrategy(mem_limit=0.75),
-                  callbacks=[copies]).fit(LitNet(), lit_loader())
+    quiet_trainer(tmp_path, strategy=RotorStrategy(mem_limit=0.75), callbacks=[copies]).fit(LitNet(), lit_loader())
     assert copies.copies == 9
 
 
@@ -290,8 +299,10 @@ def _autograd_result(model: nn.Module, x: torch.Tensor, y: torch.Tensor, call) -
 
 
 def _same(a: list, b: list) -> bool:
-    return len(a) == len(b) and all((u is None and v is None) or (u is not None and v is not None and torch.equal(u, v))
-                                    for u, v in zip(a, b, strict=True))
+    return len(a) == len(b) and all(
+        (u is None and v is None) or (u is not None and v is not None and torch.equal(u, v))
+        for u, v in zip(a, b, strict=True)
+    )
 
 
 @pytest.mark.parametrize("name", list(AUTOGRAD_CALLS))
@@ -300,8 +311,9 @@ def test_autograd_variants_behave_as_plain_when_nothing_is_recomputed(name):
     x, y = data()
     step(rotor, x, y)
     assert rotor.plan.recomputed_stages == 0
-    assert _same(_autograd_result(plain, x, y, AUTOGRAD_CALLS[name]),
-                 _autograd_result(rotor, x, y, AUTOGRAD_CALLS[name]))
+    assert _same(
+        _autograd_result(plain, x, y, AUTOGRAD_CALLS[name]), _autograd_result(rotor, x, y, AUTOGRAD_CALLS[name])
+    )
 
 
 def test_backward_of_a_loss_not_through_the_chain_is_untouched():

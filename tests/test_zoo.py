@@ -33,12 +33,15 @@ def zoo(name: str):
     """(workload, chain, measured peaks of plain and of every uniform scheme), computed once per model."""
     if name not in _cache:
         w = load_workload(name, batch_size=8, size="tiny", device=torch.device("cpu"))
-        chain = profile_chain(w.stages, w.x, names=w.stage_names, repeats=1, warmup=0,
-                              loss_tmp=lambda out: w.loss(out, w.y)).chain
+        chain = profile_chain(
+            w.stages, w.x, names=w.stage_names, repeats=1, warmup=0, loss_tmp=lambda out: w.loss(out, w.y)
+        ).chain
         seq = nn.Sequential(*w.stages)
         length = len(w.stages)
-        uniform = {f"cs{s}": (measure_peak(w, _segments(seq, s), 0), checkpoint_sequential_ops(length, s))
-                   for s in range(2, length + 1)}
+        uniform = {
+            f"cs{s}": (measure_peak(w, _segments(seq, s), 0), checkpoint_sequential_ops(length, s))
+            for s in range(2, length + 1)
+        }
         uniform["every"] = (measure_peak(w, _each_checkpointed(w.stages), 0), checkpoint_every_stage_ops(length))
         _cache[name] = (w, chain, measure_peak(w, w.model, 0), uniform)
     return _cache[name]
@@ -48,8 +51,19 @@ def test_segments_are_cut_as_torch_cuts_them():
     assert segment_bounds(10, 3) == [(0, 3), (3, 6)]  # the last segment, 6..9, runs recorded
     assert segment_bounds(5, 5) == [(0, 1), (1, 2), (2, 3), (3, 4)]
     ops = checkpoint_sequential_ops(4, 2)
-    assert [op.label for op in ops] == ["Fc 0", "Fn 1", "Fe 2", "Fe 3", "Loss", "B 3", "B 2", "Fe 0", "Fe 1", "B 1",
-                                        "B 0"]
+    assert [op.label for op in ops] == [
+        "Fc 0",
+        "Fn 1",
+        "Fe 2",
+        "Fe 3",
+        "Loss",
+        "B 3",
+        "B 2",
+        "Fe 0",
+        "Fe 1",
+        "B 1",
+        "B 0",
+    ]
     with pytest.raises(ValueError, match="segments"):
         segment_bounds(3, 4)
 

@@ -55,4 +55,3 @@ def check_measured_peak(ckpt, measured):
     chosen = ckpt.plan
     assert measured <= chosen.mem_limit
     assert 0.9 * chosen.peak <= measured <= chosen.peak, (measured, chosen.peak)
-

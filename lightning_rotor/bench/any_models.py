@@ -142,13 +142,15 @@ class GPT(nn.Module):
     def __init__(self, vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16, dropout=0.1):
         super().__init__()
         self.block_size = block_size
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(vocab_size, n_embd),
-            wpe=nn.Embedding(block_size, n_embd),
-            drop=nn.Dropout(dropout),
-            h=nn.ModuleList([Block(n_embd, n_head, block_size, dropout) for _ in range(n_layer)]),
-            ln_f=nn.LayerNorm(n_embd),
-        ))
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(vocab_size, n_embd),
+                wpe=nn.Embedding(block_size, n_embd),
+                drop=nn.Dropout(dropout),
+                h=nn.ModuleList([Block(n_embd, n_head, block_size, dropout) for _ in range(n_layer)]),
+                ln_f=nn.LayerNorm(n_embd),
+            )
+        )
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying
 
@@ -170,9 +172,17 @@ def gpt2(n_layer=2, n_embd=16, n_head=2, vocab_size=64, n_positions=32):
     """A transformers GPT-2 from a small config (no download)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(vocab_size=vocab_size, n_positions=n_positions, n_embd=n_embd, n_layer=n_layer,
-                        n_head=n_head, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1,
-                        use_cache=False)  # training: no key-value cache, as gradient checkpointing requires
+    config = GPT2Config(
+        vocab_size=vocab_size,
+        n_positions=n_positions,
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_head=n_head,
+        resid_pdrop=0.1,
+        embd_pdrop=0.1,
+        attn_pdrop=0.1,
+        use_cache=False,
+    )  # training: no key-value cache, as gradient checkpointing requires
     config._attn_implementation = "eager"
     return GPT2LMHeadModel(config)
 
@@ -182,8 +192,9 @@ def _tokens_loss(out: Any, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
-def bench_resnet(batch_size: int, layers: tuple[int, ...] = (2, 2, 2, 2), width: int = 32,
-                 image: int = 64) -> tuple[nn.Module, torch.Tensor, torch.Tensor, Callable, type]:
+def bench_resnet(
+    batch_size: int, layers: tuple[int, ...] = (2, 2, 2, 2), width: int = 32, image: int = 64
+) -> tuple[nn.Module, torch.Tensor, torch.Tensor, Callable, type]:
     """The hand-written ResNet on `image`-pixel images, cross-entropy over 10 classes."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(batch_size, 3, image, image, generator=g)
@@ -192,19 +203,31 @@ def bench_resnet(batch_size: int, layers: tuple[int, ...] = (2, 2, 2, 2), width:
 
 
 def bench_gpt(
-    batch_size: int, n_layer: int = 6, n_embd: int = 256, n_head: int = 4, block_size: int = 256,
-    vocab_size: int = 2048, dropout: float = 0.1,
+    batch_size: int,
+    n_layer: int = 6,
+    n_embd: int = 256,
+    n_head: int = 4,
+    block_size: int = 256,
+    vocab_size: int = 2048,
+    dropout: float = 0.1,
 ) -> tuple[nn.Module, torch.Tensor, torch.Tensor, Callable, type]:
     """The nanoGPT-style GPT on `block_size` tokens, next-token cross-entropy."""
     g = torch.Generator().manual_seed(0)
     data = torch.randint(vocab_size, (batch_size, block_size + 1), generator=g)
-    model = GPT(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
-                dropout=dropout)
+    model = GPT(
+        vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd, dropout=dropout
+    )
     return model, data[:, :-1].contiguous(), data[:, 1:].contiguous(), _tokens_loss, Block
 
 
-def bench_gpt2(batch_size: int, n_layer: int = 6, n_embd: int = 256, n_head: int = 4, n_positions: int = 256,
-               vocab_size: int = 2048) -> tuple[nn.Module, torch.Tensor, torch.Tensor, Callable, type]:
+def bench_gpt2(
+    batch_size: int,
+    n_layer: int = 6,
+    n_embd: int = 256,
+    n_head: int = 4,
+    n_positions: int = 256,
+    vocab_size: int = 2048,
+) -> tuple[nn.Module, torch.Tensor, torch.Tensor, Callable, type]:
     """transformers' GPT2LMHeadModel from a small config, next-token cross-entropy on its logits."""
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 

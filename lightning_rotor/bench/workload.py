@@ -120,8 +120,9 @@ def load_workload(
         except TypeError as err:
             raise BenchError(f"bad size arguments for model {model!r}: {err}") from None
         except ImportError as err:
-            raise BenchError(f"model {model!r} needs {err.name or 'a missing package'} (pip install "
-                             "lightning-rotor[test-models])") from None
+            raise BenchError(
+                f"model {model!r} needs {err.name or 'a missing package'} (pip install lightning-rotor[test-models])"
+            ) from None
     elif model in MODELS:
         spec = MODELS[model]
         kwargs = {"tiny": spec.tiny, "bench": spec.bench, "full": {}}[size] | dict(overrides or {})

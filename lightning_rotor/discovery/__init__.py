@@ -39,8 +39,16 @@ from lightning_rotor.discovery.modules import ChainDiverged, ModuleRun, find_run
 from lightning_rotor.stages import Stages, sequential_stages
 
 __all__ = [
-    "DISCOVER_METHODS", "ChainDiverged", "Discovery", "DiscoveryError", "GuardFailed", "ValueBranch", "block_types",
-    "discover", "discover_chain", "join_in_place",
+    "DISCOVER_METHODS",
+    "ChainDiverged",
+    "Discovery",
+    "DiscoveryError",
+    "GuardFailed",
+    "ValueBranch",
+    "block_types",
+    "discover",
+    "discover_chain",
+    "join_in_place",
 ]
 
 DISCOVER_METHODS = ("auto", "sequential", "graph", "modules")  # what `discover=` accepts, everywhere
@@ -106,8 +114,11 @@ def join_in_place(stages: Stages, sample: Any) -> Stages:
         return stages
     names = ["+".join(stages.names[k] for k in g) for g in groups]
     joined = [modules[g[0]] if len(g) == 1 else nn.Sequential(*(modules[k] for k in g)) for g in groups]
-    notes = (*stages.notes, "one stage (writes in place into the previous stage's output): "
-             + ", ".join(n for n, g in zip(names, groups, strict=True) if len(g) > 1))
+    notes = (
+        *stages.notes,
+        "one stage (writes in place into the previous stage's output): "
+        + ", ".join(n for n, g in zip(names, groups, strict=True) if len(g) > 1),
+    )
     return Stages(tuple(names), tuple(joined), kind=stages.kind, notes=notes)
 
 
@@ -117,29 +128,38 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 
 def _copy(value: Any) -> Any:
     """Tensors copied (a forward may write into its arguments; discovery must leave the caller's as they are)."""
-    return tree_map(lambda t: t.detach().clone().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor)
-                    else t, value)
+    return tree_map(
+        lambda t: t.detach().clone().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t, value
+    )
 
 
 def _bind(module: nn.Module, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
     sig = inspect.signature(module.forward)
     if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in sig.parameters.values()):
-        raise DiscoveryError(f"{type(module).__name__}.forward takes *args or **kwargs, which graph discovery "
-                             "cannot name; use discover='modules'")
+        raise DiscoveryError(
+            f"{type(module).__name__}.forward takes *args or **kwargs, which graph discovery "
+            "cannot name; use discover='modules'"
+        )
     bound = sig.bind(*args, **kwargs)
     bound.apply_defaults()
     return dict(bound.arguments)
 
 
-def _graph(module: nn.Module, args: Sequence[Any], kwargs: dict[str, Any],
-           checkpoint_modules: Sequence[type] | None, max_carry: int) -> Discovery:
+def _graph(
+    module: nn.Module,
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    checkpoint_modules: Sequence[type] | None,
+    max_carry: int,
+) -> Discovery:
     leaf_types = tuple(checkpoint_modules) if checkpoint_modules is not None else block_types(module)
     bound = _bind(module, args, kwargs)
     was_training = module.training
     module.train()  # stages are for training: trace the training path (dropout on, BatchNorm batch statistics)
     try:
-        chain = trace_chain(module, bound, leaf_types=leaf_types, max_carry=max_carry,
-                            trace_into_writers=checkpoint_modules is None)
+        chain = trace_chain(
+            module, bound, leaf_types=leaf_types, max_carry=max_carry, trace_into_writers=checkpoint_modules is None
+        )
     finally:
         module.train(was_training)
     notes = [f"graph: {len(chain.stages)} stages, {chain.guards} shape guard(s)"]
@@ -150,8 +170,9 @@ def _graph(module: nn.Module, args: Sequence[Any], kwargs: dict[str, Any],
     return Discovery(stages, graph=chain, notes=notes)
 
 
-def _modules(module: nn.Module, args: Sequence[Any], kwargs: dict[str, Any],
-             checkpoint_modules: Sequence[type] | None) -> Discovery:
+def _modules(
+    module: nn.Module, args: Sequence[Any], kwargs: dict[str, Any], checkpoint_modules: Sequence[type] | None
+) -> Discovery:
     was_training = module.training
     module.train()
     try:
@@ -160,8 +181,9 @@ def _modules(module: nn.Module, args: Sequence[Any], kwargs: dict[str, Any],
         module.train(was_training)
     if not runs:
         which = f" of {[t.__name__ for t in checkpoint_modules]}" if checkpoint_modules else ""
-        raise DiscoveryError(f"no run of two or more sibling blocks{which} calling one another in "
-                             f"{type(module).__name__}'s forward")
+        raise DiscoveryError(
+            f"no run of two or more sibling blocks{which} calling one another in {type(module).__name__}'s forward"
+        )
     run = runs[0]
     stages = run.stages()
     return Discovery(stages, run=run, notes=list(stages.notes))
@@ -194,8 +216,10 @@ def discover_chain(
     plain_sequential = isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward
     if method == "sequential" or (method == "auto" and plain_sequential and types is None):
         if not plain_sequential:
-            raise DiscoveryError(f"discover='sequential' needs a plain nn.Sequential, got {type(module).__name__}; "
-                                 "use discover='graph' or 'modules'")
+            raise DiscoveryError(
+                f"discover='sequential' needs a plain nn.Sequential, got {type(module).__name__}; "
+                "use discover='graph' or 'modules'"
+            )
         stages = join_in_place(sequential_stages(module), args[0] if len(args) == 1 else args)
         return Discovery(stages, notes=[f"sequential: {len(stages)} stages", *stages.notes])
     if method == "modules":
@@ -232,8 +256,9 @@ def discover(
 def _method(discover: str, how: str | None) -> str:
     """The discovery method asked for; `how=` (before 0.2) still works, with a DeprecationWarning."""
     if how is not None:
-        warnings.warn("discover_chain(how=...) is deprecated: give the method as discover=",
-                      DeprecationWarning, stacklevel=3)
+        warnings.warn(
+            "discover_chain(how=...) is deprecated: give the method as discover=", DeprecationWarning, stacklevel=3
+        )
         discover = how
     if discover not in DISCOVER_METHODS:
         raise ValueError(f"discover={discover!r} is not a discovery method; use one of {', '.join(DISCOVER_METHODS)}")

@@ -85,8 +85,17 @@ def _guard_eq(value: Any, expected: Any, where: str) -> None:
 
 _GUARDS = (_guard_bool, _guard_eq)
 _SHAPE_ATTRS = {"shape", "dtype", "device", "ndim", "is_cuda", "layout", "requires_grad"}
-_SHAPE_METHODS = {"size", "dim", "numel", "ndimension", "nelement", "is_floating_point", "is_contiguous",
-                  "get_device", "element_size"}
+_SHAPE_METHODS = {
+    "size",
+    "dim",
+    "numel",
+    "ndimension",
+    "nelement",
+    "is_floating_point",
+    "is_contiguous",
+    "get_device",
+    "element_size",
+}
 
 
 class ShapeProxy(fx.Proxy):
@@ -178,8 +187,9 @@ class _real_modules:
 class ShapeTracer(fx.Tracer):
     """torch.fx tracer that runs each op on the sample (see the module docstring)."""
 
-    def __init__(self, sample: dict[str, Any], leaves: set[str], leaf_types: tuple[type, ...],
-                 through: set[str] = frozenset()):
+    def __init__(
+        self, sample: dict[str, Any], leaves: set[str], leaf_types: tuple[type, ...], through: set[str] = frozenset()
+    ):
         super().__init__(autowrap_functions=())
         self.sample = sample
         self.leaves = leaves
@@ -251,8 +261,11 @@ class ShapeTracer(fx.Tracer):
             else:
                 value = None
         self.values[node] = value
-        written = [a for a, v in zip(inputs, before, strict=True)
-                   if a.op != "get_attr" and v != [tensor_version(t) for t in _tensors(self.values[a])]]
+        written = [
+            a
+            for a, v in zip(inputs, before, strict=True)
+            if a.op != "get_attr" and v != [tensor_version(t) for t in _tensors(self.values[a])]
+        ]
         if written:  # seen on the sample: any op, a whole submodule too (`x.add_(1)` inside a leaf block)
             self.writes[node] = written
         if kind == "call_function" and target is builtins.getattr and node.args[1] in _SHAPE_ATTRS:
@@ -267,8 +280,14 @@ class ShapeTracer(fx.Tracer):
 
 
 # -- cutting ---------------------------------------------------------------------------------
-_INPLACE_FUNCTIONS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.imatmul,
-                      operator.setitem}
+_INPLACE_FUNCTIONS = {
+    operator.iadd,
+    operator.isub,
+    operator.imul,
+    operator.itruediv,
+    operator.imatmul,
+    operator.setitem,
+}
 
 
 def _writes_into(node: fx.Node, root: nn.Module) -> fx.Node | None:
@@ -331,8 +350,10 @@ class GraphChain:
         for name, expected in self.constants.items():
             got = bound.get(name, expected)
             if not (got is expected or (type(got) is type(expected) and got == expected)):
-                raise GuardFailed(f"argument {name}={got!r} differs from {expected!r} given when the chain was "
-                                  "discovered (non-tensor arguments are fixed into the traced graph)")
+                raise GuardFailed(
+                    f"argument {name}={got!r} differs from {expected!r} given when the chain was "
+                    "discovered (non-tensor arguments are fixed into the traced graph)"
+                )
         values = [bound[n] for n in self.tensor_args]
         return values[0] if len(values) == 1 else tuple(values)
 
@@ -440,7 +461,7 @@ def _cut(root: nn.Module, graph: fx.Graph, tracer: ShapeTracer, max_carry: int) 
             continue
         cuts.append(i)
         weight = False
-    if cuts and not any(_is_weighty(n) for n in body[cuts[-1] + 1:]):
+    if cuts and not any(_is_weighty(n) for n in body[cuts[-1] + 1 :]):
         cuts.pop()  # a trailing stage without a submodule call or product joins the one before
     bounds = [-1, *cuts, len(body) - 1]
     stages, names, crossing = [], [], []
@@ -449,12 +470,13 @@ def _cut(root: nn.Module, graph: fx.Graph, tracer: ShapeTracer, max_carry: int) 
         inputs = placeholders if k == 0 else live_after(bounds[k])
         last = k == len(bounds) - 2
         outputs = None if last else live_after(hi)
-        stages.append(_stage_module(root, body[lo: hi + 1], inputs, outputs, output, dead, k))
-        mods = [str(n.target) for n in body[lo: hi + 1] if n.op == "call_module"]
-        names.append(_stage_name(mods, body[lo: hi + 1], k))
+        stages.append(_stage_module(root, body[lo : hi + 1], inputs, outputs, output, dead, k))
+        mods = [str(n.target) for n in body[lo : hi + 1] if n.op == "call_module"]
+        names.append(_stage_name(mods, body[lo : hi + 1], k))
         if not last:
-            crossing.append(f"after {names[-1]}: " + ", ".join(
-                f"{v.name}{_shape_str(tracer.values.get(v))}" for v in outputs))
+            crossing.append(
+                f"after {names[-1]}: " + ", ".join(f"{v.name}{_shape_str(tracer.values.get(v))}" for v in outputs)
+            )
     guards = sum(1 for n in body if n.op == "call_function" and n.target in _GUARDS)
     return GraphChain(stages, _unique(names), crossing, guards)
 
@@ -478,8 +500,15 @@ def _unique(names: list[str]) -> list[str]:
     return out
 
 
-def _stage_module(root: nn.Module, nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node] | None,
-                  output: fx.Node, dead: list[fx.Node], k: int) -> fx.GraphModule:
+def _stage_module(
+    root: nn.Module,
+    nodes: list[fx.Node],
+    inputs: list[fx.Node],
+    outputs: list[fx.Node] | None,
+    output: fx.Node,
+    dead: list[fx.Node],
+    k: int,
+) -> fx.GraphModule:
     """F_k as a GraphModule on the user's module: a_k (one value or a tuple) in, a_{k+1} out."""
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}

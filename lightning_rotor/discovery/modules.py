@@ -122,8 +122,12 @@ class ModuleRun:
         joined = ["+".join(self.names[lo:hi]) for lo, hi in spans if hi - lo > 1]
         if joined:
             notes.append("one stage (a block writes in place into the previous one's output): " + ", ".join(joined))
-        return Stages(tuple("+".join(self.names[lo:hi]) for lo, hi in spans),
-                      tuple(_BlockStage(self, lo, hi) for lo, hi in spans), kind="modules", notes=tuple(notes))
+        return Stages(
+            tuple("+".join(self.names[lo:hi]) for lo, hi in spans),
+            tuple(_BlockStage(self, lo, hi) for lo, hi in spans),
+            kind="modules",
+            notes=tuple(notes),
+        )
 
     # -- run time -----------------------------------------------------------------------------
     def install(self, run_chain: Callable[[Any], Any]) -> None:
@@ -131,12 +135,15 @@ class ModuleRun:
         if self._state.get("installed"):
             raise RuntimeError("this module-level chain is installed already")
         originals = [b.__dict__.get("forward") for b in self.blocks]
-        self._state.update(installed=True, originals=originals, next=0, inside=0, token=None, output=None,
-                           run_chain=run_chain)
+        self._state.update(
+            installed=True, originals=originals, next=0, inside=0, token=None, output=None, run_chain=run_chain
+        )
         for k, block in enumerate(self.blocks):
             if any(block is b for b in self.blocks[:k]):
-                raise ChainDiverged(f"block {self.names[k]} is the same module as an earlier block of the run; "
-                                    "a module-level chain cannot tell its calls apart")
+                raise ChainDiverged(
+                    f"block {self.names[k]} is the same module as an earlier block of the run; "
+                    "a module-level chain cannot tell its calls apart"
+                )
             block.forward = _Patched(self, k, type(block).forward.__get__(block))
 
     def uninstall(self) -> None:
@@ -166,29 +173,42 @@ class ModuleRun:
         state = self._state
         if state["inside"] or not (self.blocks[k].training and torch.is_grad_enabled()):
             if state["next"] != 0 and not state["inside"]:
-                raise ChainDiverged(f"{self.names[k]} ran in eval mode or without grad while the chain "
-                                    f"expected {self.names[state['next']]} next")
+                raise ChainDiverged(
+                    f"{self.names[k]} ran in eval mode or without grad while the chain "
+                    f"expected {self.names[state['next']]} next"
+                )
             return original(*args, **kwargs)
         if not args:
-            raise ChainDiverged(f"{self.names[k]} was called without a positional input; the chain observed "
-                                "the hidden state as the first positional argument")
+            raise ChainDiverged(
+                f"{self.names[k]} was called without a positional input; the chain observed "
+                "the hidden state as the first positional argument"
+            )
         x, rest = args[0], args[1:]
         if k != state["next"]:
-            raise ChainDiverged(f"{self.names[k]} was called while the chain expected "
-                                f"{self.names[state['next']]} (blocks must run in the observed order, each once)")
+            raise ChainDiverged(
+                f"{self.names[k]} was called while the chain expected "
+                f"{self.names[state['next']]} (blocks must run in the observed order, each once)"
+            )
         if k == 0:
             check_arguments(self.names[0], rest, kwargs)
             self.args, self.kwargs = rest, dict(kwargs)
             state["output"] = state["run_chain"](x)
         else:
             if x is not state["token"]:
-                raise ChainDiverged(f"{self.names[k]} got an input that is not the previous block's output; "
-                                    "the forward changes the hidden state between blocks")
-            if len(rest) != len(self.args) or set(kwargs) != set(self.kwargs) or not all(
-                _same(a, b) for a, b in zip(rest, self.args, strict=True)
-            ) or not all(_same(kwargs[n], self.kwargs[n]) for n in kwargs):
-                raise ChainDiverged(f"{self.names[k]} got other arguments than {self.names[0]} in the same "
-                                    "forward; a module-level chain needs the same non-hidden arguments for every block")
+                raise ChainDiverged(
+                    f"{self.names[k]} got an input that is not the previous block's output; "
+                    "the forward changes the hidden state between blocks"
+                )
+            if (
+                len(rest) != len(self.args)
+                or set(kwargs) != set(self.kwargs)
+                or not all(_same(a, b) for a, b in zip(rest, self.args, strict=True))
+                or not all(_same(kwargs[n], self.kwargs[n]) for n in kwargs)
+            ):
+                raise ChainDiverged(
+                    f"{self.names[k]} got other arguments than {self.names[0]} in the same "
+                    "forward; a module-level chain needs the same non-hidden arguments for every block"
+                )
         last = k == len(self.blocks) - 1
         if not last and has_forward_hooks(self.blocks[k]):
             raise ChainDiverged(
@@ -221,7 +241,7 @@ class _BlockStage(nn.Module):
     def __init__(self, run: ModuleRun, lo: int, hi: int):
         super().__init__()
         self.block = run.blocks[lo]
-        self.joined = nn.ModuleList(run.blocks[lo + 1: hi])  # empty unless a block writes into its input
+        self.joined = nn.ModuleList(run.blocks[lo + 1 : hi])  # empty unless a block writes into its input
         object.__setattr__(self, "run", run)
         self.k = lo
 
@@ -241,8 +261,12 @@ class _BlockStage(nn.Module):
 
 
 def find_runs(
-    module: nn.Module, args: Sequence[Any], kwargs: dict[str, Any] | None = None,
-    *, checkpoint_modules: Sequence[type] | None = None, min_blocks: int = 2,
+    module: nn.Module,
+    args: Sequence[Any],
+    kwargs: dict[str, Any] | None = None,
+    *,
+    checkpoint_modules: Sequence[type] | None = None,
+    min_blocks: int = 2,
 ) -> list[ModuleRun]:
     """Runs of sibling blocks in one observed forward of `module` (no trace left: buffers and RNG restored)."""
     kwargs = kwargs or {}
@@ -291,8 +315,9 @@ def find_runs(
     return _runs(calls, uses.uses, checkpoint_modules, min_blocks)
 
 
-def _runs(calls: list[_Call], uses: dict[int, list[tuple[int, ...]]], types: Sequence[type] | None,
-          min_blocks: int) -> list[ModuleRun]:
+def _runs(
+    calls: list[_Call], uses: dict[int, list[tuple[int, ...]]], types: Sequence[type] | None, min_blocks: int
+) -> list[ModuleRun]:
     by_parent: dict[tuple[str, int], list[_Call]] = {}
     for c in calls:
         by_parent.setdefault((c.parent, c.depth), []).append(c)
@@ -300,8 +325,13 @@ def _runs(calls: list[_Call], uses: dict[int, list[tuple[int, ...]]], types: Seq
     for (parent, _), siblings in by_parent.items():
         current: list[_Call] = []
         for c in [*siblings, None]:
-            usable = c is not None and (types is None or isinstance(c.module, tuple(types))) and bool(c.args) \
-                and isinstance(c.args[0], torch.Tensor) and isinstance(c.output, torch.Tensor)
+            usable = (
+                c is not None
+                and (types is None or isinstance(c.module, tuple(types)))
+                and bool(c.args)
+                and isinstance(c.args[0], torch.Tensor)
+                and isinstance(c.output, torch.Tensor)
+            )
             if usable and current and _continues(current[-1], c, uses):
                 current.append(c)
                 continue
@@ -324,8 +354,9 @@ def _joined_run(parent: str, calls: list[_Call], min_stages: int) -> ModuleRun |
         calls, starts = calls[first:], [s - first for s in starts[1:]]
     if len(starts) < min_stages:
         return None
-    return ModuleRun(parent, [c.name for c in calls], [c.module for c in calls],
-                     starts=None if len(starts) == len(calls) else starts)
+    return ModuleRun(
+        parent, [c.name for c in calls], [c.module for c in calls], starts=None if len(starts) == len(calls) else starts
+    )
 
 
 def check_arguments(name: str, args: tuple, kwargs: dict) -> None:

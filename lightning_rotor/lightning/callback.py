@@ -136,8 +136,9 @@ def discovery_lines(chains: dict[str, Checkpointable]) -> list[str]:
     return lines
 
 
-def step_metrics(chains: dict[str, Checkpointable], step_seconds: float | None = None,
-                 measured_peak: int | None = None) -> dict[str, float]:
+def step_metrics(
+    chains: dict[str, Checkpointable], step_seconds: float | None = None, measured_peak: int | None = None
+) -> dict[str, float]:
     """The `rotor/...` scalars of a step, summed over `chains` (the Trainer's callback and Fabric log the same)."""
     entries = [rotor.last_entry for rotor in chains.values()]
     no_recompute = sum(e.chain.no_recompute_time() for e in entries)
@@ -145,10 +146,12 @@ def step_metrics(chains: dict[str, Checkpointable], step_seconds: float | None =
     # per chain: its budget, which covers all its calls in a step, and the step's predicted peak
     # (the largest of each call's plan peak above what the step's earlier calls still held)
     metrics = {
-        "rotor/mem_limit_bytes": float(sum(rotor.step_limit or e.plan.mem_limit
-                                           for rotor, e in zip(chains.values(), entries, strict=True))),
-        "rotor/predicted_peak_bytes": float(sum(rotor.calls.step_peak or e.plan.peak
-                                                for rotor, e in zip(chains.values(), entries, strict=True))),
+        "rotor/mem_limit_bytes": float(
+            sum(rotor.step_limit or e.plan.mem_limit for rotor, e in zip(chains.values(), entries, strict=True))
+        ),
+        "rotor/predicted_peak_bytes": float(
+            sum(rotor.calls.step_peak or e.plan.peak for rotor, e in zip(chains.values(), entries, strict=True))
+        ),
         "rotor/recomputed_stages": float(sum(e.plan.recomputed_stages for e in entries)),
         "rotor/no_recompute_seconds": no_recompute,
         "rotor/predicted_seconds": predicted,
