@@ -9,18 +9,22 @@ from functools import cache
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reference_planner import reference_min_budget, reference_plan, solve
 from test_planner import chains
+from torch import nn
 
 from lightning_rotor import _planner
 from lightning_rotor.chain import Chain, ChainError, StageOption
 from lightning_rotor.discretize import discretize
+from lightning_rotor.execute import PlanRunner
 from lightning_rotor.ops import Op, OpKind, parse_ops, recomputed_stages
 from lightning_rotor.plan_cli import compact_ops, main
 from lightning_rotor.planner import InfeasibleBudget, min_feasible_budget, plan
 from lightning_rotor.simulate import no_recompute_peak, simulate
+from lightning_rotor.stages import sequential_stages
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -278,3 +282,27 @@ def test_cli_prints_option_ops(tmp_path, capsys):
     assert "Fs1:1" in capsys.readouterr().out
     assert main([str(path), "--mem-limit", str(floor), "--json"]) == 0
     assert ["Fs", 1, 1] in json.loads(capsys.readouterr().out)["ops"]
+
+
+def test_the_executor_refuses_option_ops_until_it_runs_them():
+    """The runtime half is not built: an Fs op fails loudly rather than running as Fe (which holds more)."""
+    stages = sequential_stages(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
+    runner = PlanRunner(stages, [("Fe", 0), ("Fs", 1, 1), ("Loss",), ("B", 1), ("B", 0)], list(stages.names))
+    with pytest.raises(RuntimeError, match=r"executor has no rule for op Fs 1:1"):
+        runner(torch.randn(2, 4, requires_grad=True)).sum().backward()
+
+
+def test_example_chain_with_options_plans_options_somewhere():
+    """examples/gpt_tiny_sac_options.json (a CPU profile, benchmarks/options_profile.py): some budget takes an option,
+    never slower than without options, and the same floor or lower."""
+    chain = Chain.load(EXAMPLES / "gpt_tiny_sac_options.json")
+    plain = without_options(chain)
+    assert chain.has_options and min_feasible_budget(chain) <= min_feasible_budget(plain)
+    low, high = min_feasible_budget(plain), no_recompute_peak(plain)
+    took_option = False
+    for step in range(11):
+        budget = low + step * (high - low) // 10
+        with_options, without = plan(chain, budget), plan(plain, budget)
+        assert with_options.time <= without.time and with_options.peak <= budget
+        took_option |= any(op.kind is OpKind.FS for op in with_options.ops)
+    assert took_option
