@@ -1,8 +1,8 @@
 """Profile a GPT chain and, per block, the selective-checkpointing option (chain version 5).
 
 Option 1 of each block records only the outputs of matmuls and attention (torch's selective
-activation checkpointing: `create_selective_checkpoint_contexts` with a policy) and recomputes the
-rest in its backward. Measured on CPU with `MemoryProbe` (exact live storages):
+activation checkpointing with `lightning_rotor.selective`'s policy) and recomputes the rest in its
+backward. Measured on CPU with `MemoryProbe` (exact live storages, `selective.measure_sac_memory`):
 
 - `saved_size`: bytes alive after the forward under the contexts (output included, input not),
 - `fwd_tmp`: the forward's peak above that,
@@ -19,35 +19,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from functools import partial
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lightning_rotor.chain import Chain, StageOption
-from lightning_rotor.memory import MemoryProbe
 from lightning_rotor.models.gpt import Block, gpt
 from lightning_rotor.profile import profile_chain
-
-aten = torch.ops.aten
-EXPENSIVE = {
-    aten.mm.default,
-    aten.addmm.default,
-    aten.bmm.default,
-    aten.convolution.default,
-    aten._scaled_dot_product_flash_attention.default,
-    aten._scaled_dot_product_efficient_attention.default,
-    aten._scaled_dot_product_flash_attention_for_cpu.default,
-}
-
-
-def policy(ctx, op, *args, **kwargs):
-    """Save the outputs of expensive ops; recompute everything else in the backward."""
-    return CheckpointPolicy.MUST_SAVE if op in EXPENSIVE else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def selective(stage, x):
-    return checkpoint(stage, x, use_reentrant=False, context_fn=partial(create_selective_checkpoint_contexts, policy))
+from lightning_rotor.selective import measure_sac_memory, run_selective
 
 
 def run_once(forward, stage, x):
@@ -61,19 +39,9 @@ def run_once(forward, stage, x):
 
 
 def measure_option(stage, x, s_in, repeats):
-    x = x.detach().requires_grad_()  # made before the probe: a_k is not counted, as saved_size says
-    with MemoryProbe(exclude=stage) as probe:
-        out = selective(stage, x)
-        saved = probe.current
-        fwd_tmp = probe.peak - saved
-        grad = torch.ones_like(out)
-        probe.reset_peak()
-        start = probe.current
-        out.backward(grad)
-        bwd_tmp = probe.peak - start - s_in  # cur - out_free (0) + s_k + bwd_tmp
-    stage.zero_grad(set_to_none=True)
+    saved, fwd_tmp, bwd_tmp = measure_sac_memory(stage, x, s_in)
     plain = [run_once(lambda s, v: s(v), stage, x) for _ in range(repeats)]
-    sac = [run_once(selective, stage, x) for _ in range(repeats)]
+    sac = [run_once(run_selective, stage, x) for _ in range(repeats)]
     stage.zero_grad(set_to_none=True)
     ratio_f = statistics.median(t[0] for t in sac) / statistics.median(t[0] for t in plain)
     ratio_b = statistics.median(t[1] for t in sac) / statistics.median(t[1] for t in plain)
@@ -112,8 +80,8 @@ def main() -> None:
                     saved_size=saved,
                     fwd_time=chain.fwd_time[k] * rf,
                     bwd_time=chain.bwd_time[k] * rb,
-                    fwd_tmp=max(0, fwd_tmp),
-                    bwd_tmp=max(-chain.sizes[k], bwd_tmp),
+                    fwd_tmp=fwd_tmp,
+                    bwd_tmp=bwd_tmp,
                     name="sac: save mm/bmm/addmm/attention outputs",
                 )
             ]

@@ -20,9 +20,13 @@ from lightning_rotor import _planner
 from lightning_rotor.chain import Chain, ChainError, StageOption
 from lightning_rotor.discretize import discretize
 from lightning_rotor.execute import PlanRunner
+from lightning_rotor.memory import MemoryProbe
+from lightning_rotor.models.gpt import Block, gpt, lm_loss
 from lightning_rotor.ops import Op, OpKind, parse_ops, recomputed_stages
 from lightning_rotor.plan_cli import compact_ops, main
 from lightning_rotor.planner import InfeasibleBudget, min_feasible_budget, plan
+from lightning_rotor.profile import profile_chain
+from lightning_rotor.selective import RandomInSelective, measure_sac_memory
 from lightning_rotor.simulate import no_recompute_peak, simulate
 from lightning_rotor.stages import sequential_stages
 
@@ -284,11 +288,82 @@ def test_cli_prints_option_ops(tmp_path, capsys):
     assert ["Fs", 1, 1] in json.loads(capsys.readouterr().out)["ops"]
 
 
-def test_the_executor_refuses_option_ops_until_it_runs_them():
-    """The runtime half is not built: an Fs op fails loudly rather than running as Fe (which holds more)."""
+def tiny_gpt(dropout=0.0):
+    torch.manual_seed(0)
+    m = gpt(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=32, dropout=dropout)
+    return nn.Sequential(m.embed, *m.blocks, m.ln_f, m.lm_head)
+
+
+def profiled_with_options(model, x, y):
+    """The model's profiled chain plus option "sac" of every block, measured on the values plain training makes."""
+    stages = sequential_stages(model)
+    chain = profile_chain(stages, x, names=list(stages.names), repeats=1, loss_tmp=lambda out: lm_loss(out, y)).chain
+    values = [x]
+    with torch.no_grad():
+        for stage in model:
+            values.append(stage(values[-1]))
+    options = []
+    for k, stage in enumerate(model):
+        if not isinstance(stage, Block):
+            options.append([])
+            continue
+        saved, fwd_tmp, bwd_tmp = measure_sac_memory(stage, values[k], chain.sizes[k])
+        time = chain.fwd_time[k], chain.bwd_time[k] * 1.5  # times do not matter here: the ops are chosen below
+        options.append([StageOption(saved, time[0], time[1], fwd_tmp, bwd_tmp, name="sac")])
+    return stages, Chain(**{**chain.__dict__, "options": options})
+
+
+SAC_PLANS = [  # every block by its option; an option recomputed after Fc; an option on a recomputed stage
+    [("Fe", 0), ("Fs", 1, 1), ("Fs", 2, 1), ("Fs", 3, 1), ("Fe", 4), ("Fe", 5), ("Loss",)]
+    + [("B", k) for k in (5, 4, 3, 2, 1, 0)],
+    [("Fe", 0), ("Fc", 1), ("Fn", 2), ("Fs", 3, 1), ("Fe", 4), ("Fe", 5), ("Loss",), ("B", 5), ("B", 4), ("B", 3)]
+    + [("Fe", 1), ("Fs", 2, 1), ("B", 2), ("B", 1), ("B", 0)],
+    [("Fc", 0), ("Fn", 1), ("Fc", 2), ("Fs", 3, 1), ("Fe", 4), ("Fe", 5), ("Loss",), ("B", 5), ("B", 4), ("B", 3)]
+    + [("Fe", 0), ("Fs", 1, 1), ("Fs", 2, 1), ("B", 2), ("B", 1), ("B", 0)],
+]
+
+
+@pytest.mark.parametrize("ops", SAC_PLANS, ids=["all", "after-Fc", "recomputed"])
+def test_option_ops_train_bitwise_like_plain_within_the_simulated_peak(ops):
+    """`Fs k:1` runs block k under torch's selective checkpoint contexts: gradients bitwise equal to plain training,
+    and the measured activation bytes after every op never above what the simulator predicts."""
+    x, y = torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16))
+    plain = tiny_gpt()
+    expected = lm_loss(plain(x), y)
+    expected.backward()
+    rotor = tiny_gpt()
+    stages, chain = profiled_with_options(rotor, x, y)
+    rotor.zero_grad(set_to_none=True)
+    runner = PlanRunner(stages, ops, list(stages.names))
+    runner.probe = probe = MemoryProbe(rotor)
+    with probe:
+        got = lm_loss(runner(x), y)
+        got.backward()
+        del got
+    assert torch.equal(expected, lm_loss(plain(x), y).detach())  # plain is deterministic (no dropout)
+    for a, b in zip(plain.parameters(), rotor.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+    sim = simulate(chain, ops)
+    assert [label for label, _, _ in probe.marks] == [Op(*op).label for op in ops]
+    measured = [nbytes for _, _, nbytes in probe.marks]
+    assert all(m <= p for m, p in zip(measured, sim.curve, strict=True)), (measured, sim.curve)
+    assert 0.9 * sim.peak <= probe.peak <= sim.peak  # safe, and close (one a_{k+1} per Fs over: see the docs)
+
+
+def test_option_sac_refuses_a_stage_that_draws_random_numbers():
+    """Its recomputation would draw again; until the executor replays the draws inside it, one clear error."""
+    x, y = torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16))
+    rotor = tiny_gpt(dropout=0.1)
+    stages = sequential_stages(rotor)
+    runner = PlanRunner(stages, SAC_PLANS[0], list(stages.names))
+    with pytest.raises(RandomInSelective, match="does not replay random numbers yet"):
+        lm_loss(runner(x), y).backward()
+
+
+def test_the_executor_refuses_options_it_has_no_rule_for():
     stages = sequential_stages(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
-    runner = PlanRunner(stages, [("Fe", 0), ("Fs", 1, 1), ("Loss",), ("B", 1), ("B", 0)], list(stages.names))
-    with pytest.raises(RuntimeError, match=r"executor has no rule for op Fs 1:1"):
+    runner = PlanRunner(stages, [("Fe", 0), ("Fs", 1, 2), ("Loss",), ("B", 1), ("B", 0)], list(stages.names))
+    with pytest.raises(RuntimeError, match=r"executor has no rule for op Fs 1:2: option 1 \(sac\) is the only one"):
         runner(torch.randn(2, 4, requires_grad=True)).sum().backward()
 
 
