@@ -191,7 +191,7 @@ class _Step:
                 with torch.enable_grad():
                     if inp is None:
                         inp = enter_stage(src, entry, self.dummy, entry.wanted)
-                    out = stage(inp) if kind is OpKind.FE else run_selective(stage, inp)
+                    out = stage(inp) if kind is OpKind.FE else run_selective(stage, inp, self._redraw(k), name)
                 del inp
                 self.graph[k + 1] = (entry, out)
                 if last:
@@ -214,6 +214,16 @@ class _Step:
             self._learn_quiet(k)
         if kind is OpKind.FN and k != 0:
             del self.plain[k]
+
+    def _redraw(self, k: int) -> Any:
+        """How an `Fs k` rerun inside its backward replays the stage's random draws: as a recomputation of
+        stage k would (the first run's record), or None when the stage runs once (run_selective records)."""
+        if k not in self.rng:
+            return None
+        record = self.rng[k]  # a list filled in place by the first run's RecordRandom, or a GeneratorWatch
+        if isinstance(record, GeneratorWatch):
+            return ReplayFrom(record)
+        return ReplayRandom(record, self.runner.names[k])
 
     def _remember(self, k: int, stage: nn.Module, stack: ExitStack) -> None:
         """Before a recomputed stage's first run: how to replay its random numbers (lightning_rotor/rng.py)."""

@@ -3,18 +3,22 @@
 torch's selective activation checkpointing does the work (`torch.utils.checkpoint` with
 `create_selective_checkpoint_contexts`): under it a stage's forward saves the outputs of the ops
 the policy names, and its backward reruns the stage from its input, taking those outputs from the
-cache instead of computing them again. Recomputed values are the forward's, bitwise, as long as
-the stage draws no random numbers: a random op is refused for now (see `save_expensive`).
+cache instead of computing them again. Random ops (dropout) are recomputed too, drawing from the
+generator states of the forward (lightning_rotor/rng.py's record and replay modes, inside the
+contexts), so recomputed values are the forward's, bitwise.
 """
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, ExitStack
 from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from lightning_rotor.rng import RecordRandom, ReplayRandom
 
 aten = torch.ops.aten
 EXPENSIVE_OPS = frozenset(
@@ -34,31 +38,54 @@ EXPENSIVE_OPS = frozenset(
 )
 
 
-class RandomInSelective(RuntimeError):
-    """A stage recorded by the "sac" option drew random numbers, which its recomputation would not replay."""
-
-
 def save_expensive(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """Save matmul, convolution and attention outputs; recompute the rest. Refuse random ops (see below)."""
-    if torch.Tag.nondeterministic_seeded in getattr(op, "tags", ()):
-        # the recomputation would draw again: exact only with the executor's replay of the first run's
-        # generator states inside the recompute context, which is not built yet (dropout's bernoulli_ fills
-        # a tensor in place, so its output cannot simply be saved)
-        raise RandomInSelective(
-            f"a stage recorded with option 'sac' runs the random op {op}; the 'sac' option does not replay random "
-            "numbers yet: use it on stages without dropout (or with dropout off)"
-        )
+    """Save matmul, convolution and attention outputs; recompute the rest (random ops replayed, see `run_selective`)."""
     return CheckpointPolicy.MUST_SAVE if op in EXPENSIVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def run_selective(stage: nn.Module, value: Any) -> Any:
-    """`stage(value)` recording option "sac": the graph keeps `value` and the expensive ops' outputs."""
+class _Nested:
+    """Context managers entered in order (the last one innermost), as one: what `context_fn` must return."""
+
+    def __init__(self, *managers: AbstractContextManager[Any]) -> None:
+        self.managers = managers
+        self.stack = ExitStack()
+
+    def __enter__(self) -> _Nested:
+        for manager in self.managers:
+            self.stack.enter_context(manager)
+        return self
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        return self.stack.__exit__(*exc)
+
+
+def _contexts(replay: AbstractContextManager[Any] | None, name: str) -> tuple[Any, Any]:
+    """(forward, recompute) contexts: torch's selective caching, plus the replay of the forward's random draws.
+
+    `replay`: how the executor replays this stage's draws (it recorded them on the stage's first run); None:
+    record them here, in the forward (innermost, so each random op's generator state is seen before it draws).
+    """
+    forward, recompute = create_selective_checkpoint_contexts(save_expensive)
+    if replay is not None:
+        return forward, _Nested(recompute, replay)
+    record = RecordRandom()
+    return _Nested(forward, record), _Nested(recompute, ReplayRandom(record.states, name))
+
+
+def run_selective(
+    stage: nn.Module, value: Any, replay: AbstractContextManager[Any] | None = None, name: str = "stage"
+) -> Any:
+    """`stage(value)` recording option "sac": the graph keeps `value` and the expensive ops' outputs.
+
+    Its backward reruns the stage under the contexts; random ops draw from the forward's generator
+    states (`replay`, or recorded here), so the rerun is bitwise the forward, whatever drew since.
+    """
     return checkpoint(
         stage,
         value,
         use_reentrant=False,
-        context_fn=partial(create_selective_checkpoint_contexts, save_expensive),
-        preserve_rng_state=False,  # nothing random runs under the option (save_expensive refuses it)
+        context_fn=partial(_contexts, replay, name),
+        preserve_rng_state=False,  # the replay above restores each random op's state, not the generator's
         determinism_check="default",
     )
 

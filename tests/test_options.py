@@ -5,6 +5,7 @@ family of schedules, options included, are the oracles; `simulate` is the one re
 """
 
 import json
+import threading
 from functools import cache
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from lightning_rotor.ops import Op, OpKind, parse_ops, recomputed_stages
 from lightning_rotor.plan_cli import compact_ops, main
 from lightning_rotor.planner import InfeasibleBudget, min_feasible_budget, plan
 from lightning_rotor.profile import profile_chain
-from lightning_rotor.selective import RandomInSelective, measure_sac_memory
+from lightning_rotor.selective import measure_sac_memory
 from lightning_rotor.simulate import no_recompute_peak, simulate
 from lightning_rotor.stages import sequential_stages
 
@@ -323,41 +324,52 @@ SAC_PLANS = [  # every block by its option; an option recomputed after Fc; an op
 ]
 
 
+@pytest.fixture(params=["alone", "another thread"])
+def threads(request):
+    """Alone, the executor replays a recomputed stage's draws from generator states; with another (non-daemon)
+    thread alive, op by op (lightning_rotor/rng.py): an `Fs` rerun follows either."""
+    if request.param == "alone":
+        yield
+        return
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait)
+    thread.start()
+    yield
+    stop.set()
+    thread.join()
+
+
 @pytest.mark.parametrize("ops", SAC_PLANS, ids=["all", "after-Fc", "recomputed"])
-def test_option_ops_train_bitwise_like_plain_within_the_simulated_peak(ops):
-    """`Fs k:1` runs block k under torch's selective checkpoint contexts: gradients bitwise equal to plain training,
-    and the measured activation bytes after every op never above what the simulator predicts."""
+def test_option_ops_train_bitwise_like_plain_within_the_simulated_peak(ops, threads):
+    """`Fs k:1` runs block k (with dropout) under torch's selective checkpoint contexts: gradients bitwise equal to
+    plain training, the same random stream after the step, and the measured activation bytes after every op
+    never above what the simulator predicts."""
     x, y = torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16))
-    plain = tiny_gpt()
+    plain = tiny_gpt(dropout=0.1)
+    torch.manual_seed(7)
     expected = lm_loss(plain(x), y)
     expected.backward()
-    rotor = tiny_gpt()
+    stream = torch.get_rng_state()
+    rotor = tiny_gpt(dropout=0.1)
     stages, chain = profiled_with_options(rotor, x, y)
     rotor.zero_grad(set_to_none=True)
     runner = PlanRunner(stages, ops, list(stages.names))
     runner.probe = probe = MemoryProbe(rotor)
+    torch.manual_seed(7)
     with probe:
         got = lm_loss(runner(x), y)
         got.backward()
+        detached = got.detach()
         del got
-    assert torch.equal(expected, lm_loss(plain(x), y).detach())  # plain is deterministic (no dropout)
+    assert torch.equal(torch.get_rng_state(), stream)
+    assert torch.equal(expected, detached)
     for a, b in zip(plain.parameters(), rotor.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad)
     sim = simulate(chain, ops)
     assert [label for label, _, _ in probe.marks] == [Op(*op).label for op in ops]
     measured = [nbytes for _, _, nbytes in probe.marks]
     assert all(m <= p for m, p in zip(measured, sim.curve, strict=True)), (measured, sim.curve)
-    assert 0.9 * sim.peak <= probe.peak <= sim.peak  # safe, and close (one a_{k+1} per Fs over: see the docs)
-
-
-def test_option_sac_refuses_a_stage_that_draws_random_numbers():
-    """Its recomputation would draw again; until the executor replays the draws inside it, one clear error."""
-    x, y = torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16))
-    rotor = tiny_gpt(dropout=0.1)
-    stages = sequential_stages(rotor)
-    runner = PlanRunner(stages, SAC_PLANS[0], list(stages.names))
-    with pytest.raises(RandomInSelective, match="does not replay random numbers yet"):
-        lm_loss(runner(x), y).backward()
+    assert 0.85 * sim.peak <= probe.peak <= sim.peak  # safe, and close (docs/memory-model.md, "Chain version 5")
 
 
 def test_the_executor_refuses_options_it_has_no_rule_for():
