@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 
 #include <optional>
+#include <stdexcept>
 
 #include "planner.hpp"
 
@@ -17,13 +18,35 @@ namespace {
 
 using Opt = std::optional<int64_t>;
 using OptSizes = std::optional<Sizes>;
+// chain version 5: per stage, its options 1, 2, … as (saved, fwd_tmp, bwd_tmp, loss_tmp_graph[, fwd_cost, bwd_cost])
+using OptOptions = std::optional<std::vector<std::vector<Sizes>>>;
+
+std::vector<std::vector<rotor::StageOption>> make_options(OptOptions options, size_t length) {
+    std::vector<std::vector<rotor::StageOption>> out;
+    if (!options) return out;
+    if (options->size() != length) throw std::invalid_argument("planner: options must have one list per stage");
+    bool any = false;
+    out.resize(length);
+    for (size_t k = 0; k < length; ++k) {
+        for (const Sizes& f : (*options)[k]) {
+            if (f.size() != 4 && f.size() != 6)
+                throw std::invalid_argument(
+                    "planner: an option is (saved, fwd_tmp, bwd_tmp, loss_tmp_graph[, fwd_cost, bwd_cost])");
+            out[k].push_back({f[0], f[1], f[2], f[3], f.size() == 6 ? f[4] : 0, f.size() == 6 ? f[5] : 0});
+            any = true;
+        }
+    }
+    if (!any) out.clear();  // no options anywhere: exactly the chain without them
+    return out;
+}
 
 // loss_tmp_graph defaults to loss_tmp (chain version 1: the loss charges the same either way);
 // in_free to zeros (chain version 2: nothing of a stage input is let go before its backward);
 // loss_value to 0 (before chain version 3 the loss value was counted with a_0).
 MemChain make_chain(Sizes size, Sizes saved, Sizes fwd_tmp, Sizes fwd_tmp_nograd, Sizes bwd_tmp, int64_t loss_tmp,
-                    Opt loss_tmp_graph, OptSizes in_free, int64_t loss_value = 0) {
+                    Opt loss_tmp_graph, OptSizes in_free, int64_t loss_value = 0, OptOptions options = std::nullopt) {
     MemChain c;
+    c.options = make_options(std::move(options), saved.size());
     c.loss_value = loss_value;
     c.in_free = in_free ? std::move(*in_free) : Sizes(saved.size(), 0);
     c.size = std::move(size);
@@ -37,11 +60,13 @@ MemChain make_chain(Sizes size, Sizes saved, Sizes fwd_tmp, Sizes fwd_tmp_nograd
 }
 
 py::list to_python(const std::vector<Op>& ops) {
-    static const char* names[] = {"Fn", "Fc", "Fe", "Loss", "B"};
+    static const char* names[] = {"Fn", "Fc", "Fe", "Loss", "B", "Fs"};
     py::list out;
     for (const Op& op : ops) {
         if (op.kind == OpKind::Loss) {
             out.append(py::make_tuple("Loss"));
+        } else if (op.kind == OpKind::Fs) {
+            out.append(py::make_tuple("Fs", op.stage, op.option));
         } else {
             out.append(py::make_tuple(names[static_cast<int>(op.kind)], op.stage));
         }
@@ -57,9 +82,11 @@ PYBIND11_MODULE(_planner, m) {
     m.def(
         "solve",
         [](Sizes size, Sizes saved, Sizes fwd_tmp, Sizes fwd_tmp_nograd, Sizes bwd_tmp, int64_t loss_tmp, Sizes fwd_cost, Sizes bwd_cost,
-           int64_t slots, int threads, Opt loss_tmp_graph, OptSizes in_free, int64_t loss_value) -> py::object {
+           int64_t slots, int threads, Opt loss_tmp_graph, OptSizes in_free, int64_t loss_value,
+           OptOptions options) -> py::object {
             MemChain c = make_chain(std::move(size), std::move(saved), std::move(fwd_tmp), std::move(fwd_tmp_nograd),
-                                    std::move(bwd_tmp), loss_tmp, loss_tmp_graph, std::move(in_free), loss_value);
+                                    std::move(bwd_tmp), loss_tmp, loss_tmp_graph, std::move(in_free), loss_value,
+                                    std::move(options));
             rotor::Solution sol;
             {
                 py::gil_scoped_release release;
@@ -71,6 +98,7 @@ PYBIND11_MODULE(_planner, m) {
         py::arg("size"), py::arg("saved"), py::arg("fwd_tmp"), py::arg("fwd_tmp_nograd"), py::arg("bwd_tmp"), py::arg("loss_tmp"),
         py::arg("fwd_cost"), py::arg("bwd_cost"), py::arg("slots"), py::arg("threads") = 0,
         py::arg("loss_tmp_graph") = py::none(), py::arg("in_free") = py::none(), py::arg("loss_value") = 0,
+        py::arg("options") = py::none(),
         "(cost, ops) of the least-cost schedule within `slots` units (a_0 included), or None.\n"
         "`threads` <= 0: default_threads(); the result does not depend on it.");
 
@@ -79,27 +107,28 @@ PYBIND11_MODULE(_planner, m) {
     m.def(
         "min_budget",
         [](Sizes size, Sizes saved, Sizes fwd_tmp, Sizes fwd_tmp_nograd, Sizes bwd_tmp, int64_t loss_tmp, Opt loss_tmp_graph,
-           OptSizes in_free, int64_t loss_value) {
+           OptSizes in_free, int64_t loss_value, OptOptions options) {
             return rotor::min_budget(make_chain(size, saved, fwd_tmp, fwd_tmp_nograd, bwd_tmp, loss_tmp, loss_tmp_graph,
-                                                std::move(in_free), loss_value));
+                                                std::move(in_free), loss_value, std::move(options)));
         },
         py::arg("size"), py::arg("saved"), py::arg("fwd_tmp"), py::arg("fwd_tmp_nograd"), py::arg("bwd_tmp"), py::arg("loss_tmp"),
         py::arg("loss_tmp_graph") = py::none(), py::arg("in_free") = py::none(), py::arg("loss_value") = 0,
+        py::arg("options") = py::none(),
         "Smallest budget (a_0 included) for which a persistent schedule exists.");
 
     m.def(
         "feasible_schedule",
         [](Sizes size, Sizes saved, Sizes fwd_tmp, Sizes fwd_tmp_nograd, Sizes bwd_tmp, int64_t loss_tmp, int64_t budget,
-           Opt loss_tmp_graph, OptSizes in_free, int64_t loss_value) -> py::object {
+           Opt loss_tmp_graph, OptSizes in_free, int64_t loss_value, OptOptions options) -> py::object {
             rotor::Solution sol = rotor::feasible_schedule(
                 make_chain(size, saved, fwd_tmp, fwd_tmp_nograd, bwd_tmp, loss_tmp, loss_tmp_graph, std::move(in_free),
-                           loss_value),
+                           loss_value, std::move(options)),
                 budget);
             if (!sol.feasible) return py::none();
             return to_python(sol.ops);
         },
         py::arg("size"), py::arg("saved"), py::arg("fwd_tmp"), py::arg("fwd_tmp_nograd"), py::arg("bwd_tmp"), py::arg("loss_tmp"),
         py::arg("budget"), py::arg("loss_tmp_graph") = py::none(), py::arg("in_free") = py::none(),
-        py::arg("loss_value") = 0,
+        py::arg("loss_value") = 0, py::arg("options") = py::none(),
         "Ops of a schedule within `budget` exact units, or None below the minimum.");
 }

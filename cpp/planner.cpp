@@ -35,29 +35,46 @@ struct Needs {
     int64_t fg(int s, int t) const { return full_given[s * (L + 1) + t]; }
 };
 
-// Memory that `Fe s` itself needs inside (s, t): recording, and the backward. The recording peaks
-// before in_free[s] bytes of a_s are let go; the loss and the backward come after that release.
-int64_t fe_need(const MemChain& c, int s, int t, bool given) {
+// How stage s is recorded with option o: o = 0 is `Fe s` (the stage's columns, in_free[s] let go
+// after it), o >= 1 is `Fs s:o` (chain version 5: the option's figures, nothing of a_s let go).
+struct Record {
+    int64_t saved, fwd_tmp, bwd_tmp, in_free, loss_tmp_graph;
+};
+
+inline Record record(const MemChain& c, int s, int o) {
+    if (o == 0) return {c.saved[s], c.fwd_tmp[s], c.bwd_tmp[s], c.in_free[s], c.loss_tmp_graph};
+    const StageOption& x = c.options[s][o - 1];
+    return {x.saved, x.fwd_tmp, x.bwd_tmp, 0, x.loss_tmp_graph};
+}
+
+// Memory that recording s with option o itself needs inside (s, t): recording, and the backward. The
+// recording peaks before in_free[s] bytes of a_s are let go; the loss and the backward come after that release.
+int64_t fe_need(const MemChain& c, int s, int t, bool given, int o = 0) {
     const auto& size = c.size;
+    const Record r = record(c, s, o);
     int64_t held = given ? size[t] : 0;
     // B s comes after the loss: with the loss pending in (s, t), the loss value is held by then
-    int64_t need = std::max(held + c.saved[s] + c.fwd_tmp[s],
-                            c.saved[s] + size[s + 1] + size[s] + c.bwd_tmp[s] - c.in_free[s] +
-                                (given ? 0 : c.loss_value));
-    if (!given && s + 1 == c.length())
-        need = std::max(need, c.saved[s] + size[s + 1] + c.loss_tmp_graph - c.in_free[s]);
+    int64_t need = std::max(held + r.saved + r.fwd_tmp,
+                            r.saved + size[s + 1] + size[s] + r.bwd_tmp - r.in_free + (given ? 0 : c.loss_value));
+    if (!given && s + 1 == c.length()) need = std::max(need, r.saved + size[s + 1] + r.loss_tmp_graph - r.in_free);
     return need;
 }
 
-// What `Fe s` takes from the memory of (s+1, t): its recorded output, less the part of a_s let go.
-inline int64_t fe_shift(const MemChain& c, int s) { return c.saved[s] - c.in_free[s]; }
+// What recording s with option o takes from the memory of (s+1, t): its recorded output, less the part
+// of a_s let go.
+inline int64_t fe_shift(const MemChain& c, int s, int o = 0) {
+    const Record r = record(c, s, o);
+    return r.saved - r.in_free;
+}
 
 // Peak of the run Fc s, Fn s+1 … Fn j-1 reaching a_j, where the last step is j-1 -> j.
 inline int64_t run_step(const MemChain& c, int s, int j) {
     return j == s + 1 ? c.size[s + 1] + c.fwd_tmp_nograd[s] : c.size[j - 1] + c.size[j] + c.fwd_tmp_nograd[j - 1];
 }
 
-Needs compute_needs(const MemChain& c) {
+// `fastest[s]`: the option of least fwd + bwd cost (0 on ties): the all-record schedule records each stage
+// so, and from m_full on it fits. Only the Solver reads m_full; min_budget passes no costs (all zeros).
+Needs compute_needs(const MemChain& c, const std::vector<int>& fastest) {
     const int L = c.length();
     const auto& size = c.size;
     Needs n;
@@ -67,14 +84,16 @@ Needs compute_needs(const MemChain& c) {
     n.pending.assign(L + 1, 0);
     n.full_pending.assign(L + 1, 0);
     for (int s = L - 1; s >= 0; --s) {
+        const int options = c.options_of(s), f = fastest[s];
         for (int t = s + 1; t <= L; ++t) {
             int64_t held = size[t];
-            int64_t fe = fe_need(c, s, t, true);
-            int64_t full = fe;
-            if (s + 1 < t) {
-                fe = std::max(fe, fe_shift(c, s) + n.g(s + 1, t));
-                full = std::max(full, fe_shift(c, s) + n.fg(s + 1, t));
+            int64_t fe = std::numeric_limits<int64_t>::max(), full = fe_need(c, s, t, true, f);
+            for (int o = 0; o <= options; ++o) {  // the least need over ways to record s
+                int64_t need = fe_need(c, s, t, true, o);
+                if (s + 1 < t) need = std::max(need, fe_shift(c, s, o) + n.g(s + 1, t));
+                fe = std::min(fe, need);
             }
+            if (s + 1 < t) full = std::max(full, fe_shift(c, s, f) + n.fg(s + 1, t));
             int64_t best = fe, run = 0;
             for (int s2 = s + 1; s2 < t; ++s2) {
                 run = std::max(run, run_step(c, s, s2));
@@ -84,11 +103,13 @@ Needs compute_needs(const MemChain& c) {
             n.given[s * (L + 1) + t] = best;
             n.full_given[s * (L + 1) + t] = full;
         }
-        int64_t fe = fe_need(c, s, L, false), full = fe;
-        if (s + 1 < L) {
-            fe = std::max(fe, fe_shift(c, s) + n.pending[s + 1]);
-            full = std::max(full, fe_shift(c, s) + n.full_pending[s + 1]);
+        int64_t fe = std::numeric_limits<int64_t>::max(), full = fe_need(c, s, L, false, f);
+        for (int o = 0; o <= options; ++o) {
+            int64_t need = fe_need(c, s, L, false, o);
+            if (s + 1 < L) need = std::max(need, fe_shift(c, s, o) + n.pending[s + 1]);
+            fe = std::min(fe, need);
         }
+        if (s + 1 < L) full = std::max(full, fe_shift(c, s, f) + n.full_pending[s + 1]);
         int64_t best = fe, run = 0;
         for (int s2 = s + 1; s2 <= L; ++s2) {
             run = std::max(run, run_step(c, s, s2));
@@ -111,14 +132,15 @@ struct Table {
 class Solver {
    public:
     Solver(const MemChain& c, const std::vector<int64_t>& fwd_cost, const std::vector<int64_t>& bwd_cost, int64_t top)
-        : c_(c), L_(c.length()), top_(top), needs_(compute_needs(c)) {
+        : c_(c), L_(c.length()), top_(top), fastest_(fastest_options(c, fwd_cost, bwd_cost)),
+          needs_(compute_needs(c, fastest_)) {
         need_.assign(L_ + 1, 0);
         fc_.assign(fwd_cost.begin(), fwd_cost.end());
         bc_.assign(bwd_cost.begin(), bwd_cost.end());
-        prefix_.assign(L_ + 1, 0);  // exact integer prefix sums of fwd + bwd
+        prefix_.assign(L_ + 1, 0);  // exact integer prefix sums of the fastest fwd + bwd of each stage
         fprefix_.assign(L_ + 1, 0);
         for (int k = 0; k < L_; ++k) {
-            prefix_[k + 1] = prefix_[k] + fwd_cost[k] + bwd_cost[k];
+            prefix_[k + 1] = prefix_[k] + step_cost(fwd_cost, bwd_cost, k, fastest_[k]);
             fprefix_[k + 1] = fprefix_[k] + fwd_cost[k];
         }
         given_.resize(static_cast<size_t>(L_ + 1) * (L_ + 1));
@@ -156,7 +178,26 @@ class Solver {
     const MemChain& c_;
     int L_;
     int64_t top_;
+    std::vector<int> fastest_;  // per stage, the option of least fwd + bwd cost (0 on ties)
     Needs needs_;
+
+    int64_t step_cost(const std::vector<int64_t>& fwd_cost, const std::vector<int64_t>& bwd_cost, int s, int o) const {
+        return o == 0 ? fwd_cost[s] + bwd_cost[s] : c_.options[s][o - 1].fwd_cost + c_.options[s][o - 1].bwd_cost;
+    }
+
+    std::vector<int> fastest_options(const MemChain& c, const std::vector<int64_t>& fwd_cost,
+                                     const std::vector<int64_t>& bwd_cost) const {
+        std::vector<int> out(c.length(), 0);
+        for (int s = 0; s < c.length(); ++s)
+            for (int o = 1; o <= c.options_of(s); ++o)
+                if (step_cost(fwd_cost, bwd_cost, s, o) < step_cost(fwd_cost, bwd_cost, s, out[s])) out[s] = o;
+        return out;
+    }
+
+    double step(int s, int o) const {
+        return o == 0 ? fc_[s] + bc_[s]
+                      : static_cast<double>(c_.options[s][o - 1].fwd_cost + c_.options[s][o - 1].bwd_cost);
+    }
     std::vector<double> fc_, bc_, data_;
     std::vector<int64_t> prefix_, fprefix_;
     std::vector<Table> given_, pending_;
@@ -288,20 +329,22 @@ class Solver {
         Table& tab = T(s, t, given);
         if (tab.hi <= tab.lo) return;
         const int64_t lo = tab.lo, hi = tab.hi;
-        const double step = fc_[s] + bc_[s];
-        // Fe s: record stage s, solve (s+1, t), B s.
-        const int64_t fe = std::max(lo, fe_need(c_, s, t, given));
-        if (s + 1 == t) {
-            double* out = data_.data() + tab.offset - lo;
-            for (int64_t m = fe; m < hi; ++m) out[m] = std::min(out[m], step);
-        } else {
-            // The shift is negative where Fe s lets go more of a_s than it records. Then m - shift can pass
-            // top_, but only for m that no caller reaches: whoever holds a_s was charged at least in_free[s]
-            // for it (size[s] plain, saved[s-1] recorded; check_chain), so a reached (s, t, m) has
-            // m <= top_ - in_free[s]. The full_cost read beyond top_ is therefore never used.
-            const Table& sub = T(s + 1, t, given);
-            const int64_t shift = fe_shift(c_, s);
-            relax(tab, std::max(fe, sub.lo + shift), hi, step, sub, shift, nullptr);
+        // Fe s (o = 0) or Fs s:o: record stage s, solve (s+1, t), B s.
+        for (int o = 0; o <= c_.options_of(s); ++o) {
+            const double cost = step(s, o);
+            const int64_t fe = std::max(lo, fe_need(c_, s, t, given, o));
+            if (s + 1 == t) {
+                double* out = data_.data() + tab.offset - lo;
+                for (int64_t m = fe; m < hi; ++m) out[m] = std::min(out[m], cost);
+            } else {
+                // The shift is negative where Fe s lets go more of a_s than it records. Then m - shift can pass
+                // top_, but only for m that no caller reaches: whoever holds a_s was charged at least in_free[s]
+                // for it (size[s] plain, saved[s-1] or an option's saved recorded; check_chain), so a reached
+                // (s, t, m) has m <= top_ - in_free[s]. The full_cost read beyond top_ is therefore never used.
+                const Table& sub = T(s + 1, t, given);
+                const int64_t shift = fe_shift(c_, s, o);
+                relax(tab, std::max(fe, sub.lo + shift), hi, cost, sub, shift, nullptr);
+            }
         }
         // Checkpoint s -> s2: Fc s, Fn s+1 … Fn s2-1, then right (s2, t), then left (s, s2).
         const int64_t held = given ? c_.size[t] : 0;
@@ -356,22 +399,22 @@ class Solver {
     }
 
     // Re-evaluate the choices at (s, t, m) and emit the ops of the first optimal one
-    // (Fe first, then s2 ascending: the reference planner's order).
+    // (Fe first, then Fs s:1, s:2 …, then s2 ascending: the reference planner's order).
     void emit(int s, int t, bool given, int64_t m, std::vector<Op>& ops) {
         const double target = value(T(s, t, given), m);
-        if (m >= fe_need(c_, s, t, given)) {
-            double cand = fc_[s] + bc_[s];
-            if (s + 1 < t) cand += value(T(s + 1, t, given), m - fe_shift(c_, s));
-            if (cand == target) {
-                ops.push_back({OpKind::Fe, s});
-                if (s + 1 == t) {
-                    if (!given) ops.push_back({OpKind::Loss, -1});
-                } else {
-                    emit(s + 1, t, given, m - fe_shift(c_, s), ops);
-                }
-                ops.push_back({OpKind::B, s});
-                return;
+        for (int o = 0; o <= c_.options_of(s); ++o) {
+            if (m < fe_need(c_, s, t, given, o)) continue;
+            double cand = step(s, o);
+            if (s + 1 < t) cand += value(T(s + 1, t, given), m - fe_shift(c_, s, o));
+            if (cand != target) continue;
+            ops.push_back(o == 0 ? Op{OpKind::Fe, s} : Op{OpKind::Fs, s, o});
+            if (s + 1 == t) {
+                if (!given) ops.push_back({OpKind::Loss, -1});
+            } else {
+                emit(s + 1, t, given, m - fe_shift(c_, s, o), ops);
             }
+            ops.push_back({OpKind::B, s});
+            return;
         }
         const int64_t held = given ? c_.size[t] : 0;
         const int last = given ? t - 1 : t;
@@ -405,14 +448,15 @@ class Solver {
 
 void emit_feasible(const MemChain& c, const Needs& n, int s, int t, bool given, int64_t m, std::vector<Op>& ops) {
     const int L = c.length();
-    int64_t fe = fe_need(c, s, t, given);
-    if (s + 1 < t) fe = std::max(fe, fe_shift(c, s) + (given ? n.g(s + 1, t) : n.pending[s + 1]));
-    if (m >= fe) {
-        ops.push_back({OpKind::Fe, s});
+    for (int o = 0; o <= c.options_of(s); ++o) {  // record all first, then the options in order
+        int64_t fe = fe_need(c, s, t, given, o);
+        if (s + 1 < t) fe = std::max(fe, fe_shift(c, s, o) + (given ? n.g(s + 1, t) : n.pending[s + 1]));
+        if (m < fe) continue;
+        ops.push_back(o == 0 ? Op{OpKind::Fe, s} : Op{OpKind::Fs, s, o});
         if (s + 1 == t) {
             if (!given) ops.push_back({OpKind::Loss, -1});
         } else {
-            emit_feasible(c, n, s + 1, t, given, m - fe_shift(c, s), ops);
+            emit_feasible(c, n, s + 1, t, given, m - fe_shift(c, s, o), ops);
         }
         ops.push_back({OpKind::B, s});
         return;
@@ -450,6 +494,15 @@ void check_chain(const MemChain& c) {
         if (c.in_free[k] < 0 || c.in_free[k] > std::min(c.size[k], c.saved[k - 1]))
             throw std::invalid_argument("planner: in_free[" + std::to_string(k) + "] must be within 0..min(size[" +
                                         std::to_string(k) + "], saved[" + std::to_string(k - 1) + "])");
+    if (!c.options.empty() && c.options.size() != L)
+        throw std::invalid_argument("planner: options must be empty or one list per stage");
+    for (size_t k = 0; k < c.options.size(); ++k)
+        for (const StageOption& o : c.options[k])
+            if (o.saved < 0 || o.fwd_tmp < 0 || o.fwd_cost < 0 || o.bwd_cost < 0 ||
+                (k + 1 < L && c.in_free[k + 1] > o.saved))
+                throw std::invalid_argument("planner: an option of stage " + std::to_string(k) +
+                                            " has a negative figure or saves less than in_free[" +
+                                            std::to_string(k + 1) + "]");
 }
 
 }  // namespace
@@ -471,13 +524,13 @@ Solution solve(const MemChain& chain, const std::vector<int64_t>& fwd_cost, cons
 
 int64_t min_budget(const MemChain& chain) {
     check_chain(chain);
-    return chain.size[0] + compute_needs(chain).pending[0];
+    return chain.size[0] + compute_needs(chain, std::vector<int>(chain.length(), 0)).pending[0];
 }
 
 Solution feasible_schedule(const MemChain& chain, int64_t budget) {
     check_chain(chain);
     Solution out;
-    Needs n = compute_needs(chain);
+    Needs n = compute_needs(chain, std::vector<int>(chain.length(), 0));
     const int64_t m = budget - chain.size[0];
     if (m < n.pending[0]) return out;
     out.feasible = true;

@@ -10,11 +10,21 @@
 
 namespace rotor {
 
-enum class OpKind : int { Fn = 0, Fc = 1, Fe = 2, Loss = 3, B = 4 };
+enum class OpKind : int { Fn = 0, Fc = 1, Fe = 2, Loss = 3, B = 4, Fs = 5 };
 
 struct Op {
     OpKind kind;
-    int stage;  // -1 for Loss
+    int stage;       // -1 for Loss
+    int option = 0;  // Fs: the stage option recorded (>= 1); 0 for every other op
+};
+
+// Option o >= 1 of a stage (chain version 5, `Fs k:o`): record a selection, recompute the rest in
+// the backward. Figures as the stage's own: saved is sb^o_{k+1}, bwd_tmp the signed net figure
+// (StageOption.bwd_net), loss_tmp_graph the loss on an a_L it recorded; no part of a_k is let go
+// after it (its backward recomputes from a_k). Costs are unused by min_budget and feasible_schedule.
+struct StageOption {
+    int64_t saved = 0, fwd_tmp = 0, bwd_tmp = 0, loss_tmp_graph = 0;
+    int64_t fwd_cost = 0, bwd_cost = 0;
 };
 
 // A chain in integer memory units (slots or bytes) with integer costs.
@@ -30,12 +40,15 @@ struct Op {
 // per subproblem serves both: after Fe s the subproblem (s+1, t) gets m - saved[s] + in_free[s].
 // loss_value (chain version 3): bytes the loss holds from the end of Loss to the end of the step
 // (its value and the gradient backward seeds it with); every op after Loss needs them on top.
+// options (chain version 5): empty, or per stage its options 1, 2, … (option 0 is the columns above).
 struct MemChain {
     std::vector<int64_t> size, saved, fwd_tmp, fwd_tmp_nograd, bwd_tmp, in_free;
     int64_t loss_tmp = 0;
     int64_t loss_tmp_graph = 0;
     int64_t loss_value = 0;
+    std::vector<std::vector<StageOption>> options;
     int length() const { return static_cast<int>(saved.size()); }
+    int options_of(int s) const { return options.empty() ? 0 : static_cast<int>(options[s].size()); }
 };
 
 struct Solution {

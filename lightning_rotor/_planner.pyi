@@ -1,5 +1,5 @@
 # Types of the C++ extension `lightning_rotor._planner` (cpp/bindings.cpp), for the type checker.
-# Ops come back as ("Fe", 2) / ("Loss",) tuples; lightning_rotor.ops.parse_ops turns them into Ops.
+# Ops come back as ("Fe", 2) / ("Fs", 2, 1) / ("Loss",) tuples; lightning_rotor.ops.parse_ops turns them into Ops.
 
 def solve(
     size: list[int],
@@ -15,7 +15,8 @@ def solve(
     loss_tmp_graph: int | None = None,
     in_free: list[int] | None = None,
     loss_value: int = 0,
-) -> tuple[int, list[tuple[str, int] | tuple[str]]] | None: ...
+    options: list[list[list[int]]] | None = None,
+) -> tuple[int, list[tuple[str, int] | tuple[str, int, int] | tuple[str]]] | None: ...
 def default_threads() -> int: ...
 def min_budget(
     size: list[int],
@@ -27,6 +28,7 @@ def min_budget(
     loss_tmp_graph: int | None = None,
     in_free: list[int] | None = None,
     loss_value: int = 0,
+    options: list[list[list[int]]] | None = None,
 ) -> int: ...
 def feasible_schedule(
     size: list[int],
@@ -39,4 +41,5 @@ def feasible_schedule(
     loss_tmp_graph: int | None = None,
     in_free: list[int] | None = None,
     loss_value: int = 0,
-) -> list[tuple[str, int] | tuple[str]] | None: ...
+    options: list[list[list[int]]] | None = None,
+) -> list[tuple[str, int] | tuple[str, int, int] | tuple[str]] | None: ...

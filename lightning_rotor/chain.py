@@ -9,18 +9,20 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-CHAIN_VERSION = 4
-READABLE_VERSIONS = (1, 2, 3, 4)
+CHAIN_VERSION = 5
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 SIZE_FIELDS = ("out_size", "saved_size", "fwd_tmp", "bwd_tmp")
 SIGNED_FIELDS = ("bwd_tmp",)  # version 2: may be negative (autograd frees as it goes), down to -s_k
-OPTIONAL_FIELDS = ("fwd_tmp_nograd", "out_free", "loss_tmp_kept", "in_free", "loss_value", "frozen")
+OPTIONAL_FIELDS = ("fwd_tmp_nograd", "out_free", "loss_tmp_kept", "in_free", "loss_value", "frozen", "options")
 V2_FIELDS = ("out_free", "loss_tmp_kept")  # fields a version-1 file cannot have
 V3_FIELDS = ("in_free", "loss_value")  # fields a version-1 or version-2 file cannot have
 V4_FIELDS = ("frozen",)  # fields a file before version 4 cannot have
+V5_FIELDS = ("options",)  # fields a file before version 5 cannot have
+OPTION_FIELDS = ("saved_size", "fwd_time", "bwd_time", "fwd_tmp", "bwd_tmp")  # required in each option
 TIME_FIELDS = ("fwd_time", "bwd_time")
 STAGE_FIELDS = SIZE_FIELDS + TIME_FIELDS
 
@@ -80,6 +82,76 @@ def _check_time(value: Any, where: str) -> float:
     return seconds
 
 
+@dataclass(frozen=True)
+class StageOption:
+    """One further way to record a stage (chain version 5): save a selection, recompute the rest in `B k`.
+
+    Figures as the stage's own columns, for `Fs k:o` (docs/memory-model.md, "Chain version 5"):
+    `saved_size` held after it, `fwd_tmp` its transient, `bwd_tmp` (signed) the backward's peak
+    above `cur - out_free + s_k`, including the recomputed part, `out_free` the bytes of
+    `a_{k+1}` its graph does not keep.
+    """
+
+    saved_size: int
+    fwd_time: float
+    bwd_time: float
+    fwd_tmp: int
+    bwd_tmp: int
+    out_free: int = 0
+    name: str = ""
+
+    @property
+    def bwd_net(self) -> int:
+        """`bwd_tmp - out_free`, as `Chain.bwd_net` for option 0."""
+        return self.bwd_tmp - self.out_free
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"name": self.name} if self.name else {}
+        data.update({f: getattr(self, f) for f in OPTION_FIELDS})
+        if self.out_free:
+            data["out_free"] = self.out_free
+        return data
+
+
+def _check_option(value: Any, where: str, s_in: int, s_out: int, in_free_next: int) -> StageOption:
+    """A stage option from its JSON object or a `StageOption`, checked like the stage's own figures."""
+    if isinstance(value, StageOption):
+        value = {**value.to_dict(), "out_free": value.out_free, "name": value.name}
+    if not isinstance(value, dict):
+        raise ChainError(f"{where} must be an object with fields {', '.join(OPTION_FIELDS)}, got {value!r}")
+    known = {*OPTION_FIELDS, "out_free", "name"}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ChainError(f"{where}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    missing = [f for f in OPTION_FIELDS if f not in value]
+    if missing:
+        raise ChainError(f"{where} is missing field(s) {', '.join(missing)}")
+    name = value.get("name", "")
+    if not isinstance(name, str):
+        raise ChainError(f"{where}.name must be a string, got {name!r}")
+    saved = _check_size(value["saved_size"], f"{where}.saved_size")
+    out_free = _check_size(value.get("out_free", 0), f"{where}.out_free")
+    if out_free > min(s_out, saved):
+        raise ChainError(
+            f"{where}.out_free={out_free} is larger than the stage's out_size={s_out} or the option's "
+            f"saved_size={saved}; only the stage's own output is released"
+        )
+    if out_free < in_free_next:
+        raise ChainError(
+            f"{where}.out_free={out_free} is below in_free={in_free_next} of the next stage: the bytes of the "
+            "output that neither graph keeps are among those the option's graph does not keep"
+        )
+    return StageOption(
+        saved_size=saved,
+        fwd_time=_check_time(value["fwd_time"], f"{where}.fwd_time"),
+        bwd_time=_check_time(value["bwd_time"], f"{where}.bwd_time"),
+        fwd_tmp=_check_size(value["fwd_tmp"], f"{where}.fwd_tmp"),
+        bwd_tmp=_check_signed(value["bwd_tmp"], f"{where}.bwd_tmp", -s_in),
+        out_free=out_free,
+        name=name,
+    )
+
+
 @dataclass
 class Chain:
     """Per-stage costs of a chain of `L` stages, in bytes and seconds.
@@ -112,6 +184,11 @@ class Chain:
     recomputed nor backwarded; their `saved_size`, `fwd_tmp`, `bwd_tmp`, `bwd_time`,
     `out_free` and `in_free[1..F]` are not used. What follows is the ordinary chain
     `suffix()`. The default, 0, gives version 3's meaning.
+
+    Version 5: `options[k]` lists further ways to record stage `k` (`StageOption`: save a
+    selection, recompute the rest in the backward), run as `Fs k:o` for option `o >= 1`;
+    option 0 is the stage's own figures (`Fe k`). The default, no options anywhere, gives
+    version 4's meaning.
     """
 
     input_size: int
@@ -131,6 +208,7 @@ class Chain:
     in_free: list[int] = None  # type: ignore[assignment]
     loss_value: int = 0
     frozen: int = 0
+    options: list[list[StageOption]] = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         length = len(self.out_size) if isinstance(self.out_size, (list, tuple)) else None
@@ -190,6 +268,22 @@ class Chain:
                 f"frozen must be an integer from 0 to {length - 1} (the stages before the first one that "
                 f"needs a backward; at least the last stage does), got {self.frozen!r}"
             )
+        if self.options is None:
+            self.options = [[] for _ in range(length)]
+        if not isinstance(self.options, (list, tuple)) or len(self.options) != length:
+            raise ChainError(f"options must be a list with one list of options per stage ({length})")
+        in_free_next = [*self.in_free[1:], 0]
+        checked: list[list[StageOption]] = []
+        for k, opts in enumerate(self.options):
+            if not isinstance(opts, (list, tuple)):
+                raise ChainError(f"options[{k}] must be a list of options (empty: only recording all)")
+            checked.append(
+                [
+                    _check_option(o, f"options[{k}][{i}]", sizes[k], sizes[k + 1], in_free_next[k])
+                    for i, o in enumerate(opts)
+                ]
+            )
+        self.options = checked
         total = (
             self.input_size
             + self.loss_value
@@ -198,13 +292,14 @@ class Chain:
             + sum(
                 sum(abs(v) for v in getattr(self, f)) for f in (*SIZE_FIELDS, "fwd_tmp_nograd", "out_free", "in_free")
             )
+            + sum(o.saved_size + o.fwd_tmp + abs(o.bwd_tmp) + o.out_free for opts in self.options for o in opts)
         )
         if total > MAX_BYTES:
             raise ChainError(
                 f"the chain's sizes add up to {total} bytes, more than the 2**62 bytes (4 EiB) the "
                 "planner adds up exactly"
             )
-        horizon = length * sum(self.fwd_time) + sum(self.bwd_time)  # inf, not an error, when it overflows
+        horizon = length * sum(self.slowest_fwd_time) + sum(self.slowest_bwd_time)  # inf when it overflows
         if not horizon <= MAX_SECONDS:
             raise ChainError(
                 f"the chain's times are too large: {length} x Σ fwd_time + Σ bwd_time = {horizon:g} s; "
@@ -230,6 +325,25 @@ class Chain:
     def sizes(self) -> list[int]:
         """`s_0 … s_L`: bytes of every value of the chain, input first."""
         return [self.input_size, *self.out_size]
+
+    @property
+    def has_options(self) -> bool:
+        """True when some stage after the frozen prefix has an option beside recording all."""
+        return any(self.options[self.frozen :])
+
+    @property
+    def slowest_fwd_time(self) -> list[float]:
+        """Per stage, the slowest forward over its options (bounds every schedule's time)."""
+        return [max([t, *(o.fwd_time for o in opts)]) for t, opts in zip(self.fwd_time, self.options, strict=True)]
+
+    @property
+    def slowest_bwd_time(self) -> list[float]:
+        """Per stage, the slowest backward over its options."""
+        return [max([t, *(o.bwd_time for o in opts)]) for t, opts in zip(self.bwd_time, self.options, strict=True)]
+
+    def option_loss_tmp_graph(self, option: StageOption) -> int:
+        """`loss_tmp_graph` when the last stage was recorded by `option`."""
+        return self.loss_tmp if option.out_free == self.out_size[-1] else self.loss_tmp_kept
 
     @property
     def bwd_net(self) -> list[int]:
@@ -288,6 +402,10 @@ class Chain:
             loss_tmp_kept=self.loss_tmp_kept,
             in_free=[0, *self.in_free[f + 1 :]],
             loss_value=self.loss_value,
+            options=[
+                [replace(o, bwd_tmp=o.bwd_tmp - self.input_size) for o in self.options[f]],
+                *self.options[f + 1 :],
+            ],
         )
 
     @classmethod
@@ -307,6 +425,10 @@ class Chain:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ChainError(f"unknown chain field(s) {', '.join(unknown)}; known fields: {', '.join(sorted(known))}")
+        if version < 5:
+            v5 = [k for k in V5_FIELDS if k in data]
+            if v5:
+                raise ChainError(f"field(s) {', '.join(v5)} need chain version 5; this file says version {version}")
         if version < 4:
             v4 = [k for k in V4_FIELDS if k in data]
             if v4:
@@ -332,7 +454,8 @@ class Chain:
 
     def to_dict(self) -> dict[str, Any]:
         data = {
-            "version": CHAIN_VERSION,
+            # without options a file is exactly version 4's, and says so (older readers still load it)
+            "version": CHAIN_VERSION if any(self.options) else 4,
             "names": list(self.names),
             "input_size": self.input_size,
             **{name: list(getattr(self, name)) for name in STAGE_FIELDS},
@@ -350,6 +473,8 @@ class Chain:
             data["loss_value"] = self.loss_value
         if self.frozen:
             data["frozen"] = self.frozen
+        if any(self.options):
+            data["options"] = [[o.to_dict() for o in opts] for opts in self.options]
         return data
 
     @classmethod

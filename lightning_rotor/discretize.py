@@ -16,12 +16,15 @@ solve the very same problem and their optima can be compared exactly.
   `ticks << count_bits | forward_ops`, so among schedules of equal time the one
   with fewer forward operations wins: zero-cost stages are never recomputed
   needlessly. Costs stay below 2**53, so they are exact in a C double too.
+- Options (chain version 5): each option of a stage is discretized like the stage's own
+  figures (`DiscreteOption`); the time scale bounds schedules by each stage's slowest option.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from lightning_rotor.chain import Chain
 
@@ -47,6 +50,17 @@ def resolve_slots(slots: object, length: int) -> int:
     return auto_slots(length) if checked is None else checked
 
 
+class DiscreteOption(NamedTuple):
+    """Option `o >= 1` of a stage in slots and ticks (`Fs k:o`, chain version 5)."""
+
+    saved: int  # sb^o_{k+1}
+    fwd_tmp: int
+    bwd_tmp: int  # StageOption.bwd_net, rounded up
+    loss_tmp_graph: int  # the loss on a_L recorded by this option (read for the last stage only)
+    fwd_cost: int
+    bwd_cost: int
+
+
 @dataclass(frozen=True)
 class DiscreteChain:
     length: int
@@ -65,6 +79,7 @@ class DiscreteChain:
     bwd_cost: list[int]  # ticks << count_bits
     count_bits: int
     tick: float  # seconds per tick
+    options: list[list[DiscreteOption]] = field(default_factory=list)  # per stage, options 1, 2, …; [] for none
 
     def cost_to_time(self, cost: int) -> float:
         return (cost >> self.count_bits) * self.tick
@@ -79,7 +94,7 @@ def time_scale(chain: Chain) -> tuple[int, float]:
     most_forward_ops = length * (length + 1) // 2 + length
     count_bits = most_forward_ops.bit_length()
     time_bits = 51 - count_bits
-    bound = length * math.fsum(chain.fwd_time) + math.fsum(chain.bwd_time)
+    bound = length * math.fsum(chain.slowest_fwd_time) + math.fsum(chain.slowest_bwd_time)
     tick = bound / 2**time_bits if bound > 0 else 1.0
     return count_bits, tick
 
@@ -101,6 +116,21 @@ def discretize(chain: Chain, budget: int, slots: int = DEFAULT_SLOTS) -> Discret
     def up(x: int) -> int:
         return -(-x // unit)
 
+    options = [
+        [
+            DiscreteOption(
+                saved=up(o.saved_size),
+                fwd_tmp=up(o.fwd_tmp),
+                bwd_tmp=up(o.bwd_net),
+                loss_tmp_graph=up(chain.option_loss_tmp_graph(o)),
+                fwd_cost=(round(o.fwd_time / tick) << count_bits) | 1,
+                bwd_cost=round(o.bwd_time / tick) << count_bits,
+            )
+            for o in opts
+        ]
+        for opts in chain.options
+    ]
+
     return DiscreteChain(
         length=chain.length,
         unit=unit,
@@ -118,4 +148,5 @@ def discretize(chain: Chain, budget: int, slots: int = DEFAULT_SLOTS) -> Discret
         bwd_cost=[round(t / tick) << count_bits for t in chain.bwd_time],
         count_bits=count_bits,
         tick=tick,
+        options=options if any(options) else [],
     )

@@ -45,6 +45,7 @@ from lightning_rotor.engine import (
 )
 from lightning_rotor.ops import Op, OpKind, check_frozen_prefix, last_forwards, parse_ops, recomputed_stage_set
 from lightning_rotor.rng import GeneratorWatch, RecordRandom, ReplayFrom, ReplayRandom, Rewind, alone
+from lightning_rotor.selective import run_selective
 
 # NOTE: [a step in two Functions]
 # Two autograd Functions carry one training step:
@@ -174,9 +175,10 @@ class _Step:
             else:
                 self._replay(k, stage, stack)
             before = versions(src)
-            if kind is OpKind.FE:
+            if kind is OpKind.FE or kind is OpKind.FS:
                 recorded = k not in self.plain
-                last = last and (recorded or self.runner.releases_plain(k))
+                # Fs k:o (chain version 5): the option's graph keeps a_k to rerun the stage, so nothing is let go
+                last = last and kind is OpKind.FE and (recorded or self.runner.releases_plain(k))
                 if not last:
                     entry, inp = self._kept_input(k, src)
                 elif recorded and k in self.runner.joinable:
@@ -189,7 +191,7 @@ class _Step:
                 with torch.enable_grad():
                     if inp is None:
                         inp = enter_stage(src, entry, self.dummy, entry.wanted)
-                    out = stage(inp)
+                    out = stage(inp) if kind is OpKind.FE else run_selective(stage, inp, self._redraw(k), name)
                 del inp
                 self.graph[k + 1] = (entry, out)
                 if last:
@@ -212,6 +214,16 @@ class _Step:
             self._learn_quiet(k)
         if kind is OpKind.FN and k != 0:
             del self.plain[k]
+
+    def _redraw(self, k: int) -> Any:
+        """How an `Fs k` rerun inside its backward replays the stage's random draws: as a recomputation of
+        stage k would (the first run's record), or None when the stage runs once (run_selective records)."""
+        if k not in self.rng:
+            return None
+        record = self.rng[k]  # a list filled in place by the first run's RecordRandom, or a GeneratorWatch
+        if isinstance(record, GeneratorWatch):
+            return ReplayFrom(record)
+        return ReplayRandom(record, self.runner.names[k])
 
     def _remember(self, k: int, stage: nn.Module, stack: ExitStack) -> None:
         """Before a recomputed stage's first run: how to replay its random numbers (lightning_rotor/rng.py)."""
@@ -339,7 +351,9 @@ class _Step:
         while i < n:
             op = ops[i]
             kind = op.kind
-            if kind is OpKind.FN or kind is OpKind.FC or kind is OpKind.FE:
+            if kind is OpKind.FN or kind is OpKind.FC or kind is OpKind.FE or kind is OpKind.FS:
+                if kind is OpKind.FS and op.option != 1:
+                    raise RuntimeError(f"executor has no rule for op {op.label}: option 1 (sac) is the only one")
                 self.forward_op(kind, op.stage, last[i])
                 self.mark(op)
                 i += 1

@@ -1,9 +1,10 @@
 """The operations of a schedule: one `Op` type for the simulator, planner, executor and reports.
 
-docs/memory-model.md defines the kinds: `Fn`, `Fc`, `Fe` (forwards), `Loss` and `B`
-(backward). An `Op` is a tuple, `("Fe", 2)` or `("Loss",)`, so it compares equal
+docs/memory-model.md defines the kinds: `Fn`, `Fc`, `Fe`, `Fs` (forwards), `Loss` and `B`
+(backward). An `Op` is a tuple, `("Fe", 2)`, `("Fs", 2, 1)` or `("Loss",)`, so it compares equal
 to the JSON form of a plan and to what the C++ planner returns; `kind` is an
-`OpKind` and `stage` the stage index (None for `Loss`). Code that acts on ops
+`OpKind`, `stage` the stage index (None for `Loss`) and `option` the stage option an `Fs`
+records (chain version 5; 0 for every other op). Code that acts on ops
 dispatches on every kind explicitly (see `OpKind`), so a new kind cannot fall
 through as another.
 """
@@ -21,6 +22,7 @@ class OpKind(str, Enum):
     FN = "Fn"  # forward without grad, forget the input
     FC = "Fc"  # forward without grad, keep the input (checkpoint)
     FE = "Fe"  # forward recording the graph
+    FS = "Fs"  # forward recording option o >= 1 of the stage: a selection, the rest recomputed in B (version 5)
     LOSS = "Loss"
     B = "B"  # backward of one stage
 
@@ -35,22 +37,28 @@ class OpKind(str, Enum):
         return self in FORWARD_KINDS
 
 
-FORWARD_KINDS = frozenset({OpKind.FN, OpKind.FC, OpKind.FE})
+FORWARD_KINDS = frozenset({OpKind.FN, OpKind.FC, OpKind.FE, OpKind.FS})
 
 
 class Op(tuple[Any, ...]):
-    """One schedule operation: `Op("Fe", 2)`, `Op("Loss")`; a tuple in JSON shape."""
+    """One schedule operation: `Op("Fe", 2)`, `Op("Fs", 2, 1)`, `Op("Loss")`; a tuple in JSON shape."""
 
     __slots__ = ()
 
-    def __new__(cls, kind: OpKind | str, stage: int | None = None) -> Op:
+    def __new__(cls, kind: OpKind | str, stage: int | None = None, option: int | None = None) -> Op:
         kind = OpKind(kind)
         if kind is OpKind.LOSS:
-            if stage is not None:
+            if stage is not None or option is not None:
                 raise ValueError("Loss takes no stage index")
             return tuple.__new__(cls, (kind,))
         if isinstance(stage, bool) or not isinstance(stage, int):
             raise ValueError(f"{kind.value} needs one integer stage index, got {stage!r}")
+        if kind is OpKind.FS:
+            if isinstance(option, bool) or not isinstance(option, int) or option < 1:
+                raise ValueError(f"Fs needs a stage index and an option number >= 1 (option 0 is Fe), got {option!r}")
+            return tuple.__new__(cls, (kind, stage, option))
+        if option is not None:
+            raise ValueError(f"{kind.value} takes no option number (only Fs records an option)")
         return tuple.__new__(cls, (kind, stage))
 
     @property
@@ -59,25 +67,39 @@ class Op(tuple[Any, ...]):
 
     @property
     def stage(self) -> int | None:
-        return self[1] if len(self) == 2 else None
+        return self[1] if len(self) >= 2 else None
+
+    @property
+    def option(self) -> int:
+        """The stage option an `Fs` records; 0 (record all, or nothing) for every other op."""
+        return self[2] if len(self) == 3 else 0
 
     @property
     def label(self) -> str:
-        """`"Fe 2"`, `"Loss"`: how logs, plots and errors name the op."""
-        return self.kind.value if self.stage is None else f"{self.kind.value} {self.stage}"
+        """`"Fe 2"`, `"Fs 2:1"`, `"Loss"`: how logs, plots and errors name the op."""
+        if self.stage is None:
+            return self.kind.value
+        return f"{self.kind.value} {self.stage}" + (f":{self.option}" if self.option else "")
 
     def to_json(self) -> list[Any]:
-        return [self.kind.value] if self.stage is None else [self.kind.value, self.stage]
+        return [self.kind.value, *self[1:]]
+
+    def with_stage(self, stage: int) -> Op:
+        """The same op on another stage index (same option)."""
+        return Op(self.kind, stage, self.option or None)
 
     def __repr__(self) -> str:
         return f"Op({self.label})"
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (Op, (self.kind.value, self.stage))
+        return (Op, (self.kind.value, *self[1:]))
 
 
 def parse_ops(items: Iterable[Any]) -> list[Op]:
-    """Ops from JSON-shaped items (`["Fe", 2]`, `["Loss"]`, `"Loss"`, `Op`); `ValueError` names the bad one."""
+    """Ops from JSON-shaped items (`["Fe", 2]`, `["Fs", 2, 1]`, `["Loss"]`, `"Loss"`, `Op`).
+
+    A `ValueError` names the bad one.
+    """
     out: list[Op] = []
     kinds = ", ".join(k.value for k in OpKind)
     for i, item in enumerate(items):
@@ -91,6 +113,13 @@ def parse_ops(items: Iterable[Any]) -> list[Op]:
             raise ValueError(f"op {i} {list(item)!r}: unknown op; ops are {kinds}") from None
         if kind is OpKind.LOSS and len(item) != 1:
             raise ValueError(f"op {i} {list(item)!r}: Loss takes no stage index")
+        if kind is OpKind.FS:
+            if len(item) != 3 or any(isinstance(v, bool) or not isinstance(v, int) for v in item[1:]) or item[2] < 1:
+                raise ValueError(
+                    f"op {i} {list(item)!r}: Fs needs an integer stage index and an option number >= 1 (option 0 is Fe)"
+                )
+            out.append(Op(kind, item[1], item[2]))
+            continue
         if kind is not OpKind.LOSS and (len(item) != 2 or isinstance(item[1], bool) or not isinstance(item[1], int)):
             raise ValueError(f"op {i} {list(item)!r}: {kind.value} needs one integer stage index")
         out.append(Op(kind, None if kind is OpKind.LOSS else item[1]))
@@ -169,7 +198,7 @@ def check_frozen_prefix(ops: Sequence[Op], frozen: int) -> None:
 
 def shift_ops(ops: Iterable[Op], by: int) -> list[Op]:
     """`ops` with every stage index moved by `by` (a suffix's plan in the whole chain's indices, and back)."""
-    return [op if op.stage is None else Op(op.kind, op.stage + by) for op in ops]
+    return [op if op.stage is None else op.with_stage(op.stage + by) for op in ops]
 
 
 def no_recompute_ops(length: int, frozen: int = 0) -> list[Op]:

@@ -22,7 +22,10 @@ PROG = "lightning-rotor plan"
 
 
 def compact_ops(ops: Sequence[tuple[Any, ...]]) -> str:
-    """`Fe0-3 Fc4 Fn5-6 Loss B6..0`: runs of one op kind over consecutive stages."""
+    """`Fe0-3 Fs4:1 Fc5 Fn6-7 Loss B7..0`: runs of one op kind (and stage option) over consecutive stages.
+
+    `Fs k:o` records option `o` of stage `k` (chain version 5); a run of them on one option is `Fs2-4:1`.
+    """
     parts: list[str] = []
     i = 0
     while i < len(ops):
@@ -31,16 +34,22 @@ def compact_ops(ops: Sequence[tuple[Any, ...]]) -> str:
             parts.append("Loss")
             i += 1
             continue
-        first = ops[i][1]
+        first, option = ops[i][1], ops[i][2:]
         step = -1 if kind == "B" else 1
         j = i
-        while j + 1 < len(ops) and ops[j + 1][0] == kind and ops[j + 1][1] == ops[j][1] + step:
+        while (
+            j + 1 < len(ops)
+            and ops[j + 1][0] == kind
+            and ops[j + 1][2:] == option
+            and ops[j + 1][1] == ops[j][1] + step
+        ):
             j += 1
         last = ops[j][1]
+        suffix = f":{option[0]}" if option else ""
         if last == first:
-            parts.append(f"{kind}{first}")
+            parts.append(f"{kind}{first}{suffix}")
         else:
-            parts.append(f"{kind}{first}{'-' if step == 1 else '..'}{last}")
+            parts.append(f"{kind}{first}{'-' if step == 1 else '..'}{last}{suffix}")
         i = j + 1
     return " ".join(parts)
 

@@ -203,6 +203,15 @@ def _memory_args(chain: Chain) -> tuple[list[int], list[int], list[int], list[in
     return chain.sizes, chain.saved_size, chain.fwd_tmp, chain.fwd_tmp_nograd, chain.bwd_net, chain.loss_tmp
 
 
+def _memory_options(chain: Chain) -> list[list[list[int]]] | None:
+    """The stage options' memory figures in exact bytes for `_planner` (chain version 5), None when there are none."""
+    if not chain.has_options:
+        return None
+    return [
+        [[o.saved_size, o.fwd_tmp, o.bwd_net, chain.option_loss_tmp_graph(o)] for o in opts] for opts in chain.options
+    ]
+
+
 def min_feasible_budget(chain: Chain) -> int:
     """Smallest budget in bytes (chain input included) for which some persistent schedule exists.
 
@@ -218,6 +227,7 @@ def min_feasible_budget(chain: Chain) -> int:
             loss_tmp_graph=suffix.loss_tmp_graph,
             in_free=suffix.in_free,
             loss_value=suffix.loss_value,
+            options=_memory_options(suffix),
         ),
     )
 
@@ -231,6 +241,7 @@ def plan(chain: Chain, mem_limit: BudgetSpec, *, slots: int | None = None, threa
     `threads`: threads filling its tables (None: min(2, hardware threads)); the plan
     does not depend on it. Raises `InfeasibleBudget` when no schedule fits. A chain with a
     frozen prefix gets `Fn 0 … Fn F-1` and then the plan of `chain.suffix()` at the same budget.
+    Where the chain carries stage options (version 5), a stage may be recorded by one (`Fs k:o`).
     """
     whole, chain = chain, chain.suffix()  # a frozen prefix runs first as Fn ops: only the rest has choices
     slots = resolve_slots(slots, chain.length)
@@ -256,6 +267,7 @@ def plan(chain: Chain, mem_limit: BudgetSpec, *, slots: int | None = None, threa
         loss_tmp_graph=d.loss_tmp_graph,
         in_free=d.in_free,
         loss_value=d.loss_value,
+        options=[[list(o) for o in opts] for opts in d.options] if d.options else None,
     )
     candidates = []
     if found is not None:
@@ -266,6 +278,7 @@ def plan(chain: Chain, mem_limit: BudgetSpec, *, slots: int | None = None, threa
         loss_tmp_graph=chain.loss_tmp_graph,
         in_free=chain.in_free,
         loss_value=chain.loss_value,
+        options=_memory_options(chain),
     )
     if fallback is not None:
         candidates.append(parse_ops(fallback))

@@ -74,6 +74,17 @@ def _replay(
     released: set[int] = set()  # ā_k whose free part (out_free[k-1]) is already let go
     free = [0, *chain.out_free]  # free[k]: bytes of a_k that ā_k's own graph does not keep
     grads: set[int] = set()  # δ_k
+    # chain version 5: ā_{k+1} recorded by option o >= 1 of stage k (Fs k:o) is held with that option's figures
+    recorded_by: dict[int, int] = {}  # k+1: the option that recorded ā_{k+1} (absent: option 0, Fe k)
+
+    def recorded(k: int) -> tuple[int, int, int, float]:
+        """(sb_{k+1}, free part of a_{k+1}, bwd_tmp, bwd_time) of stage k as ā_{k+1} was recorded."""
+        o = recorded_by.get(k + 1, 0)
+        if not o:
+            return sb[k + 1], free[k + 1], chain.bwd_tmp[k], chain.bwd_time[k]
+        opt = chain.options[k][o - 1]
+        return opt.saved_size, opt.out_free, opt.bwd_tmp, opt.bwd_time
+
     # chain version 3: after the last forward of stage k before B k (an Fe k, k >= 1), the in_free[k]
     # bytes of a_k that neither graph keeps are let go, from the plain a_k when held, else from ā_k
     in_free = chain.in_free
@@ -90,7 +101,7 @@ def _replay(
     next_backward = length - 1
 
     def fail(i: int, op: Op, why: str) -> ValueError:
-        label = op.label if op.stage is None else Op(op.kind, op.stage + first_stage).label
+        label = op.label if op.stage is None else op.with_stage(op.stage + first_stage).label
         return ValueError(f"invalid plan: op {i + first_op} ({label}): {why}")
 
     for i, op in enumerate(ops):
@@ -99,14 +110,27 @@ def _replay(
         n = k + first_stage  # the stage's index in messages
         if kind is not OpKind.LOSS and not 0 <= k < length:
             raise fail(i, op, f"stage index out of range 0..{length + first_stage - 1}")
-        if kind is OpKind.FN or kind is OpKind.FC or kind is OpKind.FE:
+        if kind is OpKind.FN or kind is OpKind.FC or kind is OpKind.FE or kind is OpKind.FS:
             if kind is OpKind.FN and k not in plain:
                 raise fail(i, op, f"needs a_{n} held without graph")
             if k not in plain and k not in graph:
                 raise fail(i, op, f"needs a_{n}, which is not held")
             if k in let_go:
                 raise fail(i, op, f"a_{n} was partly let go after the last forward of stage {n} before B {n}")
-            if kind is OpKind.FE:
+            fwd_time = chain.fwd_time[k]
+            if kind is OpKind.FS:
+                o = op.option
+                if not 1 <= o <= len(chain.options[k]):
+                    raise fail(i, op, f"stage {n} has {len(chain.options[k])} option(s) beside recording all (Fe)")
+                if k + 1 in graph:
+                    raise fail(i, op, f"a_{n + 1} is already held with its graph")
+                opt = chain.options[k][o - 1]
+                during = cur + opt.saved_size + opt.fwd_tmp
+                graph.add(k + 1)
+                recorded_by[k + 1] = o
+                cur += opt.saved_size  # a_k stays: the option's backward recomputes from it (no release)
+                fwd_time = opt.fwd_time
+            elif kind is OpKind.FE:
                 if k + 1 in graph:
                     raise fail(i, op, f"a_{n + 1} is already held with its graph")
                 during = cur + sb[k + 1] + chain.fwd_tmp[k]
@@ -125,7 +149,7 @@ def _replay(
                 if kind is OpKind.FN and k != 0:
                     plain.discard(k)
                     cur -= s[k]
-            times.append(chain.fwd_time[k])
+            times.append(fwd_time)
         elif kind is OpKind.LOSS:
             if loss_done:
                 raise fail(i, op, "the loss is computed once per step")
@@ -133,9 +157,11 @@ def _replay(
                 raise fail(i, op, f"needs the chain output a_{length + first_stage}, which is not held")
             # a_L is handed to the loss: plain, it leaves the plan; with its graph, the plan keeps only the graph
             if length in graph:
-                during = cur + s[length] + chain.loss_tmp_graph
+                o = recorded_by.get(length, 0)
+                last = chain.options[length - 1][o - 1] if o else None
+                during = cur + s[length] + (chain.loss_tmp_graph if last is None else chain.option_loss_tmp_graph(last))
                 released.add(length)
-                cur -= free[length]
+                cur -= recorded(length - 1)[1]
             else:
                 during = cur + s[length] + chain.loss_tmp
                 plain.discard(length)
@@ -159,18 +185,20 @@ def _replay(
                 raise fail(i, op, f"needs the gradient δ_{n + 1}")
             if k not in plain and k not in graph:
                 raise fail(i, op, f"needs a_{n}, which is not held")
+            saved_k, free_k, bwd_tmp_k, bwd_time_k = recorded(k)
             if k + 1 not in released:  # the free part of a_{k+1} is let go before the backward runs
-                cur -= free[k + 1] - early_graph.pop(k + 1, 0)
+                cur -= free_k - early_graph.pop(k + 1, 0)
             released.discard(k + 1)
-            during = cur + s[k] + chain.bwd_tmp[k]
+            during = cur + s[k] + bwd_tmp_k
             graph.discard(k + 1)
+            recorded_by.pop(k + 1, None)
             grads.discard(k + 1)
             grads.add(k)
-            cur += s[k] - (sb[k + 1] - free[k + 1]) - s[k + 1]
+            cur += s[k] - (saved_k - free_k) - s[k + 1]
             if k in plain and k != 0:
                 plain.discard(k)
                 cur -= s[k] - early_plain.pop(k, 0)
-            times.append(chain.bwd_time[k])
+            times.append(bwd_time_k)
             next_backward -= 1
         else:
             raise fail(i, op, f"the simulator has no rule for {kind.value} ops")

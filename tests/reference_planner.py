@@ -17,6 +17,12 @@ holds. Two ways to start:
   part `(s2, t)` with `a_{s2}` held, then the left part `(s, s2, given=True)`.
   When the loss is pending and `s2 == L`, the right part is the loss on plain `a_L`.
 
+Chain version 5: recording stage `s` may also be **Fs s:o**, option `o >= 1` of the stage (a
+selection saved, the rest recomputed in its backward): the same as `Fe s` with the option's
+figures (`sb^o`, `fwd_tmp^o`, `bwd_net^o`, its loss charge, its costs) and no release of `a_s`.
+Choices are tried in the order `Fe s`, `Fs s:1`, `Fs s:2` …, then the checkpoints, and the first
+of least cost wins (the C++ planner's order).
+
 `B s` is charged `sb_{s+1} + s_{s+1} + s_s + bwd_net_s - in_free_s` (the free part of
 `a_{s+1}` released inside `bwd_net`), the loss on a recorded `a_L`
 `sb_L + s_L + loss_tmp_graph - in_free_{L-1}` (docs/memory-model.md, part 2). With the loss
@@ -40,13 +46,22 @@ def solve(d: DiscreteChain) -> tuple[int, list[tuple]] | None:
     length, size, saved = d.length, d.size, d.saved
     ft, ft_ng, bt, lt, ltg = d.fwd_tmp, d.fwd_tmp_nograd, d.bwd_tmp, d.loss_tmp, d.loss_tmp_graph
     inf, lv = d.in_free, d.loss_value
+    options = d.options or [[] for _ in range(length)]
 
-    def fe_need(s: int, t: int, given: bool) -> int:
+    def record(s: int, o: int) -> tuple[int, int, int, int, int, int]:
+        """(saved, fwd_tmp, bwd_net, released, loss on a recorded a_L, fwd + bwd cost) of recording s with option o."""
+        if o == 0:
+            return saved[s], ft[s], bt[s], inf[s], ltg, d.fwd_cost[s] + d.bwd_cost[s]
+        x = options[s][o - 1]
+        return x.saved, x.fwd_tmp, x.bwd_tmp, 0, x.loss_tmp_graph, x.fwd_cost + x.bwd_cost
+
+    def fe_need(s: int, t: int, given: bool, o: int = 0) -> int:
+        sb, tmp, net, free, loss, _ = record(s, o)
         held = size[t] if given else 0
         after = 0 if given else lv  # B s runs after the loss: with the loss pending here, its value is held by then
-        need = max(held + saved[s] + ft[s], saved[s] + size[s + 1] + size[s] + bt[s] - inf[s] + after)
+        need = max(held + sb + tmp, sb + size[s + 1] + size[s] + net - free + after)
         if not given and s + 1 == length:
-            need = max(need, saved[s] + size[length] + ltg - inf[s])
+            need = max(need, sb + size[length] + loss - free)
         return need
 
     def forward_need(s: int, s2: int, given: bool, t: int) -> int:
@@ -58,17 +73,23 @@ def solve(d: DiscreteChain) -> tuple[int, list[tuple]] | None:
 
     @cache
     def best(s: int, t: int, given: bool, m: int) -> tuple[int, tuple] | None:
-        """(cost, choice) where choice is ('Fe',) or ('ck', s2)."""
+        """(cost, choice) where choice is ('Fe', o) (o >= 1: Fs s:o) or ('ck', s2)."""
         if m < 0:
             return None
         found: tuple[int, tuple] | None = None
-        if m >= fe_need(s, t, given):
+        for o in range(len(options[s]) + 1):
+            if m < fe_need(s, t, given, o):
+                continue
+            sb, _, _, free, _, step = record(s, o)
             if s + 1 == t:
-                found = (d.fwd_cost[s] + d.bwd_cost[s], ("Fe",))
+                cost = step
             else:
-                sub = best(s + 1, t, given, m - saved[s] + inf[s])
-                if sub is not None:
-                    found = (d.fwd_cost[s] + d.bwd_cost[s] + sub[0], ("Fe",))
+                sub = best(s + 1, t, given, m - sb + free)
+                if sub is None:
+                    continue
+                cost = step + sub[0]
+            if found is None or cost < found[0]:
+                found = (cost, ("Fe", o))
         last = t if not given else t - 1
         forward = 0
         for s2 in range(s + 1, last + 1):
@@ -95,11 +116,13 @@ def solve(d: DiscreteChain) -> tuple[int, list[tuple]] | None:
     def ops(s: int, t: int, given: bool, m: int) -> list[tuple]:
         _, choice = best(s, t, given, m)
         if choice[0] == "Fe":
+            o = choice[1]
+            sb, _, _, free, _, _ = record(s, o)
             if s + 1 == t:
                 middle = [] if given else [("Loss",)]
             else:
-                middle = ops(s + 1, t, given, m - saved[s] + inf[s])
-            return [("Fe", s), *middle, ("B", s)]
+                middle = ops(s + 1, t, given, m - sb + free)
+            return [("Fe", s) if o == 0 else ("Fs", s, o), *middle, ("B", s)]
         s2 = choice[1]
         forward = [("Fc", s)] + [("Fn", j) for j in range(s + 1, s2)]
         right = [("Loss",)] if (not given and s2 == length) else ops(s2, t, given, m - size[s2])
@@ -131,7 +154,10 @@ def reference_plan(chain: Chain, budget: int, slots: int | None = DEFAULT_SLOTS)
     found = solve(d)
     if found is None or not f:
         return found
-    return found[0], [*[("Fn", k) for k in range(f)], *[(op[0], op[1] + f) if len(op) == 2 else op for op in found[1]]]
+    return found[0], [
+        *[("Fn", k) for k in range(f)],
+        *[(op[0], op[1] + f, *op[2:]) if len(op) > 1 else op for op in found[1]],
+    ]
 
 
 def reference_min_budget(chain: Chain) -> int:
@@ -143,16 +169,25 @@ def reference_min_budget(chain: Chain) -> int:
     ft, ft_ng, bt, lt = chain.fwd_tmp, chain.fwd_tmp_nograd, chain.bwd_net, chain.loss_tmp
     ltg, inf, lv = chain.loss_tmp_graph, chain.in_free, chain.loss_value
 
+    def records(s: int) -> list[tuple[int, int, int, int, int]]:
+        """(saved, fwd_tmp, bwd_net, released, loss on a recorded a_L) of each way to record s: Fe s, then Fs s:o."""
+        return [(saved[s], ft[s], bt[s], inf[s], ltg)] + [
+            (o.saved_size, o.fwd_tmp, o.bwd_net, 0, chain.option_loss_tmp_graph(o)) for o in chain.options[s]
+        ]
+
     @cache
     def need(s: int, t: int, given: bool) -> int:
         held = size[t] if given else 0
         after = 0 if given else lv
-        fe = max(held + saved[s] + ft[s], saved[s] + size[s + 1] + size[s] + bt[s] - inf[s] + after)
-        if not given and s + 1 == length:
-            fe = max(fe, saved[s] + size[length] + ltg - inf[s])
-        if s + 1 < t:
-            fe = max(fe, saved[s] - inf[s] + need(s + 1, t, given))
-        result = fe
+        fes = []
+        for sb, tmp, net, free, loss in records(s):
+            fe = max(held + sb + tmp, sb + size[s + 1] + size[s] + net - free + after)
+            if not given and s + 1 == length:
+                fe = max(fe, sb + size[length] + loss - free)
+            if s + 1 < t:
+                fe = max(fe, sb - free + need(s + 1, t, given))
+            fes.append(fe)
+        result = min(fes)
         run = size[s + 1] + ft_ng[s]
         last = t if not given else t - 1
         for s2 in range(s + 1, last + 1):

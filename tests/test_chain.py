@@ -80,8 +80,8 @@ def test_saved_smaller_than_output_accepted():
 
 
 def test_unknown_version():
-    with pytest.raises(ChainError, match="unknown chain version 5; this release reads versions 1, 2, 3, 4"):
-        Chain.from_dict(chain_dict(version=5))
+    with pytest.raises(ChainError, match="unknown chain version 6; this release reads versions 1, 2, 3, 4, 5"):
+        Chain.from_dict(chain_dict(version=6))
 
 
 def test_version_1_files_keep_their_meaning():
