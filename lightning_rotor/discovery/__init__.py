@@ -158,7 +158,12 @@ def _graph(
     module.train()  # stages are for training: trace the training path (dropout on, BatchNorm batch statistics)
     try:
         chain = trace_chain(
-            module, bound, leaf_types=leaf_types, max_carry=max_carry, trace_into_writers=checkpoint_modules is None
+            module,
+            bound,
+            leaf_types=leaf_types,
+            max_carry=max_carry,
+            trace_into_writers=checkpoint_modules is None,
+            split_floor=checkpoint_modules is None,
         )
     finally:
         module.train(was_training)
