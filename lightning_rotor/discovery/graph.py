@@ -461,12 +461,14 @@ def _split_floor(
     values = [bound[n] for n in tensor_args]
     sample = values[0] if len(values) == 1 else tuple(values)
     types = tuple(leaf_types)
-    costs = _stage_costs(module, chain.stages, sample)
+    sizes: dict[str, int] = {}  # output bytes of every kept-whole block's call on the sample
+    known: dict[tuple[str, ...], int] = {}  # cost by the submodules a stage calls: the stages a split leaves alone
+    costs = _stage_costs(module, chain, sample, known, types, sizes)
     for _ in range(max_retries):
         top = max(costs)
         heavy = [k for k, c in enumerate(costs) if c == top]
         blocks = [
-            [q for q in chain.stage_modules[k] if q not in leaves and isinstance(module.get_submodule(q), types)]
+            [q for q in chain.stage_modules[k] if q not in leaves and _unbalanced(module, q, types, sizes)]
             for k in heavy
         ]
         if not all(blocks):
@@ -476,7 +478,7 @@ def _split_floor(
             module, bound, tensor_args, constants, leaf_types, leaves, through | finer, max_retries, True
         )
         split = _cut(module, graph, tracer, max_carry, through | finer)
-        split_costs = _stage_costs(module, split.stages, sample)
+        split_costs = _stage_costs(module, split, sample, known)
         kept = {chain.names[k] for k in range(len(costs)) if k not in heavy}  # stages the split left as they were
         pieces = [c for n, c in zip(split.names, split_costs, strict=True) if n not in kept]
         if max(split_costs) > top or max(pieces, default=top) >= top:
@@ -486,11 +488,40 @@ def _split_floor(
     return chain
 
 
-def _stage_costs(module: nn.Module, stages: list[nn.Module], sample: Any) -> list[int]:
+def _unbalanced(module: nn.Module, qualname: str, types: tuple[type, ...], sizes: dict[str, int]) -> bool:
+    """Worth tracing into for the floor: a kept-whole block holding a run of blocks (a ConvNeXt stage's
+    Sequential of blocks; two norms of one class in a transformer block are no run),
+    or one whose output is at least twice another of its class's (a block at a higher resolution).
+
+    Blocks of a class alike in size (a transformer's layers) are left whole: each is then as heavy
+    as the model's own per-block checkpointing keeps, and their plans stay as they were.
+    """
+    block = module.get_submodule(qualname)
+    if not isinstance(block, types):
+        return False
+    for run in block.modules():  # a Sequential or ModuleList of two or more blocks of one class
+        if isinstance(run, (nn.Sequential, nn.ModuleList)):
+            inner = [type(m) for m in run.children() if isinstance(m, types)]
+            if any(inner.count(t) >= 2 for t in set(inner)):
+                return True
+    alike = [n for q, n in sizes.items() if type(module.get_submodule(q)) is type(block)]
+    return qualname in sizes and sizes[qualname] >= 2 * min(alike)
+
+
+def _stage_costs(
+    module: nn.Module,
+    chain: GraphChain,
+    sample: Any,
+    known: dict[tuple[str, ...], int],
+    types: tuple[type, ...] = (),
+    sizes: dict[str, int] | None = None,
+) -> list[int]:
     """Per stage, about the bytes its backward holds on the sample: its input, what it saves, its output's
     gradient, and the input's gradient or the largest gradient inside (whichever is larger).
 
-    One forward with grad on copies, a stage at a time (buffers and the RNG stream put back).
+    One forward with grad on copies, a stage at a time (buffers and the RNG stream put back); a
+    stage calling the same submodules as one measured before (`known`) runs without grad.
+    `sizes`, when given, gets the output bytes of every call of a submodule of class `types`.
     """
     own = {_storage(t) for t in [*module.parameters(), *module.buffers()]}
     saved_buffers = {n: b.detach().clone() for n, b in module.named_buffers()}
@@ -517,10 +548,25 @@ def _stage_costs(module: nn.Module, stages: list[nn.Module], sample: Any) -> lis
         kept.append(t)
         return t
 
+    def record(name: str) -> Callable[..., None]:
+        def hook(_: nn.Module, __: Any, out: Any) -> None:
+            if sizes is not None:
+                sizes[name] = sum(t.untyped_storage().nbytes() for t in _tensors(out))
+
+        return hook
+
+    hooks = [m.register_forward_hook(record(q)) for q, m in module.named_modules() if types and isinstance(m, types)]
     value = map_aggregate(sample, fresh)
     try:
         with torch.random.fork_rng(devices=rng), torch.enable_grad():
-            for stage in stages:
+            for stage, called in zip(chain.stages, chain.stage_modules, strict=True):
+                key = tuple(called)
+                if key and key in known:
+                    with torch.no_grad():
+                        out = stage(value)
+                    costs.append(known[key])
+                    value = map_aggregate(out, fresh)
+                    continue
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     out = stage(value)
                 inputs, in_storages = nbytes(_tensors(value), own)
@@ -528,9 +574,13 @@ def _stage_costs(module: nn.Module, stages: list[nn.Module], sample: Any) -> lis
                 outputs, _ = nbytes(_tensors(out), own | in_storages)
                 inner = max((t.untyped_storage().nbytes() for t in kept if _storage(t) not in own), default=0)
                 costs.append(inputs + extra + outputs + max(inputs, inner))  # the last: δ_k or an inner gradient
+                if key:
+                    known[key] = costs[-1]
                 kept.clear()
                 value = map_aggregate(out, fresh)
     finally:
+        for h in hooks:
+            h.remove()
         with torch.no_grad():
             for n, b in module.named_buffers():
                 if n in saved_buffers:
