@@ -51,7 +51,9 @@ def test_default_minimum_is_below_the_models_own_checkpointing():
 
 def test_split_reaches_inside_the_heaviest_blocks_only():
     model, x, _ = convnext()
-    names = discover_chain(model, x).stages.names
+    found = discover_chain(model, x)
+    names = found.stages.names
+    assert any(n.startswith("traced into to lower the floor") and "stages.0" in n for n in found.notes)
     assert "stages.0.blocks.0.mlp.act" in names  # the full-resolution blocks set the floor: cut inside them
     assert "stages.3" in names  # the lightest level stays one stage
     whole = discover_chain(model, x, checkpoint_modules=[ConvNeXtBlock]).stages.names

@@ -170,6 +170,8 @@ def _graph(
     notes = [f"graph: {len(chain.stages)} stages, {chain.guards} shape guard(s)"]
     if chain.leaves:
         notes.append("kept whole (value-dependent branch inside): " + ", ".join(chain.leaves))
+    if chain.floor_split:
+        notes.append("traced into to lower the floor (they were the heaviest stages): " + ", ".join(chain.floor_split))
     notes += chain.cuts
     stages = Stages(tuple(chain.names), tuple(chain.stages), kind="graph", notes=tuple(notes))
     return Discovery(stages, graph=chain, notes=notes)

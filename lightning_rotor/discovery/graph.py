@@ -345,6 +345,7 @@ class GraphChain:
     tensor_args: list[str] = field(default_factory=list)  # forward parameters that are the chain input, in order
     constants: dict[str, Any] = field(default_factory=dict)  # non-tensor arguments fixed at discovery
     stage_modules: list[list[str]] = field(default_factory=list)  # per stage, the submodules it calls
+    floor_split: list[str] = field(default_factory=list)  # kept-whole blocks traced into to lower the floor
 
     def chain_input(self, bound: dict[str, Any]) -> Any:
         """a_0 from the forward's bound arguments; non-tensor arguments must equal the sample's."""
@@ -484,6 +485,7 @@ def _split_floor(
         if max(split_costs) > top or max(pieces, default=top) >= top:
             break
         through |= finer
+        split.floor_split = sorted({*chain.floor_split, *finer})
         chain, costs = split, split_costs
     return chain
 
