@@ -16,6 +16,7 @@ benchmarks and tests compare rotor's default discovery with it. `convnext_atto()
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -137,13 +138,14 @@ class ConvNeXt(nn.Module):
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         """Checkpoint every block with `torch.utils.checkpoint` (timm's per-block checkpointing)."""
-        for stage in self.stages:
-            stage.grad_checkpointing = enable
+        for stage in self.stages.modules():
+            if isinstance(stage, ConvNeXtStage):
+                stage.grad_checkpointing = enable
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.stages(self.stem(x)))
 
 
-def convnext_atto(num_classes: int = 1000, **kwargs: object) -> ConvNeXt:
+def convnext_atto(num_classes: int = 1000, **kwargs: Any) -> ConvNeXt:
     """timm's `convnext_atto` sizes (3.7 M parameters at 1000 classes)."""
-    return ConvNeXt(depths=(2, 2, 6, 2), dims=(40, 80, 160, 320), num_classes=num_classes, **kwargs)  # type: ignore[arg-type]
+    return ConvNeXt(depths=(2, 2, 6, 2), dims=(40, 80, 160, 320), num_classes=num_classes, **kwargs)
