@@ -393,7 +393,17 @@ def trace_chain(
     chain = _cut(module, graph, tracer, max_carry)
     if split_floor:
         chain = _split_floor(
-            module, bound, tensor_args, constants, leaf_types, leaves, through, chain, max_carry, max_retries
+            module,
+            bound,
+            tensor_args,
+            constants,
+            leaf_types,
+            leaves,
+            through,
+            chain,
+            _leaf_sizes(tracer),
+            max_carry,
+            max_retries,
         )
     chain.leaves = sorted(leaves)
     chain.tensor_args = tensor_args
@@ -444,6 +454,7 @@ def _split_floor(
     leaves: set[str],
     through: set[str],
     chain: GraphChain,
+    leaf_sizes: dict[str, int],
     max_carry: int,
     max_retries: int,
 ) -> GraphChain:
@@ -462,7 +473,9 @@ def _split_floor(
     values = [bound[n] for n in tensor_args]
     sample = values[0] if len(values) == 1 else tuple(values)
     types = tuple(leaf_types)
-    sizes: dict[str, int] = {}  # output bytes of every kept-whole block's call on the sample
+    sizes = dict(leaf_sizes)  # output bytes of submodule calls on the sample; the runs below add the inner ones
+    if not any(_unbalanced(module, q, types, sizes) for called in chain.stage_modules for q in called):
+        return chain  # blocks alike (a transformer's layers): nothing to split, nothing to measure
     known: dict[tuple[str, ...], int] = {}  # cost by the submodules a stage calls: the stages a split leaves alone
     costs = _stage_costs(module, chain, sample, known, types, sizes)
     for _ in range(max_retries):
@@ -488,6 +501,15 @@ def _split_floor(
         split.floor_split = sorted({*chain.floor_split, *finer})
         chain, costs = split, split_costs
     return chain
+
+
+def _leaf_sizes(tracer: ShapeTracer) -> dict[str, int]:
+    """Output bytes of each submodule call in the traced graph, by qualified name."""
+    return {
+        str(n.target): sum(t.untyped_storage().nbytes() for t in _tensors(v))
+        for n, v in tracer.values.items()
+        if n.op == "call_module"
+    }
 
 
 def _unbalanced(module: nn.Module, qualname: str, types: tuple[type, ...], sizes: dict[str, int]) -> bool:
