@@ -158,13 +158,20 @@ def _graph(
     module.train()  # stages are for training: trace the training path (dropout on, BatchNorm batch statistics)
     try:
         chain = trace_chain(
-            module, bound, leaf_types=leaf_types, max_carry=max_carry, trace_into_writers=checkpoint_modules is None
+            module,
+            bound,
+            leaf_types=leaf_types,
+            max_carry=max_carry,
+            trace_into_writers=checkpoint_modules is None,
+            split_floor=checkpoint_modules is None,
         )
     finally:
         module.train(was_training)
     notes = [f"graph: {len(chain.stages)} stages, {chain.guards} shape guard(s)"]
     if chain.leaves:
         notes.append("kept whole (value-dependent branch inside): " + ", ".join(chain.leaves))
+    if chain.floor_split:
+        notes.append("traced into to lower the floor (they were the heaviest stages): " + ", ".join(chain.floor_split))
     notes += chain.cuts
     stages = Stages(tuple(chain.names), tuple(chain.stages), kind="graph", notes=tuple(notes))
     return Discovery(stages, graph=chain, notes=notes)

@@ -344,6 +344,8 @@ class GraphChain:
     leaves: list[str] = field(default_factory=list)
     tensor_args: list[str] = field(default_factory=list)  # forward parameters that are the chain input, in order
     constants: dict[str, Any] = field(default_factory=dict)  # non-tensor arguments fixed at discovery
+    stage_modules: list[list[str]] = field(default_factory=list)  # per stage, the submodules it calls
+    floor_split: list[str] = field(default_factory=list)  # kept-whole blocks traced into to lower the floor
 
     def chain_input(self, bound: dict[str, Any]) -> Any:
         """a_0 from the forward's bound arguments; non-tensor arguments must equal the sample's."""
@@ -366,6 +368,7 @@ def trace_chain(
     max_carry: int = DEFAULT_MAX_CARRY,
     max_retries: int = 32,
     trace_into_writers: bool = False,
+    split_floor: bool = False,
 ) -> GraphChain:
     """Trace `module` on the bound sample arguments (name -> value) and cut it into stages.
 
@@ -376,11 +379,50 @@ def trace_chain(
     kept whole, joins the stage before. With `trace_into_writers` (the blocks were chosen by
     `block_types`, not by the user), such blocks are traced into instead, so the cut can go right
     after the in-place op, inside the block.
+
+    With `split_floor` (blocks chosen by `block_types`), the blocks kept whole in the heaviest
+    stages are traced into while that lowers the floor (NOTE: [floor split]).
     """
     tensor_args = [n for n, v in bound.items() if isinstance(v, torch.Tensor)]
     constants = {n: v for n, v in bound.items() if not isinstance(v, torch.Tensor)}
     leaves: set[str] = set()
     through: set[str] = set()
+    graph, tracer = _trace(
+        module, bound, tensor_args, constants, leaf_types, leaves, through, max_retries, trace_into_writers
+    )
+    chain = _cut(module, graph, tracer, max_carry)
+    if split_floor:
+        chain = _split_floor(
+            module,
+            bound,
+            tensor_args,
+            constants,
+            leaf_types,
+            leaves,
+            through,
+            chain,
+            _leaf_sizes(tracer),
+            max_carry,
+            max_retries,
+        )
+    chain.leaves = sorted(leaves)
+    chain.tensor_args = tensor_args
+    chain.constants = constants
+    return chain
+
+
+def _trace(
+    module: nn.Module,
+    bound: dict[str, Any],
+    tensor_args: list[str],
+    constants: dict[str, Any],
+    leaf_types: Sequence[type],
+    leaves: set[str],
+    through: set[str],
+    max_retries: int,
+    trace_into_writers: bool,
+) -> tuple[fx.Graph, ShapeTracer]:
+    """One trace; `leaves` (value branches found) and `through` (writers traced into) grow in place."""
     rng = [torch.device("cuda", i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
     saved = {n: b.detach().clone() for n, b in module.named_buffers()}
     for _ in range(max_retries):
@@ -391,7 +433,7 @@ def trace_chain(
             writers = {str(n.target) for n in tracer.writes if n.op == "call_module"} - leaves - through
             writers = {q for q in writers if isinstance(module.get_submodule(q), tuple(leaf_types))}
             if not (trace_into_writers and writers):
-                break
+                return graph, tracer
             through |= writers  # NOTE: [in-place block start] below
         except _SubmoduleBranch as branch:
             leaves.add(branch.qualname)
@@ -400,16 +442,180 @@ def trace_chain(
                 for n, b in module.named_buffers():
                     if n in saved:
                         b.copy_(saved[n])
-    else:
-        raise DiscoveryError(f"tracing {type(module).__name__} kept finding value-dependent branches")
-    chain = _cut(module, graph, tracer, max_carry)
-    chain.leaves = sorted(leaves)
-    chain.tensor_args = tensor_args
-    chain.constants = constants
+    raise DiscoveryError(f"tracing {type(module).__name__} kept finding value-dependent branches")
+
+
+def _split_floor(
+    module: nn.Module,
+    bound: dict[str, Any],
+    tensor_args: list[str],
+    constants: dict[str, Any],
+    leaf_types: Sequence[type],
+    leaves: set[str],
+    through: set[str],
+    chain: GraphChain,
+    leaf_sizes: dict[str, int],
+    max_carry: int,
+    max_retries: int,
+) -> GraphChain:
+    """`chain` with the blocks kept whole in its heaviest stages traced into, while that lowers the floor.
+
+    NOTE: [floor split] The heaviest stage sets the floor of every schedule: even recomputing
+    everything, its backward holds its input, all it saves and the gradients at both ends. A
+    ConvNeXt stage (`stages.0`, a class used four times, so kept whole) holds its blocks, so the
+    floor is a whole resolution level. While every heaviest stage (estimated on the sample:
+    `_stage_costs`) calls a kept-whole block, those blocks are traced into (their own blocks then
+    kept whole, one level down) and the chain is cut again; the finer chain is kept when every
+    piece of the split stages is strictly lighter than they were and no stage got heavier. A
+    heaviest stage without such a block (a ResNet stem convolution, a GPT head's logits) ends the
+    search: no cut inside the blocks can lower the floor there.
+    """
+    values = [bound[n] for n in tensor_args]
+    sample = values[0] if len(values) == 1 else tuple(values)
+    types = tuple(leaf_types)
+    sizes = dict(leaf_sizes)  # output bytes of submodule calls on the sample; the runs below add the inner ones
+    if not any(_unbalanced(module, q, types, sizes) for called in chain.stage_modules for q in called):
+        return chain  # blocks alike (a transformer's layers): nothing to split, nothing to measure
+    known: dict[tuple[str, ...], int] = {}  # cost by the submodules a stage calls: the stages a split leaves alone
+    costs = _stage_costs(module, chain, sample, known, types, sizes)
+    for _ in range(max_retries):
+        top = max(costs)
+        heavy = [k for k, c in enumerate(costs) if c == top]
+        blocks = [
+            [q for q in chain.stage_modules[k] if q not in leaves and _unbalanced(module, q, types, sizes)]
+            for k in heavy
+        ]
+        if not all(blocks):
+            break
+        finer = {q for b in blocks for q in b}
+        graph, tracer = _trace(
+            module, bound, tensor_args, constants, leaf_types, leaves, through | finer, max_retries, True
+        )
+        split = _cut(module, graph, tracer, max_carry, through | finer)
+        split_costs = _stage_costs(module, split, sample, known)
+        kept = {chain.names[k] for k in range(len(costs)) if k not in heavy}  # stages the split left as they were
+        pieces = [c for n, c in zip(split.names, split_costs, strict=True) if n not in kept]
+        if max(split_costs) > top or max(pieces, default=top) >= top:
+            break
+        through |= finer
+        split.floor_split = sorted({*chain.floor_split, *finer})
+        chain, costs = split, split_costs
     return chain
 
 
-def _cut(root: nn.Module, graph: fx.Graph, tracer: ShapeTracer, max_carry: int) -> GraphChain:
+def _leaf_sizes(tracer: ShapeTracer) -> dict[str, int]:
+    """Output bytes of each submodule call in the traced graph, by qualified name."""
+    return {
+        str(n.target): sum(t.untyped_storage().nbytes() for t in _tensors(v))
+        for n, v in tracer.values.items()
+        if n.op == "call_module"
+    }
+
+
+def _unbalanced(module: nn.Module, qualname: str, types: tuple[type, ...], sizes: dict[str, int]) -> bool:
+    """Worth tracing into for the floor: a kept-whole block holding a run of blocks (a ConvNeXt stage's
+    Sequential of blocks; two norms of one class in a transformer block are no run),
+    or one whose output is at least twice another of its class's (a block at a higher resolution).
+
+    Blocks of a class alike in size (a transformer's layers) are left whole: each is then as heavy
+    as the model's own per-block checkpointing keeps, and their plans stay as they were.
+    """
+    block = module.get_submodule(qualname)
+    if not isinstance(block, types):
+        return False
+    for run in block.modules():  # a Sequential or ModuleList of two or more blocks of one class
+        if isinstance(run, (nn.Sequential, nn.ModuleList)):
+            inner = [type(m) for m in run.children() if isinstance(m, types)]
+            if any(inner.count(t) >= 2 for t in set(inner)):
+                return True
+    alike = [n for q, n in sizes.items() if type(module.get_submodule(q)) is type(block)]
+    return qualname in sizes and sizes[qualname] >= 2 * min(alike)
+
+
+def _stage_costs(
+    module: nn.Module,
+    chain: GraphChain,
+    sample: Any,
+    known: dict[tuple[str, ...], int],
+    types: tuple[type, ...] = (),
+    sizes: dict[str, int] | None = None,
+) -> list[int]:
+    """Per stage, about the bytes its backward holds on the sample: its input, what it saves, its output's
+    gradient, and the input's gradient or the largest gradient inside (whichever is larger).
+
+    One forward with grad on copies, a stage at a time (buffers and the RNG stream put back); a
+    stage calling the same submodules as one measured before (`known`) runs without grad.
+    `sizes`, when given, gets the output bytes of every call of a submodule of class `types`.
+    """
+    own = {_storage(t) for t in [*module.parameters(), *module.buffers()]}
+    saved_buffers = {n: b.detach().clone() for n, b in module.named_buffers()}
+    rng = [torch.device("cuda", i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    costs: list[int] = []
+
+    def fresh(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        t = t.detach().clone()
+        return t.requires_grad_() if t.is_floating_point() else t
+
+    def nbytes(tensors: list[torch.Tensor], skip: set[int | None]) -> tuple[int, set[int | None]]:
+        seen: dict[int | None, int] = {}
+        for t in tensors:
+            s = _storage(t)
+            if s not in skip and s is not None:
+                seen[s] = t.untyped_storage().nbytes()
+        return sum(seen.values()), set(seen)
+
+    kept: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        kept.append(t)
+        return t
+
+    def record(name: str) -> Callable[..., None]:
+        def hook(_: nn.Module, __: Any, out: Any) -> None:
+            if sizes is not None:
+                sizes[name] = sum(t.untyped_storage().nbytes() for t in _tensors(out))
+
+        return hook
+
+    hooks = [m.register_forward_hook(record(q)) for q, m in module.named_modules() if types and isinstance(m, types)]
+    value = map_aggregate(sample, fresh)
+    try:
+        with torch.random.fork_rng(devices=rng), torch.enable_grad():
+            for stage, called in zip(chain.stages, chain.stage_modules, strict=True):
+                key = tuple(called)
+                if key and key in known:
+                    with torch.no_grad():
+                        out = stage(value)
+                    costs.append(known[key])
+                    value = map_aggregate(out, fresh)
+                    continue
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    out = stage(value)
+                inputs, in_storages = nbytes(_tensors(value), own)
+                extra, _ = nbytes(kept, own | in_storages)
+                outputs, _ = nbytes(_tensors(out), own | in_storages)
+                inner = max((t.untyped_storage().nbytes() for t in kept if _storage(t) not in own), default=0)
+                costs.append(inputs + extra + outputs + max(inputs, inner))  # the last: δ_k or an inner gradient
+                if key:
+                    known[key] = costs[-1]
+                kept.clear()
+                value = map_aggregate(out, fresh)
+    finally:
+        for h in hooks:
+            h.remove()
+        with torch.no_grad():
+            for n, b in module.named_buffers():
+                if n in saved_buffers:
+                    b.copy_(saved_buffers[n])
+    return costs
+
+
+def _cut(
+    root: nn.Module, graph: fx.Graph, tracer: ShapeTracer, max_carry: int, ends: set[str] = frozenset()
+) -> GraphChain:
+    """Cut after weighty ops where few tensors cross; also at the end of each block in `ends` (traced into)."""
     nodes = list(graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder" and n in tracer.values]
     dead = [n for n in nodes if n.op == "placeholder" and n not in tracer.values]  # concrete args
@@ -454,7 +660,7 @@ def _cut(root: nn.Module, graph: fx.Graph, tracer: ShapeTracer, max_carry: int) 
     weight = False
     for i, n in enumerate(body[:-1]):
         weight = weight or _is_weighty(n)
-        if not weight or blocked[i]:
+        if not (weight or _ends_block(n, body[i + 1], ends)) or blocked[i]:
             continue
         live = live_after(i)
         if sum(_is_data(tracer.values.get(v)) for v in live) > max_carry:
@@ -464,7 +670,7 @@ def _cut(root: nn.Module, graph: fx.Graph, tracer: ShapeTracer, max_carry: int) 
     if cuts and not any(_is_weighty(n) for n in body[cuts[-1] + 1 :]):
         cuts.pop()  # a trailing stage without a submodule call or product joins the one before
     bounds = [-1, *cuts, len(body) - 1]
-    stages, names, crossing = [], [], []
+    stages, names, crossing, called = [], [], [], []
     for k in range(len(bounds) - 1):
         lo, hi = bounds[k] + 1, bounds[k + 1]
         inputs = placeholders if k == 0 else live_after(bounds[k])
@@ -473,12 +679,21 @@ def _cut(root: nn.Module, graph: fx.Graph, tracer: ShapeTracer, max_carry: int) 
         stages.append(_stage_module(root, body[lo : hi + 1], inputs, outputs, output, dead, k))
         mods = [str(n.target) for n in body[lo : hi + 1] if n.op == "call_module"]
         names.append(_stage_name(mods, body[lo : hi + 1], k))
+        called.append(mods)
         if not last:
             crossing.append(
                 f"after {names[-1]}: " + ", ".join(f"{v.name}{_shape_str(tracer.values.get(v))}" for v in outputs)
             )
     guards = sum(1 for n in body if n.op == "call_function" and n.target in _GUARDS)
-    return GraphChain(stages, _unique(names), crossing, guards)
+    return GraphChain(stages, _unique(names), crossing, guards, stage_modules=called)
+
+
+def _ends_block(node: fx.Node, after: fx.Node, ends: set[str]) -> bool:
+    """`node` is the last op of one of the blocks `ends` (a block boundary: a cut there splits no block)."""
+    if not ends:
+        return False
+    inside = set(node.meta.get("nn_module_stack", {})) & ends
+    return bool(inside - set(after.meta.get("nn_module_stack", {})))
 
 
 def _shape_str(value: Any) -> str:
