@@ -1,0 +1,123 @@
+"""Changing input shapes (dynamic padding): each budget kind's meaning per shape, through Checkpointable
+and a real Trainer; gradients bitwise equal to plain training, each step's measured peak within its shape's budget."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from fitting import KeepRotorModules, quiet_trainer
+from torch.utils.data import DataLoader, Dataset
+from training import assert_same_state
+
+from lightning_rotor.budget import resolve_budget
+from lightning_rotor.checkpointable import Checkpointable
+from lightning_rotor.lightning import RotorStrategy
+from lightning_rotor.models.gpt import gpt, lm_loss
+from lightning_rotor.planner import min_feasible_budget
+from lightning_rotor.shapes import InfeasibleShape
+from lightning_rotor.simulate import no_recompute_peak
+
+LENGTHS = (4, 12, 24)  # shortest first: the order dynamic padding meets them in a sorted epoch
+
+
+def small_gpt():
+    torch.manual_seed(0)
+    return gpt(vocab_size=64, block_size=32, n_layer=4, n_head=2, n_embd=32, dropout=0.1)
+
+
+def batch(length: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed + length)
+    return torch.randint(0, 64, (2, length), generator=g), torch.randint(0, 64, (2, length), generator=g)
+
+
+@pytest.mark.parametrize("mem_limit", ["60%", None])
+def test_fraction_and_automatic_budgets_follow_each_shape(mem_limit):
+    plain, rotor = small_gpt(), Checkpointable(small_gpt(), mem_limit, repeats=1)
+    for step, length in enumerate(LENGTHS):
+        x, y = batch(length)
+        plain.zero_grad()
+        torch.manual_seed(step)
+        lm_loss(plain(x), y).backward()
+        rotor.zero_grad()
+        torch.manual_seed(step)
+        with rotor.measure_step() as m:
+            lm_loss(rotor(x), y).backward()
+        assert_same_state(plain, rotor)
+        need = no_recompute_peak(rotor.chain)
+        expected = need if mem_limit is None else max(resolve_budget(mem_limit, need), min_feasible_budget(rotor.chain))
+        assert rotor.plan.mem_limit == expected == rotor.budget  # this shape's own bytes
+        assert m.peak <= rotor.plan.mem_limit
+    assert len(rotor.entries) == len(LENGTHS)
+
+
+def test_byte_budget_holds_and_a_shape_it_cannot_meet_is_named():
+    rotor = Checkpointable(small_gpt(), "60%", repeats=1)
+    x, y = batch(LENGTHS[0])
+    lm_loss(rotor(x), y).backward()
+    nbytes = rotor.budget
+    rotor = Checkpointable(small_gpt(), nbytes, repeats=1)
+    lm_loss(rotor(x), y).backward()
+    x, y = batch(LENGTHS[-1])
+    with pytest.raises(InfeasibleShape, match=r"for input shape \(2, 24\); use mem_limit >= \d+") as err:
+        rotor(x)
+    assert err.value.budget == nbytes and err.value.min_feasible > nbytes
+    assert len(str(err.value).splitlines()) == 1
+
+
+class Padded(Dataset):
+    """Token batches of growing length, as a length-sorted dynamic-padding loader yields them."""
+
+    def __len__(self):
+        return 2 * len(LENGTHS)  # twice: the second round runs known plans, which the callback measures
+
+    def __getitem__(self, i):
+        return batch(LENGTHS[i % len(LENGTHS)], seed=i)
+
+
+class LM(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = small_gpt()
+        self.grads: list[list[torch.Tensor]] = []
+
+    def training_step(self, b, batch_idx):
+        x, y = b
+        return lm_loss(self.net(x), y)
+
+    def on_before_optimizer_step(self, optimizer):
+        self.grads.append([p.grad.detach().clone() for p in self.parameters()])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+@pytest.mark.parametrize("strategy", ["rotor", RotorStrategy(mem_limit="60%")], ids=["auto", "fraction"])
+def test_trainer_with_dynamic_padding_trains_every_shape(tmp_path, strategy):
+    loader = DataLoader(Padded(), batch_size=None)
+    runs = {}
+    keep = KeepRotorModules()
+    for name, strat in (("plain", "auto"), ("rotor", copy.deepcopy(strategy))):
+        model = LM()
+        torch.manual_seed(7)
+        callbacks = [keep] if name == "rotor" else []
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            quiet_trainer(tmp_path / name, strat, max_steps=len(Padded()), callbacks=callbacks).fit(model, loader)
+        runs[name] = model
+    # the callback measured each plan once (MemoryProbe over the whole step) and found no peak above its budget
+    assert not [w for w in seen if "above the budget" in str(w.message)]
+    callback = next(c for c in model.trainer.callbacks if type(c).__name__ == "RotorCallback")
+    assert callback._measured_once  # steps of known plans were measured
+    assert len(runs["rotor"].grads) == len(Padded())
+    for a_step, b_step in zip(runs["rotor"].grads, runs["plain"].grads, strict=True):
+        for a, b in zip(a_step, b_step, strict=True):
+            assert torch.equal(a, b)
+    rotor = keep.modules["net"]
+    assert len(rotor.entries) == len(LENGTHS)
+    for entry in rotor.entries.values():  # each shape planned within its own bytes
+        assert entry.plan.peak <= entry.plan.mem_limit
+        assert entry.plan.mem_limit <= max(no_recompute_peak(entry.chain), min_feasible_budget(entry.chain))
