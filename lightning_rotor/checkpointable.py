@@ -48,7 +48,7 @@ from lightning_rotor.ops import is_no_recompute
 from lightning_rotor.pipeline import Entry
 from lightning_rotor.planner import InfeasibleBudget, Plan, min_feasible_budget
 from lightning_rotor.profile import Profile
-from lightning_rotor.shapes import feasible_for_shape
+from lightning_rotor.shapes import derived_times, feasible_for_shape, stage_flops
 from lightning_rotor.shared_budget import Budget, auto_total
 from lightning_rotor.simulate import no_recompute_peak
 from lightning_rotor.stages import Stages, sequential_stages
@@ -85,6 +85,9 @@ class Checkpointable(nn.Module):
     `.profile_seconds`; `.entries` holds one profile and plan per input signature.
     `state_dict()` keys are the wrapped module's.
 
+    `derive_shapes`: a later input shape is profiled for sizes only, its times derived from the
+    first shape's by FLOP counts (lightning_rotor/shapes.py); False times every shape.
+
     `compile`: True or a dict of torch.compile arguments compiles each stage; a module given as
     `torch.compile(m)` is discovered on `m` and its stages compiled with its options (docs/compile.md).
     """
@@ -106,6 +109,7 @@ class Checkpointable(nn.Module):
         warmup: int = 0,
         fallback_plain: bool = False,
         compile: bool | dict[str, Any] | None = None,
+        derive_shapes: bool = True,
     ):
         compiled = None
         if isinstance(module, nn.Module):  # torch.compile(m): stages of m, compiled alike (compile.py)
@@ -132,7 +136,11 @@ class Checkpointable(nn.Module):
         self.mem_limit = mem_limit
         self.slots = slots
         self.loss_tmp, self.loss_fn = _loss_settings(loss_tmp, loss_fn)
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+            raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
         self.repeats = repeats
+        self.derive_shapes = derive_shapes
+        self._timed: tuple[Chain, list[int]] | None = None  # a timed shape's chain and stage FLOPs (derive_shapes)
         self.warmup = warmup
         self.budget: int | None = None  # bytes of the signature that ran last (each shape has its own)
         self._first: tuple[int, int] | None = None  # the first shape's (bytes, no-recomputation peak)
@@ -314,10 +322,18 @@ class Checkpointable(nn.Module):
         if self.distributed:
             self._refuse_tied_under_ddp()
         outside = self._outside_now if self.discovery is not None and self.discovery.run is not None else None
+        flops = stage_flops(self.stages, value) if self.derive_shapes else None
+        derive = flops is not None and self._timed is not None
         measured = pipeline.profile(
             self.stages, value, names=self.stage_names, repeats=self.repeats, warmup=self.warmup,
             loss_fn=self.loss_fn, loss_tmp=self.loss_tmp, outside=outside, progress=self.on_profile_progress,
+            timed=not derive,
         )  # fmt: skip
+        if derive:  # sizes measured, times from the timed shape's by FLOPs (lightning_rotor/shapes.py)
+            measured.chain = derived_times(*self._timed, measured.chain, flops)  # type: ignore[misc]
+            measured.repeats, measured.round_seconds = 0, []
+        elif flops is not None and self._timed is None:
+            self._timed = (measured.chain, flops)
         if self._first is None:  # the first shape: the budget as given becomes bytes
             device = next(t.device for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
             self.budget = self._budget_of(measured.chain, device)

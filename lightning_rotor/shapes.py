@@ -13,16 +13,33 @@ budget (docs/checkpointable.md, "Changing shapes"):
 A fraction or the automatic budget never stops training at a later shape: where the rule gives
 less than that shape's smallest feasible budget, the shape is planned at its smallest and one
 warning says so.
+
+A later shape costs no full profile. Its sizes are measured exactly, as on the first shape (the
+memory runs of `profile_chain`, `timed=False`): the budget promise rests on them, and a size
+predicted from another shape could be wrong by the one tensor that breaks it. Only the timing
+rounds are skipped: each stage's times are the timed shape's, scaled by the ratio of the stage's
+forward FLOPs at the two shapes (`torch.utils.flop_counter.FlopCounterMode` on fake tensors: nothing
+computed), or, for a stage without matmuls or convolutions, by the ratio of its output sizes.
+A wrong time only makes a plan slower, never above its budget.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
+from collections.abc import Sequence
+from typing import Any
 
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from lightning_rotor._torch_compat import fake_tensor_mode, tree_flatten, tree_map
 from lightning_rotor.budget import format_bytes
+from lightning_rotor.chain import Chain
 from lightning_rotor.planner import InfeasibleBudget
 
-__all__ = ["InfeasibleShape", "feasible_for_shape"]
+__all__ = ["InfeasibleShape", "derived_times", "feasible_for_shape", "stage_flops"]
 
 
 class InfeasibleShape(InfeasibleBudget):
@@ -52,3 +69,39 @@ def feasible_for_shape(nbytes: int, smallest: int, shape: str, holds: bool) -> i
         stacklevel=4,
     )
     return smallest
+
+
+def stage_flops(stages: Sequence[nn.Module], sample: Any) -> list[int] | None:
+    """Per stage, the FLOPs of its forward on `sample`'s shapes, counted on fake tensors (nothing is
+    computed, the RNG and buffers are left as they were); None when some stage cannot run on fake tensors."""
+    tensors = [t for t in tree_flatten(sample)[0] if isinstance(t, torch.Tensor)]
+    devices = [t.device for t in tensors if t.device.type == "cuda"]
+    buffers = [b for stage in stages for b in stage.buffers()]
+    versions = [b._version for b in buffers]
+    counts = []
+    try:
+        with torch.random.fork_rng(devices=devices), torch.no_grad(), fake_tensor_mode() as mode:
+            value = tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, sample)
+            for stage in stages:
+                with FlopCounterMode(display=False) as counter:
+                    value = stage(value)
+                counts.append(int(counter.get_total_flops()))
+    except Exception:  # an op without a fake kernel, data-dependent shapes: the shape is timed instead
+        return None
+    if [b._version for b in buffers] != versions:  # a stage wrote a buffer (BatchNorm statistics): time instead
+        return None
+    return counts
+
+
+def derived_times(timed: Chain, timed_flops: Sequence[int], sized: Chain, flops: Sequence[int]) -> Chain:
+    """`sized` (a shape's chain, sizes measured, times 0) with each stage's times derived from `timed`
+    (another shape of the same stages, timed): scaled by forward FLOPs, or output sizes where a stage has none."""
+    scale = [
+        f / t if t > 0 and f > 0 else (out / ref if ref > 0 else 1.0)
+        for f, t, out, ref in zip(flops, timed_flops, sized.out_size, timed.out_size, strict=True)
+    ]
+    return dataclasses.replace(
+        sized,
+        fwd_time=[t * r for t, r in zip(timed.fwd_time, scale, strict=True)],
+        bwd_time=[t * r for t, r in zip(timed.bwd_time, scale, strict=True)],
+    )

@@ -18,7 +18,8 @@ from lightning_rotor.checkpointable import Checkpointable
 from lightning_rotor.lightning import RotorStrategy
 from lightning_rotor.models.gpt import gpt, lm_loss
 from lightning_rotor.planner import min_feasible_budget
-from lightning_rotor.shapes import InfeasibleShape
+from lightning_rotor.profile import profile_chain
+from lightning_rotor.shapes import InfeasibleShape, stage_flops
 from lightning_rotor.simulate import no_recompute_peak
 
 LENGTHS = (4, 12, 24)  # shortest first: the order dynamic padding meets them in a sorted epoch
@@ -121,3 +122,29 @@ def test_trainer_with_dynamic_padding_trains_every_shape(tmp_path, strategy):
     for entry in rotor.entries.values():  # each shape planned within its own bytes
         assert entry.plan.peak <= entry.plan.mem_limit
         assert entry.plan.mem_limit <= max(no_recompute_peak(entry.chain), min_feasible_budget(entry.chain))
+
+
+def test_a_later_shape_measures_its_sizes_and_derives_its_times_from_flops():
+    rotor = Checkpointable(small_gpt(), "60%", repeats=1)
+    for length in LENGTHS[:2]:
+        x, y = batch(length)
+        lm_loss(rotor(x), y).backward()
+    timed, derived = (e.profile for e in rotor.entries.values())
+    assert timed.repeats == 1 and derived.repeats == 0  # no timing rounds for the later shape
+    sample = batch(LENGTHS[1])[0]
+    full = profile_chain(rotor.stages, sample, names=rotor.stage_names, repeats=1).chain
+    times = ("fwd_time", "bwd_time")
+    assert {k: v for k, v in derived.chain.to_dict().items() if k not in times} == {
+        k: v for k, v in full.to_dict().items() if k not in times
+    }  # sizes exactly as a full profile measures them
+    before, after = stage_flops(rotor.stages, batch(LENGTHS[0])[0]), stage_flops(rotor.stages, sample)
+    block = 1  # a transformer block: its times scale with its FLOPs
+    assert after[block] > before[block] > 0
+    ratio = after[block] / before[block]
+    assert derived.chain.fwd_time[block] == pytest.approx(timed.chain.fwd_time[block] * ratio)
+    assert derived.chain.bwd_time[block] == pytest.approx(timed.chain.bwd_time[block] * ratio)
+    plain = Checkpointable(small_gpt(), "60%", repeats=1, derive_shapes=False)
+    for length in LENGTHS[:2]:
+        x, y = batch(length)
+        lm_loss(plain(x), y).backward()
+    assert [e.profile.repeats for e in plain.entries.values()] == [1, 1]
