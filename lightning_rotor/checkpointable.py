@@ -48,7 +48,7 @@ from lightning_rotor.ops import is_no_recompute
 from lightning_rotor.pipeline import Entry
 from lightning_rotor.planner import InfeasibleBudget, Plan, min_feasible_budget
 from lightning_rotor.profile import Profile
-from lightning_rotor.shapes import derived_times, feasible_for_shape, stage_flops
+from lightning_rotor.shapes import bucketed, check_buckets, derived_times, feasible_for_shape, stage_flops
 from lightning_rotor.shared_budget import Budget, auto_total
 from lightning_rotor.simulate import no_recompute_peak
 from lightning_rotor.stages import Stages, sequential_stages
@@ -87,6 +87,8 @@ class Checkpointable(nn.Module):
 
     `derive_shapes`: a later input shape is profiled for sizes only, its times derived from the
     first shape's by FLOP counts (lightning_rotor/shapes.py); False times every shape.
+    `shape_buckets`: fewer plans, e.g. `{1: [64, 128, 256]}`: an input of length `n` along dimension 1
+    runs the plan of the smallest bucket `>= n` (the input itself is not padded; lightning_rotor/shapes.py).
 
     `compile`: True or a dict of torch.compile arguments compiles each stage; a module given as
     `torch.compile(m)` is discovered on `m` and its stages compiled with its options (docs/compile.md).
@@ -110,6 +112,7 @@ class Checkpointable(nn.Module):
         fallback_plain: bool = False,
         compile: bool | dict[str, Any] | None = None,
         derive_shapes: bool = True,
+        shape_buckets: dict[int, list[int]] | None = None,
     ):
         compiled = None
         if isinstance(module, nn.Module):  # torch.compile(m): stages of m, compiled alike (compile.py)
@@ -118,6 +121,7 @@ class Checkpointable(nn.Module):
         discover, types = _check_settings(module, stages, discover, checkpoint_modules)
         own_budget = Budget(mem_limit)  # bad budgets fail here, with the accepted forms
         check_slots(slots)
+        self.shape_buckets = check_buckets(shape_buckets)
         super().__init__()
         _adopt(self, module)
         object.__setattr__(self, "module", module)  # not registered: state_dict keys stay the module's
@@ -274,8 +278,9 @@ class Checkpointable(nn.Module):
             t.requires_grad for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)
         ):
             return plain_call()  # every stage frozen: no backward through the chain, nothing to checkpoint
-        key = plan_key(value, trainable)
-        primary = self._entry_for(key, value)
+        sample = bucketed(value, self.shape_buckets) if self.shape_buckets else value  # the plan's shape
+        key = plan_key(sample, trainable)
+        primary = self._entry_for(key, sample)
         alone = not self.calls.alive()
         if alone:  # the step's bytes: its first call's shape's (docs/checkpointable.md, "Changing shapes")
             self.budget = primary.plan.mem_limit
@@ -307,7 +312,8 @@ class Checkpointable(nn.Module):
         """
         if self.stages is None:
             raise RuntimeError("the chain is not discovered yet: run one training forward (or discover_on) first")
-        return self._entry_for(plan_key(value, [p.requires_grad for p in self._stage_parameters()]), value)
+        sample = bucketed(value, self.shape_buckets) if self.shape_buckets else value
+        return self._entry_for(plan_key(sample, [p.requires_grad for p in self._stage_parameters()]), sample)
 
     def _entry_for(self, key: str, value: Any) -> Entry:
         """The whole-budget entry of plan key `key`, profiled and planned if new."""

@@ -21,6 +21,13 @@ rounds are skipped: each stage's times are the timed shape's, scaled by the rati
 forward FLOPs at the two shapes (`torch.utils.flop_counter.FlopCounterMode` on fake tensors: nothing
 computed), or, for a stage without matmuls or convolutions, by the ratio of its output sizes.
 A wrong time only makes a plan slower, never above its budget.
+
+Fewer plans (`Checkpointable(shape_buckets={1: [64, 128, 256]})`): a chain input whose size along
+a bucketed dimension is `n` runs the plan of the smallest bucket `>= n`, profiled on a zero-padded
+copy of it (sizes above the largest bucket get their own plan). The input itself is not padded:
+gradients are those of plain training. The plan's peak bounds the smaller input's when every
+tensor of the step grows with that dimension (true of sequence models: embeddings, attention,
+MLPs); the memory probe's samples (`RotorCallback`, `measure_step`) check it.
 """
 
 from __future__ import annotations
@@ -34,12 +41,22 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_rotor._torch_compat import fake_tensor_mode, tree_flatten, tree_map
+from lightning_rotor._torch_compat import fake_tensor_mode, tree_flatten, tree_map, tree_unflatten
 from lightning_rotor.budget import format_bytes
 from lightning_rotor.chain import Chain
 from lightning_rotor.planner import InfeasibleBudget
 
-__all__ = ["InfeasibleShape", "derived_times", "feasible_for_shape", "stage_flops"]
+__all__ = [
+    "Buckets",
+    "InfeasibleShape",
+    "bucketed",
+    "check_buckets",
+    "derived_times",
+    "feasible_for_shape",
+    "stage_flops",
+]
+
+Buckets = dict[int, tuple[int, ...]]  # a dimension of the chain input's tensors -> its sizes planned for
 
 
 class InfeasibleShape(InfeasibleBudget):
@@ -105,3 +122,43 @@ def derived_times(timed: Chain, timed_flops: Sequence[int], sized: Chain, flops:
         fwd_time=[t * r for t, r in zip(timed.fwd_time, scale, strict=True)],
         bwd_time=[t * r for t, r in zip(timed.bwd_time, scale, strict=True)],
     )
+
+
+def check_buckets(buckets: Any) -> Buckets | None:
+    """`shape_buckets` as {dimension: sorted sizes}, or one clear error."""
+    if buckets is None:
+        return None
+    accepted = "shape_buckets takes {dimension: [sizes]}, e.g. {1: [64, 128, 256]} for sequence lengths"
+    if not isinstance(buckets, dict) or not buckets:
+        raise ValueError(f"{accepted}; got {buckets!r}")
+    checked: Buckets = {}
+    for dim, sizes in buckets.items():
+        ok = isinstance(dim, int) and not isinstance(dim, bool) and isinstance(sizes, (list, tuple)) and sizes
+        if not ok or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes):
+            raise ValueError(f"{accepted}; got {dim!r}: {sizes!r}")
+        checked[dim] = tuple(sorted(set(sizes)))
+    return checked
+
+
+def bucketed(value: Any, buckets: Buckets) -> Any:
+    """The chain input with each tensor zero-padded along each bucketed dimension to its bucket
+    (the smallest size `>= n`; none above the largest); `value` itself when nothing grows."""
+
+    def pad(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        shape = list(t.shape)
+        for dim, sizes in buckets.items():
+            if -t.dim() <= dim < t.dim():
+                shape[dim] = next((n for n in sizes if n >= shape[dim]), shape[dim])
+        if shape == list(t.shape):
+            return t
+        padded = t.new_zeros(shape)
+        padded[tuple(slice(0, n) for n in t.shape)] = t.detach()
+        return padded.requires_grad_(t.requires_grad)
+
+    flat, spec = tree_flatten(value)
+    padded = [pad(t) for t in flat]
+    if all(p is t for p, t in zip(padded, flat, strict=True)):
+        return value
+    return tree_unflatten(padded, spec)

@@ -148,3 +148,22 @@ def test_a_later_shape_measures_its_sizes_and_derives_its_times_from_flops():
         x, y = batch(length)
         lm_loss(plain(x), y).backward()
     assert [e.profile.repeats for e in plain.entries.values()] == [1, 1]
+
+
+def test_shape_buckets_run_fewer_plans_within_each_plans_budget():
+    plain = small_gpt()
+    rotor = Checkpointable(small_gpt(), "60%", repeats=1, shape_buckets={1: [16, 32]})
+    for step, length in enumerate((4, 12, 24, 16, 9)):
+        x, y = batch(length)
+        plain.zero_grad()
+        torch.manual_seed(step)
+        lm_loss(plain(x), y).backward()
+        rotor.zero_grad()
+        torch.manual_seed(step)
+        with rotor.measure_step() as m:
+            lm_loss(rotor(x), y).backward()
+        assert_same_state(plain, rotor)  # the input itself is not padded
+        assert m.peak <= rotor.plan.mem_limit
+    assert sorted(e.chain.input_size for e in rotor.entries.values()) == [2 * 16 * 8, 2 * 32 * 8]  # two plans
+    with pytest.raises(ValueError, match=r"shape_buckets takes \{dimension: \[sizes\]\}"):
+        Checkpointable(small_gpt(), shape_buckets={1: [0]})
