@@ -90,13 +90,17 @@ def feasible_for_shape(nbytes: int, smallest: int, shape: str, holds: bool) -> i
 
 def stage_flops(stages: Sequence[nn.Module], sample: Any) -> list[int] | None:
     """Per stage, the FLOPs of its forward on `sample`'s shapes, counted on fake tensors (nothing is
-    computed, the RNG and buffers are left as they were); None when some stage cannot run on fake tensors."""
+    computed) in eval mode (no statistics updated; matmuls and convolutions count the same), the RNG
+    left as it was; None when some stage cannot run on fake tensors."""
     tensors = [t for t in tree_flatten(sample)[0] if isinstance(t, torch.Tensor)]
     devices = [t.device for t in tensors if t.device.type == "cuda"]
+    modes = [(m, m.training) for stage in stages for m in stage.modules()]
     buffers = [b for stage in stages for b in stage.buffers()]
     versions = [b._version for b in buffers]
     counts = []
     try:
+        for m, _ in modes:
+            m.training = False
         with torch.random.fork_rng(devices=devices), torch.no_grad(), fake_tensor_mode() as mode:
             value = tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, sample)
             for stage in stages:
@@ -105,8 +109,11 @@ def stage_flops(stages: Sequence[nn.Module], sample: Any) -> list[int] | None:
                 counts.append(int(counter.get_total_flops()))
     except Exception:  # an op without a fake kernel, data-dependent shapes: the shape is timed instead
         return None
-    if [b._version for b in buffers] != versions:  # a stage wrote a buffer (BatchNorm statistics): time instead
-        return None
+    finally:
+        for m, training in modes:
+            m.training = training
+    if [b._version for b in buffers] != versions:  # a stage wrote a buffer: cannot count without effects
+        raise RuntimeError("rotor: counting a stage's FLOPs wrote one of its buffers; use derive_shapes=False")
     return counts
 
 
