@@ -15,7 +15,7 @@ from training import assert_same_state
 
 from lightning_rotor.budget import resolve_budget
 from lightning_rotor.checkpointable import Checkpointable
-from lightning_rotor.lightning import RotorStrategy
+from lightning_rotor.lightning import RotorCallback, RotorStrategy
 from lightning_rotor.models.gpt import gpt, lm_loss
 from lightning_rotor.planner import min_feasible_budget
 from lightning_rotor.profile import profile_chain
@@ -167,3 +167,35 @@ def test_shape_buckets_run_fewer_plans_within_each_plans_budget():
     assert sorted(e.chain.input_size for e in rotor.entries.values()) == [2 * 16 * 8, 2 * 32 * 8]  # two plans
     with pytest.raises(ValueError, match=r"shape_buckets takes \{dimension: \[sizes\]\}"):
         Checkpointable(small_gpt(), shape_buckets={1: [0]})
+
+
+class CountProbed(RotorCallback):
+    """RotorCallback that counts the steps it ran under the memory probe."""
+
+    probed = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        self.probed += bool(self._measurements)
+
+
+class Lengths(Dataset):
+    """Six distinct lengths, twice over."""
+
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        return batch(3 + i % 6, seed=i)
+
+
+def test_the_probe_samples_each_schedule_not_each_shape(tmp_path):
+    counting = CountProbed()
+    quiet_trainer(tmp_path, "rotor", max_steps=len(Lengths()), callbacks=[counting]).fit(
+        LM(), DataLoader(Lengths(), batch_size=None)
+    )
+    # the automatic budget off CUDA: every shape runs the one schedule without recomputation. Step 2 is
+    # probed but profiles a new shape (no clean sample); the next try waits for a step of known shapes
+    # (step 8, after step 7 ran one): 2 probed steps of 12, not one after each new shape
+    assert counting.probed == 2
+    assert len(counting._measured_once) == 1
