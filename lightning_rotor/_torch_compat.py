@@ -34,7 +34,6 @@ __all__ = [
     "compiled_parts",
     "disable_dynamo",
     "dispatch_modes_active",
-    "fake_tensor_mode",
     "optimized_module_type",
     "allocation_bytes",
     "backward_is_full",
@@ -272,11 +271,3 @@ def allocation_bytes(prof: Any) -> Iterator[int]:
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     events.sort(key=lambda e: e.start_ns())
     return (e.nbytes() for e in events)
-
-
-def fake_tensor_mode() -> Any:
-    """torch's FakeTensorMode (torch._subclasses, private in 2.13.0): shapes and dtypes flow through
-    ops, nothing is computed or allocated; real parameters are taken as they are (shapes.stage_flops)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    return FakeTensorMode(allow_non_fake_inputs=True)
