@@ -199,3 +199,19 @@ def test_the_probe_samples_each_schedule_not_each_shape(tmp_path):
     # (step 8, after step 7 ran one): 2 probed steps of 12, not one after each new shape
     assert counting.probed == 2
     assert len(counting._measured_once) == 1
+
+
+def test_rotor_strategy_takes_shape_buckets(tmp_path):
+    keep, loader = KeepRotorModules(), DataLoader(Padded(), batch_size=None)
+    runs = {}
+    for name, strategy in (("plain", "auto"), ("rotor", RotorStrategy(mem_limit="60%", shape_buckets={1: [32]}))):
+        model = LM()
+        torch.manual_seed(7)
+        callbacks = [keep] if name == "rotor" else []
+        quiet_trainer(tmp_path / name, strategy, max_steps=len(Padded()), callbacks=callbacks).fit(model, loader)
+        runs[name] = model
+    assert len(keep.modules["net"].entries) == 1  # every length (4, 12, 24) runs the plan of 32
+    for a_step, b_step in zip(runs["rotor"].grads, runs["plain"].grads, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(a_step, b_step, strict=True))
+    with pytest.raises(ValueError, match="shape_buckets takes"):
+        RotorStrategy(shape_buckets=[32])
