@@ -86,7 +86,8 @@ class Checkpointable(nn.Module):
     `state_dict()` keys are the wrapped module's.
 
     `derive_shapes`: a later input shape is profiled for sizes only, its times derived from the
-    first shape's by FLOP counts (lightning_rotor/shapes.py); False times every shape.
+    first shape's by FLOP counts (lightning_rotor/shapes.py; compiled stages: every shape is timed);
+    False times every shape.
     `shape_buckets`: fewer plans, e.g. `{1: [64, 128, 256]}`: an input of length `n` along dimension 1
     runs the plan of the smallest bucket `>= n` (the input itself is not padded; lightning_rotor/shapes.py).
 
@@ -328,7 +329,8 @@ class Checkpointable(nn.Module):
         if self.distributed:
             self._refuse_tied_under_ddp()
         outside = self._outside_now if self.discovery is not None and self.discovery.run is not None else None
-        flops = stage_flops(self.stages, value) if self.derive_shapes else None
+        # compiled stages are timed at every shape: an eval-mode count would compile graphs of its own
+        flops = stage_flops(self.stages, value) if self.derive_shapes and self.compiler is None else None
         derive = flops is not None and self._timed is not None
         measured = pipeline.profile(
             self.stages, value, names=self.stage_names, repeats=self.repeats, warmup=self.warmup,

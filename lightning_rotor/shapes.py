@@ -82,7 +82,7 @@ def feasible_for_shape(nbytes: int, smallest: int, shape: str, holds: bool) -> i
         raise InfeasibleShape(nbytes, smallest, shape)
     warnings.warn(
         f"rotor: input shape {shape} needs at least {format_bytes(smallest)} ({smallest} bytes); its budget "
-        f"{format_bytes(nbytes)} ({nbytes} bytes) is raised to that (more than the fraction asks)",
+        f"{format_bytes(nbytes)} ({nbytes} bytes) is raised to that (above what the budget asks)",
         stacklevel=4,
     )
     return smallest

@@ -44,6 +44,7 @@ def test_fraction_and_automatic_budgets_follow_each_shape(mem_limit):
         torch.manual_seed(step)
         lm_loss(plain(x), y).backward()
         rotor.zero_grad()
+        rotor.prepare_for(x)  # profiled here: profiling is no part of the step measured
         torch.manual_seed(step)
         with rotor.measure_step() as m:
             lm_loss(rotor(x), y).backward()
@@ -159,6 +160,7 @@ def test_shape_buckets_run_fewer_plans_within_each_plans_budget():
         torch.manual_seed(step)
         lm_loss(plain(x), y).backward()
         rotor.zero_grad()
+        rotor.prepare_for(x)  # profiled here: profiling is no part of the step measured
         torch.manual_seed(step)
         with rotor.measure_step() as m:
             lm_loss(rotor(x), y).backward()
@@ -215,3 +217,19 @@ def test_rotor_strategy_takes_shape_buckets(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(a_step, b_step, strict=True))
     with pytest.raises(ValueError, match="shape_buckets takes"):
         RotorStrategy(shape_buckets=[32])
+
+
+def test_a_fraction_too_small_for_a_later_shape_plans_it_at_its_smallest_with_one_warning():
+    # the smallest feasible budget is 30% of the no-recomputation peak at length 32, 41% at length 4
+    rotor = Checkpointable(small_gpt(), "31%", repeats=1)
+    x, y = batch(32)
+    lm_loss(rotor(x), y).backward()
+    x, y = batch(4)
+    with pytest.warns(UserWarning, match=r"input shape \(2, 4\) needs at least .* is raised to that") as seen:
+        rotor.prepare_for(x)  # profiled and planned here: profiling is no part of the step measured below
+    assert len([w for w in seen if "raised to that" in str(w.message)]) == 1
+    rotor.zero_grad()
+    with rotor.measure_step() as m:
+        lm_loss(rotor(x), y).backward()
+    assert rotor.plan.mem_limit == min_feasible_budget(rotor.chain)
+    assert m.peak <= rotor.plan.mem_limit
