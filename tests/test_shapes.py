@@ -16,6 +16,9 @@ from training import assert_same_state
 from lightning_rotor.budget import resolve_budget
 from lightning_rotor.checkpointable import Checkpointable
 from lightning_rotor.lightning import RotorCallback, RotorStrategy
+from lightning_rotor.lightning.callback import LIGHTNING_BOOKKEEPING
+from lightning_rotor.lightning.state import rotor_modules
+from lightning_rotor.memory import MemoryProbe
 from lightning_rotor.models.gpt import gpt, lm_loss
 from lightning_rotor.planner import min_feasible_budget
 from lightning_rotor.profile import profile_chain
@@ -97,15 +100,36 @@ class LM(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
+class PeaksOfKnownShapes(pl.Callback):
+    """Measures every step of the second round (shapes planned already) by independent tensor accounting
+    of the whole training step, as RotorCallback counts it, against the budget of the plan the step ran."""
+
+    def __init__(self):
+        self.steps: list[tuple[int, int]] = []  # (measured peak, budget)
+        self.probe = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx >= len(LENGTHS):
+            self.probe = MemoryProbe([pl_module, trainer.strategy.model], bookkeeping=LIGHTNING_BOOKKEEPING)
+            self.probe.__enter__()
+
+    def on_after_backward(self, trainer, pl_module):
+        if self.probe is not None:
+            self.probe.__exit__(None, None, None)
+            rotor = rotor_modules(pl_module)["net"]
+            self.steps.append((self.probe.peak, rotor.last_entry.plan.mem_limit))
+            self.probe = None
+
+
 @pytest.mark.parametrize("strategy", ["rotor", RotorStrategy(mem_limit="60%")], ids=["auto", "fraction"])
 def test_trainer_with_dynamic_padding_trains_every_shape(tmp_path, strategy):
     loader = DataLoader(Padded(), batch_size=None)
     runs = {}
-    keep = KeepRotorModules()
+    keep, peaks = KeepRotorModules(), PeaksOfKnownShapes()
     for name, strat in (("plain", "auto"), ("rotor", copy.deepcopy(strategy))):
         model = LM()
         torch.manual_seed(7)
-        callbacks = [keep] if name == "rotor" else []
+        callbacks = [keep, peaks] if name == "rotor" else []
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             quiet_trainer(tmp_path / name, strat, max_steps=len(Padded()), callbacks=callbacks).fit(model, loader)
@@ -118,6 +142,9 @@ def test_trainer_with_dynamic_padding_trains_every_shape(tmp_path, strategy):
     for a_step, b_step in zip(runs["rotor"].grads, runs["plain"].grads, strict=True):
         for a, b in zip(a_step, b_step, strict=True):
             assert torch.equal(a, b)
+    assert len(peaks.steps) == len(LENGTHS)
+    assert all(0 < peak <= budget for peak, budget in peaks.steps), peaks.steps  # each shape within its own bytes
+    assert len({budget for _, budget in peaks.steps}) == len(LENGTHS)
     rotor = keep.modules["net"]
     assert len(rotor.entries) == len(LENGTHS)
     for entry in rotor.entries.values():  # each shape planned within its own bytes
