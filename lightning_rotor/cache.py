@@ -15,7 +15,7 @@ another model whose stage names happen to match.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -104,10 +104,11 @@ class PlanCache:
         return Entry(measured, chosen, pipeline.runner(self.stages, measured.chain, chosen, self.names))
 
     # -- the whole budget changed ----------------------------------------------------------------
-    def replanned(self, budget: int) -> dict[str, Entry]:
-        """Every key planned again for `budget` bytes (profiles kept), not stored yet: raises
-        `InfeasibleBudget` before anything changes when some chain cannot meet it."""
-        chosen = {key: pipeline.plan_chain(e.chain, budget, self.slots) for key, e in self.entries.items()}
+    def replanned(self, budget: int | Callable[[str, Chain], int]) -> dict[str, Entry]:
+        """Every key planned again for `budget` bytes, or `budget(key, chain)` bytes per key (profiles
+        kept), not stored yet: raises `InfeasibleBudget` before anything changes when some chain cannot meet it."""
+        nbytes = {key: budget(key, e.chain) if callable(budget) else budget for key, e in self.entries.items()}
+        chosen = {key: pipeline.plan_chain(e.chain, nbytes[key], self.slots) for key, e in self.entries.items()}
         return {key: self.build(self.entries[key].profile, p) for key, p in chosen.items()}
 
     # -- calls after other calls of the step (lightning_rotor/calls.py) -----------------------------

@@ -11,11 +11,11 @@ schedule within `mem_limit`, and from then on executes the plan
 (`lightning_rotor.pipeline`; the plans per signature live in a `PlanCache`).
 Eval mode and `torch.no_grad()` run the plain module.
 
-The budget is resolved to bytes once, on the first signature planned (a
-fraction is taken of that signature's no-recomputation peak), and the same
-bytes bound every later signature: a smaller last batch gets its own plan
-within the same budget (`lightning_rotor.shared_budget.Budget`, which also
-documents the automatic budget of `mem_limit=None`).
+Each signature gets its own bytes (`lightning_rotor.shapes`, docs/checkpointable.md,
+"Changing shapes"): a fraction is taken of each shape's own no-recomputation peak, bytes
+hold at every shape, the automatic budget of `mem_limit=None` is device memory on CUDA
+and no recomputation elsewhere (`lightning_rotor.shared_budget.Budget`). `budget` is the
+bytes of the signature that ran last.
 
 Several calls before one backward (`D(real) + D(fake)`) share the budget: each call is
 planned against what the step's pending calls leave (lightning_rotor/calls.py).
@@ -35,7 +35,7 @@ from torch import nn
 
 from lightning_rotor import pipeline
 from lightning_rotor._torch_compat import tree_flatten
-from lightning_rotor.budget import MemLimit, parse_budget, resolve_budget
+from lightning_rotor.budget import MemLimit, resolve_budget
 from lightning_rotor.cache import PlanCache, plan_key, signature
 from lightning_rotor.calls import Call, InfeasibleStep, StepCalls, describe, step_minimum
 from lightning_rotor.chain import Chain
@@ -46,8 +46,9 @@ from lightning_rotor.measure import StepMeasurement
 from lightning_rotor.memory import CudaMemoryProbe, MemoryProbe
 from lightning_rotor.ops import is_no_recompute
 from lightning_rotor.pipeline import Entry
-from lightning_rotor.planner import InfeasibleBudget, Plan
+from lightning_rotor.planner import InfeasibleBudget, Plan, min_feasible_budget
 from lightning_rotor.profile import Profile
+from lightning_rotor.shapes import bucketed, check_buckets, derived_times, feasible_for_shape, stage_flops
 from lightning_rotor.shared_budget import Budget, auto_total
 from lightning_rotor.simulate import no_recompute_peak
 from lightning_rotor.stages import Stages, sequential_stages
@@ -84,6 +85,12 @@ class Checkpointable(nn.Module):
     `.profile_seconds`; `.entries` holds one profile and plan per input signature.
     `state_dict()` keys are the wrapped module's.
 
+    `derive_shapes`: a later input shape is profiled for sizes only, its times derived from the
+    first shape's by FLOP counts (lightning_rotor/shapes.py; compiled stages: every shape is timed);
+    False times every shape.
+    `shape_buckets`: fewer plans, e.g. `{1: [64, 128, 256]}`: an input of length `n` along dimension 1
+    runs the plan of the smallest bucket `>= n` (the input itself is not padded; lightning_rotor/shapes.py).
+
     `compile`: True or a dict of torch.compile arguments compiles each stage; a module given as
     `torch.compile(m)` is discovered on `m` and its stages compiled with its options (docs/compile.md).
     """
@@ -105,6 +112,8 @@ class Checkpointable(nn.Module):
         warmup: int = 0,
         fallback_plain: bool = False,
         compile: bool | dict[str, Any] | None = None,
+        derive_shapes: bool = True,
+        shape_buckets: dict[int, list[int]] | None = None,
     ):
         compiled = None
         if isinstance(module, nn.Module):  # torch.compile(m): stages of m, compiled alike (compile.py)
@@ -113,6 +122,7 @@ class Checkpointable(nn.Module):
         discover, types = _check_settings(module, stages, discover, checkpoint_modules)
         own_budget = Budget(mem_limit)  # bad budgets fail here, with the accepted forms
         check_slots(slots)
+        self.shape_buckets = check_buckets(shape_buckets)
         super().__init__()
         _adopt(self, module)
         object.__setattr__(self, "module", module)  # not registered: state_dict keys stay the module's
@@ -131,9 +141,15 @@ class Checkpointable(nn.Module):
         self.mem_limit = mem_limit
         self.slots = slots
         self.loss_tmp, self.loss_fn = _loss_settings(loss_tmp, loss_fn)
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+            raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
         self.repeats = repeats
+        self.derive_shapes = derive_shapes
+        self._timed: tuple[Chain, list[int]] | None = None  # a timed shape's chain and stage FLOPs (derive_shapes)
         self.warmup = warmup
-        self.budget: int | None = None  # bytes, fixed by the first signature planned
+        self.budget: int | None = None  # bytes of the signature that ran last (each shape has its own)
+        self._first: tuple[int, int] | None = None  # the first shape's (bytes, no-recomputation peak)
+        self._shapes: dict[str, str] = {}  # per plan key: its input's shapes, for messages
         self._own_budget = own_budget  # what mem_limit= resolves with, unless shared
         self.shared: Budget | None = None  # set by whoever splits one budget over several chains
         self.shared_name = ""
@@ -263,9 +279,12 @@ class Checkpointable(nn.Module):
             t.requires_grad for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)
         ):
             return plain_call()  # every stage frozen: no backward through the chain, nothing to checkpoint
-        key = plan_key(value, trainable)
-        primary = self._entry_for(key, value)
+        sample = bucketed(value, self.shape_buckets) if self.shape_buckets else value  # the plan's shape
+        key = plan_key(sample, trainable)
+        primary = self._entry_for(key, sample)
         alone = not self.calls.alive()
+        if alone:  # the step's bytes: its first call's shape's (docs/checkpointable.md, "Changing shapes")
+            self.budget = primary.plan.mem_limit
         entry, call, peak = self._call_entry(key, primary, value)
         self.last_entry = entry
         measurement = self._measurement
@@ -294,32 +313,55 @@ class Checkpointable(nn.Module):
         """
         if self.stages is None:
             raise RuntimeError("the chain is not discovered yet: run one training forward (or discover_on) first")
-        return self._entry_for(plan_key(value, [p.requires_grad for p in self._stage_parameters()]), value)
+        sample = bucketed(value, self.shape_buckets) if self.shape_buckets else value
+        return self._entry_for(plan_key(sample, [p.requires_grad for p in self._stage_parameters()]), sample)
 
     def _entry_for(self, key: str, value: Any) -> Entry:
         """The whole-budget entry of plan key `key`, profiled and planned if new."""
         entry = self.entries.get(key)
         if entry is None:
-            entry = self.plan_cache.add(key, self._prepare(value))
+            self._shapes[key] = describe(value)
+            entry = self.plan_cache.add(key, self._prepare(value, key))
         self.last_entry = entry
         return entry
 
-    def _prepare(self, value: Any) -> Entry:
+    def _prepare(self, value: Any, key: str) -> Entry:
         if self.distributed:
             self._refuse_tied_under_ddp()
         outside = self._outside_now if self.discovery is not None and self.discovery.run is not None else None
+        # compiled stages are timed at every shape: an eval-mode count would compile graphs of its own
+        flops = stage_flops(self.stages, value) if self.derive_shapes and self.compiler is None else None
+        derive = flops is not None and self._timed is not None
         measured = pipeline.profile(
             self.stages, value, names=self.stage_names, repeats=self.repeats, warmup=self.warmup,
             loss_fn=self.loss_fn, loss_tmp=self.loss_tmp, outside=outside, progress=self.on_profile_progress,
+            timed=not derive,
         )  # fmt: skip
-        if self.budget is None:
+        if derive:  # sizes measured, times from the timed shape's by FLOPs (lightning_rotor/shapes.py)
+            measured.chain = derived_times(*self._timed, measured.chain, flops)  # type: ignore[misc]
+            measured.repeats, measured.round_seconds = 0, []
+        elif flops is not None and self._timed is None:
+            self._timed = (measured.chain, flops)
+        if self._first is None:  # the first shape: the budget as given becomes bytes
             device = next(t.device for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
             self.budget = self._budget_of(measured.chain, device)
-        return self.plan_cache.build(measured, pipeline.plan_chain(measured.chain, self.budget, self.slots))
+            self._first = (self.budget, no_recompute_peak(measured.chain))
+            nbytes = self.budget
+        else:
+            nbytes = self._shape_bytes(key, measured.chain, self._budget(), *self._first)
+        return self.plan_cache.build(measured, pipeline.plan_chain(measured.chain, nbytes, self.slots))
+
+    def _shape_bytes(self, key: str, chain: Chain, rule: Budget, first: int, first_need: int) -> int:
+        """The bytes of a later shape (`Budget.for_shape`); below its smallest feasible budget a byte
+        budget raises `InfeasibleShape` and the others plan at the smallest (`shapes.feasible_for_shape`)."""
+        nbytes = rule.for_shape(chain, first, first_need)
+        shape = self._shapes.get(key, "of a saved signature")
+        return feasible_for_shape(nbytes, min_feasible_budget(chain), shape, isinstance(rule.value, int))
 
     def _budget_of(self, chain: Chain, device: torch.device) -> int:
         """This chain's bytes: the whole budget alone, or its share of one budget over several chains."""
-        return self._budget().bytes_for(chain, device, self.parameters(), self.shared_name, self.replan, self._busy)
+        budget = self._budget()
+        return budget.bytes_for(chain, device, self.parameters(), self.shared_name, self._new_share, self._busy)
 
     def _budget(self) -> Budget:
         return self.shared if self.shared is not None else self._own_budget
@@ -395,8 +437,8 @@ class Checkpointable(nn.Module):
         peaks = {sig: no_recompute_peak(self.entries[sig].chain) for sig in structure}
         need = step_minimum(structure, peaks, plans.figures)
         share = shared.grow(self.shared_name, smallest, need)
-        if share != self.budget:
-            self.replan(share)
+        if self._first is None or share != self._first[0]:
+            self._new_share(share)
         return True
 
     def _no_recompute(self) -> bool:
@@ -450,14 +492,33 @@ class Checkpointable(nn.Module):
         Raises `InfeasibleBudget` before changing anything when some chain cannot meet it.
         A fraction is taken of the first chain's no-recomputation peak, as on a first step.
         """
-        parse_budget(mem_limit)
+        own = Budget(mem_limit)
         entries = list(self.entries.items())
         if not entries:
-            self.mem_limit, self.budget, self._own_budget = mem_limit, None, Budget(mem_limit)
+            self.mem_limit, self.budget, self._first, self._own_budget = mem_limit, None, None, own
             return
-        budget = resolve_budget(mem_limit, no_recompute_peak(entries[0][1].chain))
-        replanned = self.plan_cache.replanned(budget)
-        self.mem_limit, self.budget, self._own_budget = mem_limit, budget, Budget(mem_limit)
+        first = resolve_budget(own.value, no_recompute_peak(entries[0][1].chain))
+        self._replan_shapes(first, own if self.shared is None else self.shared)
+        self.mem_limit, self._own_budget = mem_limit, own
+
+    def _new_share(self, share: int) -> None:
+        """A shared budget gave this chain `share` bytes at its first shape: every shape planned again."""
+        if not self.entries:
+            self.budget = share
+            return
+        self._replan_shapes(share, self._budget())
+
+    def _replan_shapes(self, first: int, rule: Budget) -> None:
+        """Every saved shape planned again: `first` bytes for the first one, the others by `rule`
+        (`Budget.for_shape`); raises before anything changes when a shape cannot meet its budget."""
+        entries = list(self.entries.items())
+        first_key, first_need = entries[0][0], no_recompute_peak(entries[0][1].chain)
+
+        def bytes_of(key: str, chain: Chain) -> int:
+            return first if key == first_key else self._shape_bytes(key, chain, rule, first, first_need)
+
+        replanned = self.plan_cache.replanned(bytes_of)
+        self.budget, self._first = first, (first, first_need)
         self.plan_cache.forget_call_plans()
         for key, entry in entries:
             self.entries[key] = replanned[key]
@@ -468,7 +529,8 @@ class Checkpointable(nn.Module):
         """Profiles and plans as plain data, for checkpoints (`load_plan_state` reads it back)."""
         if self.plan_cache is None:
             return {"budget": self.budget, "stage_names": [], "fingerprints": [], "entries": []}
-        return {"budget": self.budget, **self.plan_cache.state_dict()}
+        first = self._first[0] if self._first is not None else self.budget  # the first shape's bytes
+        return {"budget": first, **self.plan_cache.state_dict()}
 
     def load_plan_state(self, state: dict[str, Any]) -> None:
         """Reuse saved profiles and plans: inputs with a saved signature skip profiling.
@@ -483,6 +545,8 @@ class Checkpointable(nn.Module):
         self.plan_cache.load_state_dict(state)
         if state.get("budget") is not None:
             self.budget = int(state["budget"])
+            first = next(iter(self.entries.values()), None)
+            self._first = None if first is None else (self.budget, no_recompute_peak(first.chain))
 
     def restore_plans(self, state: dict[str, Any]) -> None:
         """`load_plan_state`, then plan again where the budget now resolves to other bytes than the saved
@@ -503,7 +567,7 @@ class Checkpointable(nn.Module):
                 device = next((p.device for p in self.parameters()), torch.device("cpu"))
                 share = self._budget_of(Chain.from_dict(saved[0]["chain"]), device)
                 if share != self.budget:
-                    self.replan(share)
+                    self._new_share(share)
             elif expected is not None and self.budget != expected:
                 self.replan(self.mem_limit)
         except InfeasibleBudget:

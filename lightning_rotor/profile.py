@@ -583,10 +583,13 @@ def profile_chain(
     warmup: int = 0,
     loss_tmp: int | Callable[[Any], torch.Tensor] | None = None,
     progress: Callable[[int, int, float], None] | None = None,
+    timed: bool = True,
 ) -> Profile:
     """Measure `stages` on `sample` (the chain input `a_0`); see NOTE: [what each field measures].
 
     `progress(stages_done, stages, seconds)` is called after each stage, for a progress line.
+    `timed=False` measures sizes only: no timing rounds, every time 0 (a new input shape's times
+    are derived from a timed shape's, lightning_rotor/shapes.py).
     """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
@@ -691,7 +694,10 @@ def profile_chain(
             loss_bytes = loss_kept = int(loss_tmp)
             held = LOSS_HELD
         del value  # a_L: the timing rounds hold no more than B k does
-        fwd, bwd = _timed_rounds(stages, sample, needs_grad, names, device, untouched, repeats, start, frozen)
+        rounds = repeats if timed else 0
+        fwd, bwd = _timed_rounds(stages, sample, needs_grad, names, device, untouched, rounds, start, frozen)
+        if not timed:
+            fwd, bwd = [[0.0] for _ in stages], [[0.0] for _ in stages]
     fields["fwd_time"], fields["bwd_time"] = stage_times(fwd, bwd)
     # the loss value lives from the end of the loss to the end of the step (chain version 3: loss_value)
     chain = Chain(

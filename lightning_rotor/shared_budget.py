@@ -36,6 +36,7 @@ needs the planner, so it sits beside it rather than in it.)
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from fractions import Fraction
 
@@ -160,6 +161,23 @@ class Budget:
             self.auto_bytes, self.auto_measured = auto_total(device, parameters), True
             return no_recompute_peak(chain) if self.auto_bytes is None else self.auto_bytes
         return resolve_budget(self.value, no_recompute_peak(chain))
+
+    def for_shape(self, chain: Chain, first: int, first_need: int) -> int:
+        """The bytes of a later input shape of a chain (profiled as `chain`) whose first shape got `first`
+        bytes at a no-recomputation peak of `first_need` (docs/checkpointable.md, "Changing shapes").
+
+        A fraction is taken of this shape's own no-recomputation peak (a share of a split budget grows
+        with it in proportion); bytes and the automatic CUDA budget (device memory) hold at every shape;
+        the automatic budget off CUDA is this shape's no-recomputation peak. The caller checks the result
+        against the shape's smallest feasible budget.
+        """
+        need = no_recompute_peak(chain)
+        if isinstance(self.value, Fraction):
+            ratio = Fraction(first, max(1, first_need)) if self.shared else self.value
+            return max(1, math.floor(ratio * need))
+        if self.value is None and self.auto_bytes is None:  # automatic off CUDA: no recomputation
+            return need
+        return first
 
     def share(
         self,

@@ -14,9 +14,12 @@ apply; rank zero only):
   (`step_seconds / no_recompute_seconds - 1`).
 
 Measuring memory costs time (tensor accounting sees every op), so it is a
-sample: the first step that runs each new plan, then every
-`measure_every_n_steps` steps. The value logged is the latest sample; steps
-that were measured do not update `rotor/step_seconds`. A sample above the
+sample: the first step that runs each new schedule (the plan's ops; shapes that
+share a schedule share the sample, so changing input shapes do not each cost a
+measured step), then every `measure_every_n_steps` steps. A sampled step that met a
+new shape is no clean sample (it profiled); the next try waits for a step of known
+shapes, so that dynamic padding does not run profile after profile under the probe.
+The value logged is the latest sample; steps that were measured do not update `rotor/step_seconds`. A sample above the
 budget is warned about (rank zero, one line per plan). On CPU the sample is
 exact tensor accounting of the whole training step up to the end of the
 backward (docs/memory-model.md, section 5): the chain input, every activation,
@@ -69,6 +72,11 @@ def _lightning_bookkeeping() -> tuple[Callable, ...]:
 
 
 LIGHTNING_BOOKKEEPING = _lightning_bookkeeping()
+
+
+def schedule_key(entry: Entry | None) -> tuple[str, ...]:
+    """What the probe samples by: the plan's schedule, whatever the input shape it was made for."""
+    return () if entry is None else tuple(repr(op) for op in entry.plan.ops)
 
 
 def summary_text(chains: dict[str, Checkpointable]) -> str:
@@ -188,9 +196,10 @@ class RotorCallback(Callback):
         self._pending: dict[str, Any] | None = None
         self._plans: dict[int, int] = {}  # id(entry) -> plan index, per chain order
         self._curves_done: set[int] = set()
-        self._measured_once: set[int] = set()
+        self._measured_once: set[tuple[str, ...]] = set()  # schedules measured (`schedule_key`)
         self._measurements: list[tuple[str, Checkpointable, StepMeasurement, int]] = []
         self._steps_since_measure = 0
+        self._retry_after_known = False  # a sample was spoilt by a new shape: wait for a step of known shapes
         self._t0 = 0.0
         self._step_seconds: float | None = None
         self._measured_peak: int | None = None
@@ -228,8 +237,9 @@ class RotorCallback(Callback):
     def _wants_measure(self, chains: dict[str, Checkpointable]) -> bool:
         if not chains or any(not rotor.entries for rotor in chains.values()):
             return False  # the first batch profiles; a probe would slow and pollute it
-        if any(id(rotor.last_entry) not in self._measured_once for rotor in chains.values()):
-            return True  # the plan in use has not been measured yet
+        unmeasured = any(schedule_key(rotor.last_entry) not in self._measured_once for rotor in chains.values())
+        if unmeasured and not self._retry_after_known:
+            return True  # the schedule in use has not been measured yet
         n = self.measure_every_n_steps
         return n > 0 and self._steps_since_measure >= n
 
@@ -301,10 +311,13 @@ class RotorCallback(Callback):
         self._measurements = []
         if not measured and not profiled:
             self._step_seconds = seconds
+        if not profiled:
+            self._retry_after_known = False
         for name, rotor, m, before in measured:
             if len(rotor.entries) != before or m.entry is None:
+                self._retry_after_known = True
                 continue  # a new signature was profiled inside the measured step: not a clean sample
-            self._measured_once.add(id(m.entry))
+            self._measured_once.add(schedule_key(m.entry))
             self._measured_peak = m.peak
             if trainer.is_global_zero and self.log_curves and id(m.entry) not in self._curves_done:
                 self._curves_done.add(id(m.entry))

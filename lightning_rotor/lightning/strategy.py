@@ -30,6 +30,7 @@ from torch import nn
 from lightning_rotor.budget import MemLimit, format_bytes
 from lightning_rotor.compile import stage_compiler
 from lightning_rotor.lightning.wrap import Selector, Wrapped, check_rotor_arguments, unwrap, wrap
+from lightning_rotor.shapes import check_buckets
 
 
 class ProfileProgress:
@@ -109,6 +110,8 @@ class _RotorMixin:
                     "Put the model in a submodule (self.model = ...), or name what to wrap with include=[...]."
                 )
             return
+        for w in self.wrapped:  # fewer plans over changing shapes (RotorStrategy(shape_buckets=...))
+            w.rotor.shape_buckets = getattr(self, "shape_buckets", None)
         for w in self.wrapped:
             w.rotor.on_profile_progress = ProfileProgress(w.name)
             w.rotor.distributed = isinstance(self, DDPStrategy)
@@ -160,7 +163,8 @@ class RotorStrategy(_RotorMixin, SingleDeviceStrategy):
     `include` / `exclude`: submodule names (globs allowed), class names or classes
     overriding what is wrapped. `slots`: the planner's memory precision (None: automatic). `compile`: True
     or a dict of torch.compile arguments compiles each stage (docs/compile.md). `device`:
-    leave None to take the Trainer's accelerator and `devices`.
+    leave None to take the Trainer's accelerator and `devices`. `shape_buckets`: fewer plans over
+    changing input shapes, e.g. `{1: [128, 256, 512]}` (docs/checkpointable.md, "Changing shapes").
     """
 
     strategy_name = "rotor"
@@ -179,7 +183,9 @@ class RotorStrategy(_RotorMixin, SingleDeviceStrategy):
         accelerator: pl.accelerators.Accelerator | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
+        shape_buckets: dict[int, list[int]] | None = None,
     ):
+        self.shape_buckets = check_buckets(shape_buckets)  # bad buckets fail here, before the Trainer
         super().__init__(
             device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin
         )

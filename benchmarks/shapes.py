@@ -1,0 +1,149 @@
+"""Changing shapes: a GPT trained on `--lengths` distinct sequence lengths over `--steps` steps in random
+order (dynamic padding), plain training against rotor.
+
+    python benchmarks/shapes.py --n-layer 4 --n-embd 64 --batch 4 --lengths 20 --steps 40 --runs 3 --threads 1
+
+Variants: `plain`; `rotor` (a later shape profiled for sizes only, its times derived by FLOPs: the
+default); `rotor-full` (`derive_shapes=False`: every shape timed, as before issue 18); `rotor-buckets`
+(`shape_buckets={1: --buckets}`). Per variant and run: the total time of steps 2..N (the first step, which
+profiles the first shape, excluded) and its ratio to plain's in the same round; printed as medians and
+spread ((max - min) / median) over `--runs` rounds. Then one untimed check per rotor variant: every step's
+activation peak measured by independent tensor accounting (`MemoryProbe` over the model and the step's
+input) against the budget of the plan that step ran, and every step's gradients `torch.equal` to plain's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from lightning_rotor import Checkpointable, MemoryProbe
+from lightning_rotor.models.gpt import gpt, lm_loss
+
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def batches(args: argparse.Namespace) -> Batches:
+    """`--steps` batches of `--lengths` distinct lengths, each length used as often, in a seeded random order."""
+    rng = random.Random(0)
+    lengths = sorted(rng.sample(range(args.min_len, args.max_len + 1), args.lengths))
+    order = [lengths[i % len(lengths)] for i in range(args.steps)]
+    rng.shuffle(order)
+    g = torch.Generator().manual_seed(0)
+    return [
+        (
+            torch.randint(0, args.vocab, (args.batch, n), generator=g),
+            torch.randint(0, args.vocab, (args.batch, n), generator=g),
+        )
+        for n in order
+    ]
+
+
+def make(args: argparse.Namespace, variant: str) -> nn.Module:
+    torch.manual_seed(0)
+    model = gpt(
+        vocab_size=args.vocab, block_size=args.max_len, n_layer=args.n_layer, n_head=4, n_embd=args.n_embd, dropout=0.1
+    )
+    if variant == "plain":
+        return model
+    options: dict = {"repeats": args.repeats}
+    if variant == "rotor-full":
+        options["derive_shapes"] = False
+    if variant == "rotor-buckets":
+        options["shape_buckets"] = {1: args.buckets}
+    return Checkpointable(model, args.budget, **options)
+
+
+def train(model: nn.Module, data: Batches, on_step: Callable[[int], None] | None = None) -> list[float]:
+    """Per step, its wall time; `on_step(i)` after each backward (before the optimizer step)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    seconds = []
+    for i, (x, y) in enumerate(data):
+        start = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        torch.manual_seed(i)
+        lm_loss(model(x), y).backward()
+        if on_step is not None:
+            on_step(i)
+        opt.step()
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def check(args: argparse.Namespace, variant: str, data: Batches) -> str:
+    """Untimed: each step's measured peak within its plan's budget, each step's gradients equal to plain's."""
+    plain, rotor = make(args, "plain"), make(args, variant)
+    plain_grads: list[list[torch.Tensor]] = []
+    train(plain, data, lambda i: plain_grads.append([p.grad.clone() for p in plain.parameters()]))
+    over, unequal, worst = 0, 0, 0.0
+    opt = torch.optim.SGD(rotor.parameters(), lr=0.01, momentum=0.9)
+    for i, (x, y) in enumerate(data):
+        opt.zero_grad(set_to_none=True)
+        rotor.prepare_for(x)  # profiling is no part of the step measured
+        torch.manual_seed(i)
+        with MemoryProbe(rotor) as probe:
+            probe.track(x)
+            lm_loss(rotor(x), y).backward()
+        budget = rotor.last_entry.plan.mem_limit
+        over += probe.peak > budget
+        worst = max(worst, probe.peak / budget)
+        unequal += not all(torch.equal(p.grad, g) for p, g in zip(rotor.parameters(), plain_grads[i], strict=True))
+        opt.step()
+    plans = len(rotor.entries)
+    return (
+        f"{variant}: {plans} plans; steps above budget {over}/{len(data)} "
+        f"(max peak/budget {worst:.3f}); grads unequal {unequal}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n-layer", type=int, default=4)
+    parser.add_argument("--n-embd", type=int, default=64)
+    parser.add_argument("--vocab", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--lengths", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--min-len", type=int, default=16)
+    parser.add_argument("--max-len", type=int, default=128)
+    parser.add_argument("--buckets", type=int, nargs="+", default=[32, 64, 128])
+    parser.add_argument("--budget", default="60%")
+    parser.add_argument("--repeats", type=int, default=3, help="timing rounds of the first shape's profile")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--variants", nargs="+", default=["rotor", "rotor-buckets", "rotor-full"])
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on a shared machine)")
+    parser.add_argument("--no-check", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    data = batches(args)
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; lengths {sorted({x.shape[1] for x, _ in data})}"
+    )
+    totals: dict[str, list[float]] = {v: [] for v in ["plain", *args.variants]}
+    ratios: dict[str, list[float]] = {v: [] for v in args.variants}
+    for _ in range(args.runs):
+        for variant in totals:
+            totals[variant].append(sum(train(make(args, variant), data)[1:]))
+        for variant in args.variants:
+            ratios[variant].append(totals[variant][-1] / totals["plain"][-1])
+    for variant, runs in totals.items():
+        med = statistics.median(runs)
+        line = f"{variant:14s} steps 2..{args.steps}: median {med:.2f} s, spread {(max(runs) - min(runs)) / med:.0%}"
+        if variant in ratios:
+            r = ratios[variant]
+            line += f"; x plain: median {statistics.median(r):.2f} (min {min(r):.2f}, max {max(r):.2f})"
+        print(line, flush=True)
+    if not args.no_check:
+        for variant in args.variants:
+            print(check(args, variant, copy.copy(data)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,262 @@
+"""Changing input shapes (dynamic padding): each budget kind's meaning per shape, through Checkpointable
+and a real Trainer; gradients bitwise equal to plain training, each step's measured peak within its shape's budget."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from fitting import KeepRotorModules, quiet_trainer
+from torch.utils.data import DataLoader, Dataset
+from training import assert_same_state
+
+from lightning_rotor.budget import resolve_budget
+from lightning_rotor.checkpointable import Checkpointable
+from lightning_rotor.lightning import RotorCallback, RotorStrategy
+from lightning_rotor.lightning.callback import LIGHTNING_BOOKKEEPING
+from lightning_rotor.lightning.state import rotor_modules
+from lightning_rotor.memory import MemoryProbe
+from lightning_rotor.models.gpt import gpt, lm_loss
+from lightning_rotor.planner import min_feasible_budget
+from lightning_rotor.profile import profile_chain
+from lightning_rotor.shapes import InfeasibleShape, stage_flops
+from lightning_rotor.simulate import no_recompute_peak
+
+LENGTHS = (4, 12, 24)  # shortest first: the order dynamic padding meets them in a sorted epoch
+
+
+def small_gpt():
+    torch.manual_seed(0)
+    return gpt(vocab_size=64, block_size=32, n_layer=4, n_head=2, n_embd=32, dropout=0.1)
+
+
+def batch(length: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed + length)
+    return torch.randint(0, 64, (2, length), generator=g), torch.randint(0, 64, (2, length), generator=g)
+
+
+@pytest.mark.parametrize("mem_limit", ["60%", None])
+def test_fraction_and_automatic_budgets_follow_each_shape(mem_limit):
+    plain, rotor = small_gpt(), Checkpointable(small_gpt(), mem_limit, repeats=1)
+    for step, length in enumerate(LENGTHS):
+        x, y = batch(length)
+        plain.zero_grad()
+        torch.manual_seed(step)
+        lm_loss(plain(x), y).backward()
+        rotor.zero_grad()
+        rotor.prepare_for(x)  # profiled here: profiling is no part of the step measured
+        torch.manual_seed(step)
+        with rotor.measure_step() as m:
+            lm_loss(rotor(x), y).backward()
+        assert_same_state(plain, rotor)
+        need = no_recompute_peak(rotor.chain)
+        expected = need if mem_limit is None else max(resolve_budget(mem_limit, need), min_feasible_budget(rotor.chain))
+        assert rotor.plan.mem_limit == expected == rotor.budget  # this shape's own bytes
+        assert m.peak <= rotor.plan.mem_limit
+    assert len(rotor.entries) == len(LENGTHS)
+
+
+def test_byte_budget_holds_and_a_shape_it_cannot_meet_is_named():
+    rotor = Checkpointable(small_gpt(), "60%", repeats=1)
+    x, y = batch(LENGTHS[0])
+    lm_loss(rotor(x), y).backward()
+    nbytes = rotor.budget
+    rotor = Checkpointable(small_gpt(), nbytes, repeats=1)
+    lm_loss(rotor(x), y).backward()
+    x, y = batch(LENGTHS[-1])
+    with pytest.raises(InfeasibleShape, match=r"for input shape \(2, 24\); use mem_limit >= \d+") as err:
+        rotor(x)
+    assert err.value.budget == nbytes and err.value.min_feasible > nbytes
+    assert len(str(err.value).splitlines()) == 1
+
+
+class Padded(Dataset):
+    """Token batches of growing length, as a length-sorted dynamic-padding loader yields them."""
+
+    def __len__(self):
+        return 2 * len(LENGTHS)  # twice: the second round runs known plans, which the callback measures
+
+    def __getitem__(self, i):
+        return batch(LENGTHS[i % len(LENGTHS)], seed=i)
+
+
+class LM(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = small_gpt()
+        self.grads: list[list[torch.Tensor]] = []
+
+    def training_step(self, b, batch_idx):
+        x, y = b
+        return lm_loss(self.net(x), y)
+
+    def on_before_optimizer_step(self, optimizer):
+        self.grads.append([p.grad.detach().clone() for p in self.parameters()])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+class PeaksOfKnownShapes(pl.Callback):
+    """Measures every step of the second round (shapes planned already) by independent tensor accounting
+    of the whole training step, as RotorCallback counts it, against the budget of the plan the step ran."""
+
+    def __init__(self):
+        self.steps: list[tuple[int, int]] = []  # (measured peak, budget)
+        self.probe = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx >= len(LENGTHS):
+            self.probe = MemoryProbe([pl_module, trainer.strategy.model], bookkeeping=LIGHTNING_BOOKKEEPING)
+            self.probe.__enter__()
+
+    def on_after_backward(self, trainer, pl_module):
+        if self.probe is not None:
+            self.probe.__exit__(None, None, None)
+            rotor = rotor_modules(pl_module)["net"]
+            self.steps.append((self.probe.peak, rotor.last_entry.plan.mem_limit))
+            self.probe = None
+
+
+@pytest.mark.parametrize("strategy", ["rotor", RotorStrategy(mem_limit="60%")], ids=["auto", "fraction"])
+def test_trainer_with_dynamic_padding_trains_every_shape(tmp_path, strategy):
+    loader = DataLoader(Padded(), batch_size=None)
+    runs = {}
+    keep, peaks = KeepRotorModules(), PeaksOfKnownShapes()
+    for name, strat in (("plain", "auto"), ("rotor", copy.deepcopy(strategy))):
+        model = LM()
+        torch.manual_seed(7)
+        callbacks = [keep, peaks] if name == "rotor" else []
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            quiet_trainer(tmp_path / name, strat, max_steps=len(Padded()), callbacks=callbacks).fit(model, loader)
+        runs[name] = model
+    # the callback measured each plan once (MemoryProbe over the whole step) and found no peak above its budget
+    assert not [w for w in seen if "above the budget" in str(w.message)]
+    callback = next(c for c in model.trainer.callbacks if type(c).__name__ == "RotorCallback")
+    assert callback._measured_once  # steps of known plans were measured
+    assert len(runs["rotor"].grads) == len(Padded())
+    for a_step, b_step in zip(runs["rotor"].grads, runs["plain"].grads, strict=True):
+        for a, b in zip(a_step, b_step, strict=True):
+            assert torch.equal(a, b)
+    assert len(peaks.steps) == len(LENGTHS)
+    assert all(0 < peak <= budget for peak, budget in peaks.steps), peaks.steps  # each shape within its own bytes
+    assert len({budget for _, budget in peaks.steps}) == len(LENGTHS)
+    rotor = keep.modules["net"]
+    assert len(rotor.entries) == len(LENGTHS)
+    for entry in rotor.entries.values():  # each shape planned within its own bytes
+        assert entry.plan.peak <= entry.plan.mem_limit
+        assert entry.plan.mem_limit <= max(no_recompute_peak(entry.chain), min_feasible_budget(entry.chain))
+
+
+def test_a_later_shape_measures_its_sizes_and_derives_its_times_from_flops():
+    rotor = Checkpointable(small_gpt(), "60%", repeats=1)
+    for length in LENGTHS[:2]:
+        x, y = batch(length)
+        lm_loss(rotor(x), y).backward()
+    timed, derived = (e.profile for e in rotor.entries.values())
+    assert timed.repeats == 1 and derived.repeats == 0  # no timing rounds for the later shape
+    sample = batch(LENGTHS[1])[0]
+    full = profile_chain(rotor.stages, sample, names=rotor.stage_names, repeats=1).chain
+    times = ("fwd_time", "bwd_time")
+    assert {k: v for k, v in derived.chain.to_dict().items() if k not in times} == {
+        k: v for k, v in full.to_dict().items() if k not in times
+    }  # sizes exactly as a full profile measures them
+    before, after = stage_flops(rotor.stages, batch(LENGTHS[0])[0]), stage_flops(rotor.stages, sample)
+    block = 1  # a transformer block: its times scale with its FLOPs
+    assert after[block] > before[block] > 0
+    ratio = after[block] / before[block]
+    assert derived.chain.fwd_time[block] == pytest.approx(timed.chain.fwd_time[block] * ratio)
+    assert derived.chain.bwd_time[block] == pytest.approx(timed.chain.bwd_time[block] * ratio)
+    plain = Checkpointable(small_gpt(), "60%", repeats=1, derive_shapes=False)
+    for length in LENGTHS[:2]:
+        x, y = batch(length)
+        lm_loss(plain(x), y).backward()
+    assert [e.profile.repeats for e in plain.entries.values()] == [1, 1]
+
+
+def test_shape_buckets_run_fewer_plans_within_each_plans_budget():
+    plain = small_gpt()
+    rotor = Checkpointable(small_gpt(), "60%", repeats=1, shape_buckets={1: [16, 32]})
+    for step, length in enumerate((4, 12, 24, 16, 9)):
+        x, y = batch(length)
+        plain.zero_grad()
+        torch.manual_seed(step)
+        lm_loss(plain(x), y).backward()
+        rotor.zero_grad()
+        rotor.prepare_for(x)  # profiled here: profiling is no part of the step measured
+        torch.manual_seed(step)
+        with rotor.measure_step() as m:
+            lm_loss(rotor(x), y).backward()
+        assert_same_state(plain, rotor)  # the input itself is not padded
+        assert m.peak <= rotor.plan.mem_limit
+    assert sorted(e.chain.input_size for e in rotor.entries.values()) == [2 * 16 * 8, 2 * 32 * 8]  # two plans
+    with pytest.raises(ValueError, match=r"shape_buckets takes \{dimension: \[sizes\]\}"):
+        Checkpointable(small_gpt(), shape_buckets={1: [0]})
+
+
+class CountProbed(RotorCallback):
+    """RotorCallback that counts the steps it ran under the memory probe."""
+
+    probed = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        self.probed += bool(self._measurements)
+
+
+class Lengths(Dataset):
+    """Six distinct lengths, twice over."""
+
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        return batch(3 + i % 6, seed=i)
+
+
+def test_the_probe_samples_each_schedule_not_each_shape(tmp_path):
+    counting = CountProbed()
+    quiet_trainer(tmp_path, "rotor", max_steps=len(Lengths()), callbacks=[counting]).fit(
+        LM(), DataLoader(Lengths(), batch_size=None)
+    )
+    # the automatic budget off CUDA: every shape runs the one schedule without recomputation. Step 2 is
+    # probed but profiles a new shape (no clean sample); the next try waits for a step of known shapes
+    # (step 8, after step 7 ran one): 2 probed steps of 12, not one after each new shape
+    assert counting.probed == 2
+    assert len(counting._measured_once) == 1
+
+
+def test_rotor_strategy_takes_shape_buckets(tmp_path):
+    keep, loader = KeepRotorModules(), DataLoader(Padded(), batch_size=None)
+    runs = {}
+    for name, strategy in (("plain", "auto"), ("rotor", RotorStrategy(mem_limit="60%", shape_buckets={1: [32]}))):
+        model = LM()
+        torch.manual_seed(7)
+        callbacks = [keep] if name == "rotor" else []
+        quiet_trainer(tmp_path / name, strategy, max_steps=len(Padded()), callbacks=callbacks).fit(model, loader)
+        runs[name] = model
+    assert len(keep.modules["net"].entries) == 1  # every length (4, 12, 24) runs the plan of 32
+    for a_step, b_step in zip(runs["rotor"].grads, runs["plain"].grads, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(a_step, b_step, strict=True))
+    with pytest.raises(ValueError, match="shape_buckets takes"):
+        RotorStrategy(shape_buckets=[32])
+
+
+def test_a_fraction_too_small_for_a_later_shape_plans_it_at_its_smallest_with_one_warning():
+    # the smallest feasible budget is 30% of the no-recomputation peak at length 32, 41% at length 4
+    rotor = Checkpointable(small_gpt(), "31%", repeats=1)
+    x, y = batch(32)
+    lm_loss(rotor(x), y).backward()
+    x, y = batch(4)
+    with pytest.warns(UserWarning, match=r"input shape \(2, 4\) needs at least .* is raised to that") as seen:
+        rotor.prepare_for(x)  # profiled and planned here: profiling is no part of the step measured below
+    assert len([w for w in seen if "raised to that" in str(w.message)]) == 1
+    rotor.zero_grad()
+    with rotor.measure_step() as m:
+        lm_loss(rotor(x), y).backward()
+    assert rotor.plan.mem_limit == min_feasible_budget(rotor.chain)
+    assert m.peak <= rotor.plan.mem_limit
