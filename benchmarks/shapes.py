@@ -91,7 +91,7 @@ def check(args: argparse.Namespace, variant: str, data: Batches) -> str:
         with MemoryProbe(rotor) as probe:
             probe.track(x)
             lm_loss(rotor(x), y).backward()
-        budget = rotor.last_entry.plan.mem_limit
+        budget = rotor.last_entry.plan.budget
         over += probe.peak > budget
         worst = max(worst, probe.peak / budget)
         unequal += not all(torch.equal(p.grad, g) for p, g in zip(rotor.parameters(), plain_grads[i], strict=True))

@@ -64,7 +64,7 @@ def main() -> None:
 
     metrics = fabric.strategy.metrics
     fabric.print(
-        f"budget {format_bytes(int(metrics['rotor/mem_limit_bytes']))}, "
+        f"budget {format_bytes(int(metrics['rotor/budget_bytes']))}, "
         f"measured peak {format_bytes(int(metrics.get('rotor/measured_peak_bytes', 0)))}, "
         f"{int(metrics['rotor/recomputed_stages'])} stages recomputed, "
         f"predicted overhead {metrics.get('rotor/predicted_overhead', 0.0):.1%}"

@@ -60,7 +60,7 @@ def main() -> None:
             print(f"{budget:>10}  infeasible: {err}")
             continue
         replay = simulate(chain, chosen.ops)  # the simulator is the referee
-        assert replay.peak == chosen.peak and replay.peak <= chosen.mem_limit
+        assert replay.peak == chosen.peak and replay.peak <= chosen.budget
         overhead = chosen.time / chain.no_recompute_time() - 1
         print(
             f"{budget:>10}  {format_bytes(chosen.peak):>11}  {chosen.time * 1e3:7.2f}ms  {overhead:8.1%}  "

@@ -58,7 +58,7 @@ def main() -> None:
         loss = F.cross_entropy(model(x), y)
         loss.backward()
     print(
-        f"budget {format_bytes(model.plan.mem_limit)}, predicted peak {format_bytes(model.plan.peak)}, "
+        f"budget {format_bytes(model.plan.budget)}, predicted peak {format_bytes(model.plan.peak)}, "
         f"measured peak {format_bytes(measured.peak)}; profiling took {model.profile_seconds:.2f} s"
     )
 

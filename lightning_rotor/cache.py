@@ -131,7 +131,7 @@ class PlanCache:
 
     def plan_at(self, key: str, budget: int) -> Plan:
         primary = self.entries[key]
-        if budget == primary.plan.mem_limit:
+        if budget == primary.plan.budget:
             return primary.plan
         if (key, budget) not in self._plans:
             self._plans[(key, budget)] = pipeline.plan_chain(primary.chain, budget, self.slots)

@@ -284,7 +284,7 @@ class Checkpointable(nn.Module):
         primary = self._entry_for(key, sample)
         alone = not self.calls.alive()
         if alone:  # the step's bytes: its first call's shape's (docs/checkpointable.md, "Changing shapes")
-            self.budget = primary.plan.mem_limit
+            self.budget = primary.plan.budget
         entry, call, peak = self._call_entry(key, primary, value)
         self.last_entry = entry
         measurement = self._measurement

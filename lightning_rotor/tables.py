@@ -43,7 +43,7 @@ def stage_text(entry: Entry) -> str:
             f"{' (frozen)' if k < chain.frozen else ''}"
         )
     base = chain.no_recompute_time()
-    budget = f"budget {format_bytes(chosen.mem_limit)}, predicted peak {format_bytes(chosen.peak)}"
+    budget = f"budget {format_bytes(chosen.budget)}, predicted peak {format_bytes(chosen.peak)}"
     if base > 0:
         budget += f", predicted step {chosen.time * 1e3:.3f} ms ({chosen.time / base:.2f}x no recomputation)"
     lines.append(budget)
@@ -64,7 +64,7 @@ def stage_markdown(name: str, entry: Entry) -> str:
     """The same table as markdown, headed by chain `name`'s budget and predicted step."""
     chosen = entry.plan
     lines = [
-        f"**{name}**: budget {format_bytes(chosen.mem_limit)}, predicted peak {format_bytes(chosen.peak)}, "
+        f"**{name}**: budget {format_bytes(chosen.budget)}, predicted peak {format_bytes(chosen.peak)}, "
         f"predicted step {chosen.time * 1e3:.2f} ms vs {entry.chain.no_recompute_time() * 1e3:.2f} ms without "
         f"recomputation",
         "",

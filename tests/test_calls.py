@@ -128,7 +128,7 @@ def test_a_call_more_than_steps_so_far_made_is_refused_once_then_planned_for():
     rotor = Checkpointable(copy.deepcopy(plain), 0.6)
     for _ in range(2):  # steps of one call: each gets the whole budget
         F.cross_entropy(rotor(real), REAL).backward()
-    assert rotor.last_entry.plan.mem_limit == rotor.budget
+    assert rotor.last_entry.plan.budget == rotor.budget
     with pytest.raises(InfeasibleStep, match="planned together from now on: run the step again") as err:
         LOSSES["two losses summed"](rotor, real, fake).backward()
     assert "\n" not in str(err.value) and err.value.min_feasible <= rotor.budget
@@ -227,7 +227,7 @@ def test_a_trainer_step_calling_the_model_twice_logs_a_measured_peak_within_the_
         assert all(torch.equal(u, v) for u, v in zip(a, b, strict=True))
     acc = EventAccumulator(str(logger.log_dir), size_guidance={"scalars": 0})
     acc.Reload()
-    limits = {e.step: e.value for e in acc.Scalars("rotor/mem_limit_bytes")}
+    limits = {e.step: e.value for e in acc.Scalars("rotor/budget_bytes")}
     measured = {e.step: e.value for e in acc.Scalars("rotor/measured_peak_bytes")}
     recomputed = [e.value for e in acc.Scalars("rotor/recomputed_stages")]
     assert len(measured) >= 3 and max(recomputed) > 0
@@ -291,7 +291,7 @@ def test_a_shared_budget_is_split_again_for_a_chain_called_twice(tmp_path):
     assert sum(shares[-1]) <= sum(shares[0])  # within the same total
     acc = EventAccumulator(str(logger.log_dir), size_guidance={"scalars": 0})
     acc.Reload()
-    limits = {e.step: e.value for e in acc.Scalars("rotor/mem_limit_bytes")}
+    limits = {e.step: e.value for e in acc.Scalars("rotor/budget_bytes")}
     measured = {e.step: e.value for e in acc.Scalars("rotor/measured_peak_bytes")}
     assert len(measured) >= 2
     for step, peak in measured.items():

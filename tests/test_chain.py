@@ -260,7 +260,7 @@ def test_version_1_example_files_plan_as_before():
     assert chain.out_free == [0] * chain.length and chain.bwd_net == chain.bwd_tmp
     assert min_feasible_budget(chain) == 892731392
     result = plan(chain, "50%")
-    assert (result.mem_limit, result.peak, result.recomputed_stages) == (2101772288, 2084110336, 5)
+    assert (result.budget, result.peak, result.recomputed_stages) == (2101772288, 2084110336, 5)
     at_500 = plan(chain, "50%", slots=500)  # rotor's own precision, the default before automatic slots
     assert (at_500.peak, at_500.recomputed_stages) == (2032730112, 6) and at_500.time > result.time
     for name in ("gpt2_small_b8.json", "heterogeneous.json"):

@@ -78,7 +78,7 @@ def test_any_model_trains_like_plain_within_budget(name, label):
     assert torch.equal(train(plain, x, y, loss_fn, lr=0.05), losses)
     assert_same_state(plain, rotor)
     m = measured_step(rotor, x, y, loss_fn)
-    assert m.peak <= rotor.plan.mem_limit
+    assert m.peak <= rotor.plan.budget
     # the relu_unet's view-like stages are profiled on leaves whose accumulator copies δ_k, which the executor
     # does not (docs/memory-model.md, "Stage inputs enter through EnterStage"): safe, but less tight
     tight = 0.8 if name == "relu_unet" else 0.85
@@ -144,7 +144,7 @@ def test_value_branch_at_top_level_falls_back_to_modules_and_fails_clearly_on_th
     assert rotor.discovery.kind == "modules" and "graph discovery failed" in rotor.discovery.notes[0]
     assert rotor.stage_names == ["b", "blocks.0", "blocks.1", "blocks.2", "c"]
     m = measured_step(rotor, x, y, loss_fn)
-    assert m.peak <= rotor.plan.mem_limit
+    assert m.peak <= rotor.plan.budget
     with torch.no_grad():
         rotor.a.bias.fill_(-50.0)  # now the branch is skipped: `b` is not called before the blocks
     with pytest.raises(ChainDiverged):

@@ -44,7 +44,7 @@ def test_quickstart_fits_and_logs_rotor_scalars(tmp_path):
     acc.Reload()
     scalars = acc.Tags()["scalars"]
     for tag in (
-        "rotor/mem_limit_bytes",
+        "rotor/budget_bytes",
         "rotor/predicted_peak_bytes",
         "rotor/measured_peak_bytes",
         "rotor/recomputed_stages",
@@ -52,7 +52,7 @@ def test_quickstart_fits_and_logs_rotor_scalars(tmp_path):
     ):
         assert tag in scalars, tag
     assert "rotor/model/memory_curve" in acc.Tags()["images"]
-    limit = acc.Scalars("rotor/mem_limit_bytes")[-1].value
+    limit = acc.Scalars("rotor/budget_bytes")[-1].value
     assert 0 < acc.Scalars("rotor/measured_peak_bytes")[-1].value <= limit
     assert (runs[0] / "config.yaml").exists()
 

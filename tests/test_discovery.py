@@ -290,7 +290,7 @@ def test_graph_chain_trains_like_plain_within_budget(name, label):
     assert torch.equal(train(plain, x, y, loss_fn, lr=0.05), train(ckpt, x, y, loss_fn, lr=0.05))
     assert_same_state(plain, ckpt)
     m = measured_step(ckpt, x, y, loss_fn)
-    assert m.peak <= ckpt.plan.mem_limit
+    assert m.peak <= ckpt.plan.budget
     assert m.peak >= 0.85 * ckpt.plan.peak, (m.peak, ckpt.plan.peak)
 
 

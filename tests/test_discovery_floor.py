@@ -71,4 +71,4 @@ def test_split_chain_trains_like_plain_within_budget(at):
     assert_same_state(plain, rotor)
     assert rotor.plan.recomputed_stages > 0
     m = measured_step(rotor, x, y, F.cross_entropy)
-    assert m.peak <= rotor.plan.mem_limit
+    assert m.peak <= rotor.plan.budget

@@ -112,7 +112,7 @@ def test_litgpt_trains_like_plain_within_budget(how, label):
     recomputed = sum(r > 1 for r in rotor.last_entry.runs)
     assert recomputed > 0 if label == "50%" else recomputed == 0
     m = measured_step(rotor, x, y, tokens_loss)
-    assert m.peak <= rotor.plan.mem_limit
+    assert m.peak <= rotor.plan.budget
 
 
 def test_litgpt_through_a_trainer_with_half_the_memory(tmp_path):
@@ -154,6 +154,6 @@ def test_litgpt_through_a_trainer_with_half_the_memory(tmp_path):
     plain, rotor = tasks
     (wrapped,) = rotor.chains.values()
     assert wrapped.discovery.kind == "graph" and sum(r > 1 for r in wrapped.last_entry.runs) > 0
-    assert measure._measured_peak is not None and measure._measured_peak <= wrapped.plan.mem_limit
+    assert measure._measured_peak is not None and measure._measured_peak <= wrapped.plan.budget
     for step_a, step_b in zip(rotor.grads, plain.grads, strict=True):
         assert all(torch.equal(a, b) for a, b in zip(step_a, step_b, strict=True))

@@ -94,8 +94,8 @@ def test_fabric_loop_equals_plain_fabric_within_budget(tmp_path, capsys, precisi
         assert len(step_a) == len(step_b) and all(torch.equal(a, b) for a, b in zip(step_a, step_b, strict=True))
 
     # the step's activation peak: sampled by the strategy at step 2, and measured here at step 4
-    limit = rotor.plan.mem_limit
-    assert strategy.metrics["rotor/mem_limit_bytes"] == limit
+    limit = rotor.plan.budget
+    assert strategy.metrics["rotor/budget_bytes"] == limit
     assert 0 < strategy.metrics["rotor/measured_peak_bytes"] <= limit
     x, y = batches(4)[-1]
     with MemoryProbe([model]) as probe:
@@ -107,7 +107,7 @@ def test_fabric_loop_equals_plain_fabric_within_budget(tmp_path, capsys, precisi
     acc = EventAccumulator(str(logger.log_dir))
     acc.Reload()
     for tag in (
-        "mem_limit_bytes",
+        "budget_bytes",
         "predicted_peak_bytes",
         "measured_peak_bytes",
         "recomputed_stages",
@@ -117,7 +117,7 @@ def test_fabric_loop_equals_plain_fabric_within_budget(tmp_path, capsys, precisi
         "step_overhead",
     ):
         assert f"rotor/{tag}" in acc.Tags()["scalars"], tag
-    assert [e.value for e in acc.Scalars("rotor/mem_limit_bytes")] == [limit] * 3
+    assert [e.value for e in acc.Scalars("rotor/budget_bytes")] == [limit] * 3
 
 
 class TwoParts(nn.Module):
@@ -136,7 +136,7 @@ def test_include_names_submodules_of_the_set_up_module():
     model = fabric.setup(TwoParts())
     assert isinstance(model.body, Checkpointable) and list(fabric.strategy.chains) == ["body"]
     fabric.backward(model(torch.randn(8, 16)).sum())
-    assert fabric.strategy.metrics["rotor/mem_limit_bytes"] == model.body.plan.mem_limit
+    assert fabric.strategy.metrics["rotor/budget_bytes"] == model.body.plan.budget
 
 
 def test_two_modules_set_up_apart_are_two_chains():
@@ -146,8 +146,8 @@ def test_two_modules_set_up_apart_are_two_chains():
     d = fabric.setup(nn.Sequential(*(nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(4))))
     assert list(fabric.strategy.chains) == ["model", "model_2"]
     fabric.backward(d(g(torch.randn(8, 16))).sum())
-    limits = [r.plan.mem_limit for r in fabric.strategy.chains.values()]
-    assert fabric.strategy.metrics["rotor/mem_limit_bytes"] == sum(limits)
+    limits = [r.plan.budget for r in fabric.strategy.chains.values()]
+    assert fabric.strategy.metrics["rotor/budget_bytes"] == sum(limits)
 
 
 def test_a_kept_output_above_the_budget_is_warned_about_once():
@@ -162,4 +162,4 @@ def test_a_kept_output_above_the_budget_is_warned_about_once():
                 rotor = fabric.strategy.chains["model"]
                 rotor.replan(min_feasible_budget(rotor.chain))
     assert sum("is above the budget" in str(w.message) for w in record) == 1  # once per plan
-    assert fabric.strategy.metrics["rotor/measured_peak_bytes"] > rotor.plan.mem_limit
+    assert fabric.strategy.metrics["rotor/measured_peak_bytes"] > rotor.plan.budget

@@ -26,7 +26,7 @@ def test_figure_draws_op_peaks_predicted_peak_budget_and_the_chains_measured_pea
         (labels.index(label, i if i < len(labels) else 0), after, during)
         for i, ((label, after), during) in enumerate(zip(m.curve, m.op_peaks, strict=True))
     ]
-    fig = curve_figure("model", labels, sim.curve, sim.op_peaks, measured, plan.mem_limit, m.chain_peak)
+    fig = curve_figure("model", labels, sim.curve, sim.op_peaks, measured, plan.budget, m.chain_peak)
     lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
     op_peaks = lines["predicted op peak"].get_ydata()
     assert list(op_peaks) == [b / MIB for b in sim.op_peaks]
@@ -34,8 +34,8 @@ def test_figure_draws_op_peaks_predicted_peak_budget_and_the_chains_measured_pea
     predicted_line = next(line for label, line in lines.items() if label.startswith("predicted peak"))
     assert predicted_line.get_ydata()[0] == plan.peak / MIB
     budget_line = next(line for label, line in lines.items() if label.startswith("budget"))
-    assert budget_line.get_ydata()[0] == plan.mem_limit / MIB
+    assert budget_line.get_ydata()[0] == plan.budget / MIB
     measured_line = next(line for label, line in lines.items() if label.startswith("measured peak"))
-    assert measured_line.get_ydata()[0] == m.chain_peak / MIB <= plan.mem_limit / MIB
+    assert measured_line.get_ydata()[0] == m.chain_peak / MIB <= plan.budget / MIB
     assert list(lines["measured op peak"].get_ydata()) == [b / MIB for b in m.op_peaks]
     assert max(m.op_peaks) <= plan.peak  # measured never above the prediction

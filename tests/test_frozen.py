@@ -118,7 +118,7 @@ def test_below_the_plain_peak_grads_are_plains_and_frozen_stages_are_not_recompu
     peak, got = rotor_step(rotor, x, y, loss_fn)
     assert rotor.plan.recomputed_stages > 0
     assert_frozen_run_once(rotor)
-    assert peak <= rotor.plan.mem_limit
+    assert peak <= rotor.plan.budget
     assert_same_grads(grads, got)
 
 
@@ -135,7 +135,7 @@ def test_unfreezing_mid_training_plans_again_and_trains_like_plain():
         _, grads = plain_step(model, x, y, loss_fn)
         peak, got = rotor_step(rotor, x, y, loss_fn)
         assert_same_grads(grads, got)
-        assert peak <= rotor.plan.mem_limit
+        assert peak <= rotor.plan.budget
         assert_frozen_run_once(rotor)
         frozen.append(rotor.chain.frozen)
         plain_opt.step()
@@ -157,7 +157,7 @@ def test_saved_plans_of_a_frozen_model_load_and_run_without_profiling():
     peak, got = rotor_step(again, x, y, loss_fn)
     assert again.last_entry.profile.seconds == first.last_entry.profile.seconds  # loaded, not profiled again
     assert again.plan.ops == first.plan.ops and again.plan.recomputed_stages > 0
-    assert peak <= again.plan.mem_limit
+    assert peak <= again.plan.budget
     assert_same_grads(grads, got)
 
 

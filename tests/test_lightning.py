@@ -238,9 +238,9 @@ def test_two_chains_share_a_fractional_budget(tmp_path):
     assert sorted(keep.modules) == ["net", "tail"]
     # one budget, the fraction of the chains' summed no-recomputation peaks, split by need
     total = resolve_budget(BUDGET, sum(no_recompute_peak(r.chain) for r in keep.modules.values()))
-    assert sum(r.plan.mem_limit for r in keep.modules.values()) <= total
-    assert sum(r.plan.mem_limit for r in keep.modules.values()) >= total - len(keep.modules)
-    assert all(r.plan.mem_limit >= min_feasible_budget(r.chain) for r in keep.modules.values())
+    assert sum(r.plan.budget for r in keep.modules.values()) <= total
+    assert sum(r.plan.budget for r in keep.modules.values()) >= total - len(keep.modules)
+    assert all(r.plan.budget >= min_feasible_budget(r.chain) for r in keep.modules.values())
     torch.testing.assert_close(runs["rotor"].losses, runs["plain"].losses, rtol=0, atol=0)
     for a, b in zip(runs["rotor"].parameters(), runs["plain"].parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -261,7 +261,7 @@ def test_tensorboard_gets_rotor_scalars_curve_and_stage_table(tmp_path):
     acc = events(logger.log_dir)
     scalars = acc.Tags()["scalars"]
     for tag in (
-        "mem_limit_bytes",
+        "budget_bytes",
         "predicted_peak_bytes",
         "measured_peak_bytes",
         "recomputed_stages",
@@ -271,10 +271,10 @@ def test_tensorboard_gets_rotor_scalars_curve_and_stage_table(tmp_path):
         "no_recompute_seconds",
     ):
         assert f"rotor/{tag}" in scalars, tag
-    assert len(acc.Scalars("rotor/mem_limit_bytes")) == 4  # every step
+    assert len(acc.Scalars("rotor/budget_bytes")) == 4  # every step
     rotor = keep.modules["net"]
-    limit = acc.Scalars("rotor/mem_limit_bytes")[-1].value
-    assert limit == rotor.plan.mem_limit
+    limit = acc.Scalars("rotor/budget_bytes")[-1].value
+    assert limit == rotor.plan.budget
     measured = acc.Scalars("rotor/measured_peak_bytes")[-1].value
     assert 0 < measured <= limit  # the budget held in the real step (exact tensor accounting)
     assert acc.Scalars("rotor/recomputed_stages")[-1].value == sum(r > 1 for r in rotor.last_entry.runs) > 0

@@ -156,7 +156,7 @@ def test_infeasible_total_names_every_chain_and_the_smallest_total(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))  # no step was taken
     keep = KeepRotorModules()
     fit(tmp_path, CNNTask(), images(), RotorStrategy(mem_limit=smallest, discover="sequential"), callbacks=[keep])
-    assert sum(r.plan.mem_limit for r in keep.modules.values()) <= smallest  # the stated total works
+    assert sum(r.plan.budget for r in keep.modules.values()) <= smallest  # the stated total works
 
 
 def test_bad_discover_and_checkpoint_modules_are_one_line_errors():
@@ -200,14 +200,14 @@ def test_resume_with_two_chains_keeps_the_split_of_one_byte_budget(tmp_path):
         RotorStrategy(mem_limit=600_000, discover="sequential"),
         callbacks=[SaveAtEnd(tmp_path / "mid.ckpt"), first],
     )
-    before = {name: r.plan.mem_limit for name, r in first.modules.items()}
+    before = {name: r.plan.budget for name, r in first.modules.items()}
     assert sorted(before) == ["features", "head"] and sum(before.values()) <= 600_000
     resumed = KeepRotorModules()
     trainer = quiet_trainer(
         tmp_path / "b", RotorStrategy(mem_limit=600_000, discover="sequential"), max_steps=4, callbacks=[resumed]
     )
     trainer.fit(CNNTask(), images(), ckpt_path=tmp_path / "mid.ckpt")
-    after = {name: r.plan.mem_limit for name, r in resumed.modules.items()}
+    after = {name: r.plan.budget for name, r in resumed.modules.items()}
     assert after == before  # each chain its share again, never the whole total each
 
 

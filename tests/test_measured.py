@@ -78,7 +78,7 @@ def test_measured_peak_equals_the_prediction_in_the_shipped_configs(tmp_path, co
     measured = logged["rotor/measured_peak_bytes"]
     assert measured, "no step was measured"
     predicted = logged["rotor/predicted_peak_bytes"][-1]
-    assert predicted <= logged["rotor/mem_limit_bytes"][-1]
+    assert predicted <= logged["rotor/budget_bytes"][-1]
     # the batch's targets and Lightning's logging copies are not activations (docs/memory-model.md, section 5)
     assert measured == [predicted] * len(measured)
 
@@ -99,7 +99,7 @@ def test_ddp_measured_peak_leaves_out_the_reducer_buckets(tmp_path):
         logger=TensorBoardLogger(tmp_path, name="ddp"),
     ).fit(model, data)
     logged = scalars(tmp_path)  # rank zero's
-    measured, limit = logged["rotor/measured_peak_bytes"], logged["rotor/mem_limit_bytes"][-1]
+    measured, limit = logged["rotor/measured_peak_bytes"], logged["rotor/budget_bytes"][-1]
     assert measured and max(measured) <= limit
     assert measured[-1] == logged["rotor/predicted_peak_bytes"][-1]
 

@@ -61,7 +61,7 @@ def test_prepare_takes_a_budget_of_the_chain_and_its_runner_trains_bitwise_as_pl
         return max(min_feasible_budget(chain), no_recompute_peak(chain) // 2)
 
     entry = pipeline.prepare(stages, x, half_of_peak, repeats=1)
-    assert seen == [entry.chain] and entry.plan.mem_limit == half_of_peak(entry.chain)
+    assert seen == [entry.chain] and entry.plan.budget == half_of_peak(entry.chain)
     assert max(entry.runs) > 1  # half the peak recomputes something
 
     out = entry.runner(x)
@@ -89,7 +89,7 @@ def test_plan_cache_keys_by_signature_and_saves_plans_with_fingerprints():
     assert plan_key(x[:8], [True] * 8) != key  # another batch size: another plan
     cache.add(key, entry)
     smaller = cache.plan_at(key, min_feasible_budget(entry.chain))
-    assert smaller.peak <= min_feasible_budget(entry.chain) < entry.plan.mem_limit
+    assert smaller.peak <= min_feasible_budget(entry.chain) < entry.plan.budget
 
     state = json.loads(json.dumps(cache.state_dict()))  # plain data
     again = PlanCache(stages, names)

@@ -133,7 +133,7 @@ def test_min_feasible_budget_plans_and_one_byte_less_does_not(chain):
     if smallest > 1:
         with pytest.raises(InfeasibleBudget) as err:
             plan(chain, smallest - 1)
-        assert err.value.min_feasible == smallest and err.value.mem_limit == smallest - 1
+        assert err.value.min_feasible == smallest and err.value.budget == smallest - 1
         assert f"({smallest} bytes)" in str(err.value)
 
 
@@ -325,7 +325,7 @@ def test_infeasible_message():
     with pytest.raises(InfeasibleBudget) as err:
         plan(chain, "1MiB")
     assert isinstance(err.value, ValueError)
-    assert err.value.mem_limit == 2**20 and err.value.min_feasible == smallest
+    assert err.value.budget == 2**20 and err.value.min_feasible == smallest
     text = str(err.value)
     assert "1.00 MiB (1048576 bytes)" in text and f"{smallest} bytes" in text and "\n" not in text
 

@@ -135,7 +135,7 @@ def test_plan_of_another_model_with_the_same_stage_names_is_refused():
     assert big.entries == {} and big.budget is None  # nothing forced in: the next forward profiles
     with big.measure_step() as m:
         step(big, x, y)
-    assert m.peak <= big.plan.mem_limit
+    assert m.peak <= big.plan.budget
     twin = Checkpointable(wide_net(16), 0.75)  # the same chain loads
     twin.load_plan_state(state)
     assert twin.entries.keys() == small.entries.keys() and twin.budget == small.budget
@@ -185,7 +185,7 @@ def test_resume_with_an_infeasible_budget_fails_as_a_fresh_run_does(tmp_path):
             resumed_model, lit_loader(), ckpt_path=tmp_path / "mid.ckpt"
         )
     assert resumed.value.min_feasible == fresh.value.min_feasible
-    assert resumed.value.mem_limit == fresh.value.mem_limit == 1024
+    assert resumed.value.budget == fresh.value.budget == 1024
 
 
 # == promise: gradients bitwise equal to plain training ======================================================

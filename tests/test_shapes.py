@@ -54,8 +54,8 @@ def test_fraction_and_automatic_budgets_follow_each_shape(mem_limit):
         assert_same_state(plain, rotor)
         need = no_recompute_peak(rotor.chain)
         expected = need if mem_limit is None else max(resolve_budget(mem_limit, need), min_feasible_budget(rotor.chain))
-        assert rotor.plan.mem_limit == expected == rotor.budget  # this shape's own bytes
-        assert m.peak <= rotor.plan.mem_limit
+        assert rotor.plan.budget == expected == rotor.budget  # this shape's own bytes
+        assert m.peak <= rotor.plan.budget
     assert len(rotor.entries) == len(LENGTHS)
 
 
@@ -117,7 +117,7 @@ class PeaksOfKnownShapes(pl.Callback):
         if self.probe is not None:
             self.probe.__exit__(None, None, None)
             rotor = rotor_modules(pl_module)["net"]
-            self.steps.append((self.probe.peak, rotor.last_entry.plan.mem_limit))
+            self.steps.append((self.probe.peak, rotor.last_entry.plan.budget))
             self.probe = None
 
 
@@ -148,8 +148,8 @@ def test_trainer_with_dynamic_padding_trains_every_shape(tmp_path, strategy):
     rotor = keep.modules["net"]
     assert len(rotor.entries) == len(LENGTHS)
     for entry in rotor.entries.values():  # each shape planned within its own bytes
-        assert entry.plan.peak <= entry.plan.mem_limit
-        assert entry.plan.mem_limit <= max(no_recompute_peak(entry.chain), min_feasible_budget(entry.chain))
+        assert entry.plan.peak <= entry.plan.budget
+        assert entry.plan.budget <= max(no_recompute_peak(entry.chain), min_feasible_budget(entry.chain))
 
 
 def test_a_later_shape_measures_its_sizes_and_derives_its_times_from_flops():
@@ -192,7 +192,7 @@ def test_shape_buckets_run_fewer_plans_within_each_plans_budget():
         with rotor.measure_step() as m:
             lm_loss(rotor(x), y).backward()
         assert_same_state(plain, rotor)  # the input itself is not padded
-        assert m.peak <= rotor.plan.mem_limit
+        assert m.peak <= rotor.plan.budget
     assert sorted(e.chain.input_size for e in rotor.entries.values()) == [2 * 16 * 8, 2 * 32 * 8]  # two plans
     with pytest.raises(ValueError, match=r"shape_buckets takes \{dimension: \[sizes\]\}"):
         Checkpointable(small_gpt(), shape_buckets={1: [0]})
@@ -258,5 +258,5 @@ def test_a_fraction_too_small_for_a_later_shape_plans_it_at_its_smallest_with_on
     rotor.zero_grad()
     with rotor.measure_step() as m:
         lm_loss(rotor(x), y).backward()
-    assert rotor.plan.mem_limit == min_feasible_budget(rotor.chain)
-    assert m.peak <= rotor.plan.mem_limit
+    assert rotor.plan.budget == min_feasible_budget(rotor.chain)
+    assert m.peak <= rotor.plan.budget

@@ -53,5 +53,5 @@ def measured_step(model, x, y, loss_fn):
 def check_measured_peak(ckpt, measured):
     """Measured peak within the budget, at most the prediction, and within 10% of it."""
     chosen = ckpt.plan
-    assert measured <= chosen.mem_limit
+    assert measured <= chosen.budget
     assert 0.9 * chosen.peak <= measured <= chosen.peak, (measured, chosen.peak)

@@ -3,7 +3,7 @@
 Every step (through `LightningModule.log`, so `log_every_n_steps` and every logger
 apply; rank zero only):
 
-- `rotor/mem_limit_bytes` (the chains' budgets: each covers every call of its chain in a
+- `rotor/budget_bytes` (the chains' budgets: each covers every call of its chain in a
   step), `rotor/predicted_peak_bytes` (the step's, all calls together),
   `rotor/recomputed_stages` (of the latest call), summed over the wrapped chains;
 - `rotor/measured_peak_bytes`: the activation peak of a sampled step (see below);
@@ -102,7 +102,7 @@ def summary_text(chains: dict[str, Checkpointable]) -> str:
             (
                 name,
                 str(entry.chain.length),
-                format_bytes(entry.plan.mem_limit),
+                format_bytes(entry.plan.budget),
                 format_bytes(entry.plan.peak),
                 format_bytes(no_recompute),
                 str(entry.plan.recomputed_stages),
@@ -154,8 +154,8 @@ def step_metrics(
     # per chain: its budget, which covers all its calls in a step, and the step's predicted peak
     # (the largest of each call's plan peak above what the step's earlier calls still held)
     metrics = {
-        "rotor/mem_limit_bytes": float(
-            sum(rotor.step_limit or e.plan.mem_limit for rotor, e in zip(chains.values(), entries, strict=True))
+        "rotor/budget_bytes": float(
+            sum(rotor.step_limit or e.plan.budget for rotor, e in zip(chains.values(), entries, strict=True))
         ),
         "rotor/predicted_peak_bytes": float(
             sum(rotor.calls.step_peak or e.plan.peak for rotor, e in zip(chains.values(), entries, strict=True))
@@ -341,7 +341,7 @@ class RotorCallback(Callback):
 
     def _check_budget(self, chains: dict[str, Checkpointable], peaks: list[int]) -> None:
         """One rank-zero line, once per set of plans, when a measured peak is above the summed budgets."""
-        budget = sum(rotor.last_entry.plan.mem_limit for rotor in chains.values())
+        budget = sum(rotor.last_entry.plan.budget for rotor in chains.values())
         plans = tuple(id(rotor.last_entry) for rotor in chains.values())
         peak = max(peaks, default=0)
         if peak > budget and plans not in self._warned_over:
@@ -389,7 +389,7 @@ class RotorCallback(Callback):
                 experiment.add_scalar(f"{tag}/measured_bytes", after, i)
                 experiment.add_scalar(f"{tag}/measured_op_peak_bytes", during, i)
             if hasattr(experiment, "add_figure"):
-                figure = curve_figure(name, ops, sim.curve, sim.op_peaks, measured, entry.plan.mem_limit, m.chain_peak)
+                figure = curve_figure(name, ops, sim.curve, sim.op_peaks, measured, entry.plan.budget, m.chain_peak)
                 experiment.add_figure(f"rotor/{name}/memory_curve", figure, trainer.global_step)
 
 
