@@ -163,3 +163,31 @@ def test_a_kept_output_above_the_budget_is_warned_about_once():
                 rotor.replan(min_feasible_budget(rotor.chain))
     assert sum("is above the budget" in str(w.message) for w in record) == 1  # once per plan
     assert fabric.strategy.metrics["rotor/measured_peak_bytes"] > rotor.plan.budget
+
+
+def test_compile_and_shape_buckets_reach_the_chain_as_with_the_trainer():
+    """`compile=` compiles each stage and `shape_buckets=` serves two lengths from one plan, as on
+    `RotorStrategy`; bad values fail at construction, in one line."""
+    from lightning_rotor.compile import CompiledStage
+
+    with pytest.raises(TypeError, match="compile= takes True, False or a dict"):
+        RotorFabricStrategy(compile="yes")
+    strategy = RotorFabricStrategy(
+        mem_limit="60%", compile={"backend": "aot_eager"}, shape_buckets={1: [16]}, measure_every_n_steps=0
+    )
+    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=1)
+    fabric.seed_everything(0, verbose=False)
+    model, opt = fabric.setup(*_model_and_optimizer())
+    for x, y in batches(1, t=16) + batches(1, t=12):  # the longest first, then a shorter batch
+        opt.zero_grad()
+        fabric.backward(lm_loss(model(x), y))
+        opt.step()
+    rotor = strategy.chains["model"]
+    assert rotor.shape_buckets == {1: (16,)} and all(isinstance(s, CompiledStage) for s in rotor.stages)
+    assert len(rotor.entries) == 1  # the shorter batch ran under the bucket's plan
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def _model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = GPT(n_layer=2, n_embd=32, block_size=16)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)

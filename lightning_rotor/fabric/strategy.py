@@ -30,11 +30,13 @@ from torch import nn
 
 from lightning_rotor.budget import MemLimit, format_bytes
 from lightning_rotor.checkpointable import Checkpointable
+from lightning_rotor.compile import stage_compiler
 from lightning_rotor.lightning.callback import step_metrics, summary_text
 from lightning_rotor.lightning.strategy import ProfileProgress
 from lightning_rotor.lightning.wrap import Selector, check_rotor_arguments, is_candidate, is_user_model, wrap
 from lightning_rotor.measure import StepMeasurement
 from lightning_rotor.memory import MemoryProbe
+from lightning_rotor.shapes import check_buckets
 
 ROOT = "model"  # the chain's name when the whole set-up module is wrapped
 
@@ -46,7 +48,7 @@ class RotorFabricStrategy(SingleDeviceStrategy):
     such as `"6GiB"`; a fraction of the no-recomputation peak such as `0.5` or `"50%"`; or
     `{chain name: budget}`), `include` / `exclude` (submodule names relative to the set-up
     module, globs, class names or classes; without `include` the module itself is the
-    chain), `slots`, `discover`, `checkpoint_modules`. Each `fabric.setup(module, ...)` gets
+    chain), `slots`, `discover`, `checkpoint_modules`, `compile`, `shape_buckets`. Each `fabric.setup(module, ...)` gets
     the whole budget. `measure_every_n_steps`: how often the activation peak is sampled
     (0: only the first step of each plan). `print_summary`: print the plan table once.
     `device`: leave None to take Fabric's `accelerator` and `devices`.
@@ -63,6 +65,8 @@ class RotorFabricStrategy(SingleDeviceStrategy):
         slots: int | None = None,
         discover: str = "auto",
         checkpoint_modules: list[str | type] | None = None,
+        compile: bool | dict | None = None,
+        shape_buckets: dict[int, list[int]] | None = None,
         measure_every_n_steps: int = 50,
         print_summary: bool = True,
         device: str | torch.device | None = None,
@@ -72,6 +76,9 @@ class RotorFabricStrategy(SingleDeviceStrategy):
     ):
         super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision=precision)
         _check_arguments(mem_limit, slots, discover, checkpoint_modules, measure_every_n_steps)
+        stage_compiler(compile)  # a bad compile= fails here, in one line
+        self.compile = compile
+        self.shape_buckets = check_buckets(shape_buckets)  # bad buckets fail here, before setup
         self.mem_limit = dict(mem_limit) if isinstance(mem_limit, Mapping) else mem_limit
         self.include = None if include is None else list(include)
         self.exclude = list(exclude or ())
@@ -140,6 +147,7 @@ class RotorFabricStrategy(SingleDeviceStrategy):
                 slots=self.slots,
                 discover=self.discover,
                 checkpoint_modules=self.checkpoint_modules,
+                compile=self.compile,
             )
             module = holder[ROOT]
         else:
@@ -151,7 +159,10 @@ class RotorFabricStrategy(SingleDeviceStrategy):
                 slots=self.slots,
                 discover=self.discover,
                 checkpoint_modules=self.checkpoint_modules,
+                compile=self.compile,
             )
+        for w in wrapped:  # fewer plans over changing shapes
+            w.rotor.shape_buckets = self.shape_buckets
         found = {w.name: w.rotor for w in wrapped}
         found.update({name or ROOT: m for name, m in _outermost_rotor(module).items() if m not in found.values()})
         if not found:
