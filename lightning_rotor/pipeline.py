@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import nn
 
-from lightning_rotor._torch_compat import tree_flatten, tree_map
+from lightning_rotor._torch_compat import tree_flatten, tree_map, tree_unflatten
 from lightning_rotor.chain import Chain
-from lightning_rotor.engine import detach_value
+from lightning_rotor.engine import HandOver
 from lightning_rotor.execute import PlanRunner
 from lightning_rotor.memory import MemoryProbe, storage_bytes
 from lightning_rotor.ops import forward_counts
@@ -179,14 +179,14 @@ def measure_outside(
 
     One forward with the blocks run without grad and the rest recorded, the caller's loss
     (`profile.caller_loss`: `loss_fn` of the output, else the loss the output carries, else a
-    cross-entropy stand-in), then its backward down to the run's output `a_L` (a leaf requiring
-    grad: `δ_L` is made, as in training) and the call's inputs, taken as leaves of their own.
+    cross-entropy stand-in), then its backward down to the run's output `a_L` (handed over as the
+    executor hands it: `δ_L` is made, as in training) and the call's inputs, taken as leaves of their own.
     As in a step `loss_fn(model(x), y).backward()`, only the loss is held into the backward, not
     the output (a step that keeps the logits holds them on top, as anything `training_step`
     keeps). `a_L` is held throughout. Parameters' `.grad` are set aside meanwhile and put back
     untouched, buffers and the RNG stream too (`profile.Untouched`).
     """
-    from lightning_rotor.profile import Untouched, caller_loss, grads_aside
+    from lightning_rotor.profile import LossInput, Untouched, caller_loss, grads_aside
 
     probe = MemoryProbe(module)
     seen: dict[str, int] = {}
@@ -196,8 +196,14 @@ def measure_outside(
         probe.mark("run")  # sweeps first: what died since the last op (temporaries of the code before) is not kept
         seen["before"] = probe.current - storage_bytes(value)
         with torch.no_grad():
-            out = detach_value(run_stages(stages, value), True)  # a_L as training hands it on: requiring grad
-        held.extend((value, out))  # a_0 (with the graph before the run, which training keeps) and a_L
+            out = run_stages(stages, value)
+        # a_L handed on as the executor hands it over (`HandOver`): requiring grad, written in place if the
+        # code after the run does, its gradient δ_L caught; held with a_0 (and the graph before the run)
+        flat, spec = tree_flatten(out)
+        end = LossInput([t.detach() for t in flat if isinstance(t, torch.Tensor)])  # no view: written in place
+        held.extend((value, list(end.tensors), end))
+        handed = iter(HandOver.apply(end, torch.empty(0, requires_grad=True)))
+        out = tree_unflatten([next(handed) if isinstance(t, torch.Tensor) else t for t in flat], spec)
         probe.reset_peak()
         seen["after"] = probe.current
         return out

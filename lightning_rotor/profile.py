@@ -183,7 +183,7 @@ def grads_aside(root: torch.Tensor) -> Iterator[None]:
             t.grad = g
 
 
-class _LossInput:
+class LossInput:
     """The measured loss's end of `HandOver`: a copy of `a_L` to hand over, and `δ_L` once it comes."""
 
     def __init__(self, tensors: list[torch.Tensor]):
@@ -211,7 +211,7 @@ def _loss_peak(output: Any, loss_fn: Callable[[Any], torch.Tensor], keep: bool) 
     copies = [t.detach().clone() if isinstance(t, torch.Tensor) else t for t in flat]
     with MemoryProbe() as probe:
         probe.track(copies)
-        end = _LossInput([t for t in copies if isinstance(t, torch.Tensor)])
+        end = LossInput([t for t in copies if isinstance(t, torch.Tensor)])
         kept = list(end.tensors) if keep else None
         del copies
         dummy = torch.empty(0, requires_grad=True)
