@@ -202,7 +202,8 @@ def measure_outside(
         flat, spec = tree_flatten(out)
         end = LossInput([t.detach() for t in flat if isinstance(t, torch.Tensor)])  # no view: written in place
         held.extend((value, list(end.tensors), end))
-        handed = iter(HandOver.apply(end, torch.empty(0, requires_grad=True)))
+        token = torch.empty(0, requires_grad=True)
+        handed = iter(HandOver.apply(end, token))  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         out = tree_unflatten([next(handed) if isinstance(t, torch.Tensor) else t for t in flat], spec)
         probe.reset_peak()
         seen["after"] = probe.current
