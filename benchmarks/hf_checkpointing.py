@@ -6,6 +6,8 @@ that the model computes its loss in the forward (`model(input_ids=x, labels=x).l
 - `plain`: no checkpointing;
 - `hf`: `gradient_checkpointing_enable(use_reentrant=False)`: every block's input kept, each block
   recomputed once in the backward;
+- `hf, no early stop`: the same under `torch.utils.checkpoint.set_checkpoint_early_stop(False)`: each
+  recomputation runs the whole block, as rotor's does (torch's stops once the backward's tensors are made);
 - `rotor @ hf`: `Checkpointable(model, mem_limit=<hf's measured peak>, discover="modules")`;
 - `rotor min`: rotor at its smallest feasible budget.
 
@@ -26,6 +28,7 @@ import warnings
 from typing import Any
 
 import torch
+from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from lightning_rotor import Checkpointable
 from lightning_rotor.bench.measure import run_interleaved, train_step
@@ -62,8 +65,9 @@ def build(name: str, batch: int, seq: int, layers: int, width: int) -> torch.nn.
 class _HfCheckpointing:
     """The model's forward with Hugging Face's checkpointing on for this call only (the model is shared)."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, early_stop: bool = True):
         self.model = model
+        self.early_stop = early_stop
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # the old name, still the one most users call
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -77,7 +81,8 @@ class _HfCheckpointing:
     def __call__(self, x: torch.Tensor) -> Any:
         self.set(True)  # the recomputation in the backward calls the block directly: off again is fine
         try:
-            return self.model(input_ids=x, labels=x)
+            with set_checkpoint_early_stop(self.early_stop):  # read when the forward checkpoints
+                return self.model(input_ids=x, labels=x)
         finally:
             self.set(False)
 
@@ -120,6 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     methods = [
         Method(Row(args.model, "cpu", "plain"), lambda x: model(input_ids=x, labels=x)),
         Method(Row(args.model, "cpu", "hf"), hf),
+        Method(Row(args.model, "cpu", "hf, no early stop"), _HfCheckpointing(model, early_stop=False)),
     ]
     for label, ckpt in (("rotor @ hf", at_hf), ("rotor min", at_min)):
         row = Row(args.model, "cpu", label, mem_limit=ckpt.plan.mem_limit, predicted_peak=ckpt.plan.peak)
