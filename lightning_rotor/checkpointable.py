@@ -234,7 +234,7 @@ class Checkpointable(nn.Module):
         run = found.run  # a run of blocks is the chain; the rest of the forward runs as written around it
         key = signature((args, kwargs))
         if key not in self.outside:
-            self.outside[key] = pipeline.measure_outside(self.module, run, self.stages, args, kwargs)
+            self.outside[key] = pipeline.measure_outside(self.module, run, self.stages, args, kwargs, self.loss_fn)
         self._outside_now = self.outside[key]
         run.install(lambda value: self._run(value, lambda: pipeline.run_stages(self.stages, value)))
         try:

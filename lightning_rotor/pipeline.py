@@ -16,26 +16,44 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
 
-from lightning_rotor._torch_compat import tree_flatten, tree_map
+from lightning_rotor._torch_compat import tree_flatten, tree_map, tree_unflatten
 from lightning_rotor.chain import Chain
+from lightning_rotor.engine import HandOver
 from lightning_rotor.execute import PlanRunner
 from lightning_rotor.memory import MemoryProbe, storage_bytes
 from lightning_rotor.ops import forward_counts
 from lightning_rotor.planner import Plan, plan
-from lightning_rotor.profile import Profile, profile_chain
+from lightning_rotor.profile import LOSS_HELD, Profile, profile_chain
 
 if TYPE_CHECKING:
     from lightning_rotor.discovery.modules import ModuleRun
 
-__all__ = ["Entry", "charge_outside", "measure_outside", "plan_chain", "prepare", "profile", "run_stages", "runner"]
+__all__ = [
+    "Entry",
+    "Outside",
+    "charge_outside",
+    "measure_outside",
+    "plan_chain",
+    "prepare",
+    "profile",
+    "run_stages",
+    "runner",
+]
 
 LossFn = Callable[[Any], torch.Tensor]
-Outside = tuple[int, int]  # (bytes kept from before the chain, peak of the rest of the forward above the chain's end)
+
+
+class Outside(NamedTuple):
+    """What a module-level chain's step holds outside the chain (`measure_outside`), in bytes."""
+
+    before: int  # kept by the forward from before the run, beside the run's input
+    tail: int  # peak of the rest of the forward, the loss and their backward above what is alive after the run
+    loss_value: int = LOSS_HELD  # the loss value and its seed gradient, held to the end of the step
 
 
 @dataclass
@@ -65,36 +83,52 @@ def profile(
     warmup: int = 0,
     loss_fn: LossFn | None = None,
     loss_tmp: int | None = None,
-    outside: Outside | None = None,
+    outside: Outside | tuple[int, int] | None = None,
     progress: Callable[[int, int, float], None] | None = None,
     timed: bool = True,
 ) -> Profile:
     """Measure `stages` on `sample` (the chain input `a_0`): times, sizes, transients.
 
     `loss_fn` is measured on the chain output (default: a cross-entropy stand-in); `loss_tmp`
-    bytes are charged instead when given. `outside`: see `charge_outside`. `timed=False`:
-    sizes only, times 0 (a new shape's times are derived, lightning_rotor/shapes.py).
+    bytes are charged instead when given. `outside` (a module-level chain): what the rest of
+    the forward and the caller's loss cost, measured by `measure_outside` (which took `loss_fn`),
+    charged as the chain's loss instead of measuring one on the chain output (`charge_outside`).
+    `timed=False`: sizes only, times 0 (a new shape's times are derived, lightning_rotor/shapes.py).
     """
     loss: int | LossFn | None = loss_tmp if loss_tmp is not None else loss_fn
+    if outside is not None:
+        loss = LOSS_HELD  # placeholder bytes: charge_outside sets the loss from `outside`
     measured = profile_chain(
         stages, sample, names=names, repeats=repeats, warmup=warmup, loss_tmp=loss, progress=progress, timed=timed
     )
     if outside is not None:
-        measured.chain = charge_outside(measured.chain, outside)
+        measured.chain = charge_outside(measured.chain, outside, loss_tmp)
     return measured
 
 
-def charge_outside(chain: Chain, outside: Outside) -> Chain:
-    """A module-level chain charged with the rest of the forward: the bytes kept from before the chain
-    with its input, the forward after the chain, the loss and their backward as the chain's loss."""
-    before, tail = outside
-    tail_tmp = tail - chain.out_size[-1]
-    kept = chain.loss_tmp if chain.loss_tmp_kept is None else chain.loss_tmp_kept  # set by Chain's checks
+def charge_outside(chain: Chain, outside: Outside | tuple[int, int], loss_tmp: int | None = None) -> Chain:
+    """A module-level chain charged with the rest of the forward (`Outside`, docs/memory-model.md,
+    "A module-level chain"): what the forward keeps from before the run, with the chain input
+    (`B 0`'s transient shifted so that `δ_0` stays `a_0`'s size);
+    the forward after the run, the caller's loss and their backward down to `δ_L`, as the
+    chain's loss (at least `loss_tmp` bytes when the caller gave them).
+
+    The tail was measured with `a_L` held throughout, so it stands for a kept `a_L` and, at most
+    `s_L` bytes too high, for a plain one.
+    """
+    outside = Outside(*outside)
+    s_l = chain.out_size[-1]
+    tail_tmp = max(outside.tail - s_l, -s_l)
+    if loss_tmp is not None:
+        tail_tmp = max(tail_tmp, loss_tmp)
     return dataclasses.replace(
         chain,
-        input_size=chain.input_size + before,
-        loss_tmp=max(chain.loss_tmp, tail_tmp),
-        loss_tmp_kept=max(kept, tail_tmp),
+        input_size=chain.input_size + outside.before,
+        # B 0 makes δ_0 of a_0's size, not of what is kept beside it: the same peak, from a larger s_0
+        bwd_tmp=[chain.bwd_tmp[0] - outside.before, *chain.bwd_tmp[1:]],
+        loss_tmp=tail_tmp,
+        loss_tmp_kept=tail_tmp,
+        loss_value=outside.loss_value,
     )
 
 
@@ -136,25 +170,43 @@ def run_stages(stages: Iterable[nn.Module], value: Any) -> Any:
 
 
 def measure_outside(
-    module: nn.Module, run: ModuleRun, stages: Iterable[nn.Module], args: tuple[Any, ...], kwargs: dict[str, Any]
+    module: nn.Module,
+    run: ModuleRun,
+    stages: Iterable[nn.Module],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    loss_fn: LossFn | None = None,
 ) -> Outside:
-    """What a module-level chain's budget must also hold: (bytes the forward keeps from before the run,
-    peak bytes of the rest of the forward, a loss and their backward above what is alive after the run).
+    """What a module-level chain's budget must also hold besides its stages: see `Outside`.
 
-    One forward with the blocks run without grad and the rest recorded, a cross-entropy
-    stand-in for the caller's loss (`profile.proxy_loss`) and its backward down to the run's
-    output and the call's inputs, taken as leaves of their own; parameters' `.grad` are set
-    aside meanwhile and put back untouched, buffers and the RNG stream too (`profile.Untouched`).
+    One forward with the blocks run without grad and the rest recorded, the caller's loss
+    (`profile.caller_loss`: `loss_fn` of the output, else the loss the output carries, else a
+    cross-entropy stand-in), then its backward down to the run's output `a_L` (handed over as the
+    executor hands it: `δ_L` is made, as in training) and the call's inputs, taken as leaves of their own.
+    As in a step `loss_fn(model(x), y).backward()`, only the loss is held into the backward, not
+    the output (a step that keeps the logits holds them on top, as anything `training_step`
+    keeps). `a_L` is held throughout. Parameters' `.grad` are set aside meanwhile and put back
+    untouched, buffers and the RNG stream too (`profile.Untouched`).
     """
-    from lightning_rotor.profile import Untouched, proxy_loss
+    from lightning_rotor.profile import LossInput, Untouched, caller_loss, grads_aside
 
     probe = MemoryProbe(module)
     seen: dict[str, int] = {}
+    held: list[Any] = []  # a_0 and a_L, held to the end
 
     def blocks_without_grad(value: Any) -> Any:
+        probe.mark("run")  # sweeps first: what died since the last op (temporaries of the code before) is not kept
         seen["before"] = probe.current - storage_bytes(value)
         with torch.no_grad():
             out = run_stages(stages, value)
+        # a_L handed on as the executor hands it over (`HandOver`): requiring grad, written in place if the
+        # code after the run does, its gradient δ_L caught; held with a_0 (and the graph before the run)
+        flat, spec = tree_flatten(out)
+        end = LossInput([t.detach() for t in flat if isinstance(t, torch.Tensor)])  # no view: written in place
+        held.extend((value, list(end.tensors), end))
+        token = torch.empty(0, requires_grad=True)
+        handed = iter(HandOver.apply(end, token))  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+        out = tree_unflatten([next(handed) if isinstance(t, torch.Tensor) else t for t in flat], spec)
         probe.reset_peak()
         seen["after"] = probe.current
         return out
@@ -166,13 +218,18 @@ def measure_outside(
     try:
         with Untouched([module], devices), probe:
             output = module(*args, **kwargs)
-            loss = proxy_loss(output)
+            loss = caller_loss(output, loss_fn)
+            del output  # the caller holds the loss into the backward, not the output
+            seen["value"] = 2 * storage_bytes(loss)  # the value and the gradient backward seeds it with
             if loss.requires_grad:
-                loss.backward()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
-            del output, loss
+                with grads_aside(loss):  # parameters outside `module` (a loss_fn's): their .grad is the caller's
+                    loss.backward()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+            del loss
     finally:
         run.uninstall()
-    return max(0, seen.get("before", 0)), max(0, probe.peak - seen.get("after", probe.peak))
+        held.clear()
+    after = seen.get("after", probe.peak)
+    return Outside(max(0, seen.get("before", 0)), max(0, probe.peak - after), seen.get("value", LOSS_HELD))
 
 
 def _own_leaf(value: Any) -> Any:

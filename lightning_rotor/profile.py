@@ -11,7 +11,7 @@ import contextlib
 import functools
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -131,6 +131,31 @@ def proxy_loss(output: Any) -> torch.Tensor:
     return total
 
 
+def output_loss(output: Any) -> torch.Tensor | None:
+    """The loss a model's output carries, when its forward computed one: a Hugging Face
+    `ModelOutput`'s `.loss` (set when `labels` are passed), or a mapping's `"loss"`; else None.
+
+    A tensor that does not require grad (no labels, or no graph) is no loss to backpropagate from.
+    """
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor) and loss.requires_grad and differentiable(loss):
+        return loss
+    return None
+
+
+def caller_loss(output: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None) -> torch.Tensor:
+    """The loss a training step backpropagates from, for measuring: the first that applies of
+    the caller's `loss_fn`, the loss the output carries (`output_loss`), a stand-in (`proxy_loss`).
+
+    The output's own loss is already in the measured forward: a stand-in over its other
+    tensors (logits) would charge a second loss no step computes (issue 17).
+    """
+    if loss_fn is not None:
+        return loss_fn(output)
+    own = output_loss(output)
+    return own if own is not None else proxy_loss(output)
+
+
 @contextlib.contextmanager
 def grads_aside(root: torch.Tensor) -> Iterator[None]:
     """Set aside `.grad` of every leaf a backward from `root` reaches; put the very tensors back after.
@@ -158,7 +183,7 @@ def grads_aside(root: torch.Tensor) -> Iterator[None]:
             t.grad = g
 
 
-class _LossInput:
+class LossInput:
     """The measured loss's end of `HandOver`: a copy of `a_L` to hand over, and `δ_L` once it comes."""
 
     def __init__(self, tensors: list[torch.Tensor]):
@@ -186,7 +211,7 @@ def _loss_peak(output: Any, loss_fn: Callable[[Any], torch.Tensor], keep: bool) 
     copies = [t.detach().clone() if isinstance(t, torch.Tensor) else t for t in flat]
     with MemoryProbe() as probe:
         probe.track(copies)
-        end = _LossInput([t for t in copies if isinstance(t, torch.Tensor)])
+        end = LossInput([t for t in copies if isinstance(t, torch.Tensor)])
         kept = list(end.tensors) if keep else None
         del copies
         dummy = torch.empty(0, requires_grad=True)

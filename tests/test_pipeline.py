@@ -39,7 +39,11 @@ def test_charge_outside_adds_the_rest_of_the_forward():
     charged = pipeline.charge_outside(chain, (1000, chain.out_size[-1] + 5000))
     assert charged.input_size == chain.input_size + 1000
     assert charged.loss_tmp == charged.loss_tmp_kept == 5000
-    assert pipeline.charge_outside(chain, (0, 0)).loss_tmp == 100  # a smaller tail leaves the loss as measured
+    # B 0's peak is unchanged: δ_0 is a_0's size, not the input's with what the forward keeps beside it
+    assert charged.input_size + charged.bwd_tmp[0] == chain.input_size + chain.bwd_tmp[0]
+    # the tail is the loss (no stand-in on the run's output beside it); bytes the caller gave are a floor
+    assert pipeline.charge_outside(chain, (0, chain.out_size[-1])).loss_tmp == 0
+    assert pipeline.charge_outside(chain, (0, 0), loss_tmp=100).loss_tmp == 100
 
 
 def test_plan_chain_within_the_budget_and_refuses_below_the_minimum():
