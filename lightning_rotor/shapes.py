@@ -41,7 +41,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_rotor._torch_compat import tree_flatten, tree_unflatten
+from lightning_rotor._torch_compat import tensor_version, tree_flatten, tree_unflatten
 from lightning_rotor.budget import format_bytes
 from lightning_rotor.chain import Chain
 from lightning_rotor.planner import InfeasibleBudget
@@ -100,7 +100,7 @@ def stage_flops(stages: Sequence[nn.Module], sample: Any) -> list[int] | None:
     devices = [t.device for t in tensors if t.device.type == "cuda"]
     modes = [(m, m.training) for stage in stages for m in stage.modules()]
     buffers = [b for stage in stages for b in stage.buffers()]
-    versions = [b._version for b in buffers]
+    versions = [tensor_version(b) for b in buffers]
     counts = []
     try:
         for m, _ in modes:
@@ -117,7 +117,7 @@ def stage_flops(stages: Sequence[nn.Module], sample: Any) -> list[int] | None:
     finally:
         for m, training in modes:
             m.training = training
-    if [b._version for b in buffers] != versions:  # a stage wrote a buffer: cannot count without effects
+    if [tensor_version(b) for b in buffers] != versions:  # a stage wrote a buffer: cannot count without effects
         raise RuntimeError("rotor: counting a stage's FLOPs wrote one of its buffers; use derive_shapes=False")
     return counts
 

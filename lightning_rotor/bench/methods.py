@@ -115,11 +115,11 @@ def rotor_methods(w: Workload, budgets: list[str], row: Callable[..., Row]) -> l
         try:
             entry = _prepare(w, ckpt)
         except InfeasibleBudget as err:
-            r.mem_limit = getattr(err, "mem_limit", None)
+            r.mem_limit = getattr(err, "budget", None)
             r.note = f"infeasible; smallest feasible budget {format_bytes(err.min_feasible)}"
             methods.append(Method(r, None))
             continue
-        r.mem_limit = entry.plan.mem_limit
+        r.mem_limit = entry.plan.budget
         r.predicted_peak = entry.plan.peak
         r.plan_ms = entry.plan.time * 1e3
         r.profile_s = ckpt.profile_seconds
