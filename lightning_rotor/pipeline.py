@@ -68,16 +68,26 @@ def profile(
     outside: Outside | None = None,
     progress: Callable[[int, int, float], None] | None = None,
     timed: bool = True,
+    options: bool = False,
 ) -> Profile:
     """Measure `stages` on `sample` (the chain input `a_0`): times, sizes, transients.
 
     `loss_fn` is measured on the chain output (default: a cross-entropy stand-in); `loss_tmp`
     bytes are charged instead when given. `outside`: see `charge_outside`. `timed=False`:
     sizes only, times 0 (a new shape's times are derived, lightning_rotor/shapes.py).
+    `options`: measure each stage's option "sac" too (`profile_chain`).
     """
     loss: int | LossFn | None = loss_tmp if loss_tmp is not None else loss_fn
     measured = profile_chain(
-        stages, sample, names=names, repeats=repeats, warmup=warmup, loss_tmp=loss, progress=progress, timed=timed
+        stages,
+        sample,
+        names=names,
+        repeats=repeats,
+        warmup=warmup,
+        loss_tmp=loss,
+        progress=progress,
+        timed=timed,
+        options=options,
     )
     if outside is not None:
         measured.chain = charge_outside(measured.chain, outside)
