@@ -7,15 +7,18 @@ that budget records some stage by its option (chosen by memory alone, whatever t
 
 import copy
 import dataclasses
+from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+import yaml
 from fitting import quiet_trainer
 from torch.utils.data import DataLoader, TensorDataset
 from training import grads, tokens_loss, train
 
 from lightning_rotor import Checkpointable
 from lightning_rotor.lightning import RotorStrategy
+from lightning_rotor.lightning.cli import main
 from lightning_rotor.memory import MemoryProbe
 from lightning_rotor.models.gpt import Block, gpt
 from lightning_rotor.ops import OpKind
@@ -119,3 +122,13 @@ def test_trainer_with_options_runs_fs_bitwise_like_plain(tmp_path):
     assert len(plain.grads) == len(rotor.grads) == 3
     for mine, theirs in zip(plain.grads, rotor.grads, strict=True):
         assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
+
+
+def test_yaml_turns_options_on_through_lightning_cli(tmp_path, capsys):
+    quickstart = Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml"
+    extra = tmp_path / "options.yaml"
+    extra.write_text("trainer:\n  strategy:\n    class_path: rotor\n    init_args:\n      options: true\n")
+    assert main(["fit", "--config", str(quickstart), "--config", str(extra), "--print_config"]) == 0
+    strategy = yaml.safe_load(capsys.readouterr().out)["trainer"]["strategy"]
+    assert strategy["class_path"] == "lightning_rotor.lightning.RotorStrategy"
+    assert strategy["init_args"]["options"] is True
