@@ -10,6 +10,7 @@ import dataclasses
 from pathlib import Path
 
 import lightning.pytorch as pl
+import pytest
 import torch
 import yaml
 from fitting import quiet_trainer
@@ -132,3 +133,18 @@ def test_yaml_turns_options_on_through_lightning_cli(tmp_path, capsys):
     strategy = yaml.safe_load(capsys.readouterr().out)["trainer"]["strategy"]
     assert strategy["class_path"] == "lightning_rotor.lightning.RotorStrategy"
     assert strategy["init_args"]["options"] is True
+
+
+def test_a_later_shape_derives_its_options_times_from_the_first():
+    model, (x, _) = tiny_gpt(), batch()
+    rotor = Checkpointable(model, options=True, repeats=1)
+    first = rotor.prepare_for(x).chain
+    later = rotor.prepare_for(x[:, : SEQ // 2]).chain  # sizes measured, times derived (lightning_rotor/shapes.py)
+    assert [len(o) for o in later.options] == [len(o) for o in first.options]
+    for k, opts in enumerate(later.options):
+        for mine, theirs in zip(opts, first.options[k], strict=True):
+            assert mine.saved_size < theirs.saved_size
+            assert mine.fwd_time > 0 and mine.bwd_time > 0
+            # the option's times scale with its stage's
+            ratio = later.fwd_time[k] / first.fwd_time[k]
+            assert mine.fwd_time == pytest.approx(theirs.fwd_time * ratio)
