@@ -91,6 +91,10 @@ class Checkpointable(nn.Module):
     `shape_buckets`: fewer plans, e.g. `{1: [64, 128, 256]}`: an input of length `n` along dimension 1
     runs the plan of the smallest bucket `>= n` (the input itself is not padded; lightning_rotor/shapes.py).
 
+    `options`: also profile each stage's option "sac" (record only matmul, convolution and attention
+    outputs, recompute the rest in the backward; chain version 5) so the planner may choose it per stage
+    and position; off by default: it adds profiling time and changes plans (docs/checkpointable.md).
+
     `compile`: True or a dict of torch.compile arguments compiles each stage; a module given as
     `torch.compile(m)` is discovered on `m` and its stages compiled with its options (docs/compile.md).
     """
@@ -114,6 +118,7 @@ class Checkpointable(nn.Module):
         compile: bool | dict[str, Any] | None = None,
         derive_shapes: bool = True,
         shape_buckets: dict[int, list[int]] | None = None,
+        options: bool = False,
     ):
         compiled = None
         if isinstance(module, nn.Module):  # torch.compile(m): stages of m, compiled alike (compile.py)
@@ -145,6 +150,7 @@ class Checkpointable(nn.Module):
             raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
         self.repeats = repeats
         self.derive_shapes = derive_shapes
+        self.options = bool(options)
         self._timed: tuple[Chain, list[int]] | None = None  # a timed shape's chain and stage FLOPs (derive_shapes)
         self.warmup = warmup
         self.budget: int | None = None  # bytes of the signature that ran last (each shape has its own)
@@ -335,7 +341,7 @@ class Checkpointable(nn.Module):
         measured = pipeline.profile(
             self.stages, value, names=self.stage_names, repeats=self.repeats, warmup=self.warmup,
             loss_fn=self.loss_fn, loss_tmp=self.loss_tmp, outside=outside, progress=self.on_profile_progress,
-            timed=not derive,
+            timed=not derive, options=self.options,
         )  # fmt: skip
         if derive:  # sizes measured, times from the timed shape's by FLOPs (lightning_rotor/shapes.py)
             measured.chain = derived_times(*self._timed, measured.chain, flops)  # type: ignore[misc]

@@ -86,6 +86,7 @@ def profile(
     outside: Outside | tuple[int, int] | None = None,
     progress: Callable[[int, int, float], None] | None = None,
     timed: bool = True,
+    options: bool = False,
 ) -> Profile:
     """Measure `stages` on `sample` (the chain input `a_0`): times, sizes, transients.
 
@@ -94,12 +95,21 @@ def profile(
     the forward and the caller's loss cost, measured by `measure_outside` (which took `loss_fn`),
     charged as the chain's loss instead of measuring one on the chain output (`charge_outside`).
     `timed=False`: sizes only, times 0 (a new shape's times are derived, lightning_rotor/shapes.py).
+    `options`: measure each stage's option "sac" too (`profile_chain`).
     """
     loss: int | LossFn | None = loss_tmp if loss_tmp is not None else loss_fn
     if outside is not None:
         loss = LOSS_HELD  # placeholder bytes: charge_outside sets the loss from `outside`
     measured = profile_chain(
-        stages, sample, names=names, repeats=repeats, warmup=warmup, loss_tmp=loss, progress=progress, timed=timed
+        stages,
+        sample,
+        names=names,
+        repeats=repeats,
+        warmup=warmup,
+        loss_tmp=loss,
+        progress=progress,
+        timed=timed,
+        options=options,
     )
     if outside is not None:
         measured.chain = charge_outside(measured.chain, outside, loss_tmp)

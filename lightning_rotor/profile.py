@@ -8,6 +8,7 @@ NOTE: [what each field measures]). Profiling leaves no trace on training (`Untou
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import statistics
 import time
@@ -21,12 +22,13 @@ from torch import nn
 
 from lightning_rotor._torch_compat import (
     StorageWeakRef,
+    TorchDispatchMode,
     accumulated_leaf,
     storage_use_count,
     tree_flatten,
     tree_unflatten,
 )
-from lightning_rotor.chain import Chain
+from lightning_rotor.chain import Chain, StageOption
 from lightning_rotor.engine import (
     HandOver,
     backward_from_edges,
@@ -43,6 +45,7 @@ from lightning_rotor.engine import (
     versions,
 )
 from lightning_rotor.memory import MemoryProbe, storage_bytes, storage_key
+from lightning_rotor.selective import EXPENSIVE_OPS, run_selective
 
 # NOTE: [what each field measures] profile_chain fills a `Chain` exactly as docs/memory-model.md
 # defines each field:
@@ -285,8 +288,11 @@ PROFILE_STEPS = 10  # profiling stops adding timing rounds once it has taken thi
 MIN_ROUNDS = 3  # timing rounds run whatever the time: a stage's fastest of three is rarely a stalled run
 
 
-def _stage_forward(stage: nn.Module, value: Any, grad_in: bool, k: int, name: str, record: bool) -> tuple[Any, Any]:
-    """(input leaf, output) of stage `k` run on a detached `value`, recording its graph when `record`.
+def _stage_forward(
+    stage: nn.Module, value: Any, grad_in: bool, k: int, name: str, record: bool, selective: bool = False
+) -> tuple[Any, Any]:
+    """(input leaf, output) of stage `k` run on a detached `value`, recording its graph when `record`
+    (`selective`: recording option "sac", as the executor runs `Fs k:1`).
 
     The executor enters stage inputs through `EnterStage` instead; a leaf's accumulator may copy
     `δ_k`, which charges `B k` more than the executor holds, the safe side (docs/memory-model.md,
@@ -297,7 +303,7 @@ def _stage_forward(stage: nn.Module, value: Any, grad_in: bool, k: int, name: st
         compact_gradients(inp)
     before = versions(value)
     with torch.set_grad_enabled(record), no_cast_cache():
-        out = stage(inp)
+        out = run_selective(stage, inp) if selective else stage(inp)
     check_inplace(before, value, k, name)
     return inp, out
 
@@ -349,8 +355,12 @@ def _timed_rounds(
     repeats: int,
     start: float,
     frozen: int,
+    selective: dict[int, list[float]] | None = None,
 ) -> tuple[list[list[float]], list[list[float]]]:
     """Per stage, the forward and backward seconds of each round (`repeats` at most).
+
+    `selective`: stages whose option "sac" is timed too, in the same round after their `Fe`;
+    each gets its runs appended as (forward, backward) pairs, flat.
 
     A round times every stage's `Fe` and `B` once, in chain order, each on its input made
     anew without grad: a burst of load then slows one run of every stage of a round, not
@@ -368,6 +378,8 @@ def _timed_rounds(
                 f, b = _timed_run_frozen(forward, device, untouched), 0.0
             else:
                 f, b = _timed_run(forward, device, untouched)
+                if selective is not None and k in selective:
+                    selective[k].extend(_timed_run(functools.partial(forward, selective=True), device, untouched))
             fwd[k].append(f)
             bwd[k].append(b)
             if k + 1 < len(stages):  # the next input, made after B k: profiling never holds more than B k does
@@ -391,11 +403,14 @@ def stage_times(fwd: list[list[float]], bwd: list[list[float]]) -> tuple[list[fl
     does not decide it.
     """
     f_min, b_min = [min(runs) for runs in fwd], [min(runs) for runs in bwd]
-    fastest = sum(f_min) + sum(b_min)
-    if fastest <= 0:
-        return f_min, b_min
-    scale = statistics.median(round_totals(fwd, bwd)) / fastest
+    scale = _round_scale(fwd, bwd)
     return [t * scale for t in f_min], [t * scale for t in b_min]
+
+
+def _round_scale(fwd: list[list[float]], bwd: list[list[float]]) -> float:
+    """The common factor `stage_times` applies to each stage's fastest run (1 without times)."""
+    fastest = sum(min(runs) for runs in fwd) + sum(min(runs) for runs in bwd)
+    return statistics.median(round_totals(fwd, bwd)) / fastest if fastest > 0 else 1.0
 
 
 def round_totals(fwd: list[list[float]], bwd: list[list[float]]) -> list[float]:
@@ -507,6 +522,53 @@ def _measure_recorded(
     return fwd_tmp, saved, out_free, bwd_peak, out_kept
 
 
+class _OpKinds(TorchDispatchMode):
+    """Which kinds of op a run dispatches: ones option "sac" saves, and others it recomputes (views aside)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.saved = self.recomputed = False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in EXPENSIVE_OPS:
+            self.saved = True
+        elif not getattr(func, "is_view", False):
+            self.recomputed = True
+        return func(*args, **(kwargs or {}))
+
+
+def _measure_option(
+    stage: nn.Module,
+    forward: Callable[..., tuple[Any, Any]],
+    value: Any,
+    exclude: list[nn.Module],
+    watch: _AllocatorWatch,
+    untouched: Untouched,
+    s_k: int,
+    out_size: int,
+) -> StageOption | None:
+    """Option "sac" of a stage (chain version 5), measured as its `Fe` is (`_measure_recorded`), times 0
+    (the timing rounds fill them); None where it cannot help: the stage runs no op the policy saves, or
+    none it recomputes."""
+    kinds = _OpKinds()
+    with torch.no_grad(), no_cast_cache(), kinds:
+        stage(value)
+    untouched.restore_buffers()
+    if not (kinds.saved and kinds.recomputed):
+        return None
+    selective = functools.partial(forward, selective=True)
+    params = list(stage.parameters())
+    recorded = [
+        _measure_recorded(selective, value, exclude, watch, untouched, accumulate, params, free_grads=True)
+        for accumulate in (False, True)
+    ]
+    fwd_tmp, saved_size = recorded[0][:2]
+    out_free = min(r[2] for r in recorded)
+    held_at_b = saved_size + out_size - out_free  # as option 0's: B k peaks at cur - out_free + s_k + bwd_tmp
+    bwd_tmp = max(-s_k, max(r[3] - held_at_b - s_k for r in recorded))
+    return StageOption(saved_size, 0.0, 0.0, fwd_tmp, bwd_tmp, out_free, name="sac")
+
+
 def _input_kept(stage: nn.Module, value: Any) -> list[bool]:
     """Per tensor of `a_k`: does the graph of `Fe k` keep its storage (or the output share it)?
 
@@ -609,8 +671,12 @@ def profile_chain(
     loss_tmp: int | Callable[[Any], torch.Tensor] | None = None,
     progress: Callable[[int, int, float], None] | None = None,
     timed: bool = True,
+    options: bool = False,
 ) -> Profile:
     """Measure `stages` on `sample` (the chain input `a_0`); see NOTE: [what each field measures].
+
+    `options`: also measure each stage's option "sac" (chain version 5, `_measure_option`) and keep
+    it where it saves fewer bytes than recording all; its times come from the same timing rounds.
 
     `progress(stages_done, stages, seconds)` is called after each stage, for a progress line.
     `timed=False` measures sizes only: no timing rounds, every time 0 (a new input shape's times
@@ -633,6 +699,7 @@ def profile_chain(
     own: list[bool] = []  # per tensor of a_k: a storage of its own, not one of a_{k-1}'s
     output_kept: list[bool] = []  # per tensor of a_k: kept by the graph of F_{k-1}
     frozen = 0  # stages so far that need no backward (chain version 4): a prefix
+    stage_options: list[list[StageOption]] = []  # per stage: option "sac" where kept (chain version 5)
     with Untouched(stages, [device]) as untouched:
         for k, stage in enumerate(stages):
             if frozen == k and not needs_grad and not any(p.requires_grad for p in stage.parameters()):
@@ -644,6 +711,7 @@ def profile_chain(
                     output_kept = [False] * len(own)
                     del keys, out
                     frozen += 1
+                    stage_options.append([])
                     if progress is not None:
                         progress(k + 1, len(stages), time.perf_counter() - start)
                     continue
@@ -666,8 +734,11 @@ def profile_chain(
             # measured after the in-place check above
             in_free = 0
             if k > frozen:  # a_F, the input of the first stage after a frozen prefix, is held to the end
+                # at most what every way of recording stage k-1 lets go of (options' out_free too)
                 in_free = min(
-                    fields["out_free"][k - 1], _released_whole(value, own, output_kept, _input_kept(stage, value))
+                    fields["out_free"][k - 1],
+                    *(o.out_free for o in stage_options[k - 1]),
+                    _released_whole(value, own, output_kept, _input_kept(stage, value)),
                 )
                 untouched.restore_buffers()
             # memory with grad recording (Fe), then its backward (B): once with no parameter gradient
@@ -688,6 +759,10 @@ def profile_chain(
             s_k = fields["out_size"][k - 1] if 0 < k <= frozen else storage_bytes(value)  # a_F: beside a_0's
             held_at_b = saved_size + out_size - out_free
             bwd_tmp = max(-s_k, max(r[3] - held_at_b - s_k for r in recorded))
+            option = None
+            if options:
+                option = _measure_option(stage, forward, value, exclude, watch, untouched, s_k, out_size)
+            stage_options.append([option] if option is not None and option.saved_size < saved_size else [])
             for _ in range(warmup):  # untimed (the memory runs above warm up too)
                 _timed_run(forward, device, untouched)
             for name, v in zip(
@@ -720,10 +795,19 @@ def profile_chain(
             held = LOSS_HELD
         del value  # a_L: the timing rounds hold no more than B k does
         rounds = repeats if timed else 0
-        fwd, bwd = _timed_rounds(stages, sample, needs_grad, names, device, untouched, rounds, start, frozen)
+        selective: dict[int, list[float]] = {k: [] for k, opts in enumerate(stage_options) if opts}
+        fwd, bwd = _timed_rounds(stages, sample, needs_grad, names, device, untouched, rounds, start, frozen, selective)
         if not timed:
             fwd, bwd = [[0.0] for _ in stages], [[0.0] for _ in stages]
     fields["fwd_time"], fields["bwd_time"] = stage_times(fwd, bwd)
+    scale = _round_scale(fwd, bwd)  # option runs share the stages' clock: fastest run, same factor
+    for k, runs in selective.items():
+        if runs:
+            stage_options[k] = [
+                dataclasses.replace(o, fwd_time=min(runs[0::2]) * scale, bwd_time=min(runs[1::2]) * scale)
+                for o in stage_options[k]
+            ]
+    fields["options"] = stage_options
     # the loss value lives from the end of the loss to the end of the step (chain version 3: loss_value)
     chain = Chain(
         input_size=storage_bytes(sample),

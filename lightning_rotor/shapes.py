@@ -129,10 +129,19 @@ def derived_times(timed: Chain, timed_flops: Sequence[int], sized: Chain, flops:
         f / t if t > 0 and f > 0 else (out / ref if ref > 0 else 1.0)
         for f, t, out, ref in zip(flops, timed_flops, sized.out_size, timed.out_size, strict=True)
     ]
+    # an option's times scale with its stage's; an option the timed shape did not keep has no times: dropped
+    options = [
+        [
+            dataclasses.replace(o, fwd_time=t.fwd_time * r, bwd_time=t.bwd_time * r)
+            for o, t in zip(mine, theirs, strict=False)
+        ]
+        for mine, theirs, r in zip(sized.options, timed.options, scale, strict=True)
+    ]
     return dataclasses.replace(
         sized,
         fwd_time=[t * r for t, r in zip(timed.fwd_time, scale, strict=True)],
         bwd_time=[t * r for t, r in zip(timed.bwd_time, scale, strict=True)],
+        options=options,
     )
 
 

@@ -66,6 +66,7 @@ class _RotorMixin:
         discover: str = "auto",
         checkpoint_modules: Sequence[str | type] | None = None,
         compile: bool | dict | None = None,
+        options: bool = False,
     ) -> None:
         check_rotor_arguments(mem_limit, slots, discover, checkpoint_modules)
         stage_compiler(compile)  # a bad compile= fails here, in one line
@@ -76,6 +77,7 @@ class _RotorMixin:
         self.exclude = list(exclude or ())
         self.slots = slots
         self.compile = compile
+        self.options = bool(options)
         self.wrapped: list[Wrapped] = []
         self.not_wrapped_reason = ""
         self._warned = False
@@ -101,6 +103,7 @@ class _RotorMixin:
             discover=self.discover,
             checkpoint_modules=self.checkpoint_modules,
             compile=self.compile,
+            options=self.options,
         )
         if not self.wrapped:
             if not self._warned:
@@ -163,7 +166,8 @@ class RotorStrategy(_RotorMixin, SingleDeviceStrategy):
     `include` / `exclude`: submodule names (globs allowed), class names or classes
     overriding what is wrapped. `slots`: the planner's memory precision (None: automatic). `compile`: True
     or a dict of torch.compile arguments compiles each stage (docs/compile.md). `device`:
-    leave None to take the Trainer's accelerator and `devices`. `shape_buckets`: fewer plans over
+    leave None to take the Trainer's accelerator and `devices`. `options`: also profile each stage's
+    selective-recording option (docs/checkpointable.md, "Per-stage options"). `shape_buckets`: fewer plans over
     changing input shapes, e.g. `{1: [128, 256, 512]}` (docs/checkpointable.md, "Changing shapes").
     """
 
@@ -179,6 +183,7 @@ class RotorStrategy(_RotorMixin, SingleDeviceStrategy):
         discover: str = "auto",
         checkpoint_modules: list[str | type] | None = None,
         compile: bool | dict | None = None,
+        options: bool = False,
         device: str | torch.device | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         checkpoint_io: CheckpointIO | None = None,
@@ -189,7 +194,7 @@ class RotorStrategy(_RotorMixin, SingleDeviceStrategy):
         super().__init__(
             device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin
         )
-        self._init_rotor(mem_limit, include, exclude or (), slots, discover, checkpoint_modules, compile)
+        self._init_rotor(mem_limit, include, exclude or (), slots, discover, checkpoint_modules, compile, options)
         self._device = None if device is None else torch.device(device)
         self._parallel_devices: list[torch.device] = []
 
@@ -239,6 +244,7 @@ class RotorDDPStrategy(_RotorMixin, DDPStrategy):
         discover: str = "auto",
         checkpoint_modules: list[str | type] | None = None,
         compile: bool | dict | None = None,
+        options: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -268,7 +274,7 @@ class RotorDDPStrategy(_RotorMixin, DDPStrategy):
             start_method=start_method,
             **kwargs,
         )
-        self._init_rotor(mem_limit, include, exclude or (), slots, discover, checkpoint_modules, compile)
+        self._init_rotor(mem_limit, include, exclude or (), slots, discover, checkpoint_modules, compile, options)
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:

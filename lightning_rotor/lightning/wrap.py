@@ -201,6 +201,7 @@ def wrap(
     discover: str = "sequential",
     checkpoint_modules: Sequence[str | type] | None = None,
     compile: bool | dict | None = None,
+    options: bool = False,
 ) -> tuple[list[Wrapped], str]:
     """Swap `Checkpointable`s in for the chosen submodules of `model`, in place, under one budget."""
     chains, why = find_chains(model, include, exclude, discover)
@@ -223,6 +224,7 @@ def wrap(
             checkpoint_modules=types,
             fallback_plain=discover == "auto" and include is None,
             compile=None if compiled_inner(module) is not None else compile,  # compiled: its own options
+            options=options,
         )
         if shared is not None:
             rotor.shared, rotor.shared_name = shared, name
