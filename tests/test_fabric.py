@@ -185,6 +185,7 @@ def test_compile_and_shape_buckets_reach_the_chain_as_with_the_trainer():
     rotor = strategy.chains["model"]
     assert rotor.shape_buckets == {1: (16,)} and all(isinstance(s, CompiledStage) for s in rotor.stages)
     assert len(rotor.entries) == 1  # the shorter batch ran under the bucket's plan
+    assert RotorFabricStrategy(options=True).options is True  # per-stage options reach wrap() as on RotorStrategy
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
 
 

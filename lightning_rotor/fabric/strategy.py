@@ -48,9 +48,9 @@ class RotorFabricStrategy(SingleDeviceStrategy):
     such as `"6GiB"`; a fraction of the no-recomputation peak such as `0.5` or `"50%"`; or
     `{chain name: budget}`), `include` / `exclude` (submodule names relative to the set-up
     module, globs, class names or classes; without `include` the module itself is the
-    chain), `slots`, `discover`, `checkpoint_modules`, `compile`, `shape_buckets`. Each `fabric.setup(module, ...)` gets
-    the whole budget. `measure_every_n_steps`: how often the activation peak is sampled
-    (0: only the first step of each plan). `print_summary`: print the plan table once.
+    chain), `slots`, `discover`, `checkpoint_modules`, `compile`, `options`, `shape_buckets`.
+    Each `fabric.setup(module, ...)` gets the whole budget. `measure_every_n_steps`: how often
+    the activation peak is sampled (0: only the first step of each plan). `print_summary`: print the plan table once.
     `device`: leave None to take Fabric's `accelerator` and `devices`.
     """
 
@@ -66,6 +66,7 @@ class RotorFabricStrategy(SingleDeviceStrategy):
         discover: str = "auto",
         checkpoint_modules: list[str | type] | None = None,
         compile: bool | dict | None = None,
+        options: bool = False,
         shape_buckets: dict[int, list[int]] | None = None,
         measure_every_n_steps: int = 50,
         print_summary: bool = True,
@@ -78,6 +79,7 @@ class RotorFabricStrategy(SingleDeviceStrategy):
         _check_arguments(mem_limit, slots, discover, checkpoint_modules, measure_every_n_steps)
         stage_compiler(compile)  # a bad compile= fails here, in one line
         self.compile = compile
+        self.options = options
         self.shape_buckets = check_buckets(shape_buckets)  # bad buckets fail here, before setup
         self.mem_limit = dict(mem_limit) if isinstance(mem_limit, Mapping) else mem_limit
         self.include = None if include is None else list(include)
@@ -148,6 +150,7 @@ class RotorFabricStrategy(SingleDeviceStrategy):
                 discover=self.discover,
                 checkpoint_modules=self.checkpoint_modules,
                 compile=self.compile,
+                options=self.options,
             )
             module = holder[ROOT]
         else:
@@ -160,6 +163,7 @@ class RotorFabricStrategy(SingleDeviceStrategy):
                 discover=self.discover,
                 checkpoint_modules=self.checkpoint_modules,
                 compile=self.compile,
+                options=self.options,
             )
         for w in wrapped:  # fewer plans over changing shapes
             w.rotor.shape_buckets = self.shape_buckets
