@@ -232,6 +232,32 @@ def min_feasible_budget(chain: Chain) -> int:
     )
 
 
+def solve_discretized(
+    chain: Chain, budget: int, slots: int, threads: int | None = None
+) -> tuple[int, list[Any]] | None:
+    """The DP alone on `chain` discretized at `budget` bytes: (cost in time units, op tuples) or None.
+
+    What `plan()` runs before the referee scores it; tests hold it against the reference planner.
+    """
+    d = discretize(chain, budget, slots=slots)
+    return _planner.solve(
+        d.size,
+        d.saved,
+        d.fwd_tmp,
+        d.fwd_tmp_nograd,
+        d.bwd_tmp,
+        d.loss_tmp,
+        d.fwd_cost,
+        d.bwd_cost,
+        d.slots,
+        threads=threads or 0,
+        loss_tmp_graph=d.loss_tmp_graph,
+        in_free=d.in_free,
+        loss_value=d.loss_value,
+        options=[[list(o) for o in opts] for opts in d.options] if d.options else None,
+    )
+
+
 def plan(chain: Chain, mem_limit: BudgetSpec, *, slots: int | None = None, threads: int | None = None) -> Plan:
     """The fastest persistent schedule of `chain` whose peak stays within `mem_limit`.
 
@@ -252,23 +278,7 @@ def plan(chain: Chain, mem_limit: BudgetSpec, *, slots: int | None = None, threa
     if budget < smallest:
         raise InfeasibleBudget(budget, smallest)
     check_planner_memory(chain.length, slots)
-    d = discretize(chain, budget, slots=slots)
-    found = _planner.solve(
-        d.size,
-        d.saved,
-        d.fwd_tmp,
-        d.fwd_tmp_nograd,
-        d.bwd_tmp,
-        d.loss_tmp,
-        d.fwd_cost,
-        d.bwd_cost,
-        d.slots,
-        threads=threads or 0,
-        loss_tmp_graph=d.loss_tmp_graph,
-        in_free=d.in_free,
-        loss_value=d.loss_value,
-        options=[[list(o) for o in opts] for opts in d.options] if d.options else None,
-    )
+    found = solve_discretized(chain, budget, slots, threads)
     candidates = []
     if found is not None:
         candidates.append(parse_ops(found[1]))

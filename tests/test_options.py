@@ -17,7 +17,6 @@ from reference_planner import reference_min_budget, reference_plan, solve
 from test_planner import chains
 from torch import nn
 
-from lightning_rotor import _planner
 from lightning_rotor.chain import Chain, ChainError, StageOption
 from lightning_rotor.discretize import discretize
 from lightning_rotor.execute import PlanRunner
@@ -25,7 +24,7 @@ from lightning_rotor.memory import MemoryProbe
 from lightning_rotor.models.gpt import Block, gpt, lm_loss
 from lightning_rotor.ops import Op, OpKind, parse_ops, recomputed_stages
 from lightning_rotor.plan_cli import compact_ops, main
-from lightning_rotor.planner import InfeasibleBudget, min_feasible_budget, plan
+from lightning_rotor.planner import InfeasibleBudget, min_feasible_budget, plan, solve_discretized
 from lightning_rotor.profile import profile_chain
 from lightning_rotor.selective import measure_sac_memory
 from lightning_rotor.simulate import no_recompute_peak, simulate
@@ -93,22 +92,7 @@ def test_cpp_equals_reference_with_options(chain, where, slots):
 
 
 def cpp_solve_options(chain, budget, slots):
-    d = discretize(chain, budget, slots=slots)
-    return _planner.solve(
-        d.size,
-        d.saved,
-        d.fwd_tmp,
-        d.fwd_tmp_nograd,
-        d.bwd_tmp,
-        d.loss_tmp,
-        d.fwd_cost,
-        d.bwd_cost,
-        d.slots,
-        loss_tmp_graph=d.loss_tmp_graph,
-        in_free=d.in_free,
-        loss_value=d.loss_value,
-        options=[[list(o) for o in opts] for opts in d.options] if d.options else None,
-    )
+    return solve_discretized(chain, budget, slots)
 
 
 def family_with_options(chain):

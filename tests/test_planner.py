@@ -12,7 +12,7 @@ from lightning_rotor import _planner
 from lightning_rotor.chain import Chain
 from lightning_rotor.discretize import discretize
 from lightning_rotor.ops import FORWARD_KINDS
-from lightning_rotor.planner import InfeasibleBudget, Plan, min_feasible_budget, plan
+from lightning_rotor.planner import InfeasibleBudget, Plan, min_feasible_budget, plan, solve_discretized
 from lightning_rotor.simulate import no_recompute_ops, no_recompute_peak, simulate
 
 
@@ -61,21 +61,7 @@ def chains(draw, max_length=7):
 
 
 def cpp_solve(chain, budget, slots):
-    d = discretize(chain, budget, slots=slots)
-    return _planner.solve(
-        d.size,
-        d.saved,
-        d.fwd_tmp,
-        d.fwd_tmp_nograd,
-        d.bwd_tmp,
-        d.loss_tmp,
-        d.fwd_cost,
-        d.bwd_cost,
-        d.slots,
-        loss_tmp_graph=d.loss_tmp_graph,
-        in_free=d.in_free,
-        loss_value=d.loss_value,
-    )
+    return solve_discretized(chain, budget, slots)
 
 
 def without_in_free(chain):

@@ -6,8 +6,7 @@ import pytest
 
 from lightning_rotor import _planner
 from lightning_rotor.chain import Chain
-from lightning_rotor.discretize import discretize
-from lightning_rotor.planner import min_feasible_budget, plan
+from lightning_rotor.planner import min_feasible_budget, plan, solve_discretized
 from lightning_rotor.simulate import no_recompute_peak
 
 
@@ -32,20 +31,7 @@ def random_chain(rng: random.Random, length: int, release: bool = False) -> Chai
 
 
 def solve(chain, budget, slots, threads):
-    d = discretize(chain, budget, slots=slots)
-    return _planner.solve(
-        d.size,
-        d.saved,
-        d.fwd_tmp,
-        d.fwd_tmp_nograd,
-        d.bwd_tmp,
-        d.loss_tmp,
-        d.fwd_cost,
-        d.bwd_cost,
-        d.slots,
-        threads=threads,
-        in_free=d.in_free,
-    )
+    return solve_discretized(chain, budget, slots, threads)
 
 
 @pytest.mark.parametrize("seed", range(40))
