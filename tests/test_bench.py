@@ -41,12 +41,12 @@ def test_every_method_produces_a_row(bench_run: tuple[Path, str]) -> None:
     rows = read_rows(out / "mlp.csv")
     methods = [r["method"] for r in rows]
     assert methods.count("none") == 1
-    assert [r["budget"] for r in rows if r["method"] == "rotor"] == ["min", "0.5", "1.0"]
+    assert [r["mem_limit"] for r in rows if r["method"] == "rotor"] == ["min", "0.5", "1.0"]
     # tiny mlp: Flatten, 4 x (Linear, ReLU), Linear = 10 stages -> segment counts 2..10
     assert [int(r["segments"]) for r in rows if r["method"] == "checkpoint_sequential"] == list(range(2, 11))
     assert methods.count("recompute_all") == 1
     compiled = [r for r in rows if r["method"] == "compile"]
-    assert [r["budget"] for r in compiled] == ["0.5", "1.0"]
+    assert [r["mem_limit"] for r in compiled] == ["0.5", "1.0"]
     for r in compiled:  # where compile cannot run, the row says why
         assert r["step_ms"] or r["note"].startswith("torch.compile failed")
     for r in rows:
@@ -61,14 +61,14 @@ def test_rotor_rows_respect_their_budget_and_prediction(bench_run: tuple[Path, s
     out, _ = bench_run
     rows = read_rows(out / "mlp.csv")
     none = next(r for r in rows if r["method"] == "none")
-    rotor = {r["budget"]: r for r in rows if r["method"] == "rotor"}
+    rotor = {r["mem_limit"]: r for r in rows if r["method"] == "rotor"}
     ran = [r for r in rotor.values() if "infeasible" not in r["note"]]
     assert ran
     for r in rotor.values():
         if "infeasible" in r["note"]:
             assert "smallest feasible budget" in r["note"]
             continue
-        assert int(r["measured_peak"]) <= int(r["mem_limit"])
+        assert int(r["measured_peak"]) <= int(r["budget_bytes"])
         # the gap is reported, not asserted: it is an issue-5 target read from the benchmark
         assert float(r["peak_gap"]) == int(r["measured_peak"]) / int(r["predicted_peak"]) - 1
         assert float(r["profile_s"]) > 0 and float(r["plan_ms"]) > 0
@@ -80,10 +80,10 @@ def test_checkpointing_lowers_the_measured_peak_of_a_transformer(tmp_path: Path)
             "--no-compile", "--out", str(tmp_path), *FAST]  # fmt: skip
     assert main(args) == 0
     rows = read_rows(tmp_path / "gpt.csv")
-    peak = {(r["method"], r["budget"] or r["segments"]): int(r["measured_peak"]) for r in rows}
+    peak = {(r["method"], r["mem_limit"] or r["segments"]): int(r["measured_peak"]) for r in rows}
     none = peak[("none", "")]
     rotor = next(r for r in rows if r["method"] == "rotor")
-    assert peak[("rotor", "0.5")] <= int(rotor["mem_limit"]) < 0.6 * none  # half the chain's predicted peak
+    assert peak[("rotor", "0.5")] <= int(rotor["budget_bytes"]) < 0.6 * none  # half the chain's predicted peak
     assert peak[("recompute_all", "7")] < none
 
 
@@ -92,14 +92,14 @@ def test_csv_parses_and_markdown_and_png_are_written(bench_run: tuple[Path, str]
     out, stdout = bench_run
     rows = read_rows(out / "mlp.csv")
     for r in rows:
-        for col in ("measured_peak", "predicted_peak", "mem_limit", "segments"):
+        for col in ("measured_peak", "predicted_peak", "budget_bytes", "segments"):
             assert r[col] == "" or int(r[col]) >= 0
         for col in ("step_ms", "spread", "vs_none", "plan_ms", "profile_s", "peak_gap"):
             assert r[col] == "" or float(r[col]) == float(r[col])  # a number, not NaN
     png = (out / "mlp.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
     table = [line for line in stdout.splitlines() if line.startswith("|")]
-    assert table[0].startswith("| method | budget |")
+    assert table[0].startswith("| method | mem_limit |")
     assert len(table) == 2 + len(rows)
 
 

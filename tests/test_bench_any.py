@@ -32,14 +32,14 @@ def test_gpt_any_rows_rotor_within_budget_and_per_block(tmp_path, monkeypatch):
     with (tmp_path / "gpt_any.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert [r["method"] for r in rows] == ["none", "rotor", "rotor", "rotor", "rotor", "per_block"]
-    assert [r["budget"] for r in rows if r["method"] == "rotor"] == ["min", "0.5", "1.0", "per_block"]
+    assert [r["mem_limit"] for r in rows if r["method"] == "rotor"] == ["min", "0.5", "1.0", "per_block"]
     per_block = next(r for r in rows if r["method"] == "per_block")
     for r in rows:
         assert float(r["step_ms"]) > 0 and int(r["measured_peak"]) > 0, r
         if r["method"] == "rotor":
-            assert int(r["measured_peak"]) <= int(r["mem_limit"]), r
-    at_block = next(r for r in rows if r["budget"] == "per_block")
-    assert int(at_block["mem_limit"]) == int(per_block["measured_peak"])  # planned for per-block's own peak
+            assert int(r["measured_peak"]) <= int(r["budget_bytes"]), r
+    at_block = next(r for r in rows if r["mem_limit"] == "per_block")
+    assert int(at_block["budget_bytes"]) == int(per_block["measured_peak"])  # planned for per-block's own peak
     assert "lowest peak: rotor" in out.getvalue() and "vs per_block" in out.getvalue()
 
 

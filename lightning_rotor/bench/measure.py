@@ -83,7 +83,7 @@ def run_compiled(w: Workload, fractions: list[str], repeats: int, warmup: int, s
     rows: list[Row] = []
     eager_alloc: int | None = None
     for token in fractions:
-        r = Row(w.name, str(w.device), "compile", budget=token)
+        r = Row(w.name, str(w.device), "compile", mem_limit=token)
         rows.append(r)
         try:
             fraction = float(parse_budget(token))

@@ -16,7 +16,7 @@ from lightning_rotor.budget import format_bytes, parse_budget
 from lightning_rotor.checkpointable import Checkpointable, InfeasibleBudget
 
 COLUMNS = (
-    "model", "device", "method", "budget", "segments", "mem_limit", "predicted_peak", "measured_peak", "peak_gap",
+    "model", "device", "method", "mem_limit", "segments", "budget_bytes", "predicted_peak", "measured_peak", "peak_gap",
     "step_ms", "step_ms_min", "spread", "vs_none", "plan_ms", "profile_s", "note",
 )  # fmt: skip
 
@@ -28,9 +28,9 @@ class Row:
     model: str
     device: str
     method: str
-    budget: str = ""
+    mem_limit: str = ""
     segments: int | None = None
-    mem_limit: int | None = None
+    budget_bytes: int | None = None
     predicted_peak: int | None = None
     measured_peak: int | None = None
     peak_gap: float | None = None
@@ -111,15 +111,15 @@ def rotor_methods(w: Workload, budgets: list[str], row: Callable[..., Row]) -> l
             spec = parse_budget(token)
             spec = float(spec) if not isinstance(spec, int) else spec
         ckpt = Checkpointable(w.model, spec)
-        r = row("rotor", budget=token)
+        r = row("rotor", mem_limit=token)
         try:
             entry = _prepare(w, ckpt)
         except InfeasibleBudget as err:
-            r.mem_limit = getattr(err, "budget", None)
+            r.budget_bytes = getattr(err, "budget", None)
             r.note = f"infeasible; smallest feasible budget {format_bytes(err.min_feasible)}"
             methods.append(Method(r, None))
             continue
-        r.mem_limit = entry.plan.budget
+        r.budget_bytes = entry.plan.budget
         r.predicted_peak = entry.plan.peak
         r.plan_ms = entry.plan.time * 1e3
         r.profile_s = ckpt.profile_seconds
@@ -142,7 +142,7 @@ def eager_methods(w: Workload, budgets: list[str], max_segments: int | None) -> 
         peak = measure_peak(w, per_block, 0)  # rotor is also planned for exactly this many bytes ("per_block")
         tokens = [*budgets, str(peak)]
         methods += rotor_methods(w, tokens, row)
-        methods[-1].row.budget = "per_block"
+        methods[-1].row.mem_limit = "per_block"
         r = row("per_block", note=f"torch.utils.checkpoint around every {w.block.__name__}")
         methods.append(Method(r, per_block))
         return methods

@@ -14,7 +14,7 @@ from lightning_rotor.budget import format_bytes
 def _fmt(col: str, v: Any) -> str:
     if v is None:
         return ""
-    if col in ("mem_limit", "predicted_peak", "measured_peak"):
+    if col in ("budget_bytes", "predicted_peak", "measured_peak"):
         return format_bytes(v)
     if col in ("peak_gap", "spread"):
         return f"{v:+.1%}" if col == "peak_gap" else f"{v:.0%}"
@@ -28,7 +28,7 @@ def _fmt(col: str, v: Any) -> str:
 
 
 TABLE = (
-    ("method", "method"), ("budget", "budget"), ("segments", "segments"), ("mem_limit", "budget bytes"),
+    ("method", "method"), ("mem_limit", "mem_limit"), ("segments", "segments"), ("budget_bytes", "budget bytes"),
     ("predicted_peak", "predicted peak"), ("measured_peak", "measured peak"), ("peak_gap", "gap"),
     ("step_ms", "step ms (median)"), ("step_ms_min", "min"), ("spread", "spread"), ("vs_none", "vs none"),
     ("plan_ms", "plan ms"),
@@ -60,12 +60,13 @@ def checks(rows: list[Row], stat: str = "step_ms") -> list[str]:
     for r in rotor if seg else []:
         fits = [c for c in seg if c.measured_peak <= r.measured_peak]
         if not fits:
-            lines.append(f"budget {r.budget}: no checkpoint_sequential fits in rotor's {format_bytes(r.measured_peak)}")
+            peak = format_bytes(r.measured_peak)
+            lines.append(f"mem_limit {r.mem_limit}: no checkpoint_sequential fits in rotor's {peak}")
             continue
         best = min(fits, key=lambda c: c.step_ms)
         verdict = "holds" if r.step_ms <= best.step_ms else "fails"
         lines.append(
-            f"budget {r.budget}: rotor {r.step_ms:.1f} ms at {format_bytes(r.measured_peak)} vs fastest fitting "
+            f"mem_limit {r.mem_limit}: rotor {r.step_ms:.1f} ms at {format_bytes(r.measured_peak)} vs fastest fitting "
             f"checkpoint_sequential ({best.segments} segments) {best.step_ms:.1f} ms at "
             f"{format_bytes(best.measured_peak)}: {r.step_ms / best.step_ms:.3f}x, {verdict}"
         )
@@ -82,7 +83,7 @@ def checks(rows: list[Row], stat: str = "step_ms") -> list[str]:
         if fits:
             best = min(fits, key=lambda r: r.step_ms)
             lines.append(
-                f"at per_block's peak {format_bytes(block.measured_peak)}: rotor (budget {best.budget}) "
+                f"at per_block's peak {format_bytes(block.measured_peak)}: rotor (mem_limit {best.mem_limit}) "
                 f"{best.step_ms:.1f} ms vs per_block {block.step_ms:.1f} ms = {best.step_ms / block.step_ms:.3f}x: "
                 f"{'holds' if best.step_ms <= block.step_ms else 'fails'}"
             )
@@ -93,16 +94,17 @@ def checks(rows: list[Row], stat: str = "step_ms") -> list[str]:
             f"lowest peak: rotor {format_bytes(low_r)} vs per_block {format_bytes(block.measured_peak)}: "
             f"{'holds' if low_r < block.measured_peak else 'fails'}"
         )
-    top = max(rotor, key=lambda r: r.mem_limit or 0)
+    top = max(rotor, key=lambda r: r.budget_bytes or 0)
     if none is not None:
         ratio = top.step_ms / none.step_ms
         lines.append(
-            f"largest budget ({top.budget}): rotor {top.step_ms:.1f} ms vs none {none.step_ms:.1f} ms = {ratio:.3f}x "
+            f"largest mem_limit ({top.mem_limit}): rotor {top.step_ms:.1f} ms vs none {none.step_ms:.1f} ms "
+            f"= {ratio:.3f}x "
             f"(target <= 1.03): {'holds' if ratio <= 1.03 else 'fails'}"
         )
     gap = max(rotor, key=lambda r: abs(r.peak_gap or 0))
     lines.append(
-        f"largest measured/predicted gap: {gap.peak_gap:+.1%} (budget {gap.budget}; target < 10%): "
+        f"largest measured/predicted gap: {gap.peak_gap:+.1%} (mem_limit {gap.mem_limit}; target < 10%): "
         f"{'holds' if abs(gap.peak_gap or 0) < 0.10 else 'fails'}"
     )
     return lines
@@ -119,7 +121,7 @@ def write_csv(rows: list[Row], path: Path) -> None:
 
 def read_csv(path: Path) -> list[Row]:
     """Rows back from a CSV written by `write_csv` (to re-report or re-plot a run)."""
-    ints = ("segments", "mem_limit", "predicted_peak", "measured_peak")
+    ints = ("segments", "budget_bytes", "predicted_peak", "measured_peak")
     floats = ("peak_gap", "step_ms", "step_ms_min", "spread", "vs_none", "plan_ms", "profile_s")
     rows = []
     with path.open() as f:
@@ -149,7 +151,7 @@ def write_plot(rows: list[Row], path: Path, title: str) -> None:
     if rotor:
         ax.plot([r.step_ms for r in rotor], [r.measured_peak / mib for r in rotor], "o-", color="C3", label="rotor")
         for r in rotor:
-            ax.annotate(r.budget, (r.step_ms, r.measured_peak / mib), fontsize=7, xytext=(3, 3),
+            ax.annotate(r.mem_limit, (r.step_ms, r.measured_peak / mib), fontsize=7, xytext=(3, 3),
                         textcoords="offset points")  # fmt: skip
     seg = pts("checkpoint_sequential")
     if seg:
