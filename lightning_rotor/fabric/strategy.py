@@ -31,7 +31,7 @@ from torch import nn
 from lightning_rotor.budget import MemLimit, format_bytes
 from lightning_rotor.checkpointable import Checkpointable
 from lightning_rotor.compile import stage_compiler
-from lightning_rotor.lightning.callback import step_metrics, summary_text
+from lightning_rotor.lightning.callback import step_budget, step_metrics, summary_text
 from lightning_rotor.lightning.strategy import ProfileProgress
 from lightning_rotor.lightning.wrap import Selector, check_rotor_arguments, is_candidate, is_user_model, wrap
 from lightning_rotor.measure import StepMeasurement
@@ -282,11 +282,7 @@ class RotorFabricStrategy(SingleDeviceStrategy):
 
     def _check_budget(self, chains: dict[str, Checkpointable], peak: int) -> None:
         """One line, once per set of plans, when a measured peak is above the summed budgets."""
-        budget = 0
-        for rotor in chains.values():
-            entry = rotor.last_entry
-            assert entry is not None  # a chain that ran this step
-            budget += rotor.step_limit or entry.plan.budget
+        budget = step_budget(chains)
         plans = tuple(id(rotor.last_entry) for rotor in chains.values())
         if peak > budget and plans not in self._warned_over:
             self._warned_over.add(plans)

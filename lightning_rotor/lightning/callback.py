@@ -144,6 +144,17 @@ def discovery_lines(chains: dict[str, Checkpointable]) -> list[str]:
     return lines
 
 
+def step_budget(chains: dict[str, Checkpointable]) -> int:
+    """The bytes a step of `chains` may hold: per chain its budget for all its calls in the step
+    (`Checkpointable.step_limit`), else its last plan's; what `rotor/budget_bytes` logs."""
+    total = 0
+    for rotor in chains.values():
+        entry = rotor.last_entry
+        assert entry is not None  # a chain that ran this step
+        total += rotor.step_limit or entry.plan.budget
+    return total
+
+
 def step_metrics(
     chains: dict[str, Checkpointable], step_seconds: float | None = None, measured_peak: int | None = None
 ) -> dict[str, float]:
@@ -154,9 +165,7 @@ def step_metrics(
     # per chain: its budget, which covers all its calls in a step, and the step's predicted peak
     # (the largest of each call's plan peak above what the step's earlier calls still held)
     metrics = {
-        "rotor/budget_bytes": float(
-            sum(rotor.step_limit or e.plan.budget for rotor, e in zip(chains.values(), entries, strict=True))
-        ),
+        "rotor/budget_bytes": float(step_budget(chains)),
         "rotor/predicted_peak_bytes": float(
             sum(rotor.calls.step_peak or e.plan.peak for rotor, e in zip(chains.values(), entries, strict=True))
         ),
@@ -340,8 +349,8 @@ class RotorCallback(Callback):
         self._log_metrics(pl_module, planned)
 
     def _check_budget(self, chains: dict[str, Checkpointable], peaks: list[int]) -> None:
-        """One rank-zero line, once per set of plans, when a measured peak is above the summed budgets."""
-        budget = sum(rotor.last_entry.plan.budget for rotor in chains.values())
+        """One rank-zero line, once per set of plans, when a measured peak is above the step's budget."""
+        budget = step_budget(chains)
         plans = tuple(id(rotor.last_entry) for rotor in chains.values())
         peak = max(peaks, default=0)
         if peak > budget and plans not in self._warned_over:
