@@ -192,3 +192,23 @@ def test_compile_and_shape_buckets_reach_the_chain_as_with_the_trainer():
 def _model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:
     model = GPT(n_layer=2, n_embd=32, block_size=16)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def test_the_probe_samples_each_schedule_once_not_each_shape():
+    """Lengths that share a schedule share one sampled step (as RotorCallback does): changing shapes
+    do not each run under the probe."""
+    from lightning_rotor.lightning.callback import schedule_key
+
+    strategy = RotorFabricStrategy(mem_limit="60%", measure_every_n_steps=0)
+    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=1)
+    fabric.seed_everything(0, verbose=False)
+    model, opt = fabric.setup(*_model_and_optimizer())
+    for t in (16, 12, 14, 10, 16, 12):
+        ((x, y),) = batches(1, t=t)
+        opt.zero_grad()
+        fabric.backward(lm_loss(model(x), y))
+        opt.step()
+    rotor = strategy.chains["model"]
+    schedules = {schedule_key(e) for e in rotor.entries.values()}
+    assert len(rotor.entries) == 4 and len(schedules) < 4  # shapes that share a schedule
+    assert strategy._measured_once == schedules  # each schedule sampled once, not each of the 4 shapes

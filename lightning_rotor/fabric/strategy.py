@@ -31,7 +31,7 @@ from torch import nn
 from lightning_rotor.budget import MemLimit, format_bytes
 from lightning_rotor.checkpointable import Checkpointable
 from lightning_rotor.compile import stage_compiler
-from lightning_rotor.lightning.callback import step_budget, step_metrics, summary_text
+from lightning_rotor.lightning.callback import schedule_key, step_budget, step_metrics, summary_text
 from lightning_rotor.lightning.strategy import ProfileProgress
 from lightning_rotor.lightning.wrap import Selector, check_rotor_arguments, is_candidate, is_user_model, wrap
 from lightning_rotor.measure import StepMeasurement
@@ -99,7 +99,7 @@ class RotorFabricStrategy(SingleDeviceStrategy):
         self._step_seconds: float | None = None
         self._measured_peak: int | None = None
         self._measurements: list[tuple[Checkpointable, StepMeasurement, int]] = []
-        self._measured_once: set[int] = set()  # id(entry) of plans measured at least once
+        self._measured_once: set[tuple[str, ...]] = set()  # schedules measured (`schedule_key`), not shapes
         self._steps_since_measure = 0
         self._entries_before: dict[str, int] = {}
         self._printed = False
@@ -229,8 +229,8 @@ class RotorFabricStrategy(SingleDeviceStrategy):
     def _wants_measure(self) -> bool:
         if any(not rotor.entries for rotor in self.chains.values()):
             return False  # the first batch profiles; a probe would slow and pollute it
-        if any(id(rotor.last_entry) not in self._measured_once for rotor in self.chains.values()):
-            return True  # the plan in use has not been measured yet
+        if any(schedule_key(rotor.last_entry) not in self._measured_once for rotor in self.chains.values()):
+            return True  # the schedule in use has not been measured yet
         n = self.measure_every_n_steps
         return n > 0 and self._steps_since_measure >= n
 
@@ -267,7 +267,7 @@ class RotorFabricStrategy(SingleDeviceStrategy):
         peaks = []
         for rotor, m, before in self._measurements:
             if len(rotor.entries) == before and m.entry is not None:  # else a new signature was profiled inside
-                self._measured_once.add(id(m.entry))
+                self._measured_once.add(schedule_key(m.entry))
                 peaks.append(m.peak)
         self._measurements = []
         if peaks:
