@@ -31,7 +31,7 @@ from torch import nn
 from lightning_rotor.budget import MemLimit, format_bytes
 from lightning_rotor.checkpointable import Checkpointable
 from lightning_rotor.compile import stage_compiler
-from lightning_rotor.lightning.callback import schedule_key, step_budget, step_metrics, summary_text
+from lightning_rotor.lightning.callback import schedule_key, step_metrics, summary_text, warn_if_over_budget
 from lightning_rotor.lightning.strategy import ProfileProgress
 from lightning_rotor.lightning.wrap import Selector, check_rotor_arguments, is_candidate, is_user_model, wrap
 from lightning_rotor.measure import StepMeasurement
@@ -39,6 +39,10 @@ from lightning_rotor.memory import MemoryProbe
 from lightning_rotor.shapes import check_buckets
 
 ROOT = "model"  # the chain's name when the whole set-up module is wrapped
+KEPT_OUTPUT_HINT = (
+    "a loop that keeps the model's output alive through fabric.backward adds its size: "
+    "write `loss = loss_fn(model(x), y)`"
+)
 
 
 class RotorFabricStrategy(SingleDeviceStrategy):
@@ -272,26 +276,13 @@ class RotorFabricStrategy(SingleDeviceStrategy):
         self._measurements = []
         if peaks:
             self._measured_peak = max(peaks)
-            self._check_budget(planned, self._measured_peak)
+            warn_if_over_budget(planned, self._measured_peak, self._warned_over, KEPT_OUTPUT_HINT)
         elif not profiled:
             self._step_seconds = seconds  # a step neither profiled nor slowed by the probe
         if self.print_summary and not self._printed and self.is_global_zero:
             self._printed = True
             print(summary_text(planned))
         self.metrics = step_metrics(planned, self._step_seconds, self._measured_peak)
-
-    def _check_budget(self, chains: dict[str, Checkpointable], peak: int) -> None:
-        """One line, once per set of plans, when a measured peak is above the summed budgets."""
-        budget = step_budget(chains)
-        plans = tuple(id(rotor.last_entry) for rotor in chains.values())
-        if peak > budget and plans not in self._warned_over:
-            self._warned_over.add(plans)
-            rank_zero_warn(
-                f"rotor: the measured activation peak {format_bytes(peak)} ({peak} bytes) is above the "
-                f"budget {format_bytes(budget)} ({budget} bytes) of {', '.join(chains)}: the step holds "
-                "more than the plan predicts (a loop that keeps the model's output alive through fabric.backward "
-                "adds its size: write `loss = loss_fn(model(x), y)`)"
-            )
 
     def _synchronize(self) -> None:
         if self.root_device.type == "cuda":

@@ -155,6 +155,20 @@ def step_budget(chains: dict[str, Checkpointable]) -> int:
     return total
 
 
+def warn_if_over_budget(chains: dict[str, Checkpointable], peak: int, warned: set[tuple[int, ...]], hint: str) -> None:
+    """One rank-zero line, once per set of plans (`warned` remembers them), when a measured peak is
+    above the step's budget; `hint` says where to look (the Trainer's curves, Fabric's loop)."""
+    budget = step_budget(chains)
+    plans = tuple(id(rotor.last_entry) for rotor in chains.values())
+    if peak > budget and plans not in warned:
+        warned.add(plans)
+        rank_zero_warn(
+            f"rotor: the measured activation peak {format_bytes(peak)} ({peak} bytes) is above the "
+            f"budget {format_bytes(budget)} ({budget} bytes) of {', '.join(chains)}: the step holds "
+            f"more than the plan predicts ({hint})"
+        )
+
+
 def step_metrics(
     chains: dict[str, Checkpointable], step_seconds: float | None = None, measured_peak: int | None = None
 ) -> dict[str, float]:
@@ -331,10 +345,8 @@ class RotorCallback(Callback):
             if trainer.is_global_zero and self.log_curves and id(m.entry) not in self._curves_done:
                 self._curves_done.add(id(m.entry))
                 self._log_plan(trainer, name, m.entry, m)
-        self._check_budget(
-            planned,
-            [m.peak for _, rotor, m, before in measured if len(rotor.entries) == before and m.entry is not None],
-        )
+        clean = [m.peak for _, rotor, m, before in measured if len(rotor.entries) == before and m.entry is not None]
+        warn_if_over_budget(planned, max(clean, default=0), self._warned_over, "see rotor/<chain>/memory_curve")
         if trainer.is_global_zero:
             for name, rotor in planned.items():
                 entry = rotor.last_entry
@@ -347,19 +359,6 @@ class RotorCallback(Callback):
                 bar = trainer.progress_bar_callback
                 (bar.print if bar is not None else print)(text)
         self._log_metrics(pl_module, planned)
-
-    def _check_budget(self, chains: dict[str, Checkpointable], peaks: list[int]) -> None:
-        """One rank-zero line, once per set of plans, when a measured peak is above the step's budget."""
-        budget = step_budget(chains)
-        plans = tuple(id(rotor.last_entry) for rotor in chains.values())
-        peak = max(peaks, default=0)
-        if peak > budget and plans not in self._warned_over:
-            self._warned_over.add(plans)
-            rank_zero_warn(
-                f"rotor: the measured activation peak {format_bytes(peak)} ({peak} bytes) is above the "
-                f"budget {format_bytes(budget)} ({budget} bytes) of {', '.join(chains)}: the step holds "
-                "more than the plan predicts (see rotor/<chain>/memory_curve)"
-            )
 
     # -- logging ----------------------------------------------------------------------------------------
     def _log_metrics(self, pl_module: pl.LightningModule, chains: dict[str, Checkpointable]) -> None:
