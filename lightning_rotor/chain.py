@@ -13,15 +13,26 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-CHAIN_VERSION = 5
-READABLE_VERSIONS = (1, 2, 3, 4, 5)
+CHAIN_VERSION = 6
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
 SIZE_FIELDS = ("out_size", "saved_size", "fwd_tmp", "bwd_tmp")
 SIGNED_FIELDS = ("bwd_tmp",)  # version 2: may be negative (autograd frees as it goes), down to -s_k
-OPTIONAL_FIELDS = ("fwd_tmp_nograd", "out_free", "loss_tmp_kept", "in_free", "loss_value", "frozen", "options")
+OPTIONAL_FIELDS = (
+    "fwd_tmp_nograd",
+    "out_free",
+    "loss_tmp_kept",
+    "in_free",
+    "loss_value",
+    "frozen",
+    "options",
+    "bandwidth",
+    "host_limit",
+)
 V2_FIELDS = ("out_free", "loss_tmp_kept")  # fields a version-1 file cannot have
 V3_FIELDS = ("in_free", "loss_value")  # fields a version-1 or version-2 file cannot have
 V4_FIELDS = ("frozen",)  # fields a file before version 4 cannot have
 V5_FIELDS = ("options",)  # fields a file before version 5 cannot have
+V6_FIELDS = ("bandwidth", "host_limit")  # fields a file before version 6 cannot have
 OPTION_FIELDS = ("saved_size", "fwd_time", "bwd_time", "fwd_tmp", "bwd_tmp")  # required in each option
 TIME_FIELDS = ("fwd_time", "bwd_time")
 STAGE_FIELDS = SIZE_FIELDS + TIME_FIELDS
@@ -189,6 +200,11 @@ class Chain:
     selection, recompute the rest in the backward), run as `Fs k:o` for option `o >= 1`;
     option 0 is the stage's own figures (`Fe k`). The default, no options anywhere, gives
     version 4's meaning.
+
+    Version 6: `bandwidth` is the transfer channel's speed between device and host memory, in
+    bytes per second, for `Offload k` and `Prefetch k` (docs/memory-model.md, "Offloading");
+    0, the default, means no offloading and gives version 5's meaning. `host_limit` bounds the
+    host bytes offloaded values may hold at once (None: unbounded).
     """
 
     input_size: int
@@ -209,6 +225,8 @@ class Chain:
     loss_value: int = 0
     frozen: int = 0
     options: list[list[StageOption]] = None  # type: ignore[assignment]
+    bandwidth: float = 0.0
+    host_limit: int | None = None
 
     def __post_init__(self) -> None:
         length = len(self.out_size) if isinstance(self.out_size, (list, tuple)) else None
@@ -284,6 +302,14 @@ class Chain:
                 ]
             )
         self.options = checked
+        bandwidth = self.bandwidth
+        if isinstance(bandwidth, bool) or not isinstance(bandwidth, (int, float)) or not 0 <= bandwidth < math.inf:
+            raise ChainError(
+                f"bandwidth must be a finite number of bytes per second >= 0 (0: no offloading), got {bandwidth!r}"
+            )
+        self.bandwidth = float(bandwidth)
+        if self.host_limit is not None:
+            self.host_limit = _check_size(self.host_limit, "host_limit")
         total = (
             self.input_size
             + self.loss_value
@@ -340,6 +366,21 @@ class Chain:
     def slowest_bwd_time(self) -> list[float]:
         """Per stage, the slowest backward over its options."""
         return [max([t, *(o.bwd_time for o in opts)]) for t, opts in zip(self.bwd_time, self.options, strict=True)]
+
+    @property
+    def offloads(self) -> bool:
+        """True when stage inputs may be offloaded to host memory (a positive `bandwidth`, version 6)."""
+        return self.bandwidth > 0
+
+    def with_transfer(self, bandwidth: float | None, host_limit: int | None = None) -> Chain:
+        """This chain with another transfer bandwidth (bytes/s; None keeps its own) and host limit."""
+        if bandwidth is None and host_limit is None:
+            return self
+        return replace(
+            self,
+            bandwidth=self.bandwidth if bandwidth is None else bandwidth,
+            host_limit=self.host_limit if host_limit is None else host_limit,
+        )
 
     def option_loss_tmp_graph(self, option: StageOption) -> int:
         """`loss_tmp_graph` when the last stage was recorded by `option`."""
@@ -406,6 +447,8 @@ class Chain:
                 [replace(o, bwd_tmp=o.bwd_tmp - self.input_size) for o in self.options[f]],
                 *self.options[f + 1 :],
             ],
+            bandwidth=self.bandwidth,
+            host_limit=self.host_limit,
         )
 
     @classmethod
@@ -425,6 +468,10 @@ class Chain:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ChainError(f"unknown chain field(s) {', '.join(unknown)}; known fields: {', '.join(sorted(known))}")
+        if version < 6:
+            v6 = [k for k in V6_FIELDS if k in data]
+            if v6:
+                raise ChainError(f"field(s) {', '.join(v6)} need chain version 6; this file says version {version}")
         if version < 5:
             v5 = [k for k in V5_FIELDS if k in data]
             if v5:
@@ -454,8 +501,12 @@ class Chain:
 
     def to_dict(self) -> dict[str, Any]:
         data = {
-            # without options a file is exactly version 4's, and says so (older readers still load it)
-            "version": CHAIN_VERSION if any(self.options) else 4,
+            # a file says the oldest version that holds it, so older readers still load it
+            "version": CHAIN_VERSION
+            if self.bandwidth or self.host_limit is not None
+            else 5
+            if any(self.options)
+            else 4,
             "names": list(self.names),
             "input_size": self.input_size,
             **{name: list(getattr(self, name)) for name in STAGE_FIELDS},
@@ -475,6 +526,10 @@ class Chain:
             data["frozen"] = self.frozen
         if any(self.options):
             data["options"] = [[o.to_dict() for o in opts] for opts in self.options]
+        if self.bandwidth:
+            data["bandwidth"] = self.bandwidth
+        if self.host_limit is not None:
+            data["host_limit"] = self.host_limit
         return data
 
     @classmethod

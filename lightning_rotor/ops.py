@@ -3,8 +3,9 @@
 docs/memory-model.md defines the kinds: `Fn`, `Fc`, `Fe`, `Fs` (forwards), `Loss` and `B`
 (backward). An `Op` is a tuple, `("Fe", 2)`, `("Fs", 2, 1)` or `("Loss",)`, so it compares equal
 to the JSON form of a plan and to what the C++ planner returns; `kind` is an
-`OpKind`, `stage` the stage index (None for `Loss`) and `option` the stage option an `Fs`
-records (chain version 5; 0 for every other op). Code that acts on ops
+`OpKind`, `stage` the stage index (None for `Loss`; for `Offload k` and `Prefetch k` the index of
+the value `a_k` they move) and `option` the stage option an `Fs` records (chain version 5; 0 for
+every other op). Code that acts on ops
 dispatches on every kind explicitly (see `OpKind`), so a new kind cannot fall
 through as another.
 """
@@ -25,6 +26,8 @@ class OpKind(str, Enum):
     FS = "Fs"  # forward recording option o >= 1 of the stage: a selection, the rest recomputed in B (version 5)
     LOSS = "Loss"
     B = "B"  # backward of one stage
+    OFFLOAD = "Offload"  # start copying a kept stage input a_k to host memory (chain version 6)
+    PREFETCH = "Prefetch"  # start copying a_k back to the device (chain version 6)
 
     def __str__(self) -> str:
         return self.value
@@ -36,8 +39,14 @@ class OpKind(str, Enum):
     def is_forward(self) -> bool:
         return self in FORWARD_KINDS
 
+    @property
+    def is_transfer(self) -> bool:
+        """`Offload` or `Prefetch`: runs on the transfer channel, beside compute, and takes no compute time."""
+        return self in TRANSFER_KINDS
+
 
 FORWARD_KINDS = frozenset({OpKind.FN, OpKind.FC, OpKind.FE, OpKind.FS})
+TRANSFER_KINDS = frozenset({OpKind.OFFLOAD, OpKind.PREFETCH})
 
 
 class Op(tuple[Any, ...]):

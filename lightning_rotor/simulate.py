@@ -8,7 +8,7 @@ time must equal what this module computes.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 from lightning_rotor.chain import Chain
@@ -26,12 +26,19 @@ __all__ = ["Simulation", "no_recompute_ops", "no_recompute_peak", "simulate"]
 
 
 class Simulation(NamedTuple):
-    """Peak bytes, total seconds, bytes held after each op, and the peak during each op."""
+    """Peak bytes, total seconds, bytes held after each op, and the peak during each op.
+
+    With offloading (chain version 6): `host_curve` is the host bytes held after each op, `host_peak`
+    their largest value, and `wait` the seconds compute waited for a prefetch (part of `time`).
+    """
 
     peak: int
     time: float
     curve: list[int]
     op_peaks: list[int]
+    host_curve: Sequence[int] = ()
+    host_peak: int = 0
+    wait: float = 0.0
 
 
 def simulate(chain: Chain, ops: Iterable[Any]) -> Simulation:
@@ -44,8 +51,16 @@ def simulate(chain: Chain, ops: Iterable[Any]) -> Simulation:
     ops = parse_ops(ops)
     f = chain.frozen
     if not f:
-        peak, times, curve, op_peaks = _replay(chain, ops)
-        return Simulation(peak=peak, time=math.fsum(times), curve=curve, op_peaks=op_peaks)
+        replay = _replay(chain, ops)
+        return Simulation(
+            peak=replay.peak,
+            time=math.fsum(replay.times),
+            curve=replay.curve,
+            op_peaks=replay.op_peaks,
+            host_curve=replay.host_curve,
+            host_peak=replay.host_peak,
+            wait=math.fsum(replay.waits),
+        )
     check_frozen_prefix(ops, f)
     s = chain.sizes
     curve, op_peaks, cur = [], [], s[0]
@@ -53,19 +68,36 @@ def simulate(chain: Chain, ops: Iterable[Any]) -> Simulation:
         op_peaks.append(cur + s[k + 1] + chain.fwd_tmp_nograd[k])
         cur += s[k + 1] - (s[k] if k else 0)
         curve.append(cur)
-    peak, times, rest, rest_peaks = _replay(chain.suffix(), shift_ops(ops[f:], -f), first_op=f, first_stage=f)
+    rest = _replay(chain.suffix(), shift_ops(ops[f:], -f), first_op=f, first_stage=f)
     return Simulation(
-        peak=max(peak, *op_peaks),
-        time=math.fsum([*chain.fwd_time[:f], *times]),
-        curve=curve + rest,
-        op_peaks=op_peaks + rest_peaks,
+        peak=max(rest.peak, *op_peaks),
+        time=math.fsum([*chain.fwd_time[:f], *rest.times]),
+        curve=curve + rest.curve,
+        op_peaks=op_peaks + rest.op_peaks,
+        host_curve=[0] * f + list(rest.host_curve),
+        host_peak=rest.host_peak,
+        wait=math.fsum(rest.waits),
     )
 
 
-def _replay(
-    chain: Chain, ops: list[Op], first_op: int = 0, first_stage: int = 0
-) -> tuple[int, list[float], list[int], list[int]]:
-    """(peak, op times, curve, op peaks) of an ordinary chain; errors name ops `first_op`, stages `first_stage` on."""
+class _Replay(NamedTuple):
+    peak: int
+    times: list[float]  # op times, and the waits for prefetches among them
+    curve: list[int]
+    op_peaks: list[int]
+    host_curve: list[int]
+    host_peak: int
+    waits: list[float]
+
+
+def _replay(chain: Chain, ops: list[Op], first_op: int = 0, first_stage: int = 0) -> _Replay:
+    """Replay an ordinary chain; errors name ops `first_op`, stages `first_stage` on.
+
+    Transfers (chain version 6) run on one channel beside compute: compute's clock `now` advances by
+    each op's time and by waits for prefetched values; the channel serves transfers in issue order.
+    An offloaded `a_k` leaves device memory at the start of the first op at or after its copy ends; a
+    prefetched one occupies it from the prefetch on (docs/memory-model.md, "Offloading").
+    """
     length = chain.length
     s = chain.sizes
     sb = [0, *chain.saved_size]  # sb[k] is the bytes of the recorded value ā_k
@@ -99,10 +131,39 @@ def _replay(
     op_peaks: list[int] = []
     loss_done = False
     next_backward = length - 1
+    # the transfer channel (chain version 6)
+    bandwidth = chain.bandwidth
+    now = 0.0  # compute's clock
+    channel = 0.0  # when the channel is free
+    leaving: dict[int, float] = {}  # k: end of a_k's offload (its device copy is still held until then)
+    on_host: set[int] = set()  # a_k offloaded and not yet prefetched
+    arriving: dict[int, float] = {}  # k: end of a_k's prefetch (compute needing a_k waits for it)
+    host_freed: dict[int, float] = {}  # k: when a_k's host copy goes (its prefetch ends)
+    host = host_peak = 0
+    host_curve: list[int] = []
+    waits: list[float] = []
 
     def fail(i: int, op: Op, why: str) -> ValueError:
         label = op.label if op.stage is None else op.with_stage(op.stage + first_stage).label
         return ValueError(f"invalid plan: op {i + first_op} ({label}): {why}")
+
+    def transfer(k: int) -> float:
+        """Issue a copy of a_k on the channel now; its end."""
+        nonlocal channel
+        channel = max(now, channel) + s[k] / bandwidth
+        return channel
+
+    def wait_for(k: int) -> None:
+        """Compute needs a_k: wait until its prefetch has ended."""
+        nonlocal now
+        end = arriving.pop(k, None)
+        if end is not None and end > now:
+            times.append(end - now)
+            waits.append(end - now)
+            now = end
+
+    def not_held(k: int, n: int) -> str:
+        return f"needs a_{n}, which is not held" + (f" (offloaded: Prefetch {n} first)" if k in on_host else "")
 
     for i, op in enumerate(ops):
         kind = op.kind
@@ -110,11 +171,54 @@ def _replay(
         n = k + first_stage  # the stage's index in messages
         if kind is not OpKind.LOSS and not 0 <= k < length:
             raise fail(i, op, f"stage index out of range 0..{length + first_stage - 1}")
+        for j, end in list(leaving.items()):  # offloads done by now free their device copy
+            if end <= now:
+                cur -= s[j]
+                del leaving[j]
+        for j, end in list(host_freed.items()):  # prefetches done by now free their host copy
+            if end <= now:
+                host -= s[j]
+                del host_freed[j]
+        if kind is OpKind.OFFLOAD or kind is OpKind.PREFETCH:
+            if bandwidth <= 0:
+                raise fail(i, op, "the chain has no transfer bandwidth (bandwidth 0: no offloading)")
+            if k == 0:
+                raise fail(i, op, "a_0 is the caller's: offloading it frees nothing")
+            if kind is OpKind.OFFLOAD:
+                if k not in plain:
+                    why = "is held with its graph" if k in graph else "is not held"
+                    raise fail(i, op, f"offloads a kept stage input held without graph; a_{n} {why}")
+                if k in arriving:
+                    raise fail(i, op, f"a_{n} is still being prefetched")
+                if k in early_plain:
+                    raise fail(i, op, f"a_{n} was partly let go after the last forward of stage {n}")
+                plain.discard(k)
+                leaving[k] = transfer(k)
+                on_host.add(k)
+                host += s[k]
+                if chain.host_limit is not None and host > chain.host_limit:
+                    raise fail(i, op, f"host memory {host} bytes exceeds the chain's host_limit {chain.host_limit}")
+                during = cur
+            else:
+                if k not in on_host:
+                    raise fail(i, op, f"a_{n} is not on the host (no Offload {n} before)")
+                on_host.discard(k)
+                cur += s[k]  # the prefetched copy occupies device memory from the prefetch's start
+                arriving[k] = host_freed[k] = transfer(k)
+                plain.add(k)
+                during = cur
+            host_peak = max(host_peak, host)
+            peak = max(peak, during)
+            op_peaks.append(during)
+            curve.append(cur)
+            host_curve.append(host)
+            continue
         if kind is OpKind.FN or kind is OpKind.FC or kind is OpKind.FE or kind is OpKind.FS:
             if kind is OpKind.FN and k not in plain:
-                raise fail(i, op, f"needs a_{n} held without graph")
+                raise fail(i, op, f"needs a_{n} held without graph" + (" (offloaded)" if k in on_host else ""))
             if k not in plain and k not in graph:
-                raise fail(i, op, f"needs a_{n}, which is not held")
+                raise fail(i, op, not_held(k, n))
+            wait_for(k)
             if k in let_go:
                 raise fail(i, op, f"a_{n} was partly let go after the last forward of stage {n} before B {n}")
             fwd_time = chain.fwd_time[k]
@@ -150,6 +254,7 @@ def _replay(
                     plain.discard(k)
                     cur -= s[k]
             times.append(fwd_time)
+            now += fwd_time
         elif kind is OpKind.LOSS:
             if loss_done:
                 raise fail(i, op, "the loss is computed once per step")
@@ -184,7 +289,8 @@ def _replay(
             if k + 1 not in grads:
                 raise fail(i, op, f"needs the gradient δ_{n + 1}")
             if k not in plain and k not in graph:
-                raise fail(i, op, f"needs a_{n}, which is not held")
+                raise fail(i, op, not_held(k, n))
+            wait_for(k)
             saved_k, free_k, bwd_tmp_k, bwd_time_k = recorded(k)
             if k + 1 not in released:  # the free part of a_{k+1} is let go before the backward runs
                 cur -= free_k - early_graph.pop(k + 1, 0)
@@ -199,19 +305,27 @@ def _replay(
                 plain.discard(k)
                 cur -= s[k] - early_plain.pop(k, 0)
             times.append(bwd_time_k)
+            now += bwd_time_k
             next_backward -= 1
         else:
             raise fail(i, op, f"the simulator has no rule for {kind.value} ops")
         peak = max(peak, during)
         op_peaks.append(during)
         curve.append(cur)
+        host_curve.append(host)
+    if on_host:
+        k = min(on_host)
+        raise ValueError(
+            f"invalid plan: a_{k + first_stage} is offloaded and never prefetched; a plan ends with every "
+            "offloaded value back"
+        )
     if not loss_done or next_backward != -1:
         expected = "Loss" if not loss_done else f"B {next_backward + first_stage}"
         raise ValueError(
             f"invalid plan: it ends before B {first_stage} (next expected: {expected}); "
             f"a plan must end holding δ_{first_stage}"
         )
-    return peak, times, curve, op_peaks
+    return _Replay(peak, times, curve, op_peaks, host_curve, host_peak, waits)
 
 
 def no_recompute_peak(chain: Chain) -> int:

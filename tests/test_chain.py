@@ -80,8 +80,23 @@ def test_saved_smaller_than_output_accepted():
 
 
 def test_unknown_version():
-    with pytest.raises(ChainError, match="unknown chain version 6; this release reads versions 1, 2, 3, 4, 5"):
-        Chain.from_dict(chain_dict(version=6))
+    with pytest.raises(ChainError, match="unknown chain version 7; this release reads versions 1, 2, 3, 4, 5, 6"):
+        Chain.from_dict(chain_dict(version=7))
+
+
+def test_version_6_transfer_fields():
+    chain = Chain.from_dict(chain_dict(version=6, bandwidth=12e9, host_limit=1000))
+    assert chain.bandwidth == 12e9 and chain.host_limit == 1000 and chain.offloads
+    again = Chain.from_dict(chain.to_dict())
+    assert again.to_dict()["version"] == 6 and again.bandwidth == 12e9 and again.host_limit == 1000
+    assert Chain.from_dict(chain_dict()).to_dict()["version"] == 4  # no transfer fields: an older file
+    with pytest.raises(ChainError, match="bandwidth.*need chain version 6"):
+        Chain.from_dict(chain_dict(version=5, bandwidth=1e9))
+    for bad in (-1.0, float("inf"), "12GB/s", True):
+        with pytest.raises(ChainError, match="bandwidth must be a finite number of bytes per second"):
+            Chain.from_dict(chain_dict(version=6, bandwidth=bad))
+    with pytest.raises(ChainError, match="host_limit"):
+        Chain.from_dict(chain_dict(version=6, host_limit=-5))
 
 
 def test_version_1_files_keep_their_meaning():

@@ -112,7 +112,7 @@ def test_ops_are_one_type_from_json_to_plan():
     assert ops[1].kind is OpKind.FN and ops[1].kind.is_forward and not ops[3].kind.is_forward
     assert [op.to_json() for op in ops] == [["Fc", 0], ["Fn", 1], ["Loss"], ["B", 1]]
     with pytest.raises(ValueError, match="unknown op"):
-        parse_ops([["Offload", 1]])
+        parse_ops([["Swap", 1]])
     with pytest.raises(ValueError, match="Loss takes no stage"):
         Op("Loss", 3)
 
