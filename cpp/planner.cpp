@@ -446,7 +446,12 @@ class Solver {
             const int64_t oshift = c_.size[s2] - c_.size[s];
             int64_t ofrom = std::max({lo, need_[s2], left.lo + lshift, right.lo + oshift});
             ofrom = std::max(ofrom, prefetch_need(s2, given));
-            if (ofrom < hi) relax(tab, ofrom, hi, forward + stall(s, s2), right, oshift, &left, lshift);
+            const double c = forward + stall(s, s2);
+            for (int64_t x = ofrom; x < hi; x += kBlock) {  // blocks skipped as above
+                const int64_t y = std::min(hi, x + kBlock);
+                if (c + value(right, y - 1 - oshift) + value(left, y - 1 - lshift) >= cur[x]) continue;
+                relax(tab, x, y, c, right, oshift, &left, lshift);
+            }
         }
         return true;
     }
