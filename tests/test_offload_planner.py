@@ -107,10 +107,25 @@ def test_offloading_a_checkpoint_saves_a_recomputation():
     assert not transfers(plan(chain, BUDGET, bandwidth=0.5).ops)
 
 
+def test_a_prefetch_longer_than_its_backward_stalls_the_left_part():
+    """With B 3 taking 0.25 s and the copy 0.5 s (2 B/s), Fe 1 waits 0.25 s for a_1: 16.5 s against 17.25 s
+    recomputing a_1; the program counts the stall as the simulator does."""
+    chain = Chain(**{**offloading_chain().__dict__, "bwd_time": [2.0, 2.0, 2.0, 0.25, 2.0], "bandwidth": 2.0})
+    result = plan(chain, BUDGET)
+    assert transfers(result.ops) == [("Offload", 1), ("Prefetch", 1)]
+    assert simulate(chain, result.ops).wait == 0.25
+    assert result.time == 16.5 and result.recompute_only_time == 17.25
+    d = discretize(chain, BUDGET, slots=BUDGET)
+    cost, ops = solve_discretized(chain, BUDGET, BUDGET)
+    assert ops == result.ops and solve(d) == (cost, ops)
+    assert abs(d.cost_to_time(cost) - 16.5) <= 20 * d.tick
+
+
 def example_chains():
     """The project's example chains, and a chain built like the planner tests build theirs."""
     found = {path.stem: Chain.load(path) for path in sorted(EXAMPLES.glob("*.json"))}
     found["medium"] = medium_chain()
+    found["medium_frozen"] = Chain(**{**medium_chain().__dict__, "frozen": 3})  # plans start Fn 0, Fn 1, Fn 2
     return found
 
 
