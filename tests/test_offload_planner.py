@@ -213,3 +213,38 @@ def test_threads_change_nothing_with_offloading(chain, where, threads):
     low, high = min_feasible_budget(chain), no_recompute_peak(chain)
     budget = max(1, int(low + where * (high - low)))
     assert solve_discretized(chain, budget, 40, threads) == solve_discretized(chain, budget, 40, 1)
+
+
+def small_offload_chain(rng) -> Chain:
+    """4-6 stages whose checkpoints weigh about what recorded stages do, with B often shorter than a copy."""
+    length = rng.randint(4, 6)
+    out = [rng.choice([1, 3, 10, 10, 40]) for _ in range(length)]
+    return Chain(
+        input_size=rng.choice([1, 10]),
+        out_size=out,
+        saved_size=[max(0, o + rng.choice([-5, 0, 5, 10])) for o in out],  # some outputs partly views
+        fwd_time=[rng.choice([0.5, 1.0, 2.0]) for _ in range(length)],
+        bwd_time=[rng.choice([0.25, 0.5, 2.0]) for _ in range(length)],
+        fwd_tmp=[rng.choice([0, 2]) for _ in range(length)],
+        bwd_tmp=[rng.choice([0, 3, 20, 40]) for _ in range(length)],
+        loss_value=rng.choice([0, 2]),
+        bandwidth=rng.choice([8.0, 20.0, 100.0]),
+    )
+
+
+@pytest.mark.slow
+def test_cpp_equals_reference_where_offloading_pays():
+    """Chains where offloading often wins (random chains rarely offload): at every other budget from the floor to
+    the no-recompute peak, in exact bytes, the same cost and ops, and the plan replays within budget."""
+    import random
+
+    rng = random.Random(7)
+    offloading = 0
+    for _ in range(250):
+        chain = small_offload_chain(rng)
+        for budget in range(min_feasible_budget(chain), no_recompute_peak(chain) + 1, 2):
+            got = solve_discretized(chain, budget, budget)
+            assert got is not None and got == solve(discretize(chain, budget, slots=budget))
+            assert simulate(chain, got[1]).peak <= budget
+            offloading += bool(transfers(got[1]))
+    assert offloading >= 20  # the family is exercised, not just today's choices
