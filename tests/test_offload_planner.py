@@ -9,6 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reference_planner import reference_min_budget, solve
+from test_options import chains_with_options
 from test_planner import chains, medium_chain
 
 from lightning_rotor.chain import Chain
@@ -248,3 +249,28 @@ def test_cpp_equals_reference_where_offloading_pays():
             assert simulate(chain, got[1]).peak <= budget
             offloading += bool(transfers(got[1]))
     assert offloading >= 20  # the family is exercised, not just today's choices
+
+
+@pytest.mark.slow
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    chain=chains_with_options(),
+    bandwidth=st.sampled_from([6.0, 20.0, 500.0]),
+    where=st.floats(0, 1.2),
+    slots=st.sampled_from([8, 40, 500]),
+)
+def test_cpp_equals_reference_with_options_and_offloading(chain, bandwidth, where, slots):
+    """Stage options (Fs) and offloading together: the same cost and ops; no offload ends before a B of a stage
+    with options (its time would depend on the option that recorded it); the plan replays within budget."""
+    chain = chain.with_transfer(bandwidth)
+    low, high = reference_min_budget(chain), no_recompute_peak(chain)
+    budget = max(1, int(low - 3 + where * (high - low + 6)))
+    expected = solve(discretize(chain, budget, slots=slots))
+    got = solve_discretized(chain, budget, slots)
+    assert got == (None if expected is None else (expected[0], expected[1]))
+    if got is not None:
+        ops = list(got[1])
+        for i, op in enumerate(ops):
+            if op[0] == "Prefetch":
+                assert ops[i + 1][0] == "B" and not chain.options[ops[i + 1][1]]
+        assert simulate(chain, ops).peak <= budget
