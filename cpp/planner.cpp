@@ -443,6 +443,8 @@ class Solver {
         }
         if (plain && offloadable(s, t, given, s2)) {
             // Offload a_s during the right part: it gets a_s's bytes; the prefetch and B s2 fit without them.
+            // m - oshift can pass top_ (a_s larger than a_{s2}), but only for m that no caller reaches: a plain
+            // (s, t) is reached with a_s charged to its caller, so m <= top_ - size[s] and m - oshift <= top_.
             const int64_t oshift = c_.size[s2] - c_.size[s];
             int64_t ofrom = std::max({lo, need_[s2], left.lo + lshift, right.lo + oshift});
             ofrom = std::max(ofrom, prefetch_need(s2, given));
