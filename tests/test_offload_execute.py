@@ -10,8 +10,10 @@ import dataclasses
 
 import pytest
 import torch
-from training import grads
+from training import assert_same_state, grads, measured_step, train
 
+from lightning_rotor.budget import format_bytes
+from lightning_rotor.checkpointable import Checkpointable
 from lightning_rotor.execute import PlanRunner
 from lightning_rotor.memory import CudaMemoryProbe, MemoryProbe, host_allocations, storage_bytes
 from lightning_rotor.models import MODELS, get_model
@@ -279,3 +281,74 @@ def test_cuda_offloaded_plan_trains_bitwise_like_plain_and_reports_host_memory()
     assert probe.host_peak == simulate(chain, ops).host_peak and probe.host_current == 0
     assert runner.channel is not None and runner.channel.pool is not None
     assert runner.channel.pool.allocations == len(buffer_sizes(ops, chain.sizes))
+
+
+# -- Checkpointable(offload=...) ------------------------------------------------------------------------
+def resnet_pair():
+    kwargs = MODELS["resnet18"].tiny
+    torch.manual_seed(0)
+    plain = get_model("resnet18", **kwargs)
+    torch.manual_seed(0)
+    rotor = get_model("resnet18", **kwargs)
+    return plain, rotor, *MODELS["resnet18"].sample(4, **kwargs)
+
+
+def test_checkpointable_with_offload_trains_bitwise_like_plain():
+    """The bandwidth reaches the chain the planner reads; an offloading plan (saved plan state, as the planner
+    will make them) runs through Checkpointable's own runner for several steps, bitwise like plain training."""
+    plain, model, x, y = resnet_pair()
+    rotor = Checkpointable(model, 0.7, offload="12GB/s", host_limit="1MiB")
+    entry = rotor.prepare_for(x)
+    assert rotor.chain.bandwidth == 12e9 and rotor.chain.host_limit == 2**20 and rotor.bandwidth == 12e9
+    chain = uniform_times(rotor.chain)
+    recompute = plan(chain, entry.plan.budget)
+    ops = with_offloads(chain, recompute.ops)
+    assert any(op.kind is OpKind.OFFLOAD for op in ops)
+    sim = simulate(chain, ops)
+    state = rotor.plan_state()
+    state["entries"][0]["chain"] = chain.to_dict()
+    state["entries"][0]["plan"] |= {"ops": [op.to_json() for op in ops], "peak": sim.peak, "time": sim.time}
+    rotor.load_plan_state(state)
+
+    loss = MODELS["resnet18"].loss
+    expected = train(plain, x, y, loss, steps=3)
+    got = train(rotor, x, y, loss, steps=3)
+    assert rotor.plan.ops == ops  # the plan the steps ran
+    assert torch.equal(expected, got)
+    assert_same_state(plain, rotor)
+    summary = rotor.summary()
+    assert "(input offloaded)" in summary and "offloading at 12 GB/s, host limit 1.00 MiB" in summary
+    assert f"host memory at most {format_bytes(sim.host_peak)}" in summary
+    rotor.zero_grad(set_to_none=True)
+    measured = measured_step(rotor, x, y, loss)
+    assert measured.peak <= sim.peak <= rotor.plan.budget
+    assert measured.host_peak == sim.host_peak > 0
+
+
+def test_checkpointable_measures_the_bandwidth_when_offload_is_true():
+    _, model, x, _ = resnet_pair()
+    rotor = Checkpointable(model, 0.7, offload=True)
+    assert rotor.bandwidth is None  # measured when the first signature is profiled
+    rotor.prepare_for(x)
+    assert rotor.bandwidth is not None and 0 < rotor.bandwidth < float("inf")
+    assert rotor.chain.bandwidth == rotor.bandwidth
+    assert Checkpointable(resnet_pair()[1], 0.7).prepare_for(x).chain.bandwidth == 0.0  # off by default
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (dict(offload="fast"), r"^offload='fast' is not a bandwidth; accepted: False .* \('12GB/s'"),
+        (dict(offload=-1), r"^offload=-1 is not a bandwidth; accepted"),
+        (dict(offload=0), r"^offload=0 is not a bandwidth; accepted"),
+        (dict(offload="12GB"), r"^offload='12GB' is not a bandwidth"),
+        (dict(offload=[1]), r"^offload=\[1\] is not a bandwidth"),
+        (dict(offload="12GB/s", host_limit="half"), r"^host_limit must be a positive number of bytes or a size"),
+        (dict(offload="12GB/s", host_limit=0.5), r"\(not a fraction\), got 0.5$"),
+        (dict(host_limit="2GiB"), r"^host_limit='2GiB' bounds offloaded copies; give offload= too"),
+    ],
+)
+def test_bad_offload_settings_are_refused_in_one_line(settings, message):
+    with pytest.raises(ValueError, match=message) as err:
+        Checkpointable(torch.nn.Sequential(torch.nn.Linear(2, 2)), **settings)
+    assert "\n" not in str(err.value)
