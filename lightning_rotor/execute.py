@@ -659,6 +659,8 @@ class PlanRunner:
             raise TypeError("the chain input must be a tensor or a (nested) tuple of tensors")
         device = next(t.device for t in flat if isinstance(t, torch.Tensor))
         self.token_device = device
+        if self.channel is not None:
+            self.channel.prepare(device)  # CUDA: the plan's pinned host buffers, made once, before any op runs
         step = _Step(self, value, self.probe)
         if step.probe is not None and hasattr(step.probe, "track"):
             step.probe.track(value)

@@ -169,11 +169,26 @@ class TransferChannel:
         self.pool: HostPool | None = None
         self.streams: dict[torch.device, Any] = {}
 
+    def prepare(self, device: torch.device) -> None:
+        """Before a step on `device`: on CUDA, the pinned buffers the plan needs, made on the first step only
+        (between steps, not while ops run), and the copy stream."""
+        if device.type == "cuda":
+            self._cuda_pool()
+            self._stream(device)
+
     def _cuda_pool(self) -> HostPool:
         if self.pool is None:
             self.pool = HostPool(pin=True)
             self.pool.reserve(self.reserve)
         return self.pool
+
+    def discard(self, copy: HostCopy) -> None:
+        """A host copy that will not be prefetched (a step that failed): its pool buffer goes back."""
+        if copy.buffer is not None and self.pool is not None:
+            if copy.done is not None:
+                copy.done.synchronize()  # the copy into it may still run
+            host_buffer_free(copy.buffer.untyped_storage())
+            self.pool.release(copy.buffer)
 
     def _stream(self, device: torch.device) -> Any:
         if device not in self.streams:
@@ -294,6 +309,10 @@ class Transfers:
         return sum(c.nbytes for c in self.on_host.values())
 
     def clear(self) -> None:
+        """The step is over: nothing should be on the host (a valid plan prefetches all); after a failed step,
+        the pool buffers still held go back."""
+        for copy in self.on_host.values():
+            self.channel.discard(copy)
         self.on_host.clear()
         self.arriving.clear()
 
@@ -313,7 +332,7 @@ def measure_bandwidth(
     cuda = device.type == "cuda"
     on_device = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
-    directions = ((host, on_device), (on_device, host))  # (destination, source): down, then up
+    directions = ((host, on_device), (on_device, host))  # (destination, source): device->host, host->device
     rates = []
     for dst, src in directions:
         seconds = []
