@@ -47,7 +47,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -77,27 +77,37 @@ def storage_bytes(tensors: Any) -> int:
 
 
 _ACTIVE: weakref.WeakSet = weakref.WeakSet()  # probes inside their block
-_HOST = threading.local()  # `depth` > 0: storages made now are host copies (`host_allocations`)
+_HOST = threading.local()  # `making`: what storages made now are ("copies", "buffers"), or None
 
 
-def _making_host_copies() -> bool:
-    return getattr(_HOST, "depth", 0) > 0
+def _making_host() -> str | None:
+    return getattr(_HOST, "making", None)
 
 
 @contextmanager
-def host_allocations() -> Iterator[None]:
+def _making(what: str) -> Iterator[None]:
+    before = _making_host()
+    _HOST.making = what
+    try:
+        yield
+    finally:
+        _HOST.making = before
+
+
+def host_allocations() -> AbstractContextManager[None]:
     """Storages made inside are host copies of offloaded values: probes count them as host memory.
 
     On CPU a host copy is a CPU tensor like any activation; without being told, a probe
     would charge it to the device and the measured device peak would include what the
     plan moved away.
     """
-    depth = getattr(_HOST, "depth", 0)
-    _HOST.depth = depth + 1
-    try:
-        yield
-    finally:
-        _HOST.depth = depth
+    return _making("copies")
+
+
+def host_buffers() -> AbstractContextManager[None]:
+    """Storages made inside are reserved host buffers (pinned, per plan): never counted by themselves,
+    only while `host_buffer_used` says they hold a copy."""
+    return _making("buffers")
 
 
 def host_buffer_used(storage: torch.UntypedStorage, nbytes: int) -> None:
@@ -235,8 +245,12 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
     def _add(self, tensors: Any, inputs: set[int] = frozenset(), bookkeeping: bool | None = None) -> None:
         """Count the new storages behind `tensors`; `bookkeeping` None: look up (once) whether a bookkeeping
         function made them."""
-        if _making_host_copies():
+        making = _making_host()
+        if making == "copies":
             self._add_host(tensors, inputs)
+            return
+        if making == "buffers":
+            self._fixed.update(storage_key(t) for t in tree_leaves(tensors) if _strided(t))
             return
         for t in tree_leaves(tensors):
             if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.device.type == "meta":

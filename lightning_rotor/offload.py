@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from lightning_rotor._torch_compat import storage_id, tree_flatten, tree_unflatten
-from lightning_rotor.memory import host_allocations, host_buffer_free, host_buffer_used
+from lightning_rotor.memory import host_allocations, host_buffer_free, host_buffer_used, host_buffers
 from lightning_rotor.ops import Op, OpKind, parse_ops
 
 __all__ = ["HostCopy", "HostPool", "TransferChannel", "Transfers", "buffer_sizes", "measure_bandwidth"]
@@ -143,7 +143,8 @@ class HostPool:
             self.free.append(self._make(n))
 
     def _make(self, nbytes: int) -> torch.Tensor:
-        buf = torch.empty(max(1, nbytes), dtype=torch.uint8, pin_memory=self.pin)
+        with host_buffers():  # counted by the probes only while they hold a copy (`host_buffer_used`)
+            buf = torch.empty(max(1, nbytes), dtype=torch.uint8, pin_memory=self.pin)
         self.buffers.append(buf)
         self.allocations += 1
         return buf

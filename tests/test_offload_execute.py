@@ -15,7 +15,14 @@ from training import assert_same_state, grads, measured_step, train
 from lightning_rotor.budget import format_bytes
 from lightning_rotor.checkpointable import Checkpointable
 from lightning_rotor.execute import PlanRunner
-from lightning_rotor.memory import CudaMemoryProbe, MemoryProbe, host_allocations, storage_bytes
+from lightning_rotor.memory import (
+    CudaMemoryProbe,
+    MemoryProbe,
+    host_allocations,
+    host_buffer_free,
+    host_buffer_used,
+    storage_bytes,
+)
 from lightning_rotor.models import MODELS, get_model
 from lightning_rotor.offload import HostPool, TransferChannel, Transfers, buffer_sizes, measure_bandwidth
 from lightning_rotor.ops import Op, OpKind
@@ -206,6 +213,21 @@ def test_the_probe_counts_host_copies_as_host_memory():
         assert (probe.current, probe.host_current) == (256, 0)
         del back
     assert (probe.peak, probe.host_peak) == (256, 256)  # never both on the device
+
+
+def test_reserved_host_buffers_count_only_while_they_hold_a_copy():
+    with MemoryProbe() as probe:
+        pool = HostPool(pin=False)
+        pool.reserve([256])  # made inside the probe: not an activation, not a copy
+        buf = pool.acquire(100)
+        host_buffer_used(buf.untyped_storage(), 100)
+        probe.mark("in use")
+        assert (probe.current, probe.host_current) == (0, 100)
+        host_buffer_free(buf.untyped_storage())
+        pool.release(buf)
+        probe.mark("free")
+        assert (probe.current, probe.host_current) == (0, 0)
+    assert (probe.peak, probe.host_peak) == (0, 100)
 
 
 def test_host_allocations_outside_any_probe_cost_nothing():
