@@ -35,7 +35,7 @@ from torch import nn
 
 from lightning_rotor import pipeline
 from lightning_rotor._torch_compat import tree_flatten
-from lightning_rotor.budget import BudgetError, MemLimit, parse_bandwidth, parse_budget, resolve_budget
+from lightning_rotor.budget import BudgetError, MemLimit, parse_host_limit, parse_offload, resolve_budget
 from lightning_rotor.cache import PlanCache, plan_key, signature
 from lightning_rotor.calls import Call, InfeasibleStep, StepCalls, describe, step_minimum
 from lightning_rotor.chain import Chain
@@ -693,36 +693,23 @@ class Checkpointable(nn.Module):
         return state
 
 
-OFFLOAD_ACCEPTED = (
-    "accepted: False (no offloading), True (bandwidth measured when profiling), a positive number of bytes per "
-    "second (12e9) or a rate ('12GB/s', '500MB/s', '1.5GiB/s')"
-)
-
-
 def check_offload(offload: Any, host_limit: Any) -> tuple[str | float | None, int | None]:
     """(None: off, "measure", or bytes/s; host limit in bytes or None) from `offload=` and `host_limit=`.
 
-    Bad values fail when the module is made, in one line that says what is accepted, not
-    at the first training step.
+    Bad values fail when the module is made, in one line that says what is accepted (the parsers
+    the strategies and YAML use too, lightning_rotor/budget.py), not at the first training step.
     """
-    if offload is False or offload is None:
-        setting: str | float | None = None
-    elif offload is True:
-        setting = "measure"
-    else:
-        try:
-            setting = parse_bandwidth(offload)
-        except BudgetError:
-            raise ValueError(f"offload={offload!r} is not a bandwidth; {OFFLOAD_ACCEPTED}") from None
+    rate = False if offload is None else parse_offload(offload)
+    setting: str | float | None = None if rate is False else "measure" if rate is True else float(rate)
     if host_limit is None:
         return setting, None
-    what = "host_limit must be a positive number of bytes or a size ('2GiB', '512MB')"
     try:
-        nbytes = parse_budget(host_limit)
-    except BudgetError:
-        raise ValueError(f"{what}, got {host_limit!r}") from None
-    if not isinstance(nbytes, int):
-        raise ValueError(f"{what} (not a fraction), got {host_limit!r}")
+        nbytes = parse_host_limit(host_limit)
+    except BudgetError as err:
+        raise ValueError(
+            f"host_limit={host_limit!r} is not a size: give bytes or a size with a unit ('2GiB', '512MB', "
+            f"8000000000), not a fraction ({err})"
+        ) from None
     if setting is None:
         raise ValueError(f"host_limit={host_limit!r} bounds offloaded copies; give offload= too, or leave it out")
     return setting, nbytes
