@@ -331,6 +331,14 @@ def measure_bandwidth(
     if repeats < 1 or nbytes < 1:
         raise ValueError(f"repeats and nbytes must be >= 1, got repeats={repeats}, nbytes={nbytes}")
     cuda = device.type == "cuda"
+    if cuda:
+        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+        with torch.cuda.device(device):  # events and copies on that device's current stream
+            return _timed_copies(device, nbytes, repeats, warmup, cuda)
+    return _timed_copies(device, nbytes, repeats, warmup, cuda)
+
+
+def _timed_copies(device: torch.device, nbytes: int, repeats: int, warmup: int, cuda: bool) -> float:
     on_device = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
     directions = ((host, on_device), (on_device, host))  # (destination, source): device->host, host->device
