@@ -7,6 +7,7 @@ the way the planner's family places them (spec: a kept `a_s` of a split `Fc s, F
 """
 
 import dataclasses
+import sys
 
 import pytest
 import torch
@@ -374,3 +375,34 @@ def test_bad_offload_settings_are_refused_in_one_line(settings, message):
     with pytest.raises(ValueError, match=message) as err:
         Checkpointable(torch.nn.Sequential(torch.nn.Linear(2, 2)), **settings)
     assert "\n" not in str(err.value)
+
+
+# -- benchmarks/offload_gpu.py, exercised on CPU ---------------------------------------------------------
+def _offload_benchmark():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "offload_gpu.py"
+    spec = importlib.util.spec_from_file_location("offload_gpu", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_offload_benchmark_runs_on_cpu_with_measured_peaks_as_predicted(capsys):
+    bench = _offload_benchmark()
+    assert bench.main(["--cpu", "--models", "resnet18", "--budgets", "0.8", "--repeats", "1"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.lstrip().startswith("resnet18 ")]
+    # model, budget (3 words), schedule, offloads, 3 times, pred and meas peak (2 words each), peak/budget, hosts
+    assert [row[4] for row in rows] == ["off", "on", "inserted"]
+    for row in rows:
+        assert row[9:11] == row[11:13] and float(row[13]) <= 1.0 and row[14:16] == row[16:18]
+    for row in rows:  # host memory exactly where a schedule offloads (whether one does depends on measured times)
+        assert (int(row[5]) > 0) == (row[14] != "0")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here")
+def test_offload_benchmark_needs_cuda_or_cpu_flag(capsys):
+    assert _offload_benchmark().main(["--models", "resnet18"]) == 2
+    assert "needs CUDA, which is not available here" in capsys.readouterr().err
