@@ -118,6 +118,73 @@ def resolve_budget(spec: BudgetSpec | Fraction, reference_peak: int) -> int:
     return value
 
 
+BANDWIDTH_ACCEPTED = (
+    "accepted: a positive number of bytes per second (12000000000, '1.5e10') or a rate with a unit "
+    "('12GB/s', '12 GB/s', '500MiB/s'; units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB, each followed by '/s')"
+)
+_RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*(?:([a-zA-Z]+)\s*/\s*s)?\s*$")
+
+
+def parse_bandwidth(value: int | float | str) -> float:
+    """Bytes per second of a host<->device link, from a number or a rate such as `"12GB/s"`.
+
+    Offloading is priced by this one number (docs/planner.md), so the same spellings work in
+    `Checkpointable(offload=...)`, the strategies, YAML and `lightning-rotor plan --bandwidth`.
+    Turning offloading off is the caller's business (False / None), so zero is an error here.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise BudgetError(f"bandwidth {value!r} is not a rate; {BANDWIDTH_ACCEPTED}")
+    if isinstance(value, str):
+        rate = _RATE.match(value)
+        unit = (rate.group(2) or "").lower() if rate else ""
+        if not rate or unit not in UNITS:
+            raise BudgetError(f"cannot parse bandwidth {value!r}; {BANDWIDTH_ACCEPTED}")
+        number = float(rate.group(1)) * UNITS[unit]
+    else:
+        number = float(value)
+    if not math.isfinite(number) or number <= 0:
+        raise BudgetError(f"bandwidth {value!r} must be positive and finite; {BANDWIDTH_ACCEPTED}")
+    return number
+
+
+Offload = bool | int | float | str  # what users give as `offload=`: False, True (measure the link), or a rate
+
+
+def parse_offload(value: Offload) -> bool | float:
+    """`offload=` as False (off), True (the bandwidth is measured at profile time) or bytes per second.
+
+    One parser for the strategies, YAML and `Checkpointable`, so `offload="12GB/s"` fails the same
+    way everywhere: in one line, with the accepted forms.
+    """
+    if isinstance(value, bool):
+        return value
+    try:
+        return parse_bandwidth(value)
+    except BudgetError:
+        raise BudgetError(
+            f"offload={value!r} is neither True/False nor a bandwidth; offload is False (no offloading), True "
+            f"(bandwidth measured at profile time) or a rate, {BANDWIDTH_ACCEPTED}"
+        ) from None
+
+
+def parse_host_limit(value: int | str) -> int:
+    """Bytes of host memory offloaded values may take at once: bytes or a size (`"2GiB"`), never a fraction.
+
+    A fraction has nothing to be a fraction of: the host is not what the budget's peak measures.
+    """
+    parsed = parse_budget(value)
+    if isinstance(parsed, Fraction):
+        raise BudgetError(
+            f"host limit {value!r} is a fraction; give bytes or a size with a unit ('2GiB', '512MB', 8000000000)"
+        )
+    return parsed
+
+
+def format_bandwidth(rate: float) -> str:
+    """Decimal gigabytes per second, the unit links are quoted in: `12 GB/s`, `0.5 GB/s`."""
+    return f"{rate / 1e9:.4g} GB/s"
+
+
 def format_bytes(nbytes: int | float) -> str:
     """Human form with binary units: `1.50 GiB`, `512.0 KiB`, `17 B`."""
     nbytes = float(nbytes)
