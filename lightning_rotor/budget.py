@@ -118,6 +118,40 @@ def resolve_budget(spec: BudgetSpec | Fraction, reference_peak: int) -> int:
     return value
 
 
+BANDWIDTH_ACCEPTED = (
+    "accepted: a positive number of bytes per second (12000000000, '1.5e10') or a rate with a unit "
+    "('12GB/s', '12 GB/s', '500MiB/s'; units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB, each followed by '/s')"
+)
+_RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*(?:([a-zA-Z]+)\s*/\s*s)?\s*$")
+
+
+def parse_bandwidth(value: int | float | str) -> float:
+    """Bytes per second of a host<->device link, from a number or a rate such as `"12GB/s"`.
+
+    Offloading is priced by this one number (docs/planner.md), so the same spellings work in
+    `Checkpointable(offload=...)`, the strategies, YAML and `lightning-rotor plan --bandwidth`.
+    Turning offloading off is the caller's business (False / None), so zero is an error here.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise BudgetError(f"bandwidth {value!r} is not a rate; {BANDWIDTH_ACCEPTED}")
+    if isinstance(value, str):
+        rate = _RATE.match(value)
+        unit = (rate.group(2) or "").lower() if rate else ""
+        if not rate or unit not in UNITS:
+            raise BudgetError(f"cannot parse bandwidth {value!r}; {BANDWIDTH_ACCEPTED}")
+        number = float(rate.group(1)) * UNITS[unit]
+    else:
+        number = float(value)
+    if not math.isfinite(number) or number <= 0:
+        raise BudgetError(f"bandwidth {value!r} must be positive and finite; {BANDWIDTH_ACCEPTED}")
+    return number
+
+
+def format_bandwidth(rate: float) -> str:
+    """Decimal gigabytes per second, the unit links are quoted in: `12 GB/s`, `0.5 GB/s`."""
+    return f"{rate / 1e9:.4g} GB/s"
+
+
 def format_bytes(nbytes: int | float) -> str:
     """Human form with binary units: `1.50 GiB`, `512.0 KiB`, `17 B`."""
     nbytes = float(nbytes)

@@ -4,7 +4,14 @@ from fractions import Fraction
 
 import pytest
 
-from lightning_rotor.budget import BudgetError, format_bytes, parse_budget, resolve_budget
+from lightning_rotor.budget import (
+    BudgetError,
+    format_bandwidth,
+    format_bytes,
+    parse_bandwidth,
+    parse_budget,
+    resolve_budget,
+)
 
 
 @pytest.mark.parametrize(
@@ -131,3 +138,36 @@ def test_one_budget_object_resolves_alone_and_shares_between_chains_from_chains_
     assert told == [expected["small"]]  # the first chain is told its smaller share
     with pytest.raises(InfeasibleTotal, match="smallest feasible budget"):
         Budget(min_feasible_budget(big) - 1, ["big"]).bytes_for(big, cpu, name="big")
+
+
+@pytest.mark.parametrize(
+    ("value", "rate"),
+    [
+        ("12GB/s", 12e9),
+        ("12 GB/s", 12e9),
+        ("500MiB/s", 500 * 2**20),
+        ("1.5e10", 1.5e10),
+        ("25gb/s", 25e9),
+        ("2 KiB / s", 2048.0),
+        (12_000_000_000, 12e9),
+        (1.5e10, 1.5e10),
+    ],
+)
+def test_bandwidths(value, rate):
+    assert parse_bandwidth(value) == rate
+
+
+@pytest.mark.parametrize(
+    "value", ["12GB", "fast", "-1GB/s", "0", 0, 0.0, -5, True, None, float("inf"), "12 Gbit/s", "/s", "1e400", ""]
+)
+def test_bad_bandwidths_say_what_is_accepted_in_one_line(value):
+    with pytest.raises(BudgetError) as err:
+        parse_bandwidth(value)
+    message = str(err.value)
+    assert "\n" not in message
+    assert "accepted:" in message and "12GB/s" in message and "500MiB/s" in message
+
+
+def test_format_bandwidth():
+    assert format_bandwidth(12e9) == "12 GB/s"
+    assert format_bandwidth(parse_bandwidth("500MiB/s")) == "0.5243 GB/s"
