@@ -147,6 +147,39 @@ def parse_bandwidth(value: int | float | str) -> float:
     return number
 
 
+Offload = bool | int | float | str  # what users give as `offload=`: False, True (measure the link), or a rate
+
+
+def parse_offload(value: Offload) -> bool | float:
+    """`offload=` as False (off), True (the bandwidth is measured at profile time) or bytes per second.
+
+    One parser for the strategies, YAML and `Checkpointable`, so `offload="12GB/s"` fails the same
+    way everywhere: in one line, with the accepted forms.
+    """
+    if isinstance(value, bool):
+        return value
+    try:
+        return parse_bandwidth(value)
+    except BudgetError:
+        raise BudgetError(
+            f"offload={value!r} is neither True/False nor a bandwidth; offload is False (no offloading), True "
+            f"(bandwidth measured at profile time) or a rate, {BANDWIDTH_ACCEPTED}"
+        ) from None
+
+
+def parse_host_limit(value: int | str) -> int:
+    """Bytes of host memory offloaded values may take at once: bytes or a size (`"2GiB"`), never a fraction.
+
+    A fraction has nothing to be a fraction of: the host is not what the budget's peak measures.
+    """
+    parsed = parse_budget(value)
+    if isinstance(parsed, Fraction):
+        raise BudgetError(
+            f"host limit {value!r} is a fraction; give bytes or a size with a unit ('2GiB', '512MB', 8000000000)"
+        )
+    return parsed
+
+
 def format_bandwidth(rate: float) -> str:
     """Decimal gigabytes per second, the unit links are quoted in: `12 GB/s`, `0.5 GB/s`."""
     return f"{rate / 1e9:.4g} GB/s"

@@ -14,10 +14,9 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from fractions import Fraction
 from typing import Any
 
-from lightning_rotor.budget import BudgetError, format_bandwidth, format_bytes, parse_bandwidth, parse_budget
+from lightning_rotor.budget import BudgetError, format_bandwidth, format_bytes, parse_bandwidth, parse_host_limit
 from lightning_rotor.chain import Chain, ChainError
 from lightning_rotor.discretize import DEFAULT_SLOTS
 from lightning_rotor.planner import InfeasibleBudget, Plan, PlannerTooLarge, plan
@@ -172,16 +171,6 @@ def _bandwidth(text: str) -> float:
     return parse_bandwidth(text)
 
 
-def _host_limit(text: str) -> int:
-    """`--host-limit`: bytes or a size; a fraction has nothing to be a fraction of."""
-    value = parse_budget(text)
-    if isinstance(value, Fraction):
-        raise BudgetError(
-            f"host limit {text!r} is a fraction; give bytes or a size with a unit ('2GiB', '512MB', 8000000000)"
-        )
-    return value
-
-
 def offloadable_values(chain: Chain) -> list[int]:
     """The stage inputs `a_k` an Offload op may move: 1 <= k <= L-1, past a frozen prefix, not empty."""
     return [k for k in range(chain.frozen + 1, chain.length) if chain.sizes[k] > 0]
@@ -190,7 +179,7 @@ def offloadable_values(chain: Chain) -> list[int]:
 def _transfer_options(chain: Chain, bandwidth: str | None, host_limit: str | None) -> dict[str, Any]:
     """The `plan()` keywords for `--bandwidth` / `--host-limit`; none when neither is given (today's call)."""
     rate = None if bandwidth is None else _bandwidth(bandwidth)
-    limit = None if host_limit is None else _host_limit(host_limit)
+    limit = None if host_limit is None else parse_host_limit(host_limit)
     offloading = chain.offloads if rate is None else rate > 0
     if limit is not None and not offloading:
         raise ArgumentError(
