@@ -28,9 +28,10 @@ FAST = "1000GB/s"  # a copy of these activations takes well under a microsecond:
 
 
 def wide_net() -> nn.Sequential:
-    """Ten equal stages: at half the plain peak recompute-only plans recompute, and held checkpoints cost memory."""
+    """Sixteen equal stages whose checkpoints are as big as what they record: from about 40% to 80% of the plain
+    peak, offloading a checkpoint through the right part beats recomputing around it (simulated, any CPU)."""
     torch.manual_seed(0)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(10)], nn.Linear(64, 5))
+    return nn.Sequential(*[nn.Sequential(nn.Linear(128, 128), nn.Tanh()) for _ in range(16)], nn.Linear(128, 5))
 
 
 class Wide(pl.LightningModule):
@@ -48,7 +49,7 @@ class Wide(pl.LightningModule):
 
 def loader() -> DataLoader:
     g = torch.Generator().manual_seed(0)
-    return DataLoader(TensorDataset(torch.randn(128, 64, generator=g), torch.randint(0, 5, (128,), generator=g)), 32)
+    return DataLoader(TensorDataset(torch.randn(256, 128, generator=g), torch.randint(0, 5, (256,), generator=g)), 64)
 
 
 def events(log_dir) -> EventAccumulator:
@@ -62,7 +63,7 @@ def test_trainer_logs_host_peak_and_host_curve(tmp_path):
     keep = KeepRotorModules()
     quiet_trainer(
         tmp_path,
-        RotorStrategy(mem_limit="50%", offload=FAST, host_limit="1GiB"),
+        RotorStrategy(mem_limit="60%", offload=FAST, host_limit="1GiB"),
         logger=logger,
         log_every_n_steps=1,
         max_steps=3,
@@ -72,7 +73,7 @@ def test_trainer_logs_host_peak_and_host_curve(tmp_path):
     entry = rotor.last_entry
     assert entry.chain.bandwidth == 1e12 and entry.chain.host_limit == 2**30  # one chain: the whole host limit
     sim = simulate(entry.chain, entry.plan.ops)
-    assert any(op.kind.is_transfer for op in entry.plan.ops), "the plan at 50% does not offload"
+    assert any(op.kind.is_transfer for op in entry.plan.ops), "the plan at 60% does not offload"
     acc = events(logger.log_dir)
     host_peak = acc.Scalars("rotor/host_peak_bytes")
     assert len(host_peak) == 3 and host_peak[-1].value == entry.plan.host_peak == sim.host_peak > 0
@@ -93,7 +94,7 @@ def test_without_offload_there_is_no_host_scalar(tmp_path):
 
 
 def test_fabric_passes_offload_through_and_logs_the_host_peak(tmp_path):
-    strategy = RotorFabricStrategy(mem_limit="50%", offload=FAST, host_limit=2**20, measure_every_n_steps=0)
+    strategy = RotorFabricStrategy(mem_limit="60%", offload=FAST, host_limit=2**20, measure_every_n_steps=0)
     logger = FabricTensorBoardLogger(tmp_path, name="fabric")
     fabric = Fabric(strategy=strategy, accelerator="cpu", devices=1, loggers=logger)
     model = wide_net()
