@@ -188,7 +188,8 @@ def report(results: dict[tuple[str, float], list[Point]], chains: dict[str, tupl
         f"({platform.system()}), simulated (no device runs); `{command}`",
         "",
         "| chain (stages) | times from | checkpoints/saved | link | copy/forward | floor, recompute-only "
-        "| floor, offload | overhead removed at 50% | at 30% | mean over the sweep | best (budget) | points offloading |",
+        "| floor, offload | overhead removed at 50% | at 30% | mean over the sweep | best (budget) "
+        "| points offloading |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     links = sorted({bw for _, bw in results})
