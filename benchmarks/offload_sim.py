@@ -203,7 +203,13 @@ def report(results: dict[tuple[str, float], list[Point]], chains: dict[str, tupl
                 means[bandwidth][f].append(p.removed)
         removed = [p.removed for p in points if p.removed is not None]
         best = max((p for p in points if p.removed is not None), key=lambda p: p.removed or 0.0, default=None)
-        best_cell = "-" if best is None else f"{100 * (best.removed or 0.0):.0f}% ({100 * best.fraction:.0f}%)"
+        best_cell = (
+            "-"
+            if best is None
+            else f"{100 * (best.removed or 0.0):.0f}% ({100 * best.fraction:.0f}%)"
+            if (best.removed or 0.0) > 0
+            else "0%"
+        )
         lines.append(
             f"| {name} ({chain.length}) | {source} | {checkpoint_share(chain):.3f} | {link_name(bandwidth)} | "
             f"{link_ratio(chain, bandwidth):.3g} | {format_bytes(min_feasible_budget(chain))} | "
@@ -212,6 +218,7 @@ def report(results: dict[tuple[str, float], list[Point]], chains: dict[str, tupl
             f"{f'{100 * statistics.fmean(removed):.0f}%' if removed else '-'} | {best_cell} | "
             f"{sum(1 for p in points if p.offloaded)} of {len(points)} |"
         )
+    lines += ["", "Share of recompute-only's overhead removed, by chain:", "", *compact(results, chains, links)]
     lines += [
         "",
         "Mean share of recompute-only's overhead removed (chains where both plans exist and it has overhead):",
@@ -225,6 +232,31 @@ def report(results: dict[tuple[str, float], list[Point]], chains: dict[str, tupl
         ]
         lines.append(f"| {link_name(bandwidth)} | {cells[0]} | {cells[1]} |")
     return "\n".join(lines) + "\n"
+
+
+def compact(
+    results: dict[tuple[str, float], list[Point]], chains: dict[str, tuple[Chain, str]], links: list[float]
+) -> list[str]:
+    """One row per chain: the share of recompute-only's overhead removed at 50% and 30% of the plain peak and
+    over the sweep, one column per link (what docs/benchmarks.md shows)."""
+    head = " | ".join(f"{link_name(bw)}: 50% / 30% / mean" for bw in links)
+    lines = [
+        f"| chain (stages) | times from | checkpoints/saved | floor, % of plain peak | {head} |",
+        "|---|---|---|---|" + "---|" * len(links),
+    ]
+    for name, (chain, source) in chains.items():
+        peak = no_recompute_peak(chain)
+        cells = []
+        for bw in links:
+            points = results[(name, bw)]
+            removed = [p.removed for p in points if p.removed is not None]
+            mean = f"{100 * statistics.fmean(removed):.0f}%" if removed else "-"
+            cells.append(" / ".join([*(share(at_mark(points, peak, f)) for f in MARKS), mean]))
+        lines.append(
+            f"| {name} ({chain.length}) | {source} | {checkpoint_share(chain):.2f} | "
+            f"{100 * min_feasible_budget(chain) / peak:.0f}% | {' | '.join(cells)} |"
+        )
+    return lines
 
 
 def write_csv(results: dict[tuple[str, float], list[Point]], path: Path) -> None:
