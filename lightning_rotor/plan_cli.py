@@ -63,7 +63,7 @@ def offload_saving(result: Plan) -> dict[str, float] | None:
 
     None when the plan was made without offloading (no recompute-only time to compare with).
     """
-    before = getattr(result, "recompute_only_time", None)  # planner with offloading: spec issue 19
+    before = result.recompute_only_time
     if before is None:
         return None
     saved = before - result.time
@@ -87,8 +87,8 @@ def _offload_lines(chain: Chain, result: Plan) -> list[str]:
         else ""
     )
     return [
-        f"offload: {moved} value(s) to host memory at {format_bandwidth(getattr(result, 'bandwidth', 0.0))}; "
-        f"host peak {format_bytes(getattr(result, 'host_peak', 0))}{host_limit}",
+        f"offload: {moved} value(s) to host memory at {format_bandwidth(result.bandwidth)}; "
+        f"host peak {format_bytes(result.host_peak)}{host_limit}",
         f"recompute-only: {saving['recompute_only_time']:.6g} s at the same budget; offloading saves "
         f"{saving['saved']:.6g} s{share}",
     ]
