@@ -35,7 +35,7 @@ from torch import nn
 
 from lightning_rotor import pipeline
 from lightning_rotor._torch_compat import tree_flatten
-from lightning_rotor.budget import MemLimit, resolve_budget
+from lightning_rotor.budget import BudgetError, MemLimit, parse_host_limit, parse_offload, resolve_budget
 from lightning_rotor.cache import PlanCache, plan_key, signature
 from lightning_rotor.calls import Call, InfeasibleStep, StepCalls, describe, step_minimum
 from lightning_rotor.chain import Chain
@@ -97,6 +97,12 @@ class Checkpointable(nn.Module):
 
     `compile`: True or a dict of torch.compile arguments compiles each stage; a module given as
     `torch.compile(m)` is discovered on `m` and its stages compiled with its options (docs/compile.md).
+
+    `offload`: also move kept stage inputs to host memory while they wait (chain version 6): False
+    (default), True (the host<->device bandwidth is measured once, when the first signature is
+    profiled), or the bandwidth as bytes/s (`12e9`) or a rate (`"12GB/s"`, `"500MB/s"`). The planner
+    reads it from the chain (`chain.bandwidth`). `host_limit`: the most host memory the copies may
+    hold at once, in bytes or a size (`"2GiB"`); None: no limit.
     """
 
     stages: Stages | None  # set by _set_stages, outside nn.Module's registries
@@ -119,6 +125,8 @@ class Checkpointable(nn.Module):
         derive_shapes: bool = True,
         shape_buckets: dict[int, list[int]] | None = None,
         options: bool = False,
+        offload: bool | int | float | str = False,
+        host_limit: int | str | None = None,
     ):
         compiled = None
         if isinstance(module, nn.Module):  # torch.compile(m): stages of m, compiled alike (compile.py)
@@ -127,6 +135,7 @@ class Checkpointable(nn.Module):
         discover, types = _check_settings(module, stages, discover, checkpoint_modules)
         own_budget = Budget(mem_limit)  # bad budgets fail here, with the accepted forms
         check_slots(slots)
+        offload_setting, host_bytes = check_offload(offload, host_limit)
         self.shape_buckets = check_buckets(shape_buckets)
         super().__init__()
         _adopt(self, module)
@@ -151,6 +160,10 @@ class Checkpointable(nn.Module):
         self.repeats = repeats
         self.derive_shapes = derive_shapes
         self.options = bool(options)
+        self.offload = offload  # as given; `bandwidth` is what it resolves to (bytes/s, measured once for True)
+        self.host_limit = host_bytes
+        self._offload_setting = offload_setting
+        self.bandwidth: float | None = offload_setting if isinstance(offload_setting, float) else None
         self._timed: tuple[Chain, list[int]] | None = None  # a timed shape's chain and stage FLOPs (derive_shapes)
         self.warmup = warmup
         self.budget: int | None = None  # bytes of the signature that ran last (each shape has its own)
@@ -348,6 +361,8 @@ class Checkpointable(nn.Module):
             measured.repeats, measured.round_seconds = 0, []
         elif flops is not None and self._timed is None:
             self._timed = (measured.chain, flops)
+        if self._offload_setting is not None:  # the planner reads the bandwidth from the chain (version 6)
+            measured.chain = measured.chain.with_transfer(self._bandwidth_for(measured.chain, value), self.host_limit)
         if self._first is None:  # the first shape: the budget as given becomes bytes
             device = next(t.device for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
             self.budget = self._budget_of(measured.chain, device)
@@ -356,6 +371,17 @@ class Checkpointable(nn.Module):
         else:
             nbytes = self._shape_bytes(key, measured.chain, self._budget(), *self._first)
         return self.plan_cache.build(measured, pipeline.plan_chain(measured.chain, nbytes, self.slots))
+
+    def _bandwidth_for(self, chain: Chain, value: Any) -> float:
+        """The transfer bandwidth in bytes/s: as given, or measured once on the chain input's device,
+        with copies the size of the largest stage input (between 1 MiB and 256 MiB)."""
+        if self.bandwidth is None:
+            from lightning_rotor.offload import measure_bandwidth
+
+            device = next(t.device for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
+            nbytes = min(max(max(chain.sizes[1 : chain.length], default=0), 2**20), 2**28)
+            self.bandwidth = measure_bandwidth(device, nbytes)
+        return self.bandwidth
 
     def _shape_bytes(self, key: str, chain: Chain, rule: Budget, first: int, first_need: int) -> int:
         """The bytes of a later shape (`Budget.for_shape`); below its smallest feasible budget a byte
@@ -657,13 +683,36 @@ class Checkpointable(nn.Module):
 
     def extra_repr(self) -> str:
         stages = len(self.stages) if self.stages is not None else f"found on the first call ({self.discover})"
-        return f"stages={stages}, mem_limit={self.mem_limit!r}"
+        offload = f", offload={self.offload!r}" if self._offload_setting is not None else ""
+        return f"stages={stages}, mem_limit={self.mem_limit!r}{offload}"
 
     def __getstate__(self) -> dict[str, Any]:
         """Copies and pickles leave out a step measurement in progress (its probe holds storage handles)."""
         state = dict(self.__dict__)
         state["_measurement"] = None
         return state
+
+
+def check_offload(offload: Any, host_limit: Any) -> tuple[str | float | None, int | None]:
+    """(None: off, "measure", or bytes/s; host limit in bytes or None) from `offload=` and `host_limit=`.
+
+    Bad values fail when the module is made, in one line that says what is accepted (the parsers
+    the strategies and YAML use too, lightning_rotor/budget.py), not at the first training step.
+    """
+    rate = False if offload is None else parse_offload(offload)
+    setting: str | float | None = None if rate is False else "measure" if rate is True else float(rate)
+    if host_limit is None:
+        return setting, None
+    try:
+        nbytes = parse_host_limit(host_limit)
+    except BudgetError as err:
+        raise ValueError(
+            f"host_limit={host_limit!r} is not a size: give bytes or a size with a unit ('2GiB', '512MB', "
+            f"8000000000), not a fraction ({err})"
+        ) from None
+    if setting is None:
+        raise ValueError(f"host_limit={host_limit!r} bounds offloaded copies; give offload= too, or leave it out")
+    return setting, nbytes
 
 
 def _check_settings(

@@ -43,6 +43,7 @@ from lightning_rotor.engine import (
     tensors_of,
     versions,
 )
+from lightning_rotor.offload import TransferChannel, Transfers, buffer_sizes
 from lightning_rotor.ops import Op, OpKind, check_frozen_prefix, last_forwards, parse_ops, recomputed_stage_set
 from lightning_rotor.rng import GeneratorWatch, RecordRandom, ReplayFrom, ReplayRandom, Rewind, alone
 from lightning_rotor.selective import run_selective
@@ -120,6 +121,8 @@ class _Step:
         self.joined: set[int] = set()  # stages fed a_k from stage k-1's graph: B k and B k-1 run in one call
         self.joined_edges: dict[int, list] = {}  # where δ_k enters stage k-1's graph, to mark B k (with a probe)
         self.dummy = torch.empty(0, device=runner.token_device, requires_grad=True)  # EnterStage's graph edge
+        # values offloaded to host memory and prefetched back (chain version 6); None: the plan moves none
+        self.transfers = Transfers(runner.channel) if runner.channel is not None else None
 
     def mark(self, op: Op) -> None:
         if self.probe is not None and hasattr(self.probe, "mark"):
@@ -127,6 +130,8 @@ class _Step:
 
     # -- forward ops ----------------------------------------------------------------------
     def _input(self, k: int, kind: OpKind) -> Any:
+        if self.transfers is not None:
+            self.transfers.ready(k)  # a prefetched a_k: compute waits for its copy (CUDA)
         if k in self.plain:
             return self.plain[k]
         if kind is not OpKind.FN and k in self.graph:
@@ -214,6 +219,28 @@ class _Step:
             self._learn_quiet(k)
         if kind is OpKind.FN and k != 0:
             del self.plain[k]
+
+    # -- transfers (chain version 6) ---------------------------------------------------------------
+    def offload(self, k: int) -> None:
+        """`Offload k`: a_k goes to host memory; the executor keeps no device reference to it.
+
+        A graph of stage k recorded from the plain a_k would keep (part of) it on the device,
+        which the memory model does not charge once a_k is offloaded: such a plan is refused.
+        """
+        assert self.transfers is not None  # set whenever the plan has transfers
+        if k not in self.plain:
+            raise RuntimeError(f"executor bug: a_{k} is not held plain for {Op(OpKind.OFFLOAD, k).label}")
+        if k + 1 in self.graph:
+            raise RuntimeError(
+                f"{Op(OpKind.OFFLOAD, k).label}: stage {k}'s recorded graph may keep a_{k} on the device; "
+                f"offload a_{k} before recording stage {k} (Fe {k}) or after its backward"
+            )
+        self.transfers.offload(k, self.plain.pop(k))
+
+    def prefetch(self, k: int) -> None:
+        """`Prefetch k`: a_k is a device value again (bitwise equal, same layout), plain; compute waits for it."""
+        assert self.transfers is not None  # set whenever the plan has transfers
+        self.plain[k] = self.transfers.prefetch(k)
 
     def _redraw(self, k: int) -> Any:
         """How an `Fs k` rerun inside its backward replays the stage's random draws: as a recomputation of
@@ -358,9 +385,19 @@ class _Step:
                 self.mark(op)
                 i += 1
             elif kind is OpKind.B:
+                if self.transfers is not None:
+                    self.transfers.ready(op.stage)
                 done = self.backward_op(op.stage)
                 i += done
                 self.mark(ops[i - 1])  # the last B of a joined run (the others were marked inside the call)
+            elif kind is OpKind.OFFLOAD:
+                self.offload(op.stage)
+                self.mark(op)
+                i += 1
+            elif kind is OpKind.PREFETCH:
+                self.prefetch(op.stage)
+                self.mark(op)
+                i += 1
             else:  # Loss splits the plan in PlanRunner; any other kind has no executor yet
                 raise RuntimeError(f"executor has no rule for op {op.label} here")
 
@@ -372,6 +409,8 @@ class _Step:
         self.joined_edges.clear()
         self.grads.clear()
         self.rng.clear()
+        if self.transfers is not None:
+            self.transfers.clear()
         self.probe = None
 
 
@@ -505,7 +544,8 @@ class PlanRunner:
     Set `probe` (a `MemoryProbe`) before a call to have it marked after every op,
     which gives the measured memory curve of the step, op by op. `in_free`: the
     chain's figures (`Chain.in_free`), so that a plain stage input is let go exactly
-    when the chain says (see `releases_plain`).
+    when the chain says (see `releases_plain`). `sizes`: the chain's `s_0 … s_L`, from
+    which a plan that offloads reserves its host buffers once (`offload.buffer_sizes`).
     """
 
     def __init__(
@@ -515,6 +555,7 @@ class PlanRunner:
         names: Sequence[str] | None = None,
         *,
         in_free: Sequence[int] | None = None,
+        sizes: Sequence[int] | None = None,
     ):
         self.stages = list(stages)
         self.length = len(self.stages)
@@ -536,6 +577,10 @@ class PlanRunner:
         self.backward_ops = ops[split + 1 :]
         self.recomputed = recomputed_stage_set(ops)
         self.in_free = None if in_free is None else list(in_free)
+        # Offload k / Prefetch k (chain version 6): one channel per plan, its host buffers reserved from the sizes
+        self.channel: TransferChannel | None = None
+        if any(op.kind.is_transfer for op in ops):
+            self.channel = TransferChannel(buffer_sizes(ops, sizes) if sizes is not None else ())
         last = last_forwards(ops, self.length)
         self.forward_last = [i in last for i in range(split)]
         self.backward_last = [i in last for i in range(split + 1, len(ops))]
@@ -614,6 +659,8 @@ class PlanRunner:
             raise TypeError("the chain input must be a tensor or a (nested) tuple of tensors")
         device = next(t.device for t in flat if isinstance(t, torch.Tensor))
         self.token_device = device
+        if self.channel is not None:
+            self.channel.prepare(device)  # CUDA: the plan's pinned host buffers, made once, before any op runs
         step = _Step(self, value, self.probe)
         if step.probe is not None and hasattr(step.probe, "track"):
             step.probe.track(value)

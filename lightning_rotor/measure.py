@@ -43,6 +43,7 @@ class StepMeasurement:
         self.is_open = False  # between `__enter__` and `__exit__`: the owner's training steps are being measured
         self.entry: Entry | None = None  # the plan the step ran (the latest call's)
         self.peak = 0  # the whole measured block
+        self.host_peak = 0  # host copies of offloaded values at most (device memory excludes them)
         self.chain_peak = 0  # while this chain's ops ran (the figure of a per-chain plot)
         self.curve: list[tuple[str, int]] = []
         self.op_peaks: list[int] = []
@@ -67,6 +68,7 @@ class StepMeasurement:
         if exc[0] is not None:
             return  # the step failed (e.g. InfeasibleBudget): let its error through untouched
         self.peak = probe.peak
+        self.host_peak = probe.host_peak
         marks = getattr(probe, "marks", [])
         self.curve = [(label, nbytes) for label, _, nbytes in marks]
         if isinstance(probe, MemoryProbe):

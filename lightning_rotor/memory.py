@@ -26,6 +26,12 @@ updated after each op. So
   order the first backward made gradients. Like parameter gradients (which may
   be views into them, `gradient_as_bucket_view`) they are not activations.
 
+Host copies of offloaded values (lightning_rotor/offload.py) are host memory, not
+device memory: storages made inside `host_allocations()`, and preallocated host buffers
+while `host_buffer_used` says they hold a copy, count in `host_current` and `host_peak`
+and never in `current` and `peak`. The transfer channel says so explicitly: on CPU a host
+copy is an ordinary CPU tensor, which tensor accounting could not tell apart.
+
 Allocations inside kernels that never become tensors (workspaces) are not
 seen; on CUDA, `CudaMemoryProbe` reads the caching allocator's own statistics,
 which include them.
@@ -38,8 +44,10 @@ entered around forward and backward sees both.
 from __future__ import annotations
 
 import sys
+import threading
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -69,6 +77,75 @@ def storage_bytes(tensors: Any) -> int:
 
 
 _ACTIVE: weakref.WeakSet = weakref.WeakSet()  # probes inside their block
+_HOST = threading.local()  # `making`: what storages made now are ("copies", "buffers"), or None
+
+
+def _making_host() -> str | None:
+    return getattr(_HOST, "making", None)
+
+
+@contextmanager
+def _making(what: str) -> Iterator[None]:
+    before = _making_host()
+    _HOST.making = what
+    try:
+        yield
+    finally:
+        _HOST.making = before
+
+
+def host_allocations() -> AbstractContextManager[None]:
+    """Storages made inside are host copies of offloaded values: probes count them as host memory.
+
+    On CPU a host copy is a CPU tensor like any activation; without being told, a probe
+    would charge it to the device and the measured device peak would include what the
+    plan moved away.
+    """
+    return _making("copies")
+
+
+def host_buffers() -> AbstractContextManager[None]:
+    """Storages made inside are reserved host buffers (pinned, per plan): never counted by themselves,
+    only while `host_buffer_used` says they hold a copy."""
+    return _making("buffers")
+
+
+def host_buffer_used(storage: torch.UntypedStorage, nbytes: int) -> None:
+    """A preallocated host buffer (pinned, made once per plan) now holds a copy of `nbytes` bytes.
+
+    The buffer outlives the step, so its bytes count as host memory only while it holds
+    a copy, from the offload to the end of the prefetch (`host_buffer_free`).
+    """
+    key = storage_id(storage)
+    for probe in list(_ACTIVE_HOST):
+        probe._host_use(key, nbytes)
+
+
+def host_buffer_free(storage: torch.UntypedStorage) -> None:
+    """The preallocated host buffer no longer holds a copy (its prefetch has been issued and waited for)."""
+    key = storage_id(storage)
+    for probe in list(_ACTIVE_HOST):
+        probe._host_unuse(key)
+
+
+_ACTIVE_HOST: weakref.WeakSet = weakref.WeakSet()  # probes (tensor or allocator) inside their block
+
+
+class _HostAccount:
+    """Host bytes held by copies of offloaded values: `host_current` now, `host_peak` at most."""
+
+    def _host_init(self) -> None:
+        self.host_current = 0
+        self.host_peak = 0
+        self._host_buffers: dict[int, int] = {}  # preallocated buffers in use: key -> bytes
+
+    def _host_use(self, key: int, nbytes: int) -> None:
+        self.host_current += nbytes - self._host_buffers.get(key, 0)
+        self._host_buffers[key] = nbytes
+        self.host_peak = max(self.host_peak, self.host_current)
+
+    def _host_unuse(self, key: int) -> None:
+        self.host_current -= self._host_buffers.pop(key, 0)
 
 
 def _code(function: Callable) -> Any:
@@ -90,13 +167,14 @@ def storage_emptied(storage: torch.UntypedStorage) -> None:
             probe._forget(storage_id(storage))
 
 
-class MemoryProbe(TorchDispatchMode):
+class MemoryProbe(TorchDispatchMode, _HostAccount):
     """Exact live activation bytes: `with MemoryProbe(exclude=model) as probe: ...`.
 
     `probe.current` and `probe.peak` are bytes; `probe.curve` (when
     `record_curve=True`) is the bytes alive after each op, and `mark(label)`
     records where in that curve a labelled moment is (e.g. the end of a plan op).
     `bookkeeping`: functions whose allocations are not activations (never counted).
+    `host_current` and `host_peak`: bytes of host copies of offloaded values (module docstring).
     """
 
     def __init__(
@@ -127,6 +205,8 @@ class MemoryProbe(TorchDispatchMode):
                 if isinstance(t, nn.Parameter) or t.requires_grad:
                     self._params.append(t)
         self._live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self._host_live: dict[int, tuple[StorageWeakRef, int]] = {}  # host copies made under host_allocations
+        self._host_init()
         self.current = 0
         self.peak = 0
         self.ops = 0
@@ -149,6 +229,9 @@ class MemoryProbe(TorchDispatchMode):
         dead = [k for k, (ref, _) in self._live.items() if k in excluded or ref.expired()]
         for k in dead:
             self.current -= self._live.pop(k)[1]
+        if self._host_live:
+            for k in [k for k, (ref, _) in self._host_live.items() if ref.expired()]:
+                self.host_current -= self._host_live.pop(k)[1]
 
     def _in_bookkeeping(self) -> bool:
         """True when a `bookkeeping` function is running, i.e. its frame is on the Python stack."""
@@ -162,6 +245,13 @@ class MemoryProbe(TorchDispatchMode):
     def _add(self, tensors: Any, inputs: set[int] = frozenset(), bookkeeping: bool | None = None) -> None:
         """Count the new storages behind `tensors`; `bookkeeping` None: look up (once) whether a bookkeeping
         function made them."""
+        making = _making_host()
+        if making == "copies":
+            self._add_host(tensors, inputs)
+            return
+        if making == "buffers":
+            self._fixed.update(storage_key(t) for t in tree_leaves(tensors) if _strided(t))
+            return
         for t in tree_leaves(tensors):
             if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.device.type == "meta":
                 continue
@@ -169,6 +259,11 @@ class MemoryProbe(TorchDispatchMode):
             key = storage_id(storage)
             if key in self._fixed or key in inputs:
                 continue
+            host = self._host_live.get(key)
+            if host is not None:
+                if not host[0].expired():
+                    continue  # a host copy, counted as host memory
+                self.host_current -= self._host_live.pop(key)[1]
             old = self._live.get(key)
             if old is not None:
                 if not old[0].expired():
@@ -187,6 +282,24 @@ class MemoryProbe(TorchDispatchMode):
             self._live[key] = (StorageWeakRef(storage), nbytes)
             self.current += nbytes
         self.peak = max(self.peak, self.current)
+
+    def _add_host(self, tensors: Any, inputs: set[int]) -> None:
+        """Count new storages as host copies (made inside `host_allocations`)."""
+        for t in tree_leaves(tensors):
+            if not _strided(t) or t.device.type == "meta":
+                continue
+            storage = t.untyped_storage()
+            key = storage_id(storage)
+            if key in inputs or key in self._live:
+                continue
+            old = self._host_live.get(key)
+            if old is not None and not old[0].expired():
+                continue
+            if old is not None:
+                self.host_current -= old[1]
+            self._host_live[key] = (StorageWeakRef(storage), storage.nbytes())
+            self.host_current += storage.nbytes()
+        self.host_peak = max(self.host_peak, self.host_current)
 
     def track(self, *tensors: Any) -> None:
         """Count tensors that existed before the probe (e.g. the chain input `a_0`), whoever made them."""
@@ -214,11 +327,14 @@ class MemoryProbe(TorchDispatchMode):
         if self._closed:
             raise RuntimeError("a MemoryProbe measures one block and is closed; make a new MemoryProbe")
         _ACTIVE.add(self)
+        _ACTIVE_HOST.add(self)
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
         _ACTIVE.discard(self)
+        _ACTIVE_HOST.discard(self)
+        self._sweep()  # host copies that died with the block's last op are no longer held
         self.close()
 
     def close(self) -> None:
@@ -230,6 +346,7 @@ class MemoryProbe(TorchDispatchMode):
         """
         self._closed = True
         self._live = {}
+        self._host_live = {}
         self._uncounted = {}
         self._fixed = set()
         self._params = []
@@ -247,7 +364,7 @@ class MemoryProbe(TorchDispatchMode):
         return out
 
 
-class CudaMemoryProbe:
+class CudaMemoryProbe(_HostAccount):
     """Activation bytes from the CUDA caching allocator's statistics.
 
     Peak is `max_memory_allocated` during the block minus what was allocated
@@ -255,7 +372,8 @@ class CudaMemoryProbe:
     input, which existed before). Unlike `MemoryProbe` it sees kernel
     workspaces; like any allocator figure it also sees parameter gradients
     allocated during the block (zero them with `set_to_none=False` to keep them
-    out) and rounds sizes up to the allocator's blocks.
+    out) and rounds sizes up to the allocator's blocks. Host copies of offloaded values are
+    not in the allocator's figures; `host_peak` counts the pinned buffers while they hold one.
     """
 
     def __init__(self, device: torch.device | str | int | None = None):
@@ -267,6 +385,25 @@ class CudaMemoryProbe:
         self.peak = 0
         self.current = 0
         self.marks: list[tuple[str, int, int]] = []  # (label, -1, bytes allocated), like MemoryProbe.marks
+        self._host_init()
+
+    def _add_host(self, tensors: Any, inputs: set[int]) -> None:
+        """Count new storages as host copies (made inside `host_allocations`)."""
+        for t in tree_leaves(tensors):
+            if not _strided(t) or t.device.type == "meta":
+                continue
+            storage = t.untyped_storage()
+            key = storage_id(storage)
+            if key in inputs or key in self._live:
+                continue
+            old = self._host_live.get(key)
+            if old is not None and not old[0].expired():
+                continue
+            if old is not None:
+                self.host_current -= old[1]
+            self._host_live[key] = (StorageWeakRef(storage), storage.nbytes())
+            self.host_current += storage.nbytes()
+        self.host_peak = max(self.host_peak, self.host_current)
 
     def track(self, *tensors: Any) -> None:
         self._tracked += storage_bytes(tensors)
@@ -279,9 +416,11 @@ class CudaMemoryProbe:
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         self._base = torch.cuda.memory_allocated(self.device)
+        _ACTIVE_HOST.add(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        _ACTIVE_HOST.discard(self)
         torch.cuda.synchronize(self.device)
         self.peak = torch.cuda.max_memory_allocated(self.device) - self._base + self._tracked
         self.current = torch.cuda.memory_allocated(self.device) - self._base + self._tracked

@@ -149,7 +149,7 @@ def plan_chain(chain: Chain, budget: int, slots: int | None = None) -> Plan:
 
 def runner(stages: Sequence[nn.Module], chain: Chain, chosen: Plan, names: Sequence[str] | None = None) -> PlanRunner:
     """What runs `chosen` on the stages: an autograd Function per call."""
-    return PlanRunner(stages, chosen.ops, names, in_free=chain.in_free)
+    return PlanRunner(stages, chosen.ops, names, in_free=chain.in_free, sizes=chain.sizes)
 
 
 def prepare(

@@ -188,6 +188,8 @@ def _replay(chain: Chain, ops: list[Op], first_op: int = 0, first_stage: int = 0
                 if k not in plain:
                     why = "is held with its graph" if k in graph else "is not held"
                     raise fail(i, op, f"offloads a kept stage input held without graph; a_{n} {why}")
+                if k + 1 in graph:
+                    raise fail(i, op, f"the graph of stage {n} is held and may keep a_{n}: offload before Fe {n}")
                 if k in arriving:
                     raise fail(i, op, f"a_{n} is still being prefetched")
                 if k in early_plain:

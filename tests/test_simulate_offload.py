@@ -72,6 +72,8 @@ def test_offload_errors_name_the_op():
         simulate(four(), [op for op in PLAN if op != ("Offload", 1)])
     with pytest.raises(ValueError, match=r"op 9 \(Offload 2\).*a_2 is held with its graph"):
         simulate(four(), [*PLAN[:9], ("Offload", 2), *PLAN[9:]])
+    with pytest.raises(ValueError, match=r"op 9 \(Offload 1\): the graph of stage 1 is held and may keep a_1"):
+        simulate(four(), [*PLAN[:9], ("Offload", 1), ("Prefetch", 1), *PLAN[9:]])
     with pytest.raises(ValueError, match="host memory 20 bytes exceeds the chain's host_limit 10"):
         simulate(four(host_limit=10), PLAN)
     with pytest.raises(ValueError, match="a_2 is offloaded and never prefetched"):
