@@ -102,7 +102,7 @@ def test_offload_on_the_command_line(capsys, extra, value):
     ("extra", "message"),
     [
         (["--trainer.strategy.offload=fast"], "offload='fast' is neither True/False nor a bandwidth"),
-        (["--trainer.strategy.host_limit=1GiB"], "host_limit='1GiB' bounds offloaded values, but offload=False"),
+        (["--trainer.strategy.host_limit=1GiB"], "host_limit='1GiB' bounds offloaded copies; give offload= too"),
         (["--trainer.strategy.offload=12GB/s", "--trainer.strategy.host_limit=10%"], "is a fraction"),
     ],
 )

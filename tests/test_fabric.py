@@ -221,15 +221,15 @@ def test_the_probe_samples_each_schedule_once_not_each_shape():
     ("kwargs", "message"),
     [
         ({"offload": "fast"}, "offload='fast' is neither True/False nor a bandwidth"),
-        ({"host_limit": "2GiB"}, "host_limit='2GiB' bounds offloaded values, but offload=False"),
+        ({"host_limit": "2GiB"}, "host_limit='2GiB' bounds offloaded copies; give offload= too"),
         ({"offload": "12GB/s", "host_limit": 0.5}, "host limit 0.5 is a fraction"),
     ],
 )
 def test_bad_offload_arguments_fail_as_on_the_trainer(kwargs, message):
-    """One check for both strategies: the same one-line errors as RotorStrategy's."""
-    with pytest.raises(BudgetError, match=re.escape(message)) as fabric_err:
+    """One check for both strategies and Checkpointable: the same one-line errors as RotorStrategy's."""
+    with pytest.raises(ValueError, match=re.escape(message)) as fabric_err:
         RotorFabricStrategy(mem_limit="50%", **kwargs)
-    with pytest.raises(BudgetError) as trainer_err:
+    with pytest.raises(ValueError) as trainer_err:
         RotorStrategy(mem_limit="50%", **kwargs)
     assert str(fabric_err.value) == str(trainer_err.value) and "\n" not in str(fabric_err.value)
     kept = RotorFabricStrategy(offload="500MiB/s", host_limit="1GiB")

@@ -35,8 +35,8 @@ from typing import Any
 
 from torch import nn
 
-from lightning_rotor.budget import BudgetError, MemLimit, Offload, parse_budget, parse_host_limit, parse_offload
-from lightning_rotor.checkpointable import Checkpointable
+from lightning_rotor.budget import MemLimit, Offload, parse_budget
+from lightning_rotor.checkpointable import Checkpointable, check_offload
 from lightning_rotor.compile import compiled_inner
 from lightning_rotor.discovery import DISCOVER_METHODS
 from lightning_rotor.discretize import check_slots
@@ -250,20 +250,14 @@ def unwrap(model: nn.Module, wrapped: Sequence[Wrapped]) -> None:
 def offload_settings(offload: Offload, host_limit: int | str | None, chains: int) -> dict[str, Any]:
     """`Checkpointable`'s `offload=` / `host_limit=` for each of `chains` chains (none when not offloading).
 
-    The host limit is the whole model's: each chain gets an even share, so that all their host
-    copies together stay within it.
+    Checked by `Checkpointable`'s own `check_offload`, so the strategies, YAML and the module fail alike.
+    The host limit is the whole model's: each chain gets an even share, so that all their host copies
+    together stay within it.
     """
-    rate = parse_offload(offload)
-    limit = None if host_limit is None else parse_host_limit(host_limit)
-    if limit is not None and rate is False:
-        raise BudgetError(
-            f"host_limit={host_limit!r} bounds offloaded values, but offload=False; give offload=True or a "
-            "bandwidth such as offload='12GB/s'"
-        )
-    if rate is False:
+    setting, limit = check_offload(offload, host_limit)
+    if setting is None:
         return {}
-    share = None if limit is None else max(1, limit // max(1, chains))
-    return {"offload": rate, "host_limit": share}
+    return {"offload": offload, "host_limit": None if limit is None else max(1, limit // max(1, chains))}
 
 
 def check_rotor_arguments(
