@@ -1,8 +1,11 @@
-"""`lightning-rotor plan CHAIN.json --mem-limit SIZE [--json] [--slots N]`.
+"""`lightning-rotor plan CHAIN.json --mem-limit SIZE [--bandwidth RATE [--host-limit SIZE]] [--json] [--slots N]`.
 
 Plans a saved chain offline: a readable summary by default, the plan JSON of
-docs/memory-model.md with `--json`. Exit codes: 0 planned, 1 bad
-input (file, JSON, chain, budget), 2 infeasible budget or bad arguments.
+docs/memory-model.md with `--json`. With a transfer bandwidth (`--bandwidth 12GB/s`, or
+the chain's own, version 6) the planner may offload stage inputs to host memory; the
+summary then puts the recompute-only plan's time at the same budget beside the plan's, and
+the JSON carries both. Exit codes: 0 planned, 1 bad input (file, JSON, chain, budget,
+bandwidth, host limit), 2 infeasible budget or bad arguments.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from lightning_rotor.budget import BudgetError, format_bytes
+from lightning_rotor.budget import BudgetError, format_bandwidth, format_bytes, parse_bandwidth, parse_host_limit
 from lightning_rotor.chain import Chain, ChainError
 from lightning_rotor.discretize import DEFAULT_SLOTS
 from lightning_rotor.planner import InfeasibleBudget, Plan, PlannerTooLarge, plan
@@ -54,6 +57,43 @@ def compact_ops(ops: Sequence[tuple[Any, ...]]) -> str:
     return " ".join(parts)
 
 
+def offload_saving(result: Plan) -> dict[str, float] | None:
+    """What offloading bought at this budget: seconds saved against the recompute-only plan, and the
+    share of that plan's recomputation overhead (its time above the no-recomputation time) removed.
+
+    None when the plan was made without offloading (no recompute-only time to compare with).
+    """
+    before = result.recompute_only_time
+    if before is None:
+        return None
+    saved = before - result.time
+    overhead = before - result.no_recompute_time
+    return {
+        "recompute_only_time": before,
+        "saved": saved,
+        "overhead_removed": saved / overhead if overhead > 0 else 0.0,
+    }
+
+
+def _offload_lines(chain: Chain, result: Plan) -> list[str]:
+    saving = offload_saving(result)
+    if saving is None:
+        return []
+    moved = sum(1 for op in result.ops if op[0] == "Offload")
+    host_limit = "" if chain.host_limit is None else f" of {format_bytes(chain.host_limit)} allowed"
+    share = (
+        f", {100 * saving['overhead_removed']:.1f}% of its recomputation overhead"
+        if saving["recompute_only_time"] > result.no_recompute_time
+        else ""
+    )
+    return [
+        f"offload: {moved} value(s) to host memory at {format_bandwidth(result.bandwidth)}; "
+        f"host peak {format_bytes(result.host_peak)}{host_limit}",
+        f"recompute-only: {saving['recompute_only_time']:.6g} s at the same budget; offloading saves "
+        f"{saving['saved']:.6g} s{share}",
+    ]
+
+
 def summary(chain: Chain, result: Plan, source: str) -> str:
     slower = result.time / result.no_recompute_time - 1 if result.no_recompute_time > 0 else 0.0
     return "\n".join(
@@ -64,6 +104,7 @@ def summary(chain: Chain, result: Plan, source: str) -> str:
             "of the budget)",
             f"time:    {result.time:.6g} s predicted vs {result.no_recompute_time:.6g} s without recomputation "
             f"({100 * slower:+.1f}%)",
+            *_offload_lines(chain, result),
             f"recomputed stages: {result.recomputed_stages} of {chain.length}",
             f"ops ({len(result.ops)}): {compact_ops(result.ops)}",
         ]
@@ -78,6 +119,17 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         help="activation budget: bytes, '6GiB', '512MB', or a fraction of the no-recomputation peak ('0.5', '50%%')",
     )
+    parser.add_argument(
+        "--bandwidth",
+        default=None,
+        help="host<->device transfer rate for offloading stage inputs ('12GB/s', '500MiB/s', bytes/s; 0: no "
+        "offloading); default: the chain's own (version 6), else none",
+    )
+    parser.add_argument(
+        "--host-limit",
+        default=None,
+        help="most host memory offloaded values may take ('2GiB', bytes); needs a bandwidth",
+    )
     parser.add_argument("--json", action="store_true", help="print the plan JSON instead of a summary")
     parser.add_argument(
         "--slots",
@@ -90,16 +142,62 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _join_mem_limit(argv: list[str]) -> list[str]:
-    """`--mem-limit -50%` as `--mem-limit=-50%`: argparse would take `-50%` for an option and never show our error."""
+    """`--mem-limit -50%` as `--mem-limit=-50%`: argparse would take `-50%` for an option and never show our error.
+
+    The same for `--bandwidth` and `--host-limit`.
+    """
     out: list[str] = []
     it = iter(argv)
     for arg in it:
-        if arg == "--mem-limit":
+        if arg in ("--mem-limit", "--bandwidth", "--host-limit"):
             value = next(it, None)
             out.append(arg if value is None else f"{arg}={value}")
         else:
             out.append(arg)
     return out
+
+
+class ArgumentError(ValueError):
+    """Options that do not go together (exit code 2)."""
+
+
+def _bandwidth(text: str) -> float:
+    """`--bandwidth`: a rate, or 0 to plan a chain that carries its own bandwidth without offloading."""
+    try:
+        if float(text) == 0:
+            return 0.0
+    except ValueError:
+        pass
+    return parse_bandwidth(text)
+
+
+def offloadable_values(chain: Chain) -> list[int]:
+    """The stage inputs `a_k` an Offload op may move: 1 <= k <= L-1, past a frozen prefix, not empty."""
+    return [k for k in range(chain.frozen + 1, chain.length) if chain.sizes[k] > 0]
+
+
+def _transfer_options(chain: Chain, bandwidth: str | None, host_limit: str | None) -> dict[str, Any]:
+    """The `plan()` keywords for `--bandwidth` / `--host-limit`; none when neither is given (today's call)."""
+    rate = None if bandwidth is None else _bandwidth(bandwidth)
+    limit = None if host_limit is None else parse_host_limit(host_limit)
+    offloading = chain.offloads if rate is None else rate > 0
+    if limit is not None and not offloading:
+        raise ArgumentError(
+            "--host-limit needs offloading: give --bandwidth (a positive rate) or a chain that carries its own"
+        )
+    if rate is not None and rate > 0 and not offloadable_values(chain):
+        raise ArgumentError(
+            f"--bandwidth given, but the chain has no value to offload (offloading moves the stage inputs a_1 … "
+            f"a_{{L-1}} after any frozen prefix; this chain has {chain.length} stage(s)"
+            + (f", {chain.frozen} frozen" if chain.frozen else "")
+            + ")"
+        )
+    options: dict[str, Any] = {}
+    if rate is not None:
+        options["bandwidth"] = rate
+    if limit is not None:
+        options["host_limit"] = limit
+    return options
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,16 +207,26 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         chain = Chain.load(args.chain)
-        result = plan(chain, args.mem_limit, slots=args.slots)
+        transfer = _transfer_options(chain, args.bandwidth, args.host_limit)
+        result = plan(chain, args.mem_limit, slots=args.slots, **transfer)
+        if "host_limit" in transfer:  # the summary reports it beside the host peak
+            chain = chain.with_transfer(None, transfer["host_limit"])
     except InfeasibleBudget as err:
         print(f"{PROG}: infeasible: {err}", file=sys.stderr)
         print(f"smallest feasible budget: {err.min_feasible} bytes ({format_bytes(err.min_feasible)})")
+        return 2
+    except ArgumentError as err:
+        print(f"{PROG}: {err}", file=sys.stderr)
         return 2
     except (ChainError, BudgetError, PlannerTooLarge) as err:
         print(f"{PROG}: {err}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps(result.to_dict()))
+        data = result.to_dict()
+        saving = offload_saving(result)
+        if saving is not None:
+            data.update(recompute_only_time=saving["recompute_only_time"], offload_saving=saving["saved"])
+        print(json.dumps(data))
     else:
         print(summary(chain, result, args.chain))
     return 0

@@ -66,7 +66,9 @@ def test_print_config_shows_the_rotor_strategy(capsys):
     assert config["model"]["init_args"]["model"] == "resnet18"
 
 
-@pytest.mark.parametrize("configs", [["gpt.yaml"], ["gpt.yaml", "bf16.yaml"], ["quickstart.yaml", "ddp.yaml"]])
+@pytest.mark.parametrize(
+    "configs", [["gpt.yaml"], ["gpt.yaml", "bf16.yaml"], ["quickstart.yaml", "ddp.yaml"], ["offload.yaml"]]
+)
 def test_every_config_parses(capsys, configs):
     args = [a for name in configs for a in ("--config", str(CONFIGS / name))]
     assert main(["fit", *args, "--print_config"]) == 0
@@ -76,6 +78,43 @@ def test_every_config_parses(capsys, configs):
         assert config["trainer"]["precision"] == "bf16-mixed"
     if "gpt.yaml" in configs:
         assert config["trainer"]["strategy"]["init_args"]["mem_limit"] == 0.6
+    if "offload.yaml" in configs:
+        init_args = config["trainer"]["strategy"]["init_args"]
+        assert (init_args["offload"], init_args["host_limit"]) == ("12GB/s", "2GiB")
+
+
+@pytest.mark.parametrize(
+    ("extra", "value"),
+    [
+        (["--trainer.strategy.offload=12GB/s"], "12GB/s"),
+        (["--trainer.strategy=rotor", "--trainer.strategy.offload=1.5e10"], 1.5e10),
+        (["--trainer.strategy.offload=true"], True),
+    ],
+)
+def test_offload_on_the_command_line(capsys, extra, value):
+    assert main(["fit", "--config", QUICKSTART, *extra, "--print_config"]) == 0
+    strategy = yaml.safe_load(capsys.readouterr().out)["trainer"]["strategy"]
+    assert strategy["class_path"] == "lightning_rotor.lightning.RotorStrategy"
+    assert strategy["init_args"]["offload"] == value
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--trainer.strategy.offload=fast"], "offload='fast' is neither True/False nor a bandwidth"),
+        (["--trainer.strategy.host_limit=1GiB"], "host_limit='1GiB' bounds offloaded copies; give offload= too"),
+        (["--trainer.strategy.offload=12GB/s", "--trainer.strategy.host_limit=10%"], "is a fraction"),
+    ],
+)
+def test_bad_offload_is_one_line(tmp_path, capfd, extra, message):
+    code = main(
+        ["fit", "--config", QUICKSTART, "--trainer.max_steps=1", f"--trainer.default_root_dir={tmp_path}"]
+        + extra
+        + TINY
+    )
+    err = capfd.readouterr().err.strip()
+    assert code in (1, 2) and "Traceback" not in err
+    assert err.startswith("lightning-rotor: error: ") and message in err and len(err.splitlines()) == 1
 
 
 def test_strategy_name_on_the_command_line(tmp_path, capsys):

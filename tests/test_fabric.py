@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,6 +16,7 @@ from lightning_rotor.bench.any_models import GPT
 from lightning_rotor.budget import BudgetError
 from lightning_rotor.checkpointable import Checkpointable
 from lightning_rotor.fabric import RotorFabricStrategy
+from lightning_rotor.lightning import RotorStrategy
 from lightning_rotor.memory import MemoryProbe
 from lightning_rotor.planner import min_feasible_budget
 
@@ -212,3 +215,22 @@ def test_the_probe_samples_each_schedule_once_not_each_shape():
     schedules = {schedule_key(e) for e in rotor.entries.values()}
     assert len(rotor.entries) == 4 and len(schedules) < 4  # shapes that share a schedule
     assert strategy._measured_once == schedules  # each schedule sampled once, not each of the 4 shapes
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"offload": "fast"}, "offload='fast' is neither True/False nor a bandwidth"),
+        ({"host_limit": "2GiB"}, "host_limit='2GiB' bounds offloaded copies; give offload= too"),
+        ({"offload": "12GB/s", "host_limit": 0.5}, "host limit 0.5 is a fraction"),
+    ],
+)
+def test_bad_offload_arguments_fail_as_on_the_trainer(kwargs, message):
+    """One check for both strategies and Checkpointable: the same one-line errors as RotorStrategy's."""
+    with pytest.raises(ValueError, match=re.escape(message)) as fabric_err:
+        RotorFabricStrategy(mem_limit="50%", **kwargs)
+    with pytest.raises(ValueError) as trainer_err:
+        RotorStrategy(mem_limit="50%", **kwargs)
+    assert str(fabric_err.value) == str(trainer_err.value) and "\n" not in str(fabric_err.value)
+    kept = RotorFabricStrategy(offload="500MiB/s", host_limit="1GiB")
+    assert (kept.offload, kept.host_limit) == ("500MiB/s", "1GiB")

@@ -4,8 +4,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_rotor.chain import Chain
 from lightning_rotor.checkpointable import Checkpointable
 from lightning_rotor.lightning.callback import curve_figure
+from lightning_rotor.ops import Op
 from lightning_rotor.simulate import simulate
 
 MIB = 2.0**20
@@ -39,3 +41,29 @@ def test_figure_draws_op_peaks_predicted_peak_budget_and_the_chains_measured_pea
     assert measured_line.get_ydata()[0] == m.chain_peak / MIB <= plan.budget / MIB
     assert list(lines["measured op peak"].get_ydata()) == [b / MIB for b in m.op_peaks]
     assert max(m.op_peaks) <= plan.peak  # measured never above the prediction
+
+
+def test_figure_draws_host_bytes_beside_device_bytes_when_the_plan_offloads():
+    # tests/test_simulate_offload.py's plan: a_1 (20 bytes) goes to the host during stages 2 and 3
+    chain = Chain(
+        input_size=10,
+        out_size=[20, 5, 5, 5],
+        saved_size=[30, 8, 8, 8],
+        fwd_time=[1.0] * 4,
+        bwd_time=[2.0] * 4,
+        fwd_tmp=[0] * 4,
+        bwd_tmp=[0] * 4,
+        bandwidth=10.0,
+    )
+    ops = [("Fc", 0), ("Fc", 1), ("Offload", 1), ("Fn", 2), ("Fe", 3), ("Loss",), ("Prefetch", 1), ("B", 3)]
+    ops += [("Fe", 1), ("Fe", 2), ("B", 2), ("B", 1), ("Fe", 0), ("B", 0)]
+    sim = simulate(chain, ops)
+    labels = [Op(*op).label for op in ops]
+    fig = curve_figure("model", labels, sim.curve, sim.op_peaks, [], 64, 0, host=sim.host_curve)
+    lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
+    host = next(line for label, line in lines.items() if label.startswith("host bytes after op"))
+    assert list(host.get_ydata()) == [b / MIB for b in sim.host_curve] and max(sim.host_curve) == 20
+    assert "peak 20 B" in host.get_label()
+    assert list(lines["predicted after op"].get_ydata()) == [b / MIB for b in sim.curve]
+    plain = curve_figure("model", labels, sim.curve, sim.op_peaks, [], 64, 0)
+    assert not any(line.get_label().startswith("host") for line in plain.axes[0].get_lines())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import lightning.pytorch as pl
@@ -17,7 +18,7 @@ from lightning_rotor.budget import BudgetError, resolve_budget
 from lightning_rotor.checkpointable import Checkpointable
 from lightning_rotor.lightning import RotorCallback, RotorDDPStrategy, RotorStrategy
 from lightning_rotor.lightning.state import rotor_modules
-from lightning_rotor.lightning.wrap import find_chains, unwrap, wrap
+from lightning_rotor.lightning.wrap import find_chains, offload_settings, unwrap, wrap
 from lightning_rotor.planner import min_feasible_budget
 from lightning_rotor.shared_budget import InfeasibleTotal, split_by_need
 from lightning_rotor.simulate import no_recompute_peak
@@ -185,6 +186,34 @@ def test_bad_budget_is_one_line_error():
     assert "\n" not in str(err.value)
     with pytest.raises(BudgetError):
         RotorStrategy(mem_limit={"net": -3})
+
+
+@pytest.mark.parametrize("strategy", [RotorStrategy, RotorDDPStrategy])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"offload": "fast"}, "offload='fast' is neither True/False nor a bandwidth"),
+        ({"offload": "12GB"}, "accepted: a positive number of bytes per second"),
+        ({"offload": 0}, "offload=0 is neither"),
+        ({"host_limit": "2GiB"}, "host_limit='2GiB' bounds offloaded copies; give offload= too"),
+        ({"offload": True, "host_limit": "50%"}, "host limit '50%' is a fraction"),
+        ({"offload": "12GB/s", "host_limit": "lots"}, "cannot parse budget 'lots'"),
+    ],
+)
+def test_bad_offload_arguments_fail_at_construction_in_one_line(strategy, kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)) as err:
+        strategy(mem_limit="50%", **kwargs)
+    assert "\n" not in str(err.value)
+
+
+def test_offload_arguments_are_kept_and_the_host_limit_is_the_whole_models():
+    strategy = RotorStrategy(mem_limit="50%", offload="12 GB/s", host_limit="1GiB")
+    assert (strategy.offload, strategy.host_limit) == ("12 GB/s", "1GiB")
+    assert RotorDDPStrategy(offload=True).offload is True
+    assert offload_settings(False, None, 3) == {}  # Checkpointable's own defaults: no offloading
+    assert offload_settings("12GB/s", None, 2) == {"offload": "12GB/s", "host_limit": None}  # parsed again there
+    assert offload_settings(True, "1GiB", 2) == {"offload": True, "host_limit": 2**29}  # two chains share it
+    assert offload_settings(1.5e10, 3, 2) == {"offload": 1.5e10, "host_limit": 1}
 
 
 # -- training equals plain training -------------------------------------------------------------------

@@ -120,3 +120,46 @@ def test_negative_budget_reaches_our_error(capsys):
     assert main([str(EXAMPLES / "heterogeneous.json"), "--mem-limit", "-50%"]) == 1
     err = capsys.readouterr().err
     assert "must be positive" in err and "accepted:" in err and len(err.strip().splitlines()) == 1
+
+
+def _one_line_error(capsys) -> str:
+    captured = capsys.readouterr()
+    assert captured.out == "" and "Traceback" not in captured.err
+    assert len(captured.err.strip().splitlines()) == 1
+    return captured.err
+
+
+@pytest.mark.parametrize("rate", ["12GB", "fast", "-12GB/s", "12 Gbit/s"])
+def test_bad_bandwidth_is_one_line_listing_accepted_forms(rate, capsys):
+    assert main([str(RESNET), "--mem-limit", "40%", "--bandwidth", rate]) == 1
+    err = _one_line_error(capsys)
+    assert "bandwidth" in err and "accepted:" in err and "12GB/s" in err
+
+
+def test_host_limit_needs_a_bandwidth(capsys):
+    assert main([str(RESNET), "--mem-limit", "40%", "--host-limit", "1GiB"]) == 2
+    assert "--host-limit needs offloading" in _one_line_error(capsys)
+    assert main([str(RESNET), "--mem-limit", "40%", "--bandwidth", "0", "--host-limit", "1GiB"]) == 2
+    assert "--host-limit needs offloading" in _one_line_error(capsys)
+
+
+@pytest.mark.parametrize(("limit", "message"), [("50%", "is a fraction"), ("lots", "cannot parse budget")])
+def test_bad_host_limit(limit, message, capsys):
+    assert main([str(RESNET), "--mem-limit", "40%", "--bandwidth", "12GB/s", "--host-limit", limit]) == 1
+    assert message in _one_line_error(capsys)
+
+
+def test_bandwidth_with_no_offloadable_value(tmp_path, capsys):
+    one_stage = tmp_path / "one.json"
+    Chain(
+        input_size=100,
+        out_size=[100],
+        saved_size=[100],
+        fwd_time=[1.0],
+        bwd_time=[1.0],
+        fwd_tmp=[0],
+        bwd_tmp=[0],
+    ).save(one_stage)
+    assert main([str(one_stage), "--mem-limit", "100%", "--bandwidth", "12GB/s"]) == 2
+    err = _one_line_error(capsys)
+    assert "no value to offload" in err and "1 stage(s)" in err

@@ -52,7 +52,8 @@ class RotorFabricStrategy(SingleDeviceStrategy):
     such as `"6GiB"`; a fraction of the no-recomputation peak such as `0.5` or `"50%"`; or
     `{chain name: budget}`), `include` / `exclude` (submodule names relative to the set-up
     module, globs, class names or classes; without `include` the module itself is the
-    chain), `slots`, `discover`, `checkpoint_modules`, `compile`, `options`, `shape_buckets`.
+    chain), `slots`, `discover`, `checkpoint_modules`, `compile`, `options`, `shape_buckets`, `offload`,
+    `host_limit`.
     Each `fabric.setup(module, ...)` gets the whole budget. `measure_every_n_steps`: how often
     the activation peak is sampled (0: only the first step of each plan). `print_summary`: print the plan table once.
     `device`: leave None to take Fabric's `accelerator` and `devices`.
@@ -72,6 +73,8 @@ class RotorFabricStrategy(SingleDeviceStrategy):
         compile: bool | dict | None = None,
         options: bool = False,
         shape_buckets: dict[int, list[int]] | None = None,
+        offload: bool | float | str = False,
+        host_limit: int | str | None = None,
         measure_every_n_steps: int = 50,
         print_summary: bool = True,
         device: str | torch.device | None = None,
@@ -80,10 +83,12 @@ class RotorFabricStrategy(SingleDeviceStrategy):
         precision: Precision | None = None,
     ):
         super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision=precision)
-        _check_arguments(mem_limit, slots, discover, checkpoint_modules, measure_every_n_steps)
+        _check_arguments(mem_limit, slots, discover, checkpoint_modules, measure_every_n_steps, offload, host_limit)
         stage_compiler(compile)  # a bad compile= fails here, in one line
         self.compile = compile
         self.options = options
+        self.offload = offload
+        self.host_limit = host_limit
         self.shape_buckets = check_buckets(shape_buckets)  # bad buckets fail here, before setup
         self.mem_limit = dict(mem_limit) if isinstance(mem_limit, Mapping) else mem_limit
         self.include = None if include is None else list(include)
@@ -155,6 +160,8 @@ class RotorFabricStrategy(SingleDeviceStrategy):
                 checkpoint_modules=self.checkpoint_modules,
                 compile=self.compile,
                 options=self.options,
+                offload=self.offload,
+                host_limit=self.host_limit,
             )
             module = holder[ROOT]
         else:
@@ -168,6 +175,8 @@ class RotorFabricStrategy(SingleDeviceStrategy):
                 checkpoint_modules=self.checkpoint_modules,
                 compile=self.compile,
                 options=self.options,
+                offload=self.offload,
+                host_limit=self.host_limit,
             )
         for w in wrapped:  # fewer plans over changing shapes
             w.rotor.shape_buckets = self.shape_buckets
@@ -303,9 +312,11 @@ def _check_arguments(
     discover: str,
     checkpoint_modules: Sequence[Selector] | None,
     measure_every_n_steps: int,
+    offload: bool | float | str = False,
+    host_limit: int | str | None = None,
 ) -> None:
     """Fail at construction, in one line, on an argument rotor cannot use."""
-    check_rotor_arguments(mem_limit, slots, discover, checkpoint_modules)
+    check_rotor_arguments(mem_limit, slots, discover, checkpoint_modules, offload, host_limit)
     if (
         isinstance(measure_every_n_steps, bool)
         or not isinstance(measure_every_n_steps, int)

@@ -11,7 +11,9 @@ apply; rank zero only):
   `rotor/predicted_seconds` (the plans' time), `rotor/predicted_overhead`
   (`predicted / no_recompute - 1`), `rotor/step_seconds` (wall time of a whole
   training batch: data, loss and optimizer included) and `rotor/step_overhead`
-  (`step_seconds / no_recompute_seconds - 1`).
+  (`step_seconds / no_recompute_seconds - 1`);
+- with offloading (`offload=`): `rotor/host_peak_bytes`, the host memory the plans' offloaded
+  values take at most (the simulator's, summed over the chains).
 
 Measuring memory costs time (tensor accounting sees every op), so it is a
 sample: the first step that runs each new schedule (the plan's ops; shapes that
@@ -33,7 +35,8 @@ Once per plan: the stage table (`rotor/<chain>/stages`, TensorBoard text) and
 the memory curve of one step, bytes alive after each op, predicted by the
 simulator and measured (`rotor/<chain>/memory_curve` as a figure, and the
 scalar series `rotor/<chain>/plan<i>/predicted_bytes` / `measured_bytes`
-indexed by op). At the first plan a summary table is printed through the
+indexed by op; a plan that offloads adds its host bytes after each op to the figure and as
+`rotor/<chain>/plan<i>/predicted_host_bytes`). At the first plan a summary table is printed through the
 progress bar (rich when installed).
 
 Checkpoints carry the chains and plans under `checkpoint["rotor"]`
@@ -44,7 +47,7 @@ from __future__ import annotations
 
 import io
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -189,6 +192,8 @@ def step_metrics(
     }
     if no_recompute > 0:
         metrics["rotor/predicted_overhead"] = predicted / no_recompute - 1
+    if any(e.chain.offloads for e in entries):  # offloading was on: 0 is news too (the plans keep all on device)
+        metrics["rotor/host_peak_bytes"] = float(sum(e.plan.host_peak for e in entries))
     if measured_peak is not None:
         metrics["rotor/measured_peak_bytes"] = float(measured_peak)
     if step_seconds is not None:
@@ -388,16 +393,21 @@ class RotorCallback(Callback):
                 j += 1
         index = self._plans.get(id(entry), len(self._curves_done) - 1)
         tag = f"rotor/{name}/plan{max(index, 0)}"
+        host = list(sim.host_curve) if any(sim.host_curve) else []  # only a plan that offloads has host bytes
         for experiment in self._experiments(trainer):
             for i, nbytes in enumerate(sim.curve):
                 experiment.add_scalar(f"{tag}/predicted_bytes", nbytes, i)
+            for i, nbytes in enumerate(host):
+                experiment.add_scalar(f"{tag}/predicted_host_bytes", nbytes, i)
             for i, nbytes in enumerate(sim.op_peaks):
                 experiment.add_scalar(f"{tag}/predicted_op_peak_bytes", nbytes, i)
             for i, after, during in measured:
                 experiment.add_scalar(f"{tag}/measured_bytes", after, i)
                 experiment.add_scalar(f"{tag}/measured_op_peak_bytes", during, i)
             if hasattr(experiment, "add_figure"):
-                figure = curve_figure(name, ops, sim.curve, sim.op_peaks, measured, entry.plan.budget, m.chain_peak)
+                figure = curve_figure(
+                    name, ops, sim.curve, sim.op_peaks, measured, entry.plan.budget, m.chain_peak, host=host
+                )
                 experiment.add_figure(f"rotor/{name}/memory_curve", figure, trainer.global_step)
 
 
@@ -409,10 +419,13 @@ def curve_figure(
     measured: list[tuple[int, int, int]],
     mem_limit: int,
     measured_peak: int,
+    host: Sequence[int] = (),
 ) -> Any:
     """Bytes alive after each op and the peak during it (MiB), predicted and measured, against the budget.
 
     `measured` holds (op index, bytes after, peak during); `measured_peak` is this chain's measured peak.
+    `host`: host bytes held by offloaded values after each op (the simulator's `host_curve`), drawn beside
+    the device bytes so that what offloading moved out of the budget shows where it went; empty: none.
     """
     import matplotlib
 
@@ -445,6 +458,15 @@ def curve_figure(
             color="tab:orange",
             label="measured op peak",
         )
+    if any(host):
+        ax.step(
+            x,
+            [b / mib for b in host],
+            where="mid",
+            color="tab:green",
+            linestyle="--",
+            label=f"host bytes after op (offloaded; peak {format_bytes(max(host))})",
+        )
     ax.axhline(mem_limit / mib, color="red", linestyle="--", label=f"budget {format_bytes(mem_limit)}")
     if measured_peak:
         ax.axhline(
@@ -452,9 +474,9 @@ def curve_figure(
         )
     ax.set_xticks(list(x))
     ax.set_xticklabels(ops, rotation=90, fontsize=6)
-    top = max(mem_limit, measured_peak, predicted_peak, *predicted, *(b for _, _, b in measured))
+    top = max(mem_limit, measured_peak, predicted_peak, *predicted, *(b for _, _, b in measured), *host)
     ax.set_ylim(0, top * 1.45 / mib)  # room for the legend above the curve
-    ax.set_ylabel("activation MiB")
+    ax.set_ylabel("activation MiB (device; host where offloaded)" if any(host) else "activation MiB")
     ax.set_title(f"rotor memory curve: {name}")
     ax.legend(fontsize=6, loc="upper center", ncol=3)
     fig.tight_layout()

@@ -7,7 +7,8 @@ The strategy names work wherever a strategy is written: `strategy: rotor`,
 `strategy: {class_path: rotor, init_args: {mem_limit: 50%}}`, `--trainer.strategy=rotor`
 followed by `--trainer.strategy.mem_limit=50%`. jsonargparse knows classes, not
 Lightning's strategy names, so a name of ours is turned into its class path as
-configs and arguments are read. A budget jsonargparse rejects is reported in one line.
+configs and arguments are read. A budget (or an `offload=` rate, a `host_limit=`) jsonargparse rejects is
+reported in one line.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from jsonargparse import get_loader, set_loader
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_rotor.lightning  # noqa: F401  registers the "rotor*" strategy names
-from lightning_rotor.budget import ACCEPTED, BudgetError
+from lightning_rotor.budget import ACCEPTED, BANDWIDTH_ACCEPTED, BudgetError
 from lightning_rotor.chain import ChainError
 from lightning_rotor.planner import InfeasibleBudget
 
@@ -78,8 +79,15 @@ def expand_argv(argv: list[str]) -> list[str]:
 
 
 def budget_line(message: str) -> str | None:
-    """Our one-line budget message inside jsonargparse's report, if that is what it reports."""
-    return next((line.strip(" -") for line in message.splitlines() if ACCEPTED in line), None)
+    """Our one-line budget (bandwidth, host limit) message inside jsonargparse's report, if that is what it reports."""
+    return next(
+        (
+            line.strip(" -")
+            for line in message.splitlines()
+            if ACCEPTED in line or BANDWIDTH_ACCEPTED in line or "host_limit=" in line or "host limit" in line
+        ),
+        None,
+    )
 
 
 class RotorArgumentParser(LightningArgumentParser):

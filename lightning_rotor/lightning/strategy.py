@@ -67,8 +67,10 @@ class _RotorMixin:
         checkpoint_modules: Sequence[str | type] | None = None,
         compile: bool | dict | None = None,
         options: bool = False,
+        offload: bool | float | str = False,
+        host_limit: int | str | None = None,
     ) -> None:
-        check_rotor_arguments(mem_limit, slots, discover, checkpoint_modules)
+        check_rotor_arguments(mem_limit, slots, discover, checkpoint_modules, offload, host_limit)
         stage_compiler(compile)  # a bad compile= fails here, in one line
         self.discover = discover
         self.checkpoint_modules = None if checkpoint_modules is None else list(checkpoint_modules)
@@ -78,6 +80,8 @@ class _RotorMixin:
         self.slots = slots
         self.compile = compile
         self.options = bool(options)
+        self.offload = offload
+        self.host_limit = host_limit
         self.wrapped: list[Wrapped] = []
         self.not_wrapped_reason = ""
         self._warned = False
@@ -104,6 +108,8 @@ class _RotorMixin:
             checkpoint_modules=self.checkpoint_modules,
             compile=self.compile,
             options=self.options,
+            offload=self.offload,
+            host_limit=self.host_limit,
         )
         if not self.wrapped:
             if not self._warned:
@@ -169,6 +175,9 @@ class RotorStrategy(_RotorMixin, SingleDeviceStrategy):
     leave None to take the Trainer's accelerator and `devices`. `options`: also profile each stage's
     selective-recording option (docs/checkpointable.md, "Per-stage options"). `shape_buckets`: fewer plans over
     changing input shapes, e.g. `{1: [128, 256, 512]}` (docs/checkpointable.md, "Changing shapes").
+    `offload`: also let plans copy kept activations to host memory while later stages run (False; True:
+    the link's bandwidth measured at profile time; or a rate such as `"12GB/s"`); `host_limit`: the most
+    host memory those copies may take at once, for the whole model (`"2GiB"`, bytes; None: no limit).
     """
 
     strategy_name = "rotor"
@@ -189,12 +198,25 @@ class RotorStrategy(_RotorMixin, SingleDeviceStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
         shape_buckets: dict[int, list[int]] | None = None,
+        offload: bool | float | str = False,
+        host_limit: int | str | None = None,
     ):
         self.shape_buckets = check_buckets(shape_buckets)  # bad buckets fail here, before the Trainer
         super().__init__(
             device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin
         )
-        self._init_rotor(mem_limit, include, exclude or (), slots, discover, checkpoint_modules, compile, options)
+        self._init_rotor(
+            mem_limit,
+            include,
+            exclude or (),
+            slots,
+            discover,
+            checkpoint_modules,
+            compile,
+            options,
+            offload,
+            host_limit,
+        )
         self._device = None if device is None else torch.device(device)
         self._parallel_devices: list[torch.device] = []
 
@@ -245,6 +267,8 @@ class RotorDDPStrategy(_RotorMixin, DDPStrategy):
         checkpoint_modules: list[str | type] | None = None,
         compile: bool | dict | None = None,
         options: bool = False,
+        offload: bool | float | str = False,
+        host_limit: int | str | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -274,7 +298,18 @@ class RotorDDPStrategy(_RotorMixin, DDPStrategy):
             start_method=start_method,
             **kwargs,
         )
-        self._init_rotor(mem_limit, include, exclude or (), slots, discover, checkpoint_modules, compile, options)
+        self._init_rotor(
+            mem_limit,
+            include,
+            exclude or (),
+            slots,
+            discover,
+            checkpoint_modules,
+            compile,
+            options,
+            offload,
+            host_limit,
+        )
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:

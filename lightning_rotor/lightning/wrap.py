@@ -16,7 +16,10 @@ Policy (docs/lightning.md, docs/discovery.md):
   submodules are wrapped; `exclude` removes matches and everything below them;
 - one budget for all chains (`lightning_rotor.shared_budget`): each chain's minimum
   first, the rest in proportion to need; a dict `{name: budget}` sets each chain's
-  budget itself.
+  budget itself;
+- offloading (`offload=`, `host_limit=`): every chain may offload; a host limit is
+  the whole model's, split evenly over its chains (their host copies can be alive at
+  once: a chain's offloaded values wait for its backward while later chains run).
 
 Wrapping swaps a `Checkpointable` in where the module stood: same parameter objects,
 same `state_dict` keys. `unwrap` puts the user's modules back.
@@ -28,11 +31,12 @@ import fnmatch
 import importlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
-from lightning_rotor.budget import MemLimit, parse_budget
-from lightning_rotor.checkpointable import Checkpointable
+from lightning_rotor.budget import MemLimit, Offload, parse_budget
+from lightning_rotor.checkpointable import Checkpointable, check_offload
 from lightning_rotor.compile import compiled_inner
 from lightning_rotor.discovery import DISCOVER_METHODS
 from lightning_rotor.discretize import check_slots
@@ -202,10 +206,13 @@ def wrap(
     checkpoint_modules: Sequence[str | type] | None = None,
     compile: bool | dict | None = None,
     options: bool = False,
+    offload: Offload = False,
+    host_limit: int | str | None = None,
 ) -> tuple[list[Wrapped], str]:
     """Swap `Checkpointable`s in for the chosen submodules of `model`, in place, under one budget."""
     chains, why = find_chains(model, include, exclude, discover)
     types = resolve_block_types(model, checkpoint_modules)
+    transfer = offload_settings(offload, host_limit, len(chains))
     shared = None
     if isinstance(mem_limit, Mapping):
         check_budget_names(mem_limit, [name for name, _ in chains])
@@ -225,6 +232,7 @@ def wrap(
             fallback_plain=discover == "auto" and include is None,
             compile=None if compiled_inner(module) is not None else compile,  # compiled: its own options
             options=options,
+            **transfer,
         )
         if shared is not None:
             rotor.shared, rotor.shared_name = shared, name
@@ -239,16 +247,32 @@ def unwrap(model: nn.Module, wrapped: Sequence[Wrapped]) -> None:
         _set(model, item.name, item.original)
 
 
+def offload_settings(offload: Offload, host_limit: int | str | None, chains: int) -> dict[str, Any]:
+    """`Checkpointable`'s `offload=` / `host_limit=` for each of `chains` chains (none when not offloading).
+
+    Checked by `Checkpointable`'s own `check_offload`, so the strategies, YAML and the module fail alike.
+    The host limit is the whole model's: each chain gets an even share, so that all their host copies
+    together stay within it.
+    """
+    setting, limit = check_offload(offload, host_limit)
+    if setting is None:
+        return {}
+    return {"offload": offload, "host_limit": None if limit is None else max(1, limit // max(1, chains))}
+
+
 def check_rotor_arguments(
     mem_limit: MemLimit | Mapping[str, MemLimit],
     slots: int | None,
     discover: str,
     checkpoint_modules: Sequence[Selector] | None,
+    offload: Offload = False,
+    host_limit: int | str | None = None,
 ) -> None:
     """Fail at construction, in one line, on a rotor argument that cannot be used (Trainer and Fabric)."""
     for value in mem_limit.values() if isinstance(mem_limit, Mapping) else [mem_limit]:
         if value is not None:
             parse_budget(value)
+    offload_settings(offload, host_limit, 1)
     check_slots(slots)
     if discover not in DISCOVER_METHODS:
         raise ValueError(f"discover={discover!r} is not a discovery method; use one of {', '.join(DISCOVER_METHODS)}")
