@@ -87,3 +87,18 @@ def test_without_transfers_nothing_changes():
     ops = [("Fe", 0), ("Fe", 1), ("Fe", 2), ("Fe", 3), ("Loss",), ("B", 3), ("B", 2), ("B", 1), ("B", 0)]
     assert simulate(four(), ops)[:4] == simulate(four(bandwidth=0.0), ops)[:4]
     assert simulate(four(), ops).host_peak == 0
+
+
+def test_saved_part_ops_parse_and_name_themselves():
+    from lightning_rotor.ops import Op, OpKind, parse_ops
+
+    ops = parse_ops([["OffloadSaved", 3], ["PrefetchSaved", 3], ("Offload", 1)])
+    assert [op.kind for op in ops] == [OpKind.OFFLOAD_SAVED, OpKind.PREFETCH_SAVED, OpKind.OFFLOAD]
+    assert [op.label for op in ops] == ["OffloadSaved 3", "PrefetchSaved 3", "Offload 1"]
+    assert all(op.kind.is_transfer and not op.kind.is_forward for op in ops)
+    assert ops[0].to_json() == ["OffloadSaved", 3] and ops[0] == Op("OffloadSaved", 3)
+    assert not OpKind.B.is_transfer and not OpKind.FE.is_transfer
+    with pytest.raises(ValueError, match="OffloadSaved needs one integer stage index"):
+        parse_ops([["OffloadSaved"]])
+    with pytest.raises(ValueError, match="PrefetchSaved takes no option"):
+        Op("PrefetchSaved", 2, 1)
