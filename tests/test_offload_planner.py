@@ -123,7 +123,10 @@ def test_a_prefetch_longer_than_its_backward_stalls_the_left_part():
 
 
 def example_chains():
-    """The project's example chains, and a chain built like the planner tests build theirs."""
+    """The project's example chains, and a chain built like the planner tests build theirs.
+
+    Their times: gpt_tiny_sac_options.json is a one-thread CPU profile (benchmarks/options_profile.py); the
+    other three record no device or profiling run (docs/planner.md, "Saved parts of recorded stages")."""
     found = {path.stem: Chain.load(path) for path in sorted(EXAMPLES.glob("*.json"))}
     found["medium"] = medium_chain()
     found["medium_frozen"] = Chain(**{**medium_chain().__dict__, "frozen": 3})  # plans start Fn 0, Fn 1, Fn 2
