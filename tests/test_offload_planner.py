@@ -408,8 +408,12 @@ def test_saved_part_plans_replay_within_budget_at_the_predicted_time(chain, wher
         if op[0] == "OffloadSaved":
             assert ops[i - 1] == ("Fe", op[1]) and ops[i + 1][1] == op[1] + 1
             j = ops.index(("PrefetchSaved", op[1]))
-            assert ops[j + 1] == ("B", op[1] + 1)  # then B k, or the nested variant's PrefetchSaved k-1 first
-            assert ops[j + 2] in (("B", op[1]), ("PrefetchSaved", op[1] - 1))
+            assert ops[j + 1] == ("B", op[1] + 1)
+            # then B k, after an enclosing record's PrefetchSaved k-1 or an enclosing split's Prefetch, if any
+            after = [o for o in ops[j + 2 :] if o[0] not in ("Prefetch", "PrefetchSaved")]
+            assert after[0] == ("B", op[1]) and all(
+                o[0].startswith("Prefetch") for o in ops[j + 2 : ops.index(after[0])]
+            )
     result = plan(chain, budget, slots=slots)
     assert result.peak <= budget and result.time <= result.recompute_only_time
 
@@ -446,3 +450,31 @@ def test_threads_change_nothing_with_saved_parts(chain, where, threads):
     low, high = min_feasible_budget(chain), no_recompute_peak(chain)
     budget = max(1, int(low + where * (high - low)))
     assert solve_discretized(chain, budget, 40, threads) == solve_discretized(chain, budget, 40, 1)
+
+
+def test_the_program_refuses_inconsistent_saved_parts():
+    """The C++ entry point checks what discretize hands it: a saved part within what the stage saves, and saved
+    transfer costs only beside value transfer costs (both mean the channel exists)."""
+    from lightning_rotor import _planner
+
+    d = discretize(saved_part_chain(), 27, slots=27)
+    args = (d.size, d.saved, d.fwd_tmp, d.fwd_tmp_nograd, d.bwd_tmp, d.loss_tmp, d.fwd_cost, d.bwd_cost, d.slots)
+    common = dict(count_bits=d.count_bits, loss_tmp_graph=d.loss_tmp_graph, in_free=d.in_free)
+    ok = _planner.solve(
+        *args,
+        **common,
+        transfer_cost=d.transfer_cost,
+        offloadable=d.offloadable,
+        saved_transfer_cost=d.saved_transfer_cost,
+    )
+    assert ok is not None and ("OffloadSaved", 1) in ok[1]
+    with pytest.raises(ValueError, match="saved transfer costs must be empty or one per stage"):
+        _planner.solve(*args, **common, offloadable=d.offloadable, saved_transfer_cost=d.saved_transfer_cost)
+    with pytest.raises(ValueError, match=r"offloadable\[1\] must be within 0..saved\[1\]"):
+        _planner.solve(
+            *args,
+            **common,
+            transfer_cost=d.transfer_cost,
+            offloadable=[0, d.saved[1] + 1, 0, 0],
+            saved_transfer_cost=d.saved_transfer_cost,
+        )
