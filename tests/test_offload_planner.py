@@ -478,3 +478,26 @@ def test_the_program_refuses_inconsistent_saved_parts():
             offloadable=[0, d.saved[1] + 1, 0, 0],
             saved_transfer_cost=d.saved_transfer_cost,
         )
+
+
+def test_saved_parts_after_a_frozen_prefix():
+    """The same chain behind one frozen stage: the suffix keeps its offloadable figures, the plan moves stage 2's
+    saved part (stage 1 of the suffix) and replays within budget in the whole chain's indices."""
+    base = saved_part_chain()
+    chain = Chain(
+        input_size=1,
+        out_size=[1, *base.out_size],
+        saved_size=[1, *base.saved_size],
+        fwd_time=[1.0, *base.fwd_time],
+        bwd_time=[2.0, *base.bwd_time],
+        fwd_tmp=[0] * 5,
+        bwd_tmp=[0, *base.bwd_tmp],
+        bandwidth=38.0,
+        offloadable=[0, *base.offloadable],
+        frozen=1,
+    )
+    result = plan(chain, 28)  # one byte more than without the prefix: a_1 stays beside a_0
+    shifted = [op if op == "Loss" else f"{op.split()[0]} {int(op.split()[1]) + 1}" for op in SAVED_OPS]
+    assert [op.label for op in result.ops] == ["Fn 0", *shifted]
+    assert result.time == 13.0 and result.recompute_only_time == 14.0
+    assert simulate(chain, result.ops).peak == result.peak == 28
