@@ -1,5 +1,7 @@
 """Simulator with offloading (chain version 6): the channel's timeline, memory freed when a copy ends, waits."""
 
+import dataclasses
+
 import pytest
 
 from lightning_rotor.chain import Chain, StageOption
@@ -158,12 +160,13 @@ def test_a_slow_saved_copy_makes_b_wait():
     # the prefetch runs t 6..9; B 2 ends at 8; B 1 waits 1 s
     assert sim.wait == 1.0 and sim.time == 12.0 + 1.0
     assert sim.host_curve == [0, 0, 12, 12, 12, 12, 12, 12, 12, 12, 0]  # B 1 starts at 8, before the copy's end
-    # one channel: a value's offload ahead of the saved part's delays it (a_1, 20 B at 4 B/s: t 2..7)
-    queued = [("Fc", 0), ("Fe", 1), ("Offload", 1), ("OffloadSaved", 1), *SAVED_PLAN[3:8], ("Prefetch", 1)]
-    queued += SAVED_PLAN[8:10] + [("Fe", 0), ("B", 0)]
-    sim = simulate(saving(bandwidth=4.0), queued)
-    # saved part t 7..10, its prefetch t 10..13, a_1's t 13..18: B 1 (t 8) waits for a_1 until 18
-    assert sim.wait == 10.0 and sim.host_peak == 32
+    # one channel: a value's offload ahead of a saved part's delays it (a_1, 20 B at 4 B/s: t 2..7)
+    chain = dataclasses.replace(saving(bandwidth=4.0), saved_size=[30, 16, 16, 8], offloadable=[0, 12, 12, 0])
+    queued = [("Fc", 0), ("Fc", 1), ("Offload", 1), ("Fe", 2), ("OffloadSaved", 2), ("Fe", 3), ("Loss",), ("B", 3)]
+    queued += [("PrefetchSaved", 2), ("B", 2), ("Prefetch", 1), ("Fe", 1), ("B", 1), ("Fe", 0), ("B", 0)]
+    sim = simulate(chain, queued)
+    # saved part t 7..10, its prefetch t 10..13: B 2 (ready at 6) waits 7 s; a_1's prefetch t 15..20: Fe 1 waits 5 s
+    assert sim.wait == 12.0 and sim.host_peak == 32
 
 
 def test_saved_part_errors_name_the_op():
