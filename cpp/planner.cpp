@@ -131,9 +131,11 @@ struct Table {
 
 class Solver {
    public:
-    Solver(const MemChain& c, const std::vector<int64_t>& fwd_cost, const std::vector<int64_t>& bwd_cost, int64_t top)
+    Solver(const MemChain& c, const std::vector<int64_t>& fwd_cost, const std::vector<int64_t>& bwd_cost, int64_t top,
+           const std::vector<int64_t>& transfer_cost = {}, int count_bits = 0)
         : c_(c), L_(c.length()), top_(top), fastest_(fastest_options(c, fwd_cost, bwd_cost)),
-          needs_(compute_needs(c, fastest_)) {
+          needs_(compute_needs(c, fastest_)), offload_(!transfer_cost.empty()), count_bits_(count_bits),
+          tc_(transfer_cost), bci_(bwd_cost) {
         need_.assign(L_ + 1, 0);
         fc_.assign(fwd_cost.begin(), fwd_cost.end());
         bc_.assign(bwd_cost.begin(), bwd_cost.end());
@@ -145,6 +147,10 @@ class Solver {
         }
         given_.resize(static_cast<size_t>(L_ + 1) * (L_ + 1));
         pending_.resize(L_ + 1);
+        if (offload_) {  // the "input plain" tables (offload choices allowed); for s = 0 the same as "any"
+            pgiven_.resize(given_.size());
+            ppending_.resize(L_ + 1);
+        }
         size_t total = 0;
         auto layout = [&](Table& tab, int64_t lo, int64_t full, int s, int t) {
             tab.lo = lo;
@@ -153,8 +159,15 @@ class Solver {
             tab.full_cost = static_cast<double>(prefix_[t] - prefix_[s]);
             total += static_cast<size_t>(tab.hi - tab.lo);
         };
-        for_each_given([&](int s, int t) { layout(G(s, t), needs_.g(s, t), needs_.fg(s, t), s, t); });
-        for (int s = L_ - 1; s >= 0; --s) layout(pending_[s], needs_.pending[s], needs_.full_pending[s], s, L_);
+        // Both flavours start where today's tables do: offloading lowers time, not the need (docs/planner.md).
+        for_each_given([&](int s, int t) {
+            layout(G(s, t), needs_.g(s, t), needs_.fg(s, t), s, t);
+            if (offload_ && s > 0) layout(pgiven_[s * (L_ + 1) + t], needs_.g(s, t), needs_.fg(s, t), s, t);
+        });
+        for (int s = L_ - 1; s >= 0; --s) {
+            layout(pending_[s], needs_.pending[s], needs_.full_pending[s], s, L_);
+            if (offload_ && s > 0) layout(ppending_[s], needs_.pending[s], needs_.full_pending[s], s, L_);
+        }
         data_.assign(total, INF);
     }
 
@@ -170,7 +183,7 @@ class Solver {
         for (int s = L_ - 1; s >= 0; --s) fill(s, L_, false, need_);
         out.feasible = true;
         out.cost = value(pending_[0], top_);
-        emit(0, L_, false, top_, out.ops);
+        emit(0, L_, false, false, top_, out.ops);
         return out;
     }
 
@@ -180,6 +193,9 @@ class Solver {
     int64_t top_;
     std::vector<int> fastest_;  // per stage, the option of least fwd + bwd cost (0 on ties)
     Needs needs_;
+    bool offload_;                    // transfer costs given: a second table set, offload choices
+    int count_bits_;                  // costs are ticks << count_bits | forward ops
+    std::vector<int64_t> tc_, bci_;  // transfer costs of a_0 … a_L, backward costs (exact integers)
 
     int64_t step_cost(const std::vector<int64_t>& fwd_cost, const std::vector<int64_t>& bwd_cost, int s, int o) const {
         return o == 0 ? fwd_cost[s] + bwd_cost[s] : c_.options[s][o - 1].fwd_cost + c_.options[s][o - 1].bwd_cost;
@@ -200,7 +216,7 @@ class Solver {
     }
     std::vector<double> fc_, bc_, data_;
     std::vector<int64_t> prefix_, fprefix_;
-    std::vector<Table> given_, pending_;
+    std::vector<Table> given_, pending_, pgiven_, ppending_;  // "input any" (today's) and "input plain"
     std::vector<int64_t> need_;  // scratch of fill() on one thread (see fill)
 
     Table& G(int s, int t) { return given_[s * (L_ + 1) + t]; }
@@ -216,7 +232,30 @@ class Solver {
                 for (int t = std::max(t0, s + 1); t < t1; ++t) visit(s, t);
         }
     }
-    Table& T(int s, int t, bool given) { return given ? G(s, t) : pending_[s]; }
+    // `plain`: the caller holds a_s without graph, so the subproblem may offload it (s >= 1, offloading on).
+    Table& T(int s, int t, bool given, bool plain = false) {
+        if (plain && offload_ && s > 0) return given ? pgiven_[s * (L_ + 1) + t] : ppending_[s];
+        return given ? G(s, t) : pending_[s];
+    }
+
+    // May a split s -> s2 offload a_s during its right part? Not into the loss split, not when B s2's time
+    // depends on an option, and only when the copy surely ends within the sweep Fn s+1 … Fn s2-1: its ticks
+    // rounded up, plus one tick per forward (each rounded to nearest), at most the sweep's ticks.
+    bool offloadable(int s, int t, bool given, int s2) const {
+        if (!offload_ || s < 1 || (!given && s2 == L_) || s2 >= t || c_.options_of(s2) > 0) return false;
+        const int64_t sweep = (fprefix_[s2] - fprefix_[s + 1]) >> count_bits_;
+        return (tc_[s] >> count_bits_) + (s2 - 1 - s) <= sweep;
+    }
+
+    // Least m of (s, t) at which the offload variant's prefetch and B s2 fit with a_s back on the device.
+    int64_t prefetch_need(int s2, bool given) const {
+        const int64_t lv = given ? 0 : c_.loss_value;
+        const int64_t held = c_.saved[s2] - c_.in_free[s2] + c_.size[s2 + 1] + lv;  // before B s2
+        return c_.size[s2] + std::max(held, held + c_.size[s2] + c_.bwd_tmp[s2]);
+    }
+
+    // The stall of the left part's first op: the prefetch of a_s overlaps B s2 only.
+    double stall(int s, int s2) const { return static_cast<double>(std::max<int64_t>(0, tc_[s] - bci_[s2])); }
 
     // The same fill as for_each_given, on `threads` threads, each table computed exactly as on one
     // thread (so the results are bit-identical). Inside a block of end points, thread k owns a
@@ -324,9 +363,15 @@ class Solver {
         }
     }
 
-    // `need_` is this thread's scratch: per split s2, the memory its forward run needs.
+    // Both flavours of (s, t): they read the same subproblems, so they are filled at the same visit.
     void fill(int s, int t, bool given, std::vector<int64_t>& need_) {
-        Table& tab = T(s, t, given);
+        fill(s, t, given, false, need_);
+        if (offload_ && s > 0) fill(s, t, given, true, need_);
+    }
+
+    // `need_` is this thread's scratch: per split s2, the memory its forward run needs.
+    void fill(int s, int t, bool given, bool plain, std::vector<int64_t>& need_) {
+        Table& tab = T(s, t, given, plain);
         if (tab.hi <= tab.lo) return;
         const int64_t lo = tab.lo, hi = tab.hi;
         // Fe s (o = 0) or Fs s:o: record stage s, solve (s+1, t), B s.
@@ -341,7 +386,7 @@ class Solver {
                 // top_, but only for m that no caller reaches: whoever holds a_s was charged at least in_free[s]
                 // for it (size[s] plain, saved[s-1] or an option's saved recorded; check_chain), so a reached
                 // (s, t, m) has m <= top_ - in_free[s]. The full_cost read beyond top_ is therefore never used.
-                const Table& sub = T(s + 1, t, given);
+                const Table& sub = T(s + 1, t, given);  // a_{s+1} recorded: "input any"
                 const int64_t shift = fe_shift(c_, s, o);
                 relax(tab, std::max(fe, sub.lo + shift), hi, cost, sub, shift, nullptr);
             }
@@ -356,22 +401,23 @@ class Solver {
             need_[reach + 1] = held + run;
         }
         for (int s2 = s + 1; s2 <= reach; ++s2)
-            if (!split(tab, s, t, given, s2, need_)) break;
+            if (!split(tab, s, t, given, plain, s2, need_)) break;
     }
 
     // Relax (s, t) with the split s -> s2 where it can win: m is walked in blocks, and a block is
     // skipped when the candidate at its top (its least value) cannot beat the best so far at its
     // bottom (the largest there). Returns false when no later split can win either.
-    bool split(Table& tab, int s, int t, bool given, int s2, const std::vector<int64_t>& need_) {
+    // Its right part has a_{s2} plain (the "input plain" table), its left part the flavour of (s, t).
+    bool split(Table& tab, int s, int t, bool given, bool plain, int s2, const std::vector<int64_t>& need_) {
         const int64_t lo = tab.lo, hi = tab.hi;
         const double forward = forward_cost(s, s2);
         double* cur = data_.data() + tab.offset - lo;
         // Any schedule through s2 costs at least all-record plus this forward run; the best so far
         // is largest at lo, so if it is below that bound there, no split from here on can win.
         if (cur[lo] <= tab.full_cost + forward) return false;
-        const Table& left = G(s, s2);
+        const Table& left = T(s, s2, true, plain);
         const bool loss = !given && s2 == L_;
-        const Table& right = loss ? left : T(s2, t, given);
+        const Table& right = loss ? left : T(s2, t, given, true);
         const int64_t shift = loss ? 0 : c_.size[s2];
         const int64_t lshift = given ? 0 : c_.loss_value;  // the left part runs after the loss: its value is held
         int64_t from = std::max({lo, need_[s2], left.lo + lshift});
@@ -395,13 +441,28 @@ class Solver {
                 relax(tab, x, y, forward, right, shift, &left, lshift);
             }
         }
+        if (plain && offloadable(s, t, given, s2)) {
+            // Offload a_s during the right part: it gets a_s's bytes; the prefetch and B s2 fit without them.
+            // m - oshift can pass top_ (a_s larger than a_{s2}), but only for m that no caller reaches: a plain
+            // (s, t) is reached with a_s charged to its caller, so m <= top_ - size[s] and m - oshift <= top_.
+            const int64_t oshift = c_.size[s2] - c_.size[s];
+            int64_t ofrom = std::max({lo, need_[s2], left.lo + lshift, right.lo + oshift});
+            ofrom = std::max(ofrom, prefetch_need(s2, given));
+            const double c = forward + stall(s, s2);
+            for (int64_t x = ofrom; x < hi; x += kBlock) {  // blocks skipped as above
+                const int64_t y = std::min(hi, x + kBlock);
+                if (c + value(right, y - 1 - oshift) + value(left, y - 1 - lshift) >= cur[x]) continue;
+                relax(tab, x, y, c, right, oshift, &left, lshift);
+            }
+        }
         return true;
     }
 
     // Re-evaluate the choices at (s, t, m) and emit the ops of the first optimal one
     // (Fe first, then Fs s:1, s:2 …, then s2 ascending: the reference planner's order).
-    void emit(int s, int t, bool given, int64_t m, std::vector<Op>& ops) {
-        const double target = value(T(s, t, given), m);
+    // An offload follows the plain split of the same s2 (both planners' order).
+    void emit(int s, int t, bool given, bool plain, int64_t m, std::vector<Op>& ops) {
+        const double target = value(T(s, t, given, plain), m);
         for (int o = 0; o <= c_.options_of(s); ++o) {
             if (m < fe_need(c_, s, t, given, o)) continue;
             double cand = step(s, o);
@@ -411,7 +472,7 @@ class Solver {
             if (s + 1 == t) {
                 if (!given) ops.push_back({OpKind::Loss, -1});
             } else {
-                emit(s + 1, t, given, m - fe_shift(c_, s, o), ops);
+                emit(s + 1, t, given, false, m - fe_shift(c_, s, o), ops);
             }
             ops.push_back({OpKind::B, s});
             return;
@@ -427,19 +488,34 @@ class Solver {
             if (loss) {
                 right = m >= 2 * c_.size[L_] + c_.loss_tmp ? 0.0 : INF;
             } else {
-                right = value(T(s2, t, given), m - c_.size[s2]);
+                right = value(T(s2, t, given, true), m - c_.size[s2]);
             }
             const int64_t lshift = given ? 0 : c_.loss_value;
-            const double cand = forward_cost(s, s2) + right + value(G(s, s2), m - lshift);
-            if (cand != target) continue;
-            ops.push_back({OpKind::Fc, s});
-            for (int j = s + 1; j < s2; ++j) ops.push_back({OpKind::Fn, j});
-            if (loss) {
-                ops.push_back({OpKind::Loss, -1});
-            } else {
-                emit(s2, t, given, m - c_.size[s2], ops);
+            const double left = value(T(s, s2, true, plain), m - lshift);
+            const double cand = forward_cost(s, s2) + right + left;
+            if (cand == target) {
+                ops.push_back({OpKind::Fc, s});
+                for (int j = s + 1; j < s2; ++j) ops.push_back({OpKind::Fn, j});
+                if (loss) {
+                    ops.push_back({OpKind::Loss, -1});
+                } else {
+                    emit(s2, t, given, true, m - c_.size[s2], ops);
+                }
+                emit(s, s2, true, plain, m - lshift, ops);
+                return;
             }
-            emit(s, s2, true, m - lshift, ops);
+            if (!plain || !offloadable(s, t, given, s2) || m < prefetch_need(s2, given)) continue;
+            const double ocand =
+                forward_cost(s, s2) + stall(s, s2) + value(T(s2, t, given, true), m - c_.size[s2] + c_.size[s]) + left;
+            if (ocand != target) continue;
+            ops.push_back({OpKind::Fc, s});
+            ops.push_back({OpKind::Offload, s});
+            for (int j = s + 1; j < s2; ++j) ops.push_back({OpKind::Fn, j});
+            emit(s2, t, given, true, m - c_.size[s2] + c_.size[s], ops);
+            ops.pop_back();  // the right part ends with B s2: a_s comes back just before it
+            ops.push_back({OpKind::Prefetch, s});
+            ops.push_back({OpKind::B, s2});
+            emit(s, s2, true, plain, m - lshift, ops);
             return;
         }
         throw std::logic_error("planner: no choice reproduces the table value at stage " + std::to_string(s));
@@ -513,11 +589,17 @@ int default_threads() {
 }
 
 Solution solve(const MemChain& chain, const std::vector<int64_t>& fwd_cost, const std::vector<int64_t>& bwd_cost,
-               int64_t slots, int threads) {
+               int64_t slots, int threads, const std::vector<int64_t>& transfer_cost, int count_bits) {
     check_chain(chain);
     if (fwd_cost.size() != chain.saved.size() || bwd_cost.size() != chain.saved.size())
         throw std::invalid_argument("planner: cost lists must have one entry per stage");
-    Solver solver(chain, fwd_cost, bwd_cost, slots - chain.size[0]);
+    if (!transfer_cost.empty() && transfer_cost.size() != chain.size.size())
+        throw std::invalid_argument("planner: transfer costs must be empty or one per value a_0 … a_L");
+    if (count_bits < 0 || count_bits > 52) throw std::invalid_argument("planner: count_bits must be within 0..52");
+    for (int64_t x : transfer_cost)
+        if (x < 0 || (x & ((int64_t{1} << count_bits) - 1)) != 0)
+            throw std::invalid_argument("planner: a transfer cost must be >= 0 and carry no forward-op count");
+    Solver solver(chain, fwd_cost, bwd_cost, slots - chain.size[0], transfer_cost, count_bits);
     if (threads <= 0) threads = default_threads();
     return solver.run(threads);
 }

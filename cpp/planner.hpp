@@ -10,7 +10,7 @@
 
 namespace rotor {
 
-enum class OpKind : int { Fn = 0, Fc = 1, Fe = 2, Loss = 3, B = 4, Fs = 5 };
+enum class OpKind : int { Fn = 0, Fc = 1, Fe = 2, Loss = 3, B = 4, Fs = 5, Offload = 6, Prefetch = 7 };
 
 struct Op {
     OpKind kind;
@@ -60,8 +60,12 @@ struct Solution {
 // Least-cost schedule within `slots` (a_0 included). fwd_cost/bwd_cost are the
 // integer costs of discretize.py (all sums < 2**53). The tables are filled on
 // `threads` threads (<= 0: default_threads()); the result does not depend on it.
+// transfer_cost (chain version 6): empty, or per value a_0 … a_L its copy time between device
+// and host (ticks << count_bits, rounded up); then a split may offload its kept input during its
+// right part (docs/planner.md, "Offloading"). Empty: exactly the tables and plans without it.
 Solution solve(const MemChain& chain, const std::vector<int64_t>& fwd_cost,
-               const std::vector<int64_t>& bwd_cost, int64_t slots, int threads = 0);
+               const std::vector<int64_t>& bwd_cost, int64_t slots, int threads = 0,
+               const std::vector<int64_t>& transfer_cost = {}, int count_bits = 0);
 
 // min(2, std::thread::hardware_concurrency()), at least 1.
 int default_threads();

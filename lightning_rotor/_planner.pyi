@@ -16,6 +16,8 @@ def solve(
     in_free: list[int] | None = None,
     loss_value: int = 0,
     options: list[list[list[int]]] | None = None,
+    transfer_cost: list[int] | None = None,
+    count_bits: int = 0,
 ) -> tuple[int, list[tuple[str, int] | tuple[str, int, int] | tuple[str]]] | None: ...
 def default_threads() -> int: ...
 def min_budget(

@@ -27,12 +27,13 @@ OPTIONAL_FIELDS = (
     "options",
     "bandwidth",
     "host_limit",
+    "offloadable",
 )
 V2_FIELDS = ("out_free", "loss_tmp_kept")  # fields a version-1 file cannot have
 V3_FIELDS = ("in_free", "loss_value")  # fields a version-1 or version-2 file cannot have
 V4_FIELDS = ("frozen",)  # fields a file before version 4 cannot have
 V5_FIELDS = ("options",)  # fields a file before version 5 cannot have
-V6_FIELDS = ("bandwidth", "host_limit")  # fields a file before version 6 cannot have
+V6_FIELDS = ("bandwidth", "host_limit", "offloadable")  # fields a file before version 6 cannot have
 OPTION_FIELDS = ("saved_size", "fwd_time", "bwd_time", "fwd_tmp", "bwd_tmp")  # required in each option
 TIME_FIELDS = ("fwd_time", "bwd_time")
 STAGE_FIELDS = SIZE_FIELDS + TIME_FIELDS
@@ -204,7 +205,10 @@ class Chain:
     Version 6: `bandwidth` is the transfer channel's speed between device and host memory, in
     bytes per second, for `Offload k` and `Prefetch k` (docs/memory-model.md, "Offloading");
     0, the default, means no offloading and gives version 5's meaning. `host_limit` bounds the
-    host bytes offloaded values may hold at once (None: unbounded).
+    host bytes offloaded values may hold at once (None: unbounded). `offloadable[k]` is the part of
+    what `Fe k` saves that `OffloadSaved k` may move to host memory: the distinct storages its graph
+    saves that are neither parameters nor buffers nor (part of) `a_k` or `a_{k+1}`; at most
+    `saved_size[k]`; the default, all zeros, means a recorded stage's saved part stays on the device.
     """
 
     input_size: int
@@ -227,6 +231,7 @@ class Chain:
     options: list[list[StageOption]] = None  # type: ignore[assignment]
     bandwidth: float = 0.0
     host_limit: int | None = None
+    offloadable: list[int] = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         length = len(self.out_size) if isinstance(self.out_size, (list, tuple)) else None
@@ -310,6 +315,13 @@ class Chain:
         self.bandwidth = float(bandwidth)
         if self.host_limit is not None:
             self.host_limit = _check_size(self.host_limit, "host_limit")
+        self.offloadable = _optional_sizes(self.offloadable, "offloadable", [0] * length)
+        for k in range(length):
+            if self.offloadable[k] > self.saved_size[k]:
+                raise ChainError(
+                    f"offloadable[{k}]={self.offloadable[k]} is larger than saved_size[{k}]={self.saved_size[k]}: "
+                    "only bytes the graph of Fe k saves can move to host memory"
+                )
         total = (
             self.input_size
             + self.loss_value
@@ -449,6 +461,7 @@ class Chain:
             ],
             bandwidth=self.bandwidth,
             host_limit=self.host_limit,
+            offloadable=self.offloadable[f:],
         )
 
     @classmethod
@@ -503,7 +516,7 @@ class Chain:
         data = {
             # a file says the oldest version that holds it, so older readers still load it
             "version": CHAIN_VERSION
-            if self.bandwidth or self.host_limit is not None
+            if self.bandwidth or self.host_limit is not None or any(self.offloadable)
             else 5
             if any(self.options)
             else 4,
@@ -530,6 +543,8 @@ class Chain:
             data["bandwidth"] = self.bandwidth
         if self.host_limit is not None:
             data["host_limit"] = self.host_limit
+        if any(self.offloadable):
+            data["offloadable"] = list(self.offloadable)
         return data
 
     @classmethod

@@ -18,6 +18,12 @@ solve the very same problem and their optima can be compared exactly.
   needlessly. Costs stay below 2**53, so they are exact in a C double too.
 - Options (chain version 5): each option of a stage is discretized like the stage's own
   figures (`DiscreteOption`); the time scale bounds schedules by each stage's slowest option.
+- Transfers (chain version 6, `bandwidth > 0`): `transfer_cost[k]` is the time to copy `a_k`
+  between device and host, in ticks rounded *up* (so the planner's "the offload ends within
+  the forward sweep" is never optimistic) and shifted like a backward's cost (no forward op).
+  The planner only lets a transfer's stall last as long as the forward sweep it overlaps, so
+  stalls at most double a schedule's time: the time scale's bound is doubled, and costs stay
+  below 2**53. Without bandwidth nothing here changes.
 """
 
 from __future__ import annotations
@@ -80,6 +86,7 @@ class DiscreteChain:
     count_bits: int
     tick: float  # seconds per tick
     options: list[list[DiscreteOption]] = field(default_factory=list)  # per stage, options 1, 2, …; [] for none
+    transfer_cost: list[int] = field(default_factory=list)  # a_0 … a_L: ticks << count_bits; [] without bandwidth
 
     def cost_to_time(self, cost: int) -> float:
         return (cost >> self.count_bits) * self.tick
@@ -95,8 +102,22 @@ def time_scale(chain: Chain) -> tuple[int, float]:
     count_bits = most_forward_ops.bit_length()
     time_bits = 51 - count_bits
     bound = length * math.fsum(chain.slowest_fwd_time) + math.fsum(chain.slowest_bwd_time)
+    if chain.offloads:  # each stall is at most the forward sweep it follows (docs/planner.md, "Offloading")
+        bound *= 2
     tick = bound / 2**time_bits if bound > 0 else 1.0
     return count_bits, tick
+
+
+def transfer_costs(chain: Chain, count_bits: int, tick: float) -> list[int]:
+    """Per value `a_0 … a_L`, its copy time in ticks rounded up, shifted by `count_bits`; [] without bandwidth.
+
+    A copy longer than every forward together can never be hidden by a sweep, so its ticks are capped
+    just above that sum: the planner never offloads it, and the cost stays far below 2**53.
+    """
+    if not chain.offloads:
+        return []
+    cap = sum(round(t / tick) for t in chain.fwd_time) + chain.length + 1
+    return [math.ceil(min(s / chain.bandwidth / tick, cap)) << count_bits for s in chain.sizes]
 
 
 def check_slots(slots: object) -> int | None:
@@ -149,4 +170,5 @@ def discretize(chain: Chain, budget: int, slots: int = DEFAULT_SLOTS) -> Discret
         count_bits=count_bits,
         tick=tick,
         options=options if any(options) else [],
+        transfer_cost=transfer_costs(chain, count_bits, tick),
     )

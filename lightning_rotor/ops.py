@@ -4,7 +4,8 @@ docs/memory-model.md defines the kinds: `Fn`, `Fc`, `Fe`, `Fs` (forwards), `Loss
 (backward). An `Op` is a tuple, `("Fe", 2)`, `("Fs", 2, 1)` or `("Loss",)`, so it compares equal
 to the JSON form of a plan and to what the C++ planner returns; `kind` is an
 `OpKind`, `stage` the stage index (None for `Loss`; for `Offload k` and `Prefetch k` the index of
-the value `a_k` they move) and `option` the stage option an `Fs` records (chain version 5; 0 for
+the value `a_k` they move; for `OffloadSaved k` and `PrefetchSaved k` the stage whose recorded graph's
+offloadable part they move) and `option` the stage option an `Fs` records (chain version 5; 0 for
 every other op). Code that acts on ops
 dispatches on every kind explicitly (see `OpKind`), so a new kind cannot fall
 through as another.
@@ -28,6 +29,8 @@ class OpKind(str, Enum):
     B = "B"  # backward of one stage
     OFFLOAD = "Offload"  # start copying a kept stage input a_k to host memory (chain version 6)
     PREFETCH = "Prefetch"  # start copying a_k back to the device (chain version 6)
+    OFFLOAD_SAVED = "OffloadSaved"  # start copying what `Fe k` saved (offloadable[k] bytes) to host memory
+    PREFETCH_SAVED = "PrefetchSaved"  # start copying stage k's saved part back, for B k
 
     def __str__(self) -> str:
         return self.value
@@ -41,12 +44,13 @@ class OpKind(str, Enum):
 
     @property
     def is_transfer(self) -> bool:
-        """`Offload` or `Prefetch`: runs on the transfer channel, beside compute, and takes no compute time."""
+        """`Offload`, `Prefetch`, `OffloadSaved`, `PrefetchSaved`: runs on the transfer channel, beside
+        compute, and takes no compute time."""
         return self in TRANSFER_KINDS
 
 
 FORWARD_KINDS = frozenset({OpKind.FN, OpKind.FC, OpKind.FE, OpKind.FS})
-TRANSFER_KINDS = frozenset({OpKind.OFFLOAD, OpKind.PREFETCH})
+TRANSFER_KINDS = frozenset({OpKind.OFFLOAD, OpKind.PREFETCH, OpKind.OFFLOAD_SAVED, OpKind.PREFETCH_SAVED})
 
 
 class Op(tuple[Any, ...]):

@@ -5,7 +5,9 @@ the integer problem of `discretize`: memory in `slots` units of
 `budget // slots` bytes, every size rounded up, so every plan fits the budget in
 exact bytes. Rounding can make a budget just above the exact minimum look
 infeasible; then the planner falls back to an exact-byte schedule, so planning
-at `min_feasible_budget(chain)` always succeeds. docs/planner.md derives it all.
+at `min_feasible_budget(chain)` always succeeds. With a transfer bandwidth (chain version 6) the
+program may also offload kept stage inputs to host memory; `plan()` then scores that plan beside
+the recompute-only one and keeps the faster. docs/planner.md derives it all.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import importlib.machinery
 import importlib.metadata
 import importlib.util
+import math
 import os
 import sys
 import warnings
@@ -90,14 +93,15 @@ class PlannerTooLarge(MemoryError):
 TABLE_ENTRY_BYTES = 8  # one double per (subproblem, memory slot)
 
 
-def planner_memory_estimate(length: int, slots: int) -> int:
+def planner_memory_estimate(length: int, slots: int, offload: bool = False) -> int:
     """Upper bound on the planner's table bytes: one entry per subproblem (s, t) and memory slot.
 
     There are L(L+1)/2 "given" subproblems and L with the loss pending, each tabulated over at most
     `slots + 1` memory values; pruning usually stores fewer (docs/planner.md has measured figures).
+    With offloading each subproblem has a second table (its input held plain), so twice as many.
     """
     subproblems = length * (length + 1) // 2 + length
-    return subproblems * (slots + 1) * TABLE_ENTRY_BYTES
+    return (2 if offload else 1) * subproblems * (slots + 1) * TABLE_ENTRY_BYTES
 
 
 def available_ram() -> int | None:
@@ -115,9 +119,9 @@ def available_ram() -> int | None:
         return None
 
 
-def check_planner_memory(length: int, slots: int) -> None:
+def check_planner_memory(length: int, slots: int, offload: bool = False) -> None:
     """Refuse, in one line, a chain whose tables could exceed the memory available (before allocating)."""
-    need, have = planner_memory_estimate(length, slots), available_ram()
+    need, have = planner_memory_estimate(length, slots, offload), available_ram()
     if have is not None and need > have:
         raise PlannerTooLarge(
             f"planning {length} stages at slots={slots} may need up to {format_bytes(need)} of tables, more than the "
@@ -151,6 +155,9 @@ class Plan:
     """A schedule and what it costs: `time` in seconds and `peak` in bytes, as the simulator replays it.
 
     `budget` is the resolved budget in bytes the plan was made for (the user's `mem_limit`, resolved).
+    With offloading (chain version 6): `bandwidth` is the transfer bandwidth it was planned with (bytes/s,
+    0: none), `host_peak` the host bytes its offloaded values hold at most, and `recompute_only_time` the
+    time of the best plan without offloading at the same budget (None when offloading was off).
     """
 
     ops: list[Op]
@@ -160,6 +167,9 @@ class Plan:
     slots: int = DEFAULT_SLOTS
     recomputed_stages: int = 0
     no_recompute_time: float = 0.0
+    bandwidth: float = 0.0
+    host_peak: int = 0
+    recompute_only_time: float | None = None
 
     @property
     def mem_limit(self) -> int:
@@ -167,16 +177,21 @@ class Plan:
         return self.budget
 
     def to_dict(self) -> dict[str, Any]:
-        """The plan JSON of docs/memory-model.md (plus planner details)."""
-        return {
+        """The plan JSON of docs/memory-model.md (plus planner details; the offloading ones when it was on)."""
+        data: dict[str, Any] = {
             "budget": self.budget,
             "time": self.time,
             "peak": self.peak,
             "slots": self.slots,
             "recomputed_stages": self.recomputed_stages,
             "no_recompute_time": self.no_recompute_time,
-            "ops": [op.to_json() for op in self.ops],
         }
+        if self.bandwidth or self.host_peak or self.recompute_only_time is not None:
+            data.update(
+                bandwidth=self.bandwidth, host_peak=self.host_peak, recompute_only_time=self.recompute_only_time
+            )
+        data["ops"] = [op.to_json() for op in self.ops]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
@@ -196,6 +211,9 @@ class Plan:
             slots=int(data.get("slots", DEFAULT_SLOTS)),
             recomputed_stages=int(data.get("recomputed_stages", recomputed_stages(ops))),
             no_recompute_time=float(data.get("no_recompute_time", 0.0)),
+            bandwidth=float(data.get("bandwidth", 0.0)),
+            host_peak=int(data.get("host_peak", 0)),
+            recompute_only_time=None if data.get("recompute_only_time") is None else float(data["recompute_only_time"]),
         )
 
 
@@ -212,12 +230,27 @@ def _memory_options(chain: Chain) -> list[list[list[int]]] | None:
     ]
 
 
-def min_feasible_budget(chain: Chain) -> int:
+def check_bandwidth(bandwidth: object) -> float | None:
+    """`bandwidth` checked (bytes/s, 0: no offloading), or None (the chain's own)."""
+    if bandwidth is None:
+        return None
+    if isinstance(bandwidth, bool) or not isinstance(bandwidth, (int, float)) or not 0 <= bandwidth < math.inf:
+        raise ValueError(
+            "bandwidth must be a finite number of bytes per second >= 0 (0: no offloading) or None (the chain's "
+            f"own), got {bandwidth!r}"
+        )
+    return float(bandwidth)
+
+
+def min_feasible_budget(chain: Chain, *, bandwidth: float | None = None) -> int:
     """Smallest budget in bytes (chain input included) for which some persistent schedule exists.
 
     At least 1: budgets are positive, even for a chain of empty values. A frozen prefix
     (chain version 4) needs its own forward peak; the rest is an ordinary chain, `chain.suffix()`.
+    `bandwidth` is accepted and checked like `plan()`'s, and changes nothing: offloading lowers a
+    plan's time, never the floor (docs/planner.md, "Offloading").
     """
+    check_bandwidth(bandwidth)
     suffix = chain.suffix()
     return max(
         1,
@@ -238,6 +271,7 @@ def solve_discretized(
     """The DP alone on `chain` discretized at `budget` bytes: (cost in time units, op tuples) or None.
 
     What `plan()` runs before the referee scores it; tests hold it against the reference planner.
+    A chain with a bandwidth (version 6) is planned with offloading, the cost including the stalls.
     """
     d = discretize(chain, budget, slots=slots)
     return _planner.solve(
@@ -255,10 +289,20 @@ def solve_discretized(
         in_free=d.in_free,
         loss_value=d.loss_value,
         options=[[list(o) for o in opts] for opts in d.options] if d.options else None,
+        transfer_cost=d.transfer_cost or None,
+        count_bits=d.count_bits,
     )
 
 
-def plan(chain: Chain, mem_limit: BudgetSpec, *, slots: int | None = None, threads: int | None = None) -> Plan:
+def plan(
+    chain: Chain,
+    mem_limit: BudgetSpec,
+    *,
+    bandwidth: float | None = None,
+    host_limit: int | None = None,
+    slots: int | None = None,
+    threads: int | None = None,
+) -> Plan:
     """The fastest persistent schedule of `chain` whose peak stays within `mem_limit`.
 
     `mem_limit`: bytes, a size string (`"6GiB"`), or a fraction of the no-recomputation
@@ -268,7 +312,16 @@ def plan(chain: Chain, mem_limit: BudgetSpec, *, slots: int | None = None, threa
     does not depend on it. Raises `InfeasibleBudget` when no schedule fits. A chain with a
     frozen prefix gets `Fn 0 … Fn F-1` and then the plan of `chain.suffix()` at the same budget.
     Where the chain carries stage options (version 5), a stage may be recorded by one (`Fs k:o`).
+
+    `bandwidth` (bytes/s; None: the chain's own, 0: no offloading) and `host_limit` (bytes; None:
+    the chain's own) set the transfer channel (chain version 6). With a bandwidth, the offloading
+    plan, the recompute-only plan and the fallback are all replayed by `simulate`; those within the
+    budget and the host limit compete and the fastest wins, so offloading is never slower than
+    recomputing only (by the simulator). Without one, the plan is exactly the recompute-only plan.
     """
+    checked = check_bandwidth(bandwidth)
+    if checked is not None or host_limit is not None:
+        chain = chain.with_transfer(checked, host_limit)
     whole, chain = chain, chain.suffix()  # a frozen prefix runs first as Fn ops: only the rest has choices
     slots = resolve_slots(slots, chain.length)
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
@@ -277,8 +330,9 @@ def plan(chain: Chain, mem_limit: BudgetSpec, *, slots: int | None = None, threa
     smallest = min_feasible_budget(whole)
     if budget < smallest:
         raise InfeasibleBudget(budget, smallest)
-    check_planner_memory(chain.length, slots)
-    found = solve_discretized(chain, budget, slots, threads)
+    check_planner_memory(chain.length, slots, chain.offloads)
+    # today's program on the chain without transfers: exactly the plan without offloading
+    found = solve_discretized(chain.with_transfer(0.0) if chain.offloads else chain, budget, slots, threads)
     candidates = []
     if found is not None:
         candidates.append(parse_ops(found[1]))
@@ -292,13 +346,29 @@ def plan(chain: Chain, mem_limit: BudgetSpec, *, slots: int | None = None, threa
     )
     if fallback is not None:
         candidates.append(parse_ops(fallback))
-    # the referee scores both: the fastest, the DP's on ties (simulate also refuses an invalid plan)
+    # the referee scores them all: the fastest, the DP's on ties (simulate also refuses an invalid plan)
     scored = [(simulate(chain, ops), ops) for ops in candidates]
+    recompute_only = min(scored, key=lambda item: item[0].time)
+    if chain.offloads:
+        offloading = solve_discretized(chain, budget, slots, threads)
+        if offloading is not None:
+            ops = parse_ops(offloading[1])
+            try:
+                sim = simulate(chain, ops)
+            except ValueError:  # its host bytes pass the host limit: not a candidate
+                pass
+            else:
+                if sim.peak <= budget:
+                    scored.append((sim, ops))  # last: a tie goes to a plan without transfers
     best, ops = min(scored, key=lambda item: item[0].time)
-    peak, time = best.peak, best.time
+    peak, time, host_peak = best.peak, best.time, best.host_peak
+    alone = recompute_only[0].time if chain.offloads else None
     if whole.frozen:
-        ops = frozen_prefix_ops(whole.frozen) + shift_ops(ops, whole.frozen)
+        prefix = frozen_prefix_ops(whole.frozen)
+        ops = prefix + shift_ops(ops, whole.frozen)
         peak, time = simulate(whole, ops)[:2]
+        if alone is not None:
+            alone = simulate(whole, prefix + shift_ops(recompute_only[1], whole.frozen)).time
     return Plan(
         ops=ops,
         time=time,
@@ -307,4 +377,7 @@ def plan(chain: Chain, mem_limit: BudgetSpec, *, slots: int | None = None, threa
         slots=slots,
         recomputed_stages=recomputed_stages(ops),
         no_recompute_time=whole.no_recompute_time(),
+        bandwidth=whole.bandwidth,
+        host_peak=host_peak,
+        recompute_only_time=alone,
     )

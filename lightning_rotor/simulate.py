@@ -96,7 +96,9 @@ def _replay(chain: Chain, ops: list[Op], first_op: int = 0, first_stage: int = 0
     Transfers (chain version 6) run on one channel beside compute: compute's clock `now` advances by
     each op's time and by waits for prefetched values; the channel serves transfers in issue order.
     An offloaded `a_k` leaves device memory at the start of the first op at or after its copy ends; a
-    prefetched one occupies it from the prefetch on (docs/memory-model.md, "Offloading").
+    prefetched one occupies it from the prefetch on (docs/memory-model.md, "Offloading"). The saved part
+    of a recorded stage k (`offloadable[k]` bytes of the graph `Fe k` recorded) moves the same way, by
+    `OffloadSaved k` and `PrefetchSaved k`; only `B k` reads it.
     """
     length = chain.length
     s = chain.sizes
@@ -139,6 +141,12 @@ def _replay(chain: Chain, ops: list[Op], first_op: int = 0, first_stage: int = 0
     on_host: set[int] = set()  # a_k offloaded and not yet prefetched
     arriving: dict[int, float] = {}  # k: end of a_k's prefetch (compute needing a_k waits for it)
     host_freed: dict[int, float] = {}  # k: when a_k's host copy goes (its prefetch ends)
+    # the saved part of stage k's graph: same timeline, its own key space (stage k, not value a_k)
+    offloadable = chain.offloadable
+    saved_leaving: dict[int, float] = {}
+    saved_on_host: set[int] = set()
+    saved_arriving: dict[int, float] = {}
+    saved_host_freed: dict[int, float] = {}
     host = host_peak = 0
     host_curve: list[int] = []
     waits: list[float] = []
@@ -147,16 +155,16 @@ def _replay(chain: Chain, ops: list[Op], first_op: int = 0, first_stage: int = 0
         label = op.label if op.stage is None else op.with_stage(op.stage + first_stage).label
         return ValueError(f"invalid plan: op {i + first_op} ({label}): {why}")
 
-    def transfer(k: int) -> float:
-        """Issue a copy of a_k on the channel now; its end."""
+    def transfer(size: int) -> float:
+        """Issue a copy of `size` bytes on the channel now; its end."""
         nonlocal channel
-        channel = max(now, channel) + s[k] / bandwidth
+        channel = max(now, channel) + size / bandwidth
         return channel
 
-    def wait_for(k: int) -> None:
-        """Compute needs a_k: wait until its prefetch has ended."""
+    def wait_for(k: int, arrivals: dict[int, float] | None = None) -> None:
+        """Compute needs a_k (or, from `saved_arriving`, stage k's saved part): wait until its prefetch has ended."""
         nonlocal now
-        end = arriving.pop(k, None)
+        end = (arriving if arrivals is None else arrivals).pop(k, None)
         if end is not None and end > now:
             times.append(end - now)
             waits.append(end - now)
@@ -179,6 +187,47 @@ def _replay(chain: Chain, ops: list[Op], first_op: int = 0, first_stage: int = 0
             if end <= now:
                 host -= s[j]
                 del host_freed[j]
+        for j, end in list(saved_leaving.items()):
+            if end <= now:
+                cur -= offloadable[j]
+                del saved_leaving[j]
+        for j, end in list(saved_host_freed.items()):
+            if end <= now:
+                host -= offloadable[j]
+                del saved_host_freed[j]
+        if kind is OpKind.OFFLOAD_SAVED or kind is OpKind.PREFETCH_SAVED:
+            if bandwidth <= 0:
+                raise fail(i, op, "the chain has no transfer bandwidth (bandwidth 0: no offloading)")
+            if kind is OpKind.OFFLOAD_SAVED:
+                if k + 1 not in graph:
+                    raise fail(i, op, f"needs a_{n + 1} recorded by Fe {n} (its graph holds the saved part)")
+                if recorded_by.get(k + 1, 0):
+                    raise fail(
+                        i, op, f"a_{n + 1} was recorded by Fs {n}:{recorded_by[k + 1]}; only Fe {n}'s saved part moves"
+                    )
+                if not offloadable[k]:
+                    raise fail(i, op, f"stage {n} has nothing offloadable (offloadable[{n}] is 0)")
+                if k in saved_on_host:
+                    raise fail(i, op, f"the saved part of stage {n} is already on the host")
+                if k in saved_arriving:
+                    raise fail(i, op, f"the saved part of stage {n} is still being prefetched")
+                saved_leaving[k] = transfer(offloadable[k])
+                saved_on_host.add(k)
+                host += offloadable[k]
+                if chain.host_limit is not None and host > chain.host_limit:
+                    raise fail(i, op, f"host memory {host} bytes exceeds the chain's host_limit {chain.host_limit}")
+            else:
+                if k not in saved_on_host:
+                    raise fail(i, op, f"the saved part of stage {n} is not on the host (no OffloadSaved {n} before)")
+                saved_on_host.discard(k)
+                cur += offloadable[k]  # on the device again from the prefetch's start
+                saved_arriving[k] = saved_host_freed[k] = transfer(offloadable[k])
+            host_peak = max(host_peak, host)
+            peak = max(peak, cur)
+            op_peaks.append(cur)
+            curve.append(cur)
+            host_curve.append(host)
+            continue
         if kind is OpKind.OFFLOAD or kind is OpKind.PREFETCH:
             if bandwidth <= 0:
                 raise fail(i, op, "the chain has no transfer bandwidth (bandwidth 0: no offloading)")
@@ -193,7 +242,7 @@ def _replay(chain: Chain, ops: list[Op], first_op: int = 0, first_stage: int = 0
                 if k in early_plain:
                     raise fail(i, op, f"a_{n} was partly let go after the last forward of stage {n}")
                 plain.discard(k)
-                leaving[k] = transfer(k)
+                leaving[k] = transfer(s[k])
                 on_host.add(k)
                 host += s[k]
                 if chain.host_limit is not None and host > chain.host_limit:
@@ -204,7 +253,7 @@ def _replay(chain: Chain, ops: list[Op], first_op: int = 0, first_stage: int = 0
                     raise fail(i, op, f"a_{n} is not on the host (no Offload {n} before)")
                 on_host.discard(k)
                 cur += s[k]  # the prefetched copy occupies device memory from the prefetch's start
-                arriving[k] = host_freed[k] = transfer(k)
+                arriving[k] = host_freed[k] = transfer(s[k])
                 plain.add(k)
                 during = cur
             host_peak = max(host_peak, host)
@@ -290,7 +339,10 @@ def _replay(chain: Chain, ops: list[Op], first_op: int = 0, first_stage: int = 0
                 raise fail(i, op, f"needs the gradient δ_{n + 1}")
             if k not in plain and k not in graph:
                 raise fail(i, op, not_held(k, n))
+            if k in saved_on_host:
+                raise fail(i, op, f"the saved part of stage {n} is on the host (PrefetchSaved {n} first)")
             wait_for(k)
+            wait_for(k, saved_arriving)
             saved_k, free_k, bwd_tmp_k, bwd_time_k = recorded(k)
             if k + 1 not in released:  # the free part of a_{k+1} is let go before the backward runs
                 cur -= free_k - early_graph.pop(k + 1, 0)
@@ -313,6 +365,12 @@ def _replay(chain: Chain, ops: list[Op], first_op: int = 0, first_stage: int = 0
         op_peaks.append(during)
         curve.append(cur)
         host_curve.append(host)
+    if saved_on_host:
+        k = min(saved_on_host)
+        raise ValueError(
+            f"invalid plan: the saved part of stage {k + first_stage} is offloaded and never prefetched; a plan "
+            "ends with every offloaded part back"
+        )
     if on_host:
         k = min(on_host)
         raise ValueError(

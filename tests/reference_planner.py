@@ -28,6 +28,17 @@ of least cost wins (the C++ planner's order).
 `sb_L + s_L + loss_tmp_graph - in_free_{L-1}` (docs/memory-model.md, part 2). With the loss
 pending, whatever runs after it (`B s`, the left part of a split) also holds the loss value
 (`loss_value`, chain version 3).
+
+Offloading (chain version 6, `d.transfer_cost` given; docs/planner.md, "Offloading"): a split
+`s -> s2` whose input `a_s` the caller holds plain may also **offload** it during the right part:
+`Fc s, Offload s, Fn s+1 … Fn s2-1, <right part but its last op>, Prefetch s, B s2, <left part>`.
+The right part gets `a_s`'s slots; the prefetch and `B s2` must fit without them; the copy must
+surely end within the sweep; the left part's first op waits for what of the prefetch `B s2` does not
+hide. So every subproblem comes in two flavours: "plain" (`a_s` held without graph: offloading
+allowed) and "any" (today's choices). Right parts are plain; `Fe s` hands `(s+1, t)` an "any" one;
+left parts keep the flavour of their subproblem. Both flavours are infeasible where today's
+recursion is (the tables start where today's do). The offload variant comes right after the plain
+split of the same `s2` in the order of choices.
 """
 
 from __future__ import annotations
@@ -47,6 +58,18 @@ def solve(d: DiscreteChain) -> tuple[int, list[tuple]] | None:
     ft, ft_ng, bt, lt, ltg = d.fwd_tmp, d.fwd_tmp_nograd, d.bwd_tmp, d.loss_tmp, d.loss_tmp_graph
     inf, lv = d.in_free, d.loss_value
     options = d.options or [[] for _ in range(length)]
+    tc, cb = d.transfer_cost, d.count_bits  # tc: [] without offloading
+
+    def offloadable(s: int, t: int, given: bool, s2: int) -> bool:
+        """Whether the split s -> s2 may offload a_s: its copy surely ends within the sweep Fn s+1 … Fn s2-1."""
+        if not tc or s < 1 or (not given and s2 == length) or s2 >= t or options[s2]:
+            return False
+        return (tc[s] >> cb) + (s2 - 1 - s) <= sum(d.fwd_cost[s + 1 : s2]) >> cb
+
+    def prefetch_need(s2: int, given: bool) -> int:
+        """Least m for the prefetch of a_s and B s2 with a_s back on the device."""
+        held = saved[s2] - inf[s2] + size[s2 + 1] + (0 if given else lv)
+        return size[s2] + max(held, held + size[s2] + bt[s2])
 
     def record(s: int, o: int) -> tuple[int, int, int, int, int, int]:
         """(saved, fwd_tmp, bwd_net, released, loss on a recorded a_L, fwd + bwd cost) of recording s with option o."""
@@ -72,10 +95,17 @@ def solve(d: DiscreteChain) -> tuple[int, list[tuple]] | None:
         return held + need
 
     @cache
-    def best(s: int, t: int, given: bool, m: int) -> tuple[int, tuple] | None:
-        """(cost, choice) where choice is ('Fe', o) (o >= 1: Fs s:o) or ('ck', s2)."""
+    def best(s: int, t: int, given: bool, m: int, flavour: str = "today") -> tuple[int, tuple] | None:
+        """(cost, choice) where choice is ('Fe', o) (o >= 1: Fs s:o), ('ck', s2) or ('off', s2).
+
+        `flavour`: "today" (no offloading anywhere), or with offloading "any" or "plain" (a_s held plain).
+        """
         if m < 0:
             return None
+        if flavour != "today" and best(s, t, given, m) is None:
+            return None  # the tables start where today's do
+        inner = "today" if flavour == "today" else "any"  # after Fe s, a_{s+1} is recorded
+        rights = "today" if flavour == "today" else "plain"  # a split's a_{s2} is plain
         found: tuple[int, tuple] | None = None
         for o in range(len(options[s]) + 1):
             if m < fe_need(s, t, given, o):
@@ -84,7 +114,7 @@ def solve(d: DiscreteChain) -> tuple[int, list[tuple]] | None:
             if s + 1 == t:
                 cost = step
             else:
-                sub = best(s + 1, t, given, m - sb + free)
+                sub = best(s + 1, t, given, m - sb + free, inner)
                 if sub is None:
                     continue
                 cost = step + sub[0]
@@ -96,46 +126,58 @@ def solve(d: DiscreteChain) -> tuple[int, list[tuple]] | None:
             forward += d.fwd_cost[s2 - 1]
             if m < forward_need(s, s2, given, t):
                 break  # the forward run only needs more memory as s2 grows
-            if not given and s2 == length:
-                if m < 2 * size[length] + lt:
-                    continue
-                right = 0
-            else:
-                sub = best(s2, t, given, m - size[s2])
-                if sub is None:
-                    continue
-                right = sub[0]
-            left = best(s, s2, True, m - (0 if given else lv))  # after the loss: its value is held
+            left = best(s, s2, True, m - (0 if given else lv), flavour)  # after the loss: its value is held
             if left is None:
                 continue
-            cost = forward + right + left[0]
-            if found is None or cost < found[0]:
-                found = (cost, ("ck", s2))
+            right: int | None = None
+            if not given and s2 == length:
+                right = 0 if m >= 2 * size[length] + lt else None
+            else:
+                sub = best(s2, t, given, m - size[s2], rights)
+                right = None if sub is None else sub[0]
+            if right is not None:
+                cost = forward + right + left[0]
+                if found is None or cost < found[0]:
+                    found = (cost, ("ck", s2))
+            if flavour == "plain" and offloadable(s, t, given, s2) and m >= prefetch_need(s2, given):
+                sub = best(s2, t, given, m - size[s2] + size[s], "plain")  # a_s's slots are free meanwhile
+                if sub is not None:
+                    cost = forward + max(0, tc[s] - d.bwd_cost[s2]) + sub[0] + left[0]
+                    if found is None or cost < found[0]:
+                        found = (cost, ("off", s2))
         return found
 
-    def ops(s: int, t: int, given: bool, m: int) -> list[tuple]:
-        _, choice = best(s, t, given, m)
+    def ops(s: int, t: int, given: bool, m: int, flavour: str = "today") -> list[tuple]:
+        _, choice = best(s, t, given, m, flavour)
+        inner = "today" if flavour == "today" else "any"
+        rights = "today" if flavour == "today" else "plain"
         if choice[0] == "Fe":
             o = choice[1]
             sb, _, _, free, _, _ = record(s, o)
             if s + 1 == t:
                 middle = [] if given else [("Loss",)]
             else:
-                middle = ops(s + 1, t, given, m - sb + free)
+                middle = ops(s + 1, t, given, m - sb + free, inner)
             return [("Fe", s) if o == 0 else ("Fs", s, o), *middle, ("B", s)]
         s2 = choice[1]
-        forward = [("Fc", s)] + [("Fn", j) for j in range(s + 1, s2)]
-        right = [("Loss",)] if (not given and s2 == length) else ops(s2, t, given, m - size[s2])
-        return forward + right + ops(s, s2, True, m - (0 if given else lv))
+        sweep = [("Fn", j) for j in range(s + 1, s2)]
+        left = ops(s, s2, True, m - (0 if given else lv), flavour)
+        if choice[0] == "off":
+            right = ops(s2, t, given, m - size[s2] + size[s], "plain")
+            assert right[-1] == ("B", s2)
+            return [("Fc", s), ("Offload", s), *sweep, *right[:-1], ("Prefetch", s), ("B", s2), *left]
+        right = [("Loss",)] if (not given and s2 == length) else ops(s2, t, given, m - size[s2], rights)
+        return [("Fc", s), *sweep, *right, *left]
 
     old_limit = sys.getrecursionlimit()
     sys.setrecursionlimit(max(old_limit, 10_000))
     try:
         root = d.slots - size[0]
-        top = best(0, length, False, root)
+        flavour = "any" if tc else "today"
+        top = best(0, length, False, root, flavour)
         if top is None:
             return INFEASIBLE
-        return top[0], ops(0, length, False, root)
+        return top[0], ops(0, length, False, root, flavour)
     finally:
         sys.setrecursionlimit(old_limit)
 

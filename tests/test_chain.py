@@ -99,6 +99,29 @@ def test_version_6_transfer_fields():
         Chain.from_dict(chain_dict(version=6, host_limit=-5))
 
 
+def test_version_6_offloadable_saved_part():
+    chain = Chain.from_dict(chain_dict(version=6, offloadable=[30, 0, 7]))
+    assert chain.offloadable == [30, 0, 7]
+    data = chain.to_dict()
+    assert data["version"] == 6 and data["offloadable"] == [30, 0, 7]  # bandwidth 0, but a saved part to offload
+    assert Chain.from_dict(data) == chain
+    assert Chain.from_dict(chain_dict()).offloadable == [0, 0, 0]
+    assert "offloadable" not in Chain.from_dict(chain_dict(version=6, offloadable=[0, 0, 0])).to_dict()
+    with pytest.raises(ChainError, match="offloadable.*need chain version 6"):
+        Chain.from_dict(chain_dict(version=5, offloadable=[0, 0, 0]))
+    with pytest.raises(ChainError, match=r"offloadable\[1\]=9 is larger than saved_size\[1\]=8"):
+        Chain.from_dict(chain_dict(version=6, offloadable=[0, 9, 0]))
+    for bad in (-1, 2.5, "3", True):
+        with pytest.raises(ChainError, match=r"offloadable\[2\] must be a non-negative integer"):
+            Chain.from_dict(chain_dict(version=6, offloadable=[0, 0, bad]))
+    with pytest.raises(ChainError, match="offloadable must be a list with one entry per stage"):
+        Chain.from_dict(chain_dict(version=6, offloadable=[0, 0]))
+    # the suffix after a frozen prefix keeps the figures of its own stages
+    frozen = Chain.from_dict(chain_dict(version=6, offloadable=[30, 4, 7], frozen=1))
+    assert frozen.suffix().offloadable == [4, 7]
+    assert frozen.with_transfer(12e9).offloadable == [30, 4, 7]
+
+
 def test_version_1_files_keep_their_meaning():
     old = Chain.from_dict(chain_dict())
     assert old.out_free == [0, 0, 0] and old.loss_tmp_kept == old.loss_tmp == 6

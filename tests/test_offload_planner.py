@@ -1,0 +1,289 @@
+"""Planner with offloading (chain version 6): the C++ program equals the reference on the offload family, its plans
+replay within budget at the time it predicts, and plan() is never slower than recomputing only."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from reference_planner import reference_min_budget, solve
+from test_options import chains_with_options
+from test_planner import chains, medium_chain
+
+from lightning_rotor.chain import Chain
+from lightning_rotor.discretize import discretize
+from lightning_rotor.ops import OpKind
+from lightning_rotor.planner import Plan, min_feasible_budget, plan, solve_discretized
+from lightning_rotor.simulate import no_recompute_peak, simulate
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def transfers(ops):
+    return [op for op in ops if OpKind(op[0]).is_transfer]
+
+
+@st.composite
+def offload_chains(draw, max_length=7):
+    """Small random chains (sizes 0-60 B) whose forwards mostly take time (a copy hides only behind forwards),
+    with a bandwidth at which copies take from a fraction of a stage to several stages."""
+    chain = draw(chains(max_length=max_length))
+    length = chain.length
+    fwd = draw(st.lists(st.sampled_from([0.0, 0.25, 1.0, 1.5, 3.0]), min_size=length, max_size=length))
+    chain = Chain(**{**chain.__dict__, "fwd_time": fwd})
+    return chain.with_transfer(draw(st.sampled_from([6.0, 20.0, 60.0, 500.0])))
+
+
+@pytest.mark.slow
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chain=offload_chains(), where=st.floats(0, 1.2), slots=st.sampled_from([3, 8, 40, 500]))
+def test_cpp_equals_reference_with_offloading(chain, where, slots):
+    """Same integer problem in, same optimal cost and the same ops out, transfers included."""
+    low, high = reference_min_budget(chain), no_recompute_peak(chain)
+    budget = max(1, int(low - 3 + where * (high - low + 6)))
+    d = discretize(chain, budget, slots=slots)
+    assert d.transfer_cost and len(d.transfer_cost) == chain.length + 1
+    expected = solve(d)
+    got = solve_discretized(chain, budget, slots)
+    if expected is None:
+        assert got is None
+        return
+    assert got is not None and got[0] == expected[0]
+    assert got[1] == expected[1]
+
+
+@pytest.mark.slow
+@settings(max_examples=800, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chain=offload_chains(), where=st.floats(0, 1.2), slots=st.sampled_from([8, 40, 500]))
+def test_offload_plans_replay_within_budget_at_the_predicted_time(chain, where, slots):
+    """Every plan of the offload program replays in the simulator: within its budget, and its time is the
+    program's cost within the ticks' rounding (each op's time rounded to the nearest tick, a copy up)."""
+    low, high = min_feasible_budget(chain), no_recompute_peak(chain)
+    budget = max(1, int(low + where * (high - low)))
+    got = solve_discretized(chain, budget, slots)
+    if got is None:
+        return
+    d = discretize(chain, budget, slots=slots)
+    sim = simulate(chain, got[1])
+    assert sim.peak <= budget
+    predicted = d.cost_to_time(got[0])
+    assert abs(sim.time - predicted) <= 2 * (len(got[1]) + 1) * d.tick + 1e-12 * max(1.0, sim.time)
+    # without offloading the same budget costs as much or more
+    alone = solve_discretized(chain.with_transfer(0.0), budget, slots)
+    assert alone is not None
+    assert sim.time <= simulate(chain, alone[1]).time + 2 * (len(got[1]) + len(alone[1])) * d.tick
+
+
+def offloading_chain() -> Chain:
+    """Five stages of 1 s forward, 2 s backward; a_5 and the last two graphs are large, the checkpoints tiny."""
+    return Chain(
+        input_size=1,
+        out_size=[1, 1, 1, 1, 10],
+        saved_size=[11, 11, 1, 1, 10],
+        fwd_time=[1.0] * 5,
+        bwd_time=[2.0] * 5,
+        fwd_tmp=[0] * 5,
+        bwd_tmp=[0] * 5,
+        bandwidth=40.0,
+    )
+
+
+BUDGET = 24  # B 4 peaks at a_0 + a_3 + ā_4 + ā_5 + δ_5 + δ_4 = 1 + 1 + 1 + 10 + 10 + 1: no room for a_1 too
+
+
+def test_offloading_a_checkpoint_saves_a_recomputation():
+    """By hand: with a_1 kept, B 4 would peak at 25 > 24, so without offloading a_1 is recomputed from a_0 (19 s).
+    Offloaded during Fn 2 (its copy takes 0.025 s of that 1 s forward), it is prefetched during B 3 (2 s): 18 s."""
+    chain = offloading_chain()
+    result = plan(chain, BUDGET)
+    expected = "Fc 0, Fc 1, Offload 1, Fn 2, Fe 3, Fe 4, Loss, B 4, Prefetch 1, B 3, Fe 1, Fe 2, B 2, B 1, Fe 0, B 0"
+    assert [op.label for op in result.ops] == expected.split(", ")
+    assert result.time == 18.0 and result.recompute_only_time == 19.0 and result.peak == BUDGET
+    assert result.host_peak == 1 and simulate(chain, result.ops).wait == 0.0
+    assert plan(chain, BUDGET, bandwidth=0).time == 19.0
+    assert plan(chain, BUDGET, host_limit=0).time == 19.0  # no host memory: the offloading plan is refused
+    # a channel too slow to hide the copy behind Fn 2 (2 s for one byte): no offloading
+    assert not transfers(plan(chain, BUDGET, bandwidth=0.5).ops)
+
+
+def test_a_prefetch_longer_than_its_backward_stalls_the_left_part():
+    """With B 3 taking 0.25 s and the copy 0.5 s (2 B/s), Fe 1 waits 0.25 s for a_1: 16.5 s against 17.25 s
+    recomputing a_1; the program counts the stall as the simulator does."""
+    chain = Chain(**{**offloading_chain().__dict__, "bwd_time": [2.0, 2.0, 2.0, 0.25, 2.0], "bandwidth": 2.0})
+    result = plan(chain, BUDGET)
+    assert transfers(result.ops) == [("Offload", 1), ("Prefetch", 1)]
+    assert simulate(chain, result.ops).wait == 0.25
+    assert result.time == 16.5 and result.recompute_only_time == 17.25
+    d = discretize(chain, BUDGET, slots=BUDGET)
+    cost, ops = solve_discretized(chain, BUDGET, BUDGET)
+    assert ops == result.ops and solve(d) == (cost, ops)
+    assert abs(d.cost_to_time(cost) - 16.5) <= 20 * d.tick
+
+
+def example_chains():
+    """The project's example chains, and a chain built like the planner tests build theirs."""
+    found = {path.stem: Chain.load(path) for path in sorted(EXAMPLES.glob("*.json"))}
+    found["medium"] = medium_chain()
+    found["medium_frozen"] = Chain(**{**medium_chain().__dict__, "frozen": 3})  # plans start Fn 0, Fn 1, Fn 2
+    return found
+
+
+EXAMPLE_CHAINS = example_chains()
+
+
+def zoo_gpt_chain() -> Chain:
+    """The benchmark zoo's GPT at tiny size on the CPU, profiled as tests/test_zoo.py profiles it."""
+    import torch
+
+    from lightning_rotor.bench.workload import load_workload
+    from lightning_rotor.profile import profile_chain
+
+    w = load_workload("gpt", batch_size=8, size="tiny", device=torch.device("cpu"))
+    return profile_chain(
+        w.stages, w.x, names=w.stage_names, repeats=1, warmup=0, loss_tmp=lambda out: w.loss(out, w.y)
+    ).chain
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [*sorted(EXAMPLE_CHAINS), "zoo_gpt"])
+def test_offloading_is_never_slower_than_recomputing_only(name):
+    """At 12 and 25 GB/s and budgets from 30% to 90% of the no-recompute peak: the plan is valid and within its
+    budget by the simulator, never slower than the plan without offloading, which is exactly today's plan."""
+    chain = zoo_gpt_chain() if name == "zoo_gpt" else EXAMPLE_CHAINS[name]
+    peak, low = no_recompute_peak(chain), min_feasible_budget(chain)
+    budgets = sorted({max(low, int(f / 100 * peak)) for f in range(30, 91, 10)})
+    for budget in budgets:
+        today = plan(chain, budget)
+        assert today.recompute_only_time is None and today.bandwidth == 0.0 and today.host_peak == 0
+        for bandwidth in (12e9, 25e9):
+            result = plan(chain, budget, bandwidth=bandwidth)
+            sim = simulate(chain.with_transfer(bandwidth), result.ops)
+            assert sim.peak == result.peak <= budget == result.budget
+            assert sim.time == result.time and sim.host_peak == result.host_peak
+            assert result.bandwidth == bandwidth
+            assert result.recompute_only_time == today.time
+            assert result.time <= today.time
+            if not transfers(result.ops):
+                assert result.ops == today.ops
+
+
+def offload_wins(chain, bandwidths=(12e9, 25e9)):
+    """(budget fraction, bandwidth, time with offloading / time without) wherever offloading is strictly faster."""
+    peak, low = no_recompute_peak(chain), min_feasible_budget(chain)
+    wins = []
+    for f in range(30, 91, 5):
+        budget = max(low, int(f / 100 * peak))
+        for bandwidth in bandwidths:
+            result = plan(chain, budget, bandwidth=bandwidth)
+            if result.time < result.recompute_only_time:
+                wins.append((f, bandwidth, result.time / result.recompute_only_time))
+    return wins
+
+
+@pytest.mark.slow
+def test_offloading_wins_on_resnet50():
+    """On a realistic chain offloading is strictly faster at some budget (it must pay for itself somewhere)."""
+    wins = offload_wins(EXAMPLE_CHAINS["resnet50_b32"])
+    assert wins and all(ratio < 1 for _, _, ratio in wins)
+
+
+def test_bandwidth_zero_is_no_offloading():
+    """bandwidth 0 (or None on a chain without one) plans exactly as without offloading: the same Plan."""
+    chain = medium_chain()
+    for fraction in (0.3, 0.5, 0.8):
+        today = plan(chain, fraction)
+        assert plan(chain, fraction, bandwidth=0) == today == plan(chain, fraction, bandwidth=None)
+        assert plan(chain.with_transfer(12e9), fraction, bandwidth=0.0) == today
+        assert "bandwidth" not in today.to_dict()
+    assert min_feasible_budget(chain, bandwidth=12e9) == min_feasible_budget(chain)
+
+
+@pytest.mark.parametrize("bad", [-1.0, math.nan, math.inf, True, "12GB/s"])
+def test_bad_bandwidth_is_one_line(bad):
+    chain = medium_chain()
+    for call in (lambda: plan(chain, 0.5, bandwidth=bad), lambda: min_feasible_budget(chain, bandwidth=bad)):
+        with pytest.raises(ValueError, match=r"bandwidth must be a finite number of bytes per second >= 0") as err:
+            call()
+        assert "\n" not in str(err.value)
+
+
+def test_plan_json_round_trip_with_offloading():
+    chain = offloading_chain()
+    result = plan(chain, BUDGET)
+    assert transfers(result.ops) and result.host_peak > 0 and result.recompute_only_time > result.time
+    data = json.loads(json.dumps(result.to_dict()))
+    assert data["bandwidth"] == chain.bandwidth and data["host_peak"] == result.host_peak
+    assert Plan.from_dict(data) == result
+    old = {k: v for k, v in data.items() if k not in ("bandwidth", "host_peak", "recompute_only_time")}
+    assert Plan.from_dict(old).bandwidth == 0.0 and Plan.from_dict(old).recompute_only_time is None
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chain=offload_chains(max_length=12), where=st.floats(0, 1), threads=st.sampled_from([2, 3, 8]))
+def test_threads_change_nothing_with_offloading(chain, where, threads):
+    """Both table flavours of a subproblem are filled at the same visit, so threads give bit-identical results."""
+    low, high = min_feasible_budget(chain), no_recompute_peak(chain)
+    budget = max(1, int(low + where * (high - low)))
+    assert solve_discretized(chain, budget, 40, threads) == solve_discretized(chain, budget, 40, 1)
+
+
+def small_offload_chain(rng) -> Chain:
+    """4-6 stages whose checkpoints weigh about what recorded stages do, with B often shorter than a copy."""
+    length = rng.randint(4, 6)
+    out = [rng.choice([1, 3, 10, 10, 40]) for _ in range(length)]
+    return Chain(
+        input_size=rng.choice([1, 10]),
+        out_size=out,
+        saved_size=[max(0, o + rng.choice([-5, 0, 5, 10])) for o in out],  # some outputs partly views
+        fwd_time=[rng.choice([0.5, 1.0, 2.0]) for _ in range(length)],
+        bwd_time=[rng.choice([0.25, 0.5, 2.0]) for _ in range(length)],
+        fwd_tmp=[rng.choice([0, 2]) for _ in range(length)],
+        bwd_tmp=[rng.choice([0, 3, 20, 40]) for _ in range(length)],
+        loss_value=rng.choice([0, 2]),
+        bandwidth=rng.choice([8.0, 20.0, 100.0]),
+    )
+
+
+@pytest.mark.slow
+def test_cpp_equals_reference_where_offloading_pays():
+    """Chains where offloading often wins (random chains rarely offload): at every other budget from the floor to
+    the no-recompute peak, in exact bytes, the same cost and ops, and the plan replays within budget."""
+    import random
+
+    rng = random.Random(7)
+    offloading = 0
+    for _ in range(250):
+        chain = small_offload_chain(rng)
+        for budget in range(min_feasible_budget(chain), no_recompute_peak(chain) + 1, 2):
+            got = solve_discretized(chain, budget, budget)
+            assert got is not None and got == solve(discretize(chain, budget, slots=budget))
+            assert simulate(chain, got[1]).peak <= budget
+            offloading += bool(transfers(got[1]))
+    assert offloading >= 20  # the family is exercised, not just today's choices
+
+
+@pytest.mark.slow
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    chain=chains_with_options(),
+    bandwidth=st.sampled_from([6.0, 20.0, 500.0]),
+    where=st.floats(0, 1.2),
+    slots=st.sampled_from([8, 40, 500]),
+)
+def test_cpp_equals_reference_with_options_and_offloading(chain, bandwidth, where, slots):
+    """Stage options (Fs) and offloading together: the same cost and ops; no offload ends before a B of a stage
+    with options (its time would depend on the option that recorded it); the plan replays within budget."""
+    chain = chain.with_transfer(bandwidth)
+    low, high = reference_min_budget(chain), no_recompute_peak(chain)
+    budget = max(1, int(low - 3 + where * (high - low + 6)))
+    expected = solve(discretize(chain, budget, slots=slots))
+    got = solve_discretized(chain, budget, slots)
+    assert got == (None if expected is None else (expected[0], expected[1]))
+    if got is not None:
+        ops = list(got[1])
+        for i, op in enumerate(ops):
+            if op[0] == "Prefetch":
+                assert ops[i + 1][0] == "B" and not chain.options[ops[i + 1][1]]
+        assert simulate(chain, ops).peak <= budget
