@@ -395,7 +395,7 @@ def test_offload_benchmark_runs_on_cpu_with_measured_peaks_as_predicted(capsys):
     assert bench.main(["--cpu", "--models", "resnet18", "--budgets", "0.8", "--repeats", "1"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.lstrip().startswith("resnet18 ")]
     # model, budget (3 words), schedule, offloads, 3 times, pred and meas peak (2 words each), peak/budget, hosts
-    assert [row[4] for row in rows] == ["off", "on", "inserted"]
+    assert [row[4] for row in rows] == ["off", "on", "inserted", "saved", "both"]
     for row in rows:
         assert row[9:11] == row[11:13] and float(row[13]) <= 1.0 and row[14:16] == row[16:18]
     for row in rows:  # host memory exactly where a schedule offloads (whether one does depends on measured times)
