@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -356,8 +357,18 @@ class SavedPart:
         self.nbytes = 0
 
     def recording(self) -> Any:
-        """The hooks to record the stage's forward under."""
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        """The hooks to record the stage's forward under.
+
+        The graph keeps the pack hook as long as it lives; it reaches the part through a weak
+        reference, or the part's handles would outlive their saved tensors' release in the backward.
+        """
+        part = weakref.ref(self)
+
+        def pack(t: torch.Tensor) -> Any:
+            alive = part()
+            return t if alive is None else alive._pack(t)
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
 
     def _pack(self, t: torch.Tensor) -> Any:
         if t.layout != torch.strided or t.device.type == "meta" or storage_id(t.untyped_storage()) in self.fixed:

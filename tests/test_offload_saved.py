@@ -90,11 +90,14 @@ def runner_for(stages, chain, ops):
 
 
 def test_offloadable_is_profiled_only_with_offloading_and_within_the_saved_bytes():
-    _, rotor, stages, chain, _, _, x, _ = saved_case("gpt")
+    _, _, stages, chain, _, _, x, _ = saved_case("gpt")
     assert all(0 <= o <= s for o, s in zip(chain.offloadable, chain.saved_size, strict=True))
     blocks = [k for k, name in enumerate(stages.names) if chain.offloadable[k] > 0]
     assert len(blocks) >= 6  # every transformer block saves more than its input and output
-    assert profile_chain(stages, x, names=list(stages.names)).chain.offloadable == [0] * chain.length
+    without, with_ = (profile_chain(stages, x, names=list(stages.names), timed=False, offload=o).chain for o in (0, 1))
+    assert without.offloadable == [0] * chain.length and with_.offloadable == chain.offloadable
+    # recording behind handles measures the very same program: every other figure as without offloading
+    assert dataclasses.replace(with_, offloadable=without.offloadable) == without
 
 
 @pytest.mark.parametrize("name", list(CASES))
