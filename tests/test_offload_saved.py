@@ -17,7 +17,7 @@ from lightning_rotor.execute import PlanRunner
 from lightning_rotor.memory import CudaMemoryProbe, MemoryProbe
 from lightning_rotor.models import MODELS, get_model
 from lightning_rotor.offload import SavedPart, TransferChannel, Transfers, buffer_sizes
-from lightning_rotor.ops import Op, OpKind
+from lightning_rotor.ops import Op, OpKind, parse_ops
 from lightning_rotor.planner import min_feasible_budget, plan
 from lightning_rotor.profile import profile_chain
 from lightning_rotor.simulate import no_recompute_peak, simulate
@@ -141,6 +141,35 @@ def test_saved_offload_trains_bitwise_like_plain_within_the_simulated_memory(nam
             assert measured[i] - measured[i - 1] == chain.offloadable[op.stage], op.label
     assert probe.host_peak == sim.host_peak > 0
     assert probe.host_current == 0
+
+
+def test_a_recomputed_stage_with_dropout_offloads_what_its_replay_saved():
+    """Stage 1 (dropout) runs first as `Fc 1`, then is recorded again in the backward, replaying its random
+    numbers, under the hooks: its saved part (the dropout masks too) moves and comes back bitwise."""
+    plain, rotor, stages, chain, _, _, x, y = saved_case("gpt")
+    low, high = min_feasible_budget(chain), no_recompute_peak(chain)
+    ops = plan(chain, int(low + 0.1 * (high - low))).ops
+    assert ops[-5:] == parse_ops([("Fe", 2), ("B", 2), ("Fe", 1), ("B", 1), ("B", 0)]) and Op(OpKind.FC, 1) in ops
+    ops = ops[:-5] + parse_ops(
+        [("Fe", 1), ("OffloadSaved", 1), ("Fe", 2), ("PrefetchSaved", 1), ("B", 2), ("B", 1), ("B", 0)]
+    )
+    sim = simulate(chain, ops)
+    loss = MODELS["gpt"].loss
+    torch.manual_seed(11)
+    loss(plain(x), y).backward()
+    rng_after_plain = torch.get_rng_state()
+    runner = runner_for(stages, chain, ops)
+    runner.probe = probe = MemoryProbe(rotor)
+    torch.manual_seed(11)
+    with probe:
+        probe.track(x)
+        loss(runner(x), y).backward()
+    assert torch.equal(torch.get_rng_state(), rng_after_plain)
+    for a, b in zip(grads(plain), grads(rotor), strict=True):
+        assert torch.equal(a, b)
+    at = ops.index(Op(OpKind.OFFLOAD_SAVED, 1))
+    assert probe.marks[at - 1][2] - probe.marks[at][2] == chain.offloadable[1] > 0
+    assert probe.peak <= sim.peak and probe.host_peak == sim.host_peak == chain.offloadable[1]
 
 
 def test_several_steps_and_two_calls_per_step_match_plain_training():
