@@ -344,7 +344,8 @@ class SavedPart:
     `with part.recording(): out = stage(inp)` records the stage under `saved_tensors_hooks`: each
     saved tensor but parameters and buffers (`fixed`, kept as they are) becomes a handle.
     `settle(a_k, a_{k+1})` then keeps only the handles whose storage can move: not `a_k`'s nor
-    `a_{k+1}`'s (the memory model holds those on their own), and held by the handles alone
+    `a_{k+1}`'s (the memory model holds those on their own), on the stage's device (that of
+    `a_{k+1}`), and held by the handles alone
     (a storage something else holds, a module's cache, would stay on the device: moving it
     frees nothing). `nbytes`, those storages' bytes, is the chain's `offloadable[k]`: the
     profiler and the executor both get it from here, so they agree to the byte.
@@ -371,7 +372,14 @@ class SavedPart:
         return torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
 
     def _pack(self, t: torch.Tensor) -> Any:
-        if t.layout != torch.strided or t.device.type == "meta" or storage_id(t.untyped_storage()) in self.fixed:
+        if (
+            t.layout != torch.strided
+            or t.device.type == "meta"
+            or type(t) not in (torch.Tensor, torch.nn.Parameter)  # a subclass: its data may lie elsewhere
+            or t.is_conj()  # lazy conjugate and negative views: the channel rebuilds size, strides and dtype only
+            or t.is_neg()
+            or storage_id(t.untyped_storage()) in self.fixed
+        ):
             return t  # a leaf (parameter, buffer) or a tensor the channel cannot move: saved as it is
         handle = _Saved(t.detach(), self.stage)
         self.handles.append(handle)
@@ -380,7 +388,9 @@ class SavedPart:
     def settle(self, inputs: Any, outputs: Any) -> int:
         """Keep the handles that can move, right after the forward, with `inputs` (a_k) and `outputs` (a_{k+1})
         still held; returns their storages' bytes (`nbytes`)."""
-        stay = {storage_id(t.untyped_storage()) for t in tree_leaves((inputs, outputs)) if _strided(t)}
+        values = [t for t in tree_leaves((outputs, inputs)) if _strided(t)]
+        stay = {storage_id(t.untyped_storage()) for t in values}
+        device = values[0].device if values else None  # the stage's device: a CPU index tensor beside CUDA ones stays
         groups: dict[int, list[_Saved]] = {}
         for h in self.handles:
             assert h.tensor is not None  # nothing moved yet
@@ -390,7 +400,7 @@ class SavedPart:
         for key, handles in groups.items():
             storage = handles[0].tensor.untyped_storage()  # type: ignore[union-attr]
             # one reference per handle, one for `storage` itself: nothing else holds it
-            if key in stay or storage_use_count(storage) != len(handles) + 1:
+            if key in stay or storage.device != device or storage_use_count(storage) != len(handles) + 1:
                 continue
             moving += handles
             nbytes += storage.nbytes()

@@ -247,6 +247,30 @@ def test_settle_moves_only_storages_the_graph_alone_holds():
     assert transfers.host_bytes == 0
 
 
+def test_lazy_conjugate_views_stay_and_the_gradient_is_plain_autograds():
+    """A saved conjugate view (its conj bit is no size, stride or dtype) is not moved: gradients as plain."""
+    w1 = torch.randn(4, dtype=torch.complex64, requires_grad=True)
+    w2 = torch.randn(4, dtype=torch.complex64, requires_grad=True)
+    x = torch.randn(3, 4, dtype=torch.complex64)
+
+    def forward(x):
+        h = x * w1
+        return (h.conj() * w2 * h).real  # saves h.conj() (a lazy view) and h
+
+    forward(x).sum().backward()
+    expected = (w1.grad.clone(), w2.grad.clone())
+    w1.grad = w2.grad = None
+    part = SavedPart(1, [w1, w2])
+    with part.recording():
+        out = forward(x)
+    assert part.settle(x, out) > 0  # h.conj() * w2 moves; h stays, held by its conjugate view saved as it is
+    transfers = Transfers(TransferChannel())
+    transfers.offload_saved(1, part)
+    transfers.prefetch_saved(1)
+    out.sum().backward()
+    assert torch.equal(w1.grad, expected[0]) and torch.equal(w2.grad, expected[1])
+
+
 def test_an_in_place_write_into_a_moved_tensor_fails_as_in_plain_training():
     """Autograd checks no version through saved-tensor hooks; the saved part does, as plain autograd would."""
 
