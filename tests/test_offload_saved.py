@@ -12,6 +12,7 @@ import pytest
 import torch
 from training import assert_same_state, grads, measured_step, train
 
+from lightning_rotor.budget import format_bytes
 from lightning_rotor.checkpointable import Checkpointable
 from lightning_rotor.execute import PlanRunner
 from lightning_rotor.memory import CudaMemoryProbe, MemoryProbe
@@ -338,6 +339,9 @@ def test_checkpointable_measures_offloadable_and_runs_saved_offloads_bitwise_lik
     assert rotor.plan.ops == ops
     assert torch.equal(expected, got)
     assert_same_state(plain, rotor)
+    summary = rotor.summary()
+    assert "(saved part offloaded)" in summary and "saved parts of " in summary
+    assert f"host memory at most {format_bytes(sim.host_peak)}" in summary
     rotor.zero_grad(set_to_none=True)
     measured = measured_step(rotor, x, y, loss)
     assert measured.peak <= sim.peak <= rotor.plan.budget
