@@ -133,7 +133,7 @@ def test_saved_offload_trains_bitwise_like_plain_within_the_simulated_memory(nam
     assert all(m <= s for m, s in zip(measured, sim.curve, strict=True)), [
         (op.label, m, s) for op, m, s in zip(ops, measured, sim.curve, strict=True) if m > s
     ]
-    assert probe.peak <= sim.peak < recompute.peak
+    assert probe.peak == sim.peak < recompute.peak  # the peak itself to the byte (MemoryProbe is exact)
     # each saved part leaves the device and comes back with exactly offloadable[k] bytes, which the host holds
     for i, op in enumerate(ops):
         if op.kind is OpKind.OFFLOAD_SAVED:
