@@ -60,7 +60,8 @@ MemChain make_chain(Sizes size, Sizes saved, Sizes fwd_tmp, Sizes fwd_tmp_nograd
 }
 
 py::list to_python(const std::vector<Op>& ops) {
-    static const char* names[] = {"Fn", "Fc", "Fe", "Loss", "B", "Fs", "Offload", "Prefetch"};
+    static const char* names[] = {"Fn",      "Fc",       "Fe",           "Loss",         "B",
+                                  "Fs",      "Offload",  "Prefetch",     "OffloadSaved", "PrefetchSaved"};
     py::list out;
     for (const Op& op : ops) {
         if (op.kind == OpKind::Loss) {
@@ -83,15 +84,17 @@ PYBIND11_MODULE(_planner, m) {
         "solve",
         [](Sizes size, Sizes saved, Sizes fwd_tmp, Sizes fwd_tmp_nograd, Sizes bwd_tmp, int64_t loss_tmp, Sizes fwd_cost, Sizes bwd_cost,
            int64_t slots, int threads, Opt loss_tmp_graph, OptSizes in_free, int64_t loss_value,
-           OptOptions options, OptSizes transfer_cost, int count_bits) -> py::object {
+           OptOptions options, OptSizes transfer_cost, int count_bits, OptSizes offloadable,
+           OptSizes saved_transfer_cost) -> py::object {
             MemChain c = make_chain(std::move(size), std::move(saved), std::move(fwd_tmp), std::move(fwd_tmp_nograd),
                                     std::move(bwd_tmp), loss_tmp, loss_tmp_graph, std::move(in_free), loss_value,
                                     std::move(options));
+            if (offloadable) c.offloadable = std::move(*offloadable);
             rotor::Solution sol;
             {
                 py::gil_scoped_release release;
                 sol = rotor::solve(c, fwd_cost, bwd_cost, slots, threads, transfer_cost ? *transfer_cost : Sizes{},
-                                   count_bits);
+                                   count_bits, saved_transfer_cost ? *saved_transfer_cost : Sizes{});
             }
             if (!sol.feasible) return py::none();
             return py::make_tuple(static_cast<int64_t>(sol.cost), to_python(sol.ops));
@@ -100,10 +103,13 @@ PYBIND11_MODULE(_planner, m) {
         py::arg("fwd_cost"), py::arg("bwd_cost"), py::arg("slots"), py::arg("threads") = 0,
         py::arg("loss_tmp_graph") = py::none(), py::arg("in_free") = py::none(), py::arg("loss_value") = 0,
         py::arg("options") = py::none(), py::arg("transfer_cost") = py::none(), py::arg("count_bits") = 0,
+        py::arg("offloadable") = py::none(), py::arg("saved_transfer_cost") = py::none(),
         "(cost, ops) of the least-cost schedule within `slots` units (a_0 included), or None.\n"
         "`threads` <= 0: default_threads(); the result does not depend on it.\n"
         "`transfer_cost`: None, or per value a_0 … a_L its copy time (ticks << count_bits): splits may then\n"
-        "offload their kept input (Offload/Prefetch ops).");
+        "offload their kept input (Offload/Prefetch ops).\n"
+        "`offloadable`, `saved_transfer_cost`: None, or per stage the units of its saved part that can move\n"
+        "to host memory and their copy time: a record may then offload it (OffloadSaved/PrefetchSaved ops).");
 
     m.def("default_threads", &rotor::default_threads, "Threads solve() uses by default: min(2, hardware threads).");
 

@@ -132,10 +132,11 @@ struct Table {
 class Solver {
    public:
     Solver(const MemChain& c, const std::vector<int64_t>& fwd_cost, const std::vector<int64_t>& bwd_cost, int64_t top,
-           const std::vector<int64_t>& transfer_cost = {}, int count_bits = 0)
+           const std::vector<int64_t>& transfer_cost = {}, int count_bits = 0,
+           const std::vector<int64_t>& saved_transfer_cost = {})
         : c_(c), L_(c.length()), top_(top), fastest_(fastest_options(c, fwd_cost, bwd_cost)),
           needs_(compute_needs(c, fastest_)), offload_(!transfer_cost.empty()), count_bits_(count_bits),
-          tc_(transfer_cost), bci_(bwd_cost) {
+          tc_(transfer_cost), bci_(bwd_cost), stc_(saved_transfer_cost), fci_(fwd_cost) {
         need_.assign(L_ + 1, 0);
         fc_.assign(fwd_cost.begin(), fwd_cost.end());
         bc_.assign(bwd_cost.begin(), bwd_cost.end());
@@ -196,6 +197,7 @@ class Solver {
     bool offload_;                    // transfer costs given: a second table set, offload choices
     int count_bits_;                  // costs are ticks << count_bits | forward ops
     std::vector<int64_t> tc_, bci_;  // transfer costs of a_0 … a_L, backward costs (exact integers)
+    std::vector<int64_t> stc_, fci_;  // transfer costs of the saved parts ([]: none), forward costs
 
     int64_t step_cost(const std::vector<int64_t>& fwd_cost, const std::vector<int64_t>& bwd_cost, int s, int o) const {
         return o == 0 ? fwd_cost[s] + bwd_cost[s] : c_.options[s][o - 1].fwd_cost + c_.options[s][o - 1].bwd_cost;
@@ -256,6 +258,30 @@ class Solver {
 
     // The stall of the left part's first op: the prefetch of a_s overlaps B s2 only.
     double stall(int s, int s2) const { return static_cast<double>(std::max<int64_t>(0, tc_[s] - bci_[s2])); }
+
+    // May recording s (Fe s) in (s, t) move its saved part to host memory while (s+1, t) runs? Only when
+    // (s+1, t) is a real subproblem (its last op is B s+1), stage s+1 has no options (B s+1's time is known),
+    // and the copy surely ends within the first op of (s+1, t), always a forward of stage s+1: its ticks
+    // rounded up, plus one (the forward's ticks are rounded to nearest), at most that forward's ticks.
+    bool saved_offloadable(int s, int t) const {
+        if (stc_.empty() || c_.offloadable[s] <= 0 || s + 1 >= t || c_.options_of(s + 1) > 0) return false;
+        return (stc_[s] >> count_bits_) + 1 <= (fci_[s + 1] >> count_bits_);
+    }
+
+    // Least m of (s, t) at which the saved-part variant fits beside what Fe s needs: the first op of (s+1, t)
+    // runs with the saved part still on the device, its last op (B s+1) after it is back (and the prefetch
+    // just before it); in between (s+1, t) has the part's memory too.
+    int64_t saved_need(int s, int t, bool given) const {
+        const int64_t lv = given ? 0 : c_.loss_value, held = given ? c_.size[t] : 0;
+        const int64_t first = held + std::max(c_.saved[s + 1] + c_.fwd_tmp[s + 1],
+                                              c_.size[s + 2] + c_.fwd_tmp_nograd[s + 1]);  // Fe or Fc s+1
+        const int64_t before = c_.saved[s + 1] - c_.in_free[s + 1] + c_.size[s + 2] + lv;  // PrefetchSaved s
+        const int64_t last = std::max(before, before + c_.size[s + 1] + c_.bwd_tmp[s + 1]);  // B s+1
+        return std::max(fe_need(c_, s, t, given, 0), fe_shift(c_, s, 0) + std::max(first, last));
+    }
+
+    // The stall of B s: the saved part's prefetch overlaps B s+1 only.
+    double saved_stall(int s) const { return static_cast<double>(std::max<int64_t>(0, stc_[s] - bci_[s + 1])); }
 
     // The same fill as for_each_given, on `threads` threads, each table computed exactly as on one
     // thread (so the results are bit-identical). Inside a block of end points, thread k owns a
@@ -389,6 +415,14 @@ class Solver {
                 const Table& sub = T(s + 1, t, given);  // a_{s+1} recorded: "input any"
                 const int64_t shift = fe_shift(c_, s, o);
                 relax(tab, std::max(fe, sub.lo + shift), hi, cost, sub, shift, nullptr);
+                if (o == 0 && saved_offloadable(s, t)) {
+                    // Its saved part away meanwhile, (s+1, t) gets offloadable[s] more. As above, m - vshift
+                    // passes top_ only for unreached m: a reached m is at most top_ - in_free[s], and
+                    // offloadable[s] <= saved[s], so m - vshift <= top_.
+                    const int64_t vshift = shift - c_.offloadable[s];
+                    const int64_t from = std::max({lo, saved_need(s, t, given), sub.lo + vshift});
+                    relax(tab, from, hi, cost + saved_stall(s), sub, vshift, nullptr);
+                }
             }
         }
         // Checkpoint s -> s2: Fc s, Fn s+1 … Fn s2-1, then right (s2, t), then left (s, s2).
@@ -464,16 +498,30 @@ class Solver {
     void emit(int s, int t, bool given, bool plain, int64_t m, std::vector<Op>& ops) {
         const double target = value(T(s, t, given, plain), m);
         for (int o = 0; o <= c_.options_of(s); ++o) {
-            if (m < fe_need(c_, s, t, given, o)) continue;
-            double cand = step(s, o);
-            if (s + 1 < t) cand += value(T(s + 1, t, given), m - fe_shift(c_, s, o));
-            if (cand != target) continue;
-            ops.push_back(o == 0 ? Op{OpKind::Fe, s} : Op{OpKind::Fs, s, o});
-            if (s + 1 == t) {
-                if (!given) ops.push_back({OpKind::Loss, -1});
-            } else {
-                emit(s + 1, t, given, false, m - fe_shift(c_, s, o), ops);
+            if (m >= fe_need(c_, s, t, given, o)) {
+                double cand = step(s, o);
+                if (s + 1 < t) cand += value(T(s + 1, t, given), m - fe_shift(c_, s, o));
+                if (cand == target) {
+                    ops.push_back(o == 0 ? Op{OpKind::Fe, s} : Op{OpKind::Fs, s, o});
+                    if (s + 1 == t) {
+                        if (!given) ops.push_back({OpKind::Loss, -1});
+                    } else {
+                        emit(s + 1, t, given, false, m - fe_shift(c_, s, o), ops);
+                    }
+                    ops.push_back({OpKind::B, s});
+                    return;
+                }
             }
+            // The saved-part variant follows the plain record (both planners' order).
+            if (o != 0 || !saved_offloadable(s, t) || m < saved_need(s, t, given)) continue;
+            const int64_t inner = m - fe_shift(c_, s, 0) + c_.offloadable[s];
+            if (step(s, 0) + saved_stall(s) + value(T(s + 1, t, given), inner) != target) continue;
+            ops.push_back({OpKind::Fe, s});
+            ops.push_back({OpKind::OffloadSaved, s});
+            emit(s + 1, t, given, false, inner, ops);
+            ops.pop_back();  // (s+1, t) ends with B s+1: the saved part comes back just before it
+            ops.push_back({OpKind::PrefetchSaved, s});
+            ops.push_back({OpKind::B, s + 1});
             ops.push_back({OpKind::B, s});
             return;
         }
@@ -562,8 +610,12 @@ void emit_feasible(const MemChain& c, const Needs& n, int s, int t, bool given, 
 void check_chain(const MemChain& c) {
     const size_t L = c.saved.size();
     if (L == 0 || c.size.size() != L + 1 || c.fwd_tmp.size() != L || c.fwd_tmp_nograd.size() != L ||
-        c.bwd_tmp.size() != L || c.in_free.size() != L)
+        c.bwd_tmp.size() != L || c.in_free.size() != L || (!c.offloadable.empty() && c.offloadable.size() != L))
         throw std::invalid_argument("planner: inconsistent chain lengths");
+    for (size_t k = 0; k < c.offloadable.size(); ++k)
+        if (c.offloadable[k] < 0 || c.offloadable[k] > c.saved[k])
+            throw std::invalid_argument("planner: offloadable[" + std::to_string(k) + "] must be within 0..saved[" +
+                                        std::to_string(k) + "]");
     if (c.in_free[0] != 0) throw std::invalid_argument("planner: in_free[0] must be 0 (a_0 is never let go)");
     if (c.loss_value < 0) throw std::invalid_argument("planner: loss_value must be >= 0");
     for (size_t k = 1; k < L; ++k)
@@ -589,17 +641,23 @@ int default_threads() {
 }
 
 Solution solve(const MemChain& chain, const std::vector<int64_t>& fwd_cost, const std::vector<int64_t>& bwd_cost,
-               int64_t slots, int threads, const std::vector<int64_t>& transfer_cost, int count_bits) {
+               int64_t slots, int threads, const std::vector<int64_t>& transfer_cost, int count_bits,
+               const std::vector<int64_t>& saved_transfer_cost) {
     check_chain(chain);
     if (fwd_cost.size() != chain.saved.size() || bwd_cost.size() != chain.saved.size())
         throw std::invalid_argument("planner: cost lists must have one entry per stage");
     if (!transfer_cost.empty() && transfer_cost.size() != chain.size.size())
         throw std::invalid_argument("planner: transfer costs must be empty or one per value a_0 … a_L");
     if (count_bits < 0 || count_bits > 52) throw std::invalid_argument("planner: count_bits must be within 0..52");
-    for (int64_t x : transfer_cost)
-        if (x < 0 || (x & ((int64_t{1} << count_bits) - 1)) != 0)
-            throw std::invalid_argument("planner: a transfer cost must be >= 0 and carry no forward-op count");
-    Solver solver(chain, fwd_cost, bwd_cost, slots - chain.size[0], transfer_cost, count_bits);
+    if (!saved_transfer_cost.empty() &&
+        (transfer_cost.empty() || chain.offloadable.empty() || saved_transfer_cost.size() != chain.saved.size()))
+        throw std::invalid_argument(
+            "planner: saved transfer costs must be empty or one per stage, with transfer costs and offloadable");
+    for (const auto* costs : {&transfer_cost, &saved_transfer_cost})
+        for (int64_t x : *costs)
+            if (x < 0 || (x & ((int64_t{1} << count_bits) - 1)) != 0)
+                throw std::invalid_argument("planner: a transfer cost must be >= 0 and carry no forward-op count");
+    Solver solver(chain, fwd_cost, bwd_cost, slots - chain.size[0], transfer_cost, count_bits, saved_transfer_cost);
     if (threads <= 0) threads = default_threads();
     return solver.run(threads);
 }

@@ -10,7 +10,18 @@
 
 namespace rotor {
 
-enum class OpKind : int { Fn = 0, Fc = 1, Fe = 2, Loss = 3, B = 4, Fs = 5, Offload = 6, Prefetch = 7 };
+enum class OpKind : int {
+    Fn = 0,
+    Fc = 1,
+    Fe = 2,
+    Loss = 3,
+    B = 4,
+    Fs = 5,
+    Offload = 6,
+    Prefetch = 7,
+    OffloadSaved = 8,
+    PrefetchSaved = 9
+};
 
 struct Op {
     OpKind kind;
@@ -41,8 +52,10 @@ struct StageOption {
 // loss_value (chain version 3): bytes the loss holds from the end of Loss to the end of the step
 // (its value and the gradient backward seeds it with); every op after Loss needs them on top.
 // options (chain version 5): empty, or per stage its options 1, 2, … (option 0 is the columns above).
+// offloadable (chain version 6): empty, or per stage the part of saved[k] that OffloadSaved k moves to host
+// memory (a release while it is away: discretize.py rounds it down), 0 <= offloadable[k] <= saved[k].
 struct MemChain {
-    std::vector<int64_t> size, saved, fwd_tmp, fwd_tmp_nograd, bwd_tmp, in_free;
+    std::vector<int64_t> size, saved, fwd_tmp, fwd_tmp_nograd, bwd_tmp, in_free, offloadable;
     int64_t loss_tmp = 0;
     int64_t loss_tmp_graph = 0;
     int64_t loss_value = 0;
@@ -63,9 +76,13 @@ struct Solution {
 // transfer_cost (chain version 6): empty, or per value a_0 … a_L its copy time between device
 // and host (ticks << count_bits, rounded up); then a split may offload its kept input during its
 // right part (docs/planner.md, "Offloading"). Empty: exactly the tables and plans without it.
+// saved_transfer_cost: empty, or per stage the copy time of chain.offloadable[k] (as transfer_cost; needs
+// transfer_cost and chain.offloadable): then recording s may move its saved part to host memory while
+// (s+1, t) runs (`Fe s, OffloadSaved s, …, PrefetchSaved s, B s+1, B s`).
 Solution solve(const MemChain& chain, const std::vector<int64_t>& fwd_cost,
                const std::vector<int64_t>& bwd_cost, int64_t slots, int threads = 0,
-               const std::vector<int64_t>& transfer_cost = {}, int count_bits = 0);
+               const std::vector<int64_t>& transfer_cost = {}, int count_bits = 0,
+               const std::vector<int64_t>& saved_transfer_cost = {});
 
 // min(2, std::thread::hardware_concurrency()), at least 1.
 int default_threads();

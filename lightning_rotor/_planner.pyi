@@ -18,6 +18,8 @@ def solve(
     options: list[list[list[int]]] | None = None,
     transfer_cost: list[int] | None = None,
     count_bits: int = 0,
+    offloadable: list[int] | None = None,
+    saved_transfer_cost: list[int] | None = None,
 ) -> tuple[int, list[tuple[str, int] | tuple[str, int, int] | tuple[str]]] | None: ...
 def default_threads() -> int: ...
 def min_budget(

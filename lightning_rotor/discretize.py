@@ -24,6 +24,11 @@ solve the very same problem and their optima can be compared exactly.
   The planner only lets a transfer's stall last as long as the forward sweep it overlaps, so
   stalls at most double a schedule's time: the time scale's bound is doubled, and costs stay
   below 2**53. Without bandwidth nothing here changes.
+- Saved parts (chain version 6, `offloadable`): `offloadable[k]` leaves the device while the part is
+  on the host, so it is a release and rounded *down*; `saved_transfer_cost[k]` is its copy time as
+  `transfer_cost`. Each record's stall is at most the forward it follows (stage k+1's), so all of them
+  together at most the chain's forwards once: the time scale's bound is tripled instead. Without
+  bandwidth, or with every `offloadable` 0, both lists are empty and nothing changes.
 """
 
 from __future__ import annotations
@@ -87,6 +92,8 @@ class DiscreteChain:
     tick: float  # seconds per tick
     options: list[list[DiscreteOption]] = field(default_factory=list)  # per stage, options 1, 2, …; [] for none
     transfer_cost: list[int] = field(default_factory=list)  # a_0 … a_L: ticks << count_bits; [] without bandwidth
+    offloadable: list[int] = field(default_factory=list)  # per stage, in slots rounded down; [] as below
+    saved_transfer_cost: list[int] = field(default_factory=list)  # per stage; [] without bandwidth or saved parts
 
     def cost_to_time(self, cost: int) -> float:
         return (cost >> self.count_bits) * self.tick
@@ -103,7 +110,7 @@ def time_scale(chain: Chain) -> tuple[int, float]:
     time_bits = 51 - count_bits
     bound = length * math.fsum(chain.slowest_fwd_time) + math.fsum(chain.slowest_bwd_time)
     if chain.offloads:  # each stall is at most the forward sweep it follows (docs/planner.md, "Offloading")
-        bound *= 2
+        bound *= 3 if any(chain.offloadable) else 2  # saved parts' stalls: at most every forward once more
     tick = bound / 2**time_bits if bound > 0 else 1.0
     return count_bits, tick
 
@@ -116,8 +123,19 @@ def transfer_costs(chain: Chain, count_bits: int, tick: float) -> list[int]:
     """
     if not chain.offloads:
         return []
+    return _copy_costs(chain, chain.sizes, count_bits, tick)
+
+
+def saved_transfer_costs(chain: Chain, count_bits: int, tick: float) -> list[int]:
+    """Per stage, the copy time of its saved part (`offloadable[k]`) as `transfer_costs`; [] when none moves."""
+    if not chain.offloads or not any(chain.offloadable):
+        return []
+    return _copy_costs(chain, chain.offloadable, count_bits, tick)
+
+
+def _copy_costs(chain: Chain, sizes: list[int], count_bits: int, tick: float) -> list[int]:
     cap = sum(round(t / tick) for t in chain.fwd_time) + chain.length + 1
-    return [math.ceil(min(s / chain.bandwidth / tick, cap)) << count_bits for s in chain.sizes]
+    return [math.ceil(min(s / chain.bandwidth / tick, cap)) << count_bits for s in sizes]
 
 
 def check_slots(slots: object) -> int | None:
@@ -137,6 +155,7 @@ def discretize(chain: Chain, budget: int, slots: int = DEFAULT_SLOTS) -> Discret
     def up(x: int) -> int:
         return -(-x // unit)
 
+    saved_costs = saved_transfer_costs(chain, count_bits, tick)
     options = [
         [
             DiscreteOption(
@@ -171,4 +190,6 @@ def discretize(chain: Chain, budget: int, slots: int = DEFAULT_SLOTS) -> Discret
         tick=tick,
         options=options if any(options) else [],
         transfer_cost=transfer_costs(chain, count_bits, tick),
+        offloadable=[x // unit for x in chain.offloadable] if saved_costs else [],  # a release: rounded down
+        saved_transfer_cost=saved_costs,
     )

@@ -291,6 +291,8 @@ def solve_discretized(
         options=[[list(o) for o in opts] for opts in d.options] if d.options else None,
         transfer_cost=d.transfer_cost or None,
         count_bits=d.count_bits,
+        offloadable=d.offloadable or None,
+        saved_transfer_cost=d.saved_transfer_cost or None,
     )
 
 

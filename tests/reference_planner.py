@@ -39,6 +39,14 @@ allowed) and "any" (today's choices). Right parts are plain; `Fe s` hands `(s+1,
 left parts keep the flavour of their subproblem. Both flavours are infeasible where today's
 recursion is (the tables start where today's do). The offload variant comes right after the plain
 split of the same `s2` in the order of choices.
+
+Saved parts (chain version 6, `d.saved_transfer_cost` given; docs/planner.md, "Offloading"): in either
+flavour, recording `Fe s` may also move the saved part of stage `s` (`d.offloadable[s]` slots) to host
+memory while `(s+1, t)` runs: `Fe s, OffloadSaved s, <(s+1, t) but its last op>, PrefetchSaved s,
+B s+1, B s`. `(s+1, t)` gets the part's slots; its first op (a forward of stage s+1, during which the copy
+surely ends) and its last (`B s+1`, after the prefetch) must fit without them; `B s` waits for what of the
+prefetch `B s+1` does not hide. Allowed when `s + 1 < t` and stage `s+1` has no options. The variant comes
+right after `Fe s` in the order of choices.
 """
 
 from __future__ import annotations
@@ -59,6 +67,21 @@ def solve(d: DiscreteChain) -> tuple[int, list[tuple]] | None:
     inf, lv = d.in_free, d.loss_value
     options = d.options or [[] for _ in range(length)]
     tc, cb = d.transfer_cost, d.count_bits  # tc: [] without offloading
+    stc, off = d.saved_transfer_cost, d.offloadable  # []: no saved part moves
+
+    def saved_offloadable(s: int, t: int) -> bool:
+        """Whether Fe s may offload its saved part while (s+1, t) runs: the copy surely ends within Fe/Fc s+1."""
+        if not stc or off[s] <= 0 or s + 1 >= t or options[s + 1]:
+            return False
+        return (stc[s] >> cb) + 1 <= d.fwd_cost[s + 1] >> cb
+
+    def saved_need(s: int, t: int, given: bool) -> int:
+        """Least m of (s, t) for the saved-part variant: Fe s, and (s+1, t)'s first and last ops with the part there."""
+        held = size[t] if given else 0
+        first = held + max(saved[s + 1] + ft[s + 1], size[s + 2] + ft_ng[s + 1])
+        before = saved[s + 1] - inf[s + 1] + size[s + 2] + (0 if given else lv)  # at PrefetchSaved s
+        last = max(before, before + size[s + 1] + bt[s + 1])  # B s+1
+        return max(fe_need(s, t, given), saved[s] - inf[s] + max(first, last))
 
     def offloadable(s: int, t: int, given: bool, s2: int) -> bool:
         """Whether the split s -> s2 may offload a_s: its copy surely ends within the sweep Fn s+1 … Fn s2-1."""
@@ -96,7 +119,7 @@ def solve(d: DiscreteChain) -> tuple[int, list[tuple]] | None:
 
     @cache
     def best(s: int, t: int, given: bool, m: int, flavour: str = "today") -> tuple[int, tuple] | None:
-        """(cost, choice) where choice is ('Fe', o) (o >= 1: Fs s:o), ('ck', s2) or ('off', s2).
+        """(cost, choice) where choice is ('Fe', o) (o >= 1: Fs s:o), ('Fe-saved', 0), ('ck', s2) or ('off', s2).
 
         `flavour`: "today" (no offloading anywhere), or with offloading "any" or "plain" (a_s held plain).
         """
@@ -111,15 +134,17 @@ def solve(d: DiscreteChain) -> tuple[int, list[tuple]] | None:
             if m < fe_need(s, t, given, o):
                 continue
             sb, _, _, free, _, step = record(s, o)
-            if s + 1 == t:
-                cost = step
-            else:
-                sub = best(s + 1, t, given, m - sb + free, inner)
-                if sub is None:
-                    continue
-                cost = step + sub[0]
-            if found is None or cost < found[0]:
-                found = (cost, ("Fe", o))
+            sub = None if s + 1 == t else best(s + 1, t, given, m - sb + free, inner)
+            if s + 1 == t or sub is not None:
+                cost = step + (sub[0] if sub is not None else 0)
+                if found is None or cost < found[0]:
+                    found = (cost, ("Fe", o))
+            if o == 0 and flavour != "today" and saved_offloadable(s, t) and m >= saved_need(s, t, given):
+                sub = best(s + 1, t, given, m - sb + free + off[s], inner)  # the saved part is away meanwhile
+                if sub is not None:
+                    cost = step + max(0, stc[s] - d.bwd_cost[s + 1]) + sub[0]
+                    if found is None or cost < found[0]:
+                        found = (cost, ("Fe-saved", 0))
         last = t if not given else t - 1
         forward = 0
         for s2 in range(s + 1, last + 1):
@@ -151,6 +176,10 @@ def solve(d: DiscreteChain) -> tuple[int, list[tuple]] | None:
         _, choice = best(s, t, given, m, flavour)
         inner = "today" if flavour == "today" else "any"
         rights = "today" if flavour == "today" else "plain"
+        if choice[0] == "Fe-saved":
+            inside = ops(s + 1, t, given, m - saved[s] + inf[s] + off[s], inner)
+            assert inside[-1] == ("B", s + 1)
+            return [("Fe", s), ("OffloadSaved", s), *inside[:-1], ("PrefetchSaved", s), ("B", s + 1), ("B", s)]
         if choice[0] == "Fe":
             o = choice[1]
             sb, _, _, free, _, _ = record(s, o)

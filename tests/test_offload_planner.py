@@ -12,7 +12,7 @@ from reference_planner import reference_min_budget, solve
 from test_options import chains_with_options
 from test_planner import chains, medium_chain
 
-from lightning_rotor.chain import Chain
+from lightning_rotor.chain import Chain, StageOption
 from lightning_rotor.discretize import discretize
 from lightning_rotor.ops import OpKind
 from lightning_rotor.planner import Plan, min_feasible_budget, plan, solve_discretized
@@ -287,3 +287,159 @@ def test_cpp_equals_reference_with_options_and_offloading(chain, bandwidth, wher
             if op[0] == "Prefetch":
                 assert ops[i + 1][0] == "B" and not chain.options[ops[i + 1][1]]
         assert simulate(chain, ops).peak <= budget
+
+
+# --- saved parts (chain version 6, `offloadable`): a recorded stage's saved bytes move to host memory ---
+
+
+def saved_part_chain(**changes) -> Chain:
+    """Four stages; stage 1 saves 20 B (19 offloadable), B 3 needs 20 B of transients: with stage 1's graph held
+    through B 3 the step peaks at 46 B, with it on the host at 27 B."""
+    data = dict(
+        input_size=1,
+        out_size=[1, 1, 1, 1],
+        saved_size=[1, 20, 1, 1],
+        fwd_time=[1.0] * 4,
+        bwd_time=[2.0] * 4,
+        fwd_tmp=[0] * 4,
+        bwd_tmp=[0, 0, 0, 20],
+        bandwidth=38.0,  # 19 B in 0.5 s, within Fe 2's 1 s
+        offloadable=[0, 19, 0, 0],
+    )
+    data.update(changes)
+    return Chain(**data)
+
+
+SAVED_OPS = "Fe 0, Fe 1, OffloadSaved 1, Fe 2, Fe 3, Loss, B 3, PrefetchSaved 1, B 2, B 1, B 0".split(", ")
+
+
+def test_offloading_a_saved_part_saves_a_recomputation():
+    """By hand: at 27 B, recomputing only costs 13 s (stage 0 or 1 forward twice); with stage 1's saved part on the
+    host from Fe 2 to B 2, nothing is recomputed: 12 s. Fe 2, the first op of (2, 4), runs with the part still on the
+    device (1 + 1 + 20 + 1 = 23 B): only it and B 2 must fit without the part's bytes, so 27 B suffice."""
+    chain = saved_part_chain()
+    result = plan(chain, 27)
+    assert [op.label for op in result.ops] == SAVED_OPS
+    assert result.time == 12.0 and result.recompute_only_time == 13.0 and result.peak == 27
+    sim = simulate(chain, result.ops)
+    assert sim.op_peaks[3] == 23 and sim.op_peaks[6] == 27 and sim.wait == 0.0 and sim.host_peak == 19
+    assert not transfers(plan(chain, 26).ops)  # B 3 then needs 1 + 5 + 21 = 27 B
+    cost, ops = solve_discretized(chain, 27, 27)
+    assert [tuple(op) for op in ops] == [tuple(op) for op in result.ops]
+    assert solve(discretize(chain, 27, slots=27)) == (cost, ops)
+
+
+def test_a_saved_prefetch_longer_than_b_next_stalls_b():
+    """The copy takes 1 s (19 B/s), hidden by Fe 2 (1.5 s) but not by B 2 (0.5 s): B 1 waits 0.5 s. 11.5 s against
+    12 s recomputing; the program counts the stall as the simulator does."""
+    chain = saved_part_chain(fwd_time=[1.0, 1.0, 1.5, 1.0], bwd_time=[2.0, 2.0, 0.5, 2.0], bandwidth=19.0)
+    result = plan(chain, 27)
+    assert [op.label for op in result.ops] == SAVED_OPS
+    assert simulate(chain, result.ops).wait == 0.5
+    assert result.time == 11.5 and result.recompute_only_time == 12.0
+    d = discretize(chain, 27, slots=27)
+    cost, ops = solve_discretized(chain, 27, 27)
+    assert solve(d) == (cost, ops) and abs(d.cost_to_time(cost) - 11.5) <= 20 * d.tick
+
+
+def test_saved_parts_move_only_when_allowed():
+    chain = saved_part_chain()
+    assert plan(chain, 27, bandwidth=0).time == 13.0  # no channel
+    assert plan(chain, 27, host_limit=18).time == 13.0  # 19 B do not fit on the host
+    assert plan(saved_part_chain(bandwidth=19.0), 27).time == 13.0  # a 1 s copy does not surely end within Fe 2
+    staged = saved_part_chain(
+        options=[[], [], [StageOption(saved_size=1, fwd_time=1.0, bwd_time=9.0, fwd_tmp=0, bwd_tmp=0)], []]
+    )
+    assert not any(op.kind is OpKind.OFFLOAD_SAVED for op in plan(staged, 27).ops)  # B 2's time depends on the option
+    # every offloadable 0: exactly the plans and costs of value offloading alone
+    zero = saved_part_chain(offloadable=[0] * 4)
+    assert discretize(zero, 27).saved_transfer_cost == [] and discretize(zero, 27).offloadable == []
+    assert discretize(zero, 27).tick == discretize(saved_part_chain(), 27).tick * 2 / 3  # the bound is not tripled
+    # without a channel, offloadable changes nothing
+    for budget in range(25, 47):
+        alone = saved_part_chain(bandwidth=0.0)
+        assert solve_discretized(alone, budget, 40) == solve_discretized(zero.with_transfer(0.0), budget, 40)
+        assert discretize(alone, budget).tick == discretize(zero.with_transfer(0.0), budget).tick
+
+
+@st.composite
+def saved_chains(draw, max_length=7):
+    """`offload_chains` whose stages may move part of what they save: none, some or all of it."""
+    chain = draw(offload_chains(max_length=max_length))
+    shares = draw(st.lists(st.sampled_from([0, 0, 0.5, 0.9, 1]), min_size=chain.length, max_size=chain.length))
+    offloadable = [int(f * s) for f, s in zip(shares, chain.saved_size, strict=True)]
+    return Chain(**{**chain.__dict__, "offloadable": offloadable})
+
+
+@pytest.mark.slow
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chain=saved_chains(), where=st.floats(0, 1.2), slots=st.sampled_from([3, 8, 40, 500]))
+def test_cpp_equals_reference_with_saved_parts(chain, where, slots):
+    """Saved parts and values offloaded, in both table flavours: the same optimal cost and the same ops."""
+    low, high = reference_min_budget(chain), no_recompute_peak(chain)
+    budget = max(1, int(low - 3 + where * (high - low + 6)))
+    d = discretize(chain, budget, slots=slots)
+    assert bool(d.saved_transfer_cost) == any(chain.offloadable)
+    expected = solve(d)
+    got = solve_discretized(chain, budget, slots)
+    assert got == (None if expected is None else (expected[0], expected[1]))
+
+
+@pytest.mark.slow
+@settings(max_examples=800, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chain=saved_chains(), where=st.floats(0, 1.2), slots=st.sampled_from([8, 40, 500]))
+def test_saved_part_plans_replay_within_budget_at_the_predicted_time(chain, where, slots):
+    """Every plan replays within its budget at the program's time (within the ticks' rounding); each saved part
+    moves in the planner's shape; plan() is never slower than recomputing only."""
+    low, high = min_feasible_budget(chain), no_recompute_peak(chain)
+    budget = max(1, int(low + where * (high - low)))
+    got = solve_discretized(chain, budget, slots)
+    if got is None:
+        return
+    d = discretize(chain, budget, slots=slots)
+    ops = list(got[1])
+    sim = simulate(chain, ops)
+    assert sim.peak <= budget
+    assert abs(sim.time - d.cost_to_time(got[0])) <= 2 * (len(ops) + 1) * d.tick + 1e-12 * max(1.0, sim.time)
+    for i, op in enumerate(ops):
+        if op[0] == "OffloadSaved":
+            assert ops[i - 1] == ("Fe", op[1]) and ops[i + 1][1] == op[1] + 1
+            j = ops.index(("PrefetchSaved", op[1]))
+            assert ops[j + 1] == ("B", op[1] + 1)  # then B k, or the nested variant's PrefetchSaved k-1 first
+            assert ops[j + 2] in (("B", op[1]), ("PrefetchSaved", op[1] - 1))
+    result = plan(chain, budget, slots=slots)
+    assert result.peak <= budget and result.time <= result.recompute_only_time
+
+
+@pytest.mark.slow
+def test_cpp_equals_reference_where_saved_parts_pay():
+    """Chains whose stages save much beyond their output (saved parts often move): at every third budget from the
+    floor to the no-recompute peak, in exact bytes, the same cost and ops, within budget, never slower."""
+    import random
+
+    rng = random.Random(3)
+    moved = 0
+    for _ in range(150):
+        chain = small_offload_chain(rng)
+        saved = [o + rng.choice([0, 5, 20, 40]) for o in chain.out_size]
+        chain = Chain(
+            **{
+                **chain.__dict__,
+                "saved_size": saved,
+                "offloadable": [max(0, s - o - rng.choice([0, 2])) for s, o in zip(saved, chain.out_size, strict=True)],
+            }
+        )
+        for budget in range(min_feasible_budget(chain), no_recompute_peak(chain) + 1, 3):
+            got = solve_discretized(chain, budget, budget)
+            assert got is not None and got == solve(discretize(chain, budget, slots=budget))
+            assert simulate(chain, got[1]).peak <= budget
+            moved += any(op[0] == "OffloadSaved" for op in got[1])
+    assert moved >= 100  # the variant is exercised, not just today's choices
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chain=saved_chains(max_length=12), where=st.floats(0, 1), threads=st.sampled_from([2, 3, 8]))
+def test_threads_change_nothing_with_saved_parts(chain, where, threads):
+    low, high = min_feasible_budget(chain), no_recompute_peak(chain)
+    budget = max(1, int(low + where * (high - low)))
+    assert solve_discretized(chain, budget, 40, threads) == solve_discretized(chain, budget, 40, 1)

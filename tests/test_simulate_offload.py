@@ -181,9 +181,7 @@ def test_saved_part_errors_name_the_op():
         simulate(saving(), [op for op in SAVED_PLAN if op != ("OffloadSaved", 1)][:6] + SAVED_PLAN[7:])
     with pytest.raises(ValueError, match=r"op 8 \(B 1\): the saved part of stage 1 is on the host \(PrefetchSaved 1"):
         simulate(saving(), [op for op in SAVED_PLAN if op != ("PrefetchSaved", 1)])
-    with pytest.raises(
-        ValueError, match=r"op 2 \(OffloadSaved 1\).*host memory 12 bytes exceeds .*host_limit 11"
-    ):
+    with pytest.raises(ValueError, match=r"op 2 \(OffloadSaved 1\).*host memory 12 bytes exceeds .*host_limit 11"):
         simulate(saving(host_limit=11), SAVED_PLAN)
     with pytest.raises(ValueError, match="the saved part of stage 1 is offloaded and never prefetched"):
         simulate(saving(), [*SAVED_PLAN[:7], *SAVED_PLAN[8:9]])
