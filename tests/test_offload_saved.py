@@ -2,8 +2,9 @@
 training (dropout replayed, BatchNorm statistics updated once), device memory within the simulator's op by op,
 host memory exactly the simulator's, and `offloadable[k]` as profiled equal to the bytes the executor moves.
 
-Schedules: the planner's recompute plans with the saved-part family inserted where the simulator accepts it
-(spec: `Fe s, OffloadSaved s, … , PrefetchSaved s, B s+1, B s`), as long as the planner makes none itself.
+Schedules: the planner's own offloading plans, and its recompute-only plans with the saved-part family inserted
+by hand where the simulator accepts it (spec: `Fe s, OffloadSaved s, … , PrefetchSaved s, B s+1, B s`), which
+exercise the executor on placements the planner's choice of the moment does not make.
 """
 
 import dataclasses
@@ -78,7 +79,7 @@ def saved_case(name):
     profiled = profile_chain(stages, x, names=list(stages.names), offload=True).chain
     chain = uniform_times(profiled).with_transfer(FAST)
     low, high = min_feasible_budget(chain), no_recompute_peak(chain)
-    recompute = plan(chain, int(low + fraction * (high - low)))
+    recompute = plan(chain, int(low + fraction * (high - low)), bandwidth=0)  # no offloads: inserted below
     ops = with_saved_offloads(chain, recompute.ops)
     assert sum(op.kind is OpKind.OFFLOAD_SAVED for op in ops) >= 2, [op.label for op in recompute.ops]
     return plain, rotor, stages, chain, ops, recompute, x, y
@@ -144,12 +145,41 @@ def test_saved_offload_trains_bitwise_like_plain_within_the_simulated_memory(nam
     assert probe.host_current == 0
 
 
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("fraction", [0.1, 0.3])
+def test_the_planners_saved_offload_plans_run_bitwise_within_the_simulated_memory(name, fraction):
+    plain, rotor, stages, chain, _, _, x, y = saved_case(name)
+    low, high = min_feasible_budget(chain), no_recompute_peak(chain)
+    chosen = plan(chain, int(low + fraction * (high - low)))
+    ops = chosen.ops
+    assert any(op.kind is OpKind.OFFLOAD_SAVED for op in ops) and chosen.time < chosen.recompute_only_time
+    loss = MODELS[name].loss
+    torch.manual_seed(9)
+    loss(plain(x), y).backward()
+    rng_after_plain = torch.get_rng_state()
+    runner = runner_for(stages, chain, ops)
+    runner.probe = probe = MemoryProbe(rotor)
+    torch.manual_seed(9)
+    with probe:
+        probe.track(x)
+        loss(runner(x), y).backward()
+    assert torch.equal(torch.get_rng_state(), rng_after_plain)
+    assert_same_state(plain, rotor)
+    sim = simulate(chain, ops)
+    measured = [nbytes for _, _, nbytes in probe.marks]
+    assert all(m <= s for m, s in zip(measured, sim.curve, strict=True)), [
+        (op.label, m, s) for op, m, s in zip(ops, measured, sim.curve, strict=True) if m > s
+    ]
+    assert probe.peak <= sim.peak <= chosen.budget
+    assert probe.host_peak == sim.host_peak == chosen.host_peak > 0 and probe.host_current == 0
+
+
 def test_a_recomputed_stage_with_dropout_offloads_what_its_replay_saved():
     """Stage 1 (dropout) runs first as `Fc 1`, then is recorded again in the backward, replaying its random
     numbers, under the hooks: its saved part (the dropout masks too) moves and comes back bitwise."""
     plain, rotor, stages, chain, _, _, x, y = saved_case("gpt")
     low, high = min_feasible_budget(chain), no_recompute_peak(chain)
-    ops = plan(chain, int(low + 0.1 * (high - low))).ops
+    ops = plan(chain, int(low + 0.1 * (high - low)), bandwidth=0).ops
     assert ops[-5:] == parse_ops([("Fe", 2), ("B", 2), ("Fe", 1), ("B", 1), ("B", 0)]) and Op(OpKind.FC, 1) in ops
     ops = ops[:-5] + parse_ops(
         [("Fe", 1), ("OffloadSaved", 1), ("Fe", 2), ("PrefetchSaved", 1), ("B", 2), ("B", 1), ("B", 0)]
@@ -195,7 +225,7 @@ def test_saved_offload_and_input_offload_together():
     """A plan moving stage inputs and saved parts on the one channel: still bitwise, host peak as simulated."""
     plain, rotor, stages, chain, _, _, x, y = saved_case("mobilenet")
     low, high = min_feasible_budget(chain), no_recompute_peak(chain)
-    offloading = plan(chain, int(low + 0.05 * (high - low)))  # the planner's own value offloads, if any
+    offloading = plan(chain, int(low + 0.05 * (high - low)))  # the planner's own offloads, more inserted
     ops = with_saved_offloads(chain, offloading.ops)
     assert any(op.kind is OpKind.OFFLOAD_SAVED for op in ops)
     loss = MODELS["mobilenet"].loss
@@ -310,7 +340,7 @@ def test_host_buffers_count_saved_parts_apart_from_values():
 # -- Checkpointable(offload=...) -----------------------------------------------------------------------------------
 def test_checkpointable_measures_offloadable_and_runs_saved_offloads_bitwise_like_plain():
     """Profiled through Checkpointable with offload= the chain carries offloadable; a plan with the saved-part
-    family (hand-inserted until the planner plans it) runs through Checkpointable's own runner for several
+    family inserted by hand into a recompute-only plan runs through Checkpointable's own runner for several
     steps, bitwise like plain training, host memory as simulated."""
     kwargs = MODELS["resnet18"].tiny
     torch.manual_seed(0)
@@ -325,7 +355,7 @@ def test_checkpointable_measures_offloadable_and_runs_saved_offloads_bitwise_lik
         rotor.chain.offloadable
     )
     chain = uniform_times(rotor.chain)
-    ops = with_saved_offloads(chain, plan(chain, entry.plan.budget).ops)
+    ops = with_saved_offloads(chain, plan(chain, entry.plan.budget, bandwidth=0).ops)
     assert any(op.kind is OpKind.OFFLOAD_SAVED for op in ops)
     sim = simulate(chain, ops)
     state = rotor.plan_state()
@@ -344,8 +374,37 @@ def test_checkpointable_measures_offloadable_and_runs_saved_offloads_bitwise_lik
     assert f"host memory at most {format_bytes(sim.host_peak)}" in summary
     rotor.zero_grad(set_to_none=True)
     measured = measured_step(rotor, x, y, loss)
-    assert measured.peak <= sim.peak <= rotor.plan.budget
-    assert measured.host_peak == sim.host_peak > 0
+    ran = measured.entry  # the step's budget may give the call a plan of its own (lightning_rotor/calls.py)
+    assert ran is not None
+    ran_sim = simulate(ran.chain, ran.plan.ops)
+    assert measured.peak <= ran_sim.peak <= rotor.plan.budget
+    assert measured.host_peak == ran_sim.host_peak
+
+
+@pytest.mark.parametrize("name", ["gpt", "resnet18"])
+def test_checkpointable_with_offload_plans_saved_offloads_and_trains_bitwise_like_plain(name):
+    """End to end: profiled, planned (the planner's own saved-part offloads) and run by Checkpointable for several
+    steps, bitwise like plain training; the measured step within the prediction, host memory as planned."""
+    kwargs = CASES[name][0]
+    torch.manual_seed(0)
+    plain = get_model(name, **kwargs)
+    torch.manual_seed(0)
+    model = get_model(name, **kwargs)
+    x, y = MODELS[name].sample(4, **kwargs)
+    rotor = Checkpointable(model, 0.8, offload="12GB/s")
+    rotor.prepare_for(x)
+    assert any(op.kind is OpKind.OFFLOAD_SAVED for op in rotor.plan.ops), [op.label for op in rotor.plan.ops]
+    loss = MODELS[name].loss
+    expected = train(plain, x, y, loss, steps=3)
+    got = train(rotor, x, y, loss, steps=3)
+    assert torch.equal(expected, got)
+    assert_same_state(plain, rotor)
+    rotor.zero_grad(set_to_none=True)
+    measured = measured_step(rotor, x, y, loss)
+    ran = measured.entry  # the step's budget may give the call a plan of its own (lightning_rotor/calls.py)
+    assert ran is not None and any(op.kind is OpKind.OFFLOAD_SAVED for op in ran.plan.ops)
+    assert measured.peak <= ran.plan.peak <= rotor.plan.budget
+    assert measured.host_peak == ran.plan.host_peak > 0
 
 
 # -- CUDA: copy stream, pinned buffers, events (skipped without a GPU) ---------------------------------------------
@@ -361,7 +420,7 @@ def test_cuda_saved_offload_trains_bitwise_like_plain(name):
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     chain = uniform_times(profile_chain(stages, x, names=list(stages.names), offload=True).chain).with_transfer(FAST)
     low, high = min_feasible_budget(chain), no_recompute_peak(chain)
-    recompute = plan(chain, int(low + CASES[name][1] * (high - low)))
+    recompute = plan(chain, int(low + CASES[name][1] * (high - low)), bandwidth=0)
     ops = with_saved_offloads(chain, recompute.ops)
     assert any(op.kind is OpKind.OFFLOAD_SAVED for op in ops)
     loss = MODELS[name].loss
