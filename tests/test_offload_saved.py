@@ -413,11 +413,12 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GP
 
 @needs_gpu
 @pytest.mark.parametrize("name", ["gpt", "resnet18"])
-def test_cuda_saved_offload_trains_bitwise_like_plain(name):
+def test_cuda_saved_offload_trains_bitwise_like_plain(name, monkeypatch):
     """Deterministic kernels where the models need them; the prefetch's event orders B k after its copy."""
     plain, rotor, stages, _, _, _, x, y = saved_case(name)
     plain, rotor, x, y = plain.cuda(), rotor.cuda(), x.cuda(), y.cuda()
-    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
     chain = uniform_times(profile_chain(stages, x, names=list(stages.names), offload=True).chain).with_transfer(FAST)
     low, high = min_feasible_budget(chain), no_recompute_peak(chain)
     recompute = plan(chain, int(low + CASES[name][1] * (high - low)), bandwidth=0)
