@@ -123,7 +123,10 @@ def test_a_prefetch_longer_than_its_backward_stalls_the_left_part():
 
 
 def example_chains():
-    """The project's example chains, and a chain built like the planner tests build theirs."""
+    """The project's example chains, and a chain built like the planner tests build theirs.
+
+    Their times: gpt_tiny_sac_options.json is a one-thread CPU profile (benchmarks/options_profile.py); the
+    other three record no device or profiling run (docs/planner.md, "Saved parts of recorded stages")."""
     found = {path.stem: Chain.load(path) for path in sorted(EXAMPLES.glob("*.json"))}
     found["medium"] = medium_chain()
     found["medium_frozen"] = Chain(**{**medium_chain().__dict__, "frozen": 3})  # plans start Fn 0, Fn 1, Fn 2
@@ -405,8 +408,12 @@ def test_saved_part_plans_replay_within_budget_at_the_predicted_time(chain, wher
         if op[0] == "OffloadSaved":
             assert ops[i - 1] == ("Fe", op[1]) and ops[i + 1][1] == op[1] + 1
             j = ops.index(("PrefetchSaved", op[1]))
-            assert ops[j + 1] == ("B", op[1] + 1)  # then B k, or the nested variant's PrefetchSaved k-1 first
-            assert ops[j + 2] in (("B", op[1]), ("PrefetchSaved", op[1] - 1))
+            assert ops[j + 1] == ("B", op[1] + 1)
+            # then B k, after an enclosing record's PrefetchSaved k-1 or an enclosing split's Prefetch, if any
+            after = [o for o in ops[j + 2 :] if o[0] not in ("Prefetch", "PrefetchSaved")]
+            assert after[0] == ("B", op[1]) and all(
+                o[0].startswith("Prefetch") for o in ops[j + 2 : ops.index(after[0])]
+            )
     result = plan(chain, budget, slots=slots)
     assert result.peak <= budget and result.time <= result.recompute_only_time
 
@@ -443,3 +450,54 @@ def test_threads_change_nothing_with_saved_parts(chain, where, threads):
     low, high = min_feasible_budget(chain), no_recompute_peak(chain)
     budget = max(1, int(low + where * (high - low)))
     assert solve_discretized(chain, budget, 40, threads) == solve_discretized(chain, budget, 40, 1)
+
+
+def test_the_program_refuses_inconsistent_saved_parts():
+    """The C++ entry point checks what discretize hands it: a saved part within what the stage saves, and saved
+    transfer costs only beside value transfer costs (both mean the channel exists)."""
+    from lightning_rotor import _planner
+
+    d = discretize(saved_part_chain(), 27, slots=27)
+    args = (d.size, d.saved, d.fwd_tmp, d.fwd_tmp_nograd, d.bwd_tmp, d.loss_tmp, d.fwd_cost, d.bwd_cost, d.slots)
+    common = dict(count_bits=d.count_bits, loss_tmp_graph=d.loss_tmp_graph, in_free=d.in_free)
+    ok = _planner.solve(
+        *args,
+        **common,
+        transfer_cost=d.transfer_cost,
+        offloadable=d.offloadable,
+        saved_transfer_cost=d.saved_transfer_cost,
+    )
+    assert ok is not None and ("OffloadSaved", 1) in ok[1]
+    with pytest.raises(ValueError, match="saved transfer costs must be empty or one per stage"):
+        _planner.solve(*args, **common, offloadable=d.offloadable, saved_transfer_cost=d.saved_transfer_cost)
+    with pytest.raises(ValueError, match=r"offloadable\[1\] must be within 0..saved\[1\]"):
+        _planner.solve(
+            *args,
+            **common,
+            transfer_cost=d.transfer_cost,
+            offloadable=[0, d.saved[1] + 1, 0, 0],
+            saved_transfer_cost=d.saved_transfer_cost,
+        )
+
+
+def test_saved_parts_after_a_frozen_prefix():
+    """The same chain behind one frozen stage: the suffix keeps its offloadable figures, the plan moves stage 2's
+    saved part (stage 1 of the suffix) and replays within budget in the whole chain's indices."""
+    base = saved_part_chain()
+    chain = Chain(
+        input_size=1,
+        out_size=[1, *base.out_size],
+        saved_size=[1, *base.saved_size],
+        fwd_time=[1.0, *base.fwd_time],
+        bwd_time=[2.0, *base.bwd_time],
+        fwd_tmp=[0] * 5,
+        bwd_tmp=[0, *base.bwd_tmp],
+        bandwidth=38.0,
+        offloadable=[0, *base.offloadable],
+        frozen=1,
+    )
+    result = plan(chain, 28)  # one byte more than without the prefix: a_1 stays beside a_0
+    shifted = [op if op == "Loss" else f"{op.split()[0]} {int(op.split()[1]) + 1}" for op in SAVED_OPS]
+    assert [op.label for op in result.ops] == ["Fn 0", *shifted]
+    assert result.time == 13.0 and result.recompute_only_time == 14.0
+    assert simulate(chain, result.ops).peak == result.peak == 28
