@@ -14,12 +14,18 @@ no-recomputation peak) three schedules run, interleaved, `--repeats` steps each 
   until then the same ops as `off`, which the `offloads` column shows);
 - `inserted`: `off`'s plan with an offload inserted at each split `Fc s, Fn s+1 …` whose `a_s` is
   plain (after `Fc s`, prefetched before the right part's `B s2`), kept where the simulator accepts
-  it: the executor's transfers measured even before the planner plans them.
+  it: the executor's transfers measured even before the planner plans them;
+- `saved`: `off`'s plan with what a recorded stage saved offloaded: `OffloadSaved s` after each
+  `Fe s` whose `B s+1` is followed by `B s`, `PrefetchSaved s` before that `B s+1` (the planner
+  family's placement), where the simulator accepts it; the chain is profiled with offloading on,
+  so it carries each stage's `offloadable` bytes;
+- `both`: `inserted`'s plan with the saved parts offloaded as in `saved`.
 
-Columns: predicted step (simulator, ms), measured step (median, ms) and their ratio; predicted
-peak and measured peak (CUDA: `torch.cuda.max_memory_allocated` above the step's start, plus
-the input, as `CudaMemoryProbe`; `--cpu`: `MemoryProbe`'s exact tensor accounting), the
-measured peak over the budget; host memory predicted and measured. On CPU the copies are
+Columns: offloads (stage inputs and saved parts moved per step), predicted step (simulator, ms),
+measured step (median, ms) and their ratio; predicted peak and measured peak (CUDA:
+`torch.cuda.max_memory_allocated` above the step's start, plus the input, as `CudaMemoryProbe`;
+`--cpu`: `MemoryProbe`'s exact tensor accounting), the measured peak over the budget; host memory
+predicted and measured. On CPU the copies are
 synchronous: the times there say nothing about overlap.
 """
 
@@ -71,6 +77,30 @@ def insert_offloads(chain: Chain, ops: list[Op]) -> list[Op]:
     return ops
 
 
+def insert_saved_offloads(chain: Chain, ops: list[Op]) -> list[Op]:
+    """`ops` with `OffloadSaved s` after an `Fe s` and `PrefetchSaved s` before a `B s+1` that `B s` follows, for
+    each stage with `offloadable` bytes, where the simulator accepts it (the planner family's placement)."""
+    ops = list(ops)
+    for s in range(chain.length - 1):
+        if not chain.offloadable[s]:
+            continue
+        for i, op in enumerate(ops):
+            if op != Op(OpKind.FE, s) or Op(OpKind.B, s + 1) not in ops[i:]:
+                continue
+            b = ops.index(Op(OpKind.B, s + 1), i)
+            if b + 1 == len(ops) or ops[b + 1] != Op(OpKind.B, s):
+                continue
+            offload, prefetch = Op(OpKind.OFFLOAD_SAVED, s), Op(OpKind.PREFETCH_SAVED, s)
+            tried = [*ops[: i + 1], offload, *ops[i + 1 : b], prefetch, *ops[b:]]
+            try:
+                simulate(chain, tried)
+            except ValueError:
+                continue
+            ops = tried
+            break
+    return ops
+
+
 @dataclass
 class Run:
     """One schedule at one budget, and what its steps measured."""
@@ -117,11 +147,20 @@ def runs_for(w: Workload, chain: Chain, bandwidth: float, budget: int) -> list[R
     on_chain = chain.with_transfer(bandwidth)
     off = plan(chain, budget)
     on = plan(on_chain, budget)
-    schedules = {"off": off.ops, "on": on.ops, "inserted": insert_offloads(on_chain, off.ops)}
+    inserted = insert_offloads(on_chain, off.ops)
+    schedules = {
+        "off": off.ops,
+        "on": on.ops,
+        "inserted": inserted,
+        "saved": insert_saved_offloads(on_chain, off.ops),
+        "both": insert_saved_offloads(on_chain, inserted),
+    }
     out = []
     for label, ops in schedules.items():
         sim = simulate(on_chain if label != "off" else chain, ops)
-        runner = PlanRunner(w.stages, ops, w.stage_names, in_free=chain.in_free, sizes=chain.sizes)
+        runner = PlanRunner(
+            w.stages, ops, w.stage_names, in_free=chain.in_free, sizes=chain.sizes, offloadable=chain.offloadable
+        )
         out.append(Run(label, ops, sim.time, sim.peak, sim.host_peak, runner))
     return out
 
@@ -159,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         if not w.stages:
             print(f"{name}: not a plain nn.Sequential; skipped", file=sys.stderr)
             continue
-        chain = profile_chain(w.stages, w.x, names=w.stage_names).chain
+        chain = profile_chain(w.stages, w.x, names=w.stage_names, offload=True).chain  # offloadable too
         largest = max(chain.sizes[1 : chain.length], default=0)
         bandwidth = given or measure_bandwidth(device, min(max(largest, 2**20), 2**28))
         print(f"{name}: {chain.length} stages, largest stage input {format_bytes(largest)}, "
@@ -186,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
                 peak, host = max(run.peaks), max(run.hosts)
                 rows.append([
                     name, f"{fraction:.0%} {format_bytes(budget)}", run.label,
-                    str(sum(op.kind is OpKind.OFFLOAD for op in run.ops)),
+                    str(sum(op.kind is OpKind.OFFLOAD or op.kind is OpKind.OFFLOAD_SAVED for op in run.ops)),
                     f"{run.predicted_time * 1e3:.2f}", f"{measured * 1e3:.2f}",
                     f"{measured / run.predicted_time:.2f}" if run.predicted_time > 0 else "-",
                     format_bytes(run.predicted_peak), format_bytes(peak), f"{peak / budget:.3f}",

@@ -354,7 +354,7 @@ class Checkpointable(nn.Module):
         measured = pipeline.profile(
             self.stages, value, names=self.stage_names, repeats=self.repeats, warmup=self.warmup,
             loss_fn=self.loss_fn, loss_tmp=self.loss_tmp, outside=outside, progress=self.on_profile_progress,
-            timed=not derive, options=self.options,
+            timed=not derive, options=self.options, offload=self._offload_setting is not None,
         )  # fmt: skip
         if derive:  # sizes measured, times from the timed shape's by FLOPs (lightning_rotor/shapes.py)
             measured.chain = derived_times(*self._timed, measured.chain, flops)  # type: ignore[misc]

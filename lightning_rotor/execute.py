@@ -43,7 +43,7 @@ from lightning_rotor.engine import (
     tensors_of,
     versions,
 )
-from lightning_rotor.offload import TransferChannel, Transfers, buffer_sizes
+from lightning_rotor.offload import SavedPart, TransferChannel, Transfers, buffer_sizes
 from lightning_rotor.ops import Op, OpKind, check_frozen_prefix, last_forwards, parse_ops, recomputed_stage_set
 from lightning_rotor.rng import GeneratorWatch, RecordRandom, ReplayFrom, ReplayRandom, Rewind, alone
 from lightning_rotor.selective import run_selective
@@ -123,6 +123,7 @@ class _Step:
         self.dummy = torch.empty(0, device=runner.token_device, requires_grad=True)  # EnterStage's graph edge
         # values offloaded to host memory and prefetched back (chain version 6); None: the plan moves none
         self.transfers = Transfers(runner.channel) if runner.channel is not None else None
+        self.saved_parts: dict[int, SavedPart] = {}  # recorded stages whose saved part an OffloadSaved moves next
 
     def mark(self, op: Op) -> None:
         if self.probe is not None and hasattr(self.probe, "mark"):
@@ -159,8 +160,9 @@ class _Step:
         with torch.enable_grad():
             return entry, enter_stage(src, entry, self.dummy, wanted, compact=k > 0)
 
-    def forward_op(self, kind: OpKind, k: int, last: bool = False) -> None:
-        """Run `kind` on stage k; `last`: this `Fe k` is stage k's last forward before `B k` (k >= 1).
+    def forward_op(self, kind: OpKind, k: int, last: bool = False, pack: bool = False) -> None:
+        """Run `kind` on stage k; `last`: this `Fe k` is stage k's last forward before `B k` (k >= 1);
+        `pack`: an `OffloadSaved k` moves what this `Fe k` saves (recorded behind handles, `SavedPart`).
 
         After the last forward, the executor lets go of `a_k`: the stage's graph holds
         what it saved, the rest is freed (chain version 3, `in_free`). A recorded `a_k`
@@ -196,7 +198,15 @@ class _Step:
                 with torch.enable_grad():
                     if inp is None:
                         inp = enter_stage(src, entry, self.dummy, entry.wanted)
-                    out = stage(inp) if kind is OpKind.FE else run_selective(stage, inp, self._redraw(k), name)
+                    if pack:
+                        part = SavedPart(k, [*stage.parameters(), *stage.buffers()])
+                        with part.recording():
+                            out = stage(inp)
+                        part.settle(src, out)  # a_k still held: what can move is settled now, as when profiled
+                        self.saved_parts[k] = part
+                        del part
+                    else:
+                        out = stage(inp) if kind is OpKind.FE else run_selective(stage, inp, self._redraw(k), name)
                 del inp
                 self.graph[k + 1] = (entry, out)
                 if last:
@@ -241,6 +251,21 @@ class _Step:
         """`Prefetch k`: a_k is a device value again (bitwise equal, same layout), plain; compute waits for it."""
         assert self.transfers is not None  # set whenever the plan has transfers
         self.plain[k] = self.transfers.prefetch(k)
+
+    def offload_saved(self, k: int) -> None:
+        """`OffloadSaved k`: what `Fe k` saved, but for parameters, buffers and a_k's and a_{k+1}'s storages,
+        goes to host memory; the graph keeps handles only, the executor nothing."""
+        assert self.transfers is not None  # set whenever the plan has transfers
+        part = self.saved_parts.pop(k, None)
+        if part is None:
+            raise RuntimeError(f"executor bug: {Op(OpKind.OFFLOAD_SAVED, k).label} without Fe {k} recorded for it")
+        self.transfers.offload_saved(k, part)
+
+    def prefetch_saved(self, k: int) -> None:
+        """`PrefetchSaved k`: the saved part back on the device, in the graph's handles; `B k`'s nodes wait for
+        its copy when they unpack it (CUDA), so `B k+1` before it overlaps the copy."""
+        assert self.transfers is not None  # set whenever the plan has transfers
+        self.transfers.prefetch_saved(k)
 
     def _redraw(self, k: int) -> Any:
         """How an `Fs k` rerun inside its backward replays the stage's random draws: as a recomputation of
@@ -371,17 +396,19 @@ class _Step:
         top = Op(OpKind.B, run[0]).label
         return handles, pending, lambda: mark_until(top)
 
-    def run(self, ops: Sequence[Op], last: Sequence[bool] | None = None) -> None:
-        """Run `ops`; `last[i]`: op i is its stage's last forward before its backward (`ops.last_forwards`)."""
+    def run(self, ops: Sequence[Op], last: Sequence[bool] | None = None, pack: Sequence[bool] | None = None) -> None:
+        """Run `ops`; `last[i]`: op i is its stage's last forward before its backward (`ops.last_forwards`);
+        `pack[i]`: op i is an `Fe` whose saved part an `OffloadSaved` moves."""
         i, n = 0, len(ops)
         last = last or [False] * n
+        pack = pack or [False] * n
         while i < n:
             op = ops[i]
             kind = op.kind
             if kind is OpKind.FN or kind is OpKind.FC or kind is OpKind.FE or kind is OpKind.FS:
                 if kind is OpKind.FS and op.option != 1:
                     raise RuntimeError(f"executor has no rule for op {op.label}: option 1 (sac) is the only one")
-                self.forward_op(kind, op.stage, last[i])
+                self.forward_op(kind, op.stage, last[i], pack[i])
                 self.mark(op)
                 i += 1
             elif kind is OpKind.B:
@@ -398,6 +425,14 @@ class _Step:
                 self.prefetch(op.stage)
                 self.mark(op)
                 i += 1
+            elif kind is OpKind.OFFLOAD_SAVED:
+                self.offload_saved(op.stage)
+                self.mark(op)
+                i += 1
+            elif kind is OpKind.PREFETCH_SAVED:
+                self.prefetch_saved(op.stage)
+                self.mark(op)
+                i += 1
             else:  # Loss splits the plan in PlanRunner; any other kind has no executor yet
                 raise RuntimeError(f"executor has no rule for op {op.label} here")
 
@@ -409,9 +444,27 @@ class _Step:
         self.joined_edges.clear()
         self.grads.clear()
         self.rng.clear()
+        self.saved_parts.clear()
         if self.transfers is not None:
             self.transfers.clear()
         self.probe = None
+
+
+def _packed_records(ops: Sequence[Op]) -> set[int]:
+    """Positions of the `Fe k` ops whose saved part an `OffloadSaved k` moves: each one's last forward of stage
+    k before it. Raises ValueError for an `OffloadSaved k` after any other forward (`Fs`, `Fc`, `Fn`) or none."""
+    packed: set[int] = set()
+    recent: dict[int, int] = {}  # stage: position of its latest forward
+    for i, op in enumerate(ops):
+        k = op.stage
+        if op.kind.is_forward and k is not None:
+            recent[k] = i
+        elif op.kind is OpKind.OFFLOAD_SAVED and k is not None:
+            at = recent.get(k)
+            if at is None or ops[at].kind is not OpKind.FE:
+                raise ValueError(f"{op.label} must follow the Fe {k} whose recorded graph it moves")
+            packed.add(at)
+    return packed
 
 
 def _plain_buffers(stage: nn.Module) -> list[torch.Tensor]:
@@ -491,7 +544,7 @@ class _Tail(torch.autograd.Function):
         # args: the chain input's leaves, then the stages' parameters (edges only, see `_check_backward_call`)
         inputs, ctx.n_params = args[:n_inputs], len(args) - n_inputs
         step.plain[0] = tree_unflatten(list(inputs), spec)
-        step.run(step.runner.forward_ops, step.runner.forward_last)
+        step.run(step.runner.forward_ops, step.runner.forward_last, step.runner.forward_pack)
         ctx.step = step
         ctx.is_tensor = [isinstance(t, torch.Tensor) for t in inputs]
         return torch.empty(0, device=dummy.device)
@@ -501,7 +554,7 @@ class _Tail(torch.autograd.Function):
         step: _Step = ctx.step
         stashed = _stash_grads(step.runner.shared_parameters())
         try:
-            step.run(step.runner.backward_ops, step.runner.backward_last)
+            step.run(step.runner.backward_ops, step.runner.backward_last, step.runner.backward_pack)
             delta = iter(step.grads.pop(step.runner.frozen))
             if step.runner.frozen:  # B F made no gradient: the chain input does not require grad
                 delta = iter([None] * len(ctx.is_tensor))
@@ -544,8 +597,9 @@ class PlanRunner:
     Set `probe` (a `MemoryProbe`) before a call to have it marked after every op,
     which gives the measured memory curve of the step, op by op. `in_free`: the
     chain's figures (`Chain.in_free`), so that a plain stage input is let go exactly
-    when the chain says (see `releases_plain`). `sizes`: the chain's `s_0 … s_L`, from
-    which a plan that offloads reserves its host buffers once (`offload.buffer_sizes`).
+    when the chain says (see `releases_plain`). `sizes`: the chain's `s_0 … s_L`, and `offloadable`: the
+    chain's bytes per stage that `OffloadSaved k` moves, from which a plan that offloads reserves its
+    host buffers once (`offload.buffer_sizes`).
     """
 
     def __init__(
@@ -556,6 +610,7 @@ class PlanRunner:
         *,
         in_free: Sequence[int] | None = None,
         sizes: Sequence[int] | None = None,
+        offloadable: Sequence[int] | None = None,
     ):
         self.stages = list(stages)
         self.length = len(self.stages)
@@ -580,10 +635,14 @@ class PlanRunner:
         # Offload k / Prefetch k (chain version 6): one channel per plan, its host buffers reserved from the sizes
         self.channel: TransferChannel | None = None
         if any(op.kind.is_transfer for op in ops):
-            self.channel = TransferChannel(buffer_sizes(ops, sizes) if sizes is not None else ())
+            reserve = buffer_sizes(ops, sizes, offloadable or ()) if sizes is not None else ()
+            self.channel = TransferChannel(reserve)
         last = last_forwards(ops, self.length)
         self.forward_last = [i in last for i in range(split)]
         self.backward_last = [i in last for i in range(split + 1, len(ops))]
+        packed = _packed_records(ops)
+        self.forward_pack = [i in packed for i in range(split)]
+        self.backward_pack = [i in packed for i in range(split + 1, len(ops))]
         # B k then B k-1 at once: a recorded a_k may feed stage k as it is, joining the graphs
         self.joinable = {
             op.stage

@@ -16,6 +16,13 @@ read them round alike).
   not reuse it before the copy has read it; a prefetched value carries an event that compute
   waits on before the first op that reads it (`Transfers.ready`).
 
+What a recorded stage saved for its backward moves the same way (`OffloadSaved k`,
+`PrefetchSaved k`, docs/memory-model.md): `SavedPart` records `Fe k` under
+`torch.autograd.graph.saved_tensors_hooks`, so the graph keeps a handle per saved tensor instead of
+the tensor; the handled storages go to the host as one value and come back as they were, and the
+handles then give the graph device tensors again. The profiler measures the chain's
+`offloadable[k]` with the same class, so the executor moves exactly the bytes the planner was told.
+
 `measure_bandwidth` times the copies the channel makes: what `Checkpointable(offload=True)`
 gives the planner as the chain's `bandwidth`.
 """
@@ -24,17 +31,33 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+import weakref
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from lightning_rotor._torch_compat import storage_id, tree_flatten, tree_unflatten
+from lightning_rotor._torch_compat import (
+    storage_id,
+    storage_use_count,
+    tensor_version,
+    tree_flatten,
+    tree_leaves,
+    tree_unflatten,
+)
 from lightning_rotor.memory import host_allocations, host_buffer_free, host_buffer_used, host_buffers
 from lightning_rotor.ops import Op, OpKind, parse_ops
 
-__all__ = ["HostCopy", "HostPool", "TransferChannel", "Transfers", "buffer_sizes", "measure_bandwidth"]
+__all__ = [
+    "HostCopy",
+    "HostPool",
+    "SavedPart",
+    "TransferChannel",
+    "Transfers",
+    "buffer_sizes",
+    "measure_bandwidth",
+]
 
 
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -94,22 +117,24 @@ def _storages(value: Any) -> tuple[Any, list[Any], list[torch.UntypedStorage]]:
     return spec, leaves, storages
 
 
-def buffer_sizes(ops: Sequence[Any], sizes: Sequence[int]) -> list[int]:
-    """The host buffers one step of `ops` uses, given the bytes `sizes[k]` of each value `a_k`.
+def buffer_sizes(ops: Sequence[Any], sizes: Sequence[int], saved: Sequence[int] = ()) -> list[int]:
+    """The host buffers one step of `ops` uses, given the bytes `sizes[k]` of each value `a_k` and
+    `saved[k]` of stage k's saved part (the chain's `offloadable`; none when empty).
 
     Replays the offloads and prefetches in op order, each offload taking the smallest free
     buffer large enough (best fit), else a new one: what `HostPool` does in a step, so
     reserving these buffers before the first step means no step allocates host memory.
     """
     free: list[int] = []
-    held: dict[int, int] = {}
+    held: dict[tuple[OpKind, int], int] = {}
     made: list[int] = []
     for op in parse_ops(ops):
         k = op.stage
         if k is None:  # the loss
             continue
-        if op.kind is OpKind.OFFLOAD:
-            need = sizes[k]
+        kind = op.kind
+        if kind is OpKind.OFFLOAD or kind is OpKind.OFFLOAD_SAVED:
+            need = sizes[k] if kind is OpKind.OFFLOAD else (saved[k] if k < len(saved) else 0)
             fits = [b for b in free if b >= need]
             if fits:
                 size = min(fits)
@@ -117,9 +142,11 @@ def buffer_sizes(ops: Sequence[Any], sizes: Sequence[int]) -> list[int]:
             else:
                 size = need
                 made.append(size)
-            held[k] = size
-        elif op.kind is OpKind.PREFETCH and k in held:
-            free.append(held.pop(k))
+            held[(kind, k)] = size
+        elif kind is OpKind.PREFETCH or kind is OpKind.PREFETCH_SAVED:
+            key = (OpKind.OFFLOAD if kind is OpKind.PREFETCH else OpKind.OFFLOAD_SAVED, k)
+            if key in held:
+                free.append(held.pop(key))
     return made
 
 
@@ -273,13 +300,149 @@ class TransferChannel:
         return tree_unflatten(tensors, copy.spec), event
 
 
+class _Saved:
+    """The graph's handle on one tensor a recorded stage saved (a `saved_tensors_hooks` pack result).
+
+    It holds a detached alias: a stage output saved by its own node would otherwise hold that
+    node through its `grad_fn`, a reference cycle that keeps the storage past its backward.
+    """
+
+    __slots__ = ("arriving", "stage", "tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor, stage: int):
+        self.tensor: torch.Tensor | None = tensor  # None while its storage is on the host
+        self.version = tensor_version(tensor)  # autograd checks no version through hooks: we do
+        self.arriving: tuple[Any, torch.device] | None = None  # CUDA: (event, device) of its prefetch
+        self.stage = stage
+
+
+def _unpack(handle: Any) -> Any:
+    """The device tensor behind a handle, once its prefetch has copied it (CUDA: the reading stream waits)."""
+    if not isinstance(handle, _Saved):
+        return handle
+    t = handle.tensor
+    if t is None:
+        raise RuntimeError(
+            f"executor bug: stage {handle.stage}'s backward reads what it saved while that is on the host "
+            f"(no PrefetchSaved {handle.stage} before B {handle.stage})"
+        )
+    if handle.arriving is not None:
+        event, device = handle.arriving
+        torch.cuda.current_stream(device).wait_event(event)  # the engine's stream for this node
+    if tensor_version(t) != handle.version:
+        raise RuntimeError(
+            f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"a tensor stage {handle.stage} saved is at version {tensor_version(t)}; expected version "
+            f"{handle.version} instead"
+        )
+    return t
+
+
+class SavedPart:
+    """What the graph of one recorded stage (`Fe k`) saved, behind handles, and the part of it that can move.
+
+    `with part.recording(): out = stage(inp)` records the stage under `saved_tensors_hooks`: each
+    saved tensor but parameters and buffers (`fixed`, kept as they are) becomes a handle.
+    `settle(a_k, a_{k+1})` then keeps only the handles whose storage can move: not `a_k`'s nor
+    `a_{k+1}`'s (the memory model holds those on their own), on the stage's device (that of
+    `a_{k+1}`), and held by the handles alone
+    (a storage something else holds, a module's cache, would stay on the device: moving it
+    frees nothing). `nbytes`, those storages' bytes, is the chain's `offloadable[k]`: the
+    profiler and the executor both get it from here, so they agree to the byte.
+    """
+
+    def __init__(self, stage: int, fixed: Iterable[torch.Tensor] = ()):
+        self.stage = stage
+        self.fixed = {storage_id(t.untyped_storage()) for t in fixed if t.layout == torch.strided}
+        self.handles: list[_Saved] = []
+        self.nbytes = 0
+
+    def recording(self) -> Any:
+        """The hooks to record the stage's forward under.
+
+        The graph keeps the pack hook as long as it lives; it reaches the part through a weak
+        reference, or the part's handles would outlive their saved tensors' release in the backward.
+        """
+        part = weakref.ref(self)
+
+        def pack(t: torch.Tensor) -> Any:
+            alive = part()
+            return t if alive is None else alive._pack(t)
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if (
+            t.layout != torch.strided
+            or t.device.type == "meta"
+            or type(t) not in (torch.Tensor, torch.nn.Parameter)  # a subclass: its data may lie elsewhere
+            or t.is_conj()  # lazy conjugate and negative views: the channel rebuilds size, strides and dtype only
+            or t.is_neg()
+            or storage_id(t.untyped_storage()) in self.fixed
+        ):
+            return t  # a leaf (parameter, buffer) or a tensor the channel cannot move: saved as it is
+        handle = _Saved(t.detach(), self.stage)
+        self.handles.append(handle)
+        return handle
+
+    def settle(self, inputs: Any, outputs: Any) -> int:
+        """Keep the handles that can move, right after the forward, with `inputs` (a_k) and `outputs` (a_{k+1})
+        still held; returns their storages' bytes (`nbytes`)."""
+        values = [t for t in tree_leaves((outputs, inputs)) if _strided(t)]
+        stay = {storage_id(t.untyped_storage()) for t in values}
+        device = values[0].device if values else None  # the stage's device: a CPU index tensor beside CUDA ones stays
+        groups: dict[int, list[_Saved]] = {}
+        for h in self.handles:
+            assert h.tensor is not None  # nothing moved yet
+            groups.setdefault(storage_id(h.tensor.untyped_storage()), []).append(h)
+        moving: list[_Saved] = []
+        nbytes = 0
+        for key, handles in groups.items():
+            storage = handles[0].tensor.untyped_storage()  # type: ignore[union-attr]
+            # one reference per handle, one for `storage` itself: nothing else holds it
+            if key in stay or storage.device != device or storage_use_count(storage) != len(handles) + 1:
+                continue
+            moving += handles
+            nbytes += storage.nbytes()
+        self.handles = moving
+        self.nbytes = nbytes
+        return nbytes
+
+    def take(self) -> tuple[torch.Tensor, ...]:
+        """The tensors to move; the handles let go of them (the caller then holds the only references)."""
+        for h in self.handles:
+            assert h.tensor is not None
+            if tensor_version(h.tensor) != h.version:
+                _unpack(h)  # raises autograd's in-place error, as plain training would at the backward
+        tensors = tuple(h.tensor for h in self.handles if h.tensor is not None)
+        for h in self.handles:
+            h.tensor = None
+        return tensors
+
+    def give(self, tensors: Sequence[torch.Tensor], event: Any, device: torch.device) -> None:
+        """The prefetched tensors back into their handles; the part lets go of the handles, so the graph alone
+        holds them and its backward frees each as plain autograd frees a saved tensor."""
+        for h, t in zip(self.handles, tensors, strict=True):
+            h.tensor = t
+            h.version = tensor_version(t)
+            h.arriving = None if event is None else (event, device)
+        self.handles = []
+
+
+def _strided(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.layout == torch.strided
+
+
 @dataclass
 class Transfers:
-    """One step's transfers: the values on the host, and the prefetched ones compute must wait for."""
+    """One step's transfers: the values and saved parts on the host, and the prefetched values compute must
+    wait for (a prefetched saved part's handles carry their own event)."""
 
     channel: TransferChannel
     on_host: dict[int, HostCopy] = field(default_factory=dict)
     arriving: dict[int, tuple[Any, torch.device]] = field(default_factory=dict)  # k: (event, device) of a_k's prefetch
+    saved_on_host: dict[int, tuple[SavedPart, HostCopy | None]] = field(default_factory=dict)
+    moved: dict[int, int] = field(default_factory=dict)  # per stage: bytes its last OffloadSaved moved
 
     def offload(self, k: int, value: Any) -> None:
         if k in self.on_host:
@@ -297,6 +460,28 @@ class Transfers:
             self.arriving[k] = (event, device)
         return value
 
+    def offload_saved(self, k: int, part: SavedPart) -> None:
+        """`OffloadSaved k`: the storages `part` settled on go to the host; no device reference stays."""
+        if k in self.saved_on_host:
+            raise RuntimeError(f"executor bug: stage {k}'s saved part is already on the host")
+        tensors = part.take()
+        copy = self.channel.offload(tensors) if tensors else None
+        del tensors  # the last device references: the storages are freed (CUDA: once the copy has read them)
+        self.saved_on_host[k] = (part, copy)
+        self.moved[k] = 0 if copy is None else copy.nbytes
+
+    def prefetch_saved(self, k: int) -> None:
+        """`PrefetchSaved k`: the saved part back on the device, views as they were, in the graph's handles."""
+        if k not in self.saved_on_host:
+            raise RuntimeError(f"executor bug: {Op(OpKind.PREFETCH_SAVED, k).label} without a saved part on the host")
+        part, copy = self.saved_on_host.pop(k)
+        if copy is None:
+            return
+        device = copy.device
+        tensors, event = self.channel.prefetch(copy)
+        del copy  # CPU: the host copy goes now
+        part.give(tensors, event, device)
+
     def ready(self, k: int) -> None:
         """Compute is about to read `a_k`: make it wait for the prefetch still copying it (CUDA)."""
         arriving = self.arriving.pop(k, None)
@@ -306,15 +491,20 @@ class Transfers:
 
     @property
     def host_bytes(self) -> int:
-        """Bytes of the values on the host now."""
-        return sum(c.nbytes for c in self.on_host.values())
+        """Bytes of the values and saved parts on the host now."""
+        parts = sum(c.nbytes for _, c in self.saved_on_host.values() if c is not None)
+        return sum(c.nbytes for c in self.on_host.values()) + parts
 
     def clear(self) -> None:
         """The step is over: nothing should be on the host (a valid plan prefetches all); after a failed step,
         the pool buffers still held go back."""
         for copy in self.on_host.values():
             self.channel.discard(copy)
+        for _, saved in self.saved_on_host.values():
+            if saved is not None:
+                self.channel.discard(saved)
         self.on_host.clear()
+        self.saved_on_host.clear()
         self.arriving.clear()
 
 

@@ -87,6 +87,7 @@ def profile(
     progress: Callable[[int, int, float], None] | None = None,
     timed: bool = True,
     options: bool = False,
+    offload: bool = False,
 ) -> Profile:
     """Measure `stages` on `sample` (the chain input `a_0`): times, sizes, transients.
 
@@ -95,7 +96,8 @@ def profile(
     the forward and the caller's loss cost, measured by `measure_outside` (which took `loss_fn`),
     charged as the chain's loss instead of measuring one on the chain output (`charge_outside`).
     `timed=False`: sizes only, times 0 (a new shape's times are derived, lightning_rotor/shapes.py).
-    `options`: measure each stage's option "sac" too (`profile_chain`).
+    `options`: measure each stage's option "sac" too (`profile_chain`); `offload`: each stage's
+    `offloadable` bytes too.
     """
     loss: int | LossFn | None = loss_tmp if loss_tmp is not None else loss_fn
     if outside is not None:
@@ -110,6 +112,7 @@ def profile(
         progress=progress,
         timed=timed,
         options=options,
+        offload=offload,
     )
     if outside is not None:
         measured.chain = charge_outside(measured.chain, outside, loss_tmp)
@@ -149,7 +152,9 @@ def plan_chain(chain: Chain, budget: int, slots: int | None = None) -> Plan:
 
 def runner(stages: Sequence[nn.Module], chain: Chain, chosen: Plan, names: Sequence[str] | None = None) -> PlanRunner:
     """What runs `chosen` on the stages: an autograd Function per call."""
-    return PlanRunner(stages, chosen.ops, names, in_free=chain.in_free, sizes=chain.sizes)
+    return PlanRunner(
+        stages, chosen.ops, names, in_free=chain.in_free, sizes=chain.sizes, offloadable=chain.offloadable
+    )
 
 
 def prepare(

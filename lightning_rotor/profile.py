@@ -45,6 +45,7 @@ from lightning_rotor.engine import (
     versions,
 )
 from lightning_rotor.memory import MemoryProbe, storage_bytes, storage_key
+from lightning_rotor.offload import SavedPart
 from lightning_rotor.selective import EXPENSIVE_OPS, run_selective
 
 # NOTE: [what each field measures] profile_chain fills a `Chain` exactly as docs/memory-model.md
@@ -77,7 +78,10 @@ from lightning_rotor.selective import EXPENSIVE_OPS, run_selective
 #   the first stage after them gets its input without grad, as plain autograd gives it;
 # - `input_size`: bytes of `a_0`; `loss_value`: the loss value and its seed gradient,
 #   held from the end of the loss to the end of the step (`LOSS_HELD` bytes when the
-#   loss is given as bytes).
+#   loss is given as bytes);
+# - `offloadable` (only when profiled with `offload=True`): per stage, the bytes of the storages
+#   the recorded `Fe k` saved that `OffloadSaved k` moves, found by `offload.SavedPart` in the
+#   recorded measurement run, exactly as the executor finds them.
 #
 # NOTE: [stage times]
 # Times are taken in rounds over the whole chain, on the current thread count:
@@ -471,8 +475,11 @@ def _measure_recorded(
     accumulate: bool,
     params: list[torch.Tensor],
     free_grads: bool,
-) -> tuple[int, int, int, int, list[bool]]:
-    """(fwd_tmp, saved bytes, out_free, backward peak above a_k, output kept) of one stage run `Fe` then `B`.
+    pack: SavedPart | None = None,
+) -> tuple[int, int, int, int, list[bool], int]:
+    """(fwd_tmp, saved bytes, out_free, backward peak above a_k, output kept, offloadable bytes) of one stage run
+    `Fe` then `B`; `pack`: record the forward behind its handles, as the executor records an `Fe k` whose
+    saved part moves, to find the offloadable bytes (0 without).
 
     Output kept: per tensor of `a_{k+1}`, whether its storage outlives the value (the graph
     keeps it, or it is `a_k`'s).
@@ -493,7 +500,14 @@ def _measure_recorded(
         probe.track(value)
         base = probe.current
         watch.start()
-        held = list(forward(True))  # [leaf input, output]
+        if pack is None:
+            held = list(forward(True))  # [leaf input, output]
+        else:
+            with pack.recording():
+                held = list(forward(True))
+            pack.settle(value, held[1])  # with a_k and a_{k+1} held, as the executor settles it
+        offloadable = 0 if pack is None else pack.nbytes
+        del pack  # the graph alone holds the handles now: the backward below frees as the executor's does
         peak, end = watch.stop()
         probe.mark("after")
         fwd_tmp = max(probe.peak - probe.current, peak - end)
@@ -519,7 +533,7 @@ def _measure_recorded(
         bwd_peak = max(probe.peak - a_k, probe.current - a_k, with_delta - out_free - a_k + alloc_peak)
     untouched.clear_grads()
     untouched.restore_buffers()
-    return fwd_tmp, saved, out_free, bwd_peak, out_kept
+    return fwd_tmp, saved, out_free, bwd_peak, out_kept, offloadable
 
 
 class _OpKinds(TorchDispatchMode):
@@ -672,11 +686,14 @@ def profile_chain(
     progress: Callable[[int, int, float], None] | None = None,
     timed: bool = True,
     options: bool = False,
+    offload: bool = False,
 ) -> Profile:
     """Measure `stages` on `sample` (the chain input `a_0`); see NOTE: [what each field measures].
 
     `options`: also measure each stage's option "sac" (chain version 5, `_measure_option`) and keep
     it where it saves fewer bytes than recording all; its times come from the same timing rounds.
+
+    `offload`: also measure each stage's `offloadable` bytes (chain version 6), what `OffloadSaved k` moves.
 
     `progress(stages_done, stages, seconds)` is called after each stage, for a progress line.
     `timed=False` measures sizes only: no timing rounds, every time 0 (a new input shape's times
@@ -700,6 +717,7 @@ def profile_chain(
     output_kept: list[bool] = []  # per tensor of a_k: kept by the graph of F_{k-1}
     frozen = 0  # stages so far that need no backward (chain version 4): a prefix
     stage_options: list[list[StageOption]] = []  # per stage: option "sac" where kept (chain version 5)
+    offloadable: list[int] = []  # per stage: what OffloadSaved k moves (chain version 6), 0 unless `offload`
     with Untouched(stages, [device]) as untouched:
         for k, stage in enumerate(stages):
             if frozen == k and not needs_grad and not any(p.requires_grad for p in stage.parameters()):
@@ -711,6 +729,7 @@ def profile_chain(
                     output_kept = [False] * len(own)
                     del keys, out
                     frozen += 1
+                    offloadable.append(0)
                     stage_options.append([])
                     if progress is not None:
                         progress(k + 1, len(stages), time.perf_counter() - start)
@@ -746,10 +765,19 @@ def profile_chain(
             # (a real transient); the larger backward figure is kept, as either may happen in training
             recorded = [
                 _measure_recorded(
-                    forward, value, exclude, watch, untouched, accumulate, list(stage.parameters()), free_grads=True
-                )
+                    forward,
+                    value,
+                    exclude,
+                    watch,
+                    untouched,
+                    accumulate,
+                    list(stage.parameters()),
+                    free_grads=True,
+                    pack=SavedPart(k, [*stage.parameters(), *stage.buffers()]) if offload and not accumulate else None,
+                )  # fmt: skip
                 for accumulate in (False, True)
             ]
+            offloadable.append(recorded[0][5])
             fwd_tmp, saved_size = recorded[0][:2]
             output_kept = [any(kept) for kept in zip(*(r[4] for r in recorded), strict=True)]
             out_free = min(r[2] for r in recorded)
@@ -808,6 +836,7 @@ def profile_chain(
                 for o in stage_options[k]
             ]
     fields["options"] = stage_options
+    fields["offloadable"] = offloadable
     # the loss value lives from the end of the loss to the end of the step (chain version 3: loss_value)
     chain = Chain(
         input_size=storage_bytes(sample),

@@ -8,7 +8,7 @@ from lightning_rotor.ops import OpKind
 from lightning_rotor.pipeline import Entry
 from lightning_rotor.simulate import simulate
 
-__all__ = ["offloaded_stages", "stage_markdown", "stage_rows", "stage_text", "transfer_line"]
+__all__ = ["offloaded_stages", "saved_offloaded_stages", "stage_markdown", "stage_rows", "stage_text", "transfer_line"]
 
 
 def stage_rows(entry: Entry) -> list[tuple[str, int, int, float, float, str]]:
@@ -19,7 +19,7 @@ def stage_rows(entry: Entry) -> list[tuple[str, int, int, float, float, str]]:
     for op in entry.plan.ops:
         if op.kind is OpKind.FC and op.stage is not None:
             kept[op.stage] = True
-    moved = offloaded_stages(entry)
+    moved, saved = offloaded_stages(entry), saved_offloaded_stages(entry)
     rows = []
     for k in range(chain.length):
         decision = "recompute" if runs[k] > 1 else "keep"
@@ -29,6 +29,8 @@ def stage_rows(entry: Entry) -> list[tuple[str, int, int, float, float, str]]:
             decision += " (checkpoint input)"
         if k in moved:
             decision += " (input offloaded)"
+        if k in saved:
+            decision += " (saved part offloaded)"
         rows.append(
             (chain.names[k], chain.out_size[k], chain.saved_size[k], chain.fwd_time[k], chain.bwd_time[k], decision)
         )
@@ -40,20 +42,29 @@ def offloaded_stages(entry: Entry) -> set[int]:
     return {op.stage for op in entry.plan.ops if op.kind is OpKind.OFFLOAD and op.stage is not None}
 
 
+def saved_offloaded_stages(entry: Entry) -> set[int]:
+    """The stages whose recorded graph's saved part the plan moves to host memory (`OffloadSaved k`)."""
+    return {op.stage for op in entry.plan.ops if op.kind is OpKind.OFFLOAD_SAVED and op.stage is not None}
+
+
 def transfer_line(entry: Entry) -> str | None:
     """What offloading does in this plan (None when the chain does not offload): the inputs moved, the
     bandwidth, the host memory at most (by the simulator)."""
     chain = entry.chain
     if not chain.offloads:
         return None
-    moved = sorted(offloaded_stages(entry))
+    moved, saved = sorted(offloaded_stages(entry)), sorted(saved_offloaded_stages(entry))
     limit = f", host limit {format_bytes(chain.host_limit)}" if chain.host_limit is not None else ""
-    if not moved:
-        return f"offloading at {format_bandwidth(chain.bandwidth)}{limit}: no stage input offloaded in this plan"
+    if not moved and not saved:
+        return f"offloading at {format_bandwidth(chain.bandwidth)}{limit}: nothing offloaded in this plan"
     host = simulate(chain, entry.plan.ops).host_peak
-    names = ", ".join(chain.names[k] for k in moved)
+    parts = [
+        f"{what} of {', '.join(chain.names[k] for k in ks)}"
+        for what, ks in (("inputs", moved), ("saved parts", saved))
+        if ks
+    ]
     return (
-        f"offloading at {format_bandwidth(chain.bandwidth)}{limit}: inputs of {names} offloaded, "
+        f"offloading at {format_bandwidth(chain.bandwidth)}{limit}: {' and '.join(parts)} offloaded, "
         f"host memory at most {format_bytes(host)}"
     )
 
@@ -63,12 +74,13 @@ def stage_text(entry: Entry) -> str:
     chain, chosen, runs = entry.chain, entry.plan, entry.runs
     width = max(len(n) for n in chain.names)
     lines = [f"{'stage':<{width}}  {'out':>10}  {'saved':>10}  {'fwd ms':>8}  {'bwd ms':>8}  runs"]
-    moved = offloaded_stages(entry)
+    moved, parts = offloaded_stages(entry), saved_offloaded_stages(entry)
     for k, (name, out, saved, fwd, bwd, _) in enumerate(stage_rows(entry)):
         lines.append(
             f"{name:<{width}}  {format_bytes(out):>10}  {format_bytes(saved):>10}  {fwd * 1e3:8.3f}  "
             f"{bwd * 1e3:8.3f}  {runs[k]}{' (recomputed)' if runs[k] > 1 else ''}"
             f"{' (frozen)' if k < chain.frozen else ''}{' (input offloaded)' if k in moved else ''}"
+            f"{' (saved part offloaded)' if k in parts else ''}"
         )
     base = chain.no_recompute_time()
     budget = f"budget {format_bytes(chosen.budget)}, predicted peak {format_bytes(chosen.peak)}"

@@ -324,7 +324,7 @@ def test_checkpointable_with_offload_trains_bitwise_like_plain():
     entry = rotor.prepare_for(x)
     assert rotor.chain.bandwidth == 12e9 and rotor.chain.host_limit == 2**20 and rotor.bandwidth == 12e9
     chain = uniform_times(rotor.chain)
-    recompute = plan(chain, entry.plan.budget)
+    recompute = plan(chain, entry.plan.budget, bandwidth=0)  # no offloads: they are inserted below
     ops = with_offloads(chain, recompute.ops)
     assert any(op.kind is OpKind.OFFLOAD for op in ops)
     sim = simulate(chain, ops)
@@ -344,8 +344,11 @@ def test_checkpointable_with_offload_trains_bitwise_like_plain():
     assert f"host memory at most {format_bytes(sim.host_peak)}" in summary
     rotor.zero_grad(set_to_none=True)
     measured = measured_step(rotor, x, y, loss)
-    assert measured.peak <= sim.peak <= rotor.plan.budget
-    assert measured.host_peak == sim.host_peak > 0
+    ran = measured.entry  # the step's budget may give the call a plan of its own (lightning_rotor/calls.py)
+    assert ran is not None
+    ran_sim = simulate(ran.chain, ran.plan.ops)
+    assert measured.peak <= ran_sim.peak <= rotor.plan.budget
+    assert measured.host_peak == ran_sim.host_peak
 
 
 def test_checkpointable_measures_the_bandwidth_when_offload_is_true():
@@ -395,7 +398,7 @@ def test_offload_benchmark_runs_on_cpu_with_measured_peaks_as_predicted(capsys):
     assert bench.main(["--cpu", "--models", "resnet18", "--budgets", "0.8", "--repeats", "1"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.lstrip().startswith("resnet18 ")]
     # model, budget (3 words), schedule, offloads, 3 times, pred and meas peak (2 words each), peak/budget, hosts
-    assert [row[4] for row in rows] == ["off", "on", "inserted"]
+    assert [row[4] for row in rows] == ["off", "on", "inserted", "saved", "both"]
     for row in rows:
         assert row[9:11] == row[11:13] and float(row[13]) <= 1.0 and row[14:16] == row[16:18]
     for row in rows:  # host memory exactly where a schedule offloads (whether one does depends on measured times)
