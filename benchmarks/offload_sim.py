@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import math
 import platform
 import statistics
@@ -28,6 +29,7 @@ from pathlib import Path
 
 from lightning_rotor.budget import format_bandwidth, format_bytes
 from lightning_rotor.chain import Chain
+from lightning_rotor.ops import OpKind
 from lightning_rotor.planner import InfeasibleBudget, min_feasible_budget, plan
 from lightning_rotor.simulate import no_recompute_peak, simulate
 
@@ -39,7 +41,7 @@ EXAMPLE_TIMES = {  # where the example chains' times come from
 HAND_WRITTEN = "examples/, hand-written, GPU-like (origin not recorded)"
 CHAINS_DIR = ROOT / "benchmarks" / "results" / "offload_sim_chains"
 CHART = ROOT / "docs" / "benchmarks" / "offload_sim.png"
-BANDWIDTHS = [12e9, 25e9]  # about PCIe 3 x16 and PCIe 4 x16 (or 5 x16 one way, in practice)
+BANDWIDTHS = [12e9, 25e9, 64e9]  # about PCIe 3 x16, PCIe 4 x16, PCIe 5 x16 (each way, in practice less)
 IDEAL = 1e15  # a link no copy waits on: what the planner's family of offloading schedules could give at best
 MARKS = [0.5, 0.3]  # budgets, as fractions of the no-recomputation peak, where the share removed is reported
 
@@ -84,19 +86,39 @@ def profile_zoo(models: list[str], out: Path) -> None:
     for name in models:
         start = time.perf_counter()
         w = load_workload(name, batch_size=BATCH.get(name, 8), size="bench", device=torch.device("cpu"))
-        chain = profile_chain(w.stages, w.x, names=w.stage_names, loss_tmp=lambda o, w=w: w.loss(o, w.y)).chain
+        chain = profile_chain(
+            w.stages, w.x, names=w.stage_names, loss_tmp=lambda o, w=w: w.loss(o, w.y), offload=True
+        ).chain  # offload=True: each stage's offloadable saved bytes measured as the executor moves them
         chain.save(out / f"{name}.json")
         print(f"profiled {name}: {chain.length} stages in {time.perf_counter() - start:.1f} s", flush=True)
 
 
-def chains_to_study(models: list[str], examples: bool) -> dict[str, tuple[Chain, str]]:
-    """name -> (chain, where its times come from)."""
+def estimated_saved_parts(chain: Chain) -> Chain:
+    """`chain` whose stages may move what they save beyond their output, where it says nothing of it.
+
+    The example chains carry no `offloadable` figures (they were not profiled with offloading on); what a
+    stage saves beyond its output is about what the profiler finds (it leaves out a_k, a_{k+1} and
+    parameters).
+    """
+    if any(chain.offloadable):
+        return chain
+    beyond = [max(0, s - o) for s, o in zip(chain.saved_size, chain.out_size, strict=True)]
+    return dataclasses.replace(chain, offloadable=beyond)
+
+
+def chains_to_study(models: list[str], examples: bool, saved_parts: bool = True) -> dict[str, tuple[Chain, str]]:
+    """name -> (chain, where its times come from); without `saved_parts` only stage inputs may move."""
     found: dict[str, tuple[Chain, str]] = {}
     for name in models:
         found[name] = (Chain.load(CHAINS_DIR / f"{name}.json"), "profiled here, CPU, 1 thread")
     if examples:
         for path in sorted((ROOT / "examples").glob("*.json")):
             found[path.stem] = (Chain.load(path), EXAMPLE_TIMES.get(path.stem, HAND_WRITTEN))
+    for name, (chain, source) in found.items():
+        if not saved_parts:
+            found[name] = (dataclasses.replace(chain, offloadable=None), source)
+        elif not any(chain.offloadable):
+            found[name] = (estimated_saved_parts(chain), source + "; saved parts estimated")
     return found
 
 
@@ -137,7 +159,7 @@ def study(name: str, chain: Chain, bandwidth: float, budgets: list[int], slots: 
                 no_recompute=chain.no_recompute_time(),
                 recompute_only=rec_sim.time,
                 offload=off_sim.time,
-                offloaded=sum(1 for op in off.ops if op.kind.value == "Offload"),
+                offloaded=sum(1 for op in off.ops if op.kind is OpKind.OFFLOAD or op.kind is OpKind.OFFLOAD_SAVED),
                 host_peak=off_sim.host_peak,
                 peak_offload=off_sim.peak,
                 peak_recompute=rec_sim.peak,
@@ -161,11 +183,12 @@ def checkpoint_share(chain: Chain) -> float:
 
 
 def link_ratio(chain: Chain, bandwidth: float) -> float:
-    """Seconds to copy every offloadable stage input once over the link, per second of forward compute.
+    """Seconds to copy every offloadable stage input and saved part once over the link, per second of forward
+    compute.
 
     Far below 1: copies hide behind the forwards and offloading is nearly free. Near or above 1: they cannot.
     """
-    moved = sum(chain.sizes[chain.frozen + 1 : chain.length]) / bandwidth
+    moved = (sum(chain.sizes[chain.frozen + 1 : chain.length]) + sum(chain.offloadable[chain.frozen :])) / bandwidth
     forward = sum(chain.fwd_time)
     return moved / forward if forward > 0 else math.inf
 
@@ -358,11 +381,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-ideal", action="store_true", help="leave out the ideal link (1 PB/s), a reference")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "offload_sim"), help="<out>.md, .csv")
     parser.add_argument("--chart", default=str(CHART))
+    parser.add_argument(
+        "--inputs-only", action="store_true", help="offload stage inputs only (no saved parts of recorded stages)"
+    )
     args = parser.parse_args(argv)
     missing = [m for m in args.models if not (CHAINS_DIR / f"{m}.json").exists()]
     if args.reprofile or missing:
         profile_zoo(args.models if args.reprofile else missing, CHAINS_DIR)
-    chains = chains_to_study(args.models, not args.no_examples)
+    chains = chains_to_study(args.models, not args.no_examples, saved_parts=not args.inputs_only)
     results: dict[tuple[str, float], list[Point]] = {}
     for name, (chain, _) in chains.items():
         budgets = budgets_of(chain, args.budgets)
