@@ -109,16 +109,16 @@ def estimated_saved_parts(chain: Chain) -> Chain:
 def chains_to_study(models: list[str], examples: bool, saved_parts: bool = True) -> dict[str, tuple[Chain, str]]:
     """name -> (chain, where its times come from); without `saved_parts` only stage inputs may move."""
     found: dict[str, tuple[Chain, str]] = {}
-    for name in models:
+    for name in models:  # profiled with offloading on: their offloadable bytes are measured (0 where none)
         found[name] = (Chain.load(CHAINS_DIR / f"{name}.json"), "profiled here, CPU, 1 thread")
     if examples:
         for path in sorted((ROOT / "examples").glob("*.json")):
-            found[path.stem] = (Chain.load(path), EXAMPLE_TIMES.get(path.stem, HAND_WRITTEN))
-    for name, (chain, source) in found.items():
-        if not saved_parts:
-            found[name] = (dataclasses.replace(chain, offloadable=None), source)
-        elif not any(chain.offloadable):
-            found[name] = (estimated_saved_parts(chain), source + "; saved parts estimated")
+            chain, source = Chain.load(path), EXAMPLE_TIMES.get(path.stem, HAND_WRITTEN)
+            if saved_parts and not any(chain.offloadable):
+                chain, source = estimated_saved_parts(chain), source + "; saved parts estimated"
+            found[path.stem] = (chain, source)
+    if not saved_parts:
+        found = {name: (dataclasses.replace(c, offloadable=None), source) for name, (c, source) in found.items()}
     return found
 
 
