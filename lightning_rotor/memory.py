@@ -387,24 +387,6 @@ class CudaMemoryProbe(_HostAccount):
         self.marks: list[tuple[str, int, int]] = []  # (label, -1, bytes allocated), like MemoryProbe.marks
         self._host_init()
 
-    def _add_host(self, tensors: Any, inputs: set[int]) -> None:
-        """Count new storages as host copies (made inside `host_allocations`)."""
-        for t in tree_leaves(tensors):
-            if not _strided(t) or t.device.type == "meta":
-                continue
-            storage = t.untyped_storage()
-            key = storage_id(storage)
-            if key in inputs or key in self._live:
-                continue
-            old = self._host_live.get(key)
-            if old is not None and not old[0].expired():
-                continue
-            if old is not None:
-                self.host_current -= old[1]
-            self._host_live[key] = (StorageWeakRef(storage), storage.nbytes())
-            self.host_current += storage.nbytes()
-        self.host_peak = max(self.host_peak, self.host_current)
-
     def track(self, *tensors: Any) -> None:
         self._tracked += storage_bytes(tensors)
 

@@ -6,12 +6,12 @@ the way the planner's family places them (spec: a kept `a_s` of a split `Fc s, F
 `Fc s` and comes back before the right part's last op, `B s2`), each checked valid by the simulator.
 """
 
-import dataclasses
 import sys
 
 import pytest
 import torch
-from training import assert_same_state, grads, measured_step, train
+from training import DROPOUT_GPT as GPT
+from training import assert_same_state, grads, measured_step, train, uniform_times
 
 from lightning_rotor.budget import format_bytes
 from lightning_rotor.checkpointable import Checkpointable
@@ -58,13 +58,6 @@ def with_offloads(chain, ops):
     return ops
 
 
-def uniform_times(chain):
-    """The chain with every forward 1 s and every backward 2 s: measured times vary, the plans here must not."""
-    n = chain.length
-    return dataclasses.replace(chain, fwd_time=[1.0] * n, bwd_time=[2.0] * n)
-
-
-GPT = dict(vocab_size=64, block_size=16, n_layer=6, n_head=2, n_embd=16, dropout=0.1)  # dropout: RNG replayed
 CASES = {
     "gpt": (GPT, 0.02),
     "resnet18": (MODELS["resnet18"].tiny, 0.1),  # BatchNorm: running statistics updated once

@@ -4,6 +4,8 @@ rotor-wrapped copy, losses, and the comparisons of their results (Lightning help
 Plain functions, not fixtures: they take the model and data they work on as arguments.
 """
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -55,3 +57,12 @@ def check_measured_peak(ckpt, measured):
     chosen = ckpt.plan
     assert measured <= chosen.budget
     assert 0.9 * chosen.peak <= measured <= chosen.peak, (measured, chosen.peak)
+
+
+DROPOUT_GPT = dict(vocab_size=64, block_size=16, n_layer=6, n_head=2, n_embd=16, dropout=0.1)  # RNG replayed
+
+
+def uniform_times(chain):
+    """The chain with every forward 1 s and every backward 2 s: measured times vary, plans under test must not."""
+    n = chain.length
+    return dataclasses.replace(chain, fwd_time=[1.0] * n, bwd_time=[2.0] * n)
