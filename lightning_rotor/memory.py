@@ -66,6 +66,18 @@ def _strided(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.layout == torch.strided
 
 
+def _op_tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in an op's arguments or results (tensors, lists, tuples, dicts of them): what
+    `tree_leaves` finds there, without its per-node cost, which the probe pays on every op."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _op_tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _op_tensors(v)]
+    return []
+
+
 def storage_bytes(tensors: Any) -> int:
     """Bytes of the distinct storages behind the tensors in a (nested) structure."""
     seen: dict[int, int] = {}
@@ -216,8 +228,9 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
         self._closed = False
 
     # -- accounting -------------------------------------------------------------------------
-    def _excluded(self) -> set[int]:
-        keys = set(self._fixed)
+    def _gradients(self) -> set[int]:
+        """Storages of the excluded parameters' gradients (parameter memory, not activations)."""
+        keys = set()
         for p in self._params:
             g = p.grad
             if g is not None and g.layout == torch.strided:
@@ -225,8 +238,10 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
         return keys
 
     def _sweep(self) -> None:
-        excluded = self._excluded() if self._params else self._fixed
-        dead = [k for k, (ref, _) in self._live.items() if k in excluded or ref.expired()]
+        if not self._live and not self._host_live:
+            return
+        fixed, grads = self._fixed, self._gradients() if self._params else ()
+        dead = [k for k, (ref, _) in self._live.items() if k in fixed or k in grads or ref.expired()]
         for k in dead:
             self.current -= self._live.pop(k)[1]
         if self._host_live:
@@ -242,9 +257,9 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
             frame = frame.f_back
         return False
 
-    def _add(self, tensors: Any, inputs: set[int] = frozenset(), bookkeeping: bool | None = None) -> None:
-        """Count the new storages behind `tensors`; `bookkeeping` None: look up (once) whether a bookkeeping
-        function made them."""
+    def _add(self, tensors: list[Any], inputs: set[int] = frozenset(), bookkeeping: bool | None = None) -> None:
+        """Count the new storages behind `tensors` (flattened); `bookkeeping` None: look up (once) whether a
+        bookkeeping function made them."""
         making = _making_host()
         if making == "copies":
             self._add_host(tensors, inputs)
@@ -252,7 +267,7 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
         if making == "buffers":
             self._fixed.update(storage_key(t) for t in tree_leaves(tensors) if _strided(t))
             return
-        for t in tree_leaves(tensors):
+        for t in tensors:
             if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.device.type == "meta":
                 continue
             storage = t.untyped_storage()
@@ -307,7 +322,7 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
         for t in tree_leaves(tensors):
             if _strided(t):
                 self._uncounted.pop(storage_key(t), None)
-        self._add(tensors, bookkeeping=False)
+        self._add(tree_leaves(tensors), bookkeeping=False)
 
     def reset_peak(self) -> None:
         """Start a new peak from what is alive now."""
@@ -356,8 +371,8 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         # an output on an input's storage (a view, an in-place op) is no new allocation
-        inputs = {storage_key(t) for t in tree_leaves((args, kwargs)) if _strided(t)}
-        self._add(out, inputs)
+        inputs = {storage_key(t) for t in _op_tensors((args, kwargs)) if t.layout == torch.strided}
+        self._add(_op_tensors(out), inputs)
         self.ops += 1
         if self.record_curve:
             self.curve.append(self.current)
