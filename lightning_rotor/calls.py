@@ -117,6 +117,8 @@ def step_budgets(
     smallest budget (the step fits whenever `total >= step_minimum`); and `tried`, the
     budgets a step of this structure already ran with. None when nothing fits.
     """
+    if len(signatures) == 1:  # one call: the whole budget is its fastest (the plan at a budget is its fastest within)
+        return [total] if total >= smallest[signatures[0]] else None
     low = max(smallest[s] for s in signatures)
     caps = sorted({total, *(low + (total - low) * i // GRID for i in range(GRID))} - {0}, reverse=True)
     candidates = [[c] * len(signatures) for c in caps if c >= low]
