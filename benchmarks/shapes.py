@@ -4,7 +4,8 @@ order (dynamic padding), plain training against rotor.
     python benchmarks/shapes.py --n-layer 4 --n-embd 64 --batch 4 --lengths 20 --steps 40 --runs 3 --threads 1
 
 Variants: `plain`; `rotor` (a later shape profiled for sizes only, its times derived by FLOPs: the
-default); `rotor-full` (`derive_shapes=False`: every shape timed, as before issue 18); `rotor-buckets`
+default); `rotor-predict` (`predict_shapes=True`: a shape of a measured family gets no run when a bound from
+the measured shapes' chains meets its budget); `rotor-full` (`derive_shapes=False`: every shape timed); `rotor-buckets`
 (`shape_buckets={1: --buckets}`). Per variant and run: the total time of steps 2..N (the first step, which
 profiles the first shape, excluded) and its ratio to plain's in the same round; printed as medians and
 spread ((max - min) / median) over `--runs` rounds. Then one untimed check per rotor variant: every step's
@@ -56,6 +57,8 @@ def make(args: argparse.Namespace, variant: str) -> nn.Module:
     options: dict = {"repeats": args.repeats}
     if variant == "rotor-full":
         options["derive_shapes"] = False
+    if variant == "rotor-predict":
+        options["predict_shapes"] = True
     if variant == "rotor-buckets":
         options["shape_buckets"] = {1: args.buckets}
     return Checkpointable(model, args.budget, **options)
@@ -98,7 +101,7 @@ def check(args: argparse.Namespace, variant: str, data: Batches) -> str:
         opt.step()
     plans = len(rotor.entries)
     return (
-        f"{variant}: {plans} plans; steps above budget {over}/{len(data)} "
+        f"{variant}: {plans} plans ({plans - len(rotor.predicted)} measured); steps above budget {over}/{len(data)} "
         f"(max peak/budget {worst:.3f}); grads unequal {unequal}"
     )
 
@@ -117,7 +120,7 @@ def main() -> None:
     parser.add_argument("--budget", default="60%")
     parser.add_argument("--repeats", type=int, default=3, help="timing rounds of the first shape's profile")
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--variants", nargs="+", default=["rotor", "rotor-buckets", "rotor-full"])
+    parser.add_argument("--variants", nargs="+", default=["rotor", "rotor-predict", "rotor-buckets", "rotor-full"])
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on a shared machine)")
     parser.add_argument("--no-check", action="store_true")
     args = parser.parse_args()

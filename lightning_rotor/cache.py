@@ -32,11 +32,16 @@ from lightning_rotor.profile import Profile
 __all__ = ["PlanCache", "plan_key", "signature", "stage_fingerprints"]
 
 
-def signature(value: Any) -> str:
-    """What makes a new profile necessary: shapes, dtypes, devices, grad flags, autocast (a string key)."""
+def signature(value: Any, shapes: bool = True) -> str:
+    """What makes a new profile necessary: shapes, dtypes, devices, grad flags, autocast (a string key).
+
+    `shapes=False`: each tensor's rank instead of its shape, the key of a family of shapes.
+    """
     flat, spec = tree_flatten(value)
     leaves = tuple(
-        (tuple(t.shape), t.dtype, str(t.device), t.requires_grad) if isinstance(t, torch.Tensor) else repr(t)
+        (tuple(t.shape) if shapes else t.dim(), t.dtype, str(t.device), t.requires_grad)
+        if isinstance(t, torch.Tensor)
+        else repr(t)
         for t in flat
     )
     autocast = tuple(
@@ -47,7 +52,7 @@ def signature(value: Any) -> str:
     return repr((str(spec), leaves, autocast))
 
 
-def plan_key(value: Any, trainable: Sequence[bool]) -> str:
+def plan_key(value: Any, trainable: Sequence[bool], shapes: bool = True) -> str:
     """The input's signature, and which stage parameters are frozen when some are.
 
     Freezing or unfreezing parameters changes what the stages save and the frozen prefix
@@ -55,7 +60,7 @@ def plan_key(value: Any, trainable: Sequence[bool]) -> str:
     profiles and plans again. With every parameter trainable the key is the signature alone.
     `trainable`: the stage parameters' `requires_grad`, in order.
     """
-    key = signature(value)
+    key = signature(value, shapes)
     if all(trainable):
         return key
     return f"{key} requires_grad={''.join('1' if f else '0' for f in trainable)}"

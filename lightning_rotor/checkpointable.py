@@ -26,6 +26,7 @@ planned against what the step's pending calls leave (lightning_rotor/calls.py).
 from __future__ import annotations
 
 import inspect
+import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -48,7 +49,16 @@ from lightning_rotor.ops import is_no_recompute
 from lightning_rotor.pipeline import Entry
 from lightning_rotor.planner import InfeasibleBudget, Plan, min_feasible_budget
 from lightning_rotor.profile import Profile
-from lightning_rotor.shapes import bucketed, check_buckets, derived_times, feasible_for_shape, stage_flops
+from lightning_rotor.shapes import (
+    bucketed,
+    check_buckets,
+    derived_times,
+    feasible_for_shape,
+    input_dims,
+    predicted_chain,
+    size_axis,
+    stage_flops,
+)
 from lightning_rotor.shared_budget import Budget, auto_total
 from lightning_rotor.simulate import no_recompute_peak
 from lightning_rotor.stages import Stages, sequential_stages
@@ -88,6 +98,10 @@ class Checkpointable(nn.Module):
     `derive_shapes`: a later input shape is profiled for sizes only, its times derived from the
     first shape's by FLOP counts (lightning_rotor/shapes.py; compiled stages: every shape is timed);
     False times every shape.
+    `predict_shapes`: a later shape that differs from measured ones in one size (a sequence length, say)
+    gets no run at all: it is planned on a chain bounding its own from above, made from the measured
+    shapes' chains, and measured only when that bound cannot meet its budget; `.predicted` maps those
+    shapes' plan keys to the sizes they came from (lightning_rotor/shapes.py: what the bound rests on).
     `shape_buckets`: fewer plans, e.g. `{1: [64, 128, 256]}`: an input of length `n` along dimension 1
     runs the plan of the smallest bucket `>= n` (the input itself is not padded; lightning_rotor/shapes.py).
 
@@ -123,6 +137,7 @@ class Checkpointable(nn.Module):
         fallback_plain: bool = False,
         compile: bool | dict[str, Any] | None = None,
         derive_shapes: bool = True,
+        predict_shapes: bool = False,
         shape_buckets: dict[int, list[int]] | None = None,
         options: bool = False,
         offload: bool | int | float | str = False,
@@ -159,6 +174,11 @@ class Checkpointable(nn.Module):
             raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
         self.repeats = repeats
         self.derive_shapes = derive_shapes
+        self.predict_shapes = bool(predict_shapes)
+        self.predicted: dict[str, tuple[int, ...]] = {}  # plan key -> the measured sizes its chain came from
+        # measured shapes, as (family, input shapes, chain, its no-recomputation peak)
+        self._measured_shapes: list[tuple[str, tuple[tuple[int, ...], ...], Chain, int]] = []
+        self._peak_floors: dict[str, int] = {}  # plan key of a predicted shape -> a lower bound of its own peak
         self.options = bool(options)
         self.offload = offload  # as given; `bandwidth` is what it resolves to (bytes/s, measured once for True)
         self.host_limit = host_bytes
@@ -347,6 +367,10 @@ class Checkpointable(nn.Module):
     def _prepare(self, value: Any, key: str) -> Entry:
         if self.distributed:
             self._refuse_tied_under_ddp()
+        if self.predict_shapes and self._first is not None:
+            predicted = self._predicted_entry(value, key)
+            if predicted is not None:
+                return predicted
         outside = self._outside_now if self.discovery is not None and self.discovery.run is not None else None
         # compiled stages are timed at every shape: an eval-mode count would compile graphs of its own
         flops = stage_flops(self.stages, value) if self.derive_shapes and self.compiler is None else None
@@ -370,7 +394,41 @@ class Checkpointable(nn.Module):
             nbytes = self.budget
         else:
             nbytes = self._shape_bytes(key, measured.chain, self._budget(), *self._first)
+        if self.predict_shapes:
+            chain = measured.chain
+            self._measured_shapes.append((self._family(value), input_dims(value), chain, no_recompute_peak(chain)))
         return self.plan_cache.build(measured, pipeline.plan_chain(measured.chain, nbytes, self.slots))
+
+    def _family(self, value: Any) -> str:
+        """The plan key of `value` with each tensor's shape left out: inputs whose chains may be interpolated."""
+        return plan_key(value, [p.requires_grad for p in self._stage_parameters()], shapes=False)
+
+    def _predicted_entry(self, value: Any, key: str) -> Entry | None:
+        """The entry of a shape of a measured family, planned on a chain bounding its own (`shapes.predicted_chain`)
+        at its budget (a fraction of a lower estimate of its peak), or None: measure it
+        (no measured shape along one size axis, or the bound cannot meet the budget)."""
+        start = time.perf_counter()
+        family, dims = self._family(value), input_dims(value)
+        axes: dict[tuple[tuple[int, int], ...], list[tuple[int, Chain, int]]] = {}
+        for their_family, their_dims, chain, peak in self._measured_shapes:
+            found = size_axis(their_dims, dims) if their_family == family else None
+            if found is not None:
+                axes.setdefault(found[0].coords, []).append((found[1], chain, peak))
+        if len(axes) != 1 or self._first is None:
+            return None  # none measured along one axis, or several axes: no single size to bound by
+        ((coords, points),) = axes.items()
+        x = dims[coords[0][0]][coords[0][1]]
+        predicted = predicted_chain(points, x, len(coords))
+        if predicted is None:
+            return None
+        chain, floor = predicted
+        nbytes = self._budget().for_shape(chain, *self._first, fraction_of=floor)
+        if nbytes < min_feasible_budget(chain):
+            return None  # the bound is too loose here for this budget: measure the shape
+        chosen = pipeline.plan_chain(chain, nbytes, self.slots)
+        self.predicted[key] = tuple(sorted(size for size, _, _ in points))
+        self._peak_floors[key] = floor
+        return self.plan_cache.build(Profile(chain, seconds=time.perf_counter() - start), chosen)
 
     def _bandwidth_for(self, chain: Chain, value: Any) -> float:
         """The transfer bandwidth in bytes/s: as given, or measured once on the chain input's device,
@@ -386,7 +444,7 @@ class Checkpointable(nn.Module):
     def _shape_bytes(self, key: str, chain: Chain, rule: Budget, first: int, first_need: int) -> int:
         """The bytes of a later shape (`Budget.for_shape`); below its smallest feasible budget a byte
         budget raises `InfeasibleShape` and the others plan at the smallest (`shapes.feasible_for_shape`)."""
-        nbytes = rule.for_shape(chain, first, first_need)
+        nbytes = rule.for_shape(chain, first, first_need, self._peak_floors.get(key))
         shape = self._shapes.get(key, "of a saved signature")
         return feasible_for_shape(nbytes, min_feasible_budget(chain), shape, isinstance(rule.value, int))
 

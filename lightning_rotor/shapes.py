@@ -22,6 +22,28 @@ forward FLOPs at the two shapes (`torch.utils.flop_counter.FlopCounterMode`, one
 grad), or, for a stage without matmuls or convolutions, by the ratio of its output sizes.
 A wrong time only makes a plan slower, never above its budget.
 
+Fewer profiles (`Checkpointable(predict_shapes=True)`): a later shape of the same family (its
+input differs from measured ones only in one size, along one or more dimensions) gets no run at
+all. Its chain bounds the real one from above, from the measured shapes (`predicted_chain`):
+
+- between two measured sizes: the chord of their chains (each field on the straight line between
+  theirs);
+- above the largest: the largest's chain scaled by `(x / x_max) ** (2 * dims)` (`dims`: how many
+  input dimensions vary: tokens `(B, L)` varying in `L` give a square);
+- below the smallest: the smallest's chain as it is.
+
+Sizes are rounded up, sizes freed rounded down. Every memory level the simulator charges is a sum
+of chain fields standing for a sum of real tensor sizes; when each tensor's size is a polynomial of
+the varying size with non-negative coefficients, of degree at most 2 per varying dimension (`B*L*d`,
+`B*H*L*L`: products of dimensions), each real level is convex, grows with the size and grows no
+faster than that power, so each bound is at or above it, and the plan of the bounding chain keeps
+its budget at the real shape. A fraction budget is taken of a lower bound of the shape's own
+no-recomputation peak (`peak_floor`: the measured peak below it, or the line through two measured
+peaks on one side, below a convex curve), so a predicted shape never gets more than its fraction.
+Where the bound cannot be planned within that budget the shape is measured, as above. What this
+rests on: no tensor shrinks, jumps or grows faster as the size grows (no size-dependent kernel
+choice); the memory probe's samples (`RotorCallback`, `measure_step`) check it, as they check buckets.
+
 Fewer plans (`Checkpointable(shape_buckets={1: [64, 128, 256]})`): a chain input whose size along
 a bucketed dimension is `n` runs the plan of the smallest bucket `>= n`, profiled on a zero-padded
 copy of it (sizes above the largest bucket get their own plan). The input itself is not padded:
@@ -33,8 +55,10 @@ MLPs); the memory probe's samples (`RotorCallback`, `measure_step`) check it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from collections.abc import Sequence
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -43,16 +67,20 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_rotor._torch_compat import tensor_version, tree_flatten, tree_unflatten
 from lightning_rotor.budget import format_bytes
-from lightning_rotor.chain import Chain
+from lightning_rotor.chain import TIME_FIELDS, Chain, StageOption
 from lightning_rotor.planner import InfeasibleBudget
 
 __all__ = [
     "Buckets",
+    "SizeAxis",
     "InfeasibleShape",
     "bucketed",
     "check_buckets",
     "derived_times",
     "feasible_for_shape",
+    "input_dims",
+    "predicted_chain",
+    "size_axis",
     "stage_flops",
 ]
 
@@ -183,3 +211,186 @@ def bucketed(value: Any, buckets: Buckets) -> Any:
     if all(p is t for p, t in zip(padded, flat, strict=True)):
         return value
     return tree_unflatten(padded, spec)
+
+
+# -- predicted shapes ---------------------------------------------------------------------------
+Dims = tuple[tuple[int, ...], ...]  # the chain input's tensors' shapes, in order
+FREED = ("out_free", "in_free", "offloadable")  # sizes subtracted from what is held: rounded down
+FIXED = ("names", "frozen", "bandwidth", "host_limit")  # what two chains of one family share
+Weights = tuple[Fraction, Fraction]  # (a, b): a field bounded by `a * one chain's + b * another's`
+
+
+@dataclasses.dataclass(frozen=True)
+class SizeAxis:
+    """Where two chain inputs of one family differ: the coordinates (tensor, dimension) that vary, all
+    of one size in each input (a sequence length in the tokens and their mask, say)."""
+
+    coords: tuple[tuple[int, int], ...]
+    size: int  # in the second input
+
+
+def input_dims(value: Any) -> Dims:
+    """The shapes of the chain input's tensors, in `tree_flatten` order."""
+    return tuple(tuple(t.shape) for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
+
+
+def size_axis(measured: Dims, new: Dims) -> tuple[SizeAxis, int] | None:
+    """(the axis along which `new` differs from `measured`, the size there in `measured`); None when they
+    are equal, differ in rank, or the differing coordinates do not share one size in each."""
+    if len(measured) != len(new) or any(len(a) != len(b) for a, b in zip(measured, new, strict=True)):
+        return None
+    coords = tuple(
+        (i, d) for i, (a, b) in enumerate(zip(measured, new, strict=True)) for d in range(len(a)) if a[d] != b[d]
+    )
+    if not coords:
+        return None
+    theirs = {measured[i][d] for i, d in coords}
+    ours = {new[i][d] for i, d in coords}
+    if len(theirs) != 1 or len(ours) != 1:
+        return None
+    return SizeAxis(coords, ours.pop()), theirs.pop()
+
+
+def _figures(lo: Chain, hi: Chain, weights: Weights) -> Chain:
+    """A chain of `lo`'s structure whose every field is `a * lo's + b * hi's`, `weights = (a, b)`: sizes in
+    whole bytes (`_combined`), times in seconds."""
+    a, b = weights
+
+    def combined(field: str, u: Any, v: Any) -> Any:
+        if field in TIME_FIELDS:
+            return float(a) * u + float(b) * v
+        return _combined(a, b, u, v, field)
+
+    figures: dict[str, Any] = {}
+    for f in dataclasses.fields(Chain):
+        if f.name in FIXED or f.name == "options":
+            continue
+        u, v = getattr(lo, f.name), getattr(hi, f.name)
+        if isinstance(u, list):
+            figures[f.name] = [combined(f.name, p, q) for p, q in zip(u, v, strict=True)]
+        else:
+            figures[f.name] = combined(f.name, u, v)
+    options = [
+        [
+            dataclasses.replace(
+                o,
+                **{
+                    g.name: combined(g.name, getattr(o, g.name), getattr(p, g.name))
+                    for g in dataclasses.fields(StageOption)
+                    if g.name != "name"
+                },
+            )
+            for o, p in zip(mine, theirs, strict=True)
+        ]
+        for mine, theirs in zip(lo.options, hi.options, strict=True)
+    ]
+    return dataclasses.replace(lo, **figures, options=options)
+
+
+def _combined(a: Fraction, b: Fraction, u: int, v: int, field: str) -> int:
+    """`a u + b v` in whole bytes: rounded up, or down for a size freed (the levels it stands in are then
+    rounded up); in integers, as this runs for every field of every predicted chain."""
+    den = a.denominator * b.denominator
+    num = a.numerator * b.denominator * u + b.numerator * a.denominator * v
+    return num // den if field in FREED else -(-num // den)
+
+
+def same_family(a: Chain, b: Chain) -> bool:
+    """Two chains of the same stages whose fields can be bounded together: equal in all but their figures."""
+    return (
+        a.length == b.length
+        and all(getattr(a, f) == getattr(b, f) for f in FIXED)
+        and [[o.name for o in opts] for opts in a.options] == [[o.name for o in opts] for opts in b.options]
+    )
+
+
+def _weights(x1: int, x2: int, x: int, degree: int, peaks: tuple[int, int], upper: bool) -> Weights | None:
+    """The weights `(a, b)` that bound `q(x)` by `a q(x1) + b q(x2)` for every polynomial `q` of degree at most
+    `degree` with non-negative coefficients, from above (`upper`: `a, b >= 0`, so that a chain measured above
+    its real figures still bounds them) or below, tightest for the no-recomputation peaks `peaks`.
+
+    A linear program in two variables (one constraint per power of `x`, `a x1**j + b x2**j >= x**j`, or `<=`),
+    solved exactly by its vertices: intersections of two constraint lines. None when it has no optimum."""
+    lines = [(Fraction(x1) ** j, Fraction(x2) ** j, Fraction(x) ** j) for j in range(degree + 1)]
+    sign = 1 if upper else -1
+    bounds = [(Fraction(1), Fraction(0), Fraction(0)), (Fraction(0), Fraction(1), Fraction(0))] if upper else []
+
+    def feasible(a: Fraction, b: Fraction) -> bool:
+        return all(sign * (a * u + b * v - c) >= 0 for u, v, c in lines) and all(
+            a * u + b * v >= c for u, v, c in bounds
+        )
+
+    best: tuple[Fraction, Weights] | None = None
+    every = lines + bounds
+    for i, (u1, v1, c1) in enumerate(every):
+        for u2, v2, c2 in every[i + 1 :]:
+            det = u1 * v2 - u2 * v1
+            if det == 0:
+                continue
+            a, b = (c1 * v2 - c2 * v1) / det, (u1 * c2 - u2 * c1) / det
+            if feasible(a, b):
+                value = sign * (a * peaks[0] + b * peaks[1])
+                if best is None or value < best[0]:
+                    best = (value, (a, b))
+    if best is None or not upper and not _bounded(lines, peaks):
+        return None
+    return best[1]
+
+
+def _bounded(lines: list[tuple[Fraction, Fraction, Fraction]], peaks: tuple[int, int]) -> bool:
+    """Whether `max a p1 + b p2` subject to `a u + b v <= c` has an optimum: `(p1, p2)` is a non-negative
+    combination of two constraint normals `(u, v)` (Farkas), else it grows without end."""
+    normals = [(u, v) for u, v, _ in lines]
+    for i, (u1, v1) in enumerate(normals):
+        for u2, v2 in normals[i:]:
+            det = u1 * v2 - u2 * v1
+            if det == 0:
+                if u1 * peaks[1] == v1 * peaks[0] and (u1 * peaks[0] + v1 * peaks[1]) >= 0:
+                    return True
+                continue
+            y1, y2 = (peaks[0] * v2 - peaks[1] * u2) / det, (u1 * peaks[1] - v1 * peaks[0]) / det
+            if y1 >= 0 and y2 >= 0:
+                return True
+    return False
+
+
+def _pairs(points: Sequence[tuple[int, Any]], x: int) -> list[tuple[tuple[int, Any], tuple[int, Any]]]:
+    """Pairs of measured points to bound `x` from: the nearest on each side, the two nearest below, the two
+    nearest above (a pair further out bounds less tightly)."""
+    below, above = [p for p in points if p[0] < x][-2:], [p for p in points if p[0] > x][:2]
+    pairs = [(below[-1], above[0])] if below and above else []
+    return pairs + [(p[0], p[1]) for p in (below, above) if len(p) == 2]
+
+
+def predicted_chain(measured: Sequence[tuple[int, Chain, int]], x: int, dims: int) -> tuple[Chain, int] | None:
+    """A chain bounding the chain at size `x` from above, and a lower estimate of its no-recomputation peak,
+    from chains `measured` at other sizes along one axis, as `(size, chain, its no-recomputation peak)`
+    (`dims` input dimensions varying: polynomials of
+    degree `2 * dims`). Each field of the bound is the same non-negative combination of two measured chains'
+    (`_weights`, the tightest for their peaks); the estimate, the largest lower bound of the peak from any
+    pair. None when the chains differ in structure or no pair bounds `x`."""
+    points = sorted(((s, c) for s, c, _ in measured), key=lambda p: p[0])
+    if not points or any(not same_family(points[0][1], c) for _, c in points) or any(s == x for s, _ in points):
+        return None
+    peaks = {s: peak for s, _, peak in measured}
+    degree = 2 * dims
+    pairs = _pairs(points, x) or [(points[0], points[0])]
+    best: tuple[Fraction, Chain] | None = None
+    floor = max([p for s, p in peaks.items() if s < x], default=0)  # the peak grows with the size
+    for (x1, c1), (x2, c2) in pairs:
+        if x1 == x2:  # one point: scaled up (above it) or as it is (below it)
+            up: Weights | None = (max(Fraction(1), Fraction(x, x1) ** degree), Fraction(0))
+            down: Weights | None = (min(Fraction(1), Fraction(x, x1) ** degree), Fraction(0))
+        else:
+            up = _weights(x1, x2, x, degree, (peaks[x1], peaks[x2]), upper=True)
+            down = _weights(x1, x2, x, degree, (peaks[x1], peaks[x2]), upper=False)
+        if down is not None:
+            floor = max(floor, math.floor(down[0] * peaks[x1] + down[1] * peaks[x2]))
+        if up is not None:
+            a, b = up
+            value = a * peaks[x1] + b * peaks[x2]
+            if best is None or value < best[0]:
+                best = (value, _figures(c1, c2, up))
+    if best is None:
+        return None
+    return best[1], floor

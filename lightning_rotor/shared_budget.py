@@ -162,19 +162,20 @@ class Budget:
             return no_recompute_peak(chain) if self.auto_bytes is None else self.auto_bytes
         return resolve_budget(self.value, no_recompute_peak(chain))
 
-    def for_shape(self, chain: Chain, first: int, first_need: int) -> int:
+    def for_shape(self, chain: Chain, first: int, first_need: int, fraction_of: int | None = None) -> int:
         """The bytes of a later input shape of a chain (profiled as `chain`) whose first shape got `first`
         bytes at a no-recomputation peak of `first_need` (docs/checkpointable.md, "Changing shapes").
 
         A fraction is taken of this shape's own no-recomputation peak (a share of a split budget grows
         with it in proportion); bytes and the automatic CUDA budget (device memory) hold at every shape;
         the automatic budget off CUDA is this shape's no-recomputation peak. The caller checks the result
-        against the shape's smallest feasible budget.
+        against the shape's smallest feasible budget. `fraction_of`: the peak a fraction is taken of, when
+        `chain` only bounds the shape's (a predicted shape: a lower bound of its own, lightning_rotor/shapes.py).
         """
         need = no_recompute_peak(chain)
         if isinstance(self.value, Fraction):
             ratio = Fraction(first, max(1, first_need)) if self.shared else self.value
-            return max(1, math.floor(ratio * need))
+            return max(1, math.floor(ratio * (need if fraction_of is None else fraction_of)))
         if self.value is None and self.auto_bytes is None:  # automatic off CUDA: no recomputation
             return need
         return first

@@ -10,6 +10,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from fitting import KeepRotorModules, quiet_trainer
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.utils.data import DataLoader, Dataset
 from training import assert_same_state
 
@@ -20,10 +22,10 @@ from lightning_rotor.lightning.callback import LIGHTNING_BOOKKEEPING
 from lightning_rotor.lightning.state import rotor_modules
 from lightning_rotor.memory import MemoryProbe
 from lightning_rotor.models.gpt import gpt, lm_loss
-from lightning_rotor.planner import min_feasible_budget
+from lightning_rotor.planner import min_feasible_budget, plan
 from lightning_rotor.profile import profile_chain
-from lightning_rotor.shapes import InfeasibleShape, stage_flops
-from lightning_rotor.simulate import no_recompute_peak
+from lightning_rotor.shapes import InfeasibleShape, _weights, predicted_chain, stage_flops
+from lightning_rotor.simulate import no_recompute_peak, simulate
 
 LENGTHS = (4, 12, 24)  # shortest first: the order dynamic padding meets them in a sorted epoch
 
@@ -260,3 +262,94 @@ def test_a_fraction_too_small_for_a_later_shape_plans_it_at_its_smallest_with_on
         lm_loss(rotor(x), y).backward()
     assert rotor.plan.budget == min_feasible_budget(rotor.chain)
     assert m.peak <= rotor.plan.budget
+
+
+# -- predicted shapes (predict_shapes=True) ----------------------------------------------------------------
+@settings(max_examples=300, deadline=None)
+@given(
+    coefficients=st.lists(st.integers(0, 10**6), min_size=3, max_size=3),
+    sizes=st.lists(st.integers(1, 300), min_size=3, max_size=3, unique=True),
+)
+def test_weights_bound_every_non_negative_quadratic_at_a_third_size(coefficients, sizes):
+    c0, c1, c2 = coefficients
+    x1, x2, x = sizes
+    x1, x2 = sorted((x1, x2))
+
+    def q(n: int) -> int:
+        return c0 + c1 * n + c2 * n * n
+
+    peaks = (q(x1), q(x2))
+    up = _weights(x1, x2, x, 2, peaks, upper=True)
+    assert up is not None and min(up) >= 0  # non-negative: a chain measured above its real figures still bounds
+    assert up[0] * q(x1) + up[1] * q(x2) >= q(x)
+    for c in ((1, 0, 0), (0, 1, 0), (0, 0, 1)):  # the same weights bound every such polynomial, not only q
+        assert up[0] * (c[0] + c[1] * x1 + c[2] * x1**2) + up[1] * (c[0] + c[1] * x2 + c[2] * x2**2) >= (
+            c[0] + c[1] * x + c[2] * x**2
+        )
+    down = _weights(x1, x2, x, 2, peaks, upper=False)
+    if down is not None:
+        assert down[0] * q(x1) + down[1] * q(x2) <= q(x)
+
+
+def profiled(length: int):
+    stages = list(small_gpt())
+    return profile_chain(stages, batch(length)[0], repeats=1, timed=False).chain
+
+
+def test_a_predicted_chain_bounds_the_measured_one_for_every_plan():
+    """Between, above and below measured lengths: every plan of the measured chain replays at or below its
+    replay on the predicted chain, op by op; the lower estimate of the peak is at or below the measured peak."""
+    measured = {n: profiled(n) for n in (4, 12, 20, 24, 30)}
+    points = [(n, measured[n], no_recompute_peak(measured[n])) for n in (12, 24)]
+    for x in (20, 30, 4):  # between, above, below
+        chain, floor = predicted_chain(points, x, dims=1)
+        real = measured[x]
+        assert floor <= no_recompute_peak(real) <= no_recompute_peak(chain)
+        for fraction in (1.0, 0.8, 0.6, 0.0):
+            budget = max(min_feasible_budget(chain), int(fraction * no_recompute_peak(chain)))
+            ops = plan(chain, budget).ops
+            bound, exact = simulate(chain, ops), simulate(real, ops)
+            assert all(r <= b for r, b in zip(exact.curve, bound.curve, strict=True)), x
+            assert exact.peak <= bound.peak <= budget
+
+
+def test_predicted_shapes_run_no_profile_and_train_bitwise_within_each_budget():
+    plain, rotor = small_gpt(), Checkpointable(small_gpt(), "60%", repeats=1, predict_shapes=True)
+    lengths = (16, 32, 24, 20, 28, 8, 30)
+    for step, length in enumerate(lengths):
+        x, y = batch(length)
+        plain.zero_grad()
+        torch.manual_seed(step)
+        lm_loss(plain(x), y).backward()
+        rotor.zero_grad()
+        rotor.prepare_for(x)
+        torch.manual_seed(step)
+        with rotor.measure_step() as m:
+            lm_loss(rotor(x), y).backward()
+        assert_same_state(plain, rotor)
+        entry = rotor.last_entry
+        assert m.peak <= entry.plan.budget
+        if length in (24, 20, 28, 30):  # between 16 and 32, or just above: bounded, not profiled
+            key = next(k for k, e in rotor.entries.items() if e is entry)
+            assert {16, 32} <= set(rotor.predicted[key]) <= {8, 16, 32}  # the measured lengths it came from
+            assert entry.profile.repeats == 0
+            exact = profiled(length)  # its own chain, measured here only to check the bound
+            assert no_recompute_peak(exact) <= no_recompute_peak(entry.chain)
+            assert entry.plan.budget <= 0.6 * no_recompute_peak(exact)  # a fraction of a lower estimate
+    assert len(rotor.predicted) >= 4
+
+
+def test_the_trainer_with_predict_shapes_profiles_fewer_shapes(tmp_path):
+    keep, loader = KeepRotorModules(), DataLoader(Lengths(), batch_size=None)
+    runs = {}
+    for name, strategy in (("plain", "auto"), ("rotor", RotorStrategy(mem_limit="60%", predict_shapes=True))):
+        model = LM()
+        torch.manual_seed(7)
+        callbacks = [keep] if name == "rotor" else []
+        quiet_trainer(tmp_path / name, strategy, max_steps=len(Lengths()), callbacks=callbacks).fit(model, loader)
+        runs[name] = model
+    rotor = keep.modules["net"]
+    assert rotor.predict_shapes and len(rotor.entries) == 6
+    assert len(rotor.predicted) >= 3  # lengths 3..8: after 3 and 4, the others from bounds
+    for a_step, b_step in zip(runs["rotor"].grads, runs["plain"].grads, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(a_step, b_step, strict=True))
