@@ -36,7 +36,7 @@ from torch import nn
 
 from lightning_rotor import pipeline
 from lightning_rotor._torch_compat import tree_flatten
-from lightning_rotor.budget import BudgetError, MemLimit, parse_host_limit, parse_offload, resolve_budget
+from lightning_rotor.budget import BudgetError, MemLimit, format_bytes, parse_host_limit, parse_offload, resolve_budget
 from lightning_rotor.cache import PlanCache, plan_key, signature
 from lightning_rotor.calls import Call, InfeasibleStep, StepCalls, describe, step_minimum
 from lightning_rotor.chain import Chain
@@ -682,6 +682,26 @@ class Checkpointable(nn.Module):
 
     def _measured(self, measurement: StepMeasurement) -> None:
         self.last_measurement = measurement
+        entry = measurement.entry
+        key = next((k for k, e in self.entries.items() if e is entry), None) if entry is not None else None
+        if key in self.predicted and entry is not None and measurement.chain_peak > entry.plan.budget:
+            self._unpredict(key, measurement.chain_peak, entry.plan.budget)
+
+    def _unpredict(self, key: str, peak: int, budget: int) -> None:
+        """A predicted shape measured above its budget: its bound was wrong for this model, so every predicted
+        shape is forgotten (measured when next met) and no more are predicted; one warning says so."""
+        warnings.warn(
+            f"rotor: input shape {self._shapes.get(key, key)} was planned from a bound of measured shapes' chains "
+            f"but measured {format_bytes(peak)} above its budget {format_bytes(budget)}: this model's memory does "
+            "not grow as predict_shapes assumes (lightning_rotor/shapes.py); every shape is measured from now on",
+            stacklevel=3,
+        )
+        for predicted in self.predicted:
+            self.plan_cache.entries.pop(predicted, None)
+        self.plan_cache.forget_call_plans()
+        self.predicted.clear()
+        self._peak_floors.clear()
+        self.predict_shapes = False
 
     # -- DDP ------------------------------------------------------------------------------------
     def shared_parameters(self) -> dict[str, list[str]]:

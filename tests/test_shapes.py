@@ -23,7 +23,7 @@ from lightning_rotor.lightning.state import rotor_modules
 from lightning_rotor.memory import MemoryProbe
 from lightning_rotor.models.gpt import gpt, lm_loss
 from lightning_rotor.planner import min_feasible_budget, plan
-from lightning_rotor.profile import profile_chain
+from lightning_rotor.profile import Profile, profile_chain
 from lightning_rotor.shapes import InfeasibleShape, _weights, predicted_chain, stage_flops
 from lightning_rotor.simulate import no_recompute_peak, simulate
 
@@ -353,3 +353,27 @@ def test_the_trainer_with_predict_shapes_profiles_fewer_shapes(tmp_path):
     assert len(rotor.predicted) >= 3  # lengths 3..8: after 3 and 4, the others from bounds
     for a_step, b_step in zip(runs["rotor"].grads, runs["plain"].grads, strict=True):
         assert all(torch.equal(a, b) for a, b in zip(a_step, b_step, strict=True))
+
+
+def test_a_predicted_shape_measured_above_its_budget_turns_prediction_off_and_is_measured_again():
+    """The bound rests on how the model's memory grows; a step that proves it wrong (here: a predicted
+    entry replaced by one planned on a smaller shape's chain, an under-estimate) forgets every predicted
+    shape, warns once, and the shape is profiled when met again."""
+    rotor = Checkpointable(small_gpt(), "60%", repeats=1, predict_shapes=True)
+    for length in (8, 32):
+        x, y = batch(length)
+        lm_loss(rotor(x), y).backward()
+    x, y = batch(24)
+    rotor.prepare_for(x)
+    key = next(k for k in rotor.entries if k in rotor.predicted)
+    small = profile_chain(list(rotor.stages), batch(8)[0], repeats=1, timed=False).chain
+    rotor.plan_cache.add(key, rotor.plan_cache.build(Profile(small, seconds=0.0), plan(small, no_recompute_peak(small))))
+    rotor.plan_cache.forget_call_plans()  # the smallest budgets found for the entry replaced
+    rotor.zero_grad()
+    with pytest.warns(UserWarning, match=r"\(2, 24\) was planned from a bound .* every shape is measured from now on"):
+        with rotor.measure_step() as m:
+            lm_loss(rotor(x), y).backward()
+    assert m.chain_peak > m.entry.plan.budget
+    assert not rotor.predict_shapes and not rotor.predicted and key not in rotor.entries
+    rotor.prepare_for(x)
+    assert key not in rotor.predicted and rotor.entries[key].chain.out_size != small.out_size  # measured this time
