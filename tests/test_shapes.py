@@ -367,7 +367,9 @@ def test_a_predicted_shape_measured_above_its_budget_turns_prediction_off_and_is
     rotor.prepare_for(x)
     key = next(k for k in rotor.entries if k in rotor.predicted)
     small = profile_chain(list(rotor.stages), batch(8)[0], repeats=1, timed=False).chain
-    rotor.plan_cache.add(key, rotor.plan_cache.build(Profile(small, seconds=0.0), plan(small, no_recompute_peak(small))))
+    rotor.plan_cache.add(
+        key, rotor.plan_cache.build(Profile(small, seconds=0.0), plan(small, no_recompute_peak(small)))
+    )
     rotor.plan_cache.forget_call_plans()  # the smallest budgets found for the entry replaced
     rotor.zero_grad()
     with pytest.warns(UserWarning, match=r"\(2, 24\) was planned from a bound .* every shape is measured from now on"):

@@ -112,6 +112,7 @@ class RotorFabricStrategy(SingleDeviceStrategy):
         self._measurements: list[tuple[Checkpointable, StepMeasurement, int]] = []
         self._measured_once: set[tuple[str, ...]] = set()  # schedules measured (`schedule_key`), not shapes
         self._steps_since_measure = 0
+        self._retry_after_known = False  # a sample was spoilt by a new shape: wait for a step of known shapes
         self._entries_before: dict[str, int] = {}
         self._printed = False
         self._warned_unused = False
@@ -245,7 +246,8 @@ class RotorFabricStrategy(SingleDeviceStrategy):
     def _wants_measure(self) -> bool:
         if any(not rotor.entries for rotor in self.chains.values()):
             return False  # the first batch profiles; a probe would slow and pollute it
-        if any(schedule_key(rotor.last_entry) not in self._measured_once for rotor in self.chains.values()):
+        unmeasured = any(schedule_key(rotor.last_entry) not in self._measured_once for rotor in self.chains.values())
+        if unmeasured and not self._retry_after_known:
             return True  # the schedule in use has not been measured yet
         n = self.measure_every_n_steps
         return n > 0 and self._steps_since_measure >= n
@@ -280,11 +282,15 @@ class RotorFabricStrategy(SingleDeviceStrategy):
                 )
             return
         profiled = any(len(r.entries) != self._entries_before.get(n, 0) for n, r in self.chains.items())
+        if not profiled:
+            self._retry_after_known = False
         peaks = []
         for rotor, m, before in self._measurements:
-            if len(rotor.entries) == before and m.entry is not None:  # else a new signature was profiled inside
-                self._measured_once.add(schedule_key(m.entry))
-                peaks.append(m.peak)
+            if len(rotor.entries) != before or m.entry is None:
+                self._retry_after_known = True  # a new signature was profiled inside: no clean sample
+                continue
+            self._measured_once.add(schedule_key(m.entry))
+            peaks.append(m.peak)
         self._measurements = []
         if peaks:
             self._measured_peak = max(peaks)
