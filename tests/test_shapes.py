@@ -379,3 +379,42 @@ def test_a_predicted_shape_measured_above_its_budget_turns_prediction_off_and_is
     assert not rotor.predict_shapes and not rotor.predicted and key not in rotor.entries
     rotor.prepare_for(x)
     assert key not in rotor.predicted and rotor.entries[key].chain.out_size != small.out_size  # measured this time
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_predicted_shapes_on_hugging_face_models_train_bitwise_within_budget(family):
+    """Hugging Face causal LMs from configs (module-level chains: position ids, causal masks and rotary
+    tables grow with the length too), lengths in random order: the predicted ones run no profile, every
+    step is bitwise equal to plain training and measured within the budget of the plan it ran."""
+    transformers = pytest.importorskip("transformers")
+
+    def build():
+        torch.manual_seed(0)
+        if family == "gpt2":
+            config = transformers.GPT2Config(
+                n_layer=3, n_embd=32, n_head=2, vocab_size=64, n_positions=64, use_cache=False
+            )
+            return transformers.GPT2LMHeadModel(config)
+        config = transformers.LlamaConfig(
+            num_hidden_layers=3, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+            num_key_value_heads=1, vocab_size=64, max_position_embeddings=64, use_cache=False,
+        )  # fmt: skip
+        return transformers.LlamaForCausalLM(config)
+
+    plain, rotor = build(), Checkpointable(build(), "60%", repeats=1, predict_shapes=True, discover="modules")
+    for step, length in enumerate((16, 48, 32, 24, 56, 40)):
+        x = torch.randint(0, 64, (2, length), generator=torch.Generator().manual_seed(step))
+        for model in (plain, rotor):
+            model.zero_grad(set_to_none=True)
+        torch.manual_seed(step)
+        plain(input_ids=x, labels=x).loss.backward()
+        torch.manual_seed(step)
+        if step < 2:  # the first two lengths are profiled (inside the step: not a clean measurement)
+            rotor(input_ids=x, labels=x).loss.backward()
+        else:
+            with rotor.measure_step() as m:
+                rotor(input_ids=x, labels=x).loss.backward()
+            entry = rotor.last_entry
+            assert next(k for k, e in rotor.entries.items() if e is entry) in rotor.predicted
+            assert 0 < m.peak <= entry.plan.budget
+        assert_same_state(plain, rotor)
