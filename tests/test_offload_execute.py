@@ -337,8 +337,8 @@ def test_checkpointable_with_offload_trains_bitwise_like_plain():
     assert f"host memory at most {format_bytes(sim.host_peak)}" in summary
     rotor.zero_grad(set_to_none=True)
     measured = measured_step(rotor, x, y, loss)
-    ran = measured.entry  # the step's budget may give the call a plan of its own (lightning_rotor/calls.py)
-    assert ran is not None
+    ran = measured.entry
+    assert ran is rotor.entry  # a step of one call runs the plan loaded, at the whole budget (calls.step_budgets)
     ran_sim = simulate(ran.chain, ran.plan.ops)
     assert measured.peak <= ran_sim.peak <= rotor.plan.budget
     assert measured.host_peak == ran_sim.host_peak
