@@ -81,7 +81,7 @@ def build_timm(name: str, batch_size: int, sizes: dict[str, Any]) -> tuple[nn.Mo
     """`timm.create_model(name, pretrained=False, **sizes)`; `image` (default: `img_size` or 224): pixels a side."""
     _need("timm", f"timm:{name}")
     try:
-        import timm
+        import timm  # type: ignore[import-not-found]
     except Exception as err:  # noqa: BLE001 - e.g. a torchvision built for another torch
         raise PeerError(f"timm cannot be imported here ({type(err).__name__}: {str(err).splitlines()[0]})") from None
 
@@ -115,7 +115,7 @@ def own_blocks(model: nn.Module) -> list[nn.Module]:
     try:
         from transformers.modeling_layers import GradientCheckpointingLayer
 
-        found = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+        found: list[nn.Module] = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
         if found:
             return found
     except ImportError:
@@ -161,24 +161,25 @@ def sac_per_block(model: nn.Module, blocks: list[nn.Module]) -> Callable[..., An
 
 def own_checkpointing(model: nn.Module) -> Callable[..., Any] | None:
     """The model's forward with its library's own checkpointing on for this call only; None: it has none."""
-    if hasattr(model, "gradient_checkpointing_enable") and getattr(model, "supports_gradient_checkpointing", False):
+    lib: Any = model  # the library's own methods, untyped to torch
+    if hasattr(lib, "gradient_checkpointing_enable") and getattr(lib, "supports_gradient_checkpointing", False):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            lib.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         layers = [m for m in model.modules() if hasattr(m, "gradient_checkpointing") and m is not model]
 
         def set_hf(on: bool) -> None:
             for m in layers:
-                m.gradient_checkpointing = on
+                setattr(m, "gradient_checkpointing", on)  # noqa: B010 - a library flag, not a torch attribute
 
         set_hf(False)
         return _switched(model, set_hf)
-    if hasattr(model, "set_grad_checkpointing"):
+    if hasattr(lib, "set_grad_checkpointing"):
         try:
-            model.set_grad_checkpointing(False)
+            lib.set_grad_checkpointing(False)
         except (AssertionError, NotImplementedError):
             return None
-        return _switched(model, lambda on: model.set_grad_checkpointing(on))
+        return _switched(model, lambda on: lib.set_grad_checkpointing(on))
     return None
 
 
