@@ -64,6 +64,12 @@ def build_hf(name: str, batch_size: int, sizes: dict[str, Any]) -> tuple[nn.Modu
     sizes = dict(sizes)
     seq = _whole(sizes.pop("seq", 128), "seq", f"hf:{name}")
     try:
+        if "vocab_size" in sizes:  # special token ids past a smaller vocabulary: none (transformers warns)
+            default = transformers.AutoConfig.for_model(name)
+            for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+                token = getattr(default, key, None)
+                if key not in sizes and isinstance(token, int) and token >= int(sizes["vocab_size"]):
+                    sizes[key] = None
         config = transformers.AutoConfig.for_model(name, **sizes)
     except ValueError as err:
         raise PeerError(f"unknown transformers model type {name!r} (hf:{name}): {str(err).splitlines()[0]}") from None
