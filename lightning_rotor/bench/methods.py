@@ -121,7 +121,12 @@ def rotor_methods(
     methods: list[Method] = []
     name = "rotor+options" if options else "rotor"
     base = Checkpointable(w.model, 1.0, options=options)  # profiled once; every budget is planned on its profile
-    _prepare(w, base)
+    try:
+        _prepare(w, base)
+    except RuntimeError as err:  # e.g. torch's selective checkpointing refusing a stage: a result, not a crash
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        w.model.zero_grad(set_to_none=True)
+        return [Method(row(name, note=f"failed when profiling: {type(err).__name__}: {first[:160]}"), None)]
     smallest: int | None = None
     for token in budgets:
         if token == "min":
