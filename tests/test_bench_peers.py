@@ -49,6 +49,8 @@ def _check_peer_rows(rows, out, ids_bytes=0):
             assert float(r["step_ms"]) > 0 and int(r["measured_peak"]) > 0, r
         if r["method"].startswith("rotor") and r["measured_peak"]:
             assert int(r["measured_peak"]) - ids_bytes <= int(r["budget_bytes"]), r  # within its budget, measured
+    for name in ("rotor", "rotor+options"):  # one profile per method, every budget planned on it
+        assert len({r["profile_s"] for r in rows if r["method"] == name and r["profile_s"]}) == 1
     assert "at own's peak" in out and "rotor+options" in out and "at sac's peak" in out
 
 
