@@ -10,7 +10,13 @@ On one model, one input and one seed, every method runs the same training step
   number of stages, non-reentrant, on the same flattened stages rotor sees;
 - `recompute_all`: every stage checkpointed;
 - `compile`: `torch.compile` with `torch._functorch.config.activation_memory_budget`
-  at the same fractions, where it runs (a failure is recorded in its row).
+  at the same fractions, where it runs (a failure is recorded in its row; opt-in with
+  `--compile` for hf:/timm: models).
+
+Models by name from transformers and timm (`hf:gpt2`, `timm:convnext_atto`, built from
+configs, `peers`) are compared with their own checkpointing instead: `own` (the library's),
+`sac` (torch's selective checkpointing per block), and `rotor` / `rotor+options` planned for
+each one's measured peak.
 
 Memory: exact tensor accounting (`MemoryProbe`) on CPU, the allocator's peak on
 CUDA. Compiled code allocates outside the dispatcher, where tensor accounting

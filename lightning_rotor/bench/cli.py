@@ -10,6 +10,7 @@ import torch
 
 from lightning_rotor.bench.measure import run_compiled, run_interleaved
 from lightning_rotor.bench.methods import Row, eager_methods
+from lightning_rotor.bench.peers import is_peer_model
 from lightning_rotor.bench.report import checks, markdown, read_csv, write_csv, write_plot
 from lightning_rotor.bench.workload import BenchError, load_workload, parse_kwargs
 from lightning_rotor.budget import BudgetError, parse_budget
@@ -46,10 +47,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="lightning-rotor bench",
         description="Compare rotor with no checkpointing, checkpoint_sequential, recompute-all and torch.compile's "
-        "activation_memory_budget on one model: peak activation memory and step time.",
+        "activation_memory_budget on one model (hf:/timm: models: with the model's own checkpointing and torch's "
+        "SAC per block): peak activation memory and step time.",
     )
     p.add_argument("--from-csv", default=None, help="re-report (table, checks, PNG) a CSV of an earlier run")
-    p.add_argument("--model", help=f"registered name ({', '.join(MODELS)}) or pkg.module:factory")
+    p.add_argument(
+        "--model",
+        help=f"registered name ({', '.join(MODELS)}), pkg.module:factory, or hf:NAME / timm:NAME "
+        "(transformers / timm, built from a config, --set sizes; nothing downloaded)",
+    )
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument(
         "--budgets",
@@ -75,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--max-segments", type=int, default=None, help="cap checkpoint_sequential's segment counts")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="add the torch.compile rows for hf:/timm: models too (off by default there: slow, and outliers)",
+    )
     p.add_argument(
         "--compile-budgets",
         default=None,
@@ -106,7 +117,8 @@ def run(args: argparse.Namespace) -> list[Row]:
         if value < (1 if name == "--repeats" else 0):
             raise BenchError(f"{name} must be {'positive' if name == '--repeats' else 'non-negative'}, got {value}")
     compile_tokens = budgets if args.compile_budgets is None else _budget_tokens(args.compile_budgets)
-    fractions = [] if args.no_compile else _fraction_tokens(compile_tokens)
+    skip_compile = args.no_compile or (is_peer_model(args.model) and not args.compile)
+    fractions = [] if skip_compile else _fraction_tokens(compile_tokens)
     with tqdm(total=1, desc=f"bench {args.model}: profiling", disable=args.quiet, file=sys.stderr) as bar:
         methods = eager_methods(w, budgets, args.max_segments)
         bar.update(1)

@@ -11,9 +11,11 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
+from lightning_rotor.bench.peers import sac_per_block
 from lightning_rotor.bench.workload import Workload, measure_peak
 from lightning_rotor.budget import format_bytes, parse_budget
 from lightning_rotor.checkpointable import Checkpointable, InfeasibleBudget
+from lightning_rotor.ops import OpKind
 
 COLUMNS = (
     "model", "device", "method", "mem_limit", "segments", "budget_bytes", "predicted_peak", "measured_peak", "peak_gap",
@@ -84,10 +86,19 @@ def _per_block(model: nn.Module, block: type) -> Callable[..., Any]:
     return forward
 
 
-def _prepare(w: Workload, ckpt: Checkpointable) -> Any:
-    """Profile and plan: a Sequential on its input; a model as written through one training step (discovery)."""
+def _prepare(w: Workload, ckpt: Checkpointable, base: Checkpointable | None = None) -> Any:
+    """Profile and plan: a Sequential on its input; a model as written through one training step (discovery).
+
+    `base`: an earlier `Checkpointable` of the same model and settings whose profile is reused (the new
+    budget planned on it), so that each budget does not profile again.
+    """
     if w.stages:
+        if base is not None and base.entries:
+            ckpt.restore_plans(base.plan_state())
         return ckpt.prepare_for(w.x)
+    if base is not None and base.entries:
+        ckpt.discover_on(w.x)
+        ckpt.restore_plans(base.plan_state())
     try:
         w.loss(ckpt(w.x), w.y).backward()
     finally:
@@ -95,25 +106,43 @@ def _prepare(w: Workload, ckpt: Checkpointable) -> Any:
     return ckpt.entry  # the whole-budget plan (a first step runs the smallest budget's, docs/checkpointable.md)
 
 
-def rotor_methods(w: Workload, budgets: list[str], row: Callable[..., Row]) -> list[Method]:
-    """One `Checkpointable` per budget, profiled and planned before any timing."""
+def rotor_methods(
+    w: Workload,
+    budgets: list[str],
+    row: Callable[..., Row],
+    options: bool = False,
+    labels: dict[str, str] | None = None,
+) -> list[Method]:
+    """One `Checkpointable` per budget, planned before any timing on one profile (the first budget's).
+
+    `options`: `Checkpointable(options=True)`, rows named "rotor+options"; `labels`: a budget token's
+    `mem_limit` label (e.g. a peer's measured peak in bytes labelled by the peer's name).
+    """
     methods: list[Method] = []
+    name = "rotor+options" if options else "rotor"
+    base = Checkpointable(w.model, 1.0, options=options)  # profiled once; every budget is planned on its profile
+    try:
+        _prepare(w, base)
+    except RuntimeError as err:  # e.g. torch's selective checkpointing refusing a stage: a result, not a crash
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        w.model.zero_grad(set_to_none=True)
+        return [Method(row(name, note=f"failed when profiling: {type(err).__name__}: {first[:160]}"), None)]
     smallest: int | None = None
     for token in budgets:
         if token == "min":
             if smallest is None:
                 try:  # a 1-byte budget is refused with the smallest feasible one
-                    _prepare(w, Checkpointable(w.model, 1))
+                    _prepare(w, Checkpointable(w.model, 1, options=options), base)
                 except InfeasibleBudget as err:
                     smallest = err.min_feasible
             spec: Any = smallest
         else:
             spec = parse_budget(token)
             spec = float(spec) if not isinstance(spec, int) else spec
-        ckpt = Checkpointable(w.model, spec)
-        r = row("rotor", mem_limit=token)
+        ckpt = Checkpointable(w.model, spec, options=options)
+        r = row(name, mem_limit=(labels or {}).get(token, token))
         try:
-            entry = _prepare(w, ckpt)
+            entry = _prepare(w, ckpt, base)
         except InfeasibleBudget as err:
             r.budget_bytes = getattr(err, "budget", None)
             r.note = f"infeasible; smallest feasible budget {format_bytes(err.min_feasible)}"
@@ -122,10 +151,36 @@ def rotor_methods(w: Workload, budgets: list[str], row: Callable[..., Row]) -> l
         r.budget_bytes = entry.plan.budget
         r.predicted_peak = entry.plan.peak
         r.plan_ms = entry.plan.time * 1e3
-        r.profile_s = ckpt.profile_seconds
-        r.note = f"{entry.plan.recomputed_stages} of {entry.chain.length} stages recomputed"
+        r.profile_s = base.profile_seconds
+        fs = sum(op.kind is OpKind.FS for op in entry.plan.ops)
+        r.note = f"{entry.plan.recomputed_stages} of {entry.chain.length} stages recomputed" + (
+            f", {fs} sac runs" if options else ""
+        )
         methods.append(Method(r, ckpt))
     return methods
+
+
+def peer_methods(w: Workload, budgets: list[str], row: Callable[..., Row]) -> list[Method]:
+    """hf:/timm: models: the model's own checkpointing and SAC per block, then rotor and rotor+options at
+    `budgets` and at each peer's measured peak (labelled by the peer), so that they compare at equal memory."""
+    peers: list[Method] = []
+    if w.own is not None:
+        peers.append(Method(row("own", note=f"{len(w.blocks)} blocks, the library's checkpointing"), w.own))
+    if w.blocks:
+        sac = sac_per_block(w.model, w.blocks)
+        peers.append(Method(row("sac", note=f"{len(w.blocks)} blocks, matmul/conv/attention outputs saved"), sac))
+    labels: dict[str, str] = {}
+    for m in peers:
+        assert m.forward is not None
+        m.row.measured_peak = measure_peak(w, m.forward, 0)
+        labels[str(m.row.measured_peak)] = m.row.method
+    tokens = [*budgets, *(t for t in labels if t not in budgets)]
+    return [
+        Method(row("none"), w.model),
+        *peers,
+        *rotor_methods(w, tokens, row, labels=labels),
+        *rotor_methods(w, tokens, row, options=True, labels=labels),
+    ]
 
 
 def eager_methods(w: Workload, budgets: list[str], max_segments: int | None) -> list[Method]:
@@ -134,6 +189,8 @@ def eager_methods(w: Workload, budgets: list[str], max_segments: int | None) -> 
     def row(method: str, **kw: Any) -> Row:  # noqa: E306
         return Row(w.name, dev, method, **kw)
 
+    if w.own is not None or w.blocks:
+        return peer_methods(w, budgets, row)
     methods = [Method(row("none"), w.model)]
     if not w.stages:  # a model as written: per-block checkpointing is the uniform scheme to beat
         if w.block is None:

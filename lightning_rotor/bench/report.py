@@ -94,6 +94,7 @@ def checks(rows: list[Row], stat: str = "step_ms") -> list[str]:
             f"lowest peak: rotor {format_bytes(low_r)} vs per_block {format_bytes(block.measured_peak)}: "
             f"{'holds' if low_r < block.measured_peak else 'fails'}"
         )
+    lines += peer_checks(ran)
     top = max(rotor, key=lambda r: r.budget_bytes or 0)
     if none is not None:
         ratio = top.step_ms / none.step_ms
@@ -107,6 +108,30 @@ def checks(rows: list[Row], stat: str = "step_ms") -> list[str]:
         f"largest measured/predicted gap: {gap.peak_gap:+.1%} (mem_limit {gap.mem_limit}; target < 10%): "
         f"{'holds' if abs(gap.peak_gap or 0) < 0.10 else 'fails'}"
     )
+    return lines
+
+
+PEER_TARGET = 0.97  # rotor's step at a peer's measured peak, at most this fraction of the peer's
+
+
+def peer_checks(ran: list[Row]) -> list[str]:
+    """hf:/timm: models: rotor and rotor+options planned for each peer's (own, sac) measured peak against it."""
+    lines = []
+    for peer in (r for r in ran if r.method in ("own", "sac")):
+        assert peer.measured_peak is not None and peer.step_ms is not None
+        for name in ("rotor", "rotor+options"):
+            r = next((r for r in ran if r.method == name and r.mem_limit == peer.method), None)
+            if r is None:
+                lines.append(f"at {peer.method}'s peak {format_bytes(peer.measured_peak)}: {name} did not run")
+                continue
+            ratio = r.step_ms / peer.step_ms
+            fits = r.measured_peak <= peer.measured_peak
+            lines.append(
+                f"at {peer.method}'s peak {format_bytes(peer.measured_peak)}: {name} {r.step_ms:.1f} ms at "
+                f"{format_bytes(r.measured_peak)} vs {peer.method} {peer.step_ms:.1f} ms = {ratio:.3f}x "
+                f"(target <= {PEER_TARGET}): {'holds' if ratio <= PEER_TARGET and fits else 'fails'}"
+                + ("" if fits else " (over the peer's peak)")
+            )
     return lines
 
 
@@ -160,11 +185,16 @@ def write_plot(rows: list[Row], path: Path, title: str) -> None:
         for r in seg:
             ax.annotate(str(r.segments), (r.step_ms, r.measured_peak / mib), fontsize=6, color="C0",
                         xytext=(2, -7), textcoords="offset points")  # fmt: skip
+    plus = sorted(pts("rotor+options"), key=lambda r: r.measured_peak)
+    if plus:
+        ax.plot([r.step_ms for r in plus], [r.measured_peak / mib for r in plus], "v:", color="C4",
+                label="rotor+options")  # fmt: skip
     comp = sorted(pts("compile"), key=lambda r: r.measured_peak)
     if comp:
         ax.plot([r.step_ms for r in comp], [r.measured_peak / mib for r in comp], "s--", color="C2",
                 label="torch.compile +\nactivation_memory_budget\n(CPU: allocator)")  # fmt: skip
-    for method, marker, color in (("none", "*", "k"), ("recompute_all", "X", "C1")):
+    marks = (("none", "*", "k"), ("recompute_all", "X", "C1"), ("own", "P", "C0"), ("sac", "D", "C8"))
+    for method, marker, color in marks:
         for r in pts(method):
             ax.scatter([r.step_ms], [r.measured_peak / mib], marker=marker, s=80, color=color, label=method)
     ax.set_xlabel("step time, median (ms)")

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from lightning_rotor.bench.any_models import ANY_MODELS
+from lightning_rotor.bench.peers import PeerError, build_peer_model, is_peer_model, own_blocks, own_checkpointing
 from lightning_rotor.memory import probe_for
 from lightning_rotor.models import MODELS, ModelSpec
 from lightning_rotor.stages import sequential_stages
@@ -35,6 +36,8 @@ class Workload:
     stage_names: list[str] = field(default_factory=list)
     stages: list[nn.Module] = field(default_factory=list)  # empty for a model that is not a plain Sequential
     block: type | None = None  # the block class per-block checkpointing wraps (models as written)
+    own: Callable[..., Any] | None = None  # hf:/timm: models: the forward with the library's own checkpointing
+    blocks: list[nn.Module] = field(default_factory=list)  # hf:/timm: the blocks `own` wraps (and `sac`)
 
     def __post_init__(self) -> None:
         if isinstance(self.model, nn.Sequential) and type(self.model).forward is nn.Sequential.forward:
@@ -112,6 +115,16 @@ def load_workload(
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(seed)
     block = None
+    if is_peer_model(model):
+        try:
+            built, x, y, loss = build_peer_model(model, batch_size, dict(overrides or {}))
+        except PeerError as err:
+            raise BenchError(str(err)) from None
+        except TypeError as err:
+            raise BenchError(f"bad size arguments for model {model!r}: {err}") from None
+        built, x, y = built.to(device), x.to(device), y.to(device)
+        own = own_checkpointing(built)
+        return Workload(model, built, x, y, loss, device, own=own, blocks=own_blocks(built) if own else [])
     if ":" in model:
         built, x, y, loss = _from_factory(model, dict(overrides or {}), batch_size, input_shape)
     elif model in ANY_MODELS:
@@ -130,7 +143,7 @@ def load_workload(
     else:
         raise BenchError(
             f"unknown model {model!r}; give a registered name ({', '.join([*MODELS, *ANY_MODELS])}) "
-            "or an import path pkg.module:factory"
+            "an import path pkg.module:factory, or hf:NAME / timm:NAME (transformers, timm)"
         )
     built = built.to(device)
     x = x.to(device)
