@@ -17,13 +17,12 @@ again (same graph, same kernels), but not necessarily to the same code run eager
 compiled as part of a bigger graph (other fusions round differently). So rotor with
 compiled stages is compared with the *same compiled stages* run one after the other
 without recomputation, the "plain training" of this setup. With `backend="eager"` or
-`"aot_eager"` the stages run the same aten ops as eager code. With inductor, a stage's forwards
-without grad run its training graph (`CompiledStage.same_forward`), the kernels of the recorded one.
-Dropout in a recomputed
-stage draws the numbers of its first run (lightning_rotor/rng.py): the executor rewinds
-or replays the generators around the stage call, and compiled code draws from them as
-eager code does (aot_eager: the aten random ops; inductor: its seeds are drawn from the
-default generator).
+`"aot_eager"` the stages run the same aten ops as eager code. With inductor, a stage's
+forwards without grad run its training graph (`CompiledStage.same_forward`), the kernels of
+the recorded one. Dropout in a recomputed stage draws the numbers of its first run
+(lightning_rotor/rng.py): the executor rewinds or replays the generators around the stage
+call, and compiled code draws from them as eager code does (aot_eager: the aten random ops;
+inductor: its seeds are drawn from the default generator).
 
 The private torch APIs this needs (the compiled module's parts, the dispatch-mode stack,
 dynamo's recompile limit, a lazy `torch.compiler.disable`) are in `_torch_compat.py`.

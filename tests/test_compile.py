@@ -298,6 +298,9 @@ def test_inductor_recomputations_are_bitwise_those_of_the_recorded_forward():
     assert all(isinstance(s, CompiledStage) and s.same_forward for s in rotor.stages)
     recomputed = [n for n, runs in zip(rotor.stage_names, rotor.entry.runs, strict=True) if runs > 1]
     assert any(n.startswith("blocks.") for n in recomputed), recomputed
+    chain = rotor.entry.chain  # Fn/Fc charged what the training graph saves, alive until the stage returns
+    blocks = [k for k, n in enumerate(rotor.stage_names) if n.startswith("blocks.")]
+    assert all(chain.fwd_tmp_nograd[k] + chain.out_size[k] >= chain.saved_size[k] for k in blocks), chain
     in_turn = InTurn(plain, {"backend": "inductor"})
     assert torch.equal(losses, train(in_turn, idx, targets, lm_loss))
     assert_same_grads(net, plain)
