@@ -35,7 +35,6 @@ from typing import Any, cast
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves, tree_map
 
 from lightning_rotor._torch_compat import (
     allow_recompiles,
@@ -44,6 +43,8 @@ from lightning_rotor._torch_compat import (
     disable_dynamo,
     dispatch_modes_active,
     optimized_module_type,
+    tree_leaves,
+    tree_map,
 )
 from lightning_rotor.stages import Stages
 
