@@ -11,6 +11,8 @@ the methods in turn (one step each per round, after every method's warm-up):
 - `ckpt-blocks`: the same compiled stages, `torch.utils.checkpoint` (non-reentrant) around each block;
 - `rotor`: `Checkpointable(gpt, mem_limit=B, compile=...)`, where B is `ckpt-blocks`' peak measured by
   rotor's own meter (`MemoryProbe`, tensor accounting): rotor at per-block checkpointing's memory;
+- `rotor xF`: the same at F times B (`--rotor-scales`): a sweep of rotor budgets, so that rotor can be
+  compared with each other method at equal memory by the independent meter below;
 - `amb=f`: the whole GPT compiled as one graph with `torch._functorch.config.activation_memory_budget = f`
   (the partitioner recomputes to fit a fraction f of the activations it would save).
 
@@ -18,7 +20,9 @@ Every step is also measured independently of both meters: the process's peak res
 resident memory before the step (`/proc/self/clear_refs` resets the peak; the script re-runs itself with
 `MALLOC_MMAP_THRESHOLD_` fixed so that freed tensors leave the resident set). Prints per method the median
 step time with its spread (min-max over the timed steps), the median resident peak, and whether the
-gradients equal `stages`' bitwise (same seed, same parameters). Figures in docs/compile.md.
+gradients equal `stages`' bitwise (same seed, same parameters). Then, at equal memory by that one meter:
+for each of `ckpt-blocks` and the `amb=f` methods, the fastest rotor run whose median resident peak is at
+most that method's, and the ratio of their median step times. Figures in docs/compile.md.
 """
 
 from __future__ import annotations
@@ -162,11 +166,16 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=256)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--steps", type=int, default=11)
+    parser.add_argument("--amb", type=float, nargs="*", default=[0.5, 0.1], help="activation_memory_budget values")
     parser.add_argument(
-        "--amb", type=float, nargs="*", default=[0.5, 0.1, 0.02], help="activation_memory_budget values"
+        "--rotor-scales",
+        type=float,
+        nargs="*",
+        default=[0.95, 1.5, 2.0, 3.0],
+        help="more rotor budgets, as multiples of ckpt-blocks' MemoryProbe peak",
     )
     parser.add_argument("--dropout", type=float, default=0.1)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     if os.environ.get("MALLOC_MMAP_THRESHOLD_") != MMAP_THRESHOLD:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = MMAP_THRESHOLD
@@ -203,11 +212,15 @@ def main() -> None:
         "stages": InTurn(copy.deepcopy(base), compile_stage, False),
         "ckpt-blocks": ckpt,
         "rotor": rotor,
+        **{
+            f"rotor x{f}": Checkpointable(copy.deepcopy(base), int(f * budget), compile=options)
+            for f in args.rotor_scales
+        },
         **{f"amb={f}": Whole(copy.deepcopy(base), f, options) for f in args.amb},
     }
     results = run_all(models, x, y, args.warmup, args.steps)
     runs = rotor.entry.runs
-    for name in ("stages", "ckpt-blocks", "rotor"):
+    for name in ("stages", "ckpt-blocks", *(n for n in models if n.startswith("rotor"))):
         results[name]["probe"] = probe_peak(models[name], x, y)
     print(
         f"# rotor budget {mib(budget)} MiB (ckpt-blocks' MemoryProbe peak); rotor runs per stage {runs}; "
@@ -227,6 +240,25 @@ def main() -> None:
             f"| {name} | {statistics.median(ms):.1f} | {min(ms):.1f}-{max(ms):.1f} | "
             f"{mib(statistics.median(r['peaks']))} | {probe} | {same if not name.startswith('amb') else '-'} |"
         )
+    equal_memory(results)
+
+
+def equal_memory(results: dict[str, dict[str, Any]]) -> None:
+    """For each non-rotor checkpointing method, the fastest rotor run at no more resident memory (one meter)."""
+    median = {name: (statistics.median(r["times"]), statistics.median(r["peaks"])) for name, r in results.items()}
+    rotors = [name for name in results if name.startswith("rotor")]
+    print("\n| method | its ms | its resident MiB | fastest rotor at <= its peak | rotor ms | rotor MiB | ratio |")
+    print("|---|---|---|---|---|---|---|")
+    for name, (ms, peak) in median.items():
+        if name == "stages" or name.startswith("rotor"):
+            continue
+        fits = [r for r in rotors if median[r][1] <= peak]
+        best = min(fits, key=lambda r: median[r][0]) if fits else None
+        if best is None:
+            print(f"| {name} | {ms * 1e3:.1f} | {mib(peak)} | none | - | - | - |")
+            continue
+        rms, rpeak = median[best]
+        print(f"| {name} | {ms * 1e3:.1f} | {mib(peak)} | {best} | {rms * 1e3:.1f} | {mib(rpeak)} | {rms / ms:.2f} |")
 
 
 if __name__ == "__main__":

@@ -225,6 +225,23 @@ def compiled_parts(module: nn.Module) -> tuple[nn.Module, Callable[[nn.Module], 
     return original, ctx
 
 
+def compiled_backend_name(module: nn.Module) -> str | None:
+    """The backend name of a `torch.compile`d module ("inductor", "aot_eager", ...), None when unknown.
+
+    Follows `_torchdynamo_orig_backend` from `.dynamo_ctx.callback` to the wrapper `torch.compile` made of
+    the backend (torch 2.13: `_compiler_name` on it); a custom callable backend has no such name.
+    """
+    fn: Any = getattr(getattr(module, "dynamo_ctx", None), "callback", None)
+    for _ in range(8):
+        if fn is None:
+            return None
+        name = getattr(fn, "_compiler_name", None)
+        if isinstance(name, str):
+            return name
+        fn = getattr(fn, "_torchdynamo_orig_backend", None) or getattr(fn, "_inner_convert", None)
+    return None
+
+
 def dispatch_modes_active() -> bool:
     """Whether a TorchDispatchMode is active (`torch._C._len_torch_dispatch_stack`): dynamo does not
     compile under one, and a frame it skipped so stays skipped (compile.py, `CompiledStage`)."""

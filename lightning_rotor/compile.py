@@ -17,11 +17,12 @@ again (same graph, same kernels), but not necessarily to the same code run eager
 compiled as part of a bigger graph (other fusions round differently). So rotor with
 compiled stages is compared with the *same compiled stages* run one after the other
 without recomputation, the "plain training" of this setup. With `backend="eager"` or
-`"aot_eager"` the stages run the same aten ops as eager code. Dropout in a recomputed
-stage draws the numbers of its first run (lightning_rotor/rng.py): the executor rewinds
-or replays the generators around the stage call, and compiled code draws from them as
-eager code does (aot_eager: the aten random ops; inductor: its seeds are drawn from the
-default generator).
+`"aot_eager"` the stages run the same aten ops as eager code. With inductor, a stage's
+forwards without grad run its training graph (`CompiledStage.same_forward`), the kernels of
+the recorded one. Dropout in a recomputed stage draws the numbers of its first run
+(lightning_rotor/rng.py): the executor rewinds or replays the generators around the stage
+call, and compiled code draws from them as eager code does (aot_eager: the aten random ops;
+inductor: its seeds are drawn from the default generator).
 
 The private torch APIs this needs (the compiled module's parts, the dispatch-mode stack,
 dynamo's recompile limit, a lazy `torch.compiler.disable`) are in `_torch_compat.py`.
@@ -37,10 +38,13 @@ from torch import nn
 
 from lightning_rotor._torch_compat import (
     allow_recompiles,
+    compiled_backend_name,
     compiled_parts,
     disable_dynamo,
     dispatch_modes_active,
     optimized_module_type,
+    tree_leaves,
+    tree_map,
 )
 from lightning_rotor.stages import Stages
 
@@ -105,16 +109,70 @@ class CompiledStage(nn.Module):
     step on the CPU) would leave every compiled module of the process running eagerly from then on.
     So under a mode the stage calls its module as written (the profiler measures the memory of that
     eager run; times are measured without a mode, compiled), and outside one the compiled module.
+
+    `same_forward`: forwards without grad run the training graph (NOTE: [no-grad forwards through the
+    training graph]); rotor turns it on for inductor (`wants_same_forward`).
     """
 
-    def __init__(self, compiled: nn.Module):
+    def __init__(self, compiled: nn.Module, same_forward: bool = False):
         super().__init__()
         self.compiled = compiled
+        self.same_forward = same_forward
+        self.recorded_as: tuple[bool, ...] | None = None  # requires_grad of each input tensor when recorded
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if dispatch_modes_active():
-            return compiled_parts(self.compiled)[0](*args, **kwargs)
-        return self.compiled(*args, **kwargs)
+        eager = dispatch_modes_active()
+        module = compiled_parts(self.compiled)[0] if eager else self.compiled
+        if not self.same_forward:
+            return module(*args, **kwargs)
+        if torch.is_grad_enabled():
+            self.recorded_as = tuple(t.requires_grad for t in _tensors((args, kwargs)))
+            return module(*args, **kwargs)
+        return self._forward_as_recorded(module, eager, args, kwargs)
+
+    def _forward_as_recorded(self, module: nn.Module, eager: bool, args: Any, kwargs: Any) -> Any:
+        """A forward without grad run through the training graph, its graph (what it saved) freed on return.
+
+        NOTE: [no-grad forwards through the training graph] inductor compiles a stage's inference graph
+        (no grad) apart from its training graph's forward, with other fusions, so a recomputed or no-grad
+        forward (`Fn`, `Fc`) would round otherwise than the recorded one (`Fe`), and the gradients of
+        rotor would differ from those of the compiled stages run in turn. Here grad is on, each input
+        tensor requires grad as it did when the stage was recorded (dynamo guards on it, and the
+        partition of the joint graph depends on it), and the outputs are detached. The cost is the
+        training graph's: its forward returns what it saves, which lives until the call returns, so the
+        transient is that of `Fe`, not of an inference forward. Under a dispatch mode (`MemoryProbe`)
+        the stage runs eagerly in the same way, keeping what autograd saves until it returns, so
+        `fwd_tmp_nograd` is measured with that cost. Before the stage was ever recorded (the profiler
+        measures `Fn k` before `Fe k`; a frozen stage never records), eagerly every floating input
+        requires grad (charged as if recorded: the safe side) and compiled it runs its inference graph
+        (a frozen stage runs it in plain training too).
+        """
+        leaves = _tensors((args, kwargs))
+        pattern = self.recorded_as
+        if pattern is None or len(pattern) != len(leaves):
+            if not eager:
+                return module(*args, **kwargs)
+            pattern = tuple(t.is_floating_point() or t.is_complex() for t in leaves)
+        flags = iter(pattern)
+
+        def enter(v: Any) -> Any:
+            return v.detach().requires_grad_(next(flags)) if isinstance(v, torch.Tensor) else v
+
+        args, kwargs = tree_map(enter, (args, kwargs))
+        with torch.enable_grad():
+            out = module(*args, **kwargs)
+        return tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, out)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [v for v in tree_leaves(value) if isinstance(v, torch.Tensor)]
+
+
+def wants_same_forward(compiler: StageCompiler, probe: nn.Module) -> bool:
+    """Whether `compiler`'s stages should run their no-grad forwards through the training graph: with
+    inductor (other kernels in the inference graph); other backends (aot_eager: the aten ops of eager
+    code) keep the cheaper inference graph."""
+    return compiled_backend_name(compiler(probe)) == "inductor"
 
 
 def compile_stages(stages: Stages, compiler: StageCompiler | None) -> Stages:
@@ -122,8 +180,9 @@ def compile_stages(stages: Stages, compiler: StageCompiler | None) -> Stages:
     if compiler is None or all(isinstance(m, CompiledStage) for m in stages):
         return stages
     _allow_recompiles(4 * len(stages))
+    same = wants_same_forward(compiler, nn.Identity())
     modules = tuple(
-        m if isinstance(m, CompiledStage) else CompiledStage(m if is_compiled(m) else compiler(m)) for m in stages
+        m if isinstance(m, CompiledStage) else CompiledStage(m if is_compiled(m) else compiler(m), same) for m in stages
     )
     return Stages(stages.names, modules, kind=stages.kind, notes=(*stages.notes, "stages compiled"))
 

@@ -33,13 +33,13 @@ def make_net() -> nn.Sequential:
     return nn.Sequential(*blocks, nn.Linear(16, 4))
 
 
-class StagesInTurn(nn.Module):
+class InTurn(nn.Module):
     """The same compiled stages run one after the other: plain training of a compiled-stage setup."""
 
-    def __init__(self, net: nn.Sequential):
+    def __init__(self, net: nn.Sequential, options: dict = AOT):
         super().__init__()
         self.net = net
-        self.stages = compile_stages(sequential_stages(net), lambda m: torch.compile(m, **AOT))
+        self.stages = compile_stages(sequential_stages(net), lambda m: torch.compile(m, **options))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for stage in self.stages:
@@ -74,7 +74,7 @@ def test_compiled_stages_recompute_dropout_exactly(form):
     recomputed = [name for name, runs in zip(rotor.stage_names, rotor.entry.runs, strict=True) if runs > 1]
     assert any(isinstance(rotor.module.get_submodule(n), nn.Dropout) for n in recomputed), recomputed
     plain = make_net()
-    assert torch.equal(losses, train(StagesInTurn(plain), x, y, F.cross_entropy))
+    assert torch.equal(losses, train(InTurn(plain), x, y, F.cross_entropy))
     assert_same_grads(net, plain)
     rotor.zero_grad()
     with rotor.measure_step() as m:
@@ -264,7 +264,7 @@ def test_recomputed_compiled_stages_run_compiled_while_other_threads_live():
     runs = sum(rotor.entry.runs)
     assert max(rotor.entry.runs) > 1 and len(calls) == 2 * runs  # each stage run, recomputations too, compiled
     plain = make_net()
-    plain_model = StagesInTurn(plain)
+    plain_model = InTurn(plain)
     train(plain_model, x, y, F.cross_entropy, steps=1)
     assert torch.equal(losses, train(plain_model, x, y, F.cross_entropy, steps=2))
 
@@ -279,3 +279,60 @@ def test_compiled_lightning_module_trains_with_rotor_as_a_graph_break(tmp_path):
     assert len(rotor.losses) == 3 and torch.equal(torch.stack(rotor.losses), torch.stack(plain.losses))
     for step_a, step_b in zip(rotor.grads, plain.grads, strict=True):
         assert all(torch.equal(a, b) for a, b in zip(step_a, step_b, strict=True))
+
+
+def test_inductor_recomputations_are_bitwise_those_of_the_recorded_forward():
+    """Inductor: no-grad forwards (`Fn`, `Fc`) run each stage's training graph (NOTE: [no-grad forwards through
+    the training graph]), so a plan that recomputes dropout blocks gives the losses and gradients of the same
+    inductor-compiled stages run in turn, bitwise; the measured peak stays within the budget."""
+
+    def model() -> nn.Sequential:
+        torch.manual_seed(0)
+        return gpt(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=8, dropout=0.2)
+
+    g = torch.Generator().manual_seed(0)
+    idx, targets = torch.randint(16, (2, 8), generator=g), torch.randint(16, (2, 8), generator=g)
+    net, plain = model(), model()
+    rotor = Checkpointable(net, 0.7, compile={"backend": "inductor"})
+    losses = train(rotor, idx, targets, lm_loss)
+    assert all(isinstance(s, CompiledStage) and s.same_forward for s in rotor.stages)
+    recomputed = [n for n, runs in zip(rotor.stage_names, rotor.entry.runs, strict=True) if runs > 1]
+    assert any(n.startswith("blocks.") for n in recomputed), recomputed
+    chain = rotor.entry.chain  # Fn/Fc charged what the training graph saves, alive until the stage returns
+    blocks = [k for k, n in enumerate(rotor.stage_names) if n.startswith("blocks.")]
+    assert all(chain.fwd_tmp_nograd[k] + chain.out_size[k] >= chain.saved_size[k] for k in blocks), chain
+    in_turn = InTurn(plain, {"backend": "inductor"})
+    assert torch.equal(losses, train(in_turn, idx, targets, lm_loss))
+    assert_same_grads(net, plain)
+    rotor.zero_grad()
+    with rotor.measure_step() as m:
+        lm_loss(rotor(idx), targets).backward()
+    assert 0 < m.peak <= rotor.plan.budget
+
+
+def test_no_grad_forwards_of_an_inductor_stage_run_its_training_graph():
+    """`same_forward` (on for inductor): a no-grad call reuses the graph compiled for the recorded call, with the
+    inputs requiring grad as then, and returns detached outputs equal to the recorded ones; other backends
+    compile an inference graph of their own."""
+    from lightning_rotor.compile import wants_same_forward
+
+    assert wants_same_forward(lambda m: torch.compile(m), nn.Identity())
+    assert wants_same_forward(lambda m: torch.compile(m, backend="inductor", mode="max-autotune"), nn.Identity())
+    assert not wants_same_forward(lambda m: torch.compile(m, **AOT), nn.Identity())
+    x = torch.randn(3, 16)
+    for same in (True, False):
+        graphs: list[int] = []
+
+        def counting(gm, example_inputs, graphs=graphs):
+            graphs.append(len(example_inputs))
+            return gm
+
+        torch._dynamo.reset()
+        stage = CompiledStage(torch.compile(nn.Sequential(nn.Linear(16, 16), nn.Tanh()), backend=counting), same)
+        recorded = stage(x.requires_grad_())
+        x = x.detach()
+        with torch.no_grad():
+            out = stage(x)
+        assert torch.equal(out, recorded) and not out.requires_grad and out.grad_fn is None
+        assert len(graphs) == (1 if same else 2), graphs
+    assert stage.recorded_as is None  # only the same-forward stage learns how its inputs were recorded
