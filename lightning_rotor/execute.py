@@ -549,8 +549,10 @@ def early_stops(
     the plan holds `a_k` whole from that `Fc k` to the end of `B k`: no forward of stage k-1 (which
     would make `a_k` again) or transfer of `a_k` in between, and nothing of `a_k` let go at `Fe k`
     (`in_free[k] == 0`: stage k's graph keeps all of it; unknown without a chain, so none qualifies).
-    Compiled stages (replayed by rewinding, compile.py) keep `Fe k`. The memory then never exceeds
-    the plan's: `B k` holds `a_k`, `δ_{k+1}` and what the rerun saves (a part of what `Fe k` saves).
+    Compiled stages (replayed by rewinding, compile.py) and stages with BatchNorm or InstanceNorm (rerun
+    without running statistics, which saves fewer tensors than torch's checkpoint recorded) keep `Fe k`.
+    The memory then never exceeds the plan's: `B k` holds `a_k`, `δ_{k+1}` and what the rerun saves (a
+    part of what `Fe k` saves).
     """
     if in_free is None:
         return set()
@@ -569,8 +571,8 @@ def early_stops(
         between = ops[i + 1 : j]
         if any((o.kind.is_forward and o.stage == k - 1) or (o.kind.is_transfer and o.stage == k) for o in between):
             continue
-        if rewinds(stages[k]):
-            continue
+        if rewinds(stages[k]) or any(is_norm(m) for m in stages[k].modules()):
+            continue  # a norm's recomputation runs without running statistics: torch's checkpoint counts fewer saved
         found |= {i, j}
     return found
 
