@@ -7,6 +7,7 @@ what the simulator charges the plan; the forward hooks show that the blocks' rer
 """
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -100,6 +101,30 @@ def test_early_stop_trains_bitwise_like_plain_within_the_plans_memory(schedule):
     # blocks.i is stage i+1: an early-stopped block's rerun stops before its end (the residual add after
     # the last dropout saves nothing); in the mixed plan blocks.1 (stage 2) is recomputed whole as before
     assert counts == {i: int(i + 1 in runner.early) for i in range(6)}
+
+
+def test_with_another_thread_alive_the_rerun_draws_from_the_recorded_states():
+    """An ordinary thread alive: no rewinding, each random op replayed from its recorded state (rng.py)."""
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait)
+    thread.start()
+    try:
+        x, y = data()
+        plain, rotor = small_gpt(), small_gpt()
+        run_step(plain, plain, x, y)
+        rng_after_plain = torch.get_rng_state()
+        stages = sequential_stages(rotor)
+        names = list(stages.names)
+        chain = profile_chain(stages, x, names=names).chain
+        runner = PlanRunner(stages, mixed_schedule(len(stages)), names, in_free=chain.in_free)
+        assert runner.early
+        run_step(runner, rotor, x, y)
+        assert torch.equal(torch.get_rng_state(), rng_after_plain)  # the global stream as in plain training
+        for a, b in zip(grads(plain), grads(rotor), strict=True):
+            assert torch.equal(a, b)
+    finally:
+        stop.set()
+        thread.join()
 
 
 def test_without_early_stop_every_recomputation_runs_the_whole_stage():
