@@ -8,7 +8,9 @@ on each stage's graph, as in unwrapped training. Recomputed stages draw the
 random numbers of their first run (CPU and CUDA) from private generators, never
 rewinding the process-wide one (lightning_rotor/rng.py), re-enter the autocast
 state of the original forward, and do not update BatchNorm statistics or other
-buffers a second time.
+buffers a second time. Where the plan keeps a stage input until the stage's backward and records
+the stage just before it, the recomputation stops early, as torch's non-reentrant checkpoint does
+(NOTE: [early-stopping recomputation]).
 """
 
 from __future__ import annotations
