@@ -9,14 +9,16 @@ that the model computes its loss in the forward (`model(input_ids=x, labels=x).l
 - `hf, no early stop`: the same under `torch.utils.checkpoint.set_checkpoint_early_stop(False)`: each
   recomputation runs the whole block, as rotor's does (torch's stops once the backward's tensors are made);
 - `rotor @ hf`: `Checkpointable(model, mem_limit=<hf's measured peak>, discover="modules")`;
+- `rotor @ hf, no early stop`: the same with `early_stop=False`: each recomputation runs the whole stage
+  (`Fe k`), as rotor did before its executor stopped early too;
 - `rotor min`: rotor at its smallest feasible budget.
 
 Peaks by exact tensor accounting (`MemoryProbe` through the bench's `measure_peak`, the token ids
 included), independent of rotor's prediction; times interleaved (one step of each method per round),
 medians, fastest runs and spread = (max - min) / median.
 
-    python benchmarks/hf_checkpointing.py --model gpt2 --repeats 7
-    python benchmarks/hf_checkpointing.py --model qwen2 --repeats 7
+    python benchmarks/hf_checkpointing.py --model gpt2 --repeats 9
+    python benchmarks/hf_checkpointing.py --model qwen2 --repeats 9
 """
 
 from __future__ import annotations
@@ -112,8 +114,8 @@ def main(argv: list[str] | None = None) -> None:
     plain_peak = measure_peak(w, lambda x: model(input_ids=x, labels=x), 0)
     hf_peak = measure_peak(w, hf, 0)
 
-    def rotor(budget: int) -> Checkpointable:
-        ckpt = Checkpointable(model, budget, discover="modules", repeats=5)
+    def rotor(budget: int, early_stop: bool = True) -> Checkpointable:
+        ckpt = Checkpointable(model, budget, discover="modules", repeats=5, early_stop=early_stop)
         train_step(w, lambda x: ckpt(input_ids=x, labels=x), 0)  # profiles and plans
         return ckpt
 
@@ -121,15 +123,16 @@ def main(argv: list[str] | None = None) -> None:
         rotor(1)
     except InfeasibleBudget as err:
         smallest = err.min_feasible
-    at_hf, at_min = rotor(hf_peak), rotor(smallest)
+    at_hf, at_hf_full, at_min = rotor(hf_peak), rotor(hf_peak, early_stop=False), rotor(smallest)
     methods = [
         Method(Row(args.model, "cpu", "plain"), lambda x: model(input_ids=x, labels=x)),
         Method(Row(args.model, "cpu", "hf"), hf),
         Method(Row(args.model, "cpu", "hf, no early stop"), _HfCheckpointing(model, early_stop=False)),
     ]
-    for label, ckpt in (("rotor @ hf", at_hf), ("rotor min", at_min)):
+    for label, ckpt in (("rotor @ hf", at_hf), ("rotor @ hf, no early stop", at_hf_full), ("rotor min", at_min)):
         row = Row(args.model, "cpu", label, mem_limit=ckpt.plan.mem_limit, predicted_peak=ckpt.plan.peak)
-        row.note = f"runs {ckpt.entry.runs}, predicted {ckpt.plan.time * 1e3:.0f} ms"
+        early = sorted(ckpt.entry.runner.early)
+        row.note = f"runs {ckpt.entry.runs}, early stop {early}, predicted {ckpt.plan.time * 1e3:.0f} ms"
         methods.append(Method(row, lambda x, ckpt=ckpt: ckpt(input_ids=x, labels=x)))
     run_interleaved(w, methods, args.repeats, 1, 0, _Bar())
     plain_ms = methods[0].row.step_ms or 1.0

@@ -84,8 +84,11 @@ def stage_fingerprints(stages: Sequence[nn.Module]) -> list[str]:
 class PlanCache:
     """Profiles and plans of one chain's stages, per plan key; per (key, budget) for calls after others."""
 
-    def __init__(self, stages: Sequence[nn.Module], names: Sequence[str], slots: int | None = None) -> None:
+    def __init__(
+        self, stages: Sequence[nn.Module], names: Sequence[str], slots: int | None = None, early_stop: bool = True
+    ) -> None:
         self.stages = list(stages)
+        self.early_stop = early_stop  # runners recompute with early stop where sound (`execute.early_stops`)
         self.names = list(names)
         self.slots = slots
         self.entries: dict[str, Entry] = {}  # per key: the plan for the chain's whole budget
@@ -106,7 +109,11 @@ class PlanCache:
 
     def build(self, measured: Profile, chosen: Plan) -> Entry:
         """An entry of these stages running `chosen`."""
-        return Entry(measured, chosen, pipeline.runner(self.stages, measured.chain, chosen, self.names))
+        return Entry(
+            measured,
+            chosen,
+            pipeline.runner(self.stages, measured.chain, chosen, self.names, early_stop=self.early_stop),
+        )
 
     # -- the whole budget changed ----------------------------------------------------------------
     def replanned(self, budget: int | Callable[[str, Chain], int]) -> dict[str, Entry]:

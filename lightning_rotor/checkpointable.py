@@ -117,6 +117,10 @@ class Checkpointable(nn.Module):
     profiled), or the bandwidth as bytes/s (`12e9`) or a rate (`"12GB/s"`, `"500MB/s"`). The planner
     reads it from the chain (`chain.bandwidth`). `host_limit`: the most host memory the copies may
     hold at once, in bytes or a size (`"2GiB"`); None: no limit.
+
+    `early_stop` (default True): where the plan keeps a stage's input and recomputes the stage right
+    before its backward, the recomputation stops once the backward's tensors are made, as torch's
+    non-reentrant checkpoint does (never more memory than the plan; docs/memory-model.md).
     """
 
     stages: Stages | None  # set by _set_stages, outside nn.Module's registries
@@ -142,6 +146,7 @@ class Checkpointable(nn.Module):
         options: bool = False,
         offload: bool | int | float | str = False,
         host_limit: int | str | None = None,
+        early_stop: bool = True,
     ):
         compiled = None
         if isinstance(module, nn.Module):  # torch.compile(m): stages of m, compiled alike (compile.py)
@@ -200,6 +205,7 @@ class Checkpointable(nn.Module):
         self._measurement: StepMeasurement | None = None
         # called as (stages done, stages, seconds) while a new input signature is profiled
         self.on_profile_progress: Callable[[int, int, float], None] | None = None
+        self.early_stop = early_stop
         self._set_stages(sequential_stages(module) if discover == "sequential" else stages)
 
     def _set_stages(self, stages: Stages | None) -> None:
@@ -207,7 +213,7 @@ class Checkpointable(nn.Module):
         stages = compile_stages(stages, self.compiler) if stages is not None else None
         object.__setattr__(self, "stages", stages)
         self.stage_names = list(stages.names) if stages is not None else []
-        self.plan_cache = PlanCache(stages, stages.names, self.slots) if stages is not None else None
+        self.plan_cache = PlanCache(stages, stages.names, self.slots, self.early_stop) if stages is not None else None
 
     @property
     def entries(self) -> dict[str, Entry]:

@@ -8,17 +8,20 @@ on each stage's graph, as in unwrapped training. Recomputed stages draw the
 random numbers of their first run (CPU and CUDA) from private generators, never
 rewinding the process-wide one (lightning_rotor/rng.py), re-enter the autocast
 state of the original forward, and do not update BatchNorm statistics or other
-buffers a second time.
+buffers a second time. Where the plan keeps a stage input until the stage's backward and records
+the stage just before it, the recomputation stops early, as torch's non-reentrant checkpoint does
+(NOTE: [early-stopping recomputation]).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from contextlib import ExitStack
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from lightning_rotor._torch_compat import (
     backward_is_full,
@@ -230,6 +233,63 @@ class _Step:
         if kind is OpKind.FN and k != 0:
             del self.plain[k]
 
+    def early_forward(self, k: int) -> None:
+        """`Fc k` that also records stage k for `B k`, which then recomputes it with early stop.
+
+        NOTE: [early-stopping recomputation] where the plan runs `Fc k`, keeps `a_k` until
+        `B k` and runs `Fe k` just before `B k` (Hugging Face's schedule at its own peak), the
+        stage runs here under torch's non-reentrant checkpoint: its graph keeps handles, not
+        tensors (parameters aside), and `a_k`, which the plan holds anyway. `a_{k+1}` goes on
+        detached; only its gradient edges stay (`released`). `Fe k` is then skipped, and `B k`
+        backpropagates from those edges: torch reruns the stage only until every tensor its
+        backward needs is made again (the tail after the last saving op does not run), with
+        rotor's own random-number replay, autocast state and buffer protection (`_replay`).
+        Only applied where `a_k` is kept whole by the plan through `B k` (`PlanRunner.early`).
+        """
+        stage, name = self.runner.stages[k], self.runner.names[k]
+        src = self._input(k, OpKind.FC)
+        first = k not in self.ran
+        with ExitStack() as stack:
+            stack.enter_context(no_cast_cache())
+            if first:
+                self.ran.add(k)
+                self._remember(k, stage, stack)
+            else:
+                self._replay(k, stage, stack)
+            before = versions(src)
+            entry, inp = self._kept_input(k, src)
+            flat, spec = tree_flatten(inp)
+            del inp
+
+            def run(*leaves: Any) -> Any:
+                return stage(tree_unflatten(list(leaves), spec))
+
+            with torch.enable_grad():
+                out = checkpoint(
+                    run,
+                    *flat,
+                    use_reentrant=False,
+                    preserve_rng_state=False,  # rotor replays the draws itself (`_replay`), never rewinding
+                    context_fn=lambda: (nullcontext(), self._recomputing(k)),
+                )
+            del flat, run
+            self.graph[k + 1] = (entry, None)
+            self.released[k + 1] = output_edges(out)
+            self.plain[k + 1] = detach_value(out, False)
+            del out
+            check_inplace(before, src, k, name)
+        if first:
+            self._find_mutated(k, stage)
+            self._learn_quiet(k)
+
+    @contextmanager
+    def _recomputing(self, k: int) -> Iterator[None]:
+        """Where torch's checkpoint reruns stage k inside `B k`: as any recomputation of it (`_replay`)."""
+        with ExitStack() as stack:
+            stack.enter_context(no_cast_cache())
+            self._replay(k, self.runner.stages[k], stack)
+            yield
+
     # -- transfers (chain version 6) ---------------------------------------------------------------
     def offload(self, k: int) -> None:
         """`Offload k`: a_k goes to host memory; the executor keeps no device reference to it.
@@ -321,7 +381,7 @@ class _Step:
     def take_output(self) -> Any:
         """Hand `a_L` to the caller: a plain one leaves the plan, one with graph stays for `B L-1`."""
         length = self.runner.length
-        if length in self.graph:
+        if self.graph.get(length, (None, None))[1] is not None:
             # the plan keeps only the graph: a_L lives as long as the caller's loss (or the graph) needs it
             inp, out = self.graph[length]
             self.released[length] = output_edges(out)
@@ -396,16 +456,30 @@ class _Step:
         top = Op(OpKind.B, run[0]).label
         return handles, pending, lambda: mark_until(top)
 
-    def run(self, ops: Sequence[Op], last: Sequence[bool] | None = None, pack: Sequence[bool] | None = None) -> None:
+    def run(
+        self,
+        ops: Sequence[Op],
+        last: Sequence[bool] | None = None,
+        pack: Sequence[bool] | None = None,
+        early: Sequence[bool] | None = None,
+    ) -> None:
         """Run `ops`; `last[i]`: op i is its stage's last forward before its backward (`ops.last_forwards`);
-        `pack[i]`: op i is an `Fe` whose saved part an `OffloadSaved` moves."""
+        `pack[i]`: op i is an `Fe` whose saved part an `OffloadSaved` moves; `early[i]`: op i is an `Fc`
+        run with early-stopping recomputation, or the `Fe` it makes unneeded (`early_stops`)."""
         i, n = 0, len(ops)
         last = last or [False] * n
         pack = pack or [False] * n
+        early = early or [False] * n
         while i < n:
             op = ops[i]
             kind = op.kind
-            if kind is OpKind.FN or kind is OpKind.FC or kind is OpKind.FE or kind is OpKind.FS:
+            if early[i]:
+                if kind is OpKind.FC:
+                    self.early_forward(op.stage)
+                # an Fe: B k recomputes the stage itself, with early stop
+                self.mark(op)
+                i += 1
+            elif kind is OpKind.FN or kind is OpKind.FC or kind is OpKind.FE or kind is OpKind.FS:
                 if kind is OpKind.FS and op.option != 1:
                     raise RuntimeError(f"executor has no rule for op {op.label}: option 1 (sac) is the only one")
                 self.forward_op(kind, op.stage, last[i], pack[i])
@@ -465,6 +539,44 @@ def _packed_records(ops: Sequence[Op]) -> set[int]:
                 raise ValueError(f"{op.label} must follow the Fe {k} whose recorded graph it moves")
             packed.add(at)
     return packed
+
+
+def early_stops(
+    ops: Sequence[Op], stages: Sequence[nn.Module], frozen: int, in_free: Sequence[int] | None, packed: set[int]
+) -> set[int]:
+    """Positions of the `Fc k` ops to run with early-stopping recomputation, and of the `Fe k` ops they replace.
+
+    NOTE: [early-stopping recomputation] (`_Step.early_forward`). A stage qualifies when its
+    `Fe k` comes right before `B k`, the forward of stage k before that `Fe k` is an `Fc k`, and
+    the plan holds `a_k` whole from that `Fc k` to the end of `B k`: no forward of stage k-1 (which
+    would make `a_k` again) or transfer of `a_k` in between, and nothing of `a_k` let go at `Fe k`
+    (`in_free[k] == 0`: stage k's graph keeps all of it; unknown without a chain, so none qualifies).
+    Compiled stages (replayed by rewinding, compile.py) and stages with BatchNorm or InstanceNorm (rerun
+    without running statistics, which saves fewer tensors than torch's checkpoint recorded) keep `Fe k`.
+    The memory then never exceeds the plan's: `B k` holds `a_k`, `δ_{k+1}` and what the rerun saves (a
+    part of what `Fe k` saves).
+    """
+    if in_free is None:
+        return set()
+    found: set[int] = set()
+    recent: dict[int, int] = {}  # stage: position of its latest forward
+    for j, op in enumerate(ops):
+        k = op.stage
+        if k is None or not op.kind.is_forward:
+            continue
+        i = recent.get(k)
+        recent[k] = j
+        if op.kind is not OpKind.FE or j + 1 >= len(ops) or ops[j + 1] != Op(OpKind.B, k) or j in packed:
+            continue
+        if i is None or ops[i].kind is not OpKind.FC or k < frozen or (k > frozen and in_free[k] != 0):
+            continue
+        between = ops[i + 1 : j]
+        if any((o.kind.is_forward and o.stage == k - 1) or (o.kind.is_transfer and o.stage == k) for o in between):
+            continue
+        if rewinds(stages[k]) or any(is_norm(m) for m in stages[k].modules()):
+            continue  # a norm's recomputation runs without running statistics: torch's checkpoint counts fewer saved
+        found |= {i, j}
+    return found
 
 
 def _plain_buffers(stage: nn.Module) -> list[torch.Tensor]:
@@ -544,7 +656,8 @@ class _Tail(torch.autograd.Function):
         # args: the chain input's leaves, then the stages' parameters (edges only, see `_check_backward_call`)
         inputs, ctx.n_params = args[:n_inputs], len(args) - n_inputs
         step.plain[0] = tree_unflatten(list(inputs), spec)
-        step.run(step.runner.forward_ops, step.runner.forward_last, step.runner.forward_pack)
+        runner = step.runner
+        step.run(runner.forward_ops, runner.forward_last, runner.forward_pack, runner.forward_early)
         ctx.step = step
         ctx.is_tensor = [isinstance(t, torch.Tensor) for t in inputs]
         return torch.empty(0, device=dummy.device)
@@ -554,7 +667,8 @@ class _Tail(torch.autograd.Function):
         step: _Step = ctx.step
         stashed = _stash_grads(step.runner.shared_parameters())
         try:
-            step.run(step.runner.backward_ops, step.runner.backward_last, step.runner.backward_pack)
+            runner = step.runner
+            step.run(runner.backward_ops, runner.backward_last, runner.backward_pack, runner.backward_early)
             delta = iter(step.grads.pop(step.runner.frozen))
             if step.runner.frozen:  # B F made no gradient: the chain input does not require grad
                 delta = iter([None] * len(ctx.is_tensor))
@@ -611,6 +725,7 @@ class PlanRunner:
         in_free: Sequence[int] | None = None,
         sizes: Sequence[int] | None = None,
         offloadable: Sequence[int] | None = None,
+        early_stop: bool = True,
     ):
         self.stages = list(stages)
         self.length = len(self.stages)
@@ -643,6 +758,11 @@ class PlanRunner:
         packed = _packed_records(ops)
         self.forward_pack = [i in packed for i in range(split)]
         self.backward_pack = [i in packed for i in range(split + 1, len(ops))]
+        # Fc k recorded under torch's checkpoint, Fe k skipped, B k recomputes with early stop
+        early = early_stops(ops, self.stages, self.frozen, self.in_free, packed) if early_stop else set()
+        self.early = {ops[i].stage for i in early}
+        self.forward_early = [i in early for i in range(split)]
+        self.backward_early = [i in early for i in range(split + 1, len(ops))]
         # B k then B k-1 at once: a recorded a_k may feed stage k as it is, joining the graphs
         self.joinable = {
             op.stage

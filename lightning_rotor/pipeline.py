@@ -150,10 +150,23 @@ def plan_chain(chain: Chain, budget: int, slots: int | None = None) -> Plan:
     return plan(chain, budget, slots=slots)
 
 
-def runner(stages: Sequence[nn.Module], chain: Chain, chosen: Plan, names: Sequence[str] | None = None) -> PlanRunner:
-    """What runs `chosen` on the stages: an autograd Function per call."""
+def runner(
+    stages: Sequence[nn.Module],
+    chain: Chain,
+    chosen: Plan,
+    names: Sequence[str] | None = None,
+    *,
+    early_stop: bool = True,
+) -> PlanRunner:
+    """What runs `chosen` on the stages: an autograd Function per call. `early_stop`: see `PlanRunner`."""
     return PlanRunner(
-        stages, chosen.ops, names, in_free=chain.in_free, sizes=chain.sizes, offloadable=chain.offloadable
+        stages,
+        chosen.ops,
+        names,
+        in_free=chain.in_free,
+        sizes=chain.sizes,
+        offloadable=chain.offloadable,
+        early_stop=early_stop,
     )
 
 

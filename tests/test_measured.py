@@ -79,8 +79,12 @@ def test_measured_peak_equals_the_prediction_in_the_shipped_configs(tmp_path, co
     assert measured, "no step was measured"
     predicted = logged["rotor/predicted_peak_bytes"][-1]
     assert predicted <= logged["rotor/budget_bytes"][-1]
-    # the batch's targets and Lightning's logging copies are not activations (docs/memory-model.md, section 5)
-    assert measured == [predicted] * len(measured)
+    # the batch's targets and Lightning's logging copies are not activations (docs/memory-model.md, section 5);
+    # a recomputation that stops early may hold a little less than the plan (memory-model.md, "Early-stopping
+    # recomputation"; 32 bytes here under bf16), never more
+    assert all(0.999 * predicted <= m <= predicted for m in measured), (measured, predicted)
+    if "bf16.yaml" not in configs:
+        assert measured == [predicted] * len(measured)
 
 
 @pytest.mark.slow
