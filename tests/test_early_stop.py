@@ -198,7 +198,7 @@ def test_hugging_face_gpt2_at_its_own_checkpointing_peak_stops_early_bitwise_and
         labels_step(model, x)
     hf_peak = probe.peak
     model.gradient_checkpointing_disable()
-    rotor = Checkpointable(copy.deepcopy(model), hf_peak, discover="modules", repeats=1)
+    rotor = Checkpointable(copy.deepcopy(model), hf_peak, discover="modules", repeats=1, early_stop=True)
     labels_step(rotor, x)  # profiles and plans
     assert rotor.last_entry is not None and rotor.last_entry.runner.early
     with MemoryProbe(rotor) as probe:
