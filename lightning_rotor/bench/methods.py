@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
-from lightning_rotor.bench.peers import sac_per_block
+from lightning_rotor.bench.peers import restore_forwards, sac_per_block
 from lightning_rotor.bench.workload import Workload, measure_peak
 from lightning_rotor.budget import format_bytes, parse_budget
 from lightning_rotor.checkpointable import Checkpointable, InfeasibleBudget
@@ -77,11 +77,7 @@ def _per_block(model: nn.Module, block: type) -> Callable[..., Any]:
         try:
             return model(*args, **kwargs)
         finally:
-            for b, original in zip(blocks, originals, strict=True):
-                if original is None:
-                    del b.forward
-                else:
-                    b.forward = original
+            restore_forwards(blocks, originals)
 
     return forward
 

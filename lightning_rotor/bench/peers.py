@@ -156,11 +156,7 @@ def sac_per_block(model: nn.Module, blocks: list[nn.Module]) -> Callable[..., An
         try:
             return model(*args, **kwargs)
         finally:
-            for b, original in zip(blocks, originals, strict=True):
-                if original is None:
-                    del b.forward
-                else:
-                    b.forward = original
+            restore_forwards(blocks, originals)
 
     return forward
 
@@ -198,3 +194,13 @@ def _switched(model: nn.Module, switch: Callable[[bool], None]) -> Callable[...,
             switch(False)
 
     return forward
+
+
+def restore_forwards(blocks: list[nn.Module], originals: list[Any]) -> None:
+    """Each block's own `forward` back as it was before a method wrapped it (`originals`: what its
+    instance dict held, None where the class's forward ran)."""
+    for b, original in zip(blocks, originals, strict=True):
+        if original is None:
+            del b.forward
+        else:
+            b.forward = original
