@@ -72,6 +72,7 @@ STEPS = 3  # SGD steps compared bitwise
 TIME_BAND = (0.8, 1.25)  # measured / predicted step time, a target on CUDA
 PEAK_GAP = 0.10  # the bench's target: measured peak within 10% of the prediction
 MIN_SECTION_S = 5.0  # a section with less time left is not started
+SLACK = 2**16  # bytes tensor accounting may count beside the CUDA allocator (CPU generator states, scalars)
 
 
 # -- sizes ---------------------------------------------------------------------------------------------------
@@ -418,9 +419,10 @@ def section_allocator(sec: Section, ctx: Context) -> None:
         f"start + the input = {raw:,} B",
     )
     sec.check(
-        alloc.peak >= exact.peak,
+        alloc.peak >= exact.peak - SLACK,
         f"the allocator's peak {format_bytes(alloc.peak)} >= the tensor-accounted {format_bytes(exact.peak)} "
-        f"(it also sees rounding and workspaces: {alloc.peak / max(exact.peak, 1) - 1:+.1%})",
+        f"less {format_bytes(SLACK)} of host-side state tensors (the allocator also sees rounding and workspaces: "
+        f"{alloc.peak / max(exact.peak, 1) - 1:+.1%})",
     )
     sec.target(
         alloc.peak <= plan.budget, f"allocator peak {format_bytes(alloc.peak)} <= budget {format_bytes(plan.budget)}"
@@ -501,11 +503,17 @@ def offload_model(sec: Section, ctx: Context, name: str, batch: int, kwargs: dic
     )
     with deterministic(sec.notes):
         expected = plain_grads(plain, w, 0)
+        control = all(same(a, b) for a, b in zip(expected, plain_grads(plain, w, 0), strict=True))
         differ = []
         for run in runs:  # the warm-up step of each schedule, compared with plain training
             offload_gpu.step(w, run, 0, ctx.cuda)
             if not all(same(a, b) for a, b in zip(expected, grads_of(w.model), strict=True)):
                 differ.append(run.label)
+    sec.check(
+        control,
+        f"[{name}] control: plain training's gradients, run twice, are bitwise reproducible on {ctx.device.type}"
+        + ("" if control else ": the comparison below cannot be judged"),
+    )
     sec.check(
         not differ, f"[{name}] gradients bitwise equal to plain training: {', '.join(differ) or 'every schedule'}"
     )
@@ -796,18 +804,33 @@ def render(sections: list[Section], ctx: Context, header: list[str], wall: float
             out += ["", block]
         out.append("")
     verdict = "within" if wall <= 480 else "over"
-    out.append(f"Total wall time: {wall:.0f} s ({verdict} the 8-minute target; sections limited to {limit:.0f} s).")
+    out.append(
+        f"Total wall time: {wall:.0f} s since the process started ({verdict} the 8-minute target; the run limited "
+        f"to {limit:.0f} s)."
+    )
     return "\n".join(out) + "\n"
+
+
+def process_seconds(started: float) -> float:
+    """Seconds since this process started (Linux: from /proc), else since `started` (a perf_counter time)."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        return float(Path("/proc/uptime").read_text().split()[0]) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.perf_counter() - started
 
 
 def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
+    before = process_seconds(started)  # the interpreter and the imports
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS starts: reproducible matmuls
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="gpu_check.md", help="the markdown report (written after every section)")
     parser.add_argument("--cpu", action="store_true", help="run on CPU at tiny sizes: a smoke test of the script")
     parser.add_argument("--sections", default=None, help="comma-separated section numbers (default: all)")
-    parser.add_argument("--limit", type=float, default=None, help="seconds for all sections (default: 450 on CUDA)")
+    parser.add_argument(
+        "--limit", type=float, default=None, help="seconds for the whole run, start included (default: 450 on CUDA)"
+    )
     args = parser.parse_args(argv)
     if not args.cpu and not torch.cuda.is_available():
         print("gpu_check.py needs CUDA, which is not available here; run it on a GPU machine, or with --cpu for "
@@ -818,7 +841,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = CPU_SIZES if args.cpu else CUDA_SIZES
     limit = args.limit if args.limit is not None else sizes.limit
     device = torch.device("cpu") if args.cpu else torch.device("cuda", torch.cuda.current_device())
-    ctx = Context(device, device.type == "cuda", sizes, started + limit)
+    ctx = Context(device, device.type == "cuda", sizes, started + limit - before)
     chosen = {int(n) for n in args.sections.split(",")} if args.sections else set(range(1, len(SECTIONS) + 1))
     header = describe(ctx)
     sections = [Section(i + 1, title, share) for i, (title, share, _) in enumerate(SECTIONS)]
@@ -829,8 +852,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(f"gpu_check: section {sec.number}. {sec.title}", file=sys.stderr, flush=True)
         run_section(sec, fn, ctx, limit)
-        out.write_text(render(sections, ctx, header, time.perf_counter() - started, limit))
-    out.write_text(render(sections, ctx, header, time.perf_counter() - started, limit))
+        out.write_text(render(sections, ctx, header, process_seconds(started), limit))
+    out.write_text(render(sections, ctx, header, process_seconds(started), limit))
     failed = [s for s in sections if s.number in chosen and s.verdict != PASS]
     print(f"gpu_check: wrote {out}; {len(failed)} section(s) not passed", file=sys.stderr)
     return 1 if failed else 0

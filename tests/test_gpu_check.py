@@ -33,7 +33,7 @@ PROMISES = {
     1: ["tensor-accounted peak", "bytes alive <= the simulator's"],
     2: ["[alone] rotor bitwise equal", "[another thread alive] rotor bitwise equal", "control: plain training"],
     3: ["[bf16 autocast] rotor bitwise equal", "[bf16 autocast] tensor-accounted peak"],
-    4: ["[gpt] gradients bitwise equal", "[resnet18] gradients bitwise equal", "back to 0 after every step"],
+    4: ["[gpt] control", "[gpt] gradients bitwise equal", "[resnet18] gradients bitwise", "back to 0 after every step"],
     5: ["[GPT-2-small-like at min] tensor-accounted", "[ResNet-50 at 0.5] tensor-accounted"],
     6: ["[ResNet-50, per-block checkpointing] every method ran", "[GPT-2-small-like, per-block"],
 }
