@@ -234,6 +234,26 @@ def cleanup(ctx: Context) -> None:
         torch.cuda.empty_cache()
 
 
+def error_line(err: BaseException) -> str:
+    """An exception in one line: its type, first line and where it was raised."""
+    where = traceback.extract_tb(err.__traceback__)[-1] if err.__traceback__ else None
+    first = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
+    place = f" ({Path(where.filename).name}:{where.lineno})" if where is not None else ""
+    return f"error: {type(err).__name__}: {first}{place}"
+
+
+def part(sec: Section, ctx: Context, label: str, fn: Callable[[], None]) -> None:
+    """One model or case of a section: an error is recorded as its failure and the section goes on."""
+    try:
+        fn()
+    except SectionTimeout:
+        raise
+    except Exception as err:  # noqa: BLE001 - a failure is a result, recorded
+        sec.lines.append((FAIL, f"[{label}] {error_line(err)}"))
+    finally:
+        cleanup(ctx)
+
+
 class _Quiet:
     """The bench's progress bar, silent."""
 
@@ -448,18 +468,21 @@ def section_allocator(sec: Section, ctx: Context) -> None:
 # -- 2. RNG replay, 3. bf16 autocast ---------------------------------------------------------------------------
 def section_rng(sec: Section, ctx: Context) -> None:
     for label in ("alone", "another thread alive"):
-        stop = threading.Event()
-        other = threading.Thread(target=stop.wait) if label != "alone" else None
+        part(sec, ctx, label, lambda label=label: rng_case(sec, ctx, label))
+
+
+def rng_case(sec: Section, ctx: Context, label: str) -> None:
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait) if label != "alone" else None
+    if other is not None:
+        other.start()  # an ordinary thread that may draw: rotor takes its per-op replay
+    try:
+        sec.check(alone() == (other is None), f"[{label}] rotor.rng.alone() is {alone()}: the expected path")
+        bitwise_case(sec, ctx, label, contextlib.nullcontext)
+    finally:
+        stop.set()
         if other is not None:
-            other.start()  # an ordinary thread that may draw: rotor takes its per-op replay
-        try:
-            sec.check(alone() == (other is None), f"[{label}] rotor.rng.alone() is {alone()}: the expected path")
-            bitwise_case(sec, ctx, label, contextlib.nullcontext)
-        finally:
-            stop.set()
-            if other is not None:
-                other.join()
-        cleanup(ctx)
+            other.join()
 
 
 def section_autocast(sec: Section, ctx: Context) -> None:
@@ -597,10 +620,7 @@ def offload_checks(
 def section_offload(sec: Section, ctx: Context) -> None:
     s = ctx.sizes
     for name, batch, kwargs in (("gpt", s.batch, s.gpt), ("resnet18", s.resnet18_batch, s.resnet18)):
-        try:
-            offload_model(sec, ctx, name, batch, kwargs)
-        finally:
-            cleanup(ctx)
+        part(sec, ctx, name, lambda name=name, batch=batch, kwargs=kwargs: offload_model(sec, ctx, name, batch, kwargs))
     rate = measure_bandwidth(ctx.device, 256 * 2**20 if ctx.cuda else 2**20)
     sec.target(rate >= 10e9, f"transfer bandwidth {format_bandwidth(rate)} (256 MiB pinned copies) >= 10 GB/s",
                judged=ctx.cuda)  # fmt: skip
@@ -677,10 +697,7 @@ def section_predicted(sec: Section, ctx: Context) -> None:
         ("GPT-2-small-like", "gpt", s.gpt2_batch, s.gpt2, 0.3),  # of the section's time left: the rest for ResNet
         ("ResNet-50", "resnet50", s.resnet50_batch, s.resnet50, 0.5),
     ):
-        try:
-            predicted_model(sec, ctx, label, name, batch, kwargs, share)
-        finally:
-            cleanup(ctx)
+        part(sec, ctx, label, lambda a=(label, name, batch, kwargs, share): predicted_model(sec, ctx, *a))
 
 
 def compare(sec: Section, ctx: Context, label: str, w: Workload, methods: list[Method], share: float) -> None:
@@ -695,23 +712,17 @@ def compare(sec: Section, ctx: Context, label: str, w: Workload, methods: list[M
     sec.blocks.append(f"**{label}**: {len(rows[0].times)} interleaved rounds\n\n" + markdown(rows))
 
 
-def section_own(sec: Section, ctx: Context) -> None:
-    s = ctx.sizes
-    for label, name, batch, kwargs, block, share in (
-        ("ResNet-50, per-block checkpointing", "resnet50", s.resnet50_batch, s.resnet50, Bottleneck, 0.2),
-        ("GPT-2-small-like, per-block checkpointing", "gpt", s.gpt2_batch, s.gpt2, Block, 0.25),
-    ):
-        try:
-            w = ctx.workload(name, batch, kwargs)
+def own_model(sec: Section, ctx: Context, label: str, name: str, batch: int, kwargs: dict[str, Any], block: type,
+              share: float) -> None:  # fmt: skip
+    w = ctx.workload(name, batch, kwargs)
 
-            def row(method: str, label: str = label, **kw: Any) -> Row:
-                return Row(label, str(ctx.device), method, **kw)
+    def row(method: str, **kw: Any) -> Row:
+        return Row(label, str(ctx.device), method, **kw)
 
-            methods = [Method(row("none"), w.model), *per_block_methods(w, ["min"], row, block)]
-            compare(sec, ctx, label, w, methods, share)
-            del w, methods
-        finally:
-            cleanup(ctx)
+    compare(sec, ctx, label, w, [Method(row("none"), w.model), *per_block_methods(w, ["min"], row, block)], share)
+
+
+def own_hf(sec: Section, ctx: Context) -> None:
     what = "Hugging Face GPT-2 with its own gradient checkpointing"
     if importlib.util.find_spec("transformers") is None:
         sec.skip(f"{what}: transformers is not installed (pip install transformers)")
@@ -719,8 +730,20 @@ def section_own(sec: Section, ctx: Context) -> None:
     if ctx.left() < 0.35 * sec.budget:
         sec.skip(f"{what}: {ctx.left():.0f} s of the section's {sec.budget:.0f} s left, too few to profile it")
         return
+    s = ctx.sizes
     w = load_workload("hf:gpt2", batch_size=s.hf_batch, overrides=dict(s.hf), device=ctx.device)
     compare(sec, ctx, "hf:gpt2, Hugging Face checkpointing and SAC", w, eager_methods(w, [], None), 0.6)
+
+
+def section_own(sec: Section, ctx: Context) -> None:
+    s = ctx.sizes
+    for label, name, batch, kwargs, block, share in (
+        ("ResNet-50, per-block checkpointing", "resnet50", s.resnet50_batch, s.resnet50, Bottleneck, 0.2),
+        ("GPT-2-small-like, per-block checkpointing", "gpt", s.gpt2_batch, s.gpt2, Block, 0.25),
+    ):
+        args = (label, name, batch, kwargs, block, share)
+        part(sec, ctx, label, lambda args=args: own_model(sec, ctx, *args))
+    part(sec, ctx, "hf:gpt2", lambda: own_hf(sec, ctx))
 
 
 # -- the run --------------------------------------------------------------------------------------------------
@@ -750,9 +773,7 @@ def run_section(sec: Section, fn: Callable[[Section, Context], None], ctx: Conte
     except SectionTimeout as err:
         sec.lines.append((FAIL, f"stopped: {err}"))
     except Exception as err:  # noqa: BLE001 - a failure is a result of this section, not the end of the run
-        where = traceback.extract_tb(err.__traceback__)[-1]
-        first = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
-        sec.lines.append((FAIL, f"error: {type(err).__name__}: {first} ({Path(where.filename).name}:{where.lineno})"))
+        sec.lines.append((FAIL, error_line(err)))
     finally:
         sec.seconds = time.perf_counter() - start
         cleanup(ctx)

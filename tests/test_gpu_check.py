@@ -112,6 +112,7 @@ def test_a_failing_or_overrunning_section_is_recorded_and_the_next_still_runs(mo
             time.sleep(0.01)
 
     def fine(sec, ctx):
+        check.part(sec, ctx, "first model", lambda: 1 / 0)  # a part of a section fails: the next part runs
         sec.check(True, "ran")
 
     done = []
@@ -124,7 +125,9 @@ def test_a_failing_or_overrunning_section_is_recorded_and_the_next_still_runs(mo
     assert re.match(r"error: RuntimeError: boom \(test_gpu_check\.py:\d+\)$", broken_sec.lines[1][1])
     assert over_sec.verdict == "FAIL" and over_sec.lines == [("FAIL", "stopped: ran past its time budget of 1 s")]
     assert 0.9 < over_sec.seconds < 3
-    assert fine_sec.verdict == "PASS" and fine_sec.lines == [("PASS", "ran")]
+    assert fine_sec.verdict == "FAIL" and fine_sec.lines[1] == ("PASS", "ran")
+    assert re.match(r"\[first model\] error: ZeroDivisionError: division by zero \(test_gpu_check\.py:\d+\)$",
+                    fine_sec.lines[0][1])  # fmt: skip
     late = check.Section(4, "late", 0.5)
     check.run_section(late, fine, check.Context(torch.device("cpu"), False, check.CPU_SIZES, time.perf_counter()), 10)
     assert late.verdict == "NOT RUN" and late.lines[0][1].startswith("not run: ")
