@@ -795,7 +795,9 @@ def describe(ctx: Context) -> list[str]:
         lines.append(
             f"- device: {props.name}, {format_bytes(props.total_memory)}, CUDA {torch.version.cuda}, "
             f"cuDNN {torch.backends.cudnn.version()}; TF32 matmul {torch.backends.cuda.matmul.allow_tf32}, "
-            f"TF32 cuDNN {torch.backends.cudnn.allow_tf32}"
+            f"TF32 cuDNN {torch.backends.cudnn.allow_tf32}; "
+            f"CUBLAS_WORKSPACE_CONFIG={os.environ.get('CUBLAS_WORKSPACE_CONFIG')}"
+            " (set by the script for reproducible matmuls; it also applies to the timed sections)"
         )
     else:
         lines.append("- device: CPU (`--cpu`: tiny sizes, a smoke test; CUDA-only checks are SKIP)")
