@@ -846,7 +846,6 @@ def process_seconds(started: float) -> float:
 def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     before = process_seconds(started)  # the interpreter and the imports
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS starts: reproducible matmuls
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="gpu_check.md", help="the markdown report (written after every section)")
     parser.add_argument("--cpu", action="store_true", help="run on CPU at tiny sizes: a smoke test of the script")
@@ -861,6 +860,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.cpu:
         torch.set_num_threads(1)  # a smoke test on a shared machine
+    else:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS starts: reproducible matmuls
     sizes = CPU_SIZES if args.cpu else CUDA_SIZES
     limit = args.limit if args.limit is not None else sizes.limit
     device = torch.device("cpu") if args.cpu else torch.device("cuda", torch.cuda.current_device())
