@@ -60,3 +60,14 @@ def test_lazy_names_resolve():
         assert getattr(lightning_rotor, name) is not None
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         lightning_rotor.nope  # noqa: B018
+
+
+def test_public_names_are_not_shadowed_by_their_submodules():
+    """`simulate` is both a public function and a submodule: importing the submodule first
+    (as `lightning_rotor.planner` does) made `from lightning_rotor import simulate` the module."""
+    code = (
+        "import lightning_rotor.planner, lightning_rotor as lr\n"
+        "from lightning_rotor import simulate\n"
+        "print(all(not isinstance(getattr(lr, n), type(lr)) for n in lr.__all__), simulate.__name__)"
+    )
+    assert run(code) == "True simulate"
