@@ -22,7 +22,7 @@ from lightning_rotor import _autoregister
 # binds the module over a lazily resolved function, so the simulator's names (no torch) bind now.
 from lightning_rotor.simulate import Simulation, no_recompute_peak, simulate
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _HOMES = {
     "BudgetError": "budget",
