@@ -846,10 +846,11 @@ def _adopt(owner: nn.Module, module: nn.Module) -> None:
 
 
 def _loss_settings(loss_tmp: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> tuple[int | None, Any]:
-    """(`loss_tmp` bytes, `loss_fn`); a function given as `loss_tmp=` (before 0.2) moves to `loss_fn=`."""
+    """(`loss_tmp` bytes, `loss_fn`); a function given as `loss_tmp=` (deprecated in 0.2.0) moves to `loss_fn=`."""
     if callable(loss_tmp):
         warnings.warn(
-            "Checkpointable(loss_tmp=<function>) is deprecated: give the loss as loss_fn=; loss_tmp= takes bytes",
+            "Checkpointable(loss_tmp=<function>) is deprecated since 0.2.0: give the loss as loss_fn=; "
+            "loss_tmp= takes bytes",
             DeprecationWarning,
             stacklevel=3,
         )

@@ -319,7 +319,7 @@ def test_transformers_gpt2_falls_back_to_blocks_and_runs_them_exactly():
 
 
 def test_how_is_the_old_name_of_discover():
-    """`discover=` names the discovery method everywhere; `how=` (before 0.2) still works, with a warning."""
+    """`discover=` names the discovery method everywhere; `how=` (deprecated in 0.2.0) still works, with a warning."""
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
     x = torch.randn(2, 8)
     with pytest.warns(DeprecationWarning, match="discover="):

@@ -209,8 +209,8 @@ def discover_chain(
     """Find the chain in `module` on a sample call `module(*sample_args, **sample_kwargs)`.
 
     Leaves no trace: buffers and the RNG stream are as before. Raises `DiscoveryError`
-    (or `ValueBranch`, with file and line) when `discover` cannot find a chain. (`how=` is
-    the name before 0.2 and still works, with a DeprecationWarning.)
+    (or `ValueBranch`, with file and line) when `discover` cannot find a chain. (`how=`,
+    deprecated in 0.2.0, still works, with a DeprecationWarning.)
     """
     method = _method(discover, how)
     if not isinstance(module, nn.Module):
@@ -261,10 +261,12 @@ def discover(
 
 
 def _method(discover: str, how: str | None) -> str:
-    """The discovery method asked for; `how=` (before 0.2) still works, with a DeprecationWarning."""
+    """The discovery method asked for; `how=` (deprecated in 0.2.0) still works, with a DeprecationWarning."""
     if how is not None:
         warnings.warn(
-            "discover_chain(how=...) is deprecated: give the method as discover=", DeprecationWarning, stacklevel=3
+            "discover_chain(how=...) is deprecated since 0.2.0: give the method as discover=",
+            DeprecationWarning,
+            stacklevel=3,
         )
         discover = how
     if discover not in DISCOVER_METHODS:
