@@ -164,6 +164,11 @@ def has_forward_hooks(module: nn.Module) -> bool:
     return bool(module._forward_hooks or nn.modules.module._global_forward_hooks)
 
 
+def forward_hooks(module: nn.Module) -> list[Callable[..., Any]]:
+    """The forward hooks that would see `module`'s output: its own and the global ones (see `has_forward_hooks`)."""
+    return [*module._forward_hooks.values(), *nn.modules.module._global_forward_hooks.values()]
+
+
 def make_subclass(cls: type[torch.Tensor], data: torch.Tensor) -> torch.Tensor:
     """`data` as an instance of the tensor subclass `cls`, without a copy (`Tensor._make_subclass`,
     as `nn.Parameter` makes itself)."""
