@@ -159,6 +159,23 @@ def test_recording_hooks_of_an_earlier_call_do_not_refuse_training():
     assert_bitwise(got, train(plain, x, loss, steps=1))
 
 
+def test_plans_saved_without_router_logits_are_profiled_again_with_them():
+    """The stages' values carry the router logits only when they are recorded: a plan saved by a run that did not
+    record them (a resumed run with another config) would under-charge, so it is not reused."""
+    x = tokens()
+    first = Checkpointable(moe("mixtral", use_cache=False, output_router_logits=False), "50%", discover="modules")
+    first(input_ids=x, labels=x).loss.backward()
+    rotor = Checkpointable(moe("mixtral", use_cache=False), "50%", discover="modules", repeats=1)
+    rotor.discover_on(input_ids=x, labels=x)
+    rotor.load_plan_state(first.plan_state())
+    lm_loss(rotor, x).backward()
+    assert len(rotor.entries) == 2  # the saved plan, and one profiled with the router logits
+    rotor.zero_grad()
+    with rotor.measure_step() as m:
+        lm_loss(rotor, x).backward()
+    check_measured_peak(rotor, m.peak)
+
+
 class MoeLM(pl.LightningModule):
     def __init__(self):
         super().__init__()
