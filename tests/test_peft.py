@@ -149,10 +149,11 @@ def test_lora_llama_trains_through_a_trainer_like_plain(tmp_path):
     assert_lora_trained_like_plain(got, want, before)
 
 
-def test_lora_with_input_grads_and_gradient_checkpointing_trains_like_plain():
+@pytest.mark.parametrize("own_checkpointing, budget", [(False, "50%"), (True, None)])
+def test_lora_with_input_grads_trains_like_plain(own_checkpointing, budget):
     """`prepare_model_for_kbit_training`'s setup on a model it does not quantize: base frozen, the embeddings'
-    output made to require grad by a forward hook (`enable_input_require_grads`), the model's own gradient
-    checkpointing on. The chain input then requires grad, a leaf whose gradient rotor passes back."""
+    output made to require grad by a forward hook (`enable_input_require_grads`), with and without the model's
+    own gradient checkpointing. The chain input then requires grad, a leaf whose gradient rotor passes back."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -165,16 +166,19 @@ def test_lora_with_input_grads_and_gradient_checkpointing_trains_like_plain():
         vocab_size=64,
         max_position_embeddings=32,
     )
-    base = peft.prepare_model_for_kbit_training(LlamaForCausalLM(config))
-    base.gradient_checkpointing_enable()
+    base = peft.prepare_model_for_kbit_training(LlamaForCausalLM(config), use_gradient_checkpointing=False)
+    if own_checkpointing:
+        base.gradient_checkpointing_enable()
     base.enable_input_require_grads()
     model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_dropout=0.1, target_modules=["q_proj", "v_proj"]))
     plain = without_cache(model)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     x = tokens()
-    rotor = Checkpointable(model, None, discover="modules", repeats=1)
+    rotor = Checkpointable(model, budget, discover="modules", repeats=1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         got = train(rotor, x)
     assert rotor.stage_names == LAYERS
+    if budget is not None:
+        assert sum(r > 1 for r in rotor.last_entry.runs) > 0
     assert_lora_trained_like_plain(got, train(plain, x), before)
