@@ -72,6 +72,8 @@ def recorders(module: nn.Module) -> list[str | None]:
 
 def names_recorded_inside(blocks: list[nn.Module], names: tuple[str, ...]) -> tuple[str, ...]:
     """Which of `names` a hook on a module inside one of `blocks` (not on a block itself) records."""
+    if not names:  # the common case, every training step: no module walk
+        return ()
     inside: set[str] = set()
     for block in blocks:
         for sub in block.modules():
