@@ -52,15 +52,18 @@ def signature(value: Any, shapes: bool = True) -> str:
     return repr((str(spec), leaves, autocast))
 
 
-def plan_key(value: Any, trainable: Sequence[bool], shapes: bool = True) -> str:
+def plan_key(value: Any, trainable: Sequence[bool], shapes: bool = True, side: Sequence[str] = ()) -> str:
     """The input's signature, and which stage parameters are frozen when some are.
 
     Freezing or unfreezing parameters changes what the stages save and the frozen prefix
     (chain version 4), so a plan is made for each pattern: unfreezing layers mid-training
     profiles and plans again. With every parameter trainable the key is the signature alone.
-    `trainable`: the stage parameters' `requires_grad`, in order.
+    `trainable`: the stage parameters' `requires_grad`, in order. `side`: the names a module-level
+    chain's stages record as side outputs (router logits), which their values then carry.
     """
     key = signature(value, shapes)
+    if side:
+        key = f"{key} side={','.join(side)}"
     if all(trainable):
         return key
     return f"{key} requires_grad={''.join('1' if f else '0' for f in trainable)}"

@@ -328,7 +328,7 @@ class Checkpointable(nn.Module):
         ):
             return plain_call()  # every stage frozen: no backward through the chain, nothing to checkpoint
         sample = bucketed(value, self.shape_buckets) if self.shape_buckets else value  # the plan's shape
-        key = plan_key(sample, trainable)
+        key = plan_key(sample, trainable, side=self._side_outputs())
         primary = self._entry_for(key, sample)
         alone = not self.calls.alive()
         if alone:  # the step's bytes: its first call's shape's (docs/checkpointable.md, "Changing shapes")
@@ -362,7 +362,8 @@ class Checkpointable(nn.Module):
         if self.stages is None:
             raise RuntimeError("the chain is not discovered yet: run one training forward (or discover_on) first")
         sample = bucketed(value, self.shape_buckets) if self.shape_buckets else value
-        return self._entry_for(plan_key(sample, [p.requires_grad for p in self._stage_parameters()]), sample)
+        trainable = [p.requires_grad for p in self._stage_parameters()]
+        return self._entry_for(plan_key(sample, trainable, side=self._side_outputs()), sample)
 
     def _entry_for(self, key: str, value: Any) -> Entry:
         """The whole-budget entry of plan key `key`, profiled and planned if new."""
@@ -410,7 +411,9 @@ class Checkpointable(nn.Module):
 
     def _family(self, value: Any) -> str:
         """The plan key of `value` with each tensor's shape left out: inputs whose chains may be interpolated."""
-        return plan_key(value, [p.requires_grad for p in self._stage_parameters()], shapes=False)
+        return plan_key(
+            value, [p.requires_grad for p in self._stage_parameters()], shapes=False, side=self._side_outputs()
+        )
 
     def _predicted_entry(self, value: Any, key: str) -> Entry | None:
         """The entry of a shape of a measured family, planned on a chain bounding its own (`shapes.predicted_chain`)
@@ -468,6 +471,11 @@ class Checkpointable(nn.Module):
     def _busy(self) -> bool:
         """Whether a call of this step is pending (a budget shared with other chains waits to split again)."""
         return bool(self.calls.alive())
+
+    def _side_outputs(self) -> tuple[str, ...]:
+        """What a module-level chain's stages record and carry besides the hidden state (side_outputs.py)."""
+        run = self.discovery.run if self.discovery is not None else None
+        return (run.side or ()) if run is not None else ()
 
     def _stage_parameters(self) -> list[nn.Parameter]:
         """The stages' parameters in order (found once per set of stages)."""

@@ -16,6 +16,12 @@ divergence raises `ChainDiverged`. Intermediate calls return a placeholder
 tensor that refuses every torch operation, so a forward that uses a block's
 output elsewhere (e.g. `output_hidden_states=True`) fails loudly instead of
 reading a wrong value. The last call returns the chain output.
+
+What the blocks record besides their output through the model's own hooks (a Mixture-of-Experts
+model's router logits, with `output_router_logits=True`) are side outputs of the stages: each stage
+records into a collector of its own and carries what its blocks recorded, with the previous stages',
+to the end of the chain, where the last call hands them to the model's collector
+(lightning_rotor/side_outputs.py, `ModuleRun.side`).
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from lightning_rotor._torch_compat import has_forward_hooks, make_subclass, tensor_version, tree_flatten
+from lightning_rotor import side_outputs
+from lightning_rotor._torch_compat import forward_hooks, make_subclass, tensor_version, tree_flatten
 from lightning_rotor.stages import Stages
 
 
@@ -112,6 +119,8 @@ class ModuleRun:
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
     starts: list[int] | None = None  # the first block of each stage (None: one block per stage)
+    side: tuple[str, ...] | None = None  # names the blocks record from inside (side outputs); None: not called yet
+    slots: dict[int, tuple[str, ...]] = field(default_factory=dict)  # per stage: the name of each side output it adds
     _state: dict = field(default_factory=dict, repr=False)
 
     def stages(self) -> Stages:
@@ -191,6 +200,7 @@ class ModuleRun:
             )
         if k == 0:
             check_arguments(self.names[0], rest, kwargs)
+            self.side = side_names(self)
             self.args, self.kwargs = rest, dict(kwargs)
             state["output"] = state["run_chain"](x)
         else:
@@ -210,7 +220,7 @@ class ModuleRun:
                     "forward; a module-level chain needs the same non-hidden arguments for every block"
                 )
         last = k == len(self.blocks) - 1
-        if not last and has_forward_hooks(self.blocks[k]):
+        if not last and sees_block_output(self.blocks[k]):
             raise ChainDiverged(
                 f"a forward hook on {self.names[k]} would see its output, which a module-level rotor chain does not "
                 "make (only the last block's output exists); turn off what records block outputs "
@@ -219,7 +229,7 @@ class ModuleRun:
         state["next"] = 0 if last else k + 1
         if last:
             out, state["output"], state["token"] = state["output"], None, None
-            return out
+            return hand_side_outputs(self, out) if self.side else out
         state["token"] = _pending()
         return state["token"]
 
@@ -253,6 +263,20 @@ class _BlockStage(nn.Module):
             return self._blocks(x)
 
     def _blocks(self, x: Any) -> Any:
+        run = self.run
+        if not run.side:
+            with side_outputs.recording(()):  # a recomputation records nothing (NOTE: [side outputs])
+                return self._block_calls(x)
+        carried: tuple = ()
+        if self.k > 0:  # (hidden state, side outputs of the stages before)
+            x, carried = x[0], tuple(x[1:])
+        with side_outputs.recording(run.side) as recorded:
+            x = self._block_calls(x)
+        names, values = side_values(run, self.k, recorded)
+        run.slots[self.k] = names
+        return (x, *carried, *values)
+
+    def _block_calls(self, x: Any) -> Any:
         run = self.run
         x = self.block(x, *run.args, **run.kwargs)
         for block in self.joined:
@@ -357,6 +381,81 @@ def _joined_run(parent: str, calls: list[_Call], min_stages: int) -> ModuleRun |
     return ModuleRun(
         parent, [c.name for c in calls], [c.module for c in calls], starts=None if len(starts) == len(calls) else starts
     )
+
+
+# NOTE: [side outputs] a block may record more than its output through the model's own forward hooks
+# (transformers: router logits, attention weights). Each stage runs with a collector of its own
+# (side_outputs.recording), so what it records is the value of this very run: recorded in `Fe`, plain
+# in `Fn`/`Fc`, and a recomputation in the backward records into a collector nobody reads, never twice
+# into the model's. The stage returns it after its hidden state, with the side outputs of the stages
+# before passed on untouched: `a_{k+1} = (h_{k+1}, side outputs of stages 0..k)`. So they are part of
+# the chain's values (charged as such in the memory model, their gradients as part of δ), they reach
+# the loss through the chain output, and their gradients come back to the stage that made them, whose
+# backward takes them with δ of its hidden state in one call, as plain autograd would.
+def side_names(run: ModuleRun) -> tuple[str, ...]:
+    """The names the running forward records from inside the run's blocks (checked at the run's first block).
+
+    Refuses a name recorded from the blocks themselves (`output_hidden_states`: every block's output,
+    which the chain never makes) and a change from the names the chain was profiled with.
+    """
+    names = side_outputs.recorded_names()
+    for name, block in zip(run.names, run.blocks, strict=True):
+        on_block = [n for n in side_outputs.recorders(block) if n in names]
+        if on_block:
+            raise ChainDiverged(
+                f"output_{on_block[0]}=True records the output of every block of the chain ({name} first), which "
+                "a module-level rotor chain never makes (only the last block's output exists); train with "
+                f"output_{on_block[0]}=False (compute what you need from the model's output) or without rotor"
+            )
+    inside = side_outputs.names_recorded_inside(run.blocks, names)
+    if run.side is not None and inside != run.side:
+        raise ChainDiverged(
+            f"this training call records {list(inside)} from inside the chain's blocks, the first one recorded "
+            f"{list(run.side)}; rotor profiled the chain with the first call's side outputs: keep output_* "
+            "(e.g. output_router_logits) the same for every training call"
+        )
+    return inside
+
+
+def side_values(run: ModuleRun, k: int, recorded: dict[str, list[Any]]) -> tuple[tuple[str, ...], list[Any]]:
+    """What stage k's blocks recorded, flat: the name of each value and the values, name by name."""
+    names: list[str] = []
+    values: list[Any] = []
+    for name, found in recorded.items():
+        for value in found:
+            if not isinstance(value, torch.Tensor):
+                raise ChainDiverged(
+                    f"{run.names[k]} records a {type(value).__name__} as {name}; rotor carries only tensors a block "
+                    f"records: train with output_{name}=False or without rotor"
+                )
+            names.append(name)
+            values.append(value)
+    return tuple(names), values
+
+
+def hand_side_outputs(run: ModuleRun, out: Any) -> Any:
+    """The chain output's hidden state; its side outputs go to the model's collector, as its hooks would put them."""
+    hidden, values = out[0], list(out[1:])
+    names = [n for k in sorted(run.slots) for n in run.slots[k]]
+    collector = side_outputs.active_collector()
+    if len(names) != len(values) or collector is None:
+        raise ChainDiverged(
+            f"the chain under {run.parent or '<root>'} carried {len(values)} side outputs for {len(names)} recorded "
+            "names, or the model records nothing now; keep output_* the same for every training call"
+        )
+    for name, value in zip(names, values, strict=True):
+        collector.setdefault(name, []).append(value)
+    return hidden
+
+
+def sees_block_output(block: nn.Module) -> bool:
+    """Would a forward hook see `block`'s output? The model's recording hooks do only while their name is recorded."""
+    recorded = side_outputs.recorded_names()
+    for hook in forward_hooks(block):
+        name = side_outputs.recorder_name(hook)
+        if name is None or name in recorded:
+            return True
+    return False
 
 
 def check_arguments(name: str, args: tuple, kwargs: dict) -> None:
