@@ -126,7 +126,12 @@ class Checkpointable(nn.Module):
     own peak: 0.95x Hugging Face's time against 0.99x without).
     """
 
-    stages: Stages | None  # set by _set_stages, outside nn.Module's registries
+    # Rotor's own attributes, all kept in `_rotor` (`RotorState`), apart from the wrapped module's names
+    _rotor: RotorState
+    module: nn.Module  # the wrapped module (its children, parameters and buffers are this module's registries)
+    plain_module: nn.Module  # what eval mode and no_grad run (compiled when asked)
+    compiler: Callable[[nn.Module], nn.Module] | None  # compiles each stage (None: stages run eagerly)
+    stages: Stages | None  # set by _set_stages
 
     def __init__(
         self,
@@ -151,6 +156,7 @@ class Checkpointable(nn.Module):
         host_limit: int | str | None = None,
         early_stop: bool = False,
     ):
+        object.__setattr__(self, "_rotor", RotorState())  # before any attribute: see `__setattr__`
         compiled = None
         if isinstance(module, nn.Module):  # torch.compile(m): stages of m, compiled alike (compile.py)
             module, compiled = unwrap_compiled(module)
@@ -161,10 +167,11 @@ class Checkpointable(nn.Module):
         offload_setting, host_bytes = check_offload(offload, host_limit)
         self.shape_buckets = check_buckets(shape_buckets)
         super().__init__()
-        _adopt(self, module)
-        object.__setattr__(self, "module", module)  # not registered: state_dict keys stay the module's
-        object.__setattr__(self, "compiler", compiler)  # compiles each stage (None: stages run eagerly)
-        object.__setattr__(self, "plain_module", compiler(module) if compiler else module)  # eval and no_grad
+        _share_registries(self, module)
+        state = self._rotor
+        state.module, state.compiler = module, compiler
+        state.plain_module = compiler(module) if compiler else module
+        self.training = module.training  # the wrapped module's mode; `train()` sets both
         self.discover = None if discover == "sequential" else discover  # None: the stages are known
         self._join_in_place = discover == "sequential"  # on the first training call (`join_in_place`)
         self.checkpoint_modules = types
@@ -209,12 +216,13 @@ class Checkpointable(nn.Module):
         # called as (stages done, stages, seconds) while a new input signature is profiled
         self.on_profile_progress: Callable[[int, int, float], None] | None = None
         self.early_stop = early_stop
+        self._params_of: tuple[Stages | None, list[nn.Parameter]] | None = None  # `_stage_parameters`
         self._set_stages(sequential_stages(module) if discover == "sequential" else stages)
 
     def _set_stages(self, stages: Stages | None) -> None:
         """The chain's stages (None until discovered; compiled when asked) and an empty plan cache for them."""
         stages = compile_stages(stages, self.compiler) if stages is not None else None
-        object.__setattr__(self, "stages", stages)
+        self._rotor.stages = stages
         self.stage_names = list(stages.names) if stages is not None else []
         self.plan_cache = PlanCache(stages, stages.names, self.slots, self.early_stop) if stages is not None else None
 
@@ -471,7 +479,7 @@ class Checkpointable(nn.Module):
 
     def _stage_parameters(self) -> list[nn.Parameter]:
         """The stages' parameters in order (found once per set of stages)."""
-        cached = getattr(self, "_params_of", None)
+        cached = self._params_of
         if cached is None or cached[0] is not self.stages:
             cached = self._params_of = (self.stages, [p for stage in self.stages for p in stage.parameters()])
         return cached[1]
@@ -754,11 +762,7 @@ class Checkpointable(nn.Module):
         Its stages read the module's own buffers through copies of the references taken at
         discovery; a conversion replaces buffer tensors, so those references would be stale.
         """
-        self.module._apply(fn, *args, **kwargs)  # its children are ours; its own tensors are registered here too
-        for name in self._parameters:
-            self._parameters[name] = self.module._parameters[name]
-        for name in self._buffers:
-            self._buffers[name] = self.module._buffers[name]
+        self.module._apply(fn, *args, **kwargs)  # its registries are ours (`_share_registries`)
         if self.discovery is not None and self.discovery.graph is not None:
             self.discovery = None
             self._set_stages(None)
@@ -768,16 +772,40 @@ class Checkpointable(nn.Module):
             self.plan_cache.forget_call_plans()
         return self
 
+    def train(self, mode: bool = True) -> Checkpointable:
+        """The wrapped module's own `train(mode)` (its flag too, not only its children's: its forward reads it)."""
+        self.module.train(mode)
+        self.training = mode
+        return self
+
     def extra_repr(self) -> str:
         stages = len(self.stages) if self.stages is not None else f"found on the first call ({self.discover})"
         offload = f", offload={self.offload!r}" if self._offload_setting is not None else ""
         return f"stages={stages}, mem_limit={self.mem_limit!r}{offload}"
 
-    def __getstate__(self) -> dict[str, Any]:
-        """Copies and pickles leave out a step measurement in progress (its probe holds storage handles)."""
-        state = dict(self.__dict__)
-        state["_measurement"] = None
-        return state
+    # -- rotor's attributes apart from the user's names (docs/checkpointable.md, "Your module's names") --
+    def __getattr__(self, name: str) -> Any:
+        """Rotor's attribute `name`, else the wrapped module's child, parameter or buffer of that name."""
+        state = self.__dict__.get("_rotor")
+        if state is not None and name in state.__dict__:
+            return state.__dict__[name]
+        return super().__getattr__(name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """A plain value is rotor's (kept in `_rotor`, whatever the wrapped module names); a module or a tensor
+        is the user's, registered in the wrapped module's registries as nn.Module does; nn.Module's own stay."""
+        state = self.__dict__.get("_rotor")
+        if state is None or name in self.__dict__ or isinstance(value, (nn.Module, torch.Tensor)):
+            super().__setattr__(name, value)
+        else:
+            setattr(state, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        state = self.__dict__.get("_rotor")
+        if state is not None and name in state.__dict__:
+            delattr(state, name)
+        else:
+            super().__delattr__(name)
 
 
 def check_offload(offload: Any, host_limit: Any) -> tuple[str | float | None, int | None]:
@@ -832,17 +860,26 @@ def _check_settings(
     return discover, types
 
 
-def _adopt(owner: nn.Module, module: nn.Module) -> None:
-    """Register `module`'s children, parameters and buffers on `owner` (same objects, same state_dict keys)."""
-    for name, child in module._modules.items():  # every entry, repeats too: state_dict keys stay the module's
-        if child is not None:
-            owner.add_module(name, child)
-    for name, param in module._parameters.items():
-        if param is not None:
-            owner.register_parameter(name, param)
-    for name, buf in module._buffers.items():
-        if buf is not None:
-            owner.register_buffer(name, buf, persistent=name not in module._non_persistent_buffers_set)
+class RotorState:
+    """A `Checkpointable`'s own attributes (settings, stages, plans, budgets), in one plain object.
+
+    Kept apart from nn.Module's registries, which are the wrapped module's: no name the user's model
+    uses for a child, parameter or buffer (`shared`, `budget`, `plan`, ...) can meet one of rotor's.
+    """
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Copies and pickles leave out a step measurement in progress (its probe holds storage handles)."""
+        return {**self.__dict__, "_measurement": None}
+
+
+_REGISTRIES = ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules")
+
+
+def _share_registries(owner: nn.Module, module: nn.Module) -> None:
+    """`owner`'s children, parameters and buffers are `module`'s: the same dicts, so the same objects under
+    the same names (`state_dict` keys, `parameters()`), whatever those names are; nothing is re-registered."""
+    for registry in _REGISTRIES:
+        object.__setattr__(owner, registry, module.__dict__[registry])
 
 
 def _loss_settings(loss_tmp: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> tuple[int | None, Any]:
