@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from lightning_rotor import pipeline
+from lightning_rotor import own_checkpointing, pipeline
 from lightning_rotor._torch_compat import tree_flatten
 from lightning_rotor.budget import BudgetError, MemLimit, format_bytes, parse_host_limit, parse_offload, resolve_budget
 from lightning_rotor.cache import PlanCache, plan_key, signature
@@ -217,10 +217,14 @@ class Checkpointable(nn.Module):
         self.on_profile_progress: Callable[[int, int, float], None] | None = None
         self.early_stop = early_stop
         self._params_of: tuple[Stages | None, list[nn.Parameter]] | None = None  # `_stage_parameters`
+        self.own_checkpointing: list[tuple[str, nn.Module]] = []  # modules whose own flag rotor turned off
+        self._own_note = ""  # what rotor did with the model's own checkpointing, told with the first plan
         self._set_stages(sequential_stages(module) if discover == "sequential" else stages)
 
     def _set_stages(self, stages: Stages | None) -> None:
         """The chain's stages (None until discovered; compiled when asked) and an empty plan cache for them."""
+        if stages is not None:
+            self._take_own_checkpointing()
         stages = compile_stages(stages, self.compiler) if stages is not None else None
         self._rotor.stages = stages
         self.stage_names = list(stages.names) if stages is not None else []
@@ -316,13 +320,51 @@ class Checkpointable(nn.Module):
 
         if self.discover is None:
             raise RuntimeError("this Checkpointable was given its stages; there is nothing to discover")
-        found = discover_chain(self.module, args, self.discover, self.checkpoint_modules, sample_kwargs=kwargs)
+        self._take_own_checkpointing()
+        with own_checkpointing.checkpoint_calls() as calls:
+            found = discover_chain(self.module, args, self.discover, self.checkpoint_modules, sample_kwargs=kwargs)
+        if calls:
+            self._note_checkpoint_calls(calls, found.kind)
         self.discovery = found
         self._set_stages(found.stages)
         hook, self.on_discovered = self.on_discovered, None
         if hook is not None:  # e.g. plans saved in a checkpoint, restored now that the stages are known
             hook(self)
         return found
+
+    # -- the model's own checkpointing (lightning_rotor/own_checkpointing.py) ---------------------
+    def _take_own_checkpointing(self) -> None:
+        """Turn off the wrapped module's own `gradient_checkpointing` flags: rotor plans the whole chain."""
+        found = own_checkpointing.flagged(self.module)
+        if not found:
+            return
+        own_checkpointing.turn_off(found)
+        self.own_checkpointing += found
+        names = ", ".join(n or "<root>" for n, _ in found[:3]) + (", ..." if len(found) > 3 else "")
+        self._own_note = (
+            f"{type(self.module).__name__} had its own gradient checkpointing on ({len(found)} modules: {names}); "
+            "rotor turned it off while it trains this module (a Trainer's fit turns it back on at its end; "
+            "`restore_own_checkpointing()` does by hand)"
+        )
+
+    def _note_checkpoint_calls(self, calls: list[str], kind: str) -> None:
+        where = calls[0] + (f" and {len(calls) - 1} more" if len(calls) > 1 else "")
+        if kind == "graph":
+            did = "graph discovery traced through them: rotor's plan replaces them"
+        else:
+            did = f"{kind} discovery runs the forward as written: they stay, nested in rotor's plan"
+            did += " (discover='graph' replaces them)"
+        self._own_note = f"{type(self.module).__name__}'s forward calls torch.utils.checkpoint ({where}); {did}"
+
+    def restore_own_checkpointing(self) -> None:
+        """Turn the wrapped module's own checkpointing flags back on, where rotor turned them off."""
+        own_checkpointing.turn_on(self.own_checkpointing)
+        self.own_checkpointing = []
+
+    def _tell_own_checkpointing(self, budget: int, chain: Chain) -> None:
+        if self._own_note:
+            warnings.warn(own_checkpointing.warning(self._own_note, budget, chain), stacklevel=5)
+            self._own_note = ""
 
     def _run(self, value: Any, plain_call: Callable[[], Any]) -> Any:
         """The chain on its input `a_0`: profile and plan if new, then the plan (or `plain_call`).
@@ -409,6 +451,7 @@ class Checkpointable(nn.Module):
             self.budget = self._budget_of(measured.chain, device)
             self._first = (self.budget, no_recompute_peak(measured.chain))
             nbytes = self.budget
+            self._tell_own_checkpointing(nbytes, measured.chain)
         else:
             nbytes = self._shape_bytes(key, measured.chain, self._budget(), *self._first)
         if self.predict_shapes:

@@ -29,11 +29,11 @@ def regression_loader(n: int = 32, width: int = 8) -> DataLoader:
     return DataLoader(data, batch_size=8)
 
 
-def sgd_steps(model: nn.Module, steps: int = 3) -> None:
+def sgd_steps(model: nn.Module, steps: int = 3, width: int = 8) -> None:
     """`steps` SGD steps on a regression loss, the same batches for every model."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     torch.manual_seed(2)
-    for (x, y), _ in zip(regression_loader(), range(steps), strict=False):
+    for (x, y), _ in zip(regression_loader(width=width), range(steps), strict=False):
         opt.zero_grad()
         F.mse_loss(model(x.requires_grad_()), y).backward()
         opt.step()
@@ -120,7 +120,7 @@ def test_rotor_names_are_many():
     assert {"shared", "budget", "discovery", "loss_fn", "calls", "outside", "options", "plan", "_rotor"} <= set(NAMES)
 
 
-@pytest.mark.parametrize("kind", ["module", "parameter", "buffer"])
+@pytest.mark.parametrize("kind", [pytest.param("module", marks=pytest.mark.slow), "parameter", "buffer"])
 def test_names_shared_with_rotor_stay_the_users_through_checkpointable(kind):
     net = Named(kind)
     plain = copy.deepcopy(net)
@@ -136,7 +136,7 @@ def test_names_shared_with_rotor_stay_the_users_through_checkpointable(kind):
     assert_same_model(plain, net)
 
 
-@pytest.mark.parametrize("kind", ["module", "parameter", "buffer"])
+@pytest.mark.parametrize("kind", [pytest.param("module", marks=pytest.mark.slow), "parameter", "buffer"])
 def test_names_shared_with_rotor_stay_the_users_through_a_trainer(tmp_path, kind):
     plain, _ = fit(Named(kind), tmp_path / "plain")
     rotor, keep = fit(Named(kind), tmp_path / "rotor", RotorStrategy("50%"))
@@ -231,3 +231,176 @@ def test_a_child_named_shared_keeps_its_parameters():
     assert len(list(rotor.parameters())) == len(list(net.parameters())) == 14
     rotor(torch.randn(4, 8, requires_grad=True)).sum().backward()
     assert rotor.module.shared.weight.grad is not None and rotor.shared is None
+
+
+# -- 3. the model's own checkpointing ----------------------------------------------------------------------------
+def own_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if "rotor plans the whole chain itself" in str(w.message)]
+
+
+def gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=4, n_embd=32, n_head=2, vocab_size=64, n_positions=32, use_cache=False)
+    return GPT2LMHeadModel(config)
+
+
+def llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        num_hidden_layers=4,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=64,
+        max_position_embeddings=32,
+        use_cache=False,
+    )
+    return LlamaForCausalLM(config)
+
+
+def tokens(n: int = 8, t: int = 16) -> torch.Tensor:
+    return torch.randint(64, (n, t), generator=torch.Generator().manual_seed(0))
+
+
+def lm_steps(model: nn.Module, steps: int = 3, first: int = 0) -> None:
+    """SGD steps on next-token loss; step `i` draws its dropout from seed `first + i`."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = tokens()
+    for i in range(steps):
+        torch.manual_seed(first + i)
+        opt.zero_grad()
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+
+
+def layers(model: nn.Module) -> list[nn.Module]:
+    return list(model.transformer.h) if hasattr(model, "transformer") else list(model.model.layers)
+
+
+@pytest.mark.parametrize("make", [gpt2, llama])
+def test_hugging_face_gradient_checkpointing_is_rotors_through_checkpointable(make):
+    pytest.importorskip("transformers")
+    model = make()
+    plain = copy.deepcopy(model)
+    model.gradient_checkpointing_enable()
+    rotor = Checkpointable(model, "50%", discover="modules", repeats=1)
+    with pytest.warns(UserWarning) as record:
+        lm_steps(rotor, 1)
+    assert len(own_warnings(record)) == 1 and "gradient checkpointing on" in own_warnings(record)[0]
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    runs = [0] * len(layers(model))  # each block's inner calls in one step: what the plan says, no more
+    hooks = [
+        block.mlp.register_forward_pre_hook(lambda *_, k=k: runs.__setitem__(k, runs[k] + 1))
+        for k, block in enumerate(layers(model))
+    ]
+    with rotor.measure_step() as measured:
+        lm_steps(rotor, 1, first=1)
+    for hook in hooks:
+        hook.remove()
+    assert rotor.stage_names == [f"{n}" for n, _ in rotor.module.named_modules() if n in rotor.stage_names]
+    assert runs == list(rotor.last_entry.runs) and max(runs) > 1
+    assert measured.chain_peak <= rotor.budget
+    lm_steps(rotor, 1, first=2)
+    lm_steps(plain, 3)
+    assert_same_model(plain, rotor)
+    rotor.restore_own_checkpointing()
+    assert model.is_activation_checkpointing
+
+
+def test_hugging_face_gradient_checkpointing_is_rotors_through_a_trainer(tmp_path):
+    pytest.importorskip("transformers")
+
+    class LM(pl.LightningModule):
+        def __init__(self, checkpointing: bool):
+            super().__init__()
+            self.model = gpt2()
+            if checkpointing:
+                self.model.gradient_checkpointing_enable()
+
+        def training_step(self, batch, batch_idx):
+            (x,) = batch
+            return self.model(input_ids=x, labels=x).loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = DataLoader(TensorDataset(tokens(24)), batch_size=8)
+    plain = LM(False)
+    torch.manual_seed(1)
+    quiet_trainer(tmp_path / "plain").fit(plain, data)
+    rotor, keep = LM(True), KeepRotorModules()
+    torch.manual_seed(1)
+    with pytest.warns(UserWarning) as record:
+        quiet_trainer(tmp_path / "rotor", RotorStrategy("50%", discover="modules"), callbacks=[keep]).fit(rotor, data)
+    assert len(own_warnings(record)) == 1
+    assert sum(r > 1 for r in keep.modules["model"].last_entry.runs) > 0
+    assert_same_model(plain, rotor)
+    assert rotor.model.is_activation_checkpointing  # the user's setting, back after the fit
+
+
+class MLPBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(32, 128)
+        self.b = nn.Linear(128, 32)
+
+    def forward(self, x):
+        return x + self.b(torch.relu(self.a(x)))
+
+
+class OwnCheckpoints(nn.Module):
+    """Blocks each run under `torch.utils.checkpoint.checkpoint` in the forward (`own`), or under torch's
+    `checkpoint_wrapper` (`wrapper`), or plainly."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        torch.manual_seed(0)
+        self.how = how
+        self.blocks = nn.ModuleList(MLPBlock() for _ in range(8))
+        if how == "wrapper":
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+            self.blocks = nn.ModuleList(checkpoint_wrapper(b) for b in self.blocks)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if self.how == "own" else block(x)
+        return x
+
+
+def step_peak(model: nn.Module, x: torch.Tensor) -> int:
+    from lightning_rotor.memory import MemoryProbe
+
+    with MemoryProbe(model) as probe:
+        model(x).sum().backward()
+    return probe.peak
+
+
+@pytest.mark.parametrize("how", ["own", "wrapper"])
+def test_checkpoint_in_the_forward_is_replaced_and_a_larger_budget_said(how):
+    x = next(iter(regression_loader(width=32)))[0].requires_grad_()  # the batches the models train on
+    users = step_peak(OwnCheckpoints(how), x)  # what the user's own checkpointing holds
+    assert users < 0.6 * step_peak(OwnCheckpoints("plain"), x)
+    plain = OwnCheckpoints(how)
+    rotor = Checkpointable(OwnCheckpoints(how), "80%", discover="graph", repeats=1)
+    with pytest.warns(UserWarning) as record:
+        sgd_steps(rotor, 1, width=32)
+    (said,) = own_warnings(record)
+    assert "calls torch.utils.checkpoint" in said and "rotor's plan replaces them" in said
+    with rotor.measure_step() as measured:
+        rotor(x).sum().backward()
+    assert measured.chain_peak <= rotor.budget
+    assert measured.chain_peak > users and "holds more; give mem_limit=" in said  # more than the user had: said
+    rotor.zero_grad()
+    sgd_steps(plain, 1, width=32)
+    plain(x).sum().backward()
+    plain.zero_grad()
+    assert_same_model(plain, rotor)
+    sgd_steps(rotor, 2, width=32)
+    sgd_steps(plain, 2, width=32)
+    assert_same_model(plain, rotor)
