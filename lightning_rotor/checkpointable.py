@@ -321,8 +321,13 @@ class Checkpointable(nn.Module):
         if self.discover is None:
             raise RuntimeError("this Checkpointable was given its stages; there is nothing to discover")
         self._take_own_checkpointing()
-        with own_checkpointing.checkpoint_calls() as calls:
-            found = discover_chain(self.module, args, self.discover, self.checkpoint_modules, sample_kwargs=kwargs)
+        try:
+            with own_checkpointing.checkpoint_calls() as calls:
+                found = discover_chain(self.module, args, self.discover, self.checkpoint_modules, sample_kwargs=kwargs)
+        except BaseException:
+            self.restore_own_checkpointing()  # no chain: the module runs as written, its own checkpointing on
+            self._own_note = ""
+            raise
         if calls:
             self._note_checkpoint_calls(calls, found.kind)
         self.discovery = found

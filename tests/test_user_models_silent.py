@@ -404,3 +404,20 @@ def test_checkpoint_in_the_forward_is_replaced_and_a_larger_budget_said(how):
     sgd_steps(rotor, 2, width=32)
     sgd_steps(plain, 2, width=32)
     assert_same_model(plain, rotor)
+
+
+def test_own_checkpointing_stays_on_where_no_chain_is_found():
+    class Branchy(nn.Module):  # a value-dependent branch, no sibling blocks: no chain
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.gradient_checkpointing = True
+
+        def forward(self, x):
+            return self.lin(x) if x.sum() > 0 else -self.lin(x)
+
+    net = Branchy()
+    rotor = Checkpointable(net, "50%", fallback_plain=True, repeats=1)
+    with pytest.warns(UserWarning, match="runs without checkpointing"):
+        rotor(torch.ones(2, 8, requires_grad=True)).sum().backward()
+    assert net.gradient_checkpointing and rotor.own_checkpointing == []
