@@ -219,6 +219,7 @@ class Checkpointable(nn.Module):
         self._params_of: tuple[Stages | None, list[nn.Parameter]] | None = None  # `_stage_parameters`
         self.own_checkpointing: list[tuple[str, nn.Module]] = []  # modules whose own flag rotor turned off
         self._own_note = ""  # what rotor did with the model's own checkpointing, told with the first plan
+        self._modes: tuple[bool, ...] | None = None  # every module's `training` flag at the last training call
         self._set_stages(sequential_stages(module) if discover == "sequential" else stages)
 
     def _set_stages(self, stages: Stages | None) -> None:
@@ -260,6 +261,8 @@ class Checkpointable(nn.Module):
         """
         if torch.compiler.is_compiling() and self.training and torch.is_grad_enabled():
             return train_eagerly(self, *args, **kwargs)  # a graph break: rotor's step runs eagerly (compile.py)
+        if self.training and torch.is_grad_enabled():
+            self._check_modes()
         if self.stages is not None and self.discovery is None:  # an nn.Sequential, or stages given
             if kwargs:
                 raise TypeError(f"a chain of stages takes its input positionally, got keyword(s) {sorted(kwargs)}")
@@ -301,6 +304,19 @@ class Checkpointable(nn.Module):
             return self.module(*args, **kwargs)
         finally:
             run.uninstall()
+
+    def _check_modes(self) -> None:
+        """A module's `training` flag changed since the chain was found and profiled (a frozen block unfrozen):
+        traced code holds the old flag and the plans its memory, so the chain is found and profiled again."""
+        modes = tuple(m.training for m in self.module.modules())
+        if self._modes is not None and modes != self._modes and self.entries:
+            if self.discovery is not None:
+                self.discovery = None
+                self._set_stages(None)
+            elif self.stages is not None:
+                self.plan_cache = PlanCache(self.stages, self.stages.names, self.slots, self.early_stop)
+            self.last_entry, self.outside, self._timed, self._measured_shapes = None, {}, None, []
+        self._modes = modes
 
     def _join_in_place_on(self, value: Any) -> None:
         """A Sequential's leaves that write into their input in place join the stage before, seen on `value`."""

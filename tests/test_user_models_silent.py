@@ -421,3 +421,39 @@ def test_own_checkpointing_stays_on_where_no_chain_is_found():
     with pytest.warns(UserWarning, match="runs without checkpointing"):
         rotor(torch.ones(2, 8, requires_grad=True)).sum().backward()
     assert net.gradient_checkpointing and rotor.own_checkpointing == []
+
+
+class Head(nn.Module):  # used once: graph discovery traces into it, and reads its flag while tracing
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.lin(F.dropout(x, 0.5, self.training))
+
+
+class Unfrozen(Frozen):
+    def __init__(self):
+        super().__init__()
+        self.head = Head()
+        self.head.eval()
+
+
+def test_a_block_unfrozen_after_discovery_is_found_and_profiled_again():
+    net = Unfrozen()
+    plain = copy.deepcopy(net)
+    rotor = Checkpointable(net, "50%", discover="graph", repeats=1)
+    sgd_steps(plain, 1)
+    sgd_steps(rotor, 1)
+    first = rotor.discovery
+    for model in (plain, net):
+        model.head.train()  # dropout on from now on
+        model.blocks[0].train()
+    sgd_steps(plain, 2)
+    sgd_steps(rotor, 2)
+    assert_same_model(plain, rotor)  # the head's dropout runs in rotor's stages too
+    assert rotor.discovery is not first and sum(r > 1 for r in rotor.last_entry.runs) > 0
+    x = next(iter(regression_loader()))[0].requires_grad_()
+    with rotor.measure_step() as measured:
+        rotor(x).sum().backward()
+    assert measured.chain_peak <= rotor.budget
