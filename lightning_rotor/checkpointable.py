@@ -219,7 +219,8 @@ class Checkpointable(nn.Module):
         self._params_of: tuple[Stages | None, list[nn.Parameter]] | None = None  # `_stage_parameters`
         self.own_checkpointing: list[tuple[str, nn.Module]] = []  # modules whose own flag rotor turned off
         self._own_note = ""  # what rotor did with the model's own checkpointing, told with the first plan
-        self._modes: tuple[bool, ...] | None = None  # every module's `training` flag at the last training call
+        self._modes: list[bool] | None = None  # every module's `training` flag at the last training call
+        self._all_modules: list[nn.Module] = []  # the wrapped module's modules, listed once (`_check_modes`)
         self._set_stages(sequential_stages(module) if discover == "sequential" else stages)
 
     def _set_stages(self, stages: Stages | None) -> None:
@@ -308,7 +309,9 @@ class Checkpointable(nn.Module):
     def _check_modes(self) -> None:
         """A module's `training` flag changed since the chain was found and profiled (a frozen block unfrozen):
         traced code holds the old flag and the plans its memory, so the chain is found and profiled again."""
-        modes = tuple(m.training for m in self.module.modules())
+        if not self._all_modules:
+            self._all_modules = list(self.module.modules())
+        modes = [m.training for m in self._all_modules]
         if self._modes is not None and modes != self._modes and self.entries:
             if self.discovery is not None:
                 self.discovery = None
@@ -861,8 +864,10 @@ class Checkpointable(nn.Module):
         state = self.__dict__.get("_rotor")
         if state is None or name in self.__dict__ or isinstance(value, (nn.Module, torch.Tensor)):
             super().__setattr__(name, value)
-        else:
-            setattr(state, name, value)
+            return
+        state.__dict__[name] = value
+        if not hasattr(type(self), name):  # read fast from now on, by every Checkpointable (`RotorAttribute`)
+            setattr(type(self), name, RotorAttribute(name))
 
     def __delattr__(self, name: str) -> None:
         state = self.__dict__.get("_rotor")
@@ -934,6 +939,32 @@ class RotorState:
     def __getstate__(self) -> dict[str, Any]:
         """Copies and pickles leave out a step measurement in progress (its probe holds storage handles)."""
         return {**self.__dict__, "_measurement": None}
+
+
+class RotorAttribute:
+    """A `Checkpointable` class attribute reading rotor's attribute `name` from `_rotor` (a dict lookup, not
+    nn.Module's `__getattr__` after a failed lookup); where this instance has none, the wrapped module's
+    child, parameter or buffer of that name is read, as nn.Module does."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        try:
+            return obj.__dict__["_rotor"].__dict__[self.name]
+        except KeyError:
+            return nn.Module.__getattr__(obj, self.name)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        type(obj).__setattr__(obj, self.name, value)
+
+
+for _name in ("module", "plain_module", "compiler", "stages"):  # written to `_rotor` directly (modules among them)
+    setattr(Checkpointable, _name, RotorAttribute(_name))
 
 
 _REGISTRIES = ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules")
