@@ -102,10 +102,10 @@ def warning(what: str, budget: int, chain: Chain) -> str:
     line = f"rotor: {what}; rotor plans the whole chain itself within {format_bytes(budget)}"
     if not per_stage:
         return line
+    per_block = "recomputing every stage once holds (rotor's figure for per-block checkpointing)"
     if budget > per_stage:
         return (
-            f"{line}, more than the {format_bytes(per_stage)} that recomputing every stage once (per-block "
-            f"checkpointing) holds: it runs faster but holds more; give mem_limit={per_stage} or less to hold no more"
+            f"{line}, more than the {format_bytes(per_stage)} that {per_block}: it runs faster but may hold more "
+            f"than before; give mem_limit={per_stage} or less to hold no more"
         )
-    per_block = "recomputing every stage once (per-block checkpointing) holds"
     return f"{line}, within the {format_bytes(per_stage)} that {per_block}"

@@ -395,7 +395,8 @@ def test_checkpoint_in_the_forward_is_replaced_and_a_larger_budget_said(how):
     with rotor.measure_step() as measured:
         rotor(x).sum().backward()
     assert measured.chain_peak <= rotor.budget
-    assert measured.chain_peak > users and "holds more; give mem_limit=" in said  # more than the user had: said
+    assert measured.chain_peak > users  # more than the user's own checkpointing held, and the warning says so:
+    assert "may hold more than before; give mem_limit=" in said
     rotor.zero_grad()
     sgd_steps(plain, 1, width=32)
     plain(x).sum().backward()
