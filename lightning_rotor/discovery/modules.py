@@ -180,11 +180,11 @@ class ModuleRun:
 
     def _checked_call(self, k: int, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         state = self._state
-        if state["inside"] or not (self.blocks[k].training and torch.is_grad_enabled()):
+        # a block's own eval mode is the user's (frozen statistics): still the chain's; only no_grad is not
+        if state["inside"] or not torch.is_grad_enabled():
             if state["next"] != 0 and not state["inside"]:
                 raise ChainDiverged(
-                    f"{self.names[k]} ran in eval mode or without grad while the chain "
-                    f"expected {self.names[state['next']]} next"
+                    f"{self.names[k]} ran without grad while the chain expected {self.names[state['next']]} next"
                 )
             return original(*args, **kwargs)
         if not args:
