@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from lightning_rotor._torch_compat import has_forward_hooks, make_subclass, tensor_version, tree_flatten
+from lightning_rotor._torch_compat import has_forward_hooks, make_subclass, tensor_version, tree_flatten, tree_unflatten
 from lightning_rotor.stages import Stages
 
 
@@ -113,6 +113,7 @@ class ModuleRun:
     kwargs: dict = field(default_factory=dict)
     starts: list[int] | None = None  # the first block of each stage (None: one block per stage)
     _state: dict = field(default_factory=dict, repr=False)
+    _bound: list | None = field(default=None, repr=False)  # what the blocks read in place of the side tensors
 
     def stages(self) -> Stages:
         starts = self.starts or list(range(len(self.blocks)))
@@ -127,7 +128,27 @@ class ModuleRun:
             tuple(_BlockStage(self, lo, hi) for lo, hi in spans),
             kind="modules",
             notes=tuple(notes),
+            sides=self,
         )
+
+    # -- side inputs (lightning_rotor/stages.py, `SideInputs`) ----------------------------------
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors among this call's other arguments that require grad (an encoder output): side inputs."""
+        return [t for t in tree_flatten((self.args, self.kwargs))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+
+    def bind(self, values: Sequence[torch.Tensor] | None) -> None:
+        """The blocks read `values` in place of `tensors()` from now on (None: the call's own arguments)."""
+        self._bound = None if values is None else list(values)
+
+    def arguments(self) -> tuple[tuple, dict]:
+        """The blocks' other arguments, with the bound side values in place of the side tensors."""
+        if self._bound is None:
+            return self.args, self.kwargs
+        flat, spec = tree_flatten((self.args, self.kwargs))
+        bound = iter(self._bound)
+        flat = [next(bound) if isinstance(t, torch.Tensor) and t.requires_grad else t for t in flat]
+        args, kwargs = tree_unflatten(flat, spec)
+        return args, kwargs
 
     # -- run time -----------------------------------------------------------------------------
     def install(self, run_chain: Callable[[Any], Any]) -> None:
@@ -253,10 +274,10 @@ class _BlockStage(nn.Module):
             return self._blocks(x)
 
     def _blocks(self, x: Any) -> Any:
-        run = self.run
-        x = self.block(x, *run.args, **run.kwargs)
+        args, kwargs = self.run.arguments()
+        x = self.block(x, *args, **kwargs)
         for block in self.joined:
-            x = block(x, *run.args, **run.kwargs)
+            x = block(x, *args, **kwargs)
         return x
 
 

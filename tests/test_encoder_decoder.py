@@ -1,0 +1,161 @@
+"""Encoder-decoder transformers under rotor: decoder blocks read the encoder output, a side input that requires
+grad (docs/discovery.md, "Side inputs and several chains"). Parameters after a few steps are bitwise plain
+training's (dropout on, same seeds) and the measured peak is within the budget, at the smallest feasible one."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from training import check_measured_peak
+
+from lightning_rotor.checkpointable import Checkpointable
+from lightning_rotor.planner import min_feasible_budget
+from lightning_rotor.simulate import no_recompute_peak
+
+torch.set_num_threads(1)
+
+
+# -- the minimal pattern -----------------------------------------------------------------------------------------
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x, memory=None):  # memory used twice: its gradient is a sum inside each block too
+        return x + self.drop(torch.tanh(self.a(x) + self.b(memory) + self.b(2 * memory)))
+
+
+class EncDec(nn.Module):
+    def __init__(self, layers: int = 4):
+        super().__init__()
+        self.enc = nn.Linear(16, 16)
+        self.layers = nn.ModuleList(Block() for _ in range(layers))
+
+    def forward(self, x, *args):
+        mem = torch.relu(self.enc(x))
+        for blk in self.layers:
+            x = blk(x, memory=mem)
+        return x
+
+
+def square_mean(out: torch.Tensor) -> torch.Tensor:
+    return out.square().mean()
+
+
+def loss_of(model: nn.Module, batch: dict, loss_fn=None) -> torch.Tensor:
+    """The step's loss: `loss_fn` of the output, else the loss the model computes from `labels`. The output is
+    not kept into the backward (a step that keeps it holds it on top of the budget)."""
+    return loss_fn(model(**batch)) if loss_fn is not None else model(**batch).loss
+
+
+def steps(model: nn.Module, batches: list[dict], loss_fn=None, lr: float = 0.1) -> None:
+    """SGD steps, each with its own seed (dropout draws the same in plain and rotor training)."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for i, batch in enumerate(batches):
+        opt.zero_grad()
+        torch.manual_seed(100 + i)
+        loss_of(model, batch, loss_fn).backward()
+        opt.step()
+
+
+def assert_same_parameters(plain: nn.Module, trained: nn.Module) -> None:
+    for (n, a), (m, b) in zip(plain.named_parameters(), trained.named_parameters(), strict=True):
+        assert n == m and torch.equal(a, b), n
+
+
+def smallest(model: nn.Module, batch: dict, loss_fn=None) -> tuple[int, float]:
+    """The smallest feasible budget of `model`'s chain on `batch`, and its ratio to the no-recompute peak."""
+    probe = Checkpointable(copy.deepcopy(model), loss_fn=loss_fn, repeats=1)
+    torch.manual_seed(0)
+    probe(**batch)
+    chain = probe.last_entry.chain
+    least = min_feasible_budget(chain)
+    return least, least / no_recompute_peak(chain)
+
+
+def check_at_smallest(model: nn.Module, batches: list[dict], loss_fn=None) -> tuple[Checkpointable, float]:
+    """Train `model` at its smallest budget and plain: same parameters; one more step measured within budget."""
+    least, ratio = smallest(model, batches[0], loss_fn)
+    plain = copy.deepcopy(model)
+    rotor = Checkpointable(copy.deepcopy(model), mem_limit=least, loss_fn=loss_fn, repeats=1)
+    steps(plain, batches, loss_fn)
+    steps(rotor, batches, loss_fn)
+    assert_same_parameters(plain, rotor.module)
+    assert sum(r > 1 for r in rotor.last_entry.runs) > 0  # the budget really recomputes
+    rotor.zero_grad()
+    with rotor.measure_step() as measured:
+        torch.manual_seed(7)
+        loss_of(rotor, batches[0], loss_fn).backward()
+    check_measured_peak(rotor, measured.peak)
+    return rotor, ratio
+
+
+def test_blocks_reading_an_encoder_output_train_bitwise_within_the_smallest_budget():
+    torch.manual_seed(0)
+    model = EncDec(6)
+    batches = [{"x": torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(i))} for i in range(3)]
+    rotor, ratio = check_at_smallest(model, batches, square_mean)
+    assert rotor.stage_names == [f"layers.{i}" for i in range(6)]
+    assert ratio < 0.5
+
+
+def test_side_input_gradient_sums_in_plain_autograd_order():
+    """The encoder's gradient, a sum over blocks and over two uses per block, is bitwise plain autograd's."""
+    torch.manual_seed(0)
+    model = EncDec(4)
+    x = torch.randn(4, 8, 16)
+    plain = copy.deepcopy(model)
+    torch.manual_seed(1)
+    square_mean(plain(x)).backward()
+    least, _ = smallest(model, {"x": x}, square_mean)
+    rotor = Checkpointable(copy.deepcopy(model), mem_limit=least, loss_fn=square_mean, repeats=1)
+    torch.manual_seed(0)
+    rotor(x)  # profiled and planned; the next call is the step compared
+    rotor.zero_grad()
+    torch.manual_seed(1)
+    square_mean(rotor(x)).backward()
+    assert torch.equal(plain.enc.weight.grad, rotor.module.enc.weight.grad)
+    assert torch.equal(plain.enc.bias.grad, rotor.module.enc.bias.grad)
+
+
+# -- Hugging Face encoder-decoders from tiny configs (nothing downloaded) ------------------------------------------
+def bart(layers: int = 3) -> nn.Module:
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = BartConfig(
+        vocab_size=64, d_model=16, encoder_layers=layers, decoder_layers=layers, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=64, dropout=0.1,
+        use_cache=False,
+    )  # fmt: skip
+    return BartForConditionalGeneration(config).train()
+
+
+def marian(layers: int = 3) -> nn.Module:
+    from transformers import MarianConfig, MarianMTModel
+
+    torch.manual_seed(0)
+    config = MarianConfig(
+        vocab_size=64, d_model=16, encoder_layers=layers, decoder_layers=layers, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=64, dropout=0.1,
+        pad_token_id=0, decoder_start_token_id=0, use_cache=False,
+    )  # fmt: skip
+    return MarianMTModel(config).train()
+
+
+def seq2seq_batches(n: int = 2, source: int = 16, target: int = 12) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.randint(1, 64, (2, source), generator=g) for _ in range(n)]
+    return [{"input_ids": x, "labels": torch.randint(1, 64, (2, target), generator=g)} for x in ids]
+
+
+@pytest.mark.parametrize("make", [bart, marian], ids=["bart", "marian"])
+def test_hugging_face_encoder_decoder_trains_bitwise_within_the_smallest_budget(make):
+    pytest.importorskip("transformers")
+    rotor, ratio = check_at_smallest(make(), seq2seq_batches())
+    assert rotor.stage_names == [f"model.decoder.layers.{i}" for i in range(3)]
+    assert ratio < 1
