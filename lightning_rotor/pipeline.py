@@ -255,7 +255,9 @@ def measure_outside(
 
     def blocks_without_grad(value: Any) -> Any:
         probe.mark("run")  # sweeps first: what died since the last op (temporaries of the code before) is not kept
-        probe.track(value)  # the run's input may be the caller's own tensor, made before the probe: counted once
+        # the run's input and side inputs may be the caller's own tensors, made before the probe (a decoder wrapped
+        # on its own gets the encoder output as an argument, which its blocks keep): counted once, held to the end
+        probe.track(value, *run.tensors())
         seen["before"] = probe.current - storage_bytes(value)
         before_leaves.extend(leaves_reached([*tensors_of(value), *run.tensors()]))
         with torch.no_grad():

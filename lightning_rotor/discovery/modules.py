@@ -410,5 +410,6 @@ def _continues(prev: _Call, c: _Call, uses: dict[int, list[tuple[int, ...]]]) ->
         return False
     if not all(_same(prev.kwargs[n], c.kwargs[n]) for n in c.kwargs):
         return False
-    # the previous output may be used only inside the next call
-    return all(c.index in stack for stack in uses.get(id(prev.output), []))
+    # the previous output may be used only inside the next call, or inside the previous one itself: a block's output
+    # may be its last inner module's, which the block still reads (BART's `hidden_states.dtype` check) before returning
+    return all(c.index in stack or prev.index in stack for stack in uses.get(id(prev.output), []))
