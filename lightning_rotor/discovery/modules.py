@@ -114,6 +114,9 @@ class ModuleRun:
     starts: list[int] | None = None  # the first block of each stage (None: one block per stage)
     _state: dict = field(default_factory=dict, repr=False)
     _bound: list | None = field(default=None, repr=False)  # what the blocks read in place of the side tensors
+    # blocks returning a tuple (T5's hidden state and position biases): per element after the hidden state, the
+    # position of the argument it is (in the flattened other arguments) or None and the constant it is
+    passed: tuple[tuple[int | None, Any], ...] | None = None
 
     def stages(self) -> Stages:
         starts = self.starts or list(range(len(self.blocks)))
@@ -240,9 +243,16 @@ class ModuleRun:
         state["next"] = 0 if last else k + 1
         if last:
             out, state["output"], state["token"] = state["output"], None, None
-            return out
+            return self._returned(out, rest, kwargs)
         state["token"] = _pending()
-        return state["token"]
+        return self._returned(state["token"], rest, kwargs)
+
+    def _returned(self, hidden: Any, args: tuple, kwargs: dict) -> Any:
+        """What a block call returns: the hidden state, or the observed tuple of it and the arguments it passes on."""
+        if self.passed is None:
+            return hidden
+        flat = tree_flatten((args, kwargs))[0]
+        return (hidden, *(flat[where] if where is not None else value for where, value in self.passed))
 
 
 class _Patched:
@@ -275,9 +285,9 @@ class _BlockStage(nn.Module):
 
     def _blocks(self, x: Any) -> Any:
         args, kwargs = self.run.arguments()
-        x = self.block(x, *args, **kwargs)
+        x = _hidden(self.block(x, *args, **kwargs))
         for block in self.joined:
-            x = block(x, *args, **kwargs)
+            x = _hidden(block(x, *args, **kwargs))
         return x
 
 
@@ -311,8 +321,9 @@ def find_runs(
         writes = before is not None and tensor_version(a[0]) != before
         call = calls[open_calls.pop()]
         call.output, call.writes_input = out, writes
-        if isinstance(out, torch.Tensor):
-            uses.outputs[id(out)] = out
+        hidden = _hidden(out)
+        if hidden is not None:
+            uses.outputs[id(hidden)] = hidden
 
     seen: set[int] = set()
     for _, sub in module.named_modules():
@@ -351,7 +362,8 @@ def _runs(
                 and (types is None or isinstance(c.module, tuple(types)))
                 and bool(c.args)
                 and isinstance(c.args[0], torch.Tensor)
-                and isinstance(c.output, torch.Tensor)
+                and _hidden(c.output) is not None
+                and _passed(c) is not _NOT_PASSED
             )
             if usable and current and _continues(current[-1], c, uses):
                 current.append(c)
@@ -375,8 +387,13 @@ def _joined_run(parent: str, calls: list[_Call], min_stages: int) -> ModuleRun |
         calls, starts = calls[first:], [s - first for s in starts[1:]]
     if len(starts) < min_stages:
         return None
+    passed = _passed(calls[0])
     return ModuleRun(
-        parent, [c.name for c in calls], [c.module for c in calls], starts=None if len(starts) == len(calls) else starts
+        parent,
+        [c.name for c in calls],
+        [c.module for c in calls],
+        starts=None if len(starts) == len(calls) else starts,
+        passed=None if passed is _NOT_PASSED else passed,
     )
 
 
@@ -400,8 +417,43 @@ def _parameters(blocks: list[nn.Module]) -> int:
     return sum(seen.values())
 
 
+_NOT_PASSED = object()  # a block output that is neither a tensor nor the hidden state and arguments passed on
+
+
+def _hidden(out: Any) -> torch.Tensor | None:
+    """The hidden state a block returns: its output, or the first element of the tuple it returns (T5)."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    return None
+
+
+def _passed(c: _Call) -> Any:
+    """`ModuleRun.passed` of a call: None for a tensor output; for a tuple, each later element as the position of the
+    argument it is (the same object) or a constant (None, numbers); `_NOT_PASSED` when an element is neither (a
+    tensor the block made, such as the position bias T5's first block computes)."""
+    if isinstance(c.output, torch.Tensor):
+        return None
+    flat = tree_flatten((c.args[1:], c.kwargs))[0]
+    passed = []
+    for value in c.output[1:]:
+        where = next((i for i, a in enumerate(flat) if a is value), None)
+        if where is None and (isinstance(value, torch.Tensor) or not _same(value, copy_constant(value))):
+            return _NOT_PASSED
+        passed.append((where, None if where is not None else value))
+    return tuple(passed)
+
+
+def copy_constant(value: Any) -> Any:
+    """`value` itself when it is a plain constant (None, a number, a string); a fresh object otherwise."""
+    return value if value is None or isinstance(value, (bool, int, float, str)) else object()
+
+
 def _continues(prev: _Call, c: _Call, uses: dict[int, list[tuple[int, ...]]]) -> bool:
-    if c.args[0] is not prev.output or any(c.module is b for b in (prev.module,)):
+    if c.args[0] is not _hidden(prev.output) or any(c.module is b for b in (prev.module,)):
+        return False
+    if _passed(prev) != _passed(c):
         return False
     rest_a, rest_b = prev.args[1:], c.args[1:]
     if len(rest_a) != len(rest_b) or set(prev.kwargs) != set(c.kwargs):
@@ -412,4 +464,4 @@ def _continues(prev: _Call, c: _Call, uses: dict[int, list[tuple[int, ...]]]) ->
         return False
     # the previous output may be used only inside the next call, or inside the previous one itself: a block's output
     # may be its last inner module's, which the block still reads (BART's `hidden_states.dtype` check) before returning
-    return all(c.index in stack or prev.index in stack for stack in uses.get(id(prev.output), []))
+    return all(c.index in stack or prev.index in stack for stack in uses.get(id(_hidden(prev.output)), []))
