@@ -257,7 +257,7 @@ class _Step:
         """Stage k reads the side inputs through `EnterStage` when recorded (its backward stops there and the
         slot catches their gradient, NOTE: [side inputs]), detached otherwise; the call's own ones afterwards."""
         sides = self.runner.sides
-        if sides is None:
+        if sides is None or not self.sides:  # no side input requires grad in this call
             yield
             return
         values: Sequence[torch.Tensor] = self.sides
@@ -828,20 +828,14 @@ class PlanRunner:
         self.forward_pack = [i in packed for i in range(split)]
         self.backward_pack = [i in packed for i in range(split + 1, len(ops))]
         # Fc k recorded under torch's checkpoint, Fe k skipped, B k recomputes with early stop
-        # (with side inputs every forward reads values bound while it runs, so none reruns inside a backward)
-        early = early_stops(ops, self.stages, self.frozen, self.in_free, packed) if early_stop and not sides else set()
-        self.early = {ops[i].stage for i in early}
-        self.forward_early = [i in early for i in range(split)]
-        self.backward_early = [i in early for i in range(split + 1, len(ops))]
+        self._early_ops = early_stops(ops, self.stages, self.frozen, self.in_free, packed) if early_stop else set()
         # B k then B k-1 at once: a recorded a_k may feed stage k as it is, joining the graphs
-        # (not with side inputs: each stage's backward is seeded with their gradient so far, NOTE: [side inputs])
-        self.joinable = {
+        self._joinable = {
             op.stage
             for op, nxt in zip(self.backward_ops, self.backward_ops[1:], strict=False)
-            if op.kind is OpKind.B and nxt == Op(OpKind.B, op.stage - 1) and sides is None
+            if op.kind is OpKind.B and nxt == Op(OpKind.B, op.stage - 1)
         }
-        if sides is not None and any(op.kind is OpKind.FS for op in ops):
-            raise ValueError("a chain with side inputs has no stage options: an Fs op reruns its stage in a backward")
+        self._with_sides(False)
         self.quiet: set[int] = set()  # recomputed stages whose last recorded first run drew no random number
         self.probe: Any = None
         self.token_device = torch.device("cpu")
@@ -849,6 +843,19 @@ class PlanRunner:
         self._all_params: list[torch.Tensor] | None = None
         self._shared: list[torch.Tensor] | None = None
         self._plain_buffers: dict[int, list[torch.Tensor]] = {}
+
+    def _with_sides(self, on: bool) -> None:
+        """Early stops and joined backwards, unless this call has side inputs (NOTE: [side inputs]): then each
+        stage's backward is seeded with their gradient so far, and no stage reruns inside a backward (where the
+        side values bound to it are gone); an option (`Fs`), which always does, is refused."""
+        if on and any(op.kind is OpKind.FS for op in self.ops):
+            raise ValueError("a chain with side inputs has no stage options: an Fs op reruns its stage in a backward")
+        early = set() if on else self._early_ops
+        split = len(self.forward_ops)
+        self.early = {self.ops[i].stage for i in early}
+        self.forward_early = [i in early for i in range(split)]
+        self.backward_early = [i in early for i in range(split + 1, len(self.ops))]
+        self.joinable = set() if on else self._joinable
 
     def releases_plain(self, k: int) -> bool:
         """Does a plain `a_k` go after stage k's last forward? As the chain says (`in_free[k] > 0`).
@@ -918,6 +925,7 @@ class PlanRunner:
             step.probe.track(value)
         dummy = torch.empty(0, device=device, requires_grad=True)
         sides = self.sides.tensors() if self.sides is not None else []
+        self._with_sides(bool(sides))
         token = _Tail.apply(step, spec, dummy, len(flat), len(sides), *flat, *sides, *self._parameters())
         end = _Output(step)
         outputs = HandOver.apply(end, token)

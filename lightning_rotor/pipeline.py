@@ -115,7 +115,7 @@ def profile(
             loss_tmp=loss,
             progress=progress,
             timed=timed,
-            options=options and sides is None,  # an option reruns its stage in a backward, without the side values
+            options=options and not leaves,  # an option reruns its stage in a backward, without the side values
             offload=offload,
         )
     if outside is not None:
@@ -128,10 +128,10 @@ def profile(
 def side_leaves(sides: SideInputs | None) -> Iterator[list[torch.Tensor]]:
     """While profiling, the stages read leaves of their own in place of the side inputs: each stage's backward
     stops there, as the executor's does at its `EnterStage` (NOTE: [side inputs] in lightning_rotor/execute.py)."""
-    if sides is None:
+    leaves = [t.detach().requires_grad_(True) for t in sides.tensors()] if sides is not None else []
+    if sides is None or not leaves:
         yield []
         return
-    leaves = [t.detach().requires_grad_(True) for t in sides.tensors()]
     sides.bind(leaves)
     try:
         yield leaves
