@@ -4,6 +4,7 @@ training's (dropout on, same seeds) and the measured peak is within the budget, 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import lightning.pytorch as pl
@@ -51,19 +52,21 @@ def square_mean(out: torch.Tensor) -> torch.Tensor:
     return out.square().mean()
 
 
-def loss_of(model: nn.Module, batch: dict, loss_fn=None) -> torch.Tensor:
-    """The step's loss: `loss_fn` of the output, else the loss the model computes from `labels`. The output is
-    not kept into the backward (a step that keeps it holds it on top of the budget)."""
-    return loss_fn(model(**batch)) if loss_fn is not None else model(**batch).loss
+def loss_of(model: nn.Module, batch: dict, loss_fn=None, region=contextlib.nullcontext) -> torch.Tensor:
+    """The step's loss: `loss_fn` of the output, else the loss the model computes from `labels`, computed inside
+    `region()` (autocast, as Lightning wraps the training step). The output is not kept into the backward (a step
+    that keeps it holds it on top of the budget)."""
+    with region():
+        return loss_fn(model(**batch)) if loss_fn is not None else model(**batch).loss
 
 
-def steps(model: nn.Module, batches: list[dict], loss_fn=None, lr: float = 0.1) -> None:
+def steps(model: nn.Module, batches: list[dict], loss_fn=None, region=contextlib.nullcontext) -> None:
     """SGD steps, each with its own seed (dropout draws the same in plain and rotor training)."""
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for i, batch in enumerate(batches):
         opt.zero_grad()
         torch.manual_seed(100 + i)
-        loss_of(model, batch, loss_fn).backward()
+        loss_of(model, batch, loss_fn, region).backward()
         opt.step()
 
 
@@ -72,29 +75,33 @@ def assert_same_parameters(plain: nn.Module, trained: nn.Module) -> None:
         assert n == m and torch.equal(a, b), n
 
 
-def smallest(model: nn.Module, batch: dict, loss_fn=None) -> tuple[int, float]:
+def smallest(
+    model: nn.Module, batch: dict, loss_fn=None, region=contextlib.nullcontext, **settings
+) -> tuple[int, float]:
     """The smallest feasible budget of `model`'s chain on `batch`, and its ratio to the no-recompute peak."""
-    probe = Checkpointable(copy.deepcopy(model), loss_fn=loss_fn, repeats=1)
+    probe = Checkpointable(copy.deepcopy(model), loss_fn=loss_fn, repeats=1, **settings)
     torch.manual_seed(0)
-    probe(**batch)
+    loss_of(probe, batch, loss_fn, region)
     chain = probe.last_entry.chain
     least = min_feasible_budget(chain)
     return least, least / no_recompute_peak(chain)
 
 
-def check_at_smallest(model: nn.Module, batches: list[dict], loss_fn=None) -> tuple[Checkpointable, float]:
+def check_at_smallest(
+    model: nn.Module, batches: list[dict], loss_fn=None, region=contextlib.nullcontext, **settings
+) -> tuple[Checkpointable, float]:
     """Train `model` at its smallest budget and plain: same parameters; one more step measured within budget."""
-    least, ratio = smallest(model, batches[0], loss_fn)
+    least, ratio = smallest(model, batches[0], loss_fn, region, **settings)
     plain = copy.deepcopy(model)
-    rotor = Checkpointable(copy.deepcopy(model), mem_limit=least, loss_fn=loss_fn, repeats=1)
-    steps(plain, batches, loss_fn)
-    steps(rotor, batches, loss_fn)
+    rotor = Checkpointable(copy.deepcopy(model), mem_limit=least, loss_fn=loss_fn, repeats=1, **settings)
+    steps(plain, batches, loss_fn, region)
+    steps(rotor, batches, loss_fn, region)
     assert_same_parameters(plain, rotor.module)
     assert sum(r > 1 for r in rotor.last_entry.runs) > 0  # the budget really recomputes
     rotor.zero_grad()
     with rotor.measure_step() as measured:
         torch.manual_seed(7)
-        loss_of(rotor, batches[0], loss_fn).backward()
+        loss_of(rotor, batches[0], loss_fn, region).backward()
     check_measured_peak(rotor, measured.peak)
     return rotor, ratio
 
@@ -313,3 +320,46 @@ def test_encoder_decoder_trains_in_a_trainer_bitwise_at_the_smallest_budget(make
     chains = runs["rotor"].chains
     assert len(chains) == 2 and all(len(c.stage_names) >= 2 for c in chains.values())
     assert all(sum(r > 1 for r in c.last_entry.runs) > 0 for c in chains.values())  # both recompute
+
+
+class TwoSided(nn.Module):
+    """Blocks reading two side inputs positionally (an encoder output and a conditioning vector, as a U-Net's
+    time embedding), under autocast: each recomputation re-enters the autocast state of its first run."""
+
+    def __init__(self, layers: int = 4):
+        super().__init__()
+        self.enc, self.cond = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.layers = nn.ModuleList(SidedBlock() for _ in range(layers))
+
+    def forward(self, x, c):
+        mem, emb = torch.relu(self.enc(x)), self.cond(c)
+        for blk in self.layers:
+            x = blk(x, mem, emb)
+        return x
+
+
+class SidedBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x, memory, emb):
+        return x + self.drop(torch.tanh(self.a(x + emb[:, None]) * self.b(memory)))
+
+
+def test_positional_side_inputs_under_autocast_train_bitwise_within_the_smallest_budget():
+    torch.manual_seed(0)
+    model = TwoSided(6)
+    g = torch.Generator().manual_seed(0)
+    batches = [{"x": torch.randn(4, 8, 16, generator=g), "c": torch.randn(4, 16, generator=g)} for _ in range(3)]
+
+    def loss_fn(out):
+        return out.float().square().mean()
+
+    def bf16():  # one autocast region per step's forward and loss, as Lightning's bf16-mixed precision
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+
+    rotor, ratio = check_at_smallest(model, batches, loss_fn, bf16, discover="modules")  # graph would trace it
+    assert rotor.stage_names == [f"layers.{i}" for i in range(6)]
+    assert ratio < 0.6
