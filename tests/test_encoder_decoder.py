@@ -304,6 +304,7 @@ def seq2seq_loader() -> DataLoader:
     return DataLoader(TensorDataset(ids, labels), batch_size=2)
 
 
+@pytest.mark.slow  # two Trainer fits per model, about 3 s each
 @pytest.mark.parametrize("make", [bart, t5], ids=["bart", "t5"])
 def test_encoder_decoder_trains_in_a_trainer_bitwise_at_the_smallest_budget(make, tmp_path):
     """Through a real Trainer with `RotorStrategy` wrapping the encoder and the decoder (one budget), as plain."""
