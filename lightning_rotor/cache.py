@@ -28,6 +28,7 @@ from lightning_rotor.chain import Chain
 from lightning_rotor.pipeline import Entry
 from lightning_rotor.planner import Plan, min_feasible_budget
 from lightning_rotor.profile import Profile
+from lightning_rotor.stages import side_inputs
 
 __all__ = ["PlanCache", "plan_key", "signature", "stage_fingerprints"]
 
@@ -91,6 +92,7 @@ class PlanCache:
         self, stages: Sequence[nn.Module], names: Sequence[str], slots: int | None = None, early_stop: bool = True
     ) -> None:
         self.stages = list(stages)
+        self.sides = side_inputs(stages)  # tensors every stage reads besides its input (a `Stages`' only)
         self.early_stop = early_stop  # runners recompute with early stop where sound (`execute.early_stops`)
         self.names = list(names)
         self.slots = slots
@@ -115,7 +117,9 @@ class PlanCache:
         return Entry(
             measured,
             chosen,
-            pipeline.runner(self.stages, measured.chain, chosen, self.names, early_stop=self.early_stop),
+            pipeline.runner(
+                self.stages, measured.chain, chosen, self.names, early_stop=self.early_stop, sides=self.sides
+            ),
         )
 
     # -- the whole budget changed ----------------------------------------------------------------

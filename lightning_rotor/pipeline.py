@@ -14,7 +14,8 @@ charges it to the chain, so the budget bounds the whole step.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -23,12 +24,13 @@ from torch import nn
 
 from lightning_rotor._torch_compat import tree_flatten, tree_map, tree_unflatten
 from lightning_rotor.chain import Chain
-from lightning_rotor.engine import HandOver
+from lightning_rotor.engine import HandOver, tensors_of
 from lightning_rotor.execute import PlanRunner
 from lightning_rotor.memory import MemoryProbe, storage_bytes
 from lightning_rotor.ops import forward_counts
 from lightning_rotor.planner import Plan, plan
 from lightning_rotor.profile import LOSS_HELD, Profile, profile_chain
+from lightning_rotor.stages import SideInputs, side_inputs
 
 if TYPE_CHECKING:
     from lightning_rotor.discovery.modules import ModuleRun
@@ -102,21 +104,46 @@ def profile(
     loss: int | LossFn | None = loss_tmp if loss_tmp is not None else loss_fn
     if outside is not None:
         loss = LOSS_HELD  # placeholder bytes: charge_outside sets the loss from `outside`
-    measured = profile_chain(
-        stages,
-        sample,
-        names=names,
-        repeats=repeats,
-        warmup=warmup,
-        loss_tmp=loss,
-        progress=progress,
-        timed=timed,
-        options=options,
-        offload=offload,
-    )
+    sides = side_inputs(stages)
+    with side_leaves(sides) as leaves:
+        measured = profile_chain(
+            stages,
+            sample,
+            names=names,
+            repeats=repeats,
+            warmup=warmup,
+            loss_tmp=loss,
+            progress=progress,
+            timed=timed,
+            options=options and not leaves,  # an option reruns its stage in a backward, without the side values
+            offload=offload,
+        )
     if outside is not None:
         measured.chain = charge_outside(measured.chain, outside, loss_tmp)
+    measured.chain = charge_side_gradients(measured.chain, leaves)
     return measured
+
+
+@contextmanager
+def side_leaves(sides: SideInputs | None) -> Iterator[list[torch.Tensor]]:
+    """While profiling, the stages read leaves of their own in place of the side inputs: each stage's backward
+    stops there, as the executor's does at its `EnterStage` (NOTE: [side inputs] in lightning_rotor/execute.py)."""
+    leaves = [t.detach().requires_grad_(True) for t in sides.tensors()] if sides is not None else []
+    if sides is None or not leaves:
+        yield []
+        return
+    sides.bind(leaves)
+    try:
+        yield leaves
+    finally:
+        sides.bind(None)
+
+
+def charge_side_gradients(chain: Chain, sides: Sequence[torch.Tensor]) -> Chain:
+    """The side inputs' gradient, summed across the stages' backwards and held from the first to the end of the
+    step, charged with the loss value, which is held over the same ops (docs/memory-model.md, "Side inputs")."""
+    extra = sum(t.numel() * t.element_size() for t in sides)
+    return dataclasses.replace(chain, loss_value=chain.loss_value + extra) if extra else chain
 
 
 def charge_outside(chain: Chain, outside: Outside | tuple[int, int], loss_tmp: int | None = None) -> Chain:
@@ -157,8 +184,10 @@ def runner(
     names: Sequence[str] | None = None,
     *,
     early_stop: bool = True,
+    sides: SideInputs | None = None,
 ) -> PlanRunner:
-    """What runs `chosen` on the stages: an autograd Function per call. `early_stop`: see `PlanRunner`."""
+    """What runs `chosen` on the stages: an autograd Function per call. `early_stop`: see `PlanRunner`;
+    `sides`: the stages' side inputs (default: those of `stages`, when a `Stages`)."""
     return PlanRunner(
         stages,
         chosen.ops,
@@ -167,6 +196,7 @@ def runner(
         sizes=chain.sizes,
         offloadable=chain.offloadable,
         early_stop=early_stop,
+        sides=sides if sides is not None else side_inputs(stages),
     )
 
 
@@ -216,15 +246,20 @@ def measure_outside(
     keeps). `a_L` is held throughout. Parameters' `.grad` are set aside meanwhile and put back
     untouched, buffers and the RNG stream too (`profile.Untouched`).
     """
-    from lightning_rotor.profile import LossInput, Untouched, caller_loss, grads_aside
+    from lightning_rotor.profile import LossInput, Untouched, caller_loss, grads_aside, leaves_reached
 
     probe = MemoryProbe(module)
     seen: dict[str, int] = {}
     held: list[Any] = []  # a_0 and a_L, held to the end
+    before_leaves: list[torch.Tensor] = []  # what the graph before the run (and the side inputs') accumulates into
 
     def blocks_without_grad(value: Any) -> Any:
         probe.mark("run")  # sweeps first: what died since the last op (temporaries of the code before) is not kept
+        # the run's input and side inputs may be the caller's own tensors, made before the probe (a decoder wrapped
+        # on its own gets the encoder output as an argument, which its blocks keep): counted once, held to the end
+        probe.track(value, *run.tensors())
         seen["before"] = probe.current - storage_bytes(value)
+        before_leaves.extend(leaves_reached([*tensors_of(value), *run.tensors()]))
         with torch.no_grad():
             out = run_stages(stages, value)
         # a_L handed on as the executor hands it over (`HandOver`): requiring grad, written in place if the
@@ -249,6 +284,7 @@ def measure_outside(
             loss = caller_loss(output, loss_fn)
             del output  # the caller holds the loss into the backward, not the output
             seen["value"] = 2 * storage_bytes(loss)  # the value and the gradient backward seeds it with
+            seen["value"] += waiting_gradients(leaves_reached([loss]), before_leaves)
             if loss.requires_grad:
                 with grads_aside(loss):  # parameters outside `module` (a loss_fn's): their .grad is the caller's
                     loss.backward()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
@@ -258,6 +294,14 @@ def measure_outside(
         held.clear()
     after = seen.get("after", probe.peak)
     return Outside(max(0, seen.get("before", 0)), max(0, probe.peak - after), seen.get("value", LOSS_HELD))
+
+
+def waiting_gradients(after: Sequence[torch.Tensor], before: Sequence[torch.Tensor]) -> int:
+    """Bytes of the gradients of leaves both the code after the run and the code before it use (a tied embedding
+    and LM head): plain autograd holds the part from after the run in the accumulator's input buffer until the part
+    from before the run comes, i.e. through the chain's whole backward, as the loss value is held."""
+    earlier = {id(t) for t in before}
+    return sum(t.numel() * t.element_size() for t in after if id(t) in earlier and t.requires_grad)
 
 
 def _own_leaf(value: Any) -> Any:

@@ -36,7 +36,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_rotor import side_outputs
-from lightning_rotor._torch_compat import forward_hooks, make_subclass, tensor_version, tree_flatten
+from lightning_rotor._torch_compat import forward_hooks, make_subclass, tensor_version, tree_flatten, tree_unflatten
 from lightning_rotor.stages import Stages
 
 
@@ -122,6 +122,10 @@ class ModuleRun:
     side: tuple[str, ...] | None = None  # names the blocks record from inside (side outputs); None: not called yet
     slots: dict[int, tuple[str, ...]] = field(default_factory=dict)  # per stage: the name of each side output it adds
     _state: dict = field(default_factory=dict, repr=False)
+    _bound: list | None = field(default=None, repr=False)  # what the blocks read in place of the side tensors
+    # blocks returning a tuple (T5's hidden state and position biases): per element after the hidden state, the
+    # position of the argument it is (in the flattened other arguments) or None and the constant it is
+    passed: tuple[tuple[int | None, Any], ...] | None = None
 
     def stages(self) -> Stages:
         starts = self.starts or list(range(len(self.blocks)))
@@ -136,7 +140,27 @@ class ModuleRun:
             tuple(_BlockStage(self, lo, hi) for lo, hi in spans),
             kind="modules",
             notes=tuple(notes),
+            sides=self,
         )
+
+    # -- side inputs (lightning_rotor/stages.py, `SideInputs`) ----------------------------------
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors among this call's other arguments that require grad (an encoder output): side inputs."""
+        return [t for t in tree_flatten((self.args, self.kwargs))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+
+    def bind(self, values: Sequence[torch.Tensor] | None) -> None:
+        """The blocks read `values` in place of `tensors()` from now on (None: the call's own arguments)."""
+        self._bound = None if values is None else list(values)
+
+    def arguments(self) -> tuple[tuple, dict]:
+        """The blocks' other arguments, with the bound side values in place of the side tensors."""
+        if self._bound is None:
+            return self.args, self.kwargs
+        flat, spec = tree_flatten((self.args, self.kwargs))
+        bound = iter(self._bound)
+        flat = [next(bound) if isinstance(t, torch.Tensor) and t.requires_grad else t for t in flat]
+        args, kwargs = tree_unflatten(flat, spec)
+        return args, kwargs
 
     # -- run time -----------------------------------------------------------------------------
     def install(self, run_chain: Callable[[Any], Any]) -> None:
@@ -229,9 +253,18 @@ class ModuleRun:
         state["next"] = 0 if last else k + 1
         if last:
             out, state["output"], state["token"] = state["output"], None, None
-            return hand_side_outputs(self, out) if self.side else out
+            if self.side:
+                out = hand_side_outputs(self, out)
+            return self._returned(out, rest, kwargs)
         state["token"] = _pending()
-        return state["token"]
+        return self._returned(state["token"], rest, kwargs)
+
+    def _returned(self, hidden: Any, args: tuple, kwargs: dict) -> Any:
+        """What a block call returns: the hidden state, or the observed tuple of it and the arguments it passes on."""
+        if self.passed is None:
+            return hidden
+        flat = tree_flatten((args, kwargs))[0]
+        return (hidden, *(flat[where] if where is not None else value for where, value in self.passed))
 
 
 class _Patched:
@@ -277,10 +310,10 @@ class _BlockStage(nn.Module):
         return (x, *carried, *values)
 
     def _block_calls(self, x: Any) -> Any:
-        run = self.run
-        x = self.block(x, *run.args, **run.kwargs)
+        args, kwargs = self.run.arguments()
+        x = _hidden(self.block(x, *args, **kwargs))
         for block in self.joined:
-            x = block(x, *run.args, **run.kwargs)
+            x = _hidden(block(x, *args, **kwargs))
         return x
 
 
@@ -314,8 +347,9 @@ def find_runs(
         writes = before is not None and tensor_version(a[0]) != before
         call = calls[open_calls.pop()]
         call.output, call.writes_input = out, writes
-        if isinstance(out, torch.Tensor):
-            uses.outputs[id(out)] = out
+        hidden = _hidden(out)
+        if hidden is not None:
+            uses.outputs[id(hidden)] = hidden
 
     seen: set[int] = set()
     for _, sub in module.named_modules():
@@ -354,7 +388,8 @@ def _runs(
                 and (types is None or isinstance(c.module, tuple(types)))
                 and bool(c.args)
                 and isinstance(c.args[0], torch.Tensor)
-                and isinstance(c.output, torch.Tensor)
+                and _hidden(c.output) is not None
+                and _passed(c) is not _NOT_PASSED
             )
             if usable and current and _continues(current[-1], c, uses):
                 current.append(c)
@@ -378,8 +413,13 @@ def _joined_run(parent: str, calls: list[_Call], min_stages: int) -> ModuleRun |
         calls, starts = calls[first:], [s - first for s in starts[1:]]
     if len(starts) < min_stages:
         return None
+    passed = _passed(calls[0])
     return ModuleRun(
-        parent, [c.name for c in calls], [c.module for c in calls], starts=None if len(starts) == len(calls) else starts
+        parent,
+        [c.name for c in calls],
+        [c.module for c in calls],
+        starts=None if len(starts) == len(calls) else starts,
+        passed=None if passed is _NOT_PASSED else passed,
     )
 
 
@@ -478,8 +518,43 @@ def _parameters(blocks: list[nn.Module]) -> int:
     return sum(seen.values())
 
 
+_NOT_PASSED = object()  # a block output that is neither a tensor nor the hidden state and arguments passed on
+
+
+def _hidden(out: Any) -> torch.Tensor | None:
+    """The hidden state a block returns: its output, or the first element of the tuple it returns (T5)."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    return None
+
+
+def _passed(c: _Call) -> Any:
+    """`ModuleRun.passed` of a call: None for a tensor output; for a tuple, each later element as the position of the
+    argument it is (the same object) or a constant (None, numbers); `_NOT_PASSED` when an element is neither (a
+    tensor the block made, such as the position bias T5's first block computes)."""
+    if isinstance(c.output, torch.Tensor):
+        return None
+    flat = tree_flatten((c.args[1:], c.kwargs))[0]
+    passed = []
+    for value in c.output[1:]:
+        where = next((i for i, a in enumerate(flat) if a is value), None)
+        if where is None and (isinstance(value, torch.Tensor) or not _same(value, copy_constant(value))):
+            return _NOT_PASSED
+        passed.append((where, None if where is not None else value))
+    return tuple(passed)
+
+
+def copy_constant(value: Any) -> Any:
+    """`value` itself when it is a plain constant (None, a number, a string); a fresh object otherwise."""
+    return value if value is None or isinstance(value, (bool, int, float, str)) else object()
+
+
 def _continues(prev: _Call, c: _Call, uses: dict[int, list[tuple[int, ...]]]) -> bool:
-    if c.args[0] is not prev.output or any(c.module is b for b in (prev.module,)):
+    if c.args[0] is not _hidden(prev.output) or any(c.module is b for b in (prev.module,)):
+        return False
+    if _passed(prev) != _passed(c):
         return False
     rest_a, rest_b = prev.args[1:], c.args[1:]
     if len(rest_a) != len(rest_b) or set(prev.kwargs) != set(c.kwargs):
@@ -488,5 +563,6 @@ def _continues(prev: _Call, c: _Call, uses: dict[int, list[tuple[int, ...]]]) ->
         return False
     if not all(_same(prev.kwargs[n], c.kwargs[n]) for n in c.kwargs):
         return False
-    # the previous output may be used only inside the next call
-    return all(c.index in stack for stack in uses.get(id(prev.output), []))
+    # the previous output may be used only inside the next call, or inside the previous one itself: a block's output
+    # may be its last inner module's, which the block still reads (BART's `hidden_states.dtype` check) before returning
+    return all(c.index in stack or prev.index in stack for stack in uses.get(id(_hidden(prev.output)), []))
