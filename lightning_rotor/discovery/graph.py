@@ -37,7 +37,7 @@ from lightning_rotor._torch_compat import fx_unpatched_module, tensor_version, t
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
-DEFAULT_MAX_CARRY = 6
+DEFAULT_MAX_CARRY = 8  # a diffusion U-Net carries its time embedding and text context beside the skips
 
 
 class DiscoveryError(RuntimeError):
