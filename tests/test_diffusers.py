@@ -162,6 +162,25 @@ def test_smallest_budget_is_well_below_the_models_own_checkpointing(name):
     assert smallest <= 0.5 * own  # 0.42x (UNet2DModel) and 0.49x (UNet2DConditionModel) on CPU
 
 
+@pytest.mark.slow
+def test_a_text_context_that_requires_grad_gets_its_gradient_bitwise():
+    """The context is read by every cross-attention stage: its gradient is summed over all of them (a text
+    encoder trained with the U-Net)."""
+    plain, batch = unet_condition(), batches("unet_condition")
+    rotor = Checkpointable(copy.deepcopy(plain), "40%", repeats=1, warmup=0)
+    grads = []
+    for model in (plain, rotor):
+        context = batch[3].clone().requires_grad_()
+        for _ in range(2):  # the first rotor call discovers and profiles, the second runs the plan
+            model.zero_grad()
+            context.grad = None
+            noise_loss(model, [*batch[:3], context]).backward()
+        grads.append(context.grad)
+    assert rotor.plan.recomputed_stages > 0
+    assert torch.equal(grads[0], grads[1])
+    assert_same_state(plain, rotor)
+
+
 def test_checkpoint_modules_keep_each_resnet_block_whole():
     from diffusers.models.resnet import ResnetBlock2D
 
