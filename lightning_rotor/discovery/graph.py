@@ -5,7 +5,8 @@ symbolic trace, so Python control flow on shapes (`assert T <= block_size`,
 `if x.dim() == 4`, `B, T = idx.size()`) is answered from the sample. Each answer
 becomes a guard node in the graph, checked on every call: a later input that
 would take the other branch raises `GuardFailed` instead of running the wrong
-code. A branch on tensor values inside a submodule makes that submodule one
+code. `torch.is_tensor` on a traced value is answered from the sample too (diffusers' timestep
+handling). A branch on tensor values inside a submodule makes that submodule one
 opaque stage part (a leaf, run as the user's module); one in the top-level
 forward raises `ValueBranch` with the file and line.
 
@@ -217,6 +218,22 @@ class _answer_is_tensor:
 class ShapeTracer(fx.Tracer):
     """torch.fx tracer that runs each op on the sample (see the module docstring)."""
 
+    def __init__(
+        self, sample: dict[str, Any], leaves: set[str], leaf_types: tuple[type, ...], through: set[str] = frozenset()
+    ):
+        super().__init__(autowrap_functions=())
+        self.sample = sample
+        self.leaves = leaves
+        self.leaf_types = leaf_types
+        self.through = through  # of leaf_types, traced into all the same (they write into their input)
+        self.values: dict[fx.Node, Any] = {}
+        self.data: dict[fx.Node, bool] = {}
+        self.writes: dict[fx.Node, list[fx.Node]] = {}  # node -> inputs it wrote into in place, on the sample
+        self.branch_stack: list[str] = []
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return ShapeProxy(node, self)
+
     def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
         with _answer_is_tensor():
             return super().trace(root, concrete_args)
@@ -233,22 +250,6 @@ class ShapeTracer(fx.Tracer):
             if not (len(leaves) == 1 and leaves[0] is a):
                 return self.create_proxy("call_function", type(a), (), dict(a)).node
         return super().create_arg(a)
-
-    def __init__(
-        self, sample: dict[str, Any], leaves: set[str], leaf_types: tuple[type, ...], through: set[str] = frozenset()
-    ):
-        super().__init__(autowrap_functions=())
-        self.sample = sample
-        self.leaves = leaves
-        self.leaf_types = leaf_types
-        self.through = through  # of leaf_types, traced into all the same (they write into their input)
-        self.values: dict[fx.Node, Any] = {}
-        self.data: dict[fx.Node, bool] = {}
-        self.writes: dict[fx.Node, list[fx.Node]] = {}  # node -> inputs it wrote into in place, on the sample
-        self.branch_stack: list[str] = []
-
-    def proxy(self, node: fx.Node) -> fx.Proxy:
-        return ShapeProxy(node, self)
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         if qualname in self.leaves:
