@@ -58,6 +58,7 @@ def unet_condition(layers: int = 1) -> torch.nn.Module:
 
 
 MODELS = {"unet": unet, "unet_condition": unet_condition}
+BOTH = ["unet", pytest.param("unet_condition", marks=pytest.mark.slow)]  # the conditioned U-Net takes 4-7 s here
 
 
 def batches(name: str, n: int = BATCH) -> list[torch.Tensor]:
@@ -120,8 +121,7 @@ def test_the_chain_carries_the_time_embedding_and_the_skips(name):
         assert all("encoder_hidden_states[4, 7, 16]" in c for c in crossing)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name", BOTH)
 @pytest.mark.parametrize("at", ["smallest", "unlimited"])
 def test_checkpointable_trains_bitwise_like_plain_within_budget(name, at):
     plain, batch = MODELS[name](), batches(name)
@@ -151,7 +151,7 @@ def own_checkpointing_peak(model, batch) -> int:
     return probe.peak
 
 
-@pytest.mark.parametrize("name", ["unet", pytest.param("unet_condition", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", BOTH)
 def test_smallest_budget_is_well_below_the_models_own_checkpointing(name):
     """Two ResNets per level: the up path's transformer blocks hold the time embedding, the text context, the
     skips of their level and their own residual at once; with 6 carried values (before: 8) whole spans stayed one
@@ -214,8 +214,7 @@ class Denoiser(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name", BOTH)
 def test_trainer_with_rotor_strategy_trains_bitwise_like_plain(tmp_path, name):
     data = DataLoader(TensorDataset(*batches(name, 3 * BATCH)), batch_size=BATCH)
     plain, rotor, keep = Denoiser(name), Denoiser(name), KeepRotorModules()
