@@ -379,12 +379,14 @@ def _runs(
     by_parent: dict[tuple[str, int], list[_Call]] = {}
     for c in calls:
         by_parent.setdefault((c.parent, c.depth), []).append(c)
+    alone = _called_once_per_parent(calls)
     runs: list[ModuleRun] = []
     for (parent, _), siblings in by_parent.items():
         current: list[_Call] = []
         for c in [*siblings, None]:
             usable = (
                 c is not None
+                and alone(c)
                 and (types is None or isinstance(c.module, tuple(types)))
                 and bool(c.args)
                 and isinstance(c.args[0], torch.Tensor)
@@ -401,6 +403,22 @@ def _runs(
     # most parameters first (the run covering the model's blocks, not one block's inner layers)
     runs.sort(key=lambda r: (-_parameters(r.blocks), -len(r.blocks), r.parent.count(".")))
     return runs
+
+
+def _called_once_per_parent(calls: list[_Call]) -> Callable[[_Call], bool]:
+    """Whether a call's module is called once per call of its parent, and nowhere else.
+
+    A module called twice inside one parent call (diffusers' `ResnetBlock2D.nonlinearity`, one
+    activation module applied after `norm1`, to `temb` and after `norm2`) cannot be a block of a run:
+    the run replaces the block's forward, so its other calls would reach the chain out of order.
+    Such a module ends a run where it stands, at discovery, rather than failing at run time.
+    """
+    of_module: dict[int, int] = {}
+    of_name: dict[str, int] = {}
+    for c in calls:
+        of_module[id(c.module)] = of_module.get(id(c.module), 0) + 1
+        of_name[c.name] = of_name.get(c.name, 0) + 1
+    return lambda c: of_module[id(c.module)] == (of_name.get(c.parent, 0) if c.parent else 1)
 
 
 def _joined_run(parent: str, calls: list[_Call], min_stages: int) -> ModuleRun | None:
