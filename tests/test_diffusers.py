@@ -231,3 +231,39 @@ def test_trainer_with_rotor_strategy_trains_bitwise_like_plain(tmp_path, name):
     assert wrapped.last_measurement.peak <= wrapped.plan.budget
     # skips held by a checkpoint and by the current value are counted twice (docs/discovery.md, Limits): 0.85 here
     assert wrapped.last_measurement.peak >= 0.8 * wrapped.plan.peak
+
+
+@pytest.mark.slow
+def test_the_unets_own_gradient_checkpointing_is_turned_off_and_rotor_plans_the_chain():
+    """`enable_gradient_checkpointing()` on: one warning, diffusers' flags off while rotor holds the U-Net (no block
+    is checkpointed inside rotor's plan), each ResNet run as often as the plan says, bitwise like plain training
+    without checkpointing, within budget; the flags back on once restored."""
+    plain, batch = unet(), batches("unet")
+    model = copy.deepcopy(plain)
+    model.enable_gradient_checkpointing()
+    rotor = Checkpointable(model, "50%", repeats=1, warmup=0)
+    with pytest.warns(UserWarning, match="rotor plans the whole chain itself") as record:
+        noise_loss(rotor, batch).backward()
+    assert sum("rotor plans the whole chain itself" in str(w.message) for w in record) == 1
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    rotor.zero_grad(set_to_none=True)
+    resnets = [m for m in model.modules() if type(m).__name__ == "ResnetBlock2D"]
+    calls = [0] * len(resnets)
+    hooks = [
+        r.conv1.register_forward_pre_hook(lambda *_, k=k: calls.__setitem__(k, calls[k] + 1))
+        for k, r in enumerate(resnets)
+    ]
+    with rotor.measure_step() as measured:
+        noise_loss(rotor, batch).backward()
+    for hook in hooks:
+        hook.remove()
+    assert rotor.plan.recomputed_stages > 0
+    assert max(calls) <= max(rotor.last_entry.runs) and max(calls) > 1  # recomputed by rotor, not nested again
+    assert measured.peak <= rotor.budget and measured.peak <= rotor.plan.peak
+    # skips held by a checkpoint and by the current value are counted twice (docs/discovery.md, Limits): 0.84 here
+    assert measured.peak >= 0.8 * rotor.plan.peak
+    rotor.zero_grad(set_to_none=True)
+    assert torch.equal(train(plain, batch), train(rotor, batch))
+    assert_same_state(plain, rotor)
+    rotor.restore_own_checkpointing()
+    assert model.is_gradient_checkpointing
