@@ -166,7 +166,7 @@ class Checkpointable(nn.Module):
         object.__setattr__(self, "compiler", compiler)  # compiles each stage (None: stages run eagerly)
         object.__setattr__(self, "plain_module", compiler(module) if compiler else module)  # eval and no_grad
         self.discover = None if discover == "sequential" else discover  # None: the stages are known
-        self._join_in_place = discover == "sequential"  # on the first training call (`join_in_place`)
+        self._join_in_place = discover == "sequential"  # before the first profile (`join_in_place`)
         self.checkpoint_modules = types
         self.discovery: Discovery | None = None
         self.outside: dict[str, pipeline.Outside] = {}  # module-level chains: per call signature (measure_outside)
@@ -256,8 +256,6 @@ class Checkpointable(nn.Module):
             value = args[0] if len(args) == 1 else args
             if not self.training or not torch.is_grad_enabled():
                 return self.plain_module(value)
-            if self._join_in_place:
-                self._join_in_place_on(value)
             return self._run(value, lambda: self.module(value))
         if not self.training or not torch.is_grad_enabled() or self.no_chain:
             return self.plain_module(*args, **kwargs)  # the user's forward, as written (traced code freezes `training`)
@@ -367,6 +365,8 @@ class Checkpointable(nn.Module):
     def _entry_for(self, key: str, value: Any) -> Entry:
         """The whole-budget entry of plan key `key`, profiled and planned if new."""
         entry = self.entries.get(key)
+        if entry is None and self._join_in_place:  # part of preparing, before the first profile, never in a step
+            self._join_in_place_on(value)
         if entry is None:
             self._shapes[key] = describe(value)
             entry = self.plan_cache.add(key, self._prepare(value, key))
