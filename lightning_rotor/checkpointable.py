@@ -59,7 +59,7 @@ from lightning_rotor.shapes import (
     size_axis,
     stage_flops,
 )
-from lightning_rotor.shared_budget import Budget, auto_total
+from lightning_rotor.shared_budget import AUTO_MARGIN, Budget, auto_total
 from lightning_rotor.simulate import no_recompute_peak
 from lightning_rotor.stages import Stages, sequential_stages
 from lightning_rotor.tables import stage_text
@@ -579,6 +579,24 @@ class Checkpointable(nn.Module):
     def profile_seconds(self) -> float:
         """Wall time spent profiling, all signatures together."""
         return sum(e.profile.seconds for e in self.entries.values())
+
+    def automatic_budget_note(self) -> str | None:
+        """What an automatic budget (`mem_limit=None`) became for the last signature, and why, in one line
+        (None for a budget given, or before the first plan): the bytes chosen are no bare figure to users."""
+        if self._budget().value is not None or self.last_entry is None:
+            return None
+        chosen = self._entry().plan
+        nbytes = f"automatic budget {format_bytes(chosen.budget)} ({chosen.budget} bytes)"
+        if self._no_recompute():
+            device = next((p.device.type for p in self.parameters()), "cpu")
+            return (
+                f"{nbytes}: no device memory limit on {device} (only CUDA memory bounds an automatic budget), so "
+                "each input shape gets its own no-recomputation peak: nothing is recomputed"
+            )
+        return (
+            f"{nbytes}: {AUTO_MARGIN:.0%} of the free CUDA memory less the parameter gradients and optimizer "
+            f"states to come; {chosen.recomputed_stages} stage(s) recomputed"
+        )
 
     def summary(self) -> str:
         """A readable table of the stages and the plan for the last signature (`tables.stage_text`)."""
