@@ -583,10 +583,11 @@ def _measure_option(
     return StageOption(saved_size, 0.0, 0.0, fwd_tmp, bwd_tmp, out_free, name="sac")
 
 
-def _input_kept(stage: nn.Module, value: Any) -> list[bool]:
+def _input_kept(stage: nn.Module, value: Any, grad_in: bool = True) -> list[bool]:
     """Per tensor of `a_k`: does the graph of `Fe k` keep its storage (or the output share it)?
 
-    The stage gets `a_k` through `EnterStage`, as from the executor after its last forward;
+    The stage gets `a_k` through `EnterStage`, as from the executor after its last forward
+    (`grad_in=False`: detached, as `a_F` after a frozen prefix, which needs no gradient);
     the storage's reference count with the graph alive tells whether anything beyond our
     own `a_k` holds it. No copy is made, so profiling holds no more than one stage's run.
     """
@@ -598,7 +599,7 @@ def _input_kept(stage: nn.Module, value: Any) -> list[bool]:
     before = counts()
     dummy = torch.empty(0, device=value_device(value), requires_grad=True)
     with torch.enable_grad(), no_cast_cache():
-        out = stage(enter_stage(value, [], dummy))
+        out = stage(enter_stage(value, [], dummy, None if grad_in else [False] * len(tensors)))
     after = counts()
     del out
     return [a > b for a, b in zip(after, before, strict=True)]
@@ -752,13 +753,16 @@ def profile_chain(
             # what letting go of a_k after its stage's last forward frees (a_0 is the caller's: never);
             # measured after the in-place check above
             in_free = 0
-            if k > frozen:  # a_F, the input of the first stage after a frozen prefix, is held to the end
+            if k > frozen:
                 # at most what every way of recording stage k-1 lets go of (options' out_free too)
                 in_free = min(
                     fields["out_free"][k - 1],
                     *(o.out_free for o in stage_options[k - 1]),
                     _released_whole(value, own, output_kept, _input_kept(stage, value)),
                 )
+                untouched.restore_buffers()
+            elif k == frozen > 0:  # a_F: no graph made it; it goes after Fe F unless stage F's graph keeps it
+                in_free = _released_whole(value, own, output_kept, _input_kept(stage, value, grad_in=False))
                 untouched.restore_buffers()
             # memory with grad recording (Fe), then its backward (B): once with no parameter gradient
             # stored yet (autograd stores a fresh one as .grad), once accumulating into stored ones
