@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import gc
 import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -188,6 +189,32 @@ def grads_aside(root: torch.Tensor) -> Iterator[None]:
     finally:
         for t, g in zip(leaves, saved, strict=True):
             t.grad = g
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off while profiling, on again after (if it was).
+
+    NOTE: [cyclic garbage in profiles] a tensor kept by a reference cycle (a stage that keeps notes on its
+    activations in objects that refer to each other) dies when the collector runs, and it runs after so
+    many allocations since its last run: with it on, a stage's figures depended on what the process ran
+    before (a fwd_tmp_nograd of 8 KiB in one process, 40 KiB in another). Off, such garbage dies only at
+    `collect_young()`, at the end of each measured run: charged to the transient of the op that made it,
+    in every process alike.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def collect_young() -> None:
+    """Free the reference cycles made since the last collection (NOTE: [cyclic garbage in profiles]): the
+    youngest generation only, cheap, as nothing was collected since the run began."""
+    gc.collect(0)
 
 
 class LossInput:
@@ -509,6 +536,7 @@ def _measure_recorded(
         offloadable = 0 if pack is None else pack.nbytes
         del pack  # the graph alone holds the handles now: the backward below frees as the executor's does
         peak, end = watch.stop()
+        collect_young()
         probe.mark("after")
         fwd_tmp = max(probe.peak - probe.current, peak - end)
         # what the recording leaves alive beside a_k: an output that is a view of a_k, or tensors of
@@ -530,6 +558,8 @@ def _measure_recorded(
             backward_from_edges(edges, grads, free_grads=free_grads)
         alloc_peak, _ = watch.stop()
         del edges, grads, held
+        collect_young()
+        probe.mark("after backward")
         bwd_peak = max(probe.peak - a_k, probe.current - a_k, with_delta - out_free - a_k + alloc_peak)
     untouched.clear_grads()
     untouched.restore_buffers()
@@ -600,6 +630,7 @@ def _input_kept(stage: nn.Module, value: Any, grad_in: bool = True) -> list[bool
     dummy = torch.empty(0, device=value_device(value), requires_grad=True)
     with torch.enable_grad(), no_cast_cache():
         out = stage(enter_stage(value, [], dummy, None if grad_in else [False] * len(tensors)))
+    collect_young()
     after = counts()
     del out
     return [a > b for a, b in zip(after, before, strict=True)]
@@ -653,6 +684,7 @@ def _measure_frozen(
             out = stage(value)
         check_inplace(before, value, k, name)
         peak, end = watch.stop()
+        collect_young()
         probe.mark("after")
     if any(t.requires_grad for t in tensors_of(out)):
         del out
@@ -719,7 +751,8 @@ def profile_chain(
     frozen = 0  # stages so far that need no backward (chain version 4): a prefix
     stage_options: list[list[StageOption]] = []  # per stage: option "sac" where kept (chain version 5)
     offloadable: list[int] = []  # per stage: what OffloadSaved k moves (chain version 6), 0 unless `offload`
-    with Untouched(stages, [device]) as untouched:
+    collect_young()  # garbage of what ran before dies now, not inside a measured run
+    with collector_paused(), Untouched(stages, [device]) as untouched:
         for k, stage in enumerate(stages):
             if frozen == k and not needs_grad and not any(p.requires_grad for p in stage.parameters()):
                 out = _measure_frozen(stage, value, sample, k, names[k], exclude, watch, untouched, fields)
@@ -745,6 +778,7 @@ def profile_chain(
                 watch.start()
                 out = forward(False)[1]
                 peak, end = watch.stop()
+                collect_young()
                 probe.mark("after")
             out_size = storage_bytes(out)
             del out  # not held through the recorded runs below: profiling stays within what B k needs
