@@ -155,7 +155,9 @@ class Solver {
         size_t total = 0;
         auto layout = [&](Table& tab, int64_t lo, int64_t full, int s, int t) {
             tab.lo = lo;
-            tab.hi = std::max(lo, std::min(full, top_ + 1));
+            // a subproblem gets at most top_ + in_free[0]: Fe 0 may let go a part of the chain input (a_F)
+            // that the caller's top_ had already been charged for (chain version 4)
+            tab.hi = std::max(lo, std::min(full, top_ + c_.in_free[0] + 1));
             tab.offset = total;
             tab.full_cost = static_cast<double>(prefix_[t] - prefix_[s]);
             total += static_cast<size_t>(tab.hi - tab.lo);
@@ -411,7 +413,8 @@ class Solver {
                 // The shift is negative where Fe s lets go more of a_s than it records. Then m - shift can pass
                 // top_, but only for m that no caller reaches: whoever holds a_s was charged at least in_free[s]
                 // for it (size[s] plain, saved[s-1] or an option's saved recorded; check_chain), so a reached
-                // (s, t, m) has m <= top_ - in_free[s]. The full_cost read beyond top_ is therefore never used.
+                // (s, t, m) has m <= top_ - in_free[s]. For s = 0 the tables reach top_ + in_free[0] (layout).
+                // The full_cost read beyond them is therefore never used.
                 const Table& sub = T(s + 1, t, given);  // a_{s+1} recorded: "input any"
                 const int64_t shift = fe_shift(c_, s, o);
                 relax(tab, std::max(fe, sub.lo + shift), hi, cost, sub, shift, nullptr);
@@ -616,7 +619,9 @@ void check_chain(const MemChain& c) {
         if (c.offloadable[k] < 0 || c.offloadable[k] > c.saved[k])
             throw std::invalid_argument("planner: offloadable[" + std::to_string(k) + "] must be within 0..saved[" +
                                         std::to_string(k) + "]");
-    if (c.in_free[0] != 0) throw std::invalid_argument("planner: in_free[0] must be 0 (a_0 is never let go)");
+    // in_free[0]: the part of the chain input the chain owns (a_F after a frozen prefix), never the caller's
+    if (c.in_free[0] < 0 || c.in_free[0] > c.size[0])
+        throw std::invalid_argument("planner: in_free[0] must be within 0..size[0]");
     if (c.loss_value < 0) throw std::invalid_argument("planner: loss_value must be >= 0");
     for (size_t k = 1; k < L; ++k)
         if (c.in_free[k] < 0 || c.in_free[k] > std::min(c.size[k], c.saved[k - 1]))

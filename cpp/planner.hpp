@@ -45,8 +45,9 @@ struct StageOption {
 // bwd_tmp is signed (chain version 2): B k peaks at cur + size[k] + bwd_tmp[k], where the
 // release of the part of a_{k+1} its graph does not keep is folded into bwd_tmp (Chain.bwd_net).
 // loss_tmp is the loss on a plain a_L, loss_tmp_graph on a_L held with its graph.
-// in_free (chain version 3, L entries, in_free[0] = 0): bytes of a_k that neither the graph of F_{k-1}
-// nor that of F_k keeps, let go right after Fe k, the last forward of stage k before B k (a release:
+// in_free (chain version 3, L entries): bytes of a_k that neither the graph of F_{k-1} nor that of F_k
+// keeps, let go right after Fe k, the last forward of stage k before B k (in_free[0]: only a part of the
+// chain input the chain owns, a_F after a frozen prefix (chain version 4); the caller's a_0 never goes; a release:
 // discretize.py rounds it down). The same amount whether a_k is held plain or recorded, so one table
 // per subproblem serves both: after Fe s the subproblem (s+1, t) gets m - saved[s] + in_free[s].
 // loss_value (chain version 3): bytes the loss holds from the end of Loss to the end of the step

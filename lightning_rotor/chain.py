@@ -184,8 +184,9 @@ class Chain:
 
     Version 3: `in_free[k]` is the part of `a_k` that neither the graph of `F_{k-1}`
     nor that of `F_k` keeps; it is released right after the last forward of stage
-    `k` before `B k` (always an `Fe k` in a persistent schedule). `in_free[0]` is 0
-    (the caller's `a_0` is never dropped); the default, all zeros, gives version 2's meaning.
+    `k` before `B k` (always an `Fe k` in a persistent schedule). The caller's `a_0` is never
+    dropped: `in_free[0]` is 0 but in the `suffix()` of a frozen prefix, where the input also
+    holds `a_F`; the default, all zeros, gives version 2's meaning.
     `loss_value`: bytes the loss holds from the end of `Loss` to the end of the step (its
     value and the gradient `backward()` seeds it with); before version 3 they were counted
     in `input_size`, from the start of the step (default 0: that meaning).
@@ -194,7 +195,8 @@ class Chain:
     backward (the chain input does not require grad and none of their parameters does), so
     they run once as `Fn 0 … Fn F-1` before anything else, recording nothing, and are never
     recomputed nor backwarded; their `saved_size`, `fwd_tmp`, `bwd_tmp`, `bwd_time`,
-    `out_free` and `in_free[1..F]` are not used. What follows is the ordinary chain
+    `out_free` and `in_free[1..F-1]` are not used; `in_free[F]` is the part of `a_F` that stage
+    `F`'s graph does not keep, let go after its last `Fe F`. What follows is the ordinary chain
     `suffix()`. The default, 0, gives version 3's meaning.
 
     Version 5: `options[k]` lists further ways to record stage `k` (`StageOption`: save a
@@ -269,10 +271,16 @@ class Chain:
                     f"or saved_size[{k}]={self.saved_size[k]}; only the stage's own output is released"
                 )
         self.loss_value = _check_size(self.loss_value, "loss_value")
-        self.in_free = _optional_sizes(self.in_free, "in_free", [0] * length)
-        if self.in_free[0]:
+        if isinstance(self.frozen, bool) or not isinstance(self.frozen, int) or not 0 <= self.frozen < length:
             raise ChainError(
-                f"in_free[0]={self.in_free[0]} must be 0: the chain input a_0 is the caller's and is never released"
+                f"frozen must be an integer from 0 to {length - 1} (the stages before the first one that "
+                f"needs a backward; at least the last stage does), got {self.frozen!r}"
+            )
+        self.in_free = _optional_sizes(self.in_free, "in_free", [0] * length)
+        if self.in_free[0] > self.input_size:
+            raise ChainError(
+                f"in_free[0]={self.in_free[0]} is larger than input_size={self.input_size}: only a part of the "
+                "chain input the chain owns (a_F after a frozen prefix, in its suffix) is released"
             )
         for k in range(1, length):
             if self.in_free[k] > self.out_size[k - 1]:
@@ -280,17 +288,12 @@ class Chain:
                     f"in_free[{k}]={self.in_free[k]} is larger than out_size[{k - 1}]="
                     f"{self.out_size[k - 1]}, the size of a_{k}"
                 )
-            if self.in_free[k] > self.out_free[k - 1]:
+            if k != self.frozen and self.in_free[k] > self.out_free[k - 1]:  # a frozen stage records no graph
                 raise ChainError(
                     f"in_free[{k}]={self.in_free[k]} is larger than out_free[{k - 1}]="
                     f"{self.out_free[k - 1]}: bytes of a_{k} neither graph keeps are among those the "
                     f"graph of stage {k - 1} does not keep"
                 )
-        if isinstance(self.frozen, bool) or not isinstance(self.frozen, int) or not 0 <= self.frozen < length:
-            raise ChainError(
-                f"frozen must be an integer from 0 to {length - 1} (the stages before the first one that "
-                f"needs a backward; at least the last stage does), got {self.frozen!r}"
-            )
         if self.options is None:
             self.options = [[] for _ in range(length)]
         if not isinstance(self.options, (list, tuple)) or len(self.options) != length:
@@ -435,7 +438,8 @@ class Chain:
         Its input holds both `a_0` (the caller's) and `a_F`, which stay to the end of the step, and
         `B F` makes no gradient for `a_F`: its `bwd_tmp` is shifted so that the suffix's
         `cur - out_free + s_0' + bwd_tmp'` is the chain's `cur - out_free + s_F + bwd_tmp[F]`
-        (docs/memory-model.md, "Chain version 4"). Its `in_free[0]` is 0: `a_F` is never let go.
+        (docs/memory-model.md, "Chain version 4"). Its `in_free[0]` is `in_free[F]`: the part of `a_F`
+        that stage `F`'s graph does not keep goes after the last `Fe F`, as any stage input's; `a_0` stays.
         """
         f = self.frozen
         if f == 0:
@@ -453,7 +457,7 @@ class Chain:
             fwd_tmp_nograd=self.fwd_tmp_nograd[f:],
             out_free=self.out_free[f:],
             loss_tmp_kept=self.loss_tmp_kept,
-            in_free=[0, *self.in_free[f + 1 :]],
+            in_free=self.in_free[f:],
             loss_value=self.loss_value,
             options=[
                 [replace(o, bwd_tmp=o.bwd_tmp - self.input_size) for o in self.options[f]],

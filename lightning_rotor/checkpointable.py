@@ -59,7 +59,7 @@ from lightning_rotor.shapes import (
     size_axis,
     stage_flops,
 )
-from lightning_rotor.shared_budget import Budget, auto_total
+from lightning_rotor.shared_budget import AUTO_MARGIN, Budget, auto_total
 from lightning_rotor.simulate import no_recompute_peak
 from lightning_rotor.stages import Stages, sequential_stages
 from lightning_rotor.tables import stage_text
@@ -173,7 +173,7 @@ class Checkpointable(nn.Module):
         state.plain_module = compiler(module) if compiler else module
         self.training = module.training  # the wrapped module's mode; `train()` sets both
         self.discover = None if discover == "sequential" else discover  # None: the stages are known
-        self._join_in_place = discover == "sequential"  # on the first training call (`join_in_place`)
+        self._join_in_place = discover == "sequential"  # before the first profile (`join_in_place`)
         self.checkpoint_modules = types
         self.discovery: Discovery | None = None
         self.outside: dict[str, pipeline.Outside] = {}  # module-level chains: per call signature (measure_outside)
@@ -272,8 +272,6 @@ class Checkpointable(nn.Module):
             value = args[0] if len(args) == 1 else args
             if not self.training or not torch.is_grad_enabled():
                 return self.plain_module(value)
-            if self._join_in_place:
-                self._join_in_place_on(value)
             return self._run(value, lambda: self.module(value))
         if not self.training or not torch.is_grad_enabled() or self.no_chain:
             return self.plain_module(*args, **kwargs)  # the user's forward, as written (traced code freezes `training`)
@@ -442,6 +440,8 @@ class Checkpointable(nn.Module):
     def _entry_for(self, key: str, value: Any) -> Entry:
         """The whole-budget entry of plan key `key`, profiled and planned if new."""
         entry = self.entries.get(key)
+        if entry is None and self._join_in_place:  # part of preparing, before the first profile, never in a step
+            self._join_in_place_on(value)
         if entry is None:
             self._shapes[key] = describe(value)
             entry = self.plan_cache.add(key, self._prepare(value, key))
@@ -662,6 +662,24 @@ class Checkpointable(nn.Module):
     def profile_seconds(self) -> float:
         """Wall time spent profiling, all signatures together."""
         return sum(e.profile.seconds for e in self.entries.values())
+
+    def automatic_budget_note(self) -> str | None:
+        """What an automatic budget (`mem_limit=None`) became for the last signature, and why, in one line
+        (None for a budget given, or before the first plan): the bytes chosen are no bare figure to users."""
+        if self._budget().value is not None or self.last_entry is None:
+            return None
+        chosen = self._entry().plan
+        nbytes = f"automatic budget {format_bytes(chosen.budget)} ({chosen.budget} bytes)"
+        if self._no_recompute():
+            device = next((p.device.type for p in self.parameters()), "cpu")
+            return (
+                f"{nbytes}: no device memory limit on {device} (only CUDA memory bounds an automatic budget), so "
+                "each input shape gets its own no-recomputation peak: nothing is recomputed"
+            )
+        return (
+            f"{nbytes}: {AUTO_MARGIN:.0%} of the free CUDA memory less the parameter gradients and optimizer "
+            f"states to come; {chosen.recomputed_stages} stage(s) recomputed"
+        )
 
     def summary(self) -> str:
         """A readable table of the stages and the plan for the last signature (`tables.stage_text`)."""

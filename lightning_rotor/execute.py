@@ -210,6 +210,8 @@ class _Step:
                 last = last and kind is OpKind.FE and (recorded or self.runner.releases_plain(k))
                 if not last:
                     entry, inp = self._kept_input(k, src)
+                elif k == self.runner.frozen > 0:  # a_F: no gradient wanted; nothing but stage F's graph keeps it
+                    entry, inp = _Caught([False] * len(tensors_of(src))), detach_value(src, False)
                 elif recorded and k in self.runner.joinable:
                     entry, inp = _JOINED, compact_gradients(src)
                     self.joined.add(k)
@@ -629,7 +631,7 @@ def early_stops(
         recent[k] = j
         if op.kind is not OpKind.FE or j + 1 >= len(ops) or ops[j + 1] != Op(OpKind.B, k) or j in packed:
             continue
-        if i is None or ops[i].kind is not OpKind.FC or k < frozen or (k > frozen and in_free[k] != 0):
+        if i is None or ops[i].kind is not OpKind.FC or k < frozen or in_free[k] != 0:
             continue
         between = ops[i + 1 : j]
         if any((o.kind.is_forward and o.stage == k - 1) or (o.kind.is_transfer and o.stage == k) for o in between):
@@ -865,8 +867,10 @@ class PlanRunner:
         chain counts as kept, so it goes only when the chain releases it; without a chain
         it always goes (more freed than any chain charges, never less).
         """
-        if k <= self.frozen:  # a_F, the input of the first stage after a frozen prefix, stays to the end
+        if k < self.frozen or k == 0:  # a frozen stage's input, and the caller's a_0, stay to the end
             return False
+        if k == self.frozen:  # a_F goes where the chain says that stage F's graph keeps none of it
+            return self.in_free is not None and self.in_free[k] > 0
         return self.in_free is None or self.in_free[k] > 0
 
     def norms(self, k: int) -> list[nn.Module]:

@@ -163,11 +163,12 @@ def recomputed_stages(ops: Iterable[Op]) -> int:
 
 
 def last_forwards(ops: Sequence[Op], length: int) -> set[int]:
-    """Indices of the `Fe k` ops (k >= 1) that are the last forward of stage k before `B k`.
+    """Indices of the `Fe k` ops that are the last forward of stage k before `B k`.
 
     After such an op the executor no longer references `a_k` (chain version 3), and the
     simulator lets `in_free[k]` go; a forward of stage k of another kind, or none at all,
-    between the last `Fe k` and `B k` means no release.
+    between the last `Fe k` and `B k` means no release. For `k = 0` only a chain's own part of its
+    input goes (`in_free[0]`: `a_F` in the suffix of a frozen prefix); the caller's `a_0` stays.
     """
     found: set[int] = set()
     awaiting: set[int] = set()  # stages whose B k comes later and whose last forward is not yet seen (scanning back)
@@ -180,7 +181,7 @@ def last_forwards(ops: Sequence[Op], length: int) -> set[int]:
             awaiting.add(k)
         elif op.kind.is_forward and k in awaiting:
             awaiting.discard(k)
-            if op.kind is OpKind.FE and 1 <= k < length:
+            if op.kind is OpKind.FE and 0 <= k < length:
                 found.add(i)
     return found
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import gc
 import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -194,6 +195,32 @@ def grads_aside(root: torch.Tensor) -> Iterator[None]:
     finally:
         for t, g in zip(leaves, saved, strict=True):
             t.grad = g
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off while profiling, on again after (if it was).
+
+    NOTE: [cyclic garbage in profiles] a tensor kept by a reference cycle (a stage that keeps notes on its
+    activations in objects that refer to each other) dies when the collector runs, and it runs after so
+    many allocations since its last run: with it on, a stage's figures depended on what the process ran
+    before (a fwd_tmp_nograd of 8 KiB in one process, 40 KiB in another). Off, such garbage dies only at
+    `collect_young()`, at the end of each measured run: charged to the transient of the op that made it,
+    in every process alike.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def collect_young() -> None:
+    """Free the reference cycles made since the last collection (NOTE: [cyclic garbage in profiles]): the
+    youngest generation only, cheap, as nothing was collected since the run began."""
+    gc.collect(0)
 
 
 class LossInput:
@@ -515,6 +542,7 @@ def _measure_recorded(
         offloadable = 0 if pack is None else pack.nbytes
         del pack  # the graph alone holds the handles now: the backward below frees as the executor's does
         peak, end = watch.stop()
+        collect_young()
         probe.mark("after")
         fwd_tmp = max(probe.peak - probe.current, peak - end)
         # what the recording leaves alive beside a_k: an output that is a view of a_k, or tensors of
@@ -536,6 +564,8 @@ def _measure_recorded(
             backward_from_edges(edges, grads, free_grads=free_grads)
         alloc_peak, _ = watch.stop()
         del edges, grads, held
+        collect_young()
+        probe.mark("after backward")
         bwd_peak = max(probe.peak - a_k, probe.current - a_k, with_delta - out_free - a_k + alloc_peak)
     untouched.clear_grads()
     untouched.restore_buffers()
@@ -589,10 +619,11 @@ def _measure_option(
     return StageOption(saved_size, 0.0, 0.0, fwd_tmp, bwd_tmp, out_free, name="sac")
 
 
-def _input_kept(stage: nn.Module, value: Any) -> list[bool]:
+def _input_kept(stage: nn.Module, value: Any, grad_in: bool = True) -> list[bool]:
     """Per tensor of `a_k`: does the graph of `Fe k` keep its storage (or the output share it)?
 
-    The stage gets `a_k` through `EnterStage`, as from the executor after its last forward;
+    The stage gets `a_k` through `EnterStage`, as from the executor after its last forward
+    (`grad_in=False`: detached, as `a_F` after a frozen prefix, which needs no gradient);
     the storage's reference count with the graph alive tells whether anything beyond our
     own `a_k` holds it. No copy is made, so profiling holds no more than one stage's run.
     """
@@ -604,7 +635,8 @@ def _input_kept(stage: nn.Module, value: Any) -> list[bool]:
     before = counts()
     dummy = torch.empty(0, device=value_device(value), requires_grad=True)
     with torch.enable_grad(), no_cast_cache():
-        out = stage(enter_stage(value, [], dummy))
+        out = stage(enter_stage(value, [], dummy, None if grad_in else [False] * len(tensors)))
+    collect_young()
     after = counts()
     del out
     return [a > b for a, b in zip(after, before, strict=True)]
@@ -658,6 +690,7 @@ def _measure_frozen(
             out = stage(value)
         check_inplace(before, value, k, name)
         peak, end = watch.stop()
+        collect_young()
         probe.mark("after")
     if any(t.requires_grad for t in tensors_of(out)):
         del out
@@ -724,7 +757,8 @@ def profile_chain(
     frozen = 0  # stages so far that need no backward (chain version 4): a prefix
     stage_options: list[list[StageOption]] = []  # per stage: option "sac" where kept (chain version 5)
     offloadable: list[int] = []  # per stage: what OffloadSaved k moves (chain version 6), 0 unless `offload`
-    with Untouched(stages, [device]) as untouched:
+    collect_young()  # garbage of what ran before dies now, not inside a measured run
+    with collector_paused(), Untouched(stages, [device]) as untouched:
         for k, stage in enumerate(stages):
             if frozen == k and not needs_grad and not any(p.requires_grad for p in stage.parameters()):
                 out = _measure_frozen(stage, value, sample, k, names[k], exclude, watch, untouched, fields)
@@ -750,6 +784,7 @@ def profile_chain(
                 watch.start()
                 out = forward(False)[1]
                 peak, end = watch.stop()
+                collect_young()
                 probe.mark("after")
             out_size = storage_bytes(out)
             del out  # not held through the recorded runs below: profiling stays within what B k needs
@@ -758,13 +793,16 @@ def profile_chain(
             # what letting go of a_k after its stage's last forward frees (a_0 is the caller's: never);
             # measured after the in-place check above
             in_free = 0
-            if k > frozen:  # a_F, the input of the first stage after a frozen prefix, is held to the end
+            if k > frozen:
                 # at most what every way of recording stage k-1 lets go of (options' out_free too)
                 in_free = min(
                     fields["out_free"][k - 1],
                     *(o.out_free for o in stage_options[k - 1]),
                     _released_whole(value, own, output_kept, _input_kept(stage, value)),
                 )
+                untouched.restore_buffers()
+            elif k == frozen > 0:  # a_F: no graph made it; it goes after Fe F unless stage F's graph keeps it
+                in_free = _released_whole(value, own, output_kept, _input_kept(stage, value, grad_in=False))
                 untouched.restore_buffers()
             # memory with grad recording (Fe), then its backward (B): once with no parameter gradient
             # stored yet (autograd stores a fresh one as .grad), once accumulating into stored ones

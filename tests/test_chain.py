@@ -158,7 +158,7 @@ def test_version_3_stage_inputs_released():
     assert "in_free" not in zeros.to_dict()  # written only when some stage input is released
     assert zeros == Chain.from_dict({k: v for k, v in data.items() if k != "in_free"})
     for bad, message in [
-        ([5, 0, 0], r"in_free\[0\]=5 must be 0"),  # a_0 is the caller's
+        ([11, 0, 0], r"in_free\[0\]=11 is larger than input_size=10"),  # only a chain's own part of its input
         ([0, 21, 0], r"in_free\[1\]=21 is larger than out_size\[0\]=20"),
         ([0, 12, 4], r"in_free\[2\]=4 is larger than out_free\[1\]=3"),
         ([0, -1, 0], r"in_free\[1\] must be a non-negative integer"),

@@ -9,7 +9,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from fitting import SaveAtEnd, classes_loader, quiet_trainer
+from fitting import KeepRotorModules, SaveAtEnd, classes_loader, quiet_trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
@@ -321,6 +321,18 @@ def test_callback_summary_printed(tmp_path, capsys):
     quiet_trainer(tmp_path, RotorStrategy(mem_limit=BUDGET), max_steps=2).fit(Net(), classes_loader())
     out = capsys.readouterr().out
     assert "rotor plan" in out and "predicted peak" in out
+
+
+def test_automatic_budget_on_cpu_says_its_bytes_and_that_nothing_is_recomputed(tmp_path, capsys):
+    keep = KeepRotorModules()
+    quiet_trainer(tmp_path, "rotor", max_steps=2, callbacks=[keep]).fit(Net(), classes_loader())
+    out = capsys.readouterr().out
+    rotor = keep.modules["net"]
+    chosen = rotor.plan.budget
+    assert chosen == no_recompute_peak(rotor.chain) and rotor.plan.recomputed_stages == 0
+    line = next(line for line in out.splitlines() if line.startswith("net: automatic budget"))
+    assert f"({chosen} bytes)" in line and "no device memory limit on cpu" in line
+    assert line.endswith("nothing is recomputed")
 
 
 def test_nothing_to_wrap_warns_once_and_trains(tmp_path):

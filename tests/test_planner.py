@@ -194,8 +194,8 @@ def test_in_free_all_zero_is_version_2():
     assert _planner.min_budget(*memory, in_free=zeros) == _planner.min_budget(*memory) == min_feasible_budget(chain)
     with pytest.raises(ValueError, match="inconsistent chain lengths"):
         _planner.solve(*args, in_free=zeros[:-1])
-    with pytest.raises(ValueError, match=r"in_free\[0\] must be 0"):
-        _planner.min_budget(*memory, in_free=[1] + zeros[1:])
+    with pytest.raises(ValueError, match=r"in_free\[0\] must be within 0..size\[0\]"):
+        _planner.min_budget(*memory, in_free=[chain.input_size + 1] + zeros[1:])
 
 
 def test_release_bigger_than_the_recorded_output():

@@ -418,3 +418,20 @@ def test_predicted_shapes_on_hugging_face_models_train_bitwise_within_budget(fam
             assert next(k for k, e in rotor.entries.items() if e is entry) in rotor.predicted
             assert 0 < m.peak <= entry.plan.budget
         assert_same_state(plain, rotor)
+
+
+@pytest.mark.parametrize("predict", [False, True], ids=["derived", "predicted"])
+def test_every_length_holds_its_budget_from_its_first_step(predict):
+    """A GPT whose causal masks (64 x 64 per block) outweigh its shortest length's activations: every step,
+    the first one included, holds at most its plan's budget. Preparing the first shape also checks the stages
+    for in-place writes (`join_in_place`: every buffer copied, one pass without grad), not the step after it."""
+    torch.manual_seed(0)
+    model = gpt(vocab_size=64, block_size=64, n_layer=6, n_head=2, n_embd=16, dropout=0.1)
+    rotor = Checkpointable(model, "50%", repeats=1, predict_shapes=predict)
+    for step, length in enumerate((2, 3, 4, 8)):
+        x, y = batch(length)
+        rotor.prepare_for(x)  # profiled here: profiling is no part of the step measured
+        torch.manual_seed(step)
+        with rotor.measure_step() as m:
+            lm_loss(rotor(x), y).backward()
+        assert m.peak <= rotor.last_entry.plan.budget, (length, m.peak, rotor.last_entry.plan.budget)

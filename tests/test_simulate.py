@@ -182,8 +182,9 @@ def test_version_3_last_forward_of_a_stage():
     from lightning_rotor.ops import last_forwards, parse_ops
 
     ops = parse_ops([("Fc", 0), ("Fc", 1), ("Fe", 2), ("Loss",), ("B", 2), ("Fe", 1), ("B", 1), ("Fe", 0), ("B", 0)])
-    # Fe 2 and the second forward of stage 1 are last before their backwards; Fc 1 is not; stage 0 never releases
-    assert last_forwards(ops, 3) == {2, 5}
+    # Fe 2, the second forward of stage 1 and Fe 0 are last before their backwards; Fc 1 is not (stage 0 lets go
+    # only the chain's own part of its input: in_free[0], a_F in the suffix of a frozen prefix)
+    assert last_forwards(ops, 3) == {2, 5, 7}
     # a forward of stage k after its input was partly let go is refused (nothing of the kind is ever planned)
     chain = Chain(
         input_size=10,

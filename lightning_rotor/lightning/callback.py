@@ -120,7 +120,7 @@ def summary_text(chains: dict[str, Checkpointable]) -> str:
         widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
         lines = ["rotor plan"]
         lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in (header, *rows)]
-        return "\n".join([*lines, *discovery_lines(chains)])
+        return "\n".join([*lines, *budget_lines(chains), *discovery_lines(chains)])
     table = Table(title="rotor plan")
     for column in header:
         table.add_column(column)
@@ -128,7 +128,13 @@ def summary_text(chains: dict[str, Checkpointable]) -> str:
         table.add_row(*row)
     buffer = io.StringIO()
     Console(file=buffer, width=160, force_terminal=False).print(table)
-    return "\n".join([buffer.getvalue().rstrip(), *discovery_lines(chains)])
+    return "\n".join([buffer.getvalue().rstrip(), *budget_lines(chains), *discovery_lines(chains)])
+
+
+def budget_lines(chains: dict[str, Checkpointable]) -> list[str]:
+    """Per chain under an automatic budget: the bytes it became and why (`Checkpointable.automatic_budget_note`)."""
+    notes = {name: rotor.automatic_budget_note() for name, rotor in chains.items()}
+    return [f"{name}: {note}" for name, note in notes.items() if note is not None]
 
 
 def discovery_lines(chains: dict[str, Checkpointable]) -> list[str]:
