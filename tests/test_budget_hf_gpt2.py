@@ -8,13 +8,20 @@ schedule whatever the measured times; every step is measured op by op against th
 
 from __future__ import annotations
 
+import copy
+import warnings
+
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from fitting import quiet_trainer
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 from training import uniform_times
 
 from lightning_rotor import Checkpointable
+from lightning_rotor.lightning import RotorCallback, RotorStrategy
 from lightning_rotor.ops import forward_counts, parse_ops
 from lightning_rotor.planner import Plan, min_feasible_budget, plan
 from lightning_rotor.simulate import no_recompute_peak, simulate
@@ -162,3 +169,42 @@ def test_weight_tied_between_a_stage_and_the_tail_waits_for_the_chain(smallest):
     assert forward_counts(chosen.ops, chain.length) != [1] * chain.length or not smallest  # recomputes
     measured, sim = run_plan(rotor, chosen.ops, x, y)
     check_op_by_op(measured, sim)
+
+
+class TiedTask(pl.LightningModule):
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def training_step(self, batch, _):
+        x, y = batch
+        return self.model(x, y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_stage_tied_head_trains_in_a_trainer_within_the_smallest_budget_as_plain(tmp_path):
+    """Through a real Trainer with `RotorStrategy` at the smallest budget, every step measured: no step above the
+    budget, parameters bitwise those of plain training."""
+    generator = torch.Generator().manual_seed(1)
+    x, y = torch.randint(0, 512, (8, 4), generator=generator), torch.randint(0, 512, (8, 4), generator=generator)
+    torch.manual_seed(0)
+    model = TiedBehindWideHead()
+    probe = Checkpointable(copy.deepcopy(model), None, discover="modules", repeats=1)
+    first_step(probe, x[:2], y[:2])
+    smallest = min_feasible_budget(probe.last_entry.chain)
+    runs = {}
+    for name, strategy in (
+        ("plain", "auto"),
+        ("rotor", RotorStrategy(smallest, include=["model"], discover="modules")),
+    ):
+        task = TiedTask(copy.deepcopy(model))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer = quiet_trainer(tmp_path / name, strategy, callbacks=[RotorCallback(measure_every_n_steps=1)])
+            trainer.fit(task, DataLoader(TensorDataset(x, y), batch_size=2))
+        assert not [str(w.message) for w in caught if "above the budget" in str(w.message)]
+        runs[name] = task
+    for (n, a), b in zip(runs["plain"].named_parameters(), runs["rotor"].parameters(), strict=True):
+        assert torch.equal(a, b), n
