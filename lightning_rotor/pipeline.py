@@ -239,7 +239,7 @@ def measure_outside(
         seen["after"] = probe.current
         return out
 
-    # the caller's tensors as leaves of their own: the backward stops at them, not in the caller's graph
+    # copies of the caller's tensors as leaves of their own: the backward stops at them, not in the caller's graph
     args, kwargs = tree_map(_own_leaf, (args, kwargs))
     devices = [t.device for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
     run.install(blocks_without_grad)
@@ -261,7 +261,11 @@ def measure_outside(
 
 
 def _own_leaf(value: Any) -> Any:
-    """A tensor cut from the caller's graph, requiring grad as it did (anything else as it is)."""
+    """A copy of a caller's tensor, cut from its graph, requiring grad as it did (anything else as it is).
+
+    A copy, not an alias: a forward that writes into its input (`x.mul_(2)` first) would otherwise
+    write into the caller's tensor a second time on the call that measures, before the step's own run.
+    """
     if not isinstance(value, torch.Tensor):
         return value
-    return value.detach().requires_grad_(value.requires_grad)
+    return value.detach().clone().requires_grad_(value.requires_grad)
