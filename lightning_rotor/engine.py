@@ -106,7 +106,7 @@ def _compact(grad: torch.Tensor) -> torch.Tensor | None:
     return grad.clone()
 
 
-def compact_gradients(value: Any) -> Any:
+def compact_gradients(value: Any, carried: Sequence[bool] | None = None) -> Any:
     """Make every gradient that reaches a tensor of stage input `value` hold only its own bytes; returns `value`.
 
     NOTE: [compact stage-input gradients] the memory model holds δ_k as `s_k` bytes from `B k` on.
@@ -115,11 +115,58 @@ def compact_gradients(value: Any) -> Any:
     instead, as long as δ_k is held. A tensor hook copies such a gradient into a tensor of its own
     when it reaches the stage input, and the view goes with the engine's buffer. The copy is part of
     `B k`: the profiler runs stages with the same hooks, so `bwd_tmp` measures it.
+
+    The copy has other strides than the view (no gaps), and a backward that reduces over it
+    (BatchNorm's) rounds otherwise for another layout: a copy handed to the node that made the
+    tensor would change the gradients. So `carried` (per tensor of `value`) limits the hooks to
+    the tensors the stage below passed on from its own input, whose gradient is held across
+    stages (a skip carried down); a gradient that goes to the node that made its tensor, within
+    the same engine call, stays the view plain autograd hands it (see `compact_uncovered` for a
+    held δ_k).
     """
-    for t in tensors_of(value):
-        if t.requires_grad:
+    tensors = tensors_of(value)
+    for t, c in zip(tensors, [True] * len(tensors) if carried is None else carried, strict=True):
+        if c and t.requires_grad:
             t.register_hook(_compact)
     return value
+
+
+def compact_uncovered(grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """δ_k with each view copied to a tensor of its own where δ_k's views do not cover their storage.
+
+    A δ_k held by the executor between `B k` and `B k-1` must hold `s_k` bytes (NOTE: [compact
+    stage-input gradients]); but where the views of one storage are together the whole storage
+    (`torch.cat` of two stage-input tensors: each gets a slice of its gradient) they already hold
+    no more, and handing on the views as they are keeps the layouts plain autograd hands on.
+    """
+    covered: dict[int, set[tuple[int, tuple[int, ...], tuple[int, ...]]]] = {}
+    for g in grads:
+        if g is not None and g.layout == torch.strided:
+            key = (int(g.storage_offset()), tuple(g.size()), tuple(g.stride()))
+            covered.setdefault(g.untyped_storage().data_ptr(), set()).add(key)
+    out: list[torch.Tensor | None] = []
+    for g in grads:
+        if g is None or g.layout != torch.strided:
+            out.append(g)
+            continue
+        storage = g.untyped_storage()
+        views = covered[storage.data_ptr()]
+        held = sum(_numel(size) for _, size, _ in views) * g.element_size()
+        out.append(g.clone() if storage.nbytes() > held else g)
+    return out
+
+
+def _numel(size: tuple[int, ...]) -> int:
+    n = 1
+    for d in size:
+        n *= d
+    return n
+
+
+def carried_through(inp: Any, out: Any) -> list[bool]:
+    """Per tensor of a stage's output `out`: is it its input `inp` (a tensor of it or a view), passed on?"""
+    storages = {t.untyped_storage().data_ptr() for t in tensors_of(inp) if t.layout == torch.strided}
+    return [t.layout == torch.strided and t.untyped_storage().data_ptr() in storages for t in tensors_of(out)]
 
 
 class EnterStage(torch.autograd.Function):

@@ -35,8 +35,10 @@ from lightning_rotor.compile import rewinds
 from lightning_rotor.engine import (
     HandOver,
     backward_from_edges,
+    carried_through,
     check_inplace,
     compact_gradients,
+    compact_uncovered,
     detach_value,
     differentiable,
     enter_stage,
@@ -73,9 +75,10 @@ _JOINED = "joined"  # a stage's entry when its input is a_k straight from stage 
 class _Caught(list):
     """The gradients `EnterStage` caught for a stage input: one per entered tensor of it."""
 
-    def __init__(self, wanted: list[bool]):
+    def __init__(self, wanted: list[bool], compact: bool = True):
         super().__init__()
         self.wanted = wanted  # per tensor of the input: entered (gets a gradient) or passed detached
+        self.compact = compact  # δ_k is held: views that do not cover their storage are copied (`compact_uncovered`)
 
     def deltas(self) -> list[torch.Tensor | None]:
         """δ_k, one entry per tensor of the stage input (None: no gradient, or no path reached it).
@@ -83,8 +86,10 @@ class _Caught(list):
         The slot lets go of them: a gradient caught as a view (of δ_{k+1}, through a view's backward)
         would otherwise be a second owner of its storage, which then could not be freed once consumed.
         """
-        caught = iter(list(self) or [None] * sum(self.wanted))
+        grads = list(self) or [None] * sum(self.wanted)
         self.clear()
+        caught = iter(compact_uncovered(grads) if self.compact else grads)
+        del grads
         return [next(caught) if w else None for w in self.wanted]
 
 
@@ -123,6 +128,7 @@ class _Step:
         self.rng_devices = [torch.device("cpu"), *sorted(cuda, key=str)]
         self.joined: set[int] = set()  # stages fed a_k from stage k-1's graph: B k and B k-1 run in one call
         self.joined_edges: dict[int, list] = {}  # where δ_k enters stage k-1's graph, to mark B k (with a probe)
+        self.carried: dict[int, list[bool]] = {}  # per recorded a_k: which tensors stage k-1 passed on from its input
         self.dummy = torch.empty(0, device=runner.token_device, requires_grad=True)  # EnterStage's graph edge
         # values offloaded to host memory and prefetched back (chain version 6); None: the plan moves none
         self.transfers = Transfers(runner.channel) if runner.channel is not None else None
@@ -159,9 +165,9 @@ class _Step:
             wanted = [w and differentiable(t) for w, t in zip(self.input_requires_grad, tensors, strict=True)]
         else:
             wanted = [differentiable(t) for t in tensors]
-        entry = _Caught(wanted)
+        entry = _Caught(wanted, compact=k > 0)  # the chain input's δ_0 goes back as it came
         with torch.enable_grad():
-            return entry, enter_stage(src, entry, self.dummy, wanted, compact=k > 0)
+            return entry, enter_stage(src, entry, self.dummy, wanted, compact=False)
 
     def forward_op(self, kind: OpKind, k: int, last: bool = False, pack: bool = False) -> None:
         """Run `kind` on stage k; `last`: this `Fe k` is stage k's last forward before `B k` (k >= 1);
@@ -192,7 +198,7 @@ class _Step:
                 if not last:
                     entry, inp = self._kept_input(k, src)
                 elif recorded and k in self.runner.joinable:
-                    entry, inp = _JOINED, compact_gradients(src)
+                    entry, inp = _JOINED, compact_gradients(src, self.carried.get(k))
                     self.joined.add(k)
                     self.joined_edges[k] = output_edges(src)  # where δ_k enters stage k-1: B k is done
                 else:
@@ -200,7 +206,7 @@ class _Step:
                     inp = None
                 with torch.enable_grad():
                     if inp is None:
-                        inp = enter_stage(src, entry, self.dummy, entry.wanted)
+                        inp = enter_stage(src, entry, self.dummy, entry.wanted, compact=False)
                     if pack:
                         part = SavedPart(k, [*stage.parameters(), *stage.buffers()])
                         with part.recording():
@@ -210,6 +216,7 @@ class _Step:
                         del part
                     else:
                         out = stage(inp) if kind is OpKind.FE else run_selective(stage, inp, self._redraw(k), name)
+                self.carried[k + 1] = carried_through(inp, out)
                 del inp
                 self.graph[k + 1] = (entry, out)
                 if last:
@@ -516,6 +523,7 @@ class _Step:
         self.released.clear()
         self.joined.clear()
         self.joined_edges.clear()
+        self.carried.clear()
         self.grads.clear()
         self.rng.clear()
         self.saved_parts.clear()
