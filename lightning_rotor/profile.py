@@ -476,10 +476,17 @@ def _measure_recorded(
     params: list[torch.Tensor],
     free_grads: bool,
     pack: SavedPart | None = None,
-) -> tuple[int, int, int, int, list[bool], int]:
-    """(fwd_tmp, saved bytes, out_free, backward peak above a_k, output kept, offloadable bytes) of one stage run
-    `Fe` then `B`; `pack`: record the forward behind its handles, as the executor records an `Fe k` whose
-    saved part moves, to find the offloadable bytes (0 without).
+    dense_delta: bool = False,
+) -> tuple[int, int, int, int, list[bool], int, bool]:
+    """(fwd_tmp, saved bytes, out_free, backward peak above a_k, output kept, offloadable bytes, output dense) of
+    one stage run `Fe` then `B`; `pack`: record the forward behind its handles, as the executor records an `Fe k`
+    whose saved part moves, to find the offloadable bytes (0 without).
+
+    NOTE: [the layout of δ_{k+1}] δ_{k+1} is made in the output's own layout, or, with
+    `dense_delta`, contiguous: the layout the stage above hands back depends on its backward (a
+    loss that reshapes a transposed `a_L` hands back a contiguous δ_L), and a backward whose
+    first op needs another layout copies δ_{k+1} (a transpose, then a Linear's reshape). Output
+    dense: every tensor of `a_{k+1}` is contiguous, so that both layouts are one.
 
     Output kept: per tensor of `a_{k+1}`, whether its storage outlives the value (the graph
     keeps it, or it is `a_k`'s).
@@ -515,7 +522,10 @@ def _measure_recorded(
         # a_k passed through unchanged (a carried skip), add nothing, since ā_{k+1} is only ever held
         # beside a_k (Fe k to B k); their storage is a_k's, so releasing the output never frees them
         saved = max(probe.current - base, end)
-        grads = [torch.ones_like(t) if t.requires_grad else None for t in tensors_of(held[1])]
+        outs = tensors_of(held[1])
+        dense = all(t.is_contiguous() for t in outs)
+        grads = [_delta_like(t, dense_delta) if t.requires_grad else None for t in outs]
+        del outs
         edges = output_edges(held[1])
         probe.mark("with δ")
         with_delta = probe.current
@@ -533,7 +543,14 @@ def _measure_recorded(
         bwd_peak = max(probe.peak - a_k, probe.current - a_k, with_delta - out_free - a_k + alloc_peak)
     untouched.clear_grads()
     untouched.restore_buffers()
-    return fwd_tmp, saved, out_free, bwd_peak, out_kept, offloadable
+    return fwd_tmp, saved, out_free, bwd_peak, out_kept, offloadable, dense
+
+
+def _delta_like(t: torch.Tensor, contiguous: bool) -> torch.Tensor:
+    """A stand-in gradient of `t`: in `t`'s layout, or contiguous (NOTE: [the layout of δ_{k+1}])."""
+    if contiguous:
+        return torch.ones(t.shape, dtype=t.dtype, device=t.device)
+    return torch.ones_like(t)
 
 
 class _OpKinds(TorchDispatchMode):
@@ -777,6 +794,12 @@ def profile_chain(
                 )  # fmt: skip
                 for accumulate in (False, True)
             ]
+            if not recorded[0][6]:  # a non-contiguous output: its δ may come back contiguous too, measured so
+                recorded.append(
+                    _measure_recorded(
+                        forward, value, exclude, watch, untouched, False, list(stage.parameters()), True, None, True
+                    )
+                )
             offloadable.append(recorded[0][5])
             fwd_tmp, saved_size = recorded[0][:2]
             output_kept = [any(kept) for kept in zip(*(r[4] for r in recorded), strict=True)]

@@ -117,7 +117,8 @@ FOUND = {
     "loop_output_written_in_place": Spec(
         discover="modules", conv=False, blocks=((("layer",),), (("act", "sigmoid", "inplace"),), (("view", "chunk"),))
     ),
-    # found by the random run: a transposed chain output (the loss reshapes a non-contiguous a_L)
+    # found by the random run: a transposed chain output (the loss reshapes a non-contiguous a_L): 1 KiB over the
+    # smallest budgets, δ_L came back contiguous and B 1 copied it, profiled with δ_L in a_L's layout only
     "graph_transposed_output": Spec(discover="graph", conv=False, ops=(("layer",), ("layer",), ("view", "transpose"))),
     # found by the random run: a Sequential with an in-place ReLU joined to the Linear before it
     "sequential_inplace_relu": Spec(
@@ -163,8 +164,6 @@ OPEN = {
     "sequential_block_with_batchnorm_skips": "B 1 inside a joined call peaks 64 bytes over the budget",
     "sequential_inplace_relu_then_identity": "ReLU(inplace) then Identity on a 3-d input: 1 KiB over the "
     "budget with nothing recomputed",
-    "graph_transposed_output": "a transposed chain output: 1 KiB over the smallest budgets (the loss backward's "
-    "gradient of a non-contiguous a_L)",
     "sequential_inplace_relu": "an in-place ReLU joined to the Linear before it: 1 KiB over with nothing recomputed",
 }
 
