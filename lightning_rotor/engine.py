@@ -398,23 +398,23 @@ class _FreeRest:
     Only gradients whose receiver has run and did not pass them on as the very same tensor:
     the engine may hold any other for a node still to run. A gradient passed on as a view stays
     while the view lives (it is the next stage's δ); a later stage boundary frees it once the
-    view is gone. `then` runs once, at the first boundary (the receiving stage is done).
+    view is gone. A gradient whose receiver has not run yet waits for a later boundary: where the stage
+    above passed its input on unchanged, the first boundary is the receiver itself (freed there, it was
+    kept to the end of the call: 1 KiB over the budget). `then` runs once, at the first boundary.
     """
 
     def __init__(self, tensors: list[torch.Tensor], consumed: set[int], then: Callable[[], None] | None):
         self.tensors = tensors
         self.consumed = consumed
         self.then = then
-        self.first = True
 
     def __call__(self, grad_outputs: Sequence[torch.Tensor | None]) -> None:
         passed = {g.untyped_storage().data_ptr() for g in grad_outputs if isinstance(g, torch.Tensor)}
-        if self.first:  # from here on only consumed gradients are ours to free
-            self.tensors = [t for t in self.tensors if id(t) in self.consumed]
-            self.first = False
-            _then, self.then = self.then, None
-        else:
-            _then = None
-        self.tensors = _free_owned(self.tensors, passed)
+        _then, self.then = self.then, None
+        # only consumed gradients are ours to free; one whose receiver has not run yet waits for a later
+        # boundary (the first boundary is the receiver itself where the stage above passed its input through)
+        waiting = [t for t in self.tensors if id(t) not in self.consumed]
+        ready = [t for t in self.tensors if id(t) in self.consumed]
+        self.tensors = waiting + _free_owned(ready, passed)
         if _then is not None:
             _then()

@@ -86,7 +86,8 @@ FOUND = {
     "loop_batchnorm_then_transpose": Spec(
         discover="modules", conv=False, blocks=((("bn",),), (("view", "transpose"),))
     ),
-    # a block adding BatchNorm's output and input: B 1, run joined with B 0, peaks 64 bytes over the budget
+    # a block adding BatchNorm's output and input: B 1, run joined with B 0, peaked 64 bytes over the budget (the
+    # root gradient of a joined call, passed through by the stage above, was kept to the end of the call)
     "sequential_block_with_batchnorm_skips": Spec(
         discover="sequential", conv=False, ops=(("layer",), ("block", (("save",), ("bn",), ("save",))), ("layer",))
     ),
@@ -98,7 +99,8 @@ FOUND = {
         ops=(("layer",), ("out", False), ("view", "reshape"), ("layer",), ("layer",), ("scale_",), ("layer",)),
     ),
     # nn.Sequential(Linear, ReLU(inplace=True), Linear, Identity) on (4, 8, 8): 1 KiB over the budget even
-    # with nothing recomputed (2-D input, or Tanh, or no Identity: within)
+    # with nothing recomputed: δ_L, handed by the pass-through head straight to the Linear's node, was freed at no
+    # boundary of the joined call (the first boundary was its receiver itself, not yet run)
     "sequential_inplace_relu_then_identity": Spec(
         discover="sequential", conv=False, ops=(("layer",), ("act", "relu", "inplace"), ("layer",))
     ),
@@ -161,10 +163,6 @@ OPEN = {
     "loop_doubling_blocks_input_used_after": "a run's input used inside the first stage twice and after the "
     "run: the chain returns one summed δ_0, plain autograd adds the "
     "three parts in arrival order",
-    "sequential_block_with_batchnorm_skips": "B 1 inside a joined call peaks 64 bytes over the budget",
-    "sequential_inplace_relu_then_identity": "ReLU(inplace) then Identity on a 3-d input: 1 KiB over the "
-    "budget with nothing recomputed",
-    "sequential_inplace_relu": "an in-place ReLU joined to the Linear before it: 1 KiB over with nothing recomputed",
 }
 
 
