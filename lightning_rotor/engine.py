@@ -9,6 +9,7 @@ imports neither profile.py nor execute.py.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -191,6 +192,70 @@ class EnterStage(torch.autograd.Function):
     def backward(ctx: Any, *grads: Any) -> tuple:
         ctx.slot.extend(grads)
         return (None, None, *[None] * len(grads))
+
+
+class InputParts:
+    """The gradients that stage 0's graph sends to its input node, one part per edge, in arrival order.
+
+    NOTE: [a run's input gradient in parts] plain autograd sums a tensor's gradient in the
+    buffer of the node that made it, one part per use, in the order the uses' backwards run: a
+    module-level run's input `h`, used twice in the first stage and once after the run
+    (`y = blocks(h); return y + h`), gets `(g + p1) + p2`, `g` from the use after the run first
+    (its node is newer than the run's, so it runs first). Summed in stage 0's graph, δ_0 would
+    make it `g + (p1 + p2)`, which differs in the last bits. So the parts are taken out of stage
+    0's graph before they reach its input node (a post-hook on each node with an edge to it, in
+    the order those nodes run and their edges are numbered) and handed back one per edge of the
+    autograd node that ends the chain, which passes the input once per part: the engine adds them
+    to `h`'s buffer in that order, as plain autograd does. Each part is held as a tensor of its
+    own until then (a use too many charges `s_0` bytes more, which the profiler measures).
+    """
+
+    def __init__(self, roots: Sequence[Any], targets: Sequence[tuple[Any, int]]):
+        # targets: the input's edges, one per tensor (EnterStage's inputs in the executor, the leaves'
+        # accumulators when profiled)
+        self.parts: list[list[torch.Tensor]] = [[] for _ in targets]  # per target, in arrival order
+        self.consumers = _consumers(roots, {(id(node), nr): j for j, (node, nr) in enumerate(targets)})
+
+    @property
+    def uses(self) -> list[int]:
+        """Per target: how many edges of the graph lead to it."""
+        uses = [0] * len(self.parts)
+        for _, edges in self.consumers:
+            for _, j in edges:
+                uses[j] += 1
+        return uses
+
+    def install(self) -> list[Any]:
+        """Hook the consumers; returns the handles to remove after the backward."""
+        return [node.register_hook(functools.partial(self._take, edges)) for node, edges in self.consumers]
+
+    def _take(self, edges: list[tuple[int, int]], grad_inputs: Sequence[torch.Tensor | None], *_: Any) -> tuple:
+        out = list(grad_inputs)
+        for i, j in edges:
+            grad = out[i]
+            if grad is not None:
+                # a tensor of its own on the storage: the backward's freeing (`_FreeConsumed`) sees it held
+                self.parts[j].append(_alias(grad) if grad.layout == torch.strided else grad)
+                out[i] = None
+        return tuple(out)
+
+
+def _consumers(roots: Sequence[Any], targets: dict[tuple[int, int], int]) -> list[tuple[Any, list[tuple[int, int]]]]:
+    """The nodes of the graph above `roots` with edges to `targets` ((id(node), input) -> index), as
+    (node, [(edge index, target index)]); the walk stops at the targets' nodes."""
+    ends = {node_id for node_id, _ in targets}
+    found, seen, stack = [], set(), [n for n in roots if n is not None]
+    while stack:
+        node = stack.pop()
+        if id(node) in ends or node in seen:
+            continue
+        seen.add(node)
+        nexts = node.next_functions
+        edges = [(i, targets[id(n), nr]) for i, (n, nr) in enumerate(nexts) if (id(n), nr) in targets]
+        if edges:
+            found.append((node, edges))
+        stack.extend(n for n, _ in nexts if n is not None)
+    return found
 
 
 def enter_stage(

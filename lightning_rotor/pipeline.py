@@ -157,8 +157,10 @@ def runner(
     names: Sequence[str] | None = None,
     *,
     early_stop: bool = True,
+    input_uses: Sequence[int] = (),
 ) -> PlanRunner:
-    """What runs `chosen` on the stages: an autograd Function per call. `early_stop`: see `PlanRunner`."""
+    """What runs `chosen` on the stages: an autograd Function per call. `early_stop`, `input_uses`: see
+    `PlanRunner`."""
     return PlanRunner(
         stages,
         chosen.ops,
@@ -167,6 +169,7 @@ def runner(
         sizes=chain.sizes,
         offloadable=chain.offloadable,
         early_stop=early_stop,
+        input_uses=input_uses,
     )
 
 
@@ -187,7 +190,7 @@ def prepare(
     measured = profile(stages, sample, names=names, **settings)
     nbytes = budget(measured.chain) if callable(budget) else budget
     chosen = plan_chain(measured.chain, nbytes, slots)
-    return Entry(measured, chosen, runner(stages, measured.chain, chosen, names))
+    return Entry(measured, chosen, runner(stages, measured.chain, chosen, names, input_uses=measured.input_uses))
 
 
 def run_stages(stages: Iterable[nn.Module], value: Any) -> Any:

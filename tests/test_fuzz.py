@@ -6,8 +6,8 @@ nn.Sequential; a ModuleList loop) is trained plainly and with rotor at every bud
 `FRACTIONS`, every plan executed: no crash, loss, gradients and buffers bitwise equal to
 plain training, the measured peak within the budget. The cases run in a child process, so a
 segfault fails this test (naming the model) instead of killing pytest. The bounded set here is
-the cases the fuzzer found, shrunk by hand; the random run is `benchmarks/fuzz.py` (it still
-finds the open classes below, so it is not part of the suite until they are fixed). A refusal (`InplaceError`:
+the cases the fuzzer found, shrunk by hand; the random run is `benchmarks/fuzz.py` (what it finds is
+shrunk and added here, so it is not part of the suite). A refusal (`InplaceError`:
 a stage writes its input, a kept checkpoint, in place) is allowed when it is one clear line.
 """
 
@@ -157,22 +157,7 @@ def assert_kept_promises(outcome, spec):
     )
 
 
-# Found and still open (issue 15's closing note; docs/benchmarks.md, "Fuzzing the executor"). Strict: a fix
-# makes its case pass and this mark fail, so the list cannot go stale.
-OPEN = {
-    "loop_doubling_blocks_input_used_after": "a run's input used inside the first stage twice and after the "
-    "run: the chain returns one summed δ_0, plain autograd adds the "
-    "three parts in arrival order",
-}
-
-
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=OPEN[name])) if name in OPEN else name
-        for name in FOUND
-    ],
-)
+@pytest.mark.parametrize("name", list(FOUND))
 def test_cases_the_fuzzer_found(worker, name):
     outcome = worker.run(FOUND[name], FRACTIONS)
     assert outcome.plans > 0 or outcome.failures, outcome
