@@ -23,7 +23,7 @@ from torch import nn
 
 from lightning_rotor._torch_compat import tree_flatten, tree_map, tree_unflatten
 from lightning_rotor.chain import Chain
-from lightning_rotor.engine import HandOver
+from lightning_rotor.engine import HandOver, tensors_of
 from lightning_rotor.execute import PlanRunner
 from lightning_rotor.memory import MemoryProbe, storage_bytes
 from lightning_rotor.ops import forward_counts
@@ -54,6 +54,9 @@ class Outside(NamedTuple):
     before: int  # kept by the forward from before the run, beside the run's input
     tail: int  # peak of the rest of the forward, the loss and their backward above what is alive after the run
     loss_value: int = LOSS_HELD  # the loss value and its seed gradient, held to the end of the step
+    # the gradient the code after the run sends to the run's input (a residual around the run), held to the end
+    # of the step: it waits in the buffer of the node that made the input until the chain's backward returns
+    input_grad: int = 0
 
 
 @dataclass
@@ -127,7 +130,8 @@ def charge_outside(chain: Chain, outside: Outside | tuple[int, int], loss_tmp: i
     chain's loss (at least `loss_tmp` bytes when the caller gave them).
 
     The tail was measured with `a_L` held throughout, so it stands for a kept `a_L` and, at most
-    `s_L` bytes too high, for a plain one.
+    `s_L` bytes too high, for a plain one. The gradient the code after the run sends to the run's
+    input is held with the loss value, to the end of the step.
     """
     outside = Outside(*outside)
     s_l = chain.out_size[-1]
@@ -141,7 +145,10 @@ def charge_outside(chain: Chain, outside: Outside | tuple[int, int], loss_tmp: i
         bwd_tmp=[chain.bwd_tmp[0] - outside.before, *chain.bwd_tmp[1:]],
         loss_tmp=tail_tmp,
         loss_tmp_kept=tail_tmp,
-        loss_value=outside.loss_value,
+        # with the loss value, held from the loss to the end of the step: the gradient the code after the run
+        # sends to the run's input (NOTE: [the outside gradient of the run's input]); where it is δ_L itself (an
+        # add hands both the same tensor), δ_L is charged twice until B L-1, the safe side
+        loss_value=outside.loss_value + outside.input_grad,
     )
 
 
@@ -228,6 +235,7 @@ def measure_outside(
     def blocks_without_grad(value: Any) -> Any:
         probe.mark("run")  # sweeps first: what died since the last op (temporaries of the code before) is not kept
         seen["before"] = probe.current - storage_bytes(value)
+        _catch_input_grad(value, seen)
         with torch.no_grad():
             out = run_stages(stages, value)
         # a_L handed on as the executor hands it over (`HandOver`): requiring grad, written in place if the
@@ -260,7 +268,27 @@ def measure_outside(
         run.uninstall()
         held.clear()
     after = seen.get("after", probe.peak)
-    return Outside(max(0, seen.get("before", 0)), max(0, probe.peak - after), seen.get("value", LOSS_HELD))
+    before, value = max(0, seen.get("before", 0)), seen.get("value", LOSS_HELD)
+    return Outside(before, max(0, probe.peak - after), value, seen.get("input_grad", 0))
+
+
+def _catch_input_grad(value: Any, seen: dict[str, int]) -> None:
+    """Count in `seen["input_grad"]` the bytes of the gradient the code after the run sends to the run's input.
+
+    NOTE: [the outside gradient of the run's input] a run's input used again after the run
+    (`y = blocks(h); return y + h`) gets a gradient from the code after the run before the chain's
+    backward starts (its nodes are newer than the run's); it waits in the buffer of the node that
+    made `h` until the chain hands back δ_0, through every `B k`. Here the blocks run without grad,
+    so what reaches `h` is that gradient alone; measured as it arrives (the node that made `h` then
+    runs at once, which training does only after the chain).
+    """
+
+    def catch(grad: torch.Tensor) -> None:
+        seen["input_grad"] = seen.get("input_grad", 0) + storage_bytes(grad)
+
+    for t in tensors_of(value):
+        if t.requires_grad:
+            t.register_hook(catch)
 
 
 def _own_leaf(value: Any) -> Any:

@@ -119,6 +119,22 @@ FOUND = {
     "loop_output_written_in_place": Spec(
         discover="modules", conv=False, blocks=((("layer",),), (("act", "sigmoid", "inplace"),), (("view", "chunk"),))
     ),
+    # found by the random run (issue 25): a module-level run whose input the forward adds after the run, about 1 KiB
+    # over at most budgets: the gradient the add sends to the run's input waits for the chain's δ_0 through every
+    # B k, and was not charged (now held with the loss value, `pipeline.Outside.input_grad`)
+    "loop_input_used_after_over_budget": Spec(
+        discover="modules",
+        conv=False,
+        blocks=(
+            (("bn",), ("view", "reshape"), ("save",), ("dropout", 0.5, "functional")),
+            (("bn",),),
+            (("save",), ("save",), ("cat", 1)),
+            (("bn",),),
+        ),
+        skip_over=True,
+        input_grad=True,
+        seed=1929,
+    ),
     # found by the random run: a transposed chain output (the loss reshapes a non-contiguous a_L): 1 KiB over the
     # smallest budgets, δ_L came back contiguous and B 1 copied it, profiled with δ_L in a_L's layout only
     "graph_transposed_output": Spec(discover="graph", conv=False, ops=(("layer",), ("layer",), ("view", "transpose"))),
