@@ -288,7 +288,7 @@ def _catch_input_grad(value: Any, seen: dict[str, int]) -> None:
 
     for t in tensors_of(value):
         if t.requires_grad:
-            t.register_hook(catch)
+            t.register_hook(catch)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
 
 
 def _own_leaf(value: Any) -> Any:
