@@ -114,6 +114,7 @@ class Run:
     times: list[float] = field(default_factory=list)
     peaks: list[int] = field(default_factory=list)
     hosts: list[int] = field(default_factory=list)
+    left: list[int] = field(default_factory=list)  # host bytes still held after each step (0: all came back)
 
 
 def step(w: Workload, run: Run, seed: int, cuda: bool) -> None:
@@ -140,6 +141,7 @@ def step(w: Workload, run: Run, seed: int, cuda: bool) -> None:
     run.times.append(time.perf_counter() - start)
     run.peaks.append(probe.peak)
     run.hosts.append(probe.host_peak)
+    run.left.append(probe.host_current)
 
 
 def runs_for(w: Workload, chain: Chain, bandwidth: float, budget: int) -> list[Run]:
@@ -216,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             for run in runs:  # warm-up: kernels, the allocator, the pinned buffers
                 step(w, run, 0, cuda)
-                run.times.clear(), run.peaks.clear(), run.hosts.clear()
+                run.times.clear(), run.peaks.clear(), run.hosts.clear(), run.left.clear()
             for r in range(args.repeats):  # interleaved, so that drift hits every schedule alike
                 for run in runs:
                     step(w, run, r, cuda)

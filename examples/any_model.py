@@ -1,11 +1,14 @@
 """A model as users write it (a GPT whose forward loops over a ModuleList), trained with rotor.
 
     python examples/any_model.py            # CPU, a few seconds
+    python examples/any_model.py --layers 2 --width 16 --seq 8 --batch-size 4 --steps 2   # a smoke run
 
 No nn.Sequential anywhere: `RotorStrategy` wraps `self.model`, discovers its chain on the
 first batch (torch.fx, cut between blocks), and trains it within half of the activation
 memory plain training needs, with the same losses and gradients.
 """
+
+import argparse
 
 import lightning.pytorch as pl
 import torch
@@ -13,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_rotor import RotorStrategy
+from lightning_rotor import RotorStrategy, format_bytes
 
 
 class Block(nn.Module):
@@ -63,9 +66,9 @@ class GPT(nn.Module):
 
 
 class LanguageModel(pl.LightningModule):
-    def __init__(self):
+    def __init__(self, **sizes: int):
         super().__init__()
-        self.model = GPT()
+        self.model = GPT(**sizes)
 
     def training_step(self, batch, batch_idx):
         idx, targets = batch
@@ -79,17 +82,32 @@ class LanguageModel(pl.LightningModule):
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mem-limit", default="50%", help="bytes, '64MiB', or a fraction of the no-recompute peak")
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--seq", type=int, default=64, help="tokens per sequence")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=8)
+    args = parser.parse_args()
+
     torch.manual_seed(0)
-    text = torch.randint(256, (64, 65))
-    data = DataLoader(TensorDataset(text[:, :-1], text[:, 1:]), batch_size=16)
+    text = torch.randint(256, (4 * args.batch_size, args.seq + 1))
+    data = DataLoader(TensorDataset(text[:, :-1], text[:, 1:]), batch_size=args.batch_size)
     trainer = pl.Trainer(
-        strategy=RotorStrategy(mem_limit="50%"),
+        strategy=RotorStrategy(mem_limit=args.mem_limit),
         accelerator="cpu",
-        max_steps=8,
+        max_steps=args.steps,
         logger=False,
         enable_checkpointing=False,
     )
-    trainer.fit(LanguageModel(), data)
+    trainer.fit(LanguageModel(layers=args.layers, width=args.width, block_size=args.seq), data)
+    metrics = trainer.callback_metrics
+    print(
+        f"trained {trainer.global_step} steps, loss {float(metrics['loss']):.3f}; "
+        f"budget {format_bytes(int(metrics['rotor/budget_bytes']))}, "
+        f"{int(metrics['rotor/recomputed_stages'])} stages recomputed"
+    )
 
 
 if __name__ == "__main__":

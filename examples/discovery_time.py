@@ -1,22 +1,19 @@
 """How long discovery takes on a 24-layer nanoGPT-style GPT (CPU), beside one plain forward.
 
     python examples/discovery_time.py [--layers 24] [--width 512] [--seq 256] [--batch 4]
+    python examples/discovery_time.py --layers 2 --width 16 --seq 8 --batch 1 --repeats 1   # a smoke run
 
 Discovery runs the model once on the sample (the tracer answers shape questions from real
 values), so its time is one no-grad forward plus the tracing and cutting overhead.
 """
 
 import argparse
-import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from models_any import GPT, Block  # noqa: E402
-
-from lightning_rotor.discovery import discover_chain  # noqa: E402
+from lightning_rotor import discover_chain
+from lightning_rotor.models.as_written import GPT, Block
 
 
 def main() -> None:
@@ -35,13 +32,13 @@ def main() -> None:
         t0 = time.perf_counter()
         model(x)
         forward = time.perf_counter() - t0
-    for how, types in (("graph", None), ("graph", {Block}), ("modules", None)):
+    for method, types in (("graph", None), ("graph", {Block}), ("modules", None)):
         times = []
         for _ in range(args.repeats):
             t0 = time.perf_counter()
-            found = discover_chain(model, (x,), how, types)
+            found = discover_chain(model, (x,), method, types)
             times.append(time.perf_counter() - t0)
-        label = how + (" + checkpoint_modules={Block}" if types else "")
+        label = method + (" + checkpoint_modules={Block}" if types else "")
         print(f"{label:38s} {len(found.stages):3d} stages  discovery {min(times):.3f} s (best of {args.repeats})")
     print(f"{'one plain no-grad forward':38s}      {forward:.3f} s   threads={torch.get_num_threads()}")
 

@@ -2,6 +2,7 @@
 
     python examples/fabric_gpt.py --mem-limit 50% --steps 10
     python examples/fabric_gpt.py --logdir runs   # TensorBoard: the rotor/... scalars
+    python examples/fabric_gpt.py --layers 2 --width 16 --batch-size 2 --steps 2   # a smoke run
 
 The only change to a Fabric loop is `strategy="rotor"` (or `RotorFabricStrategy(...)` for a
 budget): `fabric.setup` swaps rotor in, the first training batch profiles and plans, and
@@ -17,9 +18,8 @@ import torch
 import torch.nn.functional as F
 from lightning.fabric import Fabric
 
-from lightning_rotor.bench.any_models import GPT
-from lightning_rotor.budget import format_bytes
-from lightning_rotor.fabric import RotorFabricStrategy
+from lightning_rotor import RotorFabricStrategy, format_bytes
+from lightning_rotor.models.as_written import GPT
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -31,6 +31,8 @@ def main() -> None:
     parser.add_argument("--mem-limit", default="50%", help="bytes, '64MiB', or a fraction of the no-recompute peak")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--width", type=int, default=32)
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--logdir", default=None, help="write TensorBoard logs here")
     args = parser.parse_args()
@@ -47,7 +49,7 @@ def main() -> None:
         loggers=loggers,
     )
     fabric.seed_everything(0)
-    model = GPT(vocab_size=128, block_size=32, n_layer=4, n_head=2, n_embd=32)
+    model = GPT(vocab_size=128, block_size=32, n_layer=args.layers, n_head=2, n_embd=args.width)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model, optimizer = fabric.setup(model, optimizer)
 

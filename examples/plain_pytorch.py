@@ -1,6 +1,7 @@
 """Train an nn.Sequential within an activation-memory budget, without Lightning.
 
     python examples/plain_pytorch.py --mem-limit 75% --steps 5
+    python examples/plain_pytorch.py --width 4 --image-size 8 --batch-size 2 --steps 1   # a smoke run
 
 The first training forward profiles the stages and plans; `summary()` shows
 the plan; `measure_step()` measures one step's activation memory on real
@@ -15,8 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_rotor.budget import format_bytes
-from lightning_rotor.checkpointable import Checkpointable
+from lightning_rotor import Checkpointable, format_bytes
 
 
 def make_model(width: int = 16, classes: int = 10) -> nn.Sequential:
@@ -36,12 +36,14 @@ def main() -> None:
     parser.add_argument("--mem-limit", default="75%", help="bytes, '64MiB', or a fraction of the no-recompute peak")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--width", type=int, default=16, help="channels of the first convolutions")
+    parser.add_argument("--image-size", type=int, default=32)
     args = parser.parse_args()
 
     torch.manual_seed(0)
-    model = Checkpointable(make_model(), args.mem_limit)
+    model = Checkpointable(make_model(args.width), args.mem_limit)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    x = torch.randn(args.batch_size, 3, 32, 32)
+    x = torch.randn(args.batch_size, 3, args.image_size, args.image_size)
     y = torch.randint(0, 10, (args.batch_size,))
 
     for step in range(args.steps):

@@ -18,7 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_rotor import _autoregister
 
-__version__ = "0.1.0"
+# `simulate` is also a submodule's name: importing `lightning_rotor.simulate` (the planner does)
+# binds the module over a lazily resolved function, so the simulator's names (no torch) bind now.
+from lightning_rotor.simulate import Simulation, no_recompute_peak, simulate
+
+__version__ = "0.2.0"
 
 _HOMES = {
     "BudgetError": "budget",
@@ -47,8 +51,6 @@ _HOMES = {
     "plan": "planner",
     "InplaceError": "engine",
     "InfeasibleTotal": "shared_budget",
-    "Simulation": "simulate",
-    "simulate": "simulate",
     "Stages": "stages",
 }
 
@@ -79,6 +81,7 @@ __all__ = [
     "discover_chain",
     "format_bytes",
     "min_feasible_budget",
+    "no_recompute_peak",
     "parse_budget",
     "plan",
     "simulate",
@@ -120,5 +123,4 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from lightning_rotor.ops import Op, OpKind
     from lightning_rotor.planner import InfeasibleBudget, Plan, min_feasible_budget, plan
     from lightning_rotor.shared_budget import InfeasibleTotal
-    from lightning_rotor.simulate import Simulation, simulate
     from lightning_rotor.stages import Stages

@@ -39,7 +39,7 @@ __all__ = [
     "backward_is_full",
     "ddp_pre_forward",
     "fx_unpatched_module",
-    "has_forward_hooks",
+    "forward_hooks",
     "has_post_accumulate_grad_hooks",
     "is_accumulate_grad",
     "is_norm",
@@ -155,13 +155,14 @@ def is_norm(module: nn.Module) -> bool:
     return isinstance(module, nn.modules.batchnorm._NormBase)
 
 
-def has_forward_hooks(module: nn.Module) -> bool:
-    """Would a forward hook see `module`'s output? Its own (`_forward_hooks`) or global ones.
+def forward_hooks(module: nn.Module) -> list[Callable[..., Any]]:
+    """The forward hooks that would see `module`'s output: its own (`_forward_hooks`) and the global ones.
 
-    Module-level discovery refuses such a block: inside a chain its output is never made.
+    Module-level discovery refuses such a hook on a block inside a chain, where the block's output is
+    never made, unless it is a recording hook of the model's that records nothing in this call.
     Neither registry has a public accessor (`nn.modules.module._global_forward_hooks`).
     """
-    return bool(module._forward_hooks or nn.modules.module._global_forward_hooks)
+    return [*module._forward_hooks.values(), *nn.modules.module._global_forward_hooks.values()]
 
 
 def make_subclass(cls: type[torch.Tensor], data: torch.Tensor) -> torch.Tensor:

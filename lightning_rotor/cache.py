@@ -28,6 +28,7 @@ from lightning_rotor.chain import Chain
 from lightning_rotor.pipeline import Entry
 from lightning_rotor.planner import Plan, min_feasible_budget
 from lightning_rotor.profile import Profile
+from lightning_rotor.stages import side_inputs
 
 __all__ = ["PlanCache", "plan_key", "signature", "stage_fingerprints"]
 
@@ -52,15 +53,18 @@ def signature(value: Any, shapes: bool = True) -> str:
     return repr((str(spec), leaves, autocast))
 
 
-def plan_key(value: Any, trainable: Sequence[bool], shapes: bool = True) -> str:
+def plan_key(value: Any, trainable: Sequence[bool], shapes: bool = True, side: Sequence[str] = ()) -> str:
     """The input's signature, and which stage parameters are frozen when some are.
 
     Freezing or unfreezing parameters changes what the stages save and the frozen prefix
     (chain version 4), so a plan is made for each pattern: unfreezing layers mid-training
     profiles and plans again. With every parameter trainable the key is the signature alone.
-    `trainable`: the stage parameters' `requires_grad`, in order.
+    `trainable`: the stage parameters' `requires_grad`, in order. `side`: the names a module-level
+    chain's stages record as side outputs (router logits), which their values then carry.
     """
     key = signature(value, shapes)
+    if side:
+        key = f"{key} side={','.join(side)}"
     if all(trainable):
         return key
     return f"{key} requires_grad={''.join('1' if f else '0' for f in trainable)}"
@@ -88,6 +92,7 @@ class PlanCache:
         self, stages: Sequence[nn.Module], names: Sequence[str], slots: int | None = None, early_stop: bool = True
     ) -> None:
         self.stages = list(stages)
+        self.sides = side_inputs(stages)  # tensors every stage reads besides its input (a `Stages`' only)
         self.early_stop = early_stop  # runners recompute with early stop where sound (`execute.early_stops`)
         self.names = list(names)
         self.slots = slots
@@ -118,7 +123,13 @@ class PlanCache:
             measured,
             chosen,
             pipeline.runner(
-                self.stages, measured.chain, chosen, self.names, early_stop=self.early_stop, input_uses=uses
+                self.stages,
+                measured.chain,
+                chosen,
+                self.names,
+                early_stop=self.early_stop,
+                sides=self.sides,
+                input_uses=uses,
             ),
         )
 

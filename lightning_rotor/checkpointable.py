@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from lightning_rotor import pipeline
+from lightning_rotor import own_checkpointing, pipeline
 from lightning_rotor._torch_compat import tree_flatten
 from lightning_rotor.budget import BudgetError, MemLimit, format_bytes, parse_host_limit, parse_offload, resolve_budget
 from lightning_rotor.cache import PlanCache, plan_key, signature
@@ -126,7 +126,12 @@ class Checkpointable(nn.Module):
     own peak: 0.95x Hugging Face's time against 0.99x without).
     """
 
-    stages: Stages | None  # set by _set_stages, outside nn.Module's registries
+    # Rotor's own attributes, all kept in `_rotor` (`RotorState`), apart from the wrapped module's names
+    _rotor: RotorState
+    module: nn.Module  # the wrapped module (its children, parameters and buffers are this module's registries)
+    plain_module: nn.Module  # what eval mode and no_grad run (compiled when asked)
+    compiler: Callable[[nn.Module], nn.Module] | None  # compiles each stage (None: stages run eagerly)
+    stages: Stages | None  # set by _set_stages
 
     def __init__(
         self,
@@ -151,6 +156,7 @@ class Checkpointable(nn.Module):
         host_limit: int | str | None = None,
         early_stop: bool = False,
     ):
+        object.__setattr__(self, "_rotor", RotorState())  # before any attribute: see `__setattr__`
         compiled = None
         if isinstance(module, nn.Module):  # torch.compile(m): stages of m, compiled alike (compile.py)
             module, compiled = unwrap_compiled(module)
@@ -161,10 +167,11 @@ class Checkpointable(nn.Module):
         offload_setting, host_bytes = check_offload(offload, host_limit)
         self.shape_buckets = check_buckets(shape_buckets)
         super().__init__()
-        _adopt(self, module)
-        object.__setattr__(self, "module", module)  # not registered: state_dict keys stay the module's
-        object.__setattr__(self, "compiler", compiler)  # compiles each stage (None: stages run eagerly)
-        object.__setattr__(self, "plain_module", compiler(module) if compiler else module)  # eval and no_grad
+        _share_registries(self, module)
+        state = self._rotor
+        state.module, state.compiler = module, compiler
+        state.plain_module = compiler(module) if compiler else module
+        self.training = module.training  # the wrapped module's mode; `train()` sets both
         self.discover = None if discover == "sequential" else discover  # None: the stages are known
         self._join_in_place = discover == "sequential"  # on the first training call (`join_in_place`)
         self.checkpoint_modules = types
@@ -209,12 +216,19 @@ class Checkpointable(nn.Module):
         # called as (stages done, stages, seconds) while a new input signature is profiled
         self.on_profile_progress: Callable[[int, int, float], None] | None = None
         self.early_stop = early_stop
+        self._params_of: tuple[Stages | None, list[nn.Parameter]] | None = None  # `_stage_parameters`
+        self.own_checkpointing: list[tuple[str, nn.Module]] = []  # modules whose own flag rotor turned off
+        self._own_note = ""  # what rotor did with the model's own checkpointing, told with the first plan
+        self._modes: list[bool] | None = None  # every module's `training` flag at the last training call
+        self._all_modules: list[nn.Module] = []  # the wrapped module's modules, listed once (`_check_modes`)
         self._set_stages(sequential_stages(module) if discover == "sequential" else stages)
 
     def _set_stages(self, stages: Stages | None) -> None:
         """The chain's stages (None until discovered; compiled when asked) and an empty plan cache for them."""
+        if stages is not None:
+            self._take_own_checkpointing()
         stages = compile_stages(stages, self.compiler) if stages is not None else None
-        object.__setattr__(self, "stages", stages)
+        self._rotor.stages = stages
         self.stage_names = list(stages.names) if stages is not None else []
         self.plan_cache = PlanCache(stages, stages.names, self.slots, self.early_stop) if stages is not None else None
 
@@ -248,6 +262,8 @@ class Checkpointable(nn.Module):
         """
         if torch.compiler.is_compiling() and self.training and torch.is_grad_enabled():
             return train_eagerly(self, *args, **kwargs)  # a graph break: rotor's step runs eagerly (compile.py)
+        if self.training and torch.is_grad_enabled():
+            self._check_modes()
         if self.stages is not None and self.discovery is None:  # an nn.Sequential, or stages given
             if kwargs:
                 raise TypeError(f"a chain of stages takes its input positionally, got keyword(s) {sorted(kwargs)}")
@@ -290,6 +306,21 @@ class Checkpointable(nn.Module):
         finally:
             run.uninstall()
 
+    def _check_modes(self) -> None:
+        """A module's `training` flag changed since the chain was found and profiled (a frozen block unfrozen):
+        traced code holds the old flag and the plans its memory, so the chain is found and profiled again."""
+        if not self._all_modules:
+            self._all_modules = list(self.module.modules())
+        modes = [m.training for m in self._all_modules]
+        if self._modes is not None and modes != self._modes and self.entries:
+            if self.discovery is not None:
+                self.discovery = None
+                self._set_stages(None)
+            elif self.stages is not None:
+                self.plan_cache = PlanCache(self.stages, self.stages.names, self.slots, self.early_stop)
+            self.last_entry, self.outside, self._timed, self._measured_shapes = None, {}, None, []
+        self._modes = modes
+
     def _join_in_place_on(self, value: Any) -> None:
         """A Sequential's leaves that write into their input in place join the stage before, seen on `value`."""
         from lightning_rotor.discovery import join_in_place
@@ -308,13 +339,56 @@ class Checkpointable(nn.Module):
 
         if self.discover is None:
             raise RuntimeError("this Checkpointable was given its stages; there is nothing to discover")
-        found = discover_chain(self.module, args, self.discover, self.checkpoint_modules, sample_kwargs=kwargs)
+        self._take_own_checkpointing()
+        try:
+            with own_checkpointing.checkpoint_calls() as calls:
+                found = discover_chain(self.module, args, self.discover, self.checkpoint_modules, sample_kwargs=kwargs)
+        except BaseException:
+            self.restore_own_checkpointing()  # no chain: the module runs as written, its own checkpointing on
+            self._own_note = ""
+            raise
+        if calls:
+            self._note_checkpoint_calls(calls, found.kind)
         self.discovery = found
         self._set_stages(found.stages)
         hook, self.on_discovered = self.on_discovered, None
         if hook is not None:  # e.g. plans saved in a checkpoint, restored now that the stages are known
             hook(self)
         return found
+
+    # -- the model's own checkpointing (lightning_rotor/own_checkpointing.py) ---------------------
+    def _take_own_checkpointing(self) -> None:
+        """Turn off the wrapped module's own `gradient_checkpointing` flags: rotor plans the whole chain."""
+        found = own_checkpointing.flagged(self.module)
+        if not found:
+            return
+        own_checkpointing.turn_off(found)
+        self.own_checkpointing += found
+        names = ", ".join(n or "<root>" for n, _ in found[:3]) + (", ..." if len(found) > 3 else "")
+        self._own_note = (
+            f"{type(self.module).__name__} had its own gradient checkpointing on ({len(found)} modules: {names}); "
+            "rotor turned it off while it trains this module (a Trainer's fit turns it back on at its end; "
+            "`restore_own_checkpointing()` does by hand)"
+        )
+
+    def _note_checkpoint_calls(self, calls: list[str], kind: str) -> None:
+        where = calls[0] + (f" and {len(calls) - 1} more" if len(calls) > 1 else "")
+        if kind == "graph":
+            did = "graph discovery traced through them: rotor's plan replaces them"
+        else:
+            did = f"{kind} discovery runs the forward as written: they stay, nested in rotor's plan"
+            did += " (discover='graph' replaces them)"
+        self._own_note = f"{type(self.module).__name__}'s forward calls torch.utils.checkpoint ({where}); {did}"
+
+    def restore_own_checkpointing(self) -> None:
+        """Turn the wrapped module's own checkpointing flags back on, where rotor turned them off."""
+        own_checkpointing.turn_on(self.own_checkpointing)
+        self.own_checkpointing = []
+
+    def _tell_own_checkpointing(self, budget: int, chain: Chain) -> None:
+        if self._own_note:
+            warnings.warn(own_checkpointing.warning(self._own_note, budget, chain), stacklevel=5)
+            self._own_note = ""
 
     def _run(self, value: Any, plain_call: Callable[[], Any]) -> Any:
         """The chain on its input `a_0`: profile and plan if new, then the plan (or `plain_call`).
@@ -328,7 +402,7 @@ class Checkpointable(nn.Module):
         ):
             return plain_call()  # every stage frozen: no backward through the chain, nothing to checkpoint
         sample = bucketed(value, self.shape_buckets) if self.shape_buckets else value  # the plan's shape
-        key = plan_key(sample, trainable)
+        key = plan_key(sample, trainable, side=self._side_outputs())
         primary = self._entry_for(key, sample)
         alone = not self.calls.alive()
         if alone:  # the step's bytes: its first call's shape's (docs/checkpointable.md, "Changing shapes")
@@ -362,7 +436,8 @@ class Checkpointable(nn.Module):
         if self.stages is None:
             raise RuntimeError("the chain is not discovered yet: run one training forward (or discover_on) first")
         sample = bucketed(value, self.shape_buckets) if self.shape_buckets else value
-        return self._entry_for(plan_key(sample, [p.requires_grad for p in self._stage_parameters()]), sample)
+        trainable = [p.requires_grad for p in self._stage_parameters()]
+        return self._entry_for(plan_key(sample, trainable, side=self._side_outputs()), sample)
 
     def _entry_for(self, key: str, value: Any) -> Entry:
         """The whole-budget entry of plan key `key`, profiled and planned if new."""
@@ -401,6 +476,7 @@ class Checkpointable(nn.Module):
             self.budget = self._budget_of(measured.chain, device)
             self._first = (self.budget, no_recompute_peak(measured.chain))
             nbytes = self.budget
+            self._tell_own_checkpointing(nbytes, measured.chain)
         else:
             nbytes = self._shape_bytes(key, measured.chain, self._budget(), *self._first)
         if self.predict_shapes:
@@ -410,7 +486,9 @@ class Checkpointable(nn.Module):
 
     def _family(self, value: Any) -> str:
         """The plan key of `value` with each tensor's shape left out: inputs whose chains may be interpolated."""
-        return plan_key(value, [p.requires_grad for p in self._stage_parameters()], shapes=False)
+        return plan_key(
+            value, [p.requires_grad for p in self._stage_parameters()], shapes=False, side=self._side_outputs()
+        )
 
     def _predicted_entry(self, value: Any, key: str) -> Entry | None:
         """The entry of a shape of a measured family, planned on a chain bounding its own (`shapes.predicted_chain`)
@@ -469,9 +547,14 @@ class Checkpointable(nn.Module):
         """Whether a call of this step is pending (a budget shared with other chains waits to split again)."""
         return bool(self.calls.alive())
 
+    def _side_outputs(self) -> tuple[str, ...]:
+        """What a module-level chain's stages record and carry besides the hidden state (side_outputs.py)."""
+        run = self.discovery.run if self.discovery is not None else None
+        return (run.side or ()) if run is not None else ()
+
     def _stage_parameters(self) -> list[nn.Parameter]:
         """The stages' parameters in order (found once per set of stages)."""
-        cached = getattr(self, "_params_of", None)
+        cached = self._params_of
         if cached is None or cached[0] is not self.stages:
             cached = self._params_of = (self.stages, [p for stage in self.stages for p in stage.parameters()])
         return cached[1]
@@ -754,11 +837,7 @@ class Checkpointable(nn.Module):
         Its stages read the module's own buffers through copies of the references taken at
         discovery; a conversion replaces buffer tensors, so those references would be stale.
         """
-        self.module._apply(fn, *args, **kwargs)  # its children are ours; its own tensors are registered here too
-        for name in self._parameters:
-            self._parameters[name] = self.module._parameters[name]
-        for name in self._buffers:
-            self._buffers[name] = self.module._buffers[name]
+        self.module._apply(fn, *args, **kwargs)  # its registries are ours (`_share_registries`)
         if self.discovery is not None and self.discovery.graph is not None:
             self.discovery = None
             self._set_stages(None)
@@ -768,16 +847,42 @@ class Checkpointable(nn.Module):
             self.plan_cache.forget_call_plans()
         return self
 
+    def train(self, mode: bool = True) -> Checkpointable:
+        """The wrapped module's own `train(mode)` (its flag too, not only its children's: its forward reads it)."""
+        self.module.train(mode)
+        self.training = mode
+        return self
+
     def extra_repr(self) -> str:
         stages = len(self.stages) if self.stages is not None else f"found on the first call ({self.discover})"
         offload = f", offload={self.offload!r}" if self._offload_setting is not None else ""
         return f"stages={stages}, mem_limit={self.mem_limit!r}{offload}"
 
-    def __getstate__(self) -> dict[str, Any]:
-        """Copies and pickles leave out a step measurement in progress (its probe holds storage handles)."""
-        state = dict(self.__dict__)
-        state["_measurement"] = None
-        return state
+    # -- rotor's attributes apart from the user's names (docs/checkpointable.md, "Your module's names") --
+    def __getattr__(self, name: str) -> Any:
+        """Rotor's attribute `name`, else the wrapped module's child, parameter or buffer of that name."""
+        state = self.__dict__.get("_rotor")
+        if state is not None and name in state.__dict__:
+            return state.__dict__[name]
+        return super().__getattr__(name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """A plain value is rotor's (kept in `_rotor`, whatever the wrapped module names); a module or a tensor
+        is the user's, registered in the wrapped module's registries as nn.Module does; nn.Module's own stay."""
+        state = self.__dict__.get("_rotor")
+        if state is None or name in self.__dict__ or isinstance(value, (nn.Module, torch.Tensor)):
+            super().__setattr__(name, value)
+            return
+        state.__dict__[name] = value
+        if not hasattr(type(self), name):  # read fast from now on, by every Checkpointable (`RotorAttribute`)
+            setattr(type(self), name, RotorAttribute(name))
+
+    def __delattr__(self, name: str) -> None:
+        state = self.__dict__.get("_rotor")
+        if state is not None and name in state.__dict__:
+            delattr(state, name)
+        else:
+            super().__delattr__(name)
 
 
 def check_offload(offload: Any, host_limit: Any) -> tuple[str | float | None, int | None]:
@@ -832,24 +937,60 @@ def _check_settings(
     return discover, types
 
 
-def _adopt(owner: nn.Module, module: nn.Module) -> None:
-    """Register `module`'s children, parameters and buffers on `owner` (same objects, same state_dict keys)."""
-    for name, child in module._modules.items():  # every entry, repeats too: state_dict keys stay the module's
-        if child is not None:
-            owner.add_module(name, child)
-    for name, param in module._parameters.items():
-        if param is not None:
-            owner.register_parameter(name, param)
-    for name, buf in module._buffers.items():
-        if buf is not None:
-            owner.register_buffer(name, buf, persistent=name not in module._non_persistent_buffers_set)
+class RotorState:
+    """A `Checkpointable`'s own attributes (settings, stages, plans, budgets), in one plain object.
+
+    Kept apart from nn.Module's registries, which are the wrapped module's: no name the user's model
+    uses for a child, parameter or buffer (`shared`, `budget`, `plan`, ...) can meet one of rotor's.
+    """
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Copies and pickles leave out a step measurement in progress (its probe holds storage handles)."""
+        return {**self.__dict__, "_measurement": None}
+
+
+class RotorAttribute:
+    """A `Checkpointable` class attribute reading rotor's attribute `name` from `_rotor` (a dict lookup, not
+    nn.Module's `__getattr__` after a failed lookup); where this instance has none, the wrapped module's
+    child, parameter or buffer of that name is read, as nn.Module does."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        try:
+            return obj.__dict__["_rotor"].__dict__[self.name]
+        except KeyError:
+            return nn.Module.__getattr__(obj, self.name)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        type(obj).__setattr__(obj, self.name, value)
+
+
+for _name in ("module", "plain_module", "compiler", "stages"):  # written to `_rotor` directly (modules among them)
+    setattr(Checkpointable, _name, RotorAttribute(_name))
+
+
+_REGISTRIES = ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules")
+
+
+def _share_registries(owner: nn.Module, module: nn.Module) -> None:
+    """`owner`'s children, parameters and buffers are `module`'s: the same dicts, so the same objects under
+    the same names (`state_dict` keys, `parameters()`), whatever those names are; nothing is re-registered."""
+    for registry in _REGISTRIES:
+        object.__setattr__(owner, registry, module.__dict__[registry])
 
 
 def _loss_settings(loss_tmp: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> tuple[int | None, Any]:
-    """(`loss_tmp` bytes, `loss_fn`); a function given as `loss_tmp=` (before 0.2) moves to `loss_fn=`."""
+    """(`loss_tmp` bytes, `loss_fn`); a function given as `loss_tmp=` (deprecated in 0.2.0) moves to `loss_fn=`."""
     if callable(loss_tmp):
         warnings.warn(
-            "Checkpointable(loss_tmp=<function>) is deprecated: give the loss as loss_fn=; loss_tmp= takes bytes",
+            "Checkpointable(loss_tmp=<function>) is deprecated since 0.2.0: give the loss as loss_fn=; "
+            "loss_tmp= takes bytes",
             DeprecationWarning,
             stacklevel=3,
         )

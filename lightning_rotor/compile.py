@@ -184,7 +184,7 @@ def compile_stages(stages: Stages, compiler: StageCompiler | None) -> Stages:
     modules = tuple(
         m if isinstance(m, CompiledStage) else CompiledStage(m if is_compiled(m) else compiler(m), same) for m in stages
     )
-    return Stages(stages.names, modules, kind=stages.kind, notes=(*stages.notes, "stages compiled"))
+    return Stages(stages.names, modules, kind=stages.kind, notes=(*stages.notes, "stages compiled"), sides=stages.sides)
 
 
 def _allow_recompiles(needed: int) -> None:

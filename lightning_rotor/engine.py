@@ -100,9 +100,16 @@ class no_cast_cache:
         torch.set_autocast_cache_enabled(self.enabled)
 
 
-def _compact(grad: torch.Tensor) -> torch.Tensor | None:
-    """A copy of `grad` when it is a view that keeps a larger storage alive (see `compact_gradients`)."""
-    if grad.layout != torch.strided or grad.untyped_storage().nbytes() <= grad.numel() * grad.element_size():
+def _compact(grad: torch.Tensor | None) -> torch.Tensor | None:
+    """A copy of `grad` when it is a view that keeps a larger storage alive (see `compact_gradients`).
+
+    `grad` is None where no gradient reaches the input (the engine calls the hook all the same): nothing to copy.
+    """
+    if (
+        grad is None
+        or grad.layout != torch.strided
+        or grad.untyped_storage().nbytes() <= grad.numel() * grad.element_size()
+    ):
         return None
     return grad.clone()
 

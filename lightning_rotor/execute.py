@@ -55,6 +55,7 @@ from lightning_rotor.offload import SavedPart, TransferChannel, Transfers, buffe
 from lightning_rotor.ops import Op, OpKind, check_frozen_prefix, last_forwards, parse_ops, recomputed_stage_set
 from lightning_rotor.rng import GeneratorWatch, RecordRandom, ReplayFrom, ReplayRandom, Rewind, alone
 from lightning_rotor.selective import run_selective
+from lightning_rotor.stages import SideInputs
 
 # NOTE: [a step in two Functions]
 # Two autograd Functions carry one training step:
@@ -72,6 +73,18 @@ from lightning_rotor.selective import run_selective
 # through the whole backward phase, which the memory model does not allow. Here
 # the engine lets go of `δ_L` as soon as `HandOver` has stored it, and the
 # plan drops it at `B L-1`.
+
+# NOTE: [side inputs]
+# Stages may read tensors besides their input that require grad, the same for every stage (a decoder
+# block's encoder output: `SideInputs`, lightning_rotor/stages.py). Each stage's backward must stop at
+# them (the caller's graph behind them is backpropagated once, after the chain) and their gradient
+# must be the sum plain autograd makes, bitwise: plain autograd adds every contribution, in the order
+# the engine makes them (the last stage's first), into one buffer. So `_Tail` takes the side tensors
+# as inputs and returns their gradient; a recorded stage reads them through an `EnterStage` of its
+# own, and `B k` is seeded with the sum so far as one more root into that node: the engine runs the
+# graph root first, so the sum is in the node's buffer before stage k's contributions are added to it,
+# one by one, as in plain autograd. Joined backwards (several stages' contributions in one buffer each)
+# and reruns inside a backward (early stop, options) are not used with side inputs.
 
 _JOINED = "joined"  # a stage's entry when its input is a_k straight from stage k-1's graph
 
@@ -137,6 +150,11 @@ class _Step:
         # values offloaded to host memory and prefetched back (chain version 6); None: the plan moves none
         self.transfers = Transfers(runner.channel) if runner.channel is not None else None
         self.saved_parts: dict[int, SavedPart] = {}  # recorded stages whose saved part an OffloadSaved moves next
+        # side inputs (NOTE: [side inputs]): the call's side tensors (detached), per recorded stage the tensors it
+        # read in their place (and the slot catching their gradient), and their gradient summed so far
+        self.sides: list[torch.Tensor] = []
+        self.side_entries: dict[int, tuple[list, tuple]] = {}
+        self.side_grads: list[torch.Tensor | None] = []
         self.input_node: tuple[Any, int] | None = None  # EnterStage's node of a_0 for B 0, and its inputs
         # per tensor of a_0: its gradient in parts, one per use in stage 0 (NOTE: [a run's input gradient in parts])
         self.input_parts: list[list[torch.Tensor]] | None = None
@@ -215,7 +233,7 @@ class _Step:
                 else:
                     entry = _Caught([differentiable(t) for t in tensors_of(src)])  # EnterStage's slot: δ_k lands here
                     inp = None
-                with torch.enable_grad():
+                with torch.enable_grad(), self._sides(k, record=True):
                     if inp is None:
                         inp = enter_stage(src, entry, self.dummy, entry.wanted, compact=False)
                     if pack:
@@ -241,7 +259,7 @@ class _Step:
                     else:
                         del self.plain[k]
             else:
-                with torch.no_grad():
+                with torch.no_grad(), self._sides(k, record=False):
                     out = stage(src)
                 self.plain[k + 1] = out
             check_inplace(before, src, k, name)
@@ -250,6 +268,34 @@ class _Step:
             self._learn_quiet(k)
         if kind is OpKind.FN and k != 0:
             del self.plain[k]
+
+    @contextmanager
+    def _sides(self, k: int, record: bool) -> Iterator[None]:
+        """Stage k reads the side inputs through `EnterStage` when recorded (its backward stops there and the
+        slot catches their gradient, NOTE: [side inputs]), detached otherwise; the call's own ones afterwards."""
+        sides = self.runner.sides
+        if sides is None or not self.sides:  # no side input requires grad in this call
+            yield
+            return
+        values: Sequence[torch.Tensor] = self.sides
+        if record:
+            slot: list = []
+            values = enter_stage(tuple(self.sides), slot, self.dummy, compact=False)
+            self.side_entries[k + 1] = (slot, values)
+        sides.bind(values)
+        try:
+            yield
+        finally:
+            sides.bind(None)
+
+    def _side_roots(self, k: int) -> tuple[list, list, list]:
+        """(edges, gradients, slot) that seed `B k` with the side inputs' gradient summed so far (NOTE: [side
+        inputs]): each enters stage k's `EnterStage` first, so stage k's contributions are added to it in order."""
+        if k + 1 not in self.side_entries:
+            return [], [], []
+        slot, values = self.side_entries.pop(k + 1)
+        edges = [get_gradient_edge(v) if g is not None else None for v, g in zip(values, self.side_grads, strict=True)]
+        return edges, list(self.side_grads), slot
 
     def early_forward(self, k: int) -> None:
         """`Fc k` that also records stage k for `B k`, which then recomputes it with early stop.
@@ -432,11 +478,22 @@ class _Step:
             hooks += parts.install()
         # δ_{k+1} goes once the node receiving it has run, or at the latest when B k is done (δ_L too)
         done_at = [e for i in run[:-1] for e in self.joined_edges.get(i, [])]  # each boundary below B k
+        side_edges, side_grads, slot = self._side_roots(k)
         try:
-            backward_from_edges(edges, self.grads.pop(k + 1), free_grads=True, done_at=done_at, when_done=mark_top)
+            backward_from_edges(
+                [*edges, *side_edges],
+                [*self.grads.pop(k + 1), *side_grads],
+                free_grads=True,
+                done_at=done_at,
+                when_done=mark_top,
+            )
         finally:
             for handle in hooks:
                 handle.remove()
+        del side_grads
+        if slot:  # the sums, one per side tensor (None where nothing reached it: the sum so far stays)
+            self.side_grads = [new if new is not None else old for new, old in zip(slot, self.side_grads, strict=True)]
+        del slot
         for label in unmarked:
             self.probe.mark(label)
         del edges
@@ -552,6 +609,9 @@ class _Step:
         self.grads.clear()
         self.rng.clear()
         self.saved_parts.clear()
+        self.side_entries.clear()
+        self.side_grads = []
+        self.sides = []
         self.input_node = None
         self.input_parts = None
         if self.transfers is not None:
@@ -712,13 +772,17 @@ def _spread(parts: list[torch.Tensor], slots: int) -> list[torch.Tensor | None]:
 
 class _Tail(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, step: _Step, spec: Any, dummy: torch.Tensor, uses: tuple[int, ...], *args: Any) -> torch.Tensor:
+    def forward(
+        ctx, step: _Step, spec: Any, dummy: torch.Tensor, uses: tuple[int, ...], n_sides: int, *args: Any
+    ) -> torch.Tensor:
         # args: the chain input's leaves, each `uses` times (an edge per part of its gradient, NOTE: [a run's
-        # input gradient in parts]), then the stages' parameters (edges only, see `_check_backward_call`)
+        # input gradient in parts]), the side inputs (NOTE: [side inputs]), then the stages' parameters
+        # (edges only, see `_check_backward_call`)
         n_inputs = sum(uses)
-        inputs, ctx.n_params = args[:n_inputs], len(args) - n_inputs
-        firsts = itertools.accumulate(uses[:-1], initial=0)
-        leaves = [inputs[i] for i in firsts]
+        inputs, ctx.n_params = args[:n_inputs], len(args) - n_inputs - n_sides
+        step.sides = [t.detach() for t in args[n_inputs : n_inputs + n_sides]]
+        step.side_grads = [None] * n_sides
+        leaves = [inputs[i] for i in itertools.accumulate(uses[:-1], initial=0)]
         step.plain[0] = tree_unflatten(leaves, spec)
         runner = step.runner
         step.run(runner.forward_ops, runner.forward_last, runner.forward_pack, runner.forward_early)
@@ -739,6 +803,7 @@ class _Tail(torch.autograd.Function):
                 delta = [None] * sum(ctx.is_tensor)
             parts = iter(step.input_parts or [[] if g is None else [g] for g in delta])
             del delta
+            side_grads = step.side_grads
         finally:
             _add_stashed(stashed)
             step.clear()
@@ -746,7 +811,7 @@ class _Tail(torch.autograd.Function):
         deltas: list[torch.Tensor | None] = []
         for is_tensor, n in zip(ctx.is_tensor, ctx.uses, strict=True):
             deltas += _spread(next(parts), n) if is_tensor else [None] * n
-        return (None, None, None, None, *deltas, *[None] * ctx.n_params)
+        return (None, None, None, None, None, *deltas, *side_grads, *[None] * ctx.n_params)
 
 
 class _Output:
@@ -796,9 +861,11 @@ class PlanRunner:
         sizes: Sequence[int] | None = None,
         offloadable: Sequence[int] | None = None,
         early_stop: bool = True,
+        sides: SideInputs | None = None,
         input_uses: Sequence[int] = (),
     ):
         self.stages = list(stages)
+        self.sides = sides  # tensors every stage reads besides its input (NOTE: [side inputs])
         self.length = len(self.stages)
         self.names = list(names) if names is not None else [f"stage{k}" for k in range(self.length)]
         ops = parse_ops(ops)
@@ -830,16 +897,14 @@ class PlanRunner:
         self.forward_pack = [i in packed for i in range(split)]
         self.backward_pack = [i in packed for i in range(split + 1, len(ops))]
         # Fc k recorded under torch's checkpoint, Fe k skipped, B k recomputes with early stop
-        early = early_stops(ops, self.stages, self.frozen, self.in_free, packed) if early_stop else set()
-        self.early = {ops[i].stage for i in early}
-        self.forward_early = [i in early for i in range(split)]
-        self.backward_early = [i in early for i in range(split + 1, len(ops))]
+        self._early_ops = early_stops(ops, self.stages, self.frozen, self.in_free, packed) if early_stop else set()
         # B k then B k-1 at once: a recorded a_k may feed stage k as it is, joining the graphs
-        self.joinable = {
+        self._joinable = {
             op.stage
             for op, nxt in zip(self.backward_ops, self.backward_ops[1:], strict=False)
             if op.kind is OpKind.B and nxt == Op(OpKind.B, op.stage - 1)
         }
+        self._with_sides(False)
         # per tensor of a_0: how many edges of stage 0's graph use it (`Profile.input_uses`; none given: 1 each)
         self.input_uses = list(input_uses)
         self.quiet: set[int] = set()  # recomputed stages whose last recorded first run drew no random number
@@ -849,6 +914,19 @@ class PlanRunner:
         self._all_params: list[torch.Tensor] | None = None
         self._shared: list[torch.Tensor] | None = None
         self._plain_buffers: dict[int, list[torch.Tensor]] = {}
+
+    def _with_sides(self, on: bool) -> None:
+        """Early stops and joined backwards, unless this call has side inputs (NOTE: [side inputs]): then each
+        stage's backward is seeded with their gradient so far, and no stage reruns inside a backward (where the
+        side values bound to it are gone); an option (`Fs`), which always does, is refused."""
+        if on and any(op.kind is OpKind.FS for op in self.ops):
+            raise ValueError("a chain with side inputs has no stage options: an Fs op reruns its stage in a backward")
+        early = set() if on else self._early_ops
+        split = len(self.forward_ops)
+        self.early = {self.ops[i].stage for i in early}
+        self.forward_early = [i in early for i in range(split)]
+        self.backward_early = [i in early for i in range(split + 1, len(self.ops))]
+        self.joinable = set() if on else self._joinable
 
     def releases_plain(self, k: int) -> bool:
         """Does a plain `a_k` go after stage k's last forward? As the chain says (`in_free[k] > 0`).
@@ -927,9 +1005,11 @@ class PlanRunner:
         if step.probe is not None and hasattr(step.probe, "track"):
             step.probe.track(value)
         dummy = torch.empty(0, device=device, requires_grad=True)
+        sides = self.sides.tensors() if self.sides is not None else []
+        self._with_sides(bool(sides))
         slots = self._input_slots(flat)
         args = itertools.chain.from_iterable([t] * n for t, n in zip(flat, slots, strict=True))
-        token = _Tail.apply(step, spec, dummy, slots, *args, *self._parameters())
+        token = _Tail.apply(step, spec, dummy, slots, len(sides), *args, *sides, *self._parameters())
         end = _Output(step)
         outputs = HandOver.apply(end, token)
         return tree_unflatten(list(outputs), end.spec)

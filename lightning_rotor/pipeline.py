@@ -14,7 +14,8 @@ charges it to the chain, so the budget bounds the whole step.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -29,6 +30,7 @@ from lightning_rotor.memory import MemoryProbe, storage_bytes
 from lightning_rotor.ops import forward_counts
 from lightning_rotor.planner import Plan, plan
 from lightning_rotor.profile import LOSS_HELD, Profile, profile_chain
+from lightning_rotor.stages import SideInputs, side_inputs
 
 if TYPE_CHECKING:
     from lightning_rotor.discovery.modules import ModuleRun
@@ -53,10 +55,10 @@ class Outside(NamedTuple):
 
     before: int  # kept by the forward from before the run, beside the run's input
     tail: int  # peak of the rest of the forward, the loss and their backward above what is alive after the run
-    loss_value: int = LOSS_HELD  # the loss value and its seed gradient, held to the end of the step
-    # the gradient the code after the run sends to the run's input (a residual around the run), held to the end
-    # of the step: it waits in the buffer of the node that made the input until the chain's backward returns
-    input_grad: int = 0
+    # the loss value and its seed gradient, held to the end of the step, with the gradients that wait as long: a tied
+    # parameter's part from after the run (`waiting_gradients`), the run's input's part from after the run
+    # (NOTE: [the outside gradient of the run's input])
+    loss_value: int = LOSS_HELD
 
 
 @dataclass
@@ -105,21 +107,46 @@ def profile(
     loss: int | LossFn | None = loss_tmp if loss_tmp is not None else loss_fn
     if outside is not None:
         loss = LOSS_HELD  # placeholder bytes: charge_outside sets the loss from `outside`
-    measured = profile_chain(
-        stages,
-        sample,
-        names=names,
-        repeats=repeats,
-        warmup=warmup,
-        loss_tmp=loss,
-        progress=progress,
-        timed=timed,
-        options=options,
-        offload=offload,
-    )
+    sides = side_inputs(stages)
+    with side_leaves(sides) as leaves:
+        measured = profile_chain(
+            stages,
+            sample,
+            names=names,
+            repeats=repeats,
+            warmup=warmup,
+            loss_tmp=loss,
+            progress=progress,
+            timed=timed,
+            options=options and not leaves,  # an option reruns its stage in a backward, without the side values
+            offload=offload,
+        )
     if outside is not None:
         measured.chain = charge_outside(measured.chain, outside, loss_tmp)
+    measured.chain = charge_side_gradients(measured.chain, leaves)
     return measured
+
+
+@contextmanager
+def side_leaves(sides: SideInputs | None) -> Iterator[list[torch.Tensor]]:
+    """While profiling, the stages read leaves of their own in place of the side inputs: each stage's backward
+    stops there, as the executor's does at its `EnterStage` (NOTE: [side inputs] in lightning_rotor/execute.py)."""
+    leaves = [t.detach().requires_grad_(True) for t in sides.tensors()] if sides is not None else []
+    if sides is None or not leaves:
+        yield []
+        return
+    sides.bind(leaves)
+    try:
+        yield leaves
+    finally:
+        sides.bind(None)
+
+
+def charge_side_gradients(chain: Chain, sides: Sequence[torch.Tensor]) -> Chain:
+    """The side inputs' gradient, summed across the stages' backwards and held from the first to the end of the
+    step, charged with the loss value, which is held over the same ops (docs/memory-model.md, "Side inputs")."""
+    extra = sum(t.numel() * t.element_size() for t in sides)
+    return dataclasses.replace(chain, loss_value=chain.loss_value + extra) if extra else chain
 
 
 def charge_outside(chain: Chain, outside: Outside | tuple[int, int], loss_tmp: int | None = None) -> Chain:
@@ -145,10 +172,9 @@ def charge_outside(chain: Chain, outside: Outside | tuple[int, int], loss_tmp: i
         bwd_tmp=[chain.bwd_tmp[0] - outside.before, *chain.bwd_tmp[1:]],
         loss_tmp=tail_tmp,
         loss_tmp_kept=tail_tmp,
-        # with the loss value, held from the loss to the end of the step: the gradient the code after the run
-        # sends to the run's input (NOTE: [the outside gradient of the run's input]); where it is δ_L itself (an
-        # add hands both the same tensor), δ_L is charged twice until B L-1, the safe side
-        loss_value=outside.loss_value + outside.input_grad,
+        # with the gradients that wait as long (`Outside.loss_value`); where the run's input's part from after the
+        # run is δ_L itself (an add hands both the same tensor), δ_L is charged twice until B L-1, the safe side
+        loss_value=outside.loss_value,
     )
 
 
@@ -164,10 +190,11 @@ def runner(
     names: Sequence[str] | None = None,
     *,
     early_stop: bool = True,
+    sides: SideInputs | None = None,
     input_uses: Sequence[int] = (),
 ) -> PlanRunner:
     """What runs `chosen` on the stages: an autograd Function per call. `early_stop`, `input_uses`: see
-    `PlanRunner`."""
+    `PlanRunner`; `sides`: the stages' side inputs (default: those of `stages`, when a `Stages`)."""
     return PlanRunner(
         stages,
         chosen.ops,
@@ -176,6 +203,7 @@ def runner(
         sizes=chain.sizes,
         offloadable=chain.offloadable,
         early_stop=early_stop,
+        sides=sides if sides is not None else side_inputs(stages),
         input_uses=input_uses,
     )
 
@@ -226,15 +254,20 @@ def measure_outside(
     keeps). `a_L` is held throughout. Parameters' `.grad` are set aside meanwhile and put back
     untouched, buffers and the RNG stream too (`profile.Untouched`).
     """
-    from lightning_rotor.profile import LossInput, Untouched, caller_loss, grads_aside
+    from lightning_rotor.profile import LossInput, Untouched, caller_loss, grads_aside, leaves_reached
 
     probe = MemoryProbe(module)
     seen: dict[str, int] = {}
     held: list[Any] = []  # a_0 and a_L, held to the end
+    before_leaves: list[torch.Tensor] = []  # what the graph before the run (and the side inputs') accumulates into
 
     def blocks_without_grad(value: Any) -> Any:
         probe.mark("run")  # sweeps first: what died since the last op (temporaries of the code before) is not kept
+        # the run's input and side inputs may be the caller's own tensors, made before the probe (a decoder wrapped
+        # on its own gets the encoder output as an argument, which its blocks keep): counted once, held to the end
+        probe.track(value, *run.tensors())
         seen["before"] = probe.current - storage_bytes(value)
+        before_leaves.extend(leaves_reached([*tensors_of(value), *run.tensors()]))
         _catch_input_grad(value, seen)
         with torch.no_grad():
             out = run_stages(stages, value)
@@ -260,6 +293,7 @@ def measure_outside(
             loss = caller_loss(output, loss_fn)
             del output  # the caller holds the loss into the backward, not the output
             seen["value"] = 2 * storage_bytes(loss)  # the value and the gradient backward seeds it with
+            seen["value"] += waiting_gradients(leaves_reached([loss]), before_leaves)
             if loss.requires_grad:
                 with grads_aside(loss):  # parameters outside `module` (a loss_fn's): their .grad is the caller's
                     loss.backward()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
@@ -268,12 +302,12 @@ def measure_outside(
         run.uninstall()
         held.clear()
     after = seen.get("after", probe.peak)
-    before, value = max(0, seen.get("before", 0)), seen.get("value", LOSS_HELD)
-    return Outside(before, max(0, probe.peak - after), value, seen.get("input_grad", 0))
+    return Outside(max(0, seen.get("before", 0)), max(0, probe.peak - after), seen.get("value", LOSS_HELD))
 
 
 def _catch_input_grad(value: Any, seen: dict[str, int]) -> None:
-    """Count in `seen["input_grad"]` the bytes of the gradient the code after the run sends to the run's input.
+    """Add to `seen["value"]` (the loss value's bytes, held to the end of the step) those of the gradient the code
+    after the run sends to the run's input.
 
     NOTE: [the outside gradient of the run's input] a run's input used again after the run
     (`y = blocks(h); return y + h`) gets a gradient from the code after the run before the chain's
@@ -284,11 +318,19 @@ def _catch_input_grad(value: Any, seen: dict[str, int]) -> None:
     """
 
     def catch(grad: torch.Tensor) -> None:
-        seen["input_grad"] = seen.get("input_grad", 0) + storage_bytes(grad)
+        seen["value"] = seen.get("value", LOSS_HELD) + storage_bytes(grad)
 
     for t in tensors_of(value):
         if t.requires_grad:
             t.register_hook(catch)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+
+
+def waiting_gradients(after: Sequence[torch.Tensor], before: Sequence[torch.Tensor]) -> int:
+    """Bytes of the gradients of leaves both the code after the run and the code before it use (a tied embedding
+    and LM head): plain autograd holds the part from after the run in the accumulator's input buffer until the part
+    from before the run comes, i.e. through the chain's whole backward, as the loss value is held."""
+    earlier = {id(t) for t in before}
+    return sum(t.numel() * t.element_size() for t in after if id(t) in earlier and t.requires_grad)
 
 
 def _own_leaf(value: Any) -> Any:

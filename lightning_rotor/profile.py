@@ -168,14 +168,9 @@ def caller_loss(output: Any, loss_fn: Callable[[Any], torch.Tensor] | None = Non
     return own if own is not None else proxy_loss(output)
 
 
-@contextlib.contextmanager
-def grads_aside(root: torch.Tensor) -> Iterator[None]:
-    """Set aside `.grad` of every leaf a backward from `root` reaches; put the very tensors back after.
-
-    For a measuring backward through code that is not a stage (a caller's loss), whose
-    parameters `Untouched` does not know.
-    """
-    leaves, seen, todo = [], set(), [root.grad_fn]
+def leaves_reached(roots: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The leaves (parameters, inputs that require grad) a backward from `roots` accumulates into, once each."""
+    leaves, seen, todo = [], set(), [t.grad_fn for t in roots]
     while todo:
         node = todo.pop()
         if node is None or id(node) in seen:
@@ -185,6 +180,17 @@ def grads_aside(root: torch.Tensor) -> Iterator[None]:
         if leaf is not None:
             leaves.append(leaf)
         todo.extend(next_node for next_node, _ in node.next_functions)
+    return leaves
+
+
+@contextlib.contextmanager
+def grads_aside(root: torch.Tensor) -> Iterator[None]:
+    """Set aside `.grad` of every leaf a backward from `root` reaches; put the very tensors back after.
+
+    For a measuring backward through code that is not a stage (a caller's loss), whose
+    parameters `Untouched` does not know.
+    """
+    leaves = leaves_reached([root])
     saved = [t.grad for t in leaves]
     for t in leaves:
         t.grad = None

@@ -253,4 +253,4 @@ class Budget:
             self.short = False
 
 
-SharedBudget = Budget  # the name before 0.2 (docs/checkpointable.md showed it)
+SharedBudget = Budget  # its name before 0.2.0 (docs/checkpointable.md showed it), kept as an alias

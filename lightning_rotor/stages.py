@@ -10,10 +10,29 @@ are the same objects and `state_dict` keys are unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
+import torch
 from torch import nn
+
+
+class SideInputs(Protocol):
+    """Tensors that require grad and that every stage reads besides its chain input, the same objects for all
+    (a decoder block's encoder output, a U-Net block's time embedding): docs/discovery.md, "Side inputs".
+
+    The profiler and the executor give the stages other tensors in their place (`bind`), so that each stage's
+    backward stops at them and their gradient is summed across stages as plain autograd sums it.
+    """
+
+    def tensors(self) -> list[torch.Tensor]:
+        """This call's side tensors that require grad, in a fixed order."""
+        ...
+
+    def bind(self, values: Sequence[torch.Tensor] | None) -> None:
+        """From now on the stages read `values` (one per `tensors()`) in their place; None: the call's own."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -24,6 +43,7 @@ class Stages:
     modules: tuple[nn.Module, ...]
     kind: str = "sequential"
     notes: tuple[str, ...] = field(default=())  # cut points and guards, for the start-of-run summary
+    sides: SideInputs | None = None  # tensors every stage reads besides its input (None: none)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "names", tuple(self.names))
@@ -41,6 +61,11 @@ class Stages:
 
     def __getitem__(self, k: int) -> nn.Module:
         return self.modules[k]
+
+
+def side_inputs(stages: Any) -> SideInputs | None:
+    """The side inputs of `stages` (a `Stages`; any other sequence of stages has none)."""
+    return stages.sides if isinstance(stages, Stages) else None
 
 
 def sequential_stages(module: nn.Sequential) -> Stages:

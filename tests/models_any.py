@@ -1,7 +1,7 @@
 """Acceptance models for discovery, written as users write them (no nn.Sequential chain).
 
 The ResNet, the nanoGPT-style GPT and the transformers GPT-2 live in
-`lightning_rotor.bench.any_models` (the bench trains them too); the U-Net and the
+`lightning_rotor.models.as_written` (the bench trains them too); the U-Net and the
 branching models are here.
 """
 
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_rotor.bench.any_models import GPT, MLP, BasicBlock, Block, CausalSelfAttention, ResNet, gpt2
+from lightning_rotor.models.as_written import GPT, MLP, BasicBlock, Block, CausalSelfAttention, ResNet, gpt2
 
 __all__ = [
     "GPT",

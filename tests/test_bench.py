@@ -6,8 +6,11 @@ import csv
 from pathlib import Path
 
 import pytest
+import torch
 
 from lightning_rotor.bench import main
+from lightning_rotor.bench.workload import Workload, measure_peak
+from lightning_rotor.memory import MemoryProbe
 
 SMALL_MLP = ["--model", "mlp", "--size", "tiny", "--set", "hidden=128", "--set", "depth=4", "--batch-size", "32"]
 FAST = ["--repeats", "2", "--warmup", "0", "--threads", "1", "--quiet"]
@@ -149,3 +152,16 @@ def test_bad_budget_and_bare_sequential_without_shape_are_one_line_errors(
     assert main(["--model", "lightning_rotor.models.mlp:mlp", "--out", str(tmp_path), "--quiet"]) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--input-shape" in err[0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_measure_peak_on_cuda_leaves_the_stored_parameter_gradients_out() -> None:
+    """The allocator sees every allocation: the bench's CUDA peak must not count the gradients a step stores
+    (tensor accounting leaves them out by itself), or rotor is planned at another method's peak plus them."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)]).cuda()  # 1 MiB of weight each
+    w = Workload("linears", model, torch.randn(4, 512, device="cuda"), None, lambda out, _y: out.pow(2).mean(),
+                 torch.device("cuda"))  # fmt: skip
+    stored = sum(p.numel() * p.element_size() for p in model.parameters())
+    exact = measure_peak(w, model, 0, MemoryProbe(model))
+    assert measure_peak(w, model, 0) < exact + 2 * 2**20 < stored  # one gradient in flight above the activations

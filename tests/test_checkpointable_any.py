@@ -1,6 +1,6 @@
 """Checkpointable on models as users write them: the chain is discovered on the first training call.
 
-For each acceptance model (tests/models_any.py, lightning_rotor/bench/any_models.py) at 25/50/75%
+For each acceptance model (tests/models_any.py, lightning_rotor/models/as_written.py) at 25/50/75%
 and unlimited: loss, gradients and buffers bitwise equal to plain training over 3 steps, the
 measured activation peak within the budget and at least 0.85 of the prediction. A budget below
 the smallest feasible one must say so.
@@ -111,7 +111,7 @@ def test_a_longer_sequence_than_discovered_fails_the_users_assert_or_a_guard():
     shorter = x[:, :32]
     rotor(shorter).sum().backward()  # another length that passes the assert: same graph, its own plan
     assert len(rotor.entries) == 2
-    with pytest.raises(GuardFailed, match=r"any_models.py:\d+"):
+    with pytest.raises(GuardFailed, match=r"as_written.py:\d+"):
         rotor(torch.randint(64, (4, 65)))
 
 

@@ -309,7 +309,7 @@ def test_transformers_gpt2_falls_back_to_blocks_and_runs_them_exactly():
         torch.manual_seed(0)
         got = model(x).logits
         assert torch.equal(expected, got)
-        with pytest.raises(ChainDiverged, match="forward hook on transformer.h.0 would see its output"):
+        with pytest.raises(ChainDiverged, match=r"^output_hidden_states=True records the output of every block"):
             model(x, output_hidden_states=True)
     finally:
         found.run.uninstall()
@@ -319,9 +319,92 @@ def test_transformers_gpt2_falls_back_to_blocks_and_runs_them_exactly():
 
 
 def test_how_is_the_old_name_of_discover():
-    """`discover=` names the discovery method everywhere; `how=` (before 0.2) still works, with a warning."""
+    """`discover=` names the discovery method everywhere; `how=` (deprecated in 0.2.0) still works, with a warning."""
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
     x = torch.randn(2, 8)
     with pytest.warns(DeprecationWarning, match="discover="):
         old = discover(model, x, how="sequential")
     assert old.names == discover(model, x, discover="sequential").names
+
+
+class TimeNet(nn.Module):
+    """A diffusion-style net: a timestep that may be a tensor or a number, skips gathered with `skips += res`
+    from blocks that return their skips as a tuple (diffusers' down blocks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.temb, self.inp, self.out = nn.Linear(1, 8), nn.Linear(4, 8), nn.Linear(8, 4)
+        self.blocks = nn.ModuleList(Down() for _ in range(3))
+
+    def forward(self, x, t):
+        if not torch.is_tensor(t):  # diffusers' UNet2DModel: a Python number becomes a tensor
+            t = torch.tensor([t], dtype=x.dtype)
+        emb = self.temb(t.reshape(-1, 1).to(x.dtype))
+        h = self.inp(x)
+        skips = (h,)
+        for block in self.blocks:
+            h, res = block(h, emb)
+            skips += res  # a new tuple each time: no write into what an earlier stage holds
+        for s in skips:
+            h = h + s
+        return self.out(h)
+
+
+class Down(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, h, emb):
+        h = torch.tanh(self.lin(h) + emb)
+        return h, (h,)
+
+
+def test_torch_is_tensor_on_an_argument_is_answered_from_the_sample():
+    model, x, t = TimeNet(), torch.randn(3, 4), torch.rand(3)
+    found = graph_of(model, x, t)  # fx alone takes the number path on the proxy: torch.tensor([proxy]) fails
+    assert torch.equal(model(x, t), run_graph(found, x, t))
+    with pytest.raises(GuardFailed, match="argument t=0.5 is not a tensor"):
+        run_graph(found, x, 0.5)
+
+
+def test_a_tuple_grown_with_plus_equals_does_not_block_cuts():
+    model, x, t = TimeNet(), torch.randn(3, 4), torch.rand(3)
+    found = graph_of(model, x, t)
+    assert {"blocks.0", "blocks.1", "blocks.2"} <= set(found.stages.names)  # `skips += (h,)` makes a new tuple
+    assert any("iadd=(3: [3, 8], [3, 8], [3, 8])" in n for n in found.notes)  # the skips cross as one tuple
+
+
+class NormActConv(nn.Module):
+    """diffusers' `ResnetBlock2D` in small: one activation module applied three times in one forward."""
+
+    def __init__(self, c=8):
+        super().__init__()
+        self.norm1, self.norm2 = nn.GroupNorm(2, c), nn.GroupNorm(2, c)
+        self.conv1, self.conv2 = nn.Conv2d(c, c, 3, padding=1), nn.Conv2d(c, c, 3, padding=1)
+        self.proj = nn.Linear(c, c)
+        self.act = nn.SiLU()
+
+    def forward(self, x, temb):
+        h = self.conv1(self.act(self.norm1(x)))
+        h = h + self.proj(self.act(temb))[:, :, None, None]
+        return x + self.conv2(self.act(self.norm2(h)))
+
+
+class OneBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = NormActConv()
+
+    def forward(self, x, temb):
+        return self.block(x, temb)
+
+
+def test_a_run_never_holds_a_module_called_twice_in_its_parent():
+    from lightning_rotor.discovery.modules import find_runs
+
+    model, x, temb = OneBlock(), torch.randn(2, 8, 6, 6), torch.randn(2, 8)
+    runs = find_runs(model, (x, temb))
+    assert not any(model.block.act in r.blocks for r in runs)  # was [norm1, act, conv1]: act is called again on temb
+    with pytest.raises(DiscoveryError, match="no run of two or more sibling blocks"):
+        discover_chain(model, (x, temb), discover="modules")

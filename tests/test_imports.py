@@ -60,3 +60,16 @@ def test_lazy_names_resolve():
         assert getattr(lightning_rotor, name) is not None
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         lightning_rotor.nope  # noqa: B018
+
+
+def test_public_names_are_not_shadowed_by_their_submodules():
+    """`simulate` is both a public function and a submodule: importing the submodule first
+    (as `lightning_rotor.planner` does) made `from lightning_rotor import simulate` the module."""
+    code = (
+        "import importlib, importlib.util, lightning_rotor as lr\n"
+        "clash = [n for n in lr.__all__ if importlib.util.find_spec('lightning_rotor.' + n)]\n"
+        "for n in clash: importlib.import_module('lightning_rotor.' + n)\n"
+        "from lightning_rotor import simulate\n"
+        "print(clash, [n for n in clash if isinstance(getattr(lr, n), type(lr))], simulate.__name__)"
+    )
+    assert run(code) == "['simulate'] [] simulate"

@@ -11,7 +11,7 @@ import torch
 from lightning_rotor.bench.measure import run_compiled, run_interleaved
 from lightning_rotor.bench.methods import Row, eager_methods
 from lightning_rotor.bench.peers import is_peer_model
-from lightning_rotor.bench.report import checks, markdown, read_csv, write_csv, write_plot
+from lightning_rotor.bench.report import add_ratios, checks, markdown, read_csv, write_csv, write_plot
 from lightning_rotor.bench.workload import BenchError, load_workload, parse_kwargs
 from lightning_rotor.budget import BudgetError, parse_budget
 from lightning_rotor.models import MODELS
@@ -130,12 +130,7 @@ def run(args: argparse.Namespace) -> list[Row]:
         if fractions:
             bar.set_description(f"bench {args.model}: torch.compile")
             rows += run_compiled(w, fractions, args.repeats, args.warmup, args.seed, bar)
-    base = next((r.step_ms for r in rows if r.method == "none"), None)
-    for r in rows:
-        if r.step_ms is not None and base:
-            r.vs_none = r.step_ms / base
-        if r.predicted_peak and r.measured_peak is not None:
-            r.peak_gap = r.measured_peak / r.predicted_peak - 1
+    add_ratios(rows)
     return rows
 
 

@@ -179,6 +179,17 @@ def peer_methods(w: Workload, budgets: list[str], row: Callable[..., Row]) -> li
     ]
 
 
+def per_block_methods(w: Workload, budgets: list[str], row: Callable[..., Row], block: type) -> list[Method]:
+    """Every `block` checkpointed (`per_block`), and rotor at `budgets` and at per_block's measured peak
+    (its row's mem_limit "per_block"), so that the two compare at equal memory."""
+    per_block = _per_block(w.model, block)
+    peak = measure_peak(w, per_block, 0)  # rotor is also planned for exactly this many bytes ("per_block")
+    methods = rotor_methods(w, [*budgets, str(peak)], row)
+    methods[-1].row.mem_limit = "per_block"
+    r = row("per_block", note=f"torch.utils.checkpoint around every {block.__name__}")
+    return [*methods, Method(r, per_block)]
+
+
 def eager_methods(w: Workload, budgets: list[str], max_segments: int | None) -> list[Method]:
     dev = str(w.device)
 
@@ -191,14 +202,7 @@ def eager_methods(w: Workload, budgets: list[str], max_segments: int | None) -> 
     if not w.stages:  # a model as written: per-block checkpointing is the uniform scheme to beat
         if w.block is None:
             return [*methods, *rotor_methods(w, budgets, row)]
-        per_block = _per_block(w.model, w.block)
-        peak = measure_peak(w, per_block, 0)  # rotor is also planned for exactly this many bytes ("per_block")
-        tokens = [*budgets, str(peak)]
-        methods += rotor_methods(w, tokens, row)
-        methods[-1].row.mem_limit = "per_block"
-        r = row("per_block", note=f"torch.utils.checkpoint around every {w.block.__name__}")
-        methods.append(Method(r, per_block))
-        return methods
+        return [*methods, *per_block_methods(w, budgets, row, w.block)]
     methods += rotor_methods(w, budgets, row)
     seq = nn.Sequential(*w.stages)
     n = len(w.stages)

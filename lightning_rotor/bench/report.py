@@ -36,6 +36,17 @@ TABLE = (
 )  # fmt: skip
 
 
+def add_ratios(rows: list[Row]) -> None:
+    """Fill each row's `vs_none` (its median step over the `none` row's) and `peak_gap` (measured over predicted
+    peak, minus 1) where the figures exist."""
+    base = next((r.step_ms for r in rows if r.method == "none"), None)
+    for r in rows:
+        if r.step_ms is not None and base:
+            r.vs_none = r.step_ms / base
+        if r.predicted_peak and r.measured_peak is not None:
+            r.peak_gap = r.measured_peak / r.predicted_peak - 1
+
+
 def markdown(rows: list[Row]) -> str:
     lines = ["| " + " | ".join(h for _, h in TABLE) + " |", "|" + "---|" * len(TABLE)]
     for r in rows:

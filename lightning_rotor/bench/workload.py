@@ -13,7 +13,7 @@ from torch import nn
 
 from lightning_rotor.bench.any_models import ANY_MODELS
 from lightning_rotor.bench.peers import PeerError, build_peer_model, is_peer_model, own_blocks, own_checkpointing
-from lightning_rotor.memory import probe_for
+from lightning_rotor.memory import CudaMemoryProbe, probe_for
 from lightning_rotor.models import MODELS, ModelSpec
 from lightning_rotor.stages import sequential_stages
 
@@ -151,10 +151,20 @@ def load_workload(
     return Workload(model, built, x, y, loss, device, block=block)
 
 
-def measure_peak(w: Workload, forward: Callable[[torch.Tensor], Any], seed: int) -> int:
-    """Activation bytes at the step's peak, the chain input included (parameters and their gradients left out)."""
+def measure_peak(w: Workload, forward: Callable[[torch.Tensor], Any], seed: int, probe: Any = None) -> int:
+    """Activation bytes at the step's peak, the chain input included (parameters and their gradients left out).
+
+    `probe`: what measures (default: the allocator on CUDA, exact tensor accounting elsewhere). The allocator
+    sees every allocation, so for it the parameter gradients are made (zeros) before the step, as
+    `CudaMemoryProbe` asks: the gradients the step accumulates into them are then only transients, which the
+    profiler measures too; tensor accounting leaves stored gradients out by itself.
+    """
     w.model.zero_grad(set_to_none=True)
-    probe = probe_for(w.device, exclude=w.model)
+    probe = probe_for(w.device, exclude=w.model) if probe is None else probe
+    if isinstance(probe, CudaMemoryProbe):
+        for p in w.model.parameters():
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
     with probe:
         probe.track(w.x)
         torch.manual_seed(seed)

@@ -17,9 +17,10 @@ why a fallback was taken. docs/discovery.md states the guarantees and limits.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -154,9 +155,7 @@ def _graph(
 ) -> Discovery:
     leaf_types = tuple(checkpoint_modules) if checkpoint_modules is not None else block_types(module)
     bound = _bind(module, args, kwargs)
-    was_training = module.training
-    module.train()  # stages are for training: trace the training path (dropout on, BatchNorm batch statistics)
-    try:
+    with training_modes(module):
         chain = trace_chain(
             module,
             bound,
@@ -165,8 +164,6 @@ def _graph(
             trace_into_writers=checkpoint_modules is None,
             split_floor=checkpoint_modules is None,
         )
-    finally:
-        module.train(was_training)
     notes = [f"graph: {len(chain.stages)} stages, {chain.guards} shape guard(s)"]
     if chain.leaves:
         notes.append("kept whole (value-dependent branch inside): " + ", ".join(chain.leaves))
@@ -177,15 +174,26 @@ def _graph(
     return Discovery(stages, graph=chain, notes=notes)
 
 
+@contextlib.contextmanager
+def training_modes(module: nn.Module) -> Iterator[None]:
+    """Discovery in the modes training runs in: each module's own `training` flag (a block the user froze
+    with `.eval()`, frozen BatchNorm statistics say, stays in eval); a module itself in eval mode is traced
+    with every flag on, as stages are for training. Every flag is put back as it was, module by module."""
+    modes = [(m, m.training) for m in module.modules()]
+    if not module.training:
+        module.train()
+    try:
+        yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
+
+
 def _modules(
     module: nn.Module, args: Sequence[Any], kwargs: dict[str, Any], checkpoint_modules: Sequence[type] | None
 ) -> Discovery:
-    was_training = module.training
-    module.train()
-    try:
+    with training_modes(module):
         runs = find_runs(module, args, kwargs, checkpoint_modules=checkpoint_modules)
-    finally:
-        module.train(was_training)
     if not runs:
         which = f" of {[t.__name__ for t in checkpoint_modules]}" if checkpoint_modules else ""
         raise DiscoveryError(
@@ -209,8 +217,8 @@ def discover_chain(
     """Find the chain in `module` on a sample call `module(*sample_args, **sample_kwargs)`.
 
     Leaves no trace: buffers and the RNG stream are as before. Raises `DiscoveryError`
-    (or `ValueBranch`, with file and line) when `discover` cannot find a chain. (`how=` is
-    the name before 0.2 and still works, with a DeprecationWarning.)
+    (or `ValueBranch`, with file and line) when `discover` cannot find a chain. (`how=`,
+    deprecated in 0.2.0, still works, with a DeprecationWarning.)
     """
     method = _method(discover, how)
     if not isinstance(module, nn.Module):
@@ -261,10 +269,12 @@ def discover(
 
 
 def _method(discover: str, how: str | None) -> str:
-    """The discovery method asked for; `how=` (before 0.2) still works, with a DeprecationWarning."""
+    """The discovery method asked for; `how=` (deprecated in 0.2.0) still works, with a DeprecationWarning."""
     if how is not None:
         warnings.warn(
-            "discover_chain(how=...) is deprecated: give the method as discover=", DeprecationWarning, stacklevel=3
+            "discover_chain(how=...) is deprecated since 0.2.0: give the method as discover=",
+            DeprecationWarning,
+            stacklevel=3,
         )
         discover = how
     if discover not in DISCOVER_METHODS:

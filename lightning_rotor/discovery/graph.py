@@ -5,7 +5,8 @@ symbolic trace, so Python control flow on shapes (`assert T <= block_size`,
 `if x.dim() == 4`, `B, T = idx.size()`) is answered from the sample. Each answer
 becomes a guard node in the graph, checked on every call: a later input that
 would take the other branch raises `GuardFailed` instead of running the wrong
-code. A branch on tensor values inside a submodule makes that submodule one
+code. `torch.is_tensor` on a traced value is answered from the sample too (diffusers' timestep
+handling). A branch on tensor values inside a submodule makes that submodule one
 opaque stage part (a leaf, run as the user's module); one in the top-level
 forward raises `ValueBranch` with the file and line.
 
@@ -21,6 +22,7 @@ executor's recomputation guard.
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import inspect
 import operator
 import os
@@ -32,11 +34,11 @@ import torch
 from torch import fx, nn
 from torch.fx.node import map_aggregate, map_arg
 
-from lightning_rotor._torch_compat import fx_unpatched_module, tensor_version
+from lightning_rotor._torch_compat import fx_unpatched_module, tensor_version, tree_flatten
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
-DEFAULT_MAX_CARRY = 6
+DEFAULT_MAX_CARRY = 8  # a diffusion U-Net carries its time embedding and text context beside the skips
 
 
 class DiscoveryError(RuntimeError):
@@ -159,6 +161,12 @@ class ShapeProxy(fx.Proxy):
         return super().__getattr__(attr)
 
 
+def _has_proxy(value: Any) -> bool:
+    found: list[bool] = []
+    map_aggregate(value, lambda v: found.append(isinstance(v, fx.Proxy)))
+    return any(found)
+
+
 def _is_data(node_value: Any) -> bool:
     return any(isinstance(v, torch.Tensor) for v in _leaves(node_value))
 
@@ -184,6 +192,29 @@ class _real_modules:
         nn.Module.__call__, nn.Module.__getattr__ = self.patched
 
 
+class _answer_is_tensor:
+    """`torch.is_tensor(proxy)` answered from the sample while tracing (a proxy is no `torch.Tensor`).
+
+    diffusers' U-Nets read `if not torch.is_tensor(timesteps): timesteps = torch.tensor([timesteps])`:
+    plain fx takes the branch meant for Python numbers and fails on the proxy. Whether a value is a
+    tensor is structure, not data: the chain input's tensors stay tensors (`GraphChain.chain_input`
+    refuses anything else), and every traced op gives what it gave on the sample.
+    """
+
+    def __enter__(self) -> None:
+        self.original = original = torch.is_tensor
+
+        def is_tensor(obj: Any) -> bool:
+            if isinstance(obj, ShapeProxy):
+                return isinstance(obj._value(), torch.Tensor)
+            return original(obj)
+
+        torch.is_tensor = is_tensor  # type: ignore[assignment]
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.is_tensor = self.original  # type: ignore[assignment]
+
+
 class ShapeTracer(fx.Tracer):
     """torch.fx tracer that runs each op on the sample (see the module docstring)."""
 
@@ -202,6 +233,23 @@ class ShapeTracer(fx.Tracer):
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return ShapeProxy(node, self)
+
+    def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
+        with _answer_is_tensor():
+            return super().trace(root, concrete_args)
+
+    def create_arg(self, a: Any) -> Any:
+        """fx makes every dict a plain dict; a model output class (diffusers' `UNet2DOutput`, a Hugging Face
+        `ModelOutput`: dataclasses that are dicts) is rebuilt as such, so `model(x).sample` still works.
+
+        Only classes registered as pytree nodes (both libraries register theirs): the executor finds the
+        tensors of a stage's output by flattening it. Others stay plain dicts, as fx makes them.
+        """
+        if isinstance(a, dict) and type(a) is not dict and dataclasses.is_dataclass(a) and _has_proxy(a):
+            leaves = tree_flatten(a)[0]
+            if not (len(leaves) == 1 and leaves[0] is a):
+                return self.create_proxy("call_function", type(a), (), dict(a)).node
+        return super().create_arg(a)
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         if qualname in self.leaves:
@@ -288,13 +336,21 @@ _INPLACE_FUNCTIONS = {
     operator.imatmul,
     operator.setitem,
 }
+_AUGMENTED = _INPLACE_FUNCTIONS - {operator.setitem}  # `x op= y`: in place only where x's type defines it so
+_IMMUTABLE = (tuple, int, float, complex, str, bytes, frozenset, type(None))
 
 
-def _writes_into(node: fx.Node, root: nn.Module) -> fx.Node | None:
-    """The node whose value `node` overwrites in place, if any."""
+def _writes_into(node: fx.Node, root: nn.Module, values: dict[fx.Node, Any]) -> fx.Node | None:
+    """The node whose value `node` overwrites in place, if any.
+
+    `x += y` on a tuple or a number (diffusers' `down_block_res_samples += res_samples`) makes a new
+    value, as Python does for every immutable: no write, so no reason to keep the span in one stage.
+    """
     if not node.args or not isinstance(node.args[0], fx.Node):
         return None
     first = node.args[0]
+    if node.op == "call_function" and node.target in _AUGMENTED and isinstance(values.get(first), _IMMUTABLE):
+        return None
     if node.op == "call_method" and str(node.target).endswith("_") and not str(node.target).endswith("__"):
         return first
     if node.op == "call_function":
@@ -357,6 +413,12 @@ class GraphChain:
                     "discovered (non-tensor arguments are fixed into the traced graph)"
                 )
         values = [bound[n] for n in self.tensor_args]
+        for name, value in zip(self.tensor_args, values, strict=True):
+            if not isinstance(value, torch.Tensor):  # the trace answered `torch.is_tensor(name)` with True
+                raise GuardFailed(
+                    f"argument {name}={value!r} is not a tensor, but was one when the chain was discovered "
+                    "(the traced graph holds the tensor path); pass a tensor, as on the first call"
+                )
         return values[0] if len(values) == 1 else tuple(values)
 
 
@@ -638,7 +700,7 @@ def _cut(
         if s is not None and s not in by_storage:
             by_storage[s] = pos[n]
     for j, n in enumerate(body):
-        static = _writes_into(n, root)
+        static = _writes_into(n, root, tracer.values)
         for target in {*tracer.writes.get(n, ()), *([static] if static is not None else [])}:
             if target.op == "get_attr":
                 continue
@@ -697,7 +759,11 @@ def _ends_block(node: fx.Node, after: fx.Node, ends: set[str]) -> bool:
 
 
 def _shape_str(value: Any) -> str:
-    return f"{list(value.shape)}" if isinstance(value, torch.Tensor) else f"={value!r}"[:24]
+    if isinstance(value, torch.Tensor):
+        return f"{list(value.shape)}"
+    if isinstance(value, (tuple, list)) and _tensors(value):  # skips carried as a tuple: their shapes
+        return f"=({len(value)}: " + ", ".join(_shape_str(v).lstrip("=") for v in value) + ")"
+    return f"={value!r}"[:24]
 
 
 def _stage_name(mods: list[str], nodes: list[fx.Node], k: int) -> str:

@@ -16,6 +16,12 @@ divergence raises `ChainDiverged`. Intermediate calls return a placeholder
 tensor that refuses every torch operation, so a forward that uses a block's
 output elsewhere (e.g. `output_hidden_states=True`) fails loudly instead of
 reading a wrong value. The last call returns the chain output.
+
+What the blocks record besides their output through the model's own hooks (a Mixture-of-Experts
+model's router logits, with `output_router_logits=True`) are side outputs of the stages: each stage
+records into a collector of its own and carries what its blocks recorded, with the previous stages',
+to the end of the chain, where the last call hands them to the model's collector
+(lightning_rotor/side_outputs.py, `ModuleRun.side`).
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from lightning_rotor._torch_compat import has_forward_hooks, make_subclass, tensor_version, tree_flatten
+from lightning_rotor import side_outputs
+from lightning_rotor._torch_compat import forward_hooks, make_subclass, tensor_version, tree_flatten, tree_unflatten
 from lightning_rotor.stages import Stages
 
 
@@ -112,7 +119,13 @@ class ModuleRun:
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
     starts: list[int] | None = None  # the first block of each stage (None: one block per stage)
+    side: tuple[str, ...] | None = None  # names the blocks record from inside (side outputs); None: not called yet
+    slots: dict[int, tuple[str, ...]] = field(default_factory=dict)  # per stage: the name of each side output it adds
     _state: dict = field(default_factory=dict, repr=False)
+    _bound: list | None = field(default=None, repr=False)  # what the blocks read in place of the side tensors
+    # blocks returning a tuple (T5's hidden state and position biases): per element after the hidden state, the
+    # position of the argument it is (in the flattened other arguments) or None and the constant it is
+    passed: tuple[tuple[int | None, Any], ...] | None = None
 
     def stages(self) -> Stages:
         starts = self.starts or list(range(len(self.blocks)))
@@ -127,7 +140,27 @@ class ModuleRun:
             tuple(_BlockStage(self, lo, hi) for lo, hi in spans),
             kind="modules",
             notes=tuple(notes),
+            sides=self,
         )
+
+    # -- side inputs (lightning_rotor/stages.py, `SideInputs`) ----------------------------------
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors among this call's other arguments that require grad (an encoder output): side inputs."""
+        return [t for t in tree_flatten((self.args, self.kwargs))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+
+    def bind(self, values: Sequence[torch.Tensor] | None) -> None:
+        """The blocks read `values` in place of `tensors()` from now on (None: the call's own arguments)."""
+        self._bound = None if values is None else list(values)
+
+    def arguments(self) -> tuple[tuple, dict]:
+        """The blocks' other arguments, with the bound side values in place of the side tensors."""
+        if self._bound is None:
+            return self.args, self.kwargs
+        flat, spec = tree_flatten((self.args, self.kwargs))
+        bound = iter(self._bound)
+        flat = [next(bound) if isinstance(t, torch.Tensor) and t.requires_grad else t for t in flat]
+        args, kwargs = tree_unflatten(flat, spec)
+        return args, kwargs
 
     # -- run time -----------------------------------------------------------------------------
     def install(self, run_chain: Callable[[Any], Any]) -> None:
@@ -171,11 +204,11 @@ class ModuleRun:
 
     def _checked_call(self, k: int, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         state = self._state
-        if state["inside"] or not (self.blocks[k].training and torch.is_grad_enabled()):
+        # a block's own eval mode is the user's (frozen statistics): still the chain's; only no_grad is not
+        if state["inside"] or not torch.is_grad_enabled():
             if state["next"] != 0 and not state["inside"]:
                 raise ChainDiverged(
-                    f"{self.names[k]} ran in eval mode or without grad while the chain "
-                    f"expected {self.names[state['next']]} next"
+                    f"{self.names[k]} ran without grad while the chain expected {self.names[state['next']]} next"
                 )
             return original(*args, **kwargs)
         if not args:
@@ -191,6 +224,7 @@ class ModuleRun:
             )
         if k == 0:
             check_arguments(self.names[0], rest, kwargs)
+            self.side = side_names(self)
             self.args, self.kwargs = rest, dict(kwargs)
             state["output"] = state["run_chain"](x)
         else:
@@ -210,7 +244,7 @@ class ModuleRun:
                     "forward; a module-level chain needs the same non-hidden arguments for every block"
                 )
         last = k == len(self.blocks) - 1
-        if not last and has_forward_hooks(self.blocks[k]):
+        if not last and sees_block_output(self.blocks[k]):
             raise ChainDiverged(
                 f"a forward hook on {self.names[k]} would see its output, which a module-level rotor chain does not "
                 "make (only the last block's output exists); turn off what records block outputs "
@@ -219,9 +253,18 @@ class ModuleRun:
         state["next"] = 0 if last else k + 1
         if last:
             out, state["output"], state["token"] = state["output"], None, None
-            return out
+            if self.side:
+                out = hand_side_outputs(self, out)
+            return self._returned(out, rest, kwargs)
         state["token"] = _pending()
-        return state["token"]
+        return self._returned(state["token"], rest, kwargs)
+
+    def _returned(self, hidden: Any, args: tuple, kwargs: dict) -> Any:
+        """What a block call returns: the hidden state, or the observed tuple of it and the arguments it passes on."""
+        if self.passed is None:
+            return hidden
+        flat = tree_flatten((args, kwargs))[0]
+        return (hidden, *(flat[where] if where is not None else value for where, value in self.passed))
 
 
 class _Patched:
@@ -254,9 +297,23 @@ class _BlockStage(nn.Module):
 
     def _blocks(self, x: Any) -> Any:
         run = self.run
-        x = self.block(x, *run.args, **run.kwargs)
+        if not run.side:
+            with side_outputs.recording(()):  # a recomputation records nothing (NOTE: [side outputs])
+                return self._block_calls(x)
+        carried: tuple = ()
+        if self.k > 0:  # (hidden state, side outputs of the stages before)
+            x, carried = x[0], tuple(x[1:])
+        with side_outputs.recording(run.side) as recorded:
+            x = self._block_calls(x)
+        names, values = side_values(run, self.k, recorded)
+        run.slots[self.k] = names
+        return (x, *carried, *values)
+
+    def _block_calls(self, x: Any) -> Any:
+        args, kwargs = self.run.arguments()
+        x = _hidden(self.block(x, *args, **kwargs))
         for block in self.joined:
-            x = block(x, *run.args, **run.kwargs)
+            x = _hidden(block(x, *args, **kwargs))
         return x
 
 
@@ -290,8 +347,9 @@ def find_runs(
         writes = before is not None and tensor_version(a[0]) != before
         call = calls[open_calls.pop()]
         call.output, call.writes_input = out, writes
-        if isinstance(out, torch.Tensor):
-            uses.outputs[id(out)] = out
+        hidden = _hidden(out)
+        if hidden is not None:
+            uses.outputs[id(hidden)] = hidden
 
     seen: set[int] = set()
     for _, sub in module.named_modules():
@@ -321,16 +379,19 @@ def _runs(
     by_parent: dict[tuple[str, int], list[_Call]] = {}
     for c in calls:
         by_parent.setdefault((c.parent, c.depth), []).append(c)
+    alone = _called_once_per_parent(calls)
     runs: list[ModuleRun] = []
     for (parent, _), siblings in by_parent.items():
         current: list[_Call] = []
         for c in [*siblings, None]:
             usable = (
                 c is not None
+                and alone(c)
                 and (types is None or isinstance(c.module, tuple(types)))
                 and bool(c.args)
                 and isinstance(c.args[0], torch.Tensor)
-                and isinstance(c.output, torch.Tensor)
+                and _hidden(c.output) is not None
+                and _passed(c) is not _NOT_PASSED
             )
             if usable and current and _continues(current[-1], c, uses):
                 current.append(c)
@@ -344,6 +405,22 @@ def _runs(
     return runs
 
 
+def _called_once_per_parent(calls: list[_Call]) -> Callable[[_Call], bool]:
+    """Whether a call's module is called once per call of its parent, and nowhere else.
+
+    A module called twice inside one parent call (diffusers' `ResnetBlock2D.nonlinearity`, one
+    activation module applied after `norm1`, to `temb` and after `norm2`) cannot be a block of a run:
+    the run replaces the block's forward, so its other calls would reach the chain out of order.
+    Such a module ends a run where it stands, at discovery, rather than failing at run time.
+    """
+    of_module: dict[int, int] = {}
+    of_name: dict[str, int] = {}
+    for c in calls:
+        of_module[id(c.module)] = of_module.get(id(c.module), 0) + 1
+        of_name[c.name] = of_name.get(c.name, 0) + 1
+    return lambda c: of_module[id(c.module)] == (of_name.get(c.parent, 0) if c.parent else 1)
+
+
 def _joined_run(parent: str, calls: list[_Call], min_stages: int) -> ModuleRun | None:
     """The run of `calls` with each block that writes into its input in one stage with the block before
     (NOTE: [in-place block start] in lightning_rotor/discovery/graph.py). Blocks writing into the run's
@@ -354,9 +431,89 @@ def _joined_run(parent: str, calls: list[_Call], min_stages: int) -> ModuleRun |
         calls, starts = calls[first:], [s - first for s in starts[1:]]
     if len(starts) < min_stages:
         return None
+    passed = _passed(calls[0])
     return ModuleRun(
-        parent, [c.name for c in calls], [c.module for c in calls], starts=None if len(starts) == len(calls) else starts
+        parent,
+        [c.name for c in calls],
+        [c.module for c in calls],
+        starts=None if len(starts) == len(calls) else starts,
+        passed=None if passed is _NOT_PASSED else passed,
     )
+
+
+# NOTE: [side outputs] a block may record more than its output through the model's own forward hooks
+# (transformers: router logits, attention weights). Each stage runs with a collector of its own
+# (side_outputs.recording), so what it records is the value of this very run: recorded in `Fe`, plain
+# in `Fn`/`Fc`, and a recomputation in the backward records into a collector nobody reads, never twice
+# into the model's. The stage returns it after its hidden state, with the side outputs of the stages
+# before passed on untouched: `a_{k+1} = (h_{k+1}, side outputs of stages 0..k)`. So they are part of
+# the chain's values (charged as such in the memory model, their gradients as part of δ), they reach
+# the loss through the chain output, and their gradients come back to the stage that made them, whose
+# backward takes them with δ of its hidden state in one call, as plain autograd would.
+def side_names(run: ModuleRun) -> tuple[str, ...]:
+    """The names the running forward records from inside the run's blocks (checked at the run's first block).
+
+    Refuses a name recorded from the blocks themselves (`output_hidden_states`: every block's output,
+    which the chain never makes) and a change from the names the chain was profiled with.
+    """
+    names = side_outputs.recorded_names()
+    for name, block in zip(run.names, run.blocks, strict=True):
+        on_block = [n for n in side_outputs.recorders(block) if n in names]
+        if on_block:
+            raise ChainDiverged(
+                f"output_{on_block[0]}=True records the output of every block of the chain ({name} first), which "
+                "a module-level rotor chain never makes (only the last block's output exists); train with "
+                f"output_{on_block[0]}=False (compute what you need from the model's output) or without rotor"
+            )
+    inside = side_outputs.names_recorded_inside(run.blocks, names)
+    if run.side is not None and inside != run.side:
+        raise ChainDiverged(
+            f"this training call records {list(inside)} from inside the chain's blocks, the first one recorded "
+            f"{list(run.side)}; rotor profiled the chain with the first call's side outputs: keep output_* "
+            "(e.g. output_router_logits) the same for every training call"
+        )
+    return inside
+
+
+def side_values(run: ModuleRun, k: int, recorded: dict[str, list[Any]]) -> tuple[tuple[str, ...], list[Any]]:
+    """What stage k's blocks recorded, flat: the name of each value and the values, name by name."""
+    names: list[str] = []
+    values: list[Any] = []
+    for name, found in recorded.items():
+        for value in found:
+            if not isinstance(value, torch.Tensor):
+                raise ChainDiverged(
+                    f"{run.names[k]} records a {type(value).__name__} as {name}; rotor carries only tensors a block "
+                    f"records: train with output_{name}=False or without rotor"
+                )
+            names.append(name)
+            values.append(value)
+    return tuple(names), values
+
+
+def hand_side_outputs(run: ModuleRun, out: Any) -> Any:
+    """The chain output's hidden state; its side outputs go to the model's collector, as its hooks would put them."""
+    hidden, values = out[0], list(out[1:])
+    names = [n for k in sorted(run.slots) for n in run.slots[k]]
+    collector = side_outputs.active_collector()
+    if len(names) != len(values) or collector is None:
+        raise ChainDiverged(
+            f"the chain under {run.parent or '<root>'} carried {len(values)} side outputs for {len(names)} recorded "
+            "names, or the model records nothing now; keep output_* the same for every training call"
+        )
+    for name, value in zip(names, values, strict=True):
+        collector.setdefault(name, []).append(value)
+    return hidden
+
+
+def sees_block_output(block: nn.Module) -> bool:
+    """Would a forward hook see `block`'s output? The model's recording hooks do only while their name is recorded."""
+    recorded = side_outputs.recorded_names()
+    for hook in forward_hooks(block):
+        name = side_outputs.recorder_name(hook)
+        if name is None or name in recorded:
+            return True
+    return False
 
 
 def check_arguments(name: str, args: tuple, kwargs: dict) -> None:
@@ -379,8 +536,43 @@ def _parameters(blocks: list[nn.Module]) -> int:
     return sum(seen.values())
 
 
+_NOT_PASSED = object()  # a block output that is neither a tensor nor the hidden state and arguments passed on
+
+
+def _hidden(out: Any) -> torch.Tensor | None:
+    """The hidden state a block returns: its output, or the first element of the tuple it returns (T5)."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    return None
+
+
+def _passed(c: _Call) -> Any:
+    """`ModuleRun.passed` of a call: None for a tensor output; for a tuple, each later element as the position of the
+    argument it is (the same object) or a constant (None, numbers); `_NOT_PASSED` when an element is neither (a
+    tensor the block made, such as the position bias T5's first block computes)."""
+    if isinstance(c.output, torch.Tensor):
+        return None
+    flat = tree_flatten((c.args[1:], c.kwargs))[0]
+    passed = []
+    for value in c.output[1:]:
+        where = next((i for i, a in enumerate(flat) if a is value), None)
+        if where is None and (isinstance(value, torch.Tensor) or not _same(value, copy_constant(value))):
+            return _NOT_PASSED
+        passed.append((where, None if where is not None else value))
+    return tuple(passed)
+
+
+def copy_constant(value: Any) -> Any:
+    """`value` itself when it is a plain constant (None, a number, a string); a fresh object otherwise."""
+    return value if value is None or isinstance(value, (bool, int, float, str)) else object()
+
+
 def _continues(prev: _Call, c: _Call, uses: dict[int, list[tuple[int, ...]]]) -> bool:
-    if c.args[0] is not prev.output or any(c.module is b for b in (prev.module,)):
+    if c.args[0] is not _hidden(prev.output) or any(c.module is b for b in (prev.module,)):
+        return False
+    if _passed(prev) != _passed(c):
         return False
     rest_a, rest_b = prev.args[1:], c.args[1:]
     if len(rest_a) != len(rest_b) or set(prev.kwargs) != set(c.kwargs):
@@ -389,5 +581,6 @@ def _continues(prev: _Call, c: _Call, uses: dict[int, list[tuple[int, ...]]]) ->
         return False
     if not all(_same(prev.kwargs[n], c.kwargs[n]) for n in c.kwargs):
         return False
-    # the previous output may be used only inside the next call
-    return all(c.index in stack for stack in uses.get(id(prev.output), []))
+    # the previous output may be used only inside the next call, or inside the previous one itself: a block's output
+    # may be its last inner module's, which the block still reads (BART's `hidden_states.dtype` check) before returning
+    return all(c.index in stack or prev.index in stack for stack in uses.get(id(_hidden(prev.output)), []))

@@ -242,8 +242,9 @@ def wrap(
 
 
 def unwrap(model: nn.Module, wrapped: Sequence[Wrapped]) -> None:
-    """Put the user's modules back where `wrap` put rotor modules."""
+    """Put the user's modules back where `wrap` put rotor modules, their own checkpointing on again."""
     for item in reversed(wrapped):
+        item.rotor.restore_own_checkpointing()
         _set(model, item.name, item.original)
 
 

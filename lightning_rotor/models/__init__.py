@@ -6,6 +6,10 @@ target) and computes the loss (`spec.loss(output, target)`). The bench, the Ligh
 quickstart and the tests share these, so "resnet50" means one thing everywhere.
 Each spec carries `tiny` kwargs (a model that runs in milliseconds, for tests) and
 `bench` kwargs (a CPU-friendly size for the published benchmarks).
+
+`lightning_rotor.models.as_written` holds models written as users write them (a
+hand-written ResNet, a nanoGPT-style GPT, a transformers GPT-2 from a small config),
+whose chains rotor discovers.
 """
 
 from __future__ import annotations

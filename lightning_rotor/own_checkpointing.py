@@ -1,0 +1,111 @@
+"""The model's own checkpointing, under rotor: rotor plans the whole chain itself, and says so.
+
+Three ways a model checkpoints itself (docs/checkpointable.md, "The model's own checkpointing"):
+
+- a `gradient_checkpointing` flag on its modules: Hugging Face transformers layers after
+  `gradient_checkpointing_enable()`, diffusers blocks after `enable_gradient_checkpointing()`.
+  Left on, rotor would profile blocks that checkpoint themselves and recompute them again on top
+  (a block run up to five times for a few percent of memory). Rotor turns the flags off on the module
+  it wraps while it holds it (`unwrap`, at the end of a Trainer's fit, turns them back on);
+- `torch.utils.checkpoint.checkpoint` called in a forward, or torch's `checkpoint_wrapper` modules
+  (which call it): graph discovery traces through the call, so rotor's plan replaces it; discovery
+  sees the call (`checkpoint_calls`).
+
+Either way one warning says what rotor did, its budget, and what recomputing every stage once (what
+per-block checkpointing holds) would hold, so that a budget above what the user had is never silent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import sys
+from collections.abc import Iterator
+from types import CodeType, FrameType
+from typing import Any
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+
+from lightning_rotor.budget import format_bytes
+from lightning_rotor.chain import Chain
+from lightning_rotor.ops import Op
+from lightning_rotor.simulate import simulate
+
+
+def flagged(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """`module`'s submodules (itself included) whose own checkpointing is on (`gradient_checkpointing=True`)."""
+    return [(n, m) for n, m in module.named_modules() if getattr(m, "gradient_checkpointing", False) is True]
+
+
+def turn_off(modules: list[tuple[str, nn.Module]]) -> None:
+    for _, m in modules:
+        setattr(m, "gradient_checkpointing", False)  # noqa: B010 (a flag of the user's class, not nn.Module's)
+
+
+def turn_on(modules: list[tuple[str, nn.Module]]) -> None:
+    for _, m in modules:
+        setattr(m, "gradient_checkpointing", True)  # noqa: B010 (a flag of the user's class, not nn.Module's)
+
+
+def _checkpoint_code() -> frozenset[CodeType]:
+    """The code of `torch.utils.checkpoint.checkpoint`, every way it is called (undecorated)."""
+    return frozenset({inspect.unwrap(torch.utils.checkpoint.checkpoint).__code__})
+
+
+@contextlib.contextmanager
+def checkpoint_calls() -> Iterator[list[str]]:
+    """Records, while open, where `torch.utils.checkpoint.checkpoint` is called from (`file:line` of the first
+    caller outside torch and rotor), however the caller imported it (a `checkpoint_wrapper` module too). A profiler set
+    before is put back."""
+    codes, seen = _checkpoint_code(), []
+    before = sys.getprofile()
+    skipped = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
+
+    def watch(frame: FrameType, event: Any, arg: Any) -> None:
+        if event == "call" and frame.f_code in codes:
+            caller = frame.f_back
+            while caller is not None and caller.f_code.co_filename.startswith(skipped):
+                caller = caller.f_back
+            seen.append(f"{caller.f_code.co_filename}:{caller.f_lineno}" if caller else "torch")
+        if before is not None:
+            before(frame, event, arg)
+
+    sys.setprofile(watch)
+    try:
+        yield seen
+    finally:
+        sys.setprofile(before)
+
+
+def every_stage_ops(length: int) -> list[Op]:
+    """Per-stage checkpointing as a plan: each stage input kept, each stage recomputed once for its backward."""
+    ops = [Op("Fc", k) for k in range(length - 1)] + [Op("Fe", length - 1), Op("Loss"), Op("B", length - 1)]
+    for k in reversed(range(length - 1)):
+        ops += [Op("Fe", k), Op("B", k)]
+    return ops
+
+
+def every_stage_peak(chain: Chain) -> int:
+    """What recomputing every stage once holds at its peak (chain with no frozen prefix; else the no-recompute
+    figure is not comparable and 0 is returned)."""
+    if chain.frozen or chain.length < 2:
+        return 0
+    return simulate(chain, every_stage_ops(chain.length)).peak
+
+
+def warning(what: str, budget: int, chain: Chain) -> str:
+    """The one line telling what rotor did with the model's own checkpointing, and how its budget compares."""
+    per_stage = every_stage_peak(chain)
+    line = f"rotor: {what}; rotor plans the whole chain itself within {format_bytes(budget)}"
+    if not per_stage:
+        return line
+    per_block = "recomputing every stage once holds (rotor's figure for per-block checkpointing)"
+    if budget > per_stage:
+        return (
+            f"{line}, more than the {format_bytes(per_stage)} that {per_block}: it runs faster but may hold more "
+            f"than before; give mem_limit={per_stage} or less to hold no more"
+        )
+    return f"{line}, within the {format_bytes(per_stage)} that {per_block}"
