@@ -121,7 +121,7 @@ FOUND = {
     ),
     # found by the random run (issue 25): a module-level run whose input the forward adds after the run, about 1 KiB
     # over at most budgets: the gradient the add sends to the run's input waits for the chain's δ_0 through every
-    # B k, and was not charged (now held with the loss value, `pipeline.Outside.input_grad`)
+    # B k, and was not charged (now held with the loss value, `pipeline.Outside.loss_value`)
     "loop_input_used_after_over_budget": Spec(
         discover="modules",
         conv=False,
