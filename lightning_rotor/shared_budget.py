@@ -39,6 +39,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from fractions import Fraction
+from typing import Any
 
 import torch
 from torch import nn
@@ -51,6 +52,7 @@ from lightning_rotor.simulate import no_recompute_peak
 __all__ = [
     "AUTO_MARGIN",
     "OPTIMIZER_STATES",
+    "OUTSIDE",
     "Budget",
     "InfeasibleTotal",
     "SharedBudget",
@@ -59,6 +61,7 @@ __all__ = [
 ]
 
 AUTO_MARGIN = 0.9  # of the CUDA memory left for activations: allocator fragmentation and kernel workspaces
+OUTSIDE = "(outside the chains)"  # the need of the model's code around the chains (`Budget.charge_outside`)
 OPTIMIZER_STATES = 2  # per parameter, as Adam keeps (SGD with momentum keeps 1): assumed before the optimizer runs
 
 
@@ -124,6 +127,14 @@ class Budget:
         self.auto_bytes: int | None = None  # the CUDA automatic total, measured once
         self.auto_measured = False  # a lone chain's automatic budget was resolved (on its first chain)
         self.short = False  # the chains known so far need more than the total; raised once all have joined
+        self.hooks: list[
+            Any
+        ] = []  # handles of the model's hooks measuring the step outside the chains (step_outside.py)
+
+    def charge_outside(self, nbytes: int) -> None:
+        """What the step holds outside every chain (`step_outside.measure_step_outside`), before any chain joined:
+        one more need of `nbytes`, both its minimum and its peak (so in a fraction's base too), never recomputed."""
+        self.needs[OUTSIDE] = (nbytes, nbytes)
 
     @property
     def shared(self) -> bool:

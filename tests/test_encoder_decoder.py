@@ -260,9 +260,9 @@ def smallest_total(model: nn.Module, batch: dict, include: list[str]) -> int:
     ids=["bart", "marian", "whisper"],
 )
 def test_encoder_and_decoder_chains_share_one_budget_bitwise(make, batches):
-    """Both block runs are chains under one budget, both recompute at the smallest total, and training is bitwise
-    plain training's. (The whole step's peak is not asserted: the LM head and loss, computed by the model around the
-    wrapped decoder, are charged to no chain; docs/discovery.md, "Side inputs and several chains".)"""
+    """Both block runs are chains under one budget, both recompute at the smallest total, training is bitwise plain
+    training's, and the whole step (the LM head and loss the model computes around the chains included) stays within
+    the total (docs/discovery.md, "Side inputs and several chains")."""
     pytest.importorskip("transformers")
     from lightning_rotor.lightning.wrap import wrap
 
@@ -278,6 +278,7 @@ def test_encoder_and_decoder_chains_share_one_budget_bitwise(make, batches):
     assert chains["model.encoder"].stage_names == [f"layers.{i}" for i in range(3)]
     assert chains["model.decoder"].stage_names == [f"layers.{i}" for i in range(3)]
     assert all(sum(r > 1 for r in c.last_entry.runs) > 0 for c in chains.values())  # both recompute
+    assert whole_step_peak(rotor, batches[0]) <= total  # a planned step (the first one profiled)
     assert total < 0.75 * whole_step_peak(plain, batches[0])
 
 
@@ -304,23 +305,50 @@ def seq2seq_loader() -> DataLoader:
     return DataLoader(TensorDataset(ids, labels), batch_size=2)
 
 
-@pytest.mark.slow  # two Trainer fits per model, about 3 s each
-@pytest.mark.parametrize("make", [bart, t5], ids=["bart", "t5"])
-def test_encoder_decoder_trains_in_a_trainer_bitwise_at_the_smallest_budget(make, tmp_path):
-    """Through a real Trainer with `RotorStrategy` wrapping the encoder and the decoder (one budget), as plain."""
+class StepPeaks(pl.Callback):
+    """The measured activation peak of every training step but the first (which profiles), forward to backward."""
+
+    def __init__(self):
+        self.peaks: list[int] = []
+        self.probe = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        from lightning_rotor.memory import MemoryProbe
+
+        self.probe = MemoryProbe(pl_module).__enter__() if batch_idx > 0 else None
+
+    def on_after_backward(self, trainer, pl_module):
+        if self.probe is not None:
+            self.probe.__exit__(None, None, None)
+            self.peaks.append(self.probe.peak)
+
+
+@pytest.mark.slow  # two Trainer fits per model and budget, about 3 s each
+@pytest.mark.parametrize(
+    "make, budget",
+    [(bart, "smallest"), (bart, "50%"), (t5, "smallest"), (t5, "80%")],  # T5 needs over half its peaks
+    ids=["bart-smallest", "bart-50%", "t5-smallest", "t5-80%"],
+)
+def test_encoder_decoder_trains_in_a_trainer_bitwise_within_the_budget(make, budget, tmp_path):
+    """Through a real Trainer with `RotorStrategy` wrapping the encoder and the decoder (one budget), as plain, each
+    planned step's measured peak (the LM head and loss around the chains included) within the total."""
     pytest.importorskip("transformers")
     model = make()
     include = ["*encoder", "*decoder"]  # the model's encoder and decoder, wherever they stand
-    total = smallest_total(model, seq2seq_batches(1)[0], include)
-    runs = {}
+    total = smallest_total(model, seq2seq_batches(1)[0], include) if budget == "smallest" else budget
+    runs, peaks = {}, StepPeaks()
     for name, strategy in (("plain", "auto"), ("rotor", RotorStrategy(total, include=include))):
         task = Seq2Seq(copy.deepcopy(model))
-        quiet_trainer(tmp_path / name, strategy).fit(task, seq2seq_loader())
+        callbacks = [peaks] if name == "rotor" else []
+        quiet_trainer(tmp_path / name, strategy, callbacks=callbacks).fit(task, seq2seq_loader())
         runs[name] = task
     assert_same_parameters(runs["plain"].model, runs["rotor"].model)
     chains = runs["rotor"].chains
     assert len(chains) == 2 and all(len(c.stage_names) >= 2 for c in chains.values())
     assert all(sum(r > 1 for r in c.last_entry.runs) > 0 for c in chains.values())  # both recompute
+    limit = next(iter(chains.values())).shared.total_bytes()
+    assert budget != "smallest" or limit == total
+    assert len(peaks.peaks) == 2 and max(peaks.peaks) <= limit, (peaks.peaks, limit)
 
 
 class TwoSided(nn.Module):

@@ -35,6 +35,7 @@ from typing import Any
 
 from torch import nn
 
+from lightning_rotor import step_outside
 from lightning_rotor.budget import MemLimit, Offload, parse_budget
 from lightning_rotor.checkpointable import Checkpointable, check_offload
 from lightning_rotor.compile import compiled_inner
@@ -238,12 +239,16 @@ def wrap(
             rotor.shared, rotor.shared_name = shared, name
         _set(model, name, rotor)
         wrapped.append(Wrapped(name, module, rotor))
+    if shared is not None and len(wrapped) > 1:  # the model's code around the chains, charged to the budget
+        step_outside.install(model, {w.name: w.rotor for w in wrapped}, shared)
     return wrapped, why
 
 
 def unwrap(model: nn.Module, wrapped: Sequence[Wrapped]) -> None:
     """Put the user's modules back where `wrap` put rotor modules, their own checkpointing on again."""
     for item in reversed(wrapped):
+        if item.rotor.shared is not None:
+            step_outside.remove(item.rotor.shared)
         item.rotor.restore_own_checkpointing()
         _set(model, item.name, item.original)
 
