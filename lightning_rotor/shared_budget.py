@@ -37,6 +37,7 @@ needs the planner, so it sits beside it rather than in it.)
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterable
 from fractions import Fraction
 from typing import Any
@@ -207,6 +208,8 @@ class Budget:
         """
         if self.value is None and self.auto_bytes is None:
             self.auto_bytes = auto_total(device, parameters)
+        if self.hooks:
+            self._outside_unmeasured(name)
         needs = dict(self.needs)
         needs[name] = (min_feasible_budget(chain), no_recompute_peak(chain))
         before = self.needs
@@ -229,6 +232,19 @@ class Budget:
         self._tell_others(name, shares)
         self.shares[name] = shares[name]
         return shares[name]
+
+    def _outside_unmeasured(self, name: str) -> None:
+        """A chain joins before any module holding all the chains was called (the step calls them itself): what
+        its code around them holds cannot be measured; said once, in one line, and the hooks taken off."""
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
+        warnings.warn(
+            f"rotor: chain {name!r} ran before any module holding all the chains {self.names} was called, so what "
+            "the step computes around them (a head, the loss) is charged to no chain and may exceed the budget; "
+            "call the chains from one module's forward (the model's) to have it measured and charged",
+            stacklevel=4,
+        )
 
     def others_busy(self, name: str) -> bool:
         """Whether a chain other than `name` has calls pending in this step (its share may not shrink now)."""

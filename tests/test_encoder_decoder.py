@@ -392,3 +392,36 @@ def test_positional_side_inputs_under_autocast_train_bitwise_within_the_smallest
     rotor, ratio = check_at_smallest(model, batches, loss_fn, bf16, discover="modules")  # graph would trace it
     assert rotor.stage_names == [f"layers.{i}" for i in range(6)]
     assert ratio < 0.6
+
+
+class TwoStacks(nn.Module):
+    """Two chains and a head around them, in one forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Sequential(*[nn.Linear(16, 16) for _ in range(3)])
+        self.b = nn.Sequential(*[nn.Linear(16, 16) for _ in range(3)])
+        self.head = nn.Linear(16, 256)
+
+    def forward(self, x):
+        return self.head(self.b(self.a(x)))
+
+
+def test_code_around_several_chains_is_charged_when_a_holder_runs_them_else_told():
+    """Called through the model, its head (and the loss stand-in) is measured and charged beside the chains; chains
+    called one by one by the step itself cannot be measured around, and one warning says so."""
+    from lightning_rotor.lightning.wrap import wrap
+    from lightning_rotor.shared_budget import OUTSIDE
+
+    x = torch.randn(8, 16)
+    model = TwoStacks()
+    wrapped, _ = wrap(model, None, include=["a", "b"])
+    model(x).pow(2).mean().backward()
+    budget = wrapped[0].rotor.shared
+    assert budget.needs[OUTSIDE][0] >= 2 * 8 * 256 * 4  # the logits and their gradient, at least
+    assert not budget.hooks
+    apart = TwoStacks()
+    wrapped, _ = wrap(apart, None, include=["a", "b"])
+    with pytest.warns(UserWarning, match="charged to no chain"):
+        apart.head(apart.b(apart.a(x))).pow(2).mean().backward()
+    assert OUTSIDE not in wrapped[0].rotor.shared.needs and not wrapped[0].rotor.shared.hooks
