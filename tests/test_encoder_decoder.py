@@ -242,7 +242,7 @@ def whole_step_peak(model: nn.Module, batch: dict) -> int:
     return probe.peak
 
 
-def smallest_total(model: nn.Module, batch: dict, include: list[str]) -> int:
+def smallest_total(model: nn.Module, batch: dict, include: list[str] | None) -> int:
     """The smallest budget the encoder and decoder chains of `model` share (`InfeasibleTotal` names it)."""
     from lightning_rotor.lightning.wrap import wrap
     from lightning_rotor.shared_budget import InfeasibleTotal
@@ -325,16 +325,21 @@ class StepPeaks(pl.Callback):
 
 @pytest.mark.slow  # two Trainer fits per model and budget, about 3 s each
 @pytest.mark.parametrize(
-    "make, budget",
-    [(bart, "smallest"), (bart, "50%"), (t5, "smallest"), (t5, "80%")],  # T5 needs over half its peaks
-    ids=["bart-smallest", "bart-50%", "t5-smallest", "t5-80%"],
+    "make, budget, include",
+    [
+        (bart, "smallest", ["*encoder", "*decoder"]),  # the model's encoder and decoder, wherever they stand
+        (bart, "50%", ["*encoder", "*decoder"]),
+        (t5, "smallest", ["*encoder", "*decoder"]),
+        (t5, "80%", ["*encoder", "*decoder"]),  # T5 needs over half its peaks
+        (bart, "smallest", None),  # found without include: the model's get_encoder() and get_decoder()
+    ],
+    ids=["bart-smallest", "bart-50%", "t5-smallest", "t5-80%", "bart-default"],
 )
-def test_encoder_decoder_trains_in_a_trainer_bitwise_within_the_budget(make, budget, tmp_path):
+def test_encoder_decoder_trains_in_a_trainer_bitwise_within_the_budget(make, budget, include, tmp_path):
     """Through a real Trainer with `RotorStrategy` wrapping the encoder and the decoder (one budget), as plain, each
     planned step's measured peak (the LM head and loss around the chains included) within the total."""
     pytest.importorskip("transformers")
     model = make()
-    include = ["*encoder", "*decoder"]  # the model's encoder and decoder, wherever they stand
     total = smallest_total(model, seq2seq_batches(1)[0], include) if budget == "smallest" else budget
     runs, peaks = {}, StepPeaks()
     for name, strategy in (("plain", "auto"), ("rotor", RotorStrategy(total, include=include))):
@@ -345,6 +350,7 @@ def test_encoder_decoder_trains_in_a_trainer_bitwise_within_the_budget(make, bud
     assert_same_parameters(runs["plain"].model, runs["rotor"].model)
     chains = runs["rotor"].chains
     assert len(chains) == 2 and all(len(c.stage_names) >= 2 for c in chains.values())
+    assert [name.rsplit(".", 1)[-1] for name in chains] == ["encoder", "decoder"]
     assert all(sum(r > 1 for r in c.last_entry.runs) > 0 for c in chains.values())  # both recompute
     limit = next(iter(chains.values())).shared.total_bytes()
     assert budget != "smallest" or limit == total
