@@ -17,6 +17,7 @@ import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -256,10 +257,12 @@ def measure_outside(
     """
     from lightning_rotor.profile import LossInput, Untouched, caller_loss, grads_aside, leaves_reached
 
-    probe = MemoryProbe(module)
+    probe = MemoryProbe(module, record_curve=True)
     seen: dict[str, int] = {}
     held: list[Any] = []  # a_0 and a_L, held to the end
-    before_leaves: list[torch.Tensor] = []  # what the graph before the run (and the side inputs') accumulates into
+    # what the graph before the run (and the side inputs') accumulates into, and the stages' parameters
+    before_leaves: list[torch.Tensor] = [p for stage in stages for p in stage.parameters() if p.requires_grad]
+    waits = Waits(probe)  # when the measuring backward made and stored each waiting gradient
 
     def blocks_without_grad(value: Any) -> Any:
         probe.mark("run")  # sweeps first: what died since the last op (temporaries of the code before) is not kept
@@ -280,7 +283,7 @@ def measure_outside(
         handed = iter(HandOver.apply(end, token))  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         out = tree_unflatten([next(handed) if isinstance(t, torch.Tensor) else t for t in flat], spec)
         probe.reset_peak()
-        seen["after"] = probe.current
+        seen["after"], seen["after_ops"] = probe.current, probe.ops
         return out
 
     # copies of the caller's tensors as leaves of their own: the backward stops at them, not in the caller's graph
@@ -293,7 +296,9 @@ def measure_outside(
             loss = caller_loss(output, loss_fn)
             del output  # the caller holds the loss into the backward, not the output
             seen["value"] = 2 * storage_bytes(loss)  # the value and the gradient backward seeds it with
-            seen["value"] += waiting_gradients(leaves_reached([loss]), before_leaves)
+            waiting = waiting_leaves(leaves_reached([loss]), before_leaves)
+            seen["value"] += sum(t.numel() * t.element_size() for t in waiting)
+            waits.watch(waiting)
             if loss.requires_grad:
                 with grads_aside(loss):  # parameters outside `module` (a loss_fn's): their .grad is the caller's
                     loss.backward()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
@@ -301,8 +306,10 @@ def measure_outside(
     finally:
         run.uninstall()
         held.clear()
+        waits.remove()
     after = seen.get("after", probe.peak)
-    return Outside(max(0, seen.get("before", 0)), max(0, probe.peak - after), seen.get("value", LOSS_HELD))
+    tail = waits.peak(seen.get("after_ops", len(probe.curve)), after) - after
+    return Outside(max(0, seen.get("before", 0)), max(0, tail), seen.get("value", LOSS_HELD))
 
 
 def _catch_input_grad(value: Any, seen: dict[str, int]) -> None:
@@ -325,12 +332,62 @@ def _catch_input_grad(value: Any, seen: dict[str, int]) -> None:
             t.register_hook(catch)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
 
 
-def waiting_gradients(after: Sequence[torch.Tensor], before: Sequence[torch.Tensor]) -> int:
-    """Bytes of the gradients of leaves both the code after the run and the code before it use (a tied embedding
-    and LM head): plain autograd holds the part from after the run in the accumulator's input buffer until the part
-    from before the run comes, i.e. through the chain's whole backward, as the loss value is held."""
+def waiting_leaves(after: Sequence[torch.Tensor], before: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The leaves both the code after the run and the code before it or a stage use (a tied embedding and LM head).
+
+    NOTE: [gradients waiting for the chain] plain autograd holds the part of such a leaf's gradient made
+    after the run in the accumulator's input buffer until the other part comes, i.e. through the chain's
+    whole backward, as the loss value is held. A stage's parameter waits too: the executor's autograd
+    Function takes every trainable stage parameter as an input (`PlanRunner._parameters`), so the
+    accumulator waits for that Function's backward, the chain's last op.
+    """
     earlier = {id(t) for t in before}
-    return sum(t.numel() * t.element_size() for t in after if id(t) in earlier and t.requires_grad)
+    return [t for t in after if id(t) in earlier and t.requires_grad]
+
+
+class Waits:
+    """When a measuring backward makes and stores each waiting gradient (NOTE: [gradients waiting for the chain]).
+
+    The measurement stores it as `.grad` at once (nothing of the chain sends it a part there), so
+    the probe stops counting it; in training it waits, through the rest of the tail's backward too.
+    `peak` is the measured peak as training has it: each gradient held from the moment it is made,
+    and the accumulator's own ops (a copy to the parameter's layout), which training runs only
+    after the chain's backward, left out.
+    """
+
+    def __init__(self, probe: MemoryProbe) -> None:
+        self.probe = probe
+        # leaf id: (ops run when its gradient reached the accumulator, bytes), until it is stored
+        self.made: dict[int, tuple[int, int]] = {}
+        self.spans: list[tuple[int, int, int]] = []  # (ops run when made, ops run when stored, bytes)
+        self.handles: list[Any] = []
+
+    def watch(self, leaves: Iterable[torch.Tensor]) -> None:
+        for t in leaves:
+            self.handles.append(t.register_hook(partial(self._made, id(t))))  # type: ignore[no-untyped-call]
+            stored = partial(self._stored, id(t))
+            self.handles.append(t.register_post_accumulate_grad_hook(stored))  # type: ignore[no-untyped-call]
+
+    def _made(self, key: int, grad: torch.Tensor) -> None:
+        self.made[key] = (self.probe.ops, storage_bytes(grad))
+
+    def _stored(self, key: int, _: torch.Tensor) -> None:
+        if key in self.made:
+            made, nbytes = self.made.pop(key)
+            self.spans.append((made, self.probe.ops, nbytes))
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    def peak(self, start: int, floor: int) -> int:
+        """The largest bytes alive after an op from op `start` on (at least `floor`), had each gradient waited."""
+        curve, peak = self.probe.curve, floor
+        for i in range(start, len(curve)):
+            if not any(made <= i < stored for made, stored, _ in self.spans):
+                peak = max(peak, curve[i] + sum(nbytes for _, stored, nbytes in self.spans if stored <= i))
+        return peak
 
 
 def _own_leaf(value: Any) -> Any:
