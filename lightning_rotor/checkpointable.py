@@ -179,7 +179,9 @@ class Checkpointable(nn.Module):
         self.outside: dict[str, pipeline.Outside] = {}  # module-level chains: per call signature (measure_outside)
         self._outside_now: pipeline.Outside | None = None
         self.fallback_plain = fallback_plain  # no chain found: warn once and run the module's forward as written
-        self.distributed = False  # set under DDP: a parameter shared by two stages is refused (`shared_parameters`)
+        # set under DDP: a parameter shared by two stages is refused (`shared_parameters`), and the plan's backward
+        # alone calls the parameters' accumulators (NOTE: [no parameter edges under DDP] in execute.py)
+        self.distributed = False
         self.on_discovered: Callable[[Checkpointable], None] | None = None  # called once the stages are found
         self.no_chain = ""  # why no chain was found, when falling back
         self.mem_limit = mem_limit
@@ -418,6 +420,7 @@ class Checkpointable(nn.Module):
             output = plain_call()  # no recomputation: plain autograd frees exactly as the plan does
             self.calls.add(call, peak, output)
             return output
+        entry.runner.parameter_edges = not self.distributed  # NOTE: [no parameter edges under DDP] (execute.py)
         if measurement is not None:
             entry.runner.probe = measurement.started(entry)
         try:

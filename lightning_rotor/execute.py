@@ -915,6 +915,8 @@ class PlanRunner:
         self._norms: dict[int, list[nn.Module]] = {}
         self._all_params: list[torch.Tensor] | None = None
         self._shared: list[torch.Tensor] | None = None
+        # off under DDP: the plan's backward alone calls the accumulators (NOTE: [no parameter edges under DDP])
+        self.parameter_edges = True
         self._plain_buffers: dict[int, list[torch.Tensor]] = {}
 
     def _with_sides(self, on: bool) -> None:
@@ -963,7 +965,18 @@ class PlanRunner:
         (with no gradient), which would run its post-accumulate-grad hooks twice;
         parameters with such hooks are left out (`autograd.grad` of those alone
         is then not detected).
+
+        NOTE: [no parameter edges under DDP] DDP's reducer marks a parameter ready from a hook on its
+        accumulator (C++, invisible from Python), and every call of the accumulator counts, a call without a
+        gradient too. The plan's backward already called it once, so the edge would mark the parameter a
+        second time ("marked as ready twice"), unless that backward happened to mark the model's last
+        parameter (the reducer then stops listening until the next step: one chain, nothing trainable before
+        it). With `parameter_edges` off (`Checkpointable.distributed`) each accumulator runs once per step,
+        as in plain DDP, and `autograd.grad` of the chain's parameters alone is not detected (DDP's reducer
+        waits for every parameter's gradient anyway).
         """
+        if not self.parameter_edges:
+            return []
         params, _ = self._walk_parameters()
         return [p for p in params if p.requires_grad and not has_post_accumulate_grad_hooks(p)]
 
