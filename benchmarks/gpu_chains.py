@@ -9,9 +9,10 @@ Rotor's NeurIPS 2021 offloading paper evaluates ResNet-101, DenseNet-121 and Inc
   `size(B) = size(2) + (B - 2) * (size(3) - size(2))` is exact; `--check` profiles batch 4 as well and
   fails unless the extension predicts it to the byte. The transient peaks within an op (`fwd_tmp`,
   `bwd_tmp`, `fwd_tmp_nograd`) are maxima of affine terms, which may change hands as the batch grows:
-  they are extended from the same two batches and `--check` prints their error at batch 4 (Inception-v3:
-  0.6 MB on one stage; the tiny GPT of tests/test_gpu_chains.py: none, the full chain equal to a
-  profile at the target batch). Transformer blocks are identical, so the profiler measures a model with
+  they are extended from the same two batches and `--check` prints their error at batch 4 (DenseNet-121:
+  none; Inception-v3: 0.6 MB, ResNet-101: 2.1 MB, on one `bwd_tmp`; the tiny GPT of
+  tests/test_gpu_chains.py: none, the full chain equal to a profile at the target batch). Transformer
+  blocks are identical, so the profiler measures a model with
   3 blocks (first, middle, last) and the middle block's record stands for every middle block;
 - **times from a per-operation roofline** on meta tensors at the target batch (nothing is allocated): each
   aten op of a stage's forward and of its backward costs `max(flops / RATE, bytes / HBM)`, FLOPs from
