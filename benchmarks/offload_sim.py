@@ -40,6 +40,9 @@ EXAMPLE_TIMES = {  # where the example chains' times come from
 }
 HAND_WRITTEN = "examples/, hand-written, GPU-like (origin not recorded)"
 CHAINS_DIR = ROOT / "benchmarks" / "results" / "offload_sim_chains"
+GPU_CHAINS = ROOT / "benchmarks" / "results" / "gpu_chains"  # benchmarks/gpu_chains.py writes them
+GPU_SOURCE = "gpu_chains.py: sizes profiled, times V100 fp32 roofline"
+SLOWDOWN = 1.2  # the paper's mark: the smallest budget whose plan runs within 1.2x the no-recomputation time
 CHART = ROOT / "docs" / "benchmarks" / "offload_sim.png"
 BANDWIDTHS = [12e9, 25e9, 64e9]  # about PCIe 3 x16, PCIe 4 x16, PCIe 5 x16 (each way, in practice less)
 IDEAL = 1e15  # a link no copy waits on: what the planner's family of offloading schedules could give at best
@@ -106,9 +109,15 @@ def estimated_saved_parts(chain: Chain) -> Chain:
     return dataclasses.replace(chain, offloadable=beyond)
 
 
-def chains_to_study(models: list[str], examples: bool, saved_parts: bool = True) -> dict[str, tuple[Chain, str]]:
-    """name -> (chain, where its times come from); without `saved_parts` only stage inputs may move."""
+def chains_to_study(
+    models: list[str], examples: bool, saved_parts: bool = True, gpu: bool = False
+) -> dict[str, tuple[Chain, str]]:
+    """name -> (chain, where its times come from); without `saved_parts` only stage inputs may move; `gpu`: the
+    GPU-like chains of benchmarks/gpu_chains.py too."""
     found: dict[str, tuple[Chain, str]] = {}
+    if gpu:
+        for path in sorted(GPU_CHAINS.glob("*.json")):
+            found[path.stem] = (Chain.load(path), GPU_SOURCE)
     for name in models:  # profiled with offloading on: their offloadable bytes are measured (0 where none)
         found[name] = (Chain.load(CHAINS_DIR / f"{name}.json"), "profiled here, CPU, 1 thread")
     if examples:
@@ -198,6 +207,12 @@ def at_mark(points: list[Point], peak: int, fraction: float) -> Point | None:
     return next((p for p in points if p.budget == budget), None)
 
 
+def within(points: list[Point], which: str) -> str:
+    """The smallest budget of the sweep, as a share of the plain peak, whose plan runs within `SLOWDOWN`x."""
+    fast = [p.fraction for p in points if getattr(p, which) <= SLOWDOWN * p.no_recompute]
+    return f"{100 * min(fast):.0f}%" if fast else "none"
+
+
 def share(p: Point | None) -> str:
     if p is None:
         return "below floor"
@@ -212,8 +227,8 @@ def report(results: dict[tuple[str, float], list[Point]], chains: dict[str, tupl
         "",
         "| chain (stages) | times from | checkpoints/saved | link | copy/forward | floor, recompute-only "
         "| floor, offload | overhead removed at 50% | at 30% | mean over the sweep | best (budget) "
-        "| points offloading |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| points offloading | smallest budget within {SLOWDOWN}x, recompute-only / offload |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     links = sorted({bw for _, bw in results})
     means: dict[float, dict[float, list[float]]] = {bw: {f: [] for f in MARKS} for bw in links}
@@ -239,7 +254,8 @@ def report(results: dict[tuple[str, float], list[Point]], chains: dict[str, tupl
             f"{format_bytes(min_feasible_budget(chain, bandwidth=bandwidth))} | "
             f"{share(marks[0])} | {share(marks[1])} | "
             f"{f'{100 * statistics.fmean(removed):.0f}%' if removed else '-'} | {best_cell} | "
-            f"{sum(1 for p in points if p.offloaded)} of {len(points)} |"
+            f"{sum(1 for p in points if p.offloaded)} of {len(points)} | {within(points, 'recompute_only')} / "
+            f"{within(points, 'offload')} |"
         )
     lines += ["", "Share of recompute-only's overhead removed, by chain:", "", *compact(results, chains, links)]
     lines += [
@@ -384,11 +400,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--inputs-only", action="store_true", help="offload stage inputs only (no saved parts of recorded stages)"
     )
+    parser.add_argument("--gpu", action="store_true", help="the chains of benchmarks/gpu_chains.py only")
     args = parser.parse_args(argv)
+    if args.gpu:
+        args.models, args.no_examples = [], True
     missing = [m for m in args.models if not (CHAINS_DIR / f"{m}.json").exists()]
     if args.reprofile or missing:
         profile_zoo(args.models if args.reprofile else missing, CHAINS_DIR)
-    chains = chains_to_study(args.models, not args.no_examples, saved_parts=not args.inputs_only)
+    chains = chains_to_study(args.models, not args.no_examples, saved_parts=not args.inputs_only, gpu=args.gpu)
     results: dict[tuple[str, float], list[Point]] = {}
     for name, (chain, _) in chains.items():
         budgets = budgets_of(chain, args.budgets)

@@ -31,6 +31,8 @@ class OpKind(str, Enum):
     PREFETCH = "Prefetch"  # start copying a_k back to the device (chain version 6)
     OFFLOAD_SAVED = "OffloadSaved"  # start copying what `Fe k` saved (offloadable[k] bytes) to host memory
     PREFETCH_SAVED = "PrefetchSaved"  # start copying stage k's saved part back, for B k
+    WAIT = "Wait"  # compute idles until the copy of a_k issued last (offload or prefetch) has ended
+    WAIT_SAVED = "WaitSaved"  # compute idles until the copy of stage k's saved part issued last has ended
 
     def __str__(self) -> str:
         return self.value

@@ -98,7 +98,8 @@ def _replay(chain: Chain, ops: list[Op], first_op: int = 0, first_stage: int = 0
     An offloaded `a_k` leaves device memory at the start of the first op at or after its copy ends; a
     prefetched one occupies it from the prefetch on (docs/memory-model.md, "Offloading"). The saved part
     of a recorded stage k (`offloadable[k]` bytes of the graph `Fe k` recorded) moves the same way, by
-    `OffloadSaved k` and `PrefetchSaved k`; only `B k` reads it.
+    `OffloadSaved k` and `PrefetchSaved k`; only `B k` reads it. `Wait k` (`WaitSaved k`) idles compute
+    until the latest copy of `a_k` (of stage k's saved part) has ended, so what it frees is free from then on.
     """
     length = chain.length
     s = chain.sizes
@@ -170,15 +171,12 @@ def _replay(chain: Chain, ops: list[Op], first_op: int = 0, first_stage: int = 0
             waits.append(end - now)
             now = end
 
-    def not_held(k: int, n: int) -> str:
-        return f"needs a_{n}, which is not held" + (f" (offloaded: Prefetch {n} first)" if k in on_host else "")
+    issued: dict[int, float] = {}  # k: end of the latest copy of a_k issued (what `Wait k` waits for)
+    saved_issued: dict[int, float] = {}  # k: the same for stage k's saved part (`WaitSaved k`)
 
-    for i, op in enumerate(ops):
-        kind = op.kind
-        k = -1 if op.stage is None else op.stage  # -1: the loss, which has no stage
-        n = k + first_stage  # the stage's index in messages
-        if kind is not OpKind.LOSS and not 0 <= k < length:
-            raise fail(i, op, f"stage index out of range 0..{length + first_stage - 1}")
+    def settle() -> None:
+        """Copies ended by `now` free their source: an offload's device copy, a prefetch's host copy."""
+        nonlocal cur, host
         for j, end in list(leaving.items()):  # offloads done by now free their device copy
             if end <= now:
                 cur -= s[j]
@@ -195,6 +193,34 @@ def _replay(chain: Chain, ops: list[Op], first_op: int = 0, first_stage: int = 0
             if end <= now:
                 host -= offloadable[j]
                 del saved_host_freed[j]
+
+    def not_held(k: int, n: int) -> str:
+        return f"needs a_{n}, which is not held" + (f" (offloaded: Prefetch {n} first)" if k in on_host else "")
+
+    for i, op in enumerate(ops):
+        kind = op.kind
+        k = -1 if op.stage is None else op.stage  # -1: the loss, which has no stage
+        n = k + first_stage  # the stage's index in messages
+        if kind is not OpKind.LOSS and not 0 <= k < length:
+            raise fail(i, op, f"stage index out of range 0..{length + first_stage - 1}")
+        settle()
+        if kind is OpKind.WAIT or kind is OpKind.WAIT_SAVED:
+            saved = kind is OpKind.WAIT_SAVED
+            if k not in (saved_issued if saved else issued):
+                what = f"the saved part of stage {n}" if saved else f"a_{n}"
+                raise fail(i, op, f"no copy of {what} was issued before (Offload/Prefetch it first)")
+            end = (saved_issued if saved else issued)[k]
+            during = cur  # held while compute idles; what the copy frees goes at its end
+            if end > now:
+                times.append(end - now)
+                waits.append(end - now)
+                now = end
+            settle()
+            peak = max(peak, during)
+            op_peaks.append(during)
+            curve.append(cur)
+            host_curve.append(host)
+            continue
         if kind is OpKind.OFFLOAD_SAVED or kind is OpKind.PREFETCH_SAVED:
             if bandwidth <= 0:
                 raise fail(i, op, "the chain has no transfer bandwidth (bandwidth 0: no offloading)")
@@ -211,7 +237,7 @@ def _replay(chain: Chain, ops: list[Op], first_op: int = 0, first_stage: int = 0
                     raise fail(i, op, f"the saved part of stage {n} is already on the host")
                 if k in saved_arriving:
                     raise fail(i, op, f"the saved part of stage {n} is still being prefetched")
-                saved_leaving[k] = transfer(offloadable[k])
+                saved_leaving[k] = saved_issued[k] = transfer(offloadable[k])
                 saved_on_host.add(k)
                 host += offloadable[k]
                 if chain.host_limit is not None and host > chain.host_limit:
@@ -221,7 +247,7 @@ def _replay(chain: Chain, ops: list[Op], first_op: int = 0, first_stage: int = 0
                     raise fail(i, op, f"the saved part of stage {n} is not on the host (no OffloadSaved {n} before)")
                 saved_on_host.discard(k)
                 cur += offloadable[k]  # on the device again from the prefetch's start
-                saved_arriving[k] = saved_host_freed[k] = transfer(offloadable[k])
+                saved_arriving[k] = saved_host_freed[k] = saved_issued[k] = transfer(offloadable[k])
             host_peak = max(host_peak, host)
             peak = max(peak, cur)
             op_peaks.append(cur)
@@ -244,7 +270,7 @@ def _replay(chain: Chain, ops: list[Op], first_op: int = 0, first_stage: int = 0
                 if k in early_plain:
                     raise fail(i, op, f"a_{n} was partly let go after the last forward of stage {n}")
                 plain.discard(k)
-                leaving[k] = transfer(s[k])
+                leaving[k] = issued[k] = transfer(s[k])
                 on_host.add(k)
                 host += s[k]
                 if chain.host_limit is not None and host > chain.host_limit:
@@ -255,7 +281,7 @@ def _replay(chain: Chain, ops: list[Op], first_op: int = 0, first_stage: int = 0
                     raise fail(i, op, f"a_{n} is not on the host (no Offload {n} before)")
                 on_host.discard(k)
                 cur += s[k]  # the prefetched copy occupies device memory from the prefetch's start
-                arriving[k] = host_freed[k] = transfer(s[k])
+                arriving[k] = host_freed[k] = issued[k] = transfer(s[k])
                 plain.add(k)
                 during = cur
             host_peak = max(host_peak, host)
