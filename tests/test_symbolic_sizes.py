@@ -1,0 +1,107 @@
+"""A new input shape's sizes from a law of measured ones (lightning_rotor/symbolic_sizes.py): to the byte at
+shapes the law was not made from, on the project's GPT, a ConvNeXt at several resolutions and Hugging Face's
+GPT-2 from a config; no law where a size does not follow one polynomial (a data-dependent stage, a peak whose
+largest op changes with the size)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_rotor.checkpointable import Checkpointable
+from lightning_rotor.models.convnext import ConvNeXt
+from lightning_rotor.models.gpt import gpt
+from lightning_rotor.profile import profile_chain
+from lightning_rotor.symbolic_sizes import SizeLaw, size_law
+
+TIMES = ("fwd_time", "bwd_time")
+
+
+def sizes(chain):
+    """Every field of a chain but its times (what a law gives)."""
+    return {k: v for k, v in chain.to_dict().items() if k not in TIMES}
+
+
+def gpt_stages():
+    torch.manual_seed(0)
+    return list(gpt(vocab_size=64, block_size=64, n_layer=2, n_head=2, n_embd=32, dropout=0.1))
+
+
+def gpt_chain(stages, length):
+    x = torch.randint(0, 64, (2, length), generator=torch.Generator().manual_seed(length))
+    return profile_chain(stages, x, repeats=1, timed=False).chain
+
+
+def test_a_law_of_measured_lengths_gives_each_size_of_another_length_to_the_byte():
+    stages = gpt_stages()
+    law = size_law([(n, gpt_chain(stages, n), None) for n in (28, 36, 32, 40)], dims=1)
+    assert isinstance(law, SizeLaw) and law.nodes == (28, 36, 32) and law.checked == (40,)
+    for length in (30, 47, 64):
+        predicted = law.chain(length)
+        assert predicted is not None
+        assert sizes(predicted[0]) == sizes(gpt_chain(stages, length))
+
+
+def test_a_peak_whose_largest_op_changes_with_the_length_has_no_law():
+    """A transient is a peak over the ops of a stage: the largest of several polynomials, not one. Below
+    about 22 tokens the embedding's backward peaks at its weight's gradient, above at the tokens' gradient."""
+    stages = gpt_stages()
+    law = size_law([(n, gpt_chain(stages, n), None) for n in (8, 16, 12, 24)], dims=1)
+    assert law == "bwd_tmp[0] at size 24 is off the polynomial through sizes [8, 16, 12]"
+
+
+def test_a_convnext_at_other_resolutions_gets_its_sizes_to_the_byte():
+    """Height and width vary together (degree 4 in the side): six resolutions make the law and check it."""
+    torch.manual_seed(0)
+    model = ConvNeXt(depths=(1, 1, 1, 1), dims=(8, 16, 32, 64), num_classes=10)
+    stages = [model.stem, *model.stages]
+
+    def chain(side):
+        x = torch.randn(2, 3, side, side, generator=torch.Generator().manual_seed(side))
+        return profile_chain(stages, x, repeats=1, timed=False, loss_tmp=0).chain
+
+    law = size_law([(s, chain(s), None) for s in (32, 64, 96, 128, 160, 192)], dims=2)
+    assert isinstance(law, SizeLaw) and law.checked == (192,)
+    for side in (224, 288):
+        predicted = law.chain(side)
+        assert predicted is not None and sizes(predicted[0]) == sizes(chain(side))
+
+
+class KeepPositive(nn.Module):
+    """Keeps the tokens whose first feature is positive: how many depends on the data, not the length."""
+
+    def forward(self, x):
+        return x[x[..., 0] > 0]
+
+
+def test_a_data_dependent_stage_has_no_law():
+    torch.manual_seed(0)
+    stages = [nn.Linear(8, 8), KeepPositive(), nn.Linear(8, 8)]
+
+    def chain(length):
+        x = torch.randn(2, length, 8, generator=torch.Generator().manual_seed(length))
+        return profile_chain(stages, x, repeats=1, timed=False).chain
+
+    law = size_law([(n, chain(n), None) for n in (8, 16, 24, 32, 40, 48)], dims=1)
+    assert isinstance(law, str) and "is off the polynomial through sizes [8, 16, 24]" in law
+
+
+@pytest.mark.slow
+def test_hugging_face_gpt2_chains_at_other_lengths_to_the_byte():
+    """GPT-2 from a config as a module-level chain (the rest of the forward and the loss charged to it), the
+    chains of real training steps: between 26 and 68 tokens no stage's largest op changes."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=128, use_cache=False)
+    rotor = Checkpointable(transformers.GPT2LMHeadModel(config), None, repeats=1, discover="modules")
+    chains = {}
+    for length in (32, 44, 38, 50, 26, 62, 68):
+        x = torch.randint(0, 64, (2, length), generator=torch.Generator().manual_seed(length))
+        rotor(input_ids=x, labels=x).loss.backward()
+        chains[length] = rotor.last_entry.chain
+    law = size_law([(n, chains[n], None) for n in (32, 44, 38, 50)], dims=1)
+    assert isinstance(law, SizeLaw)
+    for length in (26, 62, 68):
+        predicted = law.chain(length)
+        assert predicted is not None and sizes(predicted[0]) == sizes(chains[length])
