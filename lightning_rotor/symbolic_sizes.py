@@ -35,7 +35,7 @@ from typing import Any
 
 from lightning_rotor.chain import TIME_FIELDS, Chain, ChainError, StageOption
 
-__all__ = ["SizeLaw", "size_law"]
+__all__ = ["SizeLaw", "chain_at", "size_law"]
 
 NOT_SIZES = ("names", "frozen", "bandwidth", "host_limit", "options", *TIME_FIELDS)  # no polynomial of the size
 OPTION_NOT_SIZES = ("name", *TIME_FIELDS)
@@ -170,3 +170,60 @@ def size_law(points: Sequence[Point], dims: int) -> SizeLaw | str:
         if flops is not None and _evaluated(weights, flops) != list(measured_flops or ()):
             flops = None  # FLOPs off the law: counted per shape, the sizes' law stands
     return SizeLaw(first, tuple(n for n, _, _ in nodes), sizes, flops, tuple(x for x, _, _ in rest))
+
+
+def _windowed(xs: Sequence[int], rows: Sequence[Sequence[int]], x: int, degree: int) -> list[int | None]:
+    """Per component of `rows` (one row per measured size `xs`, ascending), its value at `x` from the polynomial
+    of degree `degree` through a window of `degree + 2` consecutive sizes around `x` that it fits (interpolated
+    through the first `degree + 1`, checked on the last). None where no window around `x` fits, where two
+    fitting windows disagree at `x` (two pieces of a peak: its largest op changes near `x`), or where the
+    value is not whole."""
+    width = degree + 2
+    found: list[int | None] = [None] * len(rows[0])
+    refused = [False] * len(rows[0])
+    for s in range(len(xs) - width + 1):
+        if not xs[s] <= x <= xs[s + width - 1]:
+            continue
+        nodes, check = xs[s : s + degree + 1], s + degree + 1
+        at_check, at_x = _lagrange(nodes, xs[check]), _lagrange(nodes, x)
+        for c, column in enumerate(zip(*rows[s : s + degree + 1], strict=True)):
+            if sum((w * v for w, v in zip(at_check, column, strict=True)), Fraction(0)) != rows[check][c]:
+                continue
+            value = sum((w * v for w, v in zip(at_x, column, strict=True)), Fraction(0))
+            if value.denominator != 1 or found[c] not in (None, value):
+                refused[c] = True
+            found[c] = int(value)
+    return [None if r else f for f, r in zip(found, refused, strict=True)]
+
+
+def chain_at(points: Sequence[Point], dims: int, x: int) -> tuple[Chain, list[int] | None] | str:
+    """The chain at size `x` from chains `points` measured at other sizes along one axis (`dims` input dimensions
+    varying with it), each size field from a window of measured sizes around `x` on which it follows one
+    polynomial of degree `2 * dims` (`_windowed`), with the stages' FLOPs where they were counted at every point
+    and follow one too (else None: count them); or why not (the first field without a law at `x`).
+
+    Piecewise, as a transient is a peak: the largest of its ops' levels, each a polynomial, the largest changing
+    with the size (an attention's square overtaking an MLP's line). What it rests on beyond `size_law`'s: no
+    other op's level overtakes between the measured sizes of the window, unseen at all of them."""
+    degree = 2 * dims
+    ordered = sorted(points, key=lambda p: p[0])
+    if len({p[0] for p in ordered}) != len(ordered) or any(p[0] == x for p in ordered):
+        return "two chains measured at one size, or at this one"
+    if len(ordered) < degree + 2 or not ordered[0][0] < x < ordered[-1][0]:
+        return f"size {x} is not between {degree + 2} measured sizes"
+    template = ordered[0][1]
+    if any(_structure(c) != _structure(template) for _, c, _ in ordered):
+        return "chains of different structure"
+    xs = [p[0] for p in ordered]
+    sizes = _windowed(xs, [chain_sizes(c) for _, c, _ in ordered], x, degree)
+    missing = [name for (name, _), v in zip(_slots(template), sizes, strict=True) if v is None]
+    if missing:
+        return f"{missing[0]} follows no polynomial around size {x}"
+    try:
+        chain = with_sizes(template, [v for v in sizes if v is not None])
+    except ChainError as error:
+        return f"the chain at size {x} breaks a rule: {error}"
+    counted = [list(f) for _, _, f in ordered if f is not None]
+    flops = _windowed(xs, counted, x, degree) if len(counted) == len(ordered) else [None]
+    whole = [f for f in flops if f is not None and f >= 0]
+    return chain, whole if len(whole) == len(flops) else None

@@ -8,10 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from training import assert_same_state
 
 from lightning_rotor.checkpointable import Checkpointable
 from lightning_rotor.models.convnext import ConvNeXt
-from lightning_rotor.models.gpt import gpt
+from lightning_rotor.models.gpt import gpt, lm_loss
 from lightning_rotor.profile import profile_chain
 from lightning_rotor.symbolic_sizes import SizeLaw, size_law
 
@@ -105,3 +106,39 @@ def test_hugging_face_gpt2_chains_at_other_lengths_to_the_byte():
     for length in (26, 62, 68):
         predicted = law.chain(length)
         assert predicted is not None and sizes(predicted[0]) == sizes(chains[length])
+
+
+def batch(length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(length)
+    return torch.randint(0, 64, (2, length), generator=g), torch.randint(0, 64, (2, length), generator=g)
+
+
+def small_gpt():
+    torch.manual_seed(0)
+    return gpt(vocab_size=64, block_size=32, n_layer=4, n_head=2, n_embd=32, dropout=0.1)
+
+
+def test_fitted_shapes_run_no_profile_train_bitwise_and_have_the_measured_sizes():
+    """Checkpointable(fit_shapes=True), lengths in random order: a length between measured ones whose every
+    size follows them gets no run; its sizes are those a profile measures, to the byte; every step is bitwise
+    equal to plain training and measured within its budget."""
+    plain, rotor = small_gpt(), Checkpointable(small_gpt(), "60%", repeats=1, fit_shapes=True)
+    for step, length in enumerate((4, 32, 12, 24, 8, 28, 16, 30, 6, 26, 10, 14, 18, 9)):
+        x, y = batch(length)
+        plain.zero_grad()
+        torch.manual_seed(step)
+        lm_loss(plain(x), y).backward()
+        rotor.zero_grad()
+        rotor.prepare_for(x)
+        torch.manual_seed(step)
+        with rotor.measure_step() as m:
+            lm_loss(rotor(x), y).backward()
+        assert_same_state(plain, rotor)
+        entry = rotor.last_entry
+        assert m.peak <= entry.plan.budget
+        key = next((k for k, e in rotor.entries.items() if e is entry), None)  # None: the first step's call plan
+        if key in rotor.fitted:
+            assert entry.profile.repeats == 0 and length not in rotor.fitted[key]
+            measured = profile_chain(list(rotor.stages), x, names=rotor.stage_names, repeats=1, timed=False).chain
+            assert sizes(entry.chain) == sizes(measured)
+    assert len(rotor.fitted) >= 4
