@@ -104,8 +104,9 @@ def check(args: argparse.Namespace, variant: str, data: Batches) -> str:
         unequal += not all(torch.equal(p.grad, g) for p, g in zip(rotor.parameters(), plain_grads[i], strict=True))
         opt.step()
     plans = len(rotor.entries)
+    measured = plans - len(rotor.predicted) - len(rotor.fitted)
     return (
-        f"{variant}: {plans} plans ({plans - len(rotor.predicted)} measured); steps above budget {over}/{len(data)} "
+        f"{variant}: {plans} plans ({measured} measured); steps above budget {over}/{len(data)} "
         f"(max peak/budget {worst:.3f}); grads unequal {unequal}"
     )
 

@@ -13,7 +13,9 @@ from training import assert_same_state
 from lightning_rotor.checkpointable import Checkpointable
 from lightning_rotor.models.convnext import ConvNeXt
 from lightning_rotor.models.gpt import gpt, lm_loss
-from lightning_rotor.profile import profile_chain
+from lightning_rotor.planner import plan
+from lightning_rotor.profile import Profile, profile_chain
+from lightning_rotor.simulate import no_recompute_peak
 from lightning_rotor.symbolic_sizes import SizeLaw, size_law
 
 TIMES = ("fwd_time", "bwd_time")
@@ -118,6 +120,7 @@ def small_gpt():
     return gpt(vocab_size=64, block_size=32, n_layer=4, n_head=2, n_embd=32, dropout=0.1)
 
 
+@pytest.mark.slow
 def test_fitted_shapes_run_no_profile_train_bitwise_and_have_the_measured_sizes():
     """Checkpointable(fit_shapes=True), lengths in random order: a length between measured ones whose every
     size follows them gets no run; its sizes are those a profile measures, to the byte; every step is bitwise
@@ -142,3 +145,30 @@ def test_fitted_shapes_run_no_profile_train_bitwise_and_have_the_measured_sizes(
             measured = profile_chain(list(rotor.stages), x, names=rotor.stage_names, repeats=1, timed=False).chain
             assert sizes(entry.chain) == sizes(measured)
     assert len(rotor.fitted) >= 4
+
+
+def test_a_fitted_shape_measured_above_its_budget_turns_fitting_off_and_is_measured_again():
+    """Fitted sizes rest on each size following one polynomial; a step that proves one wrong (here: a fitted
+    entry replaced by one planned on a smaller shape's chain, an under-estimate) forgets every fitted shape,
+    warns once, and the shape is profiled when met again."""
+    rotor = Checkpointable(small_gpt(), "60%", repeats=1, fit_shapes=True)
+    for length in (4, 14, 8, 12):
+        x, y = batch(length)
+        lm_loss(rotor(x), y).backward()
+    x, y = batch(10)
+    rotor.prepare_for(x)
+    (key,) = rotor.fitted
+    small = profile_chain(list(rotor.stages), batch(4)[0], repeats=1, timed=False).chain
+    rotor.plan_cache.add(
+        key, rotor.plan_cache.build(Profile(small, seconds=0.0), plan(small, no_recompute_peak(small)))
+    )
+    rotor.plan_cache.forget_call_plans()
+    rotor.zero_grad()
+    with pytest.warns(UserWarning, match=r"\(2, 10\) had its sizes fitted .* every shape is measured from now on"):
+        with rotor.measure_step() as m:
+            lm_loss(rotor(x), y).backward()
+    assert m.chain_peak > m.entry.plan.budget
+    assert not rotor.fit_shapes and not rotor.fitted and key not in rotor.entries
+    rotor.prepare_for(x)
+    assert key not in rotor.fitted and rotor.entries[key].profile.repeats == 0  # measured: sizes only
+    assert rotor.entries[key].chain.out_size != small.out_size
