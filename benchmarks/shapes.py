@@ -6,7 +6,8 @@ order (dynamic padding), plain training against rotor.
 Variants: `plain`; `rotor` (a later shape profiled for sizes only, its times derived by FLOPs: the
 default); `rotor-predict` (`predict_shapes=True`: a shape of a measured family gets no run when a bound from
 the measured shapes' chains meets its budget); `rotor-fit` (`fit_shapes=True`: a shape between measured ones
-gets no run when each of its sizes follows one polynomial through measured shapes around it); `rotor-full`
+gets no run when each of its sizes follows one polynomial through measured shapes around it); `rotor-fit-predict`
+(both: a shape not fitted may be predicted); `rotor-full`
 (`derive_shapes=False`: every shape timed); `rotor-buckets`
 (`shape_buckets={1: --buckets}`). Per variant and run: the total time of steps 2..N (the first step, which
 profiles the first shape, excluded) and its ratio to plain's in the same round; printed as medians and
@@ -61,8 +62,10 @@ def make(args: argparse.Namespace, variant: str) -> nn.Module:
         options["derive_shapes"] = False
     if variant == "rotor-predict":
         options["predict_shapes"] = True
-    if variant == "rotor-fit":
+    if variant in ("rotor-fit", "rotor-fit-predict"):
         options["fit_shapes"] = True
+    if variant == "rotor-fit-predict":
+        options["predict_shapes"] = True
     if variant == "rotor-buckets":
         options["shape_buckets"] = {1: args.buckets}
     return Checkpointable(model, args.budget, **options)

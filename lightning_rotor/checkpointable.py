@@ -462,14 +462,14 @@ class Checkpointable(nn.Module):
     def _prepare(self, value: Any, key: str) -> Entry:
         if self.distributed:
             self._refuse_tied_under_ddp()
+        if self.fit_shapes and self._timed is not None and self._first is not None:  # exact: before a bound
+            fitted = self._fitted_entry(value, key)
+            if fitted is not None:
+                return fitted
         if self.predict_shapes and self._first is not None:
             predicted = self._predicted_entry(value, key)
             if predicted is not None:
                 return predicted
-        if self.fit_shapes and self._timed is not None and self._first is not None:
-            fitted = self._fitted_entry(value, key)
-            if fitted is not None:
-                return fitted
         outside = self._outside_now if self.discovery is not None and self.discovery.run is not None else None
         # compiled stages are timed at every shape: an eval-mode count would compile graphs of its own
         flops = stage_flops(self.stages, value) if self.derive_shapes and self.compiler is None else None
