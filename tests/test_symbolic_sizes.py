@@ -5,12 +5,16 @@ largest op changes with the size)."""
 
 from __future__ import annotations
 
+import lightning.pytorch as pl
 import pytest
 import torch
+from fitting import KeepRotorModules, quiet_trainer
 from torch import nn
+from torch.utils.data import DataLoader, Dataset
 from training import assert_same_state
 
 from lightning_rotor.checkpointable import Checkpointable
+from lightning_rotor.lightning import RotorStrategy
 from lightning_rotor.models.convnext import ConvNeXt
 from lightning_rotor.models.gpt import gpt, lm_loss
 from lightning_rotor.planner import plan
@@ -172,3 +176,48 @@ def test_a_fitted_shape_measured_above_its_budget_turns_fitting_off_and_is_measu
     rotor.prepare_for(x)
     assert key not in rotor.fitted and rotor.entries[key].profile.repeats == 0  # measured: sizes only
     assert rotor.entries[key].chain.out_size != small.out_size
+
+
+class Lengths(Dataset):
+    """Lengths in random order: the ones between measured lengths whose sizes follow them get fitted."""
+
+    LENGTHS = (4, 14, 8, 12, 10, 6, 9, 11)
+
+    def __len__(self):
+        return len(self.LENGTHS)
+
+    def __getitem__(self, i):
+        return batch(self.LENGTHS[i])
+
+
+class LM(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = small_gpt()
+        self.grads: list[list[torch.Tensor]] = []
+
+    def training_step(self, b, batch_idx):
+        x, y = b
+        return lm_loss(self.net(x), y)
+
+    def on_before_optimizer_step(self, optimizer):
+        self.grads.append([p.grad.detach().clone() for p in self.parameters()])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def test_the_trainer_with_fit_shapes_fits_lengths_between_measured_ones_bitwise(tmp_path):
+    keep, loader = KeepRotorModules(), DataLoader(Lengths(), batch_size=None)
+    runs = {}
+    for name, strategy in (("plain", "auto"), ("rotor", RotorStrategy(mem_limit="60%", fit_shapes=True))):
+        model = LM()
+        torch.manual_seed(7)
+        callbacks = [keep] if name == "rotor" else []
+        quiet_trainer(tmp_path / name, strategy, max_steps=len(Lengths()), callbacks=callbacks).fit(model, loader)
+        runs[name] = model
+    rotor = keep.modules["net"]
+    assert rotor.fit_shapes and len(rotor.entries) == len(Lengths.LENGTHS)
+    assert len(rotor.fitted) == 4  # 10, 6, 9, 11: between the measured 4, 8, 12, 14
+    for a_step, b_step in zip(runs["rotor"].grads, runs["plain"].grads, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(a_step, b_step, strict=True))
