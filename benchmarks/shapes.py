@@ -5,7 +5,10 @@ order (dynamic padding), plain training against rotor.
 
 Variants: `plain`; `rotor` (a later shape profiled for sizes only, its times derived by FLOPs: the
 default); `rotor-predict` (`predict_shapes=True`: a shape of a measured family gets no run when a bound from
-the measured shapes' chains meets its budget); `rotor-full` (`derive_shapes=False`: every shape timed); `rotor-buckets`
+the measured shapes' chains meets its budget); `rotor-fit` (`fit_shapes=True`: a shape between measured ones
+gets no run when each of its sizes follows one polynomial through measured shapes around it); `rotor-fit-predict`
+(both: a shape not fitted may be predicted); `rotor-full`
+(`derive_shapes=False`: every shape timed); `rotor-buckets`
 (`shape_buckets={1: --buckets}`). Per variant and run: the total time of steps 2..N (the first step, which
 profiles the first shape, excluded) and its ratio to plain's in the same round; printed as medians and
 spread ((max - min) / median) over `--runs` rounds. Then one untimed check per rotor variant: every step's
@@ -59,6 +62,10 @@ def make(args: argparse.Namespace, variant: str) -> nn.Module:
         options["derive_shapes"] = False
     if variant == "rotor-predict":
         options["predict_shapes"] = True
+    if variant in ("rotor-fit", "rotor-fit-predict"):
+        options["fit_shapes"] = True
+    if variant == "rotor-fit-predict":
+        options["predict_shapes"] = True
     if variant == "rotor-buckets":
         options["shape_buckets"] = {1: args.buckets}
     return Checkpointable(model, args.budget, **options)
@@ -100,8 +107,9 @@ def check(args: argparse.Namespace, variant: str, data: Batches) -> str:
         unequal += not all(torch.equal(p.grad, g) for p, g in zip(rotor.parameters(), plain_grads[i], strict=True))
         opt.step()
     plans = len(rotor.entries)
+    measured = plans - len(rotor.predicted) - len(rotor.fitted)
     return (
-        f"{variant}: {plans} plans ({plans - len(rotor.predicted)} measured); steps above budget {over}/{len(data)} "
+        f"{variant}: {plans} plans ({measured} measured); steps above budget {over}/{len(data)} "
         f"(max peak/budget {worst:.3f}); grads unequal {unequal}"
     )
 

@@ -50,6 +50,7 @@ from lightning_rotor.pipeline import Entry
 from lightning_rotor.planner import InfeasibleBudget, Plan, min_feasible_budget
 from lightning_rotor.profile import Profile
 from lightning_rotor.shapes import (
+    Dims,
     bucketed,
     check_buckets,
     derived_times,
@@ -62,6 +63,7 @@ from lightning_rotor.shapes import (
 from lightning_rotor.shared_budget import AUTO_MARGIN, Budget, auto_total
 from lightning_rotor.simulate import no_recompute_peak
 from lightning_rotor.stages import Stages, sequential_stages
+from lightning_rotor.symbolic_sizes import chain_at
 from lightning_rotor.tables import stage_text
 
 if TYPE_CHECKING:
@@ -102,6 +104,10 @@ class Checkpointable(nn.Module):
     gets no run at all: it is planned on a chain bounding its own from above, made from the measured
     shapes' chains, and measured only when that bound cannot meet its budget; `.predicted` maps those
     shapes' plan keys to the sizes they came from (lightning_rotor/shapes.py: what the bound rests on).
+    `fit_shapes`: a later shape between measured ones along one size gets no run when each of its sizes follows
+    one polynomial of that size through measured shapes around it (lightning_rotor/symbolic_sizes.py: what
+    that rests on); its times are derived as `derive_shapes` derives them; `.fitted` maps those shapes' plan
+    keys to the measured sizes they came from. Off by default.
     `shape_buckets`: fewer plans, e.g. `{1: [64, 128, 256]}`: an input of length `n` along dimension 1
     runs the plan of the smallest bucket `>= n` (the input itself is not padded; lightning_rotor/shapes.py).
 
@@ -150,6 +156,7 @@ class Checkpointable(nn.Module):
         compile: bool | dict[str, Any] | None = None,
         derive_shapes: bool = True,
         predict_shapes: bool = False,
+        fit_shapes: bool = False,
         shape_buckets: dict[int, list[int]] | None = None,
         options: bool = False,
         offload: bool | int | float | str = False,
@@ -196,6 +203,9 @@ class Checkpointable(nn.Module):
         # measured shapes, as (family, input shapes, chain, its no-recomputation peak)
         self._measured_shapes: list[tuple[str, tuple[tuple[int, ...], ...], Chain, int]] = []
         self._peak_floors: dict[str, int] = {}  # plan key of a predicted shape -> a lower bound of its own peak
+        self.fit_shapes = bool(fit_shapes)
+        self.fitted: dict[str, tuple[int, ...]] = {}  # plan key -> the measured sizes its chain's sizes came from
+        self._sized: list[tuple[str, Dims, Chain, list[int] | None]] = []  # measured: family, shapes, chain, FLOPs
         self.options = bool(options)
         self.offload = offload  # as given; `bandwidth` is what it resolves to (bytes/s, measured once for True)
         self.host_limit = host_bytes
@@ -322,6 +332,7 @@ class Checkpointable(nn.Module):
             elif self.stages is not None:
                 self.plan_cache = PlanCache(self.stages, self.stages.names, self.slots, self.early_stop)
             self.last_entry, self.outside, self._timed, self._measured_shapes = None, {}, None, []
+            self._sized = []
         self._modes = modes
 
     def _join_in_place_on(self, value: Any) -> None:
@@ -457,6 +468,10 @@ class Checkpointable(nn.Module):
     def _prepare(self, value: Any, key: str) -> Entry:
         if self.distributed:
             self._refuse_tied_under_ddp()
+        if self.fit_shapes and self._timed is not None and self._first is not None:  # exact: before a bound
+            fitted = self._fitted_entry(value, key)
+            if fitted is not None:
+                return fitted
         if self.predict_shapes and self._first is not None:
             predicted = self._predicted_entry(value, key)
             if predicted is not None:
@@ -485,6 +500,8 @@ class Checkpointable(nn.Module):
             self._tell_own_checkpointing(nbytes, measured.chain)
         else:
             nbytes = self._shape_bytes(key, measured.chain, self._budget(), *self._first)
+        if self.fit_shapes:
+            self._sized.append((self._family(value), input_dims(value), measured.chain, flops))
         if self.predict_shapes:
             chain = measured.chain
             self._measured_shapes.append((self._family(value), input_dims(value), chain, no_recompute_peak(chain)))
@@ -521,6 +538,31 @@ class Checkpointable(nn.Module):
         chosen = pipeline.plan_chain(chain, nbytes, self.slots)
         self.predicted[key] = tuple(sorted(size for size, _, _ in points))
         self._peak_floors[key] = floor
+        return self.plan_cache.build(Profile(chain, seconds=time.perf_counter() - start), chosen)
+
+    def _fitted_entry(self, value: Any, key: str) -> Entry | None:
+        """The entry of a shape whose sizes follow measured shapes' along one size (`symbolic_sizes.chain_at`),
+        its times derived by FLOPs, planned at its budget as if measured; None: measure it."""
+        start = time.perf_counter()
+        family, dims = self._family(value), input_dims(value)
+        axes: dict[tuple[tuple[int, int], ...], list[tuple[int, Chain, list[int] | None]]] = {}
+        for their_family, their_dims, chain, flops in self._sized:
+            found = size_axis(their_dims, dims) if their_family == family else None
+            if found is not None:
+                axes.setdefault(found[0].coords, []).append((found[1], chain, flops))
+        if len(axes) != 1 or self._timed is None or self._first is None:
+            return None
+        ((coords, points),) = axes.items()
+        fitted = chain_at(points, len(coords), dims[coords[0][0]][coords[0][1]])
+        if isinstance(fitted, str):
+            return None
+        flops = fitted[1] if fitted[1] is not None else stage_flops(self.stages, value)
+        if flops is None:
+            return None
+        chain = derived_times(*self._timed, fitted[0], flops)
+        nbytes = self._shape_bytes(key, chain, self._budget(), *self._first)
+        self.fitted[key] = tuple(sorted(size for size, _, _ in points))
+        chosen = pipeline.plan_chain(chain, nbytes, self.slots)
         return self.plan_cache.build(Profile(chain, seconds=time.perf_counter() - start), chosen)
 
     def _bandwidth_for(self, chain: Chain, value: Any) -> float:
@@ -802,6 +844,24 @@ class Checkpointable(nn.Module):
         key = next((k for k, e in self.entries.items() if e is entry), None) if entry is not None else None
         if key in self.predicted and entry is not None and measurement.chain_peak > entry.plan.budget:
             self._unpredict(key, measurement.chain_peak, entry.plan.budget)
+        if key in self.fitted and entry is not None and measurement.chain_peak > entry.plan.budget:
+            self._unfit(key, measurement.chain_peak, entry.plan.budget)
+
+    def _unfit(self, key: str, peak: int, budget: int) -> None:
+        """A shape whose sizes were fitted measured above its budget: a size did not follow the polynomial it
+        was taken from, so every fitted shape is forgotten (measured when next met) and no more are fitted."""
+        warnings.warn(
+            f"rotor: input shape {self._shapes.get(key, key)} had its sizes fitted from measured shapes' but "
+            f"measured {format_bytes(peak)} above its budget {format_bytes(budget)}: a size of this model does "
+            "not follow one polynomial of the input's (lightning_rotor/symbolic_sizes.py); every shape is "
+            "measured from now on",
+            stacklevel=3,
+        )
+        for fitted in self.fitted:
+            self.plan_cache.entries.pop(fitted, None)
+        self.plan_cache.forget_call_plans()
+        self.fitted.clear()
+        self.fit_shapes = False
 
     def _unpredict(self, key: str, peak: int, budget: int) -> None:
         """A predicted shape measured above its budget: its bound was wrong for this model, so every predicted

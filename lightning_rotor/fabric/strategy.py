@@ -53,6 +53,7 @@ class RotorFabricStrategy(SingleDeviceStrategy):
     `{chain name: budget}`), `include` / `exclude` (submodule names relative to the set-up
     module, globs, class names or classes; without `include` the module itself is the
     chain), `slots`, `discover`, `checkpoint_modules`, `compile`, `options`, `shape_buckets`, `predict_shapes`,
+    `fit_shapes`,
     `offload`, `host_limit`.
     Each `fabric.setup(module, ...)` gets the whole budget. `measure_every_n_steps`: how often
     the activation peak is sampled (0: only the first step of each plan). `print_summary`: print the plan table once.
@@ -74,6 +75,7 @@ class RotorFabricStrategy(SingleDeviceStrategy):
         options: bool = False,
         shape_buckets: dict[int, list[int]] | None = None,
         predict_shapes: bool = False,
+        fit_shapes: bool = False,
         offload: bool | float | str = False,
         host_limit: int | str | None = None,
         measure_every_n_steps: int = 50,
@@ -92,6 +94,7 @@ class RotorFabricStrategy(SingleDeviceStrategy):
         self.host_limit = host_limit
         self.shape_buckets = check_buckets(shape_buckets)  # bad buckets fail here, before setup
         self.predict_shapes = bool(predict_shapes)
+        self.fit_shapes = bool(fit_shapes)
         self.mem_limit = dict(mem_limit) if isinstance(mem_limit, Mapping) else mem_limit
         self.include = None if include is None else list(include)
         self.exclude = list(exclude or ())
@@ -184,6 +187,7 @@ class RotorFabricStrategy(SingleDeviceStrategy):
         for w in wrapped:  # changing shapes: fewer plans (shape_buckets), fewer profiles (predict_shapes)
             w.rotor.shape_buckets = self.shape_buckets
             w.rotor.predict_shapes = self.predict_shapes
+            w.rotor.fit_shapes = self.fit_shapes
         found = {w.name: w.rotor for w in wrapped}
         found.update({name or ROOT: m for name, m in _outermost_rotor(module).items() if m not in found.values()})
         if not found:

@@ -122,6 +122,7 @@ class _RotorMixin:
         for w in self.wrapped:  # changing shapes: fewer plans (shape_buckets=...), fewer profiles (predict_shapes=True)
             w.rotor.shape_buckets = getattr(self, "shape_buckets", None)
             w.rotor.predict_shapes = getattr(self, "predict_shapes", False)
+            w.rotor.fit_shapes = getattr(self, "fit_shapes", False)
         for w in self.wrapped:
             w.rotor.on_profile_progress = ProfileProgress(w.name)
             w.rotor.distributed = isinstance(self, DDPStrategy)
@@ -176,7 +177,8 @@ class RotorStrategy(_RotorMixin, SingleDeviceStrategy):
     leave None to take the Trainer's accelerator and `devices`. `options`: also profile each stage's
     selective-recording option (docs/checkpointable.md, "Per-stage options"). `shape_buckets`: fewer plans over
     changing input shapes, e.g. `{1: [128, 256, 512]}`; `predict_shapes`: fewer profiles, a shape that differs
-    from measured ones in one size planned from a bound of their chains (docs/checkpointable.md, "Changing shapes").
+    from measured ones in one size planned from a bound of their chains (docs/checkpointable.md, "Changing shapes");
+    `fit_shapes`: exact sizes without a run, a shape between measured ones whose sizes follow them.
     `offload`: also let plans copy kept activations to host memory while later stages run (False; True:
     the link's bandwidth measured at profile time; or a rate such as `"12GB/s"`); `host_limit`: the most
     host memory those copies may take at once, for the whole model (`"2GiB"`, bytes; None: no limit).
@@ -201,11 +203,13 @@ class RotorStrategy(_RotorMixin, SingleDeviceStrategy):
         precision_plugin: Precision | None = None,
         shape_buckets: dict[int, list[int]] | None = None,
         predict_shapes: bool = False,
+        fit_shapes: bool = False,
         offload: bool | float | str = False,
         host_limit: int | str | None = None,
     ):
         self.shape_buckets = check_buckets(shape_buckets)  # bad buckets fail here, before the Trainer
         self.predict_shapes = bool(predict_shapes)
+        self.fit_shapes = bool(fit_shapes)
         super().__init__(
             device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin
         )
