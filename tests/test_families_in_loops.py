@@ -8,19 +8,28 @@ from __future__ import annotations
 import copy
 import warnings
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from fitting import SaveAtEnd, quiet_trainer
 from lightning.fabric import Fabric
 from test_diffusers import unet
 from test_encoder_decoder import bart, seq2seq_batches, t5
 from test_moe import moe
 from test_peft import lora_llama, without_cache
 from torch import nn
+from torch.utils.data import DataLoader
 
+from lightning_rotor.checkpointable import Checkpointable
 from lightning_rotor.fabric import RotorFabricStrategy
+from lightning_rotor.lightning import RotorCallback, RotorStrategy
+from lightning_rotor.lightning.state import rotor_modules
 from lightning_rotor.memory import MemoryProbe
+from lightning_rotor.shared_budget import InfeasibleTotal
 
 pytest.importorskip("transformers")
 
@@ -62,7 +71,7 @@ def noise_batches(n: int = 3) -> list[Batch]:
 FAMILIES: dict[str, tuple[Callable[[], nn.Module], Callable[[], list[Batch]], LossFn, str]] = {
     "t5": (t5, lambda: seq2seq_batches(3), seq2seq_loss, "90%"),  # the decoder's blocks: smallest 82%
     "bart": (bart, lambda: seq2seq_batches(3), seq2seq_loss, "90%"),
-    "unet": (unet, noise_batches, noise_loss, "50%"),
+    "unet": (unet, noise_batches, noise_loss, "50%"),  # 3-4 s a loop: its Fabric cases are slow
     "mixtral": (lambda: moe("mixtral", use_cache=False), token_batches, lm_loss, "50%"),
     "lora_llama": (lambda: without_cache(lora_llama("CAUSAL_LM")), token_batches, lm_loss, "50%"),
 }
@@ -97,7 +106,7 @@ def measured_peak(fabric: Fabric, model: nn.Module, batch: Batch, loss: LossFn) 
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) if f == "unet" else f for f in FAMILIES])
 def test_fabric_loop_trains_like_plain_fabric_within_budget(family, precision):
     make, data, loss, budget = FAMILIES[family]
     model, batches = make(), data()
@@ -110,3 +119,88 @@ def test_fabric_loop_trains_like_plain_fabric_within_budget(family, precision):
     chain = strategy.chains["model"]
     assert sum(r > 1 for r in chain.last_entry.runs) > 0  # the budget really recomputes
     assert 0 < measured_peak(fabric, rotor, batches[0], loss) <= chain.plan.budget
+
+
+# -- a Trainer with the default strategy settings (no include) ---------------------------------------------------
+class Task(pl.LightningModule):
+    """A LightningModule around a family's model: its loss on each batch, AdamW, dropout seeded per batch."""
+
+    def __init__(self, model: nn.Module, loss: LossFn):
+        super().__init__()
+        self.model, self.loss = model, loss
+        self.chains: dict[str, Checkpointable] = {}
+
+    def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+        self.chains = self.chains or rotor_modules(self)  # the strategy puts the modules back after fit
+        torch.manual_seed(100 + batch_idx)
+        return self.loss(self.model, batch)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
+
+
+def fit(root: Path, strategy: object, model: nn.Module, loss: LossFn, batches: list[Batch], **kw: Any) -> Task:
+    task = Task(model, loss)
+    loader = DataLoader(batches, batch_size=None)  # the batches as they are, shapes and all
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quiet_trainer(root, strategy, max_steps=len(batches), **kw).fit(task, loader)
+    return task
+
+
+@pytest.mark.parametrize(
+    "family, strategy, precision",
+    [
+        ("t5", "rotor", "32-true"),
+        ("bart", "90%", "32-true"),
+        ("t5", "90%", "bf16-mixed"),
+        ("mixtral", "50%", "bf16-mixed"),
+    ],
+)
+def test_trainer_with_default_settings_trains_like_plain(tmp_path, family, strategy, precision):
+    """Without include the model is the chain (an encoder-decoder's decoder blocks, the encoder run as written)."""
+    make, data, loss, _ = FAMILIES[family]
+    model, batches = make(), data()
+    rotor_strategy = "rotor" if strategy == "rotor" else RotorStrategy(mem_limit=strategy)
+    measure = RotorCallback(measure_every_n_steps=1, log_curves=False, print_summary=False)
+    plain = fit(tmp_path / "plain", "auto", copy.deepcopy(model), loss, batches, precision=precision)
+    rotor = fit(tmp_path / "rotor", rotor_strategy, model, loss, batches, precision=precision, callbacks=[measure])
+    assert_same_parameters(plain.model, rotor.model)
+    (chain,) = rotor.chains.values()
+    assert chain.last_measurement.peak <= chain.plan.budget
+
+
+def test_a_budget_below_the_decoders_smallest_is_refused_in_one_line_before_any_step(tmp_path):
+    """ "50%" of a BART's decoder-only chain is below its smallest feasible budget: one line naming the smallest
+    (wrapping the encoder too, include=["*encoder", "*decoder"], is the other way out), no parameter moved."""
+    make, data, loss, _ = FAMILIES["bart"]
+    model = make()
+    before = copy.deepcopy(model)
+    with pytest.raises(InfeasibleTotal, match=r"below the smallest feasible budget .* use mem_limit >= \d+") as err:
+        fit(tmp_path, RotorStrategy(mem_limit="50%"), model, loss, data())
+    assert "\n" not in str(err.value)
+    assert_same_parameters(before, model)
+
+
+# -- resuming from a Lightning checkpoint ----------------------------------------------------------------------------
+def fit_and_resume(root: Path, strategy: Callable[[], object], model: nn.Module, batches: list[Batch]) -> Task:
+    """Two steps and a checkpoint (rotor's plans in it), then a fit resumed from it up to four steps."""
+    loss = FAMILIES["t5"][2]
+    ckpt = root / "first.ckpt"
+    fit(root / "first", strategy(), copy.deepcopy(model), loss, batches[:2], callbacks=[SaveAtEnd(ckpt)])
+    resumed = Task(copy.deepcopy(model), loss)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = quiet_trainer(root / "second", strategy(), max_steps=4)
+        trainer.fit(resumed, DataLoader(batches, batch_size=None), ckpt_path=ckpt)
+    return resumed
+
+
+@pytest.mark.slow  # four fits, about 15 s
+def test_resumed_encoder_decoder_reuses_the_saved_plans_and_trains_like_plain(tmp_path):
+    model, batches = t5(), seq2seq_batches(4)
+    plain = fit_and_resume(tmp_path / "plain", lambda: "auto", model, batches)
+    rotor = fit_and_resume(tmp_path / "rotor", lambda: RotorStrategy(mem_limit="90%"), model, batches)
+    assert_same_parameters(plain.model, rotor.model)
+    (chain,) = rotor.chains.values()
+    assert len(chain.entries) == 1 and sum(r > 1 for r in chain.last_entry.runs) > 0  # the saved plan, recomputing
