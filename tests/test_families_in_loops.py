@@ -204,3 +204,36 @@ def test_resumed_encoder_decoder_reuses_the_saved_plans_and_trains_like_plain(tm
     assert_same_parameters(plain.model, rotor.model)
     (chain,) = rotor.chains.values()
     assert len(chain.entries) == 1 and sum(r > 1 for r in chain.last_entry.runs) > 0  # the saved plan, recomputing
+
+
+# -- batches whose shapes change ---------------------------------------------------------------------------------------
+def changing_seq2seq() -> list[Batch]:
+    """Source and target lengths change, and the last batch is a partial one (one sample)."""
+    g = torch.Generator().manual_seed(3)
+    shapes = [(2, 16, 12), (2, 10, 7), (2, 16, 12), (1, 16, 12)]
+    return [
+        {"input_ids": torch.randint(3, 64, (n, s), generator=g), "labels": torch.randint(3, 64, (n, t), generator=g)}
+        for n, s, t in shapes
+    ]
+
+
+def changing_tokens() -> list[Batch]:
+    g = torch.Generator().manual_seed(3)
+    return [{"x": torch.randint(64, (n, t), generator=g)} for n, t in [(4, 16), (4, 9), (4, 16), (1, 16)]]
+
+
+@pytest.mark.slow  # two fits of four steps, 4-5 s
+@pytest.mark.parametrize("family, batches", [("bart", changing_seq2seq), ("mixtral", changing_tokens)])
+def test_changing_shapes_and_a_partial_last_batch_train_like_plain_within_budget(tmp_path, family, batches):
+    make, _, loss, budget = FAMILIES[family]
+    model, data = make(), batches()
+    plain = fit(tmp_path / "plain", "auto", copy.deepcopy(model), loss, data)
+    rotor = fit(tmp_path / "rotor", RotorStrategy(mem_limit=budget), model, loss, data)
+    assert_same_parameters(plain.model, rotor.model)
+    (chain,) = rotor.chains.values()
+    assert len(chain.entries) >= 2  # a plan per shape
+    chain.zero_grad()
+    with chain.measure_step() as step:  # the partial batch's step, measured on the chain
+        torch.manual_seed(7)
+        loss(chain, data[-1]).backward()
+    assert step.peak <= chain.plan.budget
