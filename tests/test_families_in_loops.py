@@ -237,3 +237,40 @@ def test_changing_shapes_and_a_partial_last_batch_train_like_plain_within_budget
         torch.manual_seed(7)
         loss(chain, data[-1]).backward()
     assert step.peak <= chain.plan.budget
+
+
+# -- an encoder-decoder's two chains (include=) under bf16-mixed ------------------------------------------------------
+BOTH_CHAINS = ["*encoder", "*decoder"]
+
+
+def test_fabric_encoder_and_decoder_chains_under_bf16_train_like_plain_fabric():
+    model, batches = bart(), seq2seq_batches(3)
+    _, plain = fabric_loop("auto", copy.deepcopy(model), batches, seq2seq_loss, "bf16-mixed")
+    strategy = RotorFabricStrategy(mem_limit="60%", include=BOTH_CHAINS, measure_every_n_steps=0, print_summary=False)
+    fabric, rotor = fabric_loop(strategy, model, batches, seq2seq_loss, "bf16-mixed")
+    assert_same_parameters(plain.module, rotor.module)
+    assert sorted(strategy.chains) == ["model.decoder", "model.encoder"]
+    assert all(sum(r > 1 for r in c.last_entry.runs) > 0 for c in strategy.chains.values())  # both recompute
+
+
+def test_trainer_encoder_and_decoder_chains_under_bf16_train_like_plain(tmp_path):
+    model, batches = t5(), seq2seq_batches(3)
+    plain = fit(tmp_path / "plain", "auto", copy.deepcopy(model), seq2seq_loss, batches, precision="bf16-mixed")
+    strategy = RotorStrategy(mem_limit="80%", include=BOTH_CHAINS)  # smallest: 71%
+    rotor = fit(tmp_path / "rotor", strategy, model, seq2seq_loss, batches, precision="bf16-mixed")
+    assert_same_parameters(plain.model, rotor.model)
+    assert sorted(rotor.chains) == ["model.decoder", "model.encoder"]
+    assert all(sum(r > 1 for r in c.last_entry.runs) > 0 for c in rotor.chains.values())  # both recompute
+
+
+# -- PEFT with its default config in Fabric ----------------------------------------------------------------------
+def test_fabric_lora_with_the_default_kv_cache_trains_like_plain_and_keeps_the_config():
+    model, batches = lora_llama("CAUSAL_LM"), token_batches()
+    _, plain = fabric_loop("auto", without_cache(model), batches, lm_loss)
+    strategy = RotorFabricStrategy(mem_limit="50%", discover="modules", measure_every_n_steps=0, print_summary=False)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        _, rotor = fabric_loop(strategy, model, batches, lm_loss)
+    assert any("use_cache=False" in str(w.message) for w in record)
+    assert_same_parameters(plain.module, rotor.module)
+    assert model.get_base_model().config.use_cache  # the user's config is left as it was
