@@ -6,6 +6,7 @@ on the same seed: parameters bitwise after a few AdamW steps, measured activatio
 from __future__ import annotations
 
 import copy
+import logging
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -197,10 +198,12 @@ def fit_and_resume(root: Path, strategy: Callable[[], object], model: nn.Module,
 
 
 @pytest.mark.slow  # four fits, about 15 s
-def test_resumed_encoder_decoder_reuses_the_saved_plans_and_trains_like_plain(tmp_path):
+def test_resumed_encoder_decoder_reuses_the_saved_plans_and_trains_like_plain(tmp_path, caplog):
     model, batches = t5(), seq2seq_batches(4)
     plain = fit_and_resume(tmp_path / "plain", lambda: "auto", model, batches)
-    rotor = fit_and_resume(tmp_path / "rotor", lambda: RotorStrategy(mem_limit="90%"), model, batches)
+    with caplog.at_level(logging.INFO):
+        rotor = fit_and_resume(tmp_path / "rotor", lambda: RotorStrategy(mem_limit="90%"), model, batches)
+    assert "rotor: chains and plans of model restored from the checkpoint" in caplog.text
     assert_same_parameters(plain.model, rotor.model)
     (chain,) = rotor.chains.values()
     assert len(chain.entries) == 1 and sum(r > 1 for r in chain.last_entry.runs) > 0  # the saved plan, recomputing
