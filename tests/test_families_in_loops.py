@@ -226,19 +226,31 @@ def changing_tokens() -> list[Batch]:
 
 
 @pytest.mark.slow  # two fits of four steps, 4-5 s
-@pytest.mark.parametrize("family, batches", [("bart", changing_seq2seq), ("mixtral", changing_tokens)])
-def test_changing_shapes_and_a_partial_last_batch_train_like_plain_within_budget(tmp_path, family, batches):
+@pytest.mark.parametrize(
+    "family, batches, precision",
+    [
+        ("bart", changing_seq2seq, "32-true"),
+        ("bart", changing_seq2seq, "bf16-mixed"),
+        ("mixtral", changing_tokens, "bf16-mixed"),
+    ],
+)
+def test_changing_shapes_and_a_partial_last_batch_train_like_plain_within_budget(tmp_path, family, batches, precision):
+    """Each new shape is profiled inside its training step (under bf16-mixed: inside the autocast region)."""
     make, _, loss, budget = FAMILIES[family]
     model, data = make(), batches()
-    plain = fit(tmp_path / "plain", "auto", copy.deepcopy(model), loss, data)
-    rotor = fit(tmp_path / "rotor", RotorStrategy(mem_limit=budget), model, loss, data)
+    plain = fit(tmp_path / "plain", "auto", copy.deepcopy(model), loss, data, precision=precision)
+    rotor = fit(tmp_path / "rotor", RotorStrategy(mem_limit=budget), model, loss, data, precision=precision)
     assert_same_parameters(plain.model, rotor.model)
     (chain,) = rotor.chains.values()
-    assert len(chain.entries) >= 2  # a plan per shape
+    assert (entries := len(chain.entries)) >= 2  # a plan per shape
     chain.zero_grad()
-    with chain.measure_step() as step:  # the partial batch's step, measured on the chain
+    bf16 = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed")
+    with chain.measure_step() as step:  # the partial batch's step (its plan: no profiling), measured on the chain
         torch.manual_seed(7)
-        loss(chain, data[-1]).backward()
+        with bf16:
+            value = loss(chain, data[-1])
+        value.backward()
+    assert len(chain.entries) == entries
     assert step.peak <= chain.plan.budget
 
 
