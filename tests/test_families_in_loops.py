@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from fitting import SaveAtEnd, quiet_trainer
 from lightning.fabric import Fabric
 from test_diffusers import unet
-from test_encoder_decoder import bart, seq2seq_batches, t5
+from test_encoder_decoder import bart, check_at_smallest, seq2seq_batches, t5
 from test_moe import moe
 from test_peft import lora_llama, without_cache
 from torch import nn
@@ -289,3 +289,16 @@ def test_fabric_lora_with_the_default_kv_cache_trains_like_plain_and_keeps_the_c
     assert any("use_cache=False" in str(w.message) for w in record)
     assert_same_parameters(plain.module, rotor.module)
     assert model.get_base_model().config.use_cache  # the user's config is left as it was
+
+
+# -- the user's own autocast region (its weight-cast cache on, as Fabric's bf16-mixed; the Trainer's is off) --
+@pytest.mark.parametrize("make", [bart, t5], ids=["bart", "t5"])
+def test_checkpointable_in_the_users_autocast_trains_a_tied_embedding_bitwise(make):
+    """The LM head casts the tied embedding to bf16, the embeddings use it in float32: the first step (discovery and
+    profiling in the same autocast region) sums its gradient in plain training's order."""
+
+    def bf16() -> torch.autocast:
+        return torch.autocast("cpu", dtype=torch.bfloat16)  # cache_enabled: torch's default
+
+    rotor, _ = check_at_smallest(make(), seq2seq_batches(3), region=bf16)
+    assert sum(r > 1 for r in rotor.last_entry.runs) > 0
