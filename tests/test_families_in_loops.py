@@ -302,3 +302,19 @@ def test_checkpointable_in_the_users_autocast_trains_a_tied_embedding_bitwise(ma
 
     rotor, _ = check_at_smallest(make(), seq2seq_batches(3), region=bf16)
     assert sum(r > 1 for r in rotor.last_entry.runs) > 0
+
+
+@pytest.mark.parametrize(
+    "family, batches", [pytest.param("bart", changing_seq2seq, marks=pytest.mark.slow), ("mixtral", changing_tokens)]
+)
+def test_fabric_changing_shapes_under_bf16_train_like_plain_fabric_within_budget(family, batches):
+    """Each new shape is profiled inside Fabric's autocast region (its cast cache on), mid-training."""
+    make, _, loss, budget = FAMILIES[family]
+    model, data = make(), batches()
+    _, plain = fabric_loop("auto", copy.deepcopy(model), data, loss, "bf16-mixed")
+    strategy = RotorFabricStrategy(mem_limit=budget, measure_every_n_steps=1, print_summary=False)
+    fabric, rotor = fabric_loop(strategy, model, data, loss, "bf16-mixed")
+    assert_same_parameters(plain.module, rotor.module)
+    chain = strategy.chains["model"]
+    assert len(chain.entries) >= 2
+    assert 0 < measured_peak(fabric, rotor, data[-1], loss) <= chain.plan.budget
