@@ -184,9 +184,10 @@ def test_a_budget_below_the_decoders_smallest_is_refused_in_one_line_before_any_
 
 
 # -- resuming from a Lightning checkpoint ----------------------------------------------------------------------------
-def fit_and_resume(root: Path, strategy: Callable[[], object], model: nn.Module, batches: list[Batch]) -> Task:
+def fit_and_resume(
+    root: Path, strategy: Callable[[], object], model: nn.Module, batches: list[Batch], loss: LossFn
+) -> Task:
     """Two steps and a checkpoint (rotor's plans in it), then a fit resumed from it up to four steps."""
-    loss = FAMILIES["t5"][2]
     ckpt = root / "first.ckpt"
     fit(root / "first", strategy(), copy.deepcopy(model), loss, batches[:2], callbacks=[SaveAtEnd(ckpt)])
     resumed = Task(copy.deepcopy(model), loss)
@@ -197,12 +198,13 @@ def fit_and_resume(root: Path, strategy: Callable[[], object], model: nn.Module,
     return resumed
 
 
-@pytest.mark.slow  # four fits, about 15 s
-def test_resumed_encoder_decoder_reuses_the_saved_plans_and_trains_like_plain(tmp_path, caplog):
-    model, batches = t5(), seq2seq_batches(4)
-    plain = fit_and_resume(tmp_path / "plain", lambda: "auto", model, batches)
+@pytest.mark.parametrize("family", ["t5", "mixtral"])
+def test_resumed_fit_reuses_the_saved_plans_and_trains_like_plain(tmp_path, caplog, family):
+    make, data, loss, budget = FAMILIES[family]
+    model, batches = make(), data() + data()[:1]
+    plain = fit_and_resume(tmp_path / "plain", lambda: "auto", model, batches, loss)
     with caplog.at_level(logging.INFO):
-        rotor = fit_and_resume(tmp_path / "rotor", lambda: RotorStrategy(mem_limit="90%"), model, batches)
+        rotor = fit_and_resume(tmp_path / "rotor", lambda: RotorStrategy(mem_limit=budget), model, batches, loss)
     assert "rotor: chains and plans of model restored from the checkpoint" in caplog.text
     assert_same_parameters(plain.model, rotor.model)
     (chain,) = rotor.chains.values()
