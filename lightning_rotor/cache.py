@@ -97,6 +97,7 @@ class PlanCache:
         self.names = list(names)
         self.slots = slots
         self.entries: dict[str, Entry] = {}  # per key: the plan for the chain's whole budget
+        self.input_uses: list[int] = []  # as measured last (`Profile.input_uses`), for entries planned on a bound
         self.forget_call_plans()
 
     def __contains__(self, key: str) -> bool:
@@ -113,12 +114,22 @@ class PlanCache:
         return entry
 
     def build(self, measured: Profile, chosen: Plan) -> Entry:
-        """An entry of these stages running `chosen`."""
+        """An entry of these stages running `chosen`; a profile that did not measure stage 0's input uses (a
+        chain bounding a new shape's, `shapes.predicted_chain`) gets those measured last: the same stage 0."""
+        if measured.input_uses:
+            self.input_uses = list(measured.input_uses)
+        uses = measured.input_uses or self.input_uses
         return Entry(
             measured,
             chosen,
             pipeline.runner(
-                self.stages, measured.chain, chosen, self.names, early_stop=self.early_stop, sides=self.sides
+                self.stages,
+                measured.chain,
+                chosen,
+                self.names,
+                early_stop=self.early_stop,
+                sides=self.sides,
+                input_uses=uses,
             ),
         )
 
@@ -200,6 +211,7 @@ class PlanCache:
                     "bwd_spread": e.profile.bwd_spread,
                     "repeats": e.profile.repeats,
                     "round_seconds": e.profile.round_seconds,
+                    "input_uses": e.profile.input_uses,
                     "threads": e.profile.threads,
                 }
                 for key, e in self.entries.items()
@@ -231,6 +243,7 @@ class PlanCache:
                 repeats=int(item.get("repeats", 0)),
                 round_seconds=[float(t) for t in item.get("round_seconds", [])],
                 threads=int(item.get("threads", 0)),
+                input_uses=[int(n) for n in item.get("input_uses", [])],
             )
             entries[str(item["signature"])] = self.build(measured, Plan.from_dict(item["plan"]))
         self.entries.update(entries)

@@ -207,6 +207,7 @@ class Checkpointable(nn.Module):
         self._own_budget = own_budget  # what mem_limit= resolves with, unless shared
         self.shared: Budget | None = None  # set by whoever splits one budget over several chains
         self.shared_name = ""
+        self.boxed: Callable[[Checkpointable, tuple, dict], Any] | None = None  # set while step_outside measures
         self.last_entry: Entry | None = None  # the entry the latest call ran
         self.calls = StepCalls()  # this step's pending calls (lightning_rotor/calls.py)
         self._structures: dict[tuple[str, ...], list[int]] = {}  # steps seen: signatures -> budgets first run
@@ -260,6 +261,8 @@ class Checkpointable(nn.Module):
         is called as written (`rotor(idx, targets=None)`); its chain is discovered on the
         first training call (`discover=`, docs/discovery.md).
         """
+        if self.boxed is not None:  # the step outside the chains being measured (lightning_rotor/step_outside.py)
+            return self.boxed(self, args, kwargs)
         if torch.compiler.is_compiling() and self.training and torch.is_grad_enabled():
             return train_eagerly(self, *args, **kwargs)  # a graph break: rotor's step runs eagerly (compile.py)
         if self.training and torch.is_grad_enabled():

@@ -9,6 +9,7 @@ imports neither profile.py nor execute.py.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -113,7 +114,7 @@ def _compact(grad: torch.Tensor | None) -> torch.Tensor | None:
     return grad.clone()
 
 
-def compact_gradients(value: Any) -> Any:
+def compact_gradients(value: Any, carried: Sequence[bool] | None = None) -> Any:
     """Make every gradient that reaches a tensor of stage input `value` hold only its own bytes; returns `value`.
 
     NOTE: [compact stage-input gradients] the memory model holds δ_k as `s_k` bytes from `B k` on.
@@ -122,11 +123,58 @@ def compact_gradients(value: Any) -> Any:
     instead, as long as δ_k is held. A tensor hook copies such a gradient into a tensor of its own
     when it reaches the stage input, and the view goes with the engine's buffer. The copy is part of
     `B k`: the profiler runs stages with the same hooks, so `bwd_tmp` measures it.
+
+    The copy has other strides than the view (no gaps), and a backward that reduces over it
+    (BatchNorm's) rounds otherwise for another layout: a copy handed to the node that made the
+    tensor would change the gradients. So `carried` (per tensor of `value`) limits the hooks to
+    the tensors the stage below passed on from its own input, whose gradient is held across
+    stages (a skip carried down); a gradient that goes to the node that made its tensor, within
+    the same engine call, stays the view plain autograd hands it (see `compact_uncovered` for a
+    held δ_k).
     """
-    for t in tensors_of(value):
-        if t.requires_grad:
+    tensors = tensors_of(value)
+    for t, c in zip(tensors, [True] * len(tensors) if carried is None else carried, strict=True):
+        if c and t.requires_grad:
             t.register_hook(_compact)
     return value
+
+
+def compact_uncovered(grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """δ_k with each view copied to a tensor of its own where δ_k's views do not cover their storage.
+
+    A δ_k held by the executor between `B k` and `B k-1` must hold `s_k` bytes (NOTE: [compact
+    stage-input gradients]); but where the views of one storage are together the whole storage
+    (`torch.cat` of two stage-input tensors: each gets a slice of its gradient) they already hold
+    no more, and handing on the views as they are keeps the layouts plain autograd hands on.
+    """
+    covered: dict[int, set[tuple[int, tuple[int, ...], tuple[int, ...]]]] = {}
+    for g in grads:
+        if g is not None and g.layout == torch.strided:
+            key = (int(g.storage_offset()), tuple(g.size()), tuple(g.stride()))
+            covered.setdefault(g.untyped_storage().data_ptr(), set()).add(key)
+    out: list[torch.Tensor | None] = []
+    for g in grads:
+        if g is None or g.layout != torch.strided:
+            out.append(g)
+            continue
+        storage = g.untyped_storage()
+        views = covered[storage.data_ptr()]
+        held = sum(_numel(size) for _, size, _ in views) * g.element_size()
+        out.append(g.clone() if storage.nbytes() > held else g)
+    return out
+
+
+def _numel(size: tuple[int, ...]) -> int:
+    n = 1
+    for d in size:
+        n *= d
+    return n
+
+
+def carried_through(inp: Any, out: Any) -> list[bool]:
+    """Per tensor of a stage's output `out`: is it its input `inp` (a tensor of it or a view), passed on?"""
+    storages = {t.untyped_storage().data_ptr() for t in tensors_of(inp) if t.layout == torch.strided}
+    return [t.layout == torch.strided and t.untyped_storage().data_ptr() in storages for t in tensors_of(out)]
 
 
 class EnterStage(torch.autograd.Function):
@@ -151,6 +199,70 @@ class EnterStage(torch.autograd.Function):
     def backward(ctx: Any, *grads: Any) -> tuple:
         ctx.slot.extend(grads)
         return (None, None, *[None] * len(grads))
+
+
+class InputParts:
+    """The gradients that stage 0's graph sends to its input node, one part per edge, in arrival order.
+
+    NOTE: [a run's input gradient in parts] plain autograd sums a tensor's gradient in the
+    buffer of the node that made it, one part per use, in the order the uses' backwards run: a
+    module-level run's input `h`, used twice in the first stage and once after the run
+    (`y = blocks(h); return y + h`), gets `(g + p1) + p2`, `g` from the use after the run first
+    (its node is newer than the run's, so it runs first). Summed in stage 0's graph, δ_0 would
+    make it `g + (p1 + p2)`, which differs in the last bits. So the parts are taken out of stage
+    0's graph before they reach its input node (a post-hook on each node with an edge to it, in
+    the order those nodes run and their edges are numbered) and handed back one per edge of the
+    autograd node that ends the chain, which passes the input once per part: the engine adds them
+    to `h`'s buffer in that order, as plain autograd does. Each part is held as a tensor of its
+    own until then (a use too many charges `s_0` bytes more, which the profiler measures).
+    """
+
+    def __init__(self, roots: Sequence[Any], targets: Sequence[tuple[Any, int]]):
+        # targets: the input's edges, one per tensor (EnterStage's inputs in the executor, the leaves'
+        # accumulators when profiled)
+        self.parts: list[list[torch.Tensor]] = [[] for _ in targets]  # per target, in arrival order
+        self.consumers = _consumers(roots, {(id(node), nr): j for j, (node, nr) in enumerate(targets)})
+
+    @property
+    def uses(self) -> list[int]:
+        """Per target: how many edges of the graph lead to it."""
+        uses = [0] * len(self.parts)
+        for _, edges in self.consumers:
+            for _, j in edges:
+                uses[j] += 1
+        return uses
+
+    def install(self) -> list[Any]:
+        """Hook the consumers; returns the handles to remove after the backward."""
+        return [node.register_hook(functools.partial(self._take, edges)) for node, edges in self.consumers]
+
+    def _take(self, edges: list[tuple[int, int]], grad_inputs: Sequence[torch.Tensor | None], *_: Any) -> tuple:
+        out = list(grad_inputs)
+        for i, j in edges:
+            grad = out[i]
+            if grad is not None:
+                # a tensor of its own on the storage: the backward's freeing (`_FreeConsumed`) sees it held
+                self.parts[j].append(_alias(grad) if grad.layout == torch.strided else grad)
+                out[i] = None
+        return tuple(out)
+
+
+def _consumers(roots: Sequence[Any], targets: dict[tuple[int, int], int]) -> list[tuple[Any, list[tuple[int, int]]]]:
+    """The nodes of the graph above `roots` with edges to `targets` ((id(node), input) -> index), as
+    (node, [(edge index, target index)]); the walk stops at the targets' nodes."""
+    ends = {node_id for node_id, _ in targets}
+    found, seen, stack = [], set(), [n for n in roots if n is not None]
+    while stack:
+        node = stack.pop()
+        if id(node) in ends or node in seen:
+            continue
+        seen.add(node)
+        nexts = node.next_functions
+        edges = [(i, targets[id(n), nr]) for i, (n, nr) in enumerate(nexts) if (id(n), nr) in targets]
+        if edges:
+            found.append((node, edges))
+        stack.extend(n for n, _ in nexts if n is not None)
+    return found
 
 
 def enter_stage(
@@ -358,23 +470,23 @@ class _FreeRest:
     Only gradients whose receiver has run and did not pass them on as the very same tensor:
     the engine may hold any other for a node still to run. A gradient passed on as a view stays
     while the view lives (it is the next stage's δ); a later stage boundary frees it once the
-    view is gone. `then` runs once, at the first boundary (the receiving stage is done).
+    view is gone. A gradient whose receiver has not run yet waits for a later boundary: where the stage
+    above passed its input on unchanged, the first boundary is the receiver itself (freed there, it was
+    kept to the end of the call: 1 KiB over the budget). `then` runs once, at the first boundary.
     """
 
     def __init__(self, tensors: list[torch.Tensor], consumed: set[int], then: Callable[[], None] | None):
         self.tensors = tensors
         self.consumed = consumed
         self.then = then
-        self.first = True
 
     def __call__(self, grad_outputs: Sequence[torch.Tensor | None]) -> None:
         passed = {g.untyped_storage().data_ptr() for g in grad_outputs if isinstance(g, torch.Tensor)}
-        if self.first:  # from here on only consumed gradients are ours to free
-            self.tensors = [t for t in self.tensors if id(t) in self.consumed]
-            self.first = False
-            _then, self.then = self.then, None
-        else:
-            _then = None
-        self.tensors = _free_owned(self.tensors, passed)
+        _then, self.then = self.then, None
+        # only consumed gradients are ours to free; one whose receiver has not run yet waits for a later
+        # boundary (the first boundary is the receiver itself where the stage above passed its input through)
+        waiting = [t for t in self.tensors if id(t) not in self.consumed]
+        ready = [t for t in self.tensors if id(t) in self.consumed]
+        self.tensors = waiting + _free_owned(ready, passed)
         if _then is not None:
             _then()

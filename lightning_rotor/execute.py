@@ -15,6 +15,7 @@ the stage just before it, the recomputation stops early, as torch's non-reentran
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any
@@ -35,9 +36,12 @@ from lightning_rotor._torch_compat import (
 from lightning_rotor.compile import rewinds
 from lightning_rotor.engine import (
     HandOver,
+    InputParts,
     backward_from_edges,
+    carried_through,
     check_inplace,
     compact_gradients,
+    compact_uncovered,
     detach_value,
     differentiable,
     enter_stage,
@@ -58,7 +62,8 @@ from lightning_rotor.stages import SideInputs
 #
 # - `_Tail` runs the forward ops (everything before `Loss`) and returns an empty
 #   token; its backward runs the backward part of the plan (recomputations and
-#   `B L-1 … B 0`) and returns `δ_0` to the chain input.
+#   `B L-1 … B 0`) and returns `δ_0` to the chain input (in parts where stage 0
+#   uses it several times: NOTE: [a run's input gradient in parts], engine.py).
 # - `HandOver` (lightning_rotor/engine.py) turns the token into the chain output
 #   `a_L` for the caller's loss; its backward only stores `δ_L` for `_Tail`
 #   (`_Output.receive`).
@@ -87,9 +92,10 @@ _JOINED = "joined"  # a stage's entry when its input is a_k straight from stage 
 class _Caught(list):
     """The gradients `EnterStage` caught for a stage input: one per entered tensor of it."""
 
-    def __init__(self, wanted: list[bool]):
+    def __init__(self, wanted: list[bool], compact: bool = True):
         super().__init__()
         self.wanted = wanted  # per tensor of the input: entered (gets a gradient) or passed detached
+        self.compact = compact  # δ_k is held: views that do not cover their storage are copied (`compact_uncovered`)
 
     def deltas(self) -> list[torch.Tensor | None]:
         """δ_k, one entry per tensor of the stage input (None: no gradient, or no path reached it).
@@ -97,8 +103,10 @@ class _Caught(list):
         The slot lets go of them: a gradient caught as a view (of δ_{k+1}, through a view's backward)
         would otherwise be a second owner of its storage, which then could not be freed once consumed.
         """
-        caught = iter(list(self) or [None] * sum(self.wanted))
+        grads = list(self) or [None] * sum(self.wanted)
         self.clear()
+        caught = iter(compact_uncovered(grads) if self.compact else grads)
+        del grads
         return [next(caught) if w else None for w in self.wanted]
 
 
@@ -137,6 +145,7 @@ class _Step:
         self.rng_devices = [torch.device("cpu"), *sorted(cuda, key=str)]
         self.joined: set[int] = set()  # stages fed a_k from stage k-1's graph: B k and B k-1 run in one call
         self.joined_edges: dict[int, list] = {}  # where δ_k enters stage k-1's graph, to mark B k (with a probe)
+        self.carried: dict[int, list[bool]] = {}  # per recorded a_k: which tensors stage k-1 passed on from its input
         self.dummy = torch.empty(0, device=runner.token_device, requires_grad=True)  # EnterStage's graph edge
         # values offloaded to host memory and prefetched back (chain version 6); None: the plan moves none
         self.transfers = Transfers(runner.channel) if runner.channel is not None else None
@@ -146,6 +155,9 @@ class _Step:
         self.sides: list[torch.Tensor] = []
         self.side_entries: dict[int, tuple[list, tuple]] = {}
         self.side_grads: list[torch.Tensor | None] = []
+        self.input_node: tuple[Any, int] | None = None  # EnterStage's node of a_0 for B 0, and its inputs
+        # per tensor of a_0: its gradient in parts, one per use in stage 0 (NOTE: [a run's input gradient in parts])
+        self.input_parts: list[list[torch.Tensor]] | None = None
 
     def mark(self, op: Op) -> None:
         if self.probe is not None and hasattr(self.probe, "mark"):
@@ -178,9 +190,13 @@ class _Step:
             wanted = [w and differentiable(t) for w, t in zip(self.input_requires_grad, tensors, strict=True)]
         else:
             wanted = [differentiable(t) for t in tensors]
-        entry = _Caught(wanted)
+        entry = _Caught(wanted, compact=k > 0)  # the chain input's δ_0 goes back as it came
         with torch.enable_grad():
-            return entry, enter_stage(src, entry, self.dummy, wanted, compact=k > 0)
+            inp = enter_stage(src, entry, self.dummy, wanted, compact=False)
+        if k == 0:  # the node B 0's parts of δ_0 are taken before (`InputParts`)
+            entered = [t for t in tensors_of(inp) if t.requires_grad]
+            self.input_node = (get_gradient_edge(entered[0]).node, len(entered)) if entered else None
+        return entry, inp
 
     def forward_op(self, kind: OpKind, k: int, last: bool = False, pack: bool = False) -> None:
         """Run `kind` on stage k; `last`: this `Fe k` is stage k's last forward before `B k` (k >= 1);
@@ -213,7 +229,7 @@ class _Step:
                 elif k == self.runner.frozen > 0:  # a_F: no gradient wanted; nothing but stage F's graph keeps it
                     entry, inp = _Caught([False] * len(tensors_of(src))), detach_value(src, False)
                 elif recorded and k in self.runner.joinable:
-                    entry, inp = _JOINED, compact_gradients(src)
+                    entry, inp = _JOINED, compact_gradients(src, self.carried.get(k))
                     self.joined.add(k)
                     self.joined_edges[k] = output_edges(src)  # where δ_k enters stage k-1: B k is done
                 else:
@@ -221,7 +237,7 @@ class _Step:
                     inp = None
                 with torch.enable_grad(), self._sides(k, record=True):
                     if inp is None:
-                        inp = enter_stage(src, entry, self.dummy, entry.wanted)
+                        inp = enter_stage(src, entry, self.dummy, entry.wanted, compact=False)
                     if pack:
                         part = SavedPart(k, [*stage.parameters(), *stage.buffers()])
                         with part.recording():
@@ -231,6 +247,7 @@ class _Step:
                         del part
                     else:
                         out = stage(inp) if kind is OpKind.FE else run_selective(stage, inp, self._redraw(k), name)
+                self.carried[k + 1] = carried_through(inp, out)
                 del inp
                 self.graph[k + 1] = (entry, out)
                 if last:
@@ -458,6 +475,9 @@ class _Step:
             entry, out = self.graph.pop(j + 1)
             del out
         hooks, unmarked, mark_top = self._mark_done(run)
+        parts = self._input_parts(edges if k == 0 else self.joined_edges.get(1, [])) if bottom == 0 else None
+        if parts is not None:
+            hooks += parts.install()
         # δ_{k+1} goes once the node receiving it has run, or at the latest when B k is done (δ_L too)
         done_at = [e for i in run[:-1] for e in self.joined_edges.get(i, [])]  # each boundary below B k
         side_edges, side_grads, slot = self._side_roots(k)
@@ -481,6 +501,8 @@ class _Step:
         del edges
         if isinstance(entry, _Caught):
             self.grads[bottom] = entry.deltas()  # caught by EnterStage
+            if parts is not None:
+                self.input_parts = _in_parts(entry.wanted, self.grads[bottom], parts.parts)
         else:
             self.grads[bottom] = [t.grad if t.requires_grad else None for t in tensors_of(entry)]
         del entry
@@ -489,6 +511,15 @@ class _Step:
             if j != 0:
                 self.plain.pop(j, None)
         return len(run)
+
+    def _input_parts(self, edges: Sequence[Any]) -> InputParts | None:
+        """Where the chain input is used more than once in stage 0: its gradient's parts, taken as they come
+        from stage 0's graph at `edges` (NOTE: [a run's input gradient in parts]); else None (δ_0 is summed)."""
+        entered, self.input_node = self.input_node, None
+        if entered is None or max(self.runner.input_uses, default=1) < 2:
+            return None
+        node, count = entered
+        return InputParts([e.node for e in edges if e is not None], [(node, i) for i in range(count)])
 
     def _mark_done(self, run: list[int]) -> tuple[list, list, Any]:
         """With a probe marking ops, inside one engine call for `B k … B j`: mark `B i` when δ_i
@@ -576,12 +607,15 @@ class _Step:
         self.released.clear()
         self.joined.clear()
         self.joined_edges.clear()
+        self.carried.clear()
         self.grads.clear()
         self.rng.clear()
         self.saved_parts.clear()
         self.side_entries.clear()
         self.side_grads = []
         self.sides = []
+        self.input_node = None
+        self.input_parts = None
         if self.transfers is not None:
             self.transfers.clear()
         self.probe = None
@@ -713,21 +747,50 @@ def _add_stashed(stashed: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
             p.grad = stored
 
 
+def _in_parts(
+    wanted: list[bool], direct: list[torch.Tensor | None], taken: list[list[torch.Tensor]]
+) -> list[list[torch.Tensor]]:
+    """Per tensor of a_0: the parts of its gradient in arrival order. A gradient EnterStage caught came
+    first (a root of the backward call: stage 0 passed its input on as an output); then those `taken`
+    (one list per entered tensor)."""
+    entered = iter(taken)
+    out = []
+    for w, g in zip(wanted, direct, strict=True):
+        parts = next(entered) if w else []
+        out.append(parts if g is None else [g, *parts])
+    return out
+
+
+def _spread(parts: list[torch.Tensor], slots: int) -> list[torch.Tensor | None]:
+    """`parts` over `slots` edges, None where none came; parts beyond the slots (a stage 0 using its input
+    more often than when profiled) are summed into the last one."""
+    if len(parts) > slots:
+        rest = parts[slots - 1]
+        for p in parts[slots:]:
+            rest = rest + p
+        parts = [*parts[: slots - 1], rest]
+    return [*parts, *[None] * (slots - len(parts))]
+
+
 class _Tail(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, step: _Step, spec: Any, dummy: torch.Tensor, n_inputs: int, n_sides: int, *args: Any
+        ctx, step: _Step, spec: Any, dummy: torch.Tensor, uses: tuple[int, ...], n_sides: int, *args: Any
     ) -> torch.Tensor:
-        # args: the chain input's leaves, the side inputs (NOTE: [side inputs]), then the stages' parameters
+        # args: the chain input's leaves, each `uses` times (an edge per part of its gradient, NOTE: [a run's
+        # input gradient in parts]), the side inputs (NOTE: [side inputs]), then the stages' parameters
         # (edges only, see `_check_backward_call`)
+        n_inputs = sum(uses)
         inputs, ctx.n_params = args[:n_inputs], len(args) - n_inputs - n_sides
         step.sides = [t.detach() for t in args[n_inputs : n_inputs + n_sides]]
         step.side_grads = [None] * n_sides
-        step.plain[0] = tree_unflatten(list(inputs), spec)
+        leaves = [inputs[i] for i in itertools.accumulate(uses[:-1], initial=0)]
+        step.plain[0] = tree_unflatten(leaves, spec)
         runner = step.runner
         step.run(runner.forward_ops, runner.forward_last, runner.forward_pack, runner.forward_early)
         ctx.step = step
-        ctx.is_tensor = [isinstance(t, torch.Tensor) for t in inputs]
+        ctx.uses = uses
+        ctx.is_tensor = [isinstance(t, torch.Tensor) for t in leaves]
         return torch.empty(0, device=dummy.device)
 
     @staticmethod
@@ -737,15 +800,19 @@ class _Tail(torch.autograd.Function):
         try:
             runner = step.runner
             step.run(runner.backward_ops, runner.backward_last, runner.backward_pack, runner.backward_early)
-            delta = iter(step.grads.pop(step.runner.frozen))
+            delta = step.grads.pop(step.runner.frozen)
             if step.runner.frozen:  # B F made no gradient: the chain input does not require grad
-                delta = iter([None] * len(ctx.is_tensor))
+                delta = [None] * sum(ctx.is_tensor)
+            parts = iter(step.input_parts or [[] if g is None else [g] for g in delta])
+            del delta
             side_grads = step.side_grads
         finally:
             _add_stashed(stashed)
             step.clear()
             del ctx.step
-        deltas = [next(delta) if is_tensor else None for is_tensor in ctx.is_tensor]
+        deltas: list[torch.Tensor | None] = []
+        for is_tensor, n in zip(ctx.is_tensor, ctx.uses, strict=True):
+            deltas += _spread(next(parts), n) if is_tensor else [None] * n
         return (None, None, None, None, None, *deltas, *side_grads, *[None] * ctx.n_params)
 
 
@@ -782,7 +849,8 @@ class PlanRunner:
     chain's figures (`Chain.in_free`), so that a plain stage input is let go exactly
     when the chain says (see `releases_plain`). `sizes`: the chain's `s_0 … s_L`, and `offloadable`: the
     chain's bytes per stage that `OffloadSaved k` moves, from which a plan that offloads reserves its
-    host buffers once (`offload.buffer_sizes`).
+    host buffers once (`offload.buffer_sizes`). `input_uses`: per tensor of the chain input, how many
+    edges of stage 0's graph take it (`Profile.input_uses`), its gradient's parts handed back one per edge.
     """
 
     def __init__(
@@ -796,6 +864,7 @@ class PlanRunner:
         offloadable: Sequence[int] | None = None,
         early_stop: bool = True,
         sides: SideInputs | None = None,
+        input_uses: Sequence[int] = (),
     ):
         self.stages = list(stages)
         self.sides = sides  # tensors every stage reads besides its input (NOTE: [side inputs])
@@ -838,6 +907,8 @@ class PlanRunner:
             if op.kind is OpKind.B and nxt == Op(OpKind.B, op.stage - 1)
         }
         self._with_sides(False)
+        # per tensor of a_0: how many edges of stage 0's graph use it (`Profile.input_uses`; none given: 1 each)
+        self.input_uses = list(input_uses)
         self.quiet: set[int] = set()  # recomputed stages whose last recorded first run drew no random number
         self.probe: Any = None
         self.token_device = torch.device("cpu")
@@ -916,6 +987,16 @@ class PlanRunner:
         self._shared = [params[i] for i, n in users.items() if n > 1]
         return self._all_params, self._shared
 
+    def _input_slots(self, flat: list[Any]) -> tuple[int, ...]:
+        """Per entry of the flat chain input: how many times `_Tail` takes it, one edge per part of its gradient
+        (its uses in stage 0 where it requires grad, else 1; NOTE: [a run's input gradient in parts])."""
+        uses = iter(self.input_uses if self.frozen == 0 else ())
+        slots = []
+        for t in flat:
+            n = next(uses, 1) if isinstance(t, torch.Tensor) else 1
+            slots.append(max(1, n) if isinstance(t, torch.Tensor) and t.requires_grad else 1)
+        return tuple(slots)
+
     def __call__(self, value: Any) -> Any:
         flat, spec = tree_flatten(value)
         if not any(isinstance(t, torch.Tensor) for t in flat):
@@ -930,7 +1011,9 @@ class PlanRunner:
         dummy = torch.empty(0, device=device, requires_grad=True)
         sides = self.sides.tensors() if self.sides is not None else []
         self._with_sides(bool(sides))
-        token = _Tail.apply(step, spec, dummy, len(flat), len(sides), *flat, *sides, *self._parameters())
+        slots = self._input_slots(flat)
+        args = itertools.chain.from_iterable([t] * n for t, n in zip(flat, slots, strict=True))
+        token = _Tail.apply(step, spec, dummy, slots, len(sides), *args, *sides, *self._parameters())
         end = _Output(step)
         outputs = HandOver.apply(end, token)
         return tree_unflatten(list(outputs), end.spec)

@@ -55,7 +55,10 @@ class Outside(NamedTuple):
 
     before: int  # kept by the forward from before the run, beside the run's input
     tail: int  # peak of the rest of the forward, the loss and their backward above what is alive after the run
-    loss_value: int = LOSS_HELD  # the loss value and its seed gradient, held to the end of the step
+    # the loss value and its seed gradient, held to the end of the step, with the gradients that wait as long: a tied
+    # parameter's part from after the run (`waiting_gradients`), the run's input's part from after the run
+    # (NOTE: [the outside gradient of the run's input])
+    loss_value: int = LOSS_HELD
 
 
 @dataclass
@@ -154,7 +157,8 @@ def charge_outside(chain: Chain, outside: Outside | tuple[int, int], loss_tmp: i
     chain's loss (at least `loss_tmp` bytes when the caller gave them).
 
     The tail was measured with `a_L` held throughout, so it stands for a kept `a_L` and, at most
-    `s_L` bytes too high, for a plain one.
+    `s_L` bytes too high, for a plain one. The gradient the code after the run sends to the run's
+    input is held with the loss value, to the end of the step.
     """
     outside = Outside(*outside)
     s_l = chain.out_size[-1]
@@ -168,6 +172,8 @@ def charge_outside(chain: Chain, outside: Outside | tuple[int, int], loss_tmp: i
         bwd_tmp=[chain.bwd_tmp[0] - outside.before, *chain.bwd_tmp[1:]],
         loss_tmp=tail_tmp,
         loss_tmp_kept=tail_tmp,
+        # with the gradients that wait as long (`Outside.loss_value`); where the run's input's part from after the
+        # run is δ_L itself (an add hands both the same tensor), δ_L is charged twice until B L-1, the safe side
         loss_value=outside.loss_value,
     )
 
@@ -185,9 +191,10 @@ def runner(
     *,
     early_stop: bool = True,
     sides: SideInputs | None = None,
+    input_uses: Sequence[int] = (),
 ) -> PlanRunner:
-    """What runs `chosen` on the stages: an autograd Function per call. `early_stop`: see `PlanRunner`;
-    `sides`: the stages' side inputs (default: those of `stages`, when a `Stages`)."""
+    """What runs `chosen` on the stages: an autograd Function per call. `early_stop`, `input_uses`: see
+    `PlanRunner`; `sides`: the stages' side inputs (default: those of `stages`, when a `Stages`)."""
     return PlanRunner(
         stages,
         chosen.ops,
@@ -197,6 +204,7 @@ def runner(
         offloadable=chain.offloadable,
         early_stop=early_stop,
         sides=sides if sides is not None else side_inputs(stages),
+        input_uses=input_uses,
     )
 
 
@@ -217,7 +225,7 @@ def prepare(
     measured = profile(stages, sample, names=names, **settings)
     nbytes = budget(measured.chain) if callable(budget) else budget
     chosen = plan_chain(measured.chain, nbytes, slots)
-    return Entry(measured, chosen, runner(stages, measured.chain, chosen, names))
+    return Entry(measured, chosen, runner(stages, measured.chain, chosen, names, input_uses=measured.input_uses))
 
 
 def run_stages(stages: Iterable[nn.Module], value: Any) -> Any:
@@ -262,6 +270,7 @@ def measure_outside(
         probe.track(value, *run.tensors())
         seen["before"] = probe.current - storage_bytes(value)
         before_leaves.extend(leaves_reached([*tensors_of(value), *run.tensors()]))
+        _catch_input_grad(value, seen)
         with torch.no_grad():
             out = run_stages(stages, value)
         # a_L handed on as the executor hands it over (`HandOver`): requiring grad, written in place if the
@@ -276,7 +285,7 @@ def measure_outside(
         seen["after"] = probe.current
         return out
 
-    # the caller's tensors as leaves of their own: the backward stops at them, not in the caller's graph
+    # copies of the caller's tensors as leaves of their own: the backward stops at them, not in the caller's graph
     args, kwargs = tree_map(_own_leaf, (args, kwargs))
     devices = [t.device for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
     run.install(blocks_without_grad)
@@ -298,6 +307,26 @@ def measure_outside(
     return Outside(max(0, seen.get("before", 0)), max(0, probe.peak - after), seen.get("value", LOSS_HELD))
 
 
+def _catch_input_grad(value: Any, seen: dict[str, int]) -> None:
+    """Add to `seen["value"]` (the loss value's bytes, held to the end of the step) those of the gradient the code
+    after the run sends to the run's input.
+
+    NOTE: [the outside gradient of the run's input] a run's input used again after the run
+    (`y = blocks(h); return y + h`) gets a gradient from the code after the run before the chain's
+    backward starts (its nodes are newer than the run's); it waits in the buffer of the node that
+    made `h` until the chain hands back δ_0, through every `B k`. Here the blocks run without grad,
+    so what reaches `h` is that gradient alone; measured as it arrives (the node that made `h` then
+    runs at once, which training does only after the chain).
+    """
+
+    def catch(grad: torch.Tensor) -> None:
+        seen["value"] = seen.get("value", LOSS_HELD) + storage_bytes(grad)
+
+    for t in tensors_of(value):
+        if t.requires_grad:
+            t.register_hook(catch)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+
+
 def waiting_gradients(after: Sequence[torch.Tensor], before: Sequence[torch.Tensor]) -> int:
     """Bytes of the gradients of leaves both the code after the run and the code before it use (a tied embedding
     and LM head): plain autograd holds the part from after the run in the accumulator's input buffer until the part
@@ -307,7 +336,11 @@ def waiting_gradients(after: Sequence[torch.Tensor], before: Sequence[torch.Tens
 
 
 def _own_leaf(value: Any) -> Any:
-    """A tensor cut from the caller's graph, requiring grad as it did (anything else as it is)."""
+    """A copy of a caller's tensor, cut from its graph, requiring grad as it did (anything else as it is).
+
+    A copy, not an alias: a forward that writes into its input (`x.mul_(2)` first) would otherwise
+    write into the caller's tensor a second time on the call that measures, before the step's own run.
+    """
     if not isinstance(value, torch.Tensor):
         return value
-    return value.detach().requires_grad_(value.requires_grad)
+    return value.detach().clone().requires_grad_(value.requires_grad)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 
 from lightning_rotor._torch_compat import (
     StorageWeakRef,
@@ -32,6 +33,7 @@ from lightning_rotor._torch_compat import (
 from lightning_rotor.chain import Chain, StageOption
 from lightning_rotor.engine import (
     HandOver,
+    InputParts,
     backward_from_edges,
     backward_pairs,
     check_inplace,
@@ -105,6 +107,9 @@ class Profile:
     repeats: int = 0  # timing rounds run
     threads: int = 0
     round_seconds: list[float] = field(default_factory=list)  # per round: the sum of every stage's F and B
+    # per tensor of a_0: how many edges of stage 0's graph take it (empty: not measured), so that the executor
+    # hands its gradient back in as many parts (NOTE: [a run's input gradient in parts], engine.py)
+    input_uses: list[int] = field(default_factory=list)
 
     @property
     def spread(self) -> float:
@@ -509,10 +514,22 @@ def _measure_recorded(
     params: list[torch.Tensor],
     free_grads: bool,
     pack: SavedPart | None = None,
-) -> tuple[int, int, int, int, list[bool], int]:
-    """(fwd_tmp, saved bytes, out_free, backward peak above a_k, output kept, offloadable bytes) of one stage run
-    `Fe` then `B`; `pack`: record the forward behind its handles, as the executor records an `Fe k` whose
-    saved part moves, to find the offloadable bytes (0 without).
+    dense_delta: bool = False,
+    input_parts: bool = False,
+) -> tuple[int, int, int, int, list[bool], int, bool, list[int]]:
+    """(fwd_tmp, saved bytes, out_free, backward peak above a_k, output kept, offloadable bytes, output dense, input
+    uses) of one stage run `Fe` then `B`; `pack`: record the forward behind its handles, as the executor records an
+    `Fe k` whose saved part moves, to find the offloadable bytes (0 without).
+
+    `input_parts` (stage 0, its input requiring grad): input uses, per tensor of `a_k`, how many edges of the
+    stage's graph take it; where one is used more than once, its gradient's parts are held apart, as the
+    executor holds them (NOTE: [a run's input gradient in parts], engine.py), so the backward peak charges them.
+
+    NOTE: [the layout of δ_{k+1}] δ_{k+1} is made in the output's own layout, or, with
+    `dense_delta`, contiguous: the layout the stage above hands back depends on its backward (a
+    loss that reshapes a transposed `a_L` hands back a contiguous δ_L), and a backward whose
+    first op needs another layout copies δ_{k+1} (a transpose, then a Linear's reshape). Output
+    dense: every tensor of `a_{k+1}` is contiguous, so that both layouts are one.
 
     Output kept: per tensor of `a_{k+1}`, whether its storage outlives the value (the graph
     keeps it, or it is `a_k`'s).
@@ -549,8 +566,14 @@ def _measure_recorded(
         # a_k passed through unchanged (a carried skip), add nothing, since ā_{k+1} is only ever held
         # beside a_k (Fe k to B k); their storage is a_k's, so releasing the output never frees them
         saved = max(probe.current - base, end)
-        grads = [torch.ones_like(t) if t.requires_grad else None for t in tensors_of(held[1])]
+        outs = tensors_of(held[1])
+        dense = all(t.is_contiguous() for t in outs)
+        grads = [_delta_like(t, dense_delta) if t.requires_grad else None for t in outs]
+        del outs
         edges = output_edges(held[1])
+        parts = _input_parts(held[0], edges) if input_parts else None
+        uses = parts.uses if parts is not None else []
+        hooks = parts.install() if parts is not None and max(uses, default=1) > 1 else []
         probe.mark("with δ")
         with_delta = probe.current
         refs = [StorageWeakRef(t.untyped_storage()) if t.layout == torch.strided else None for t in tensors_of(held[1])]
@@ -563,13 +586,29 @@ def _measure_recorded(
         with torch.autocast(value_device(value).type, enabled=False):
             backward_from_edges(edges, grads, free_grads=free_grads)
         alloc_peak, _ = watch.stop()
-        del edges, grads, held
+        for hook in hooks:
+            hook.remove()
+        del edges, grads, held, hooks
         collect_young()
         probe.mark("after backward")
         bwd_peak = max(probe.peak - a_k, probe.current - a_k, with_delta - out_free - a_k + alloc_peak)
+        del parts  # held until here: the executor holds them until the chain's backward returns
     untouched.clear_grads()
     untouched.restore_buffers()
-    return fwd_tmp, saved, out_free, bwd_peak, out_kept, offloadable
+    return fwd_tmp, saved, out_free, bwd_peak, out_kept, offloadable, dense, uses
+
+
+def _input_parts(inp: Any, edges: list[Any]) -> InputParts:
+    """The parts of the gradient of each tensor of stage 0's input (leaves here), taken from the graph at `edges`."""
+    targets = [(get_gradient_edge(t).node, 0) if t.requires_grad else (None, -1) for t in tensors_of(inp)]
+    return InputParts([e.node for e in edges if e is not None], targets)
+
+
+def _delta_like(t: torch.Tensor, contiguous: bool) -> torch.Tensor:
+    """A stand-in gradient of `t`: in `t`'s layout, or contiguous (NOTE: [the layout of δ_{k+1}])."""
+    if contiguous:
+        return torch.ones(t.shape, dtype=t.dtype, device=t.device)
+    return torch.ones_like(t)
 
 
 class _OpKinds(TorchDispatchMode):
@@ -596,10 +635,11 @@ def _measure_option(
     untouched: Untouched,
     s_k: int,
     out_size: int,
+    input_parts: bool = False,
 ) -> StageOption | None:
-    """Option "sac" of a stage (chain version 5), measured as its `Fe` is (`_measure_recorded`), times 0
-    (the timing rounds fill them); None where it cannot help: the stage runs no op the policy saves, or
-    none it recomputes."""
+    """Option "sac" of a stage (chain version 5), measured as its `Fe` is (`_measure_recorded`, `input_parts` as
+    there), times 0 (the timing rounds fill them); None where it cannot help: the stage runs no op the policy saves,
+    or none it recomputes."""
     kinds = _OpKinds()
     with torch.no_grad(), no_cast_cache(), kinds:
         stage(value)
@@ -609,7 +649,9 @@ def _measure_option(
     selective = functools.partial(forward, selective=True)
     params = list(stage.parameters())
     recorded = [
-        _measure_recorded(selective, value, exclude, watch, untouched, accumulate, params, free_grads=True)
+        _measure_recorded(
+            selective, value, exclude, watch, untouched, accumulate, params, free_grads=True, input_parts=input_parts
+        )
         for accumulate in (False, True)
     ]
     fwd_tmp, saved_size = recorded[0][:2]
@@ -757,6 +799,7 @@ def profile_chain(
     frozen = 0  # stages so far that need no backward (chain version 4): a prefix
     stage_options: list[list[StageOption]] = []  # per stage: option "sac" where kept (chain version 5)
     offloadable: list[int] = []  # per stage: what OffloadSaved k moves (chain version 6), 0 unless `offload`
+    input_uses: list[int] = []  # per tensor of a_0: the edges of stage 0's graph that take it
     collect_young()  # garbage of what ran before dies now, not inside a measured run
     with collector_paused(), Untouched(stages, [device]) as untouched:
         for k, stage in enumerate(stages):
@@ -818,10 +861,29 @@ def profile_chain(
                     list(stage.parameters()),
                     free_grads=True,
                     pack=SavedPart(k, [*stage.parameters(), *stage.buffers()]) if offload and not accumulate else None,
+                    input_parts=k == 0 and grad_in,
                 )  # fmt: skip
                 for accumulate in (False, True)
             ]
+            if not recorded[0][6]:  # a non-contiguous output: its δ may come back contiguous too, measured so
+                recorded.append(
+                    _measure_recorded(
+                        forward,
+                        value,
+                        exclude,
+                        watch,
+                        untouched,
+                        False,
+                        list(stage.parameters()),
+                        True,
+                        None,
+                        True,
+                        k == 0 and grad_in,
+                    )
+                )
             offloadable.append(recorded[0][5])
+            if k == 0:
+                input_uses = recorded[0][7]
             fwd_tmp, saved_size = recorded[0][:2]
             output_kept = [any(kept) for kept in zip(*(r[4] for r in recorded), strict=True)]
             out_free = min(r[2] for r in recorded)
@@ -833,7 +895,9 @@ def profile_chain(
             bwd_tmp = max(-s_k, max(r[3] - held_at_b - s_k for r in recorded))
             option = None
             if options:
-                option = _measure_option(stage, forward, value, exclude, watch, untouched, s_k, out_size)
+                option = _measure_option(
+                    stage, forward, value, exclude, watch, untouched, s_k, out_size, k == 0 and grad_in
+                )
             stage_options.append([option] if option is not None and option.saved_size < saved_size else [])
             for _ in range(warmup):  # untimed (the memory runs above warm up too)
                 _timed_run(forward, device, untouched)
@@ -901,4 +965,5 @@ def profile_chain(
         repeats=len(fwd[0]) if fwd else 0,
         threads=threads,
         round_seconds=round_totals(fwd, bwd),
+        input_uses=input_uses,
     )

@@ -37,8 +37,10 @@ needs the planner, so it sits beside it rather than in it.)
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterable
 from fractions import Fraction
+from typing import Any
 
 import torch
 from torch import nn
@@ -51,6 +53,7 @@ from lightning_rotor.simulate import no_recompute_peak
 __all__ = [
     "AUTO_MARGIN",
     "OPTIMIZER_STATES",
+    "OUTSIDE",
     "Budget",
     "InfeasibleTotal",
     "SharedBudget",
@@ -59,6 +62,7 @@ __all__ = [
 ]
 
 AUTO_MARGIN = 0.9  # of the CUDA memory left for activations: allocator fragmentation and kernel workspaces
+OUTSIDE = "(outside the chains)"  # the need of the model's code around the chains (`Budget.charge_outside`)
 OPTIMIZER_STATES = 2  # per parameter, as Adam keeps (SGD with momentum keeps 1): assumed before the optimizer runs
 
 
@@ -124,6 +128,14 @@ class Budget:
         self.auto_bytes: int | None = None  # the CUDA automatic total, measured once
         self.auto_measured = False  # a lone chain's automatic budget was resolved (on its first chain)
         self.short = False  # the chains known so far need more than the total; raised once all have joined
+        self.hooks: list[
+            Any
+        ] = []  # handles of the model's hooks measuring the step outside the chains (step_outside.py)
+
+    def charge_outside(self, nbytes: int) -> None:
+        """What the step holds outside every chain (`step_outside.measure_step_outside`), before any chain joined:
+        one more need of `nbytes`, both its minimum and its peak (so in a fraction's base too), never recomputed."""
+        self.needs[OUTSIDE] = (nbytes, nbytes)
 
     @property
     def shared(self) -> bool:
@@ -196,6 +208,8 @@ class Budget:
         """
         if self.value is None and self.auto_bytes is None:
             self.auto_bytes = auto_total(device, parameters)
+        if self.hooks:
+            self._outside_unmeasured(name)
         needs = dict(self.needs)
         needs[name] = (min_feasible_budget(chain), no_recompute_peak(chain))
         before = self.needs
@@ -218,6 +232,19 @@ class Budget:
         self._tell_others(name, shares)
         self.shares[name] = shares[name]
         return shares[name]
+
+    def _outside_unmeasured(self, name: str) -> None:
+        """A chain joins before any module holding all the chains was called (the step calls them itself): what
+        its code around them holds cannot be measured; said once, in one line, and the hooks taken off."""
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
+        warnings.warn(
+            f"rotor: chain {name!r} ran before any module holding all the chains {self.names} was called, so what "
+            "the step computes around them (a head, the loss) is charged to no chain and may exceed the budget; "
+            "call the chains from one module's forward (the model's) to have it measured and charged",
+            stacklevel=4,
+        )
 
     def others_busy(self, name: str) -> bool:
         """Whether a chain other than `name` has calls pending in this step (its share may not shrink now)."""

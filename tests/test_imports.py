@@ -1,5 +1,6 @@
 """`import lightning_rotor` stays light, and still registers the strategy names with Lightning."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -32,25 +33,61 @@ def test_plan_command_loads_nothing_heavy(tmp_path):
     assert run(code) == "0 []"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "imports",
-    [
-        "import lightning_rotor; import lightning",
-        "import lightning; import lightning_rotor",
-        "import lightning_rotor; from lightning.pytorch import Trainer",
-        "import lightning_rotor.lightning; import lightning_rotor",
-        "from lightning_rotor.lightning.strategy import RotorStrategy; import lightning_rotor",
-    ],
+ORDERS = [
+    "import lightning_rotor; import lightning",
+    "import lightning; import lightning_rotor",
+    "import lightning_rotor; from lightning.pytorch import Trainer",
+    "import lightning_rotor.lightning; import lightning_rotor",
+    "from lightning_rotor.lightning.strategy import RotorStrategy; import lightning_rotor",
+]
+REGISTERED = (
+    "from lightning.pytorch.strategies import StrategyRegistry\n"
+    "from lightning.fabric.strategies import STRATEGY_REGISTRY\n"
+    "print(all(n in StrategyRegistry for n in ('rotor', 'rotor_ddp', 'rotor_ddp_spawn')), "
+    "'rotor' in STRATEGY_REGISTRY)"
 )
-def test_strategy_names_registered_in_any_import_order(imports):
-    code = (
-        f"{imports}\nfrom lightning.pytorch.strategies import StrategyRegistry\n"
-        "from lightning.fabric.strategies import STRATEGY_REGISTRY\n"
-        "print(all(n in StrategyRegistry for n in ('rotor', 'rotor_ddp', 'rotor_ddp_spawn')), "
-        "'rotor' in STRATEGY_REGISTRY)"
-    )
-    assert run(code) == "True True"  # the Trainer's names and Fabric's
+# Each order needs an interpreter that has imported neither Lightning nor lightning_rotor. One interpreter
+# imports once what Lightning itself imports first and neither owns (torch, torchmetrics: most of the start-up),
+# checks that this left both out, then forks a child per order; each child prints its line into a pipe.
+FORKED = """
+import json, os, sys, traceback
+import torch, torchmetrics
+early = sorted(m for m in sys.modules if m.split(".")[0] in ("lightning", "lightning_rotor", "pytorch_lightning"))
+assert not early, early
+lines = []
+for code in {codes!r}:
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        os.dup2(write, 1)
+        try:
+            exec(code, {{"__name__": "__main__"}})
+            sys.stdout.flush()
+        except BaseException:
+            traceback.print_exc()
+            os._exit(1)
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        out = pipe.read().strip()
+    _, status = os.waitpid(pid, 0)
+    lines.append(out if status == 0 else f"failed: {{out}}")
+print(json.dumps(lines))
+"""
+
+
+@pytest.fixture(scope="module")
+def registered_after() -> dict[str, str]:
+    """What `REGISTERED` prints after each order of imports, each in a fresh child of one interpreter."""
+    out = run(FORKED.format(codes=[f"{imports}\n{REGISTERED}" for imports in ORDERS]))
+    return dict(zip(ORDERS, json.loads(out.splitlines()[-1]), strict=True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("imports", ORDERS)
+def test_strategy_names_registered_in_any_import_order(imports, registered_after):
+    assert registered_after[imports] == "True True"  # the Trainer's names and Fabric's
 
 
 def test_lazy_names_resolve():

@@ -37,7 +37,7 @@ def offload_chains(draw, max_length=7):
 
 
 @pytest.mark.slow
-@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=800, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(chain=offload_chains(), where=st.floats(0, 1.2), slots=st.sampled_from([3, 8, 40, 500]))
 def test_cpp_equals_reference_with_offloading(chain, where, slots):
     """Same integer problem in, same optimal cost and the same ops out, transfers included."""
@@ -375,7 +375,7 @@ def saved_chains(draw, max_length=7):
 
 
 @pytest.mark.slow
-@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=800, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(chain=saved_chains(), where=st.floats(0, 1.2), slots=st.sampled_from([3, 8, 40, 500]))
 def test_cpp_equals_reference_with_saved_parts(chain, where, slots):
     """Saved parts and values offloaded, in both table flavours: the same optimal cost and the same ops."""

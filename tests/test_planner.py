@@ -74,7 +74,7 @@ def forward_ops(ops):
 
 
 @pytest.mark.slow
-@settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(chain=chains(), where=st.floats(0, 1.2), slots=st.sampled_from([3, 8, 40, 500]))
 def test_cpp_equals_reference(chain, where, slots):
     """Same integer problem in, same optimal cost and the same ops out; the plan replays within budget."""

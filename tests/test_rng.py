@@ -120,32 +120,48 @@ class DropBlock(nn.Module):
 
 
 # Run in a fresh interpreter: threads that other tests leave behind (or that are still ending) must not
-# decide which path is taken.
+# decide which path is taken. One interpreter runs the three cases in turn, each thread joined before the next
+# case starts, one line each: "<case> <alone()> <modes seen>".
 _ALONE = """
 import sys, threading
 sys.path.insert(0, {tests!r})
 from test_rng import _train_and_note_modes
 from lightning_rotor.rng import alone
-stop = threading.Event()
-if {other!r} is not None:
-    threading.Thread(target=stop.wait, daemon={other!r} == "daemon").start()
-try:
-    print(alone(), sorted(m.__name__ if m else "none" for m in _train_and_note_modes()))
-finally:
-    stop.set()
+for other in {cases!r}:
+    stop = threading.Event()
+    thread = None
+    if other is not None:
+        thread = threading.Thread(target=stop.wait, daemon=other == "daemon")
+        thread.start()
+    try:
+        print(other, alone(), sorted(m.__name__ if m else "none" for m in _train_and_note_modes()))
+    finally:
+        stop.set()
+        if thread is not None:
+            thread.join()
 """
+OTHERS = [None, "daemon", "thread"]
+
+
+@pytest.fixture(scope="module")
+def alone_runs():
+    """Each case's line of `_ALONE`, run once for the three tests below."""
+    code = _ALONE.format(tests=os.path.dirname(os.path.abspath(__file__)), cases=OTHERS)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()[-len(OTHERS) :]
+    return {
+        other: line.split(" ", 1)[1] for other, line in zip(OTHERS, lines, strict=True) if line.startswith(str(other))
+    }
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("other", [None, "daemon", "thread"])
-def test_alone_recomputed_dropout_stages_run_with_no_mode_and_train_like_plain(other):
+@pytest.mark.parametrize("other", OTHERS)
+def test_alone_recomputed_dropout_stages_run_with_no_mode_and_train_like_plain(other, alone_runs):
     """No other thread that may draw (none, or only a daemon service thread): the first run only notes the
     generator and the replay rewinds it (no per-op dispatch). An ordinary thread selects the exact modes."""
-    code = _ALONE.format(tests=os.path.dirname(os.path.abspath(__file__)), other=other)
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
     expected = "True ['none']" if other != "thread" else "False ['RecordRandom', 'ReplayRandom', 'none']"
-    assert done.stdout.strip().splitlines()[-1] == expected
+    assert alone_runs[other] == expected
 
 
 def _train_and_note_modes():

@@ -61,6 +61,7 @@ from lightning_rotor.lightning.state import STATE_KEY, export_state, import_stat
 from lightning_rotor.measure import StepMeasurement
 from lightning_rotor.memory import MemoryProbe
 from lightning_rotor.pipeline import Entry
+from lightning_rotor.shared_budget import OUTSIDE
 from lightning_rotor.simulate import no_recompute_peak, simulate
 from lightning_rotor.tables import stage_markdown
 
@@ -155,13 +156,15 @@ def discovery_lines(chains: dict[str, Checkpointable]) -> list[str]:
 
 def step_budget(chains: dict[str, Checkpointable]) -> int:
     """The bytes a step of `chains` may hold: per chain its budget for all its calls in the step
-    (`Checkpointable.step_limit`), else its last plan's; what `rotor/budget_bytes` logs."""
+    (`Checkpointable.step_limit`), else its last plan's, and what the model's code around the chains
+    was charged (`Budget.charge_outside`); what `rotor/budget_bytes` logs."""
     total = 0
+    budgets = {id(r.shared): r.shared for r in chains.values() if r.shared is not None}
     for rotor in chains.values():
         entry = rotor.last_entry
         assert entry is not None  # a chain that ran this step
         total += rotor.step_limit or entry.plan.budget
-    return total
+    return total + sum(b.needs.get(OUTSIDE, (0, 0))[0] for b in budgets.values())
 
 
 def warn_if_over_budget(chains: dict[str, Checkpointable], peak: int, warned: set[tuple[int, ...]], hint: str) -> None:

@@ -12,6 +12,8 @@ Policy (docs/lightning.md, docs/discovery.md):
   the two that works with `"auto"`). With `"auto"`, a Sequential of fewer than
   `MIN_AUTO_STAGES` stages (a classifier head) is not wrapped on its own beside
   another chain;
+- an encoder-decoder found so (its `get_encoder()` and `get_decoder()` two disjoint submodules, as
+  Hugging Face's) is wrapped as its encoder and its decoder, two chains under the one budget;
 - `include` (names, globs or classes) replaces the search: exactly the matching
   submodules are wrapped; `exclude` removes matches and everything below them;
 - one budget for all chains (`lightning_rotor.shared_budget`): each chain's minimum
@@ -35,6 +37,7 @@ from typing import Any
 
 from torch import nn
 
+from lightning_rotor import step_outside
 from lightning_rotor.budget import MemLimit, Offload, parse_budget
 from lightning_rotor.checkpointable import Checkpointable, check_offload
 from lightning_rotor.compile import compiled_inner
@@ -78,6 +81,27 @@ def is_user_model(module: nn.Module) -> bool:
     ):
         return False
     return any(True for _ in module.parameters())
+
+
+def encoder_decoder(module: nn.Module) -> list[str]:
+    """The names of an encoder-decoder's encoder and decoder inside `module` (its `get_encoder()` and
+    `get_decoder()`, as Hugging Face models give them), when they are two disjoint submodules with parameters:
+    wrapped as two chains, both stacks are checkpointed (docs/discovery.md, "Side inputs and several chains")."""
+    stacks = [getattr(module, method, None) for method in ("get_encoder", "get_decoder")]
+    if not all(callable(get) for get in stacks):
+        return []
+    try:
+        encoder, decoder = (get() for get in stacks)  # type: ignore[misc]  # callable, checked above
+    except (AttributeError, NotImplementedError, TypeError, ValueError):
+        return []
+    names = {id(m): n for n, m in module.named_modules() if n}
+    found = [names.get(id(encoder)), names.get(id(decoder))]
+    first, second = found
+    if first is None or second is None or first == second:
+        return []
+    if first.startswith(second + ".") or second.startswith(first + "."):
+        return []
+    return [first, second] if is_user_model(encoder) and is_user_model(decoder) else []
 
 
 def _matches(name: str, module: nn.Module, selectors: Sequence[Selector]) -> bool:
@@ -128,6 +152,10 @@ def find_chains(
                     "the module whose forward loops over it, or its block class in checkpoint_modules"
                 )
         elif not (is_candidate(module) or (discover != "sequential" and is_user_model(module))):
+            continue
+        elif not plain and (stacks := encoder_decoder(module)):  # its encoder and decoder: two chains, one budget
+            found.extend((f"{name}.{stack}", module.get_submodule(stack)) for stack in stacks)
+            skipped.add(name)
             continue
         found.append((name, stands))  # a compiled one is swapped whole: its stages compiled alike (compile.py)
         skipped.add(name)
@@ -238,12 +266,16 @@ def wrap(
             rotor.shared, rotor.shared_name = shared, name
         _set(model, name, rotor)
         wrapped.append(Wrapped(name, module, rotor))
+    if shared is not None and len(wrapped) > 1:  # the model's code around the chains, charged to the budget
+        step_outside.install(model, {w.name: w.rotor for w in wrapped}, shared)
     return wrapped, why
 
 
 def unwrap(model: nn.Module, wrapped: Sequence[Wrapped]) -> None:
     """Put the user's modules back where `wrap` put rotor modules, their own checkpointing on again."""
     for item in reversed(wrapped):
+        if item.rotor.shared is not None:
+            step_outside.remove(item.rotor.shared)
         item.rotor.restore_own_checkpointing()
         _set(model, item.name, item.original)
 
