@@ -24,7 +24,7 @@ from torch import nn
 
 from lightning_rotor._torch_compat import tree_flatten, tree_map, tree_unflatten
 from lightning_rotor.chain import Chain
-from lightning_rotor.engine import HandOver, no_cast_cache, tensors_of
+from lightning_rotor.engine import HandOver, tensors_of
 from lightning_rotor.execute import PlanRunner
 from lightning_rotor.memory import MemoryProbe, storage_bytes
 from lightning_rotor.ops import forward_counts
@@ -252,9 +252,7 @@ def measure_outside(
     As in a step `loss_fn(model(x), y).backward()`, only the loss is held into the backward, not
     the output (a step that keeps the logits holds them on top, as anything `training_step`
     keeps). `a_L` is held throughout. Parameters' `.grad` are set aside meanwhile and put back
-    untouched, buffers and the RNG stream too (`profile.Untouched`), and autocast's weight-cast cache (a
-    cast cached here would be the step's, its backward node older: a tied weight's gradient summed in
-    another order).
+    untouched, buffers, the RNG stream and autocast's weight-cast cache too (`profile.Untouched`).
     """
     from lightning_rotor.profile import LossInput, Untouched, caller_loss, grads_aside, leaves_reached
 
@@ -290,7 +288,7 @@ def measure_outside(
     devices = [t.device for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
     run.install(blocks_without_grad)
     try:
-        with Untouched([module], devices), probe, no_cast_cache():  # the step's forward makes its own casts
+        with Untouched([module], devices), probe:
             output = module(*args, **kwargs)
             loss = caller_loss(output, loss_fn)
             del output  # the caller holds the loss into the backward, not the output
