@@ -253,7 +253,7 @@ def measure_outside(
     As in a step `loss_fn(model(x), y).backward()`, only the loss is held into the backward, not
     the output (a step that keeps the logits holds them on top, as anything `training_step`
     keeps). `a_L` is held throughout. Parameters' `.grad` are set aside meanwhile and put back
-    untouched, buffers and the RNG stream too (`profile.Untouched`).
+    untouched, buffers, the RNG stream and autocast's weight-cast cache too (`profile.Untouched`).
     """
     from lightning_rotor.profile import LossInput, Untouched, caller_loss, grads_aside, leaves_reached
 

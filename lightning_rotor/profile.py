@@ -461,13 +461,16 @@ def round_totals(fwd: list[list[float]], bwd: list[list[float]]) -> list[float]:
 
 
 class Untouched:
-    """Keep profiling invisible to training: `.grad` set aside, buffers restored, RNG forked.
+    """Keep profiling invisible to training: `.grad` set aside, buffers restored, RNG forked, no cast cached.
 
     On entry each parameter's `.grad` is set aside (`None`), so a profiling backward stores
     gradients of its own instead of adding into the caller's (gradient accumulation,
     `zero_grad(set_to_none=False)`); on exit the very same tensors are put back, unchanged.
     A buffer a profiling run changed in place (BatchNorm's running statistics) gets its value
-    back; the others are not written, so a graph that saved one stays valid.
+    back; the others are not written, so a graph that saved one stays valid. Autocast's
+    weight-cast cache is off inside: a cast cached by a measured forward would be the one the
+    step's forward then reuses, its backward node older, and a weight used both cast and uncast
+    (T5's and BART's tied embedding) would sum its gradient in another order than plain training.
     """
 
     def __init__(self, modules: Sequence[nn.Module], devices: Sequence[torch.device] = ()):
@@ -482,6 +485,8 @@ class Untouched:
             self.saved_buffers = [b.clone() for b in self.buffers]
         self.rng = torch.random.fork_rng(devices=self.devices)
         self.rng.__enter__()
+        self.casts = no_cast_cache()
+        self.casts.__enter__()
         return self
 
     def clear_grads(self) -> None:
@@ -501,6 +506,7 @@ class Untouched:
             for p, g in zip(self.params, self.saved_grads, strict=True):
                 p.grad = g
         finally:
+            self.casts.__exit__(*exc)
             self.rng.__exit__(*exc)
 
 

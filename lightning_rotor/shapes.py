@@ -68,6 +68,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from lightning_rotor._torch_compat import tensor_version, tree_flatten, tree_unflatten
 from lightning_rotor.budget import format_bytes
 from lightning_rotor.chain import TIME_FIELDS, Chain, StageOption
+from lightning_rotor.engine import no_cast_cache
 from lightning_rotor.planner import InfeasibleBudget
 
 __all__ = [
@@ -133,7 +134,7 @@ def stage_flops(stages: Sequence[nn.Module], sample: Any) -> list[int] | None:
     try:
         for m, _ in modes:
             m.training = False
-        with torch.random.fork_rng(devices=devices), torch.no_grad():
+        with torch.random.fork_rng(devices=devices), torch.no_grad(), no_cast_cache():
             value = sample
             for stage in stages:
                 with FlopCounterMode(display=False) as counter:

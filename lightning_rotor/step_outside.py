@@ -9,7 +9,8 @@ without grad and its output handed over as the executor hands it (`HandOver`: re
 gradient caught), the loss the output carries (`profile.caller_loss`) and its backward. The peak of
 what is alive outside the chains (the peak before each chain's call, and from its return on) is charged
 to the budget as one more need (`Budget.charge_outside`): the chains' shares are split from the rest.
-Parameters' `.grad`, buffers and the RNG stream are left untouched (`profile.Untouched`).
+Parameters' `.grad`, buffers, the RNG stream and autocast's weight-cast cache are left untouched
+(`profile.Untouched`).
 """
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ from lightning_rotor.discovery.graph import (
     trace_chain,
 )
 from lightning_rotor.discovery.modules import ChainDiverged, ModuleRun, find_runs
+from lightning_rotor.engine import no_cast_cache
 from lightning_rotor.stages import Stages, sequential_stages
 
 __all__ = [
@@ -95,7 +96,7 @@ def join_in_place(stages: Stages, sample: Any) -> Stages:
     writes: list[bool] = []
     value = _copy(sample)
     try:
-        with torch.random.fork_rng(devices=devices), torch.no_grad():
+        with torch.random.fork_rng(devices=devices), torch.no_grad(), no_cast_cache():
             for stage in modules:
                 before = [tensor_version(t) for t in _tensors(value)]
                 out = stage(value)
@@ -216,10 +217,25 @@ def discover_chain(
 ) -> Discovery:
     """Find the chain in `module` on a sample call `module(*sample_args, **sample_kwargs)`.
 
-    Leaves no trace: buffers and the RNG stream are as before. Raises `DiscoveryError`
-    (or `ValueBranch`, with file and line) when `discover` cannot find a chain. (`how=`,
-    deprecated in 0.2.0, still works, with a DeprecationWarning.)
+    Leaves no trace: buffers, the RNG stream and autocast's weight-cast cache are as before
+    (a cast cached here would be the one the step's forward reuses: its backward node, made
+    earlier, runs later and a tied weight's gradient sums in another order). Raises
+    `DiscoveryError` (or `ValueBranch`, with file and line) when `discover` cannot find a
+    chain. (`how=`, deprecated in 0.2.0, still works, with a DeprecationWarning.)
     """
+    with no_cast_cache():
+        return _discover_chain(module, sample_args, discover, checkpoint_modules, sample_kwargs, max_carry, how)
+
+
+def _discover_chain(
+    module: nn.Module,
+    sample_args: Sequence[Any] | Any,
+    discover: str,
+    checkpoint_modules: Sequence[type] | set[type] | None,
+    sample_kwargs: dict[str, Any] | None,
+    max_carry: int,
+    how: str | None,
+) -> Discovery:
     method = _method(discover, how)
     if not isinstance(module, nn.Module):
         raise TypeError(f"discover needs an nn.Module, got {type(module).__name__}")
