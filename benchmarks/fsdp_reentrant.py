@@ -4,7 +4,9 @@ blocks under grad and calls autograd.backward inside) on fully_shard'ed GPT bloc
 python benchmarks/fsdp_reentrant.py
 Modes: plain (FSDP2 alone), hooks (the Function's backward re-runs each block through its FSDP hooks),
 explicit (the Function drives unshard()/reshard() and calls block.forward, bypassing the hooks),
-profiled (hooks, after one standalone backward through a block, like rotor's profiler).
+profiled (hooks, after one standalone backward through a block inside the root's forward, like rotor's
+profiler), profiled_outside (the same backward with the block unshard()ed, its forward called without hooks,
+its gradients discarded, then reshard()).
 Per rank: local shards after 3 AdamW steps torch.equal to plain, all-gathers, reduce-scatters.
 """
 
@@ -75,14 +77,21 @@ class Net(nn.Module):
         torch.manual_seed(0)
         self.gpt = gpt(vocab_size=32, block_size=16, n_layer=3, n_head=2, n_embd=16, dropout=0.0)
         self.mode = mode
-        self.profile = mode == "profiled"
+        self.profile = mode in ("profiled", "profiled_outside")
 
     def forward(self, idx):
         g = self.gpt
         x = g.embed(idx)
         if self.profile:  # like rotor's profiler on the first call: a backward of its own through one block
             self.profile = False
-            g.blocks[0](x.detach().requires_grad_()).sum().backward()
+            if self.mode == "profiled":  # through the block's hooks
+                g.blocks[0](x.detach().requires_grad_()).sum().backward()
+            else:  # out of FSDP2's reach: unsharded explicitly, no hooks, its gradients discarded
+                g.blocks[0].unshard()
+                g.blocks[0].forward(x.detach().requires_grad_()).sum().backward()
+                for p in g.blocks[0].parameters():
+                    p.grad = None
+                g.blocks[0].reshard()
         if self.mode == "plain":
             x = g.blocks(x)
         else:
@@ -94,7 +103,7 @@ def worker(rank: int, mode: str, store: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}.{mode}.pg", rank=rank, world_size=2)
     count_collectives()
-    net = Net(mode)
+    net = Net(mode)  # profiled, profiled_outside: recompute through the hooks, as `hooks`
     for block in net.gpt.blocks:
         fully_shard(block)
     fully_shard(net)
