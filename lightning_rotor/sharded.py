@@ -21,12 +21,13 @@ def sharded_by_fsdp2(module: nn.Module) -> str | None:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    for name, sub in module.named_modules():
-        if isinstance(sub, FSDPModule):
-            return f"module {name or type(sub).__name__!r} is fully_shard'ed"
-    for name, p in module.named_parameters():
-        if isinstance(p, DTensor):
-            return f"parameter {name!r} is a DTensor"
+    # checked on every training call: names are looked up only once something is found
+    if any(isinstance(sub, FSDPModule) for sub in module.modules()):
+        name = next(n for n, sub in module.named_modules() if isinstance(sub, FSDPModule))
+        return f"module {name or type(module).__name__!r} is fully_shard'ed"
+    if any(isinstance(p, DTensor) for p in module.parameters()):
+        name = next(n for n, p in module.named_parameters() if isinstance(p, DTensor))
+        return f"parameter {name!r} is a DTensor"
     return None
 
 
