@@ -264,7 +264,8 @@ class Checkpointable(nn.Module):
         if torch.compiler.is_compiling() and self.training and torch.is_grad_enabled():
             return train_eagerly(self, *args, **kwargs)  # a graph break: rotor's step runs eagerly (compile.py)
         if self.training and torch.is_grad_enabled():
-            refuse_fsdp2(self.module)  # either order of Checkpointable and fully_shard (docs/sharded.md)
+            if not self.entries:  # before the first plan, in either order of Checkpointable and fully_shard
+                refuse_fsdp2(self.module)  # docs/sharded.md
             self._check_modes()
         if self.stages is not None and self.discovery is None:  # an nn.Sequential, or stages given
             if kwargs:
