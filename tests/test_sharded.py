@@ -16,9 +16,9 @@ import torch.multiprocessing as mp
 from torch.distributed.fsdp import fully_shard
 
 from lightning_rotor.checkpointable import Checkpointable
+from lightning_rotor.fabric import RotorFabricStrategy
+from lightning_rotor.lightning import RotorStrategy
 from lightning_rotor.models.gpt import gpt, lm_loss
-
-pytestmark = pytest.mark.slow  # two spawned processes
 
 
 def _loop_gpt():
@@ -67,6 +67,7 @@ def _worker(rank: int, store: str) -> None:
         f.write("\n".join(seen))
 
 
+@pytest.mark.slow  # two spawned processes
 def test_fully_sharded_model_is_refused_in_one_line_in_either_order():
     store = tempfile.mktemp()
     mp.spawn(_worker, args=(store,), nprocs=2)
@@ -77,3 +78,9 @@ def test_fully_sharded_model_is_refused_in_one_line_in_either_order():
         for line in seen:
             assert line.startswith("NotImplementedError: rotor does not support FSDP2 yet"), line
             assert "without rotor" in line and "DDP" in line, line
+
+
+@pytest.mark.parametrize("strategy", [RotorStrategy, RotorFabricStrategy])
+def test_several_devices_name_fsdp2_as_not_supported_yet(strategy):
+    with pytest.raises(ValueError, match="FSDP2 is not supported yet"):
+        strategy().parallel_devices = [torch.device("cpu"), torch.device("cpu")]
