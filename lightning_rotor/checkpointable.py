@@ -60,6 +60,7 @@ from lightning_rotor.shapes import (
     size_axis,
     stage_flops,
 )
+from lightning_rotor.sharded import refuse_fsdp2
 from lightning_rotor.shared_budget import AUTO_MARGIN, Budget, auto_total
 from lightning_rotor.simulate import no_recompute_peak
 from lightning_rotor.stages import Stages, sequential_stages
@@ -278,6 +279,8 @@ class Checkpointable(nn.Module):
         if torch.compiler.is_compiling() and self.training and torch.is_grad_enabled():
             return train_eagerly(self, *args, **kwargs)  # a graph break: rotor's step runs eagerly (compile.py)
         if self.training and torch.is_grad_enabled():
+            if not self.entries:  # before the first plan, in either order of Checkpointable and fully_shard
+                refuse_fsdp2(self.module)  # docs/sharded.md
             self._check_modes()
         if self.stages is not None and self.discovery is None:  # an nn.Sequential, or stages given
             if kwargs:

@@ -132,7 +132,8 @@ class RotorFabricStrategy(SingleDeviceStrategy):
         devices = [torch.device(d) if not isinstance(d, torch.device) else d for d in devices or []]
         if len(devices) > 1:
             raise ValueError(
-                f"the rotor Fabric strategy runs on one device but Fabric asks for {len(devices)}; use devices=1"
+                f"the rotor Fabric strategy runs on one device but Fabric asks for {len(devices)}; use devices=1 "
+                "(or DDP without rotor; FSDP2 is not supported yet: issue 27)"
             )
         self._parallel_devices = devices
 

@@ -240,7 +240,7 @@ class RotorStrategy(_RotorMixin, SingleDeviceStrategy):
         if len(devices) > 1:
             raise ValueError(
                 f"RotorStrategy runs on one device but the Trainer asks for {len(devices)}; "
-                "use strategy='rotor_ddp' (or 'rotor_ddp_spawn') for several"
+                "use strategy='rotor_ddp' (or 'rotor_ddp_spawn') for several (FSDP2 is not supported yet: issue 27)"
             )
         self._parallel_devices = devices
 
