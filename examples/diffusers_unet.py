@@ -16,10 +16,7 @@ import torch
 import torch.nn.functional as F
 from diffusers import UNet2DConditionModel, UNet2DModel
 
-from lightning_rotor import Checkpointable, MemoryProbe
-from lightning_rotor.discovery import discover
-from lightning_rotor.discovery.graph import DEFAULT_MAX_CARRY
-from lightning_rotor.planner import InfeasibleBudget
+from lightning_rotor import Checkpointable, InfeasibleBudget, MemoryProbe, discover
 
 
 def build(args: argparse.Namespace) -> tuple[torch.nn.Module, list[torch.Tensor], dict[str, torch.Tensor]]:
@@ -71,7 +68,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--size", type=int, default=32)
     parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--max-carry", type=int, default=DEFAULT_MAX_CARRY)
+    parser.add_argument("--max-carry", type=int, default=None, help="graph discovery's max_carry (default: its own)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     model, batch, kwargs = build(args)
@@ -82,7 +79,8 @@ def main() -> None:
     print(f"plain peak {plain} B; diffusers' own checkpointing {own} B ({own / plain:.3f} of plain)")
 
     start = time.perf_counter()
-    stages = discover(model, batch[:2], sample_kwargs=kwargs, max_carry=args.max_carry)  # as Checkpointable does
+    carry = {} if args.max_carry is None else {"max_carry": args.max_carry}
+    stages = discover(model, batch[:2], sample_kwargs=kwargs, **carry)  # as Checkpointable does
     rotor = Checkpointable(model, 1, stages=stages, repeats=1, warmup=0)
     chain_input = (*batch[:2], *kwargs.values())  # the forward's tensor arguments, in its signature's order
     try:
