@@ -9,6 +9,7 @@ import warnings
 import lightning.pytorch as pl
 import pytest
 import torch
+from hf_models import tiny_llama
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -22,20 +23,9 @@ torch.set_num_threads(1)
 
 def llama() -> nn.Module:
     """A four-layer Llama from a small config, its defaults untouched (`use_cache=True`); nothing downloaded."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        num_hidden_layers=4,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        vocab_size=64,
-        max_position_embeddings=32,
-    )
-    assert config.use_cache  # the default this file is about
-    return LlamaForCausalLM(config)
+    model = tiny_llama()
+    assert model.config.use_cache  # the default this file is about
+    return model
 
 
 def tokens(n: int = 16, t: int = 16) -> torch.Tensor:

@@ -16,6 +16,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from fitting import quiet_trainer
+from hf_models import TINY_DECODER
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from training import check_measured_peak
@@ -31,13 +32,7 @@ torch.set_num_threads(1)
 
 LAYERS = [f"model.layers.{i}" for i in range(4)]
 COMMON = dict(
-    num_hidden_layers=4,
-    hidden_size=32,
-    intermediate_size=64,
-    num_attention_heads=2,
-    num_key_value_heads=2,
-    vocab_size=64,
-    max_position_embeddings=32,
+    **TINY_DECODER,
     num_experts_per_tok=2,
     output_router_logits=True,
     router_aux_loss_coef=1.0,  # the load-balancing loss weighs as much as the tokens' loss

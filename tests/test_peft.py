@@ -14,6 +14,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from fitting import quiet_trainer
+from hf_models import tiny_llama
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from training import check_measured_peak
@@ -32,23 +33,12 @@ LAYERS = [f"base_model.model.model.layers.{i}" for i in range(4)]
 
 def lora_llama(task_type: str | None = None) -> nn.Module:
     """LoRA (with dropout) on the attention of a four-layer Llama from a small config, its defaults untouched."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        num_hidden_layers=4,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        vocab_size=64,
-        max_position_embeddings=32,
-    )
-    assert config.use_cache  # the default the fix is about
+    model = tiny_llama()
+    assert model.config.use_cache  # the default the fix is about
     lora = peft.LoraConfig(
         r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["q_proj", "v_proj"], task_type=task_type
     )
-    return peft.get_peft_model(LlamaForCausalLM(config), lora)
+    return peft.get_peft_model(model, lora)
 
 
 def without_cache(model: nn.Module) -> nn.Module:

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from fitting import KeepRotorModules, quiet_trainer
+from hf_models import tiny_llama
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -247,20 +248,7 @@ def gpt2() -> nn.Module:
 
 
 def llama() -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        num_hidden_layers=4,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        vocab_size=64,
-        max_position_embeddings=32,
-        use_cache=False,
-    )
-    return LlamaForCausalLM(config)
+    return tiny_llama(use_cache=False)
 
 
 def tokens(n: int = 8, t: int = 16) -> torch.Tensor:
