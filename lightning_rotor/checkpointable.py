@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from lightning_rotor import own_checkpointing, pipeline
-from lightning_rotor._torch_compat import tree_flatten
+from lightning_rotor._torch_compat import active_ddp_reduced, tree_flatten
 from lightning_rotor.budget import BudgetError, MemLimit, format_bytes, parse_host_limit, parse_offload, resolve_budget
 from lightning_rotor.cache import PlanCache, plan_key, signature
 from lightning_rotor.calls import Call, InfeasibleStep, StepCalls, describe, step_minimum
@@ -187,9 +187,12 @@ class Checkpointable(nn.Module):
         self.outside: dict[str, pipeline.Outside] = {}  # module-level chains: per call signature (measure_outside)
         self._outside_now: pipeline.Outside | None = None
         self.fallback_plain = fallback_plain  # no chain found: warn once and run the module's forward as written
-        # set under DDP: a parameter shared by two stages is refused (`shared_parameters`), and the plan's backward
-        # alone calls the parameters' accumulators (NOTE: [no parameter edges under DDP] in execute.py)
+        # under DDP: a parameter shared by two stages is refused (`shared_parameters`), and the plan's backward
+        # alone calls the parameters' accumulators (NOTE: [no parameter edges under DDP] in execute.py). Found on
+        # each training call inside a DistributedDataParallel's forward (`_under_ddp`); True forces it.
         self.distributed = False
+        self._ddp_seen: tuple[int, Stages | None, bool] | None = None  # `_under_ddp`: (DDP's id, stages, answer)
+        self._untied: Stages | None = None  # the stages found free of tied weights under DDP
         self.on_discovered: Callable[[Checkpointable], None] | None = None  # called once the stages are found
         self.no_chain = ""  # why no chain was found, when falling back
         self.mem_limit = mem_limit
@@ -418,6 +421,10 @@ class Checkpointable(nn.Module):
             t.requires_grad for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)
         ):
             return plain_call()  # every stage frozen: no backward through the chain, nothing to checkpoint
+        distributed = self.distributed or self._under_ddp()
+        if distributed and self._untied is not self.stages:  # before any profile or optimizer step
+            self._refuse_tied_under_ddp()
+            self._untied = self.stages
         sample = bucketed(value, self.shape_buckets) if self.shape_buckets else value  # the plan's shape
         key = plan_key(sample, trainable, side=self._side_outputs())
         primary = self._entry_for(key, sample)
@@ -434,7 +441,7 @@ class Checkpointable(nn.Module):
             output = plain_call()  # no recomputation: plain autograd frees exactly as the plan does
             self.calls.add(call, peak, output)
             return output
-        entry.runner.parameter_edges = not self.distributed  # NOTE: [no parameter edges under DDP] (execute.py)
+        entry.runner.parameter_edges = not distributed  # NOTE: [no parameter edges under DDP] (execute.py)
         if measurement is not None:
             entry.runner.probe = measurement.started(entry)
         try:
@@ -906,6 +913,24 @@ class Checkpointable(nn.Module):
                     if id(p) in inside:
                         users[id(p)].append("(outside the run)")
         return {names.get(p, "?"): u for p, u in users.items() if len(u) > 1}
+
+    def _under_ddp(self) -> bool:
+        """Does this call run inside the forward of a DistributedDataParallel whose reducer waits for the
+        chain's parameters? Asked on every training call (a model may be wrapped after its first steps),
+        worked out once per DDP and set of stages.
+
+        Plain torch DDP under torchrun, with no Lightning strategy to set `distributed`, is found here.
+        """
+        active = active_ddp_reduced()
+        if active is None:
+            return False
+        seen = self._ddp_seen
+        if seen is not None and seen[0] == active[0] and seen[1] is self.stages:
+            return seen[2]
+        reduced = {id(p) for p in active[1]}
+        under = any(id(p) in reduced for p in self._stage_parameters())
+        self._ddp_seen = (active[0], self.stages, under)
+        return under
 
     def _refuse_tied_under_ddp(self) -> None:
         shared = self.shared_parameters()
