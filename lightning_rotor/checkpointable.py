@@ -383,13 +383,13 @@ class Checkpointable(nn.Module):
         if not found:
             return
         own_checkpointing.turn_off(found)
+        self.hold_own_checkpointing(found, own_checkpointing.turned_off(type(self.module).__name__, found))
+
+    def hold_own_checkpointing(self, found: list[tuple[str, nn.Module]], note: str) -> None:
+        """Flags turned off for this chain (`restore_own_checkpointing` turns them back on), and what to tell
+        with its first plan: "" where another chain of the same model tells it (lightning/wrap.py)."""
         self.own_checkpointing += found
-        names = ", ".join(n or "<root>" for n, _ in found[:3]) + (", ..." if len(found) > 3 else "")
-        self._own_note = (
-            f"{type(self.module).__name__} had its own gradient checkpointing on ({len(found)} modules: {names}); "
-            "rotor turned it off while it trains this module (a Trainer's fit turns it back on at its end; "
-            "`restore_own_checkpointing()` does by hand)"
-        )
+        self._own_note = note
 
     def _note_checkpoint_calls(self, calls: list[str], kind: str) -> None:
         where = calls[0] + (f" and {len(calls) - 1} more" if len(calls) > 1 else "")
@@ -407,7 +407,8 @@ class Checkpointable(nn.Module):
 
     def _tell_own_checkpointing(self, budget: int, chain: Chain) -> None:
         if self._own_note:
-            warnings.warn(own_checkpointing.warning(self._own_note, budget, chain), stacklevel=5)
+            share = self.shared_name if self.shared is not None and len(self.shared.names) > 1 else ""
+            warnings.warn(own_checkpointing.warning(self._own_note, budget, chain, share), stacklevel=5)
             self._own_note = ""
 
     def _run(self, value: Any, plain_call: Callable[[], Any]) -> Any:
