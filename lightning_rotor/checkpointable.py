@@ -236,6 +236,7 @@ class Checkpointable(nn.Module):
         self._params_of: tuple[Stages | None, list[nn.Parameter]] | None = None  # `_stage_parameters`
         self.own_checkpointing: list[tuple[str, nn.Module]] = []  # modules whose own flag rotor turned off
         self._own_note = ""  # what rotor did with the model's own checkpointing, told with the first plan
+        self._model_note: list[str] = [""]  # the same for several chains of one model, shared: the first plan tells
         self._modes: list[bool] | None = None  # every module's `training` flag at the last training call
         self._all_modules: list[nn.Module] = []  # the wrapped module's modules, listed once (`_check_modes`)
         self._set_stages(sequential_stages(module) if discover == "sequential" else stages)
@@ -385,11 +386,15 @@ class Checkpointable(nn.Module):
         own_checkpointing.turn_off(found)
         self.hold_own_checkpointing(found, own_checkpointing.turned_off(type(self.module).__name__, found))
 
-    def hold_own_checkpointing(self, found: list[tuple[str, nn.Module]], note: str) -> None:
+    def hold_own_checkpointing(self, found: list[tuple[str, nn.Module]], note: str | list[str]) -> None:
         """Flags turned off for this chain (`restore_own_checkpointing` turns them back on), and what to tell
-        with its first plan: "" where another chain of the same model tells it (lightning/wrap.py)."""
+        with its first plan: a list is one note shared by several chains of one model (lightning/wrap.py),
+        told by whichever plans first (a chain that finds none, and runs as written, leaves it to the others)."""
         self.own_checkpointing += found
-        self._own_note = note
+        if isinstance(note, list):
+            self._model_note = note
+        else:
+            self._own_note = note
 
     def _note_checkpoint_calls(self, calls: list[str], kind: str) -> None:
         where = calls[0] + (f" and {len(calls) - 1} more" if len(calls) > 1 else "")
@@ -406,10 +411,11 @@ class Checkpointable(nn.Module):
         self.own_checkpointing = []
 
     def _tell_own_checkpointing(self, budget: int, chain: Chain) -> None:
-        if self._own_note:
+        note = self._own_note or self._model_note[0]
+        if note:
             share = self.shared_name if self.shared is not None and len(self.shared.names) > 1 else ""
-            warnings.warn(own_checkpointing.warning(self._own_note, budget, chain, share), stacklevel=5)
-            self._own_note = ""
+            warnings.warn(own_checkpointing.warning(note, budget, chain, share), stacklevel=5)
+            self._own_note = self._model_note[0] = ""
 
     def _run(self, value: Any, plain_call: Callable[[], Any]) -> Any:
         """The chain on its input `a_0`: profile and plan if new, then the plan (or `plain_call`).

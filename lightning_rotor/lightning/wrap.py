@@ -226,24 +226,23 @@ def _set(model: nn.Module, name: str, module: nn.Module) -> None:
 
 def take_own_checkpointing(
     model: nn.Module, chains: Sequence[tuple[str, nn.Module]]
-) -> dict[str, tuple[list[tuple[str, nn.Module]], str]]:
+) -> dict[str, tuple[list[tuple[str, nn.Module]], list[str]]]:
     """Turn off the own checkpointing flags of several chains of `model` at once, and tell it once for the model.
 
     Each chain would find its own flags and warn (an encoder-decoder's two stacks: two warnings). Where more than
     one chain has flags, they are turned off here, before the chains are made; each chain holds its own (to turn
-    them back on), and the first holds the one note naming every chain. Empty where one chain or none has flags.
+    them back on) and the one note naming every chain, told by the first to plan. Empty where one chain or none
+    has flags.
     """
     found = {name: own_checkpointing.flagged(module) for name, module in chains}
     if sum(bool(flags) for flags in found.values()) < 2:
         return {}
     parts = [name.split(".") for name in found]  # the chains' owner: their names' common prefix (T5's model)
     common = [part[0] for part in itertools.takewhile(lambda part: len(set(part)) == 1, zip(*parts, strict=False))]
-    note = own_checkpointing.turned_off_in_chains(type(model.get_submodule(".".join(common))).__name__, found)
-    held = {}
-    for name, flags in found.items():
+    note = [own_checkpointing.turned_off_in_chains(type(model.get_submodule(".".join(common))).__name__, found)]
+    for flags in found.values():
         own_checkpointing.turn_off(flags)
-        held[name], note = (flags, note), ""  # the first chain tells, the others hold their flags
-    return held
+    return {name: (flags, note) for name, flags in found.items()}
 
 
 def wrap(
