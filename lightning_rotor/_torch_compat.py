@@ -29,6 +29,7 @@ __all__ = [
     "StorageWeakRef",
     "TorchDispatchMode",
     "accumulated_leaf",
+    "active_ddp_reduced",
     "activation_memory_budget",
     "allow_recompiles",
     "compiled_parts",
@@ -178,6 +179,22 @@ def ddp_pre_forward() -> Callable:
     what this function allocates, found by its code object on the Python stack.
     """
     return DistributedDataParallel._pre_forward
+
+
+def active_ddp_reduced() -> tuple[int, list[torch.Tensor]] | None:
+    """The DDP whose forward is running (by id) and the parameters its C++ reducer waits for, or None.
+
+    DDP sets `_active_ddp_module` around its module's forward (`_inside_ddp_forward`, for dynamo) and
+    lists the parameters it reduces in `_module_parameters`. Its C++ reducer's hooks on the parameters'
+    accumulators are invisible from Python; this is the one sign of them. The Python reducer
+    (`_use_python_reducer`) sets neither, and hooks with `register_post_accumulate_grad_hook`, which
+    `has_post_accumulate_grad_hooks` sees.
+    """
+    ddp = DistributedDataParallel._get_active_ddp_module()
+    if ddp is None:
+        return None
+    reduced = getattr(ddp, "_module_parameters", None)
+    return id(ddp), reduced if isinstance(reduced, list) else list(ddp.parameters())
 
 
 def fx_unpatched_module() -> tuple[Callable, Callable]:

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from lightning_rotor import own_checkpointing, pipeline
-from lightning_rotor._torch_compat import tree_flatten
+from lightning_rotor._torch_compat import active_ddp_reduced, tree_flatten
 from lightning_rotor.budget import BudgetError, MemLimit, format_bytes, parse_host_limit, parse_offload, resolve_budget
 from lightning_rotor.cache import PlanCache, plan_key, signature
 from lightning_rotor.calls import Call, InfeasibleStep, StepCalls, describe, step_minimum
@@ -187,9 +187,12 @@ class Checkpointable(nn.Module):
         self.outside: dict[str, pipeline.Outside] = {}  # module-level chains: per call signature (measure_outside)
         self._outside_now: pipeline.Outside | None = None
         self.fallback_plain = fallback_plain  # no chain found: warn once and run the module's forward as written
-        # set under DDP: a parameter shared by two stages is refused (`shared_parameters`), and the plan's backward
-        # alone calls the parameters' accumulators (NOTE: [no parameter edges under DDP] in execute.py)
+        # under DDP: a parameter shared by two stages is refused (`shared_parameters`), and the plan's backward
+        # alone calls the parameters' accumulators (NOTE: [no parameter edges under DDP] in execute.py). Found on
+        # each training call inside a DistributedDataParallel's forward (`_under_ddp`); True forces it.
         self.distributed = False
+        self._ddp_seen: tuple[int, Stages | None, bool] | None = None  # `_under_ddp`: (DDP's id, stages, answer)
+        self._untied: Stages | None = None  # the stages found free of tied weights under DDP
         self.on_discovered: Callable[[Checkpointable], None] | None = None  # called once the stages are found
         self.no_chain = ""  # why no chain was found, when falling back
         self.mem_limit = mem_limit
@@ -233,6 +236,7 @@ class Checkpointable(nn.Module):
         self._params_of: tuple[Stages | None, list[nn.Parameter]] | None = None  # `_stage_parameters`
         self.own_checkpointing: list[tuple[str, nn.Module]] = []  # modules whose own flag rotor turned off
         self._own_note = ""  # what rotor did with the model's own checkpointing, told with the first plan
+        self._model_note: list[str] = [""]  # the same for several chains of one model, shared: the first plan tells
         self._modes: list[bool] | None = None  # every module's `training` flag at the last training call
         self._all_modules: list[nn.Module] = []  # the wrapped module's modules, listed once (`_check_modes`)
         self._set_stages(sequential_stages(module) if discover == "sequential" else stages)
@@ -380,13 +384,17 @@ class Checkpointable(nn.Module):
         if not found:
             return
         own_checkpointing.turn_off(found)
+        self.hold_own_checkpointing(found, own_checkpointing.turned_off(type(self.module).__name__, found))
+
+    def hold_own_checkpointing(self, found: list[tuple[str, nn.Module]], note: str | list[str]) -> None:
+        """Flags turned off for this chain (`restore_own_checkpointing` turns them back on), and what to tell
+        with its first plan: a list is one note shared by several chains of one model (lightning/wrap.py),
+        told by whichever plans first (a chain that finds none, and runs as written, leaves it to the others)."""
         self.own_checkpointing += found
-        names = ", ".join(n or "<root>" for n, _ in found[:3]) + (", ..." if len(found) > 3 else "")
-        self._own_note = (
-            f"{type(self.module).__name__} had its own gradient checkpointing on ({len(found)} modules: {names}); "
-            "rotor turned it off while it trains this module (a Trainer's fit turns it back on at its end; "
-            "`restore_own_checkpointing()` does by hand)"
-        )
+        if isinstance(note, list):
+            self._model_note = note
+        else:
+            self._own_note = note
 
     def _note_checkpoint_calls(self, calls: list[str], kind: str) -> None:
         where = calls[0] + (f" and {len(calls) - 1} more" if len(calls) > 1 else "")
@@ -403,9 +411,11 @@ class Checkpointable(nn.Module):
         self.own_checkpointing = []
 
     def _tell_own_checkpointing(self, budget: int, chain: Chain) -> None:
-        if self._own_note:
-            warnings.warn(own_checkpointing.warning(self._own_note, budget, chain), stacklevel=5)
-            self._own_note = ""
+        note = self._own_note or self._model_note[0]
+        if note:
+            share = self.shared_name if self.shared is not None and len(self.shared.names) > 1 else ""
+            warnings.warn(own_checkpointing.warning(note, budget, chain, share), stacklevel=5)
+            self._own_note = self._model_note[0] = ""
 
     def _run(self, value: Any, plain_call: Callable[[], Any]) -> Any:
         """The chain on its input `a_0`: profile and plan if new, then the plan (or `plain_call`).
@@ -418,6 +428,10 @@ class Checkpointable(nn.Module):
             t.requires_grad for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)
         ):
             return plain_call()  # every stage frozen: no backward through the chain, nothing to checkpoint
+        distributed = self.distributed or self._under_ddp()
+        if distributed and self._untied is not self.stages:  # before any profile or optimizer step
+            self._refuse_tied_under_ddp()
+            self._untied = self.stages
         sample = bucketed(value, self.shape_buckets) if self.shape_buckets else value  # the plan's shape
         key = plan_key(sample, trainable, side=self._side_outputs())
         primary = self._entry_for(key, sample)
@@ -434,7 +448,7 @@ class Checkpointable(nn.Module):
             output = plain_call()  # no recomputation: plain autograd frees exactly as the plan does
             self.calls.add(call, peak, output)
             return output
-        entry.runner.parameter_edges = not self.distributed  # NOTE: [no parameter edges under DDP] (execute.py)
+        entry.runner.parameter_edges = not distributed  # NOTE: [no parameter edges under DDP] (execute.py)
         if measurement is not None:
             entry.runner.probe = measurement.started(entry)
         try:
@@ -906,6 +920,24 @@ class Checkpointable(nn.Module):
                     if id(p) in inside:
                         users[id(p)].append("(outside the run)")
         return {names.get(p, "?"): u for p, u in users.items() if len(u) > 1}
+
+    def _under_ddp(self) -> bool:
+        """Does this call run inside the forward of a DistributedDataParallel whose reducer waits for the
+        chain's parameters? Asked on every training call (a model may be wrapped after its first steps),
+        worked out once per DDP and set of stages.
+
+        Plain torch DDP under torchrun, with no Lightning strategy to set `distributed`, is found here.
+        """
+        active = active_ddp_reduced()
+        if active is None:
+            return False
+        seen = self._ddp_seen
+        if seen is not None and seen[0] == active[0] and seen[1] is self.stages:
+            return seen[2]
+        reduced = {id(p) for p in active[1]}
+        under = any(id(p) in reduced for p in self._stage_parameters())
+        self._ddp_seen = (active[0], self.stages, under)
+        return under
 
     def _refuse_tied_under_ddp(self) -> None:
         shared = self.shared_parameters()

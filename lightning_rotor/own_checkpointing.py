@@ -50,6 +50,28 @@ def turn_on(modules: list[tuple[str, nn.Module]]) -> None:
         setattr(m, "gradient_checkpointing", True)  # noqa: B010 (a flag of the user's class, not nn.Module's)
 
 
+def _listed(found: list[tuple[str, nn.Module]]) -> str:
+    names = ", ".join(n or "<root>" for n, _ in found[:3]) + (", ..." if len(found) > 3 else "")
+    return f"{len(found)} modules: {names}"
+
+
+def turned_off(owner: str, found: list[tuple[str, nn.Module]]) -> str:
+    """What rotor did with the flags of `found` (the modules of one chain), for `warning`."""
+    return (
+        f"{owner} had its own gradient checkpointing on ({_listed(found)}); rotor turned it off while it trains "
+        "this module (a Trainer's fit turns it back on at its end; `restore_own_checkpointing()` does by hand)"
+    )
+
+
+def turned_off_in_chains(owner: str, found: dict[str, list[tuple[str, nn.Module]]]) -> str:
+    """The same for several chains of one model (an encoder's and a decoder's stacks): one note naming each."""
+    chains = "; ".join(f"{name}: {_listed(modules)}" for name, modules in found.items() if modules)
+    return (
+        f"{owner} had its own gradient checkpointing on ({chains}); rotor turned it off while it trains "
+        "these chains (a Trainer's fit turns it back on at its end)"
+    )
+
+
 def _checkpoint_code() -> frozenset[CodeType]:
     """The code of `torch.utils.checkpoint.checkpoint`, every way it is called (undecorated)."""
     return frozenset({inspect.unwrap(torch.utils.checkpoint.checkpoint).__code__})
@@ -96,16 +118,21 @@ def every_stage_peak(chain: Chain) -> int:
     return simulate(chain, every_stage_ops(chain.length)).peak
 
 
-def warning(what: str, budget: int, chain: Chain) -> str:
-    """The one line telling what rotor did with the model's own checkpointing, and how its budget compares."""
+def warning(what: str, budget: int, chain: Chain, share: str = "") -> str:
+    """The one line telling what rotor did with the model's own checkpointing, and how its budget compares.
+
+    `share`: the chain's name where several chains share one budget; its bytes are then its share of the
+    budget, not a `mem_limit` to give."""
     per_stage = every_stage_peak(chain)
-    line = f"rotor: {what}; rotor plans the whole chain itself within {format_bytes(budget)}"
+    whole = f"{share}'s chain itself within its share" if share else "the whole chain itself within"
+    line = f"rotor: {what}; rotor plans {whole} {format_bytes(budget)}"
     if not per_stage:
         return line
     per_block = "recomputing every stage once holds (rotor's figure for per-block checkpointing)"
     if budget > per_stage:
+        advice = "a smaller budget holds less" if share else f"give mem_limit={per_stage} or less to hold no more"
         return (
             f"{line}, more than the {format_bytes(per_stage)} that {per_block}: it runs faster but may hold more "
-            f"than before; give mem_limit={per_stage} or less to hold no more"
+            f"than before; {advice}"
         )
     return f"{line}, within the {format_bytes(per_stage)} that {per_block}"

@@ -431,3 +431,24 @@ def test_code_around_several_chains_is_charged_when_a_holder_runs_them_else_told
     with pytest.warns(UserWarning, match="charged to no chain"):
         apart.head(apart.b(apart.a(x))).pow(2).mean().backward()
     assert OUTSIDE not in wrapped[0].rotor.shared.needs and not wrapped[0].rotor.shared.hooks
+
+
+@pytest.mark.slow  # two Trainer fits, about 4 s
+def test_t5_own_checkpointing_in_a_trainer_one_warning_naming_each_stack(tmp_path):
+    """The strategy's default wrapping of T5 after `gradient_checkpointing_enable()`: two chains (encoder, decoder),
+    one warning for the model naming both stacks, training as plain, the user's flags back after the fit."""
+    pytest.importorskip("transformers")
+    model = t5()
+    plain = Seq2Seq(copy.deepcopy(model))
+    quiet_trainer(tmp_path / "plain").fit(plain, seq2seq_loader())
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    rotor = Seq2Seq(model)
+    with pytest.warns(UserWarning) as record:
+        quiet_trainer(tmp_path / "rotor", RotorStrategy("80%")).fit(rotor, seq2seq_loader())
+    own = [str(w.message) for w in record if "own gradient checkpointing on" in str(w.message)]
+    assert len(own) == 1 and own[0].startswith("rotor: T5ForConditionalGeneration had its own"), own
+    assert "model.encoder: 7 modules" in own[0] and "model.decoder: 10 modules" in own[0], own
+    assert "its share" in own[0] and "mem_limit=" not in own[0], own  # a share of the budget, not a mem_limit
+    assert len(rotor.chains) == 2
+    assert_same_parameters(plain.model, rotor.model)
+    assert rotor.model.encoder.gradient_checkpointing and rotor.model.decoder.gradient_checkpointing

@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import fnmatch
 import importlib
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
-from lightning_rotor import step_outside
+from lightning_rotor import own_checkpointing, step_outside
 from lightning_rotor.budget import MemLimit, Offload, parse_budget
 from lightning_rotor.checkpointable import Checkpointable, check_offload
 from lightning_rotor.compile import compiled_inner
@@ -223,6 +224,27 @@ def _set(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(parent, child, module)
 
 
+def take_own_checkpointing(
+    model: nn.Module, chains: Sequence[tuple[str, nn.Module]]
+) -> dict[str, tuple[list[tuple[str, nn.Module]], list[str]]]:
+    """Turn off the own checkpointing flags of several chains of `model` at once, and tell it once for the model.
+
+    Each chain would find its own flags and warn (an encoder-decoder's two stacks: two warnings). Where more than
+    one chain has flags, they are turned off here, before the chains are made; each chain holds its own (to turn
+    them back on) and the one note naming every chain, told by the first to plan. Empty where one chain or none
+    has flags.
+    """
+    found = {name: own_checkpointing.flagged(module) for name, module in chains}
+    if sum(bool(flags) for flags in found.values()) < 2:
+        return {}
+    parts = [name.split(".") for name in found]  # the chains' owner: their names' common prefix (T5's model)
+    common = [part[0] for part in itertools.takewhile(lambda part: len(set(part)) == 1, zip(*parts, strict=False))]
+    note = [own_checkpointing.turned_off_in_chains(type(model.get_submodule(".".join(common))).__name__, found)]
+    for flags in found.values():
+        own_checkpointing.turn_off(flags)
+    return {name: (flags, note) for name, flags in found.items()}
+
+
 def wrap(
     model: nn.Module,
     mem_limit: MemLimit | Mapping[str, MemLimit] = None,
@@ -246,6 +268,7 @@ def wrap(
         check_budget_names(mem_limit, [name for name, _ in chains])
     elif chains:
         shared = Budget(mem_limit, [name for name, _ in chains])
+    own = take_own_checkpointing(model, chains)
     wrapped = []
     for name, module in chains:
         budget = mem_limit[name] if isinstance(mem_limit, Mapping) else mem_limit
@@ -264,6 +287,8 @@ def wrap(
         )
         if shared is not None:
             rotor.shared, rotor.shared_name = shared, name
+        if own:
+            rotor.hold_own_checkpointing(*own.pop(name))
         _set(model, name, rotor)
         wrapped.append(Wrapped(name, module, rotor))
     if shared is not None and len(wrapped) > 1:  # the model's code around the chains, charged to the budget
