@@ -65,12 +65,22 @@ class Fit(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def fit(net: nn.Module, root, strategy="auto") -> tuple[Fit, KeepRotorModules]:
+def fit(net: nn.Module, root, strategy="auto", callbacks=()) -> tuple[Fit, KeepRotorModules]:
     keep = KeepRotorModules()
     model = Fit(net)
     torch.manual_seed(2)
-    quiet_trainer(root, strategy, callbacks=[keep]).fit(model, regression_loader())
+    quiet_trainer(root, strategy, callbacks=[keep, *callbacks]).fit(model, regression_loader())
     return model, keep
+
+
+class GradientsSeen(pl.Callback):
+    """The names of the parameters that got a gradient in some training step (a dropped one never does)."""
+
+    def __init__(self):
+        self.names: set[str] = set()
+
+    def on_after_backward(self, trainer, pl_module):
+        self.names |= {n for n, p in pl_module.named_parameters() if p.grad is not None}
 
 
 # -- 1. names the wrapped module shares with rotor's own attributes ----------------------------------------------
@@ -140,12 +150,13 @@ def test_names_shared_with_rotor_stay_the_users_through_checkpointable(kind):
 @pytest.mark.parametrize("kind", [pytest.param("module", marks=pytest.mark.slow), "parameter", "buffer"])
 def test_names_shared_with_rotor_stay_the_users_through_a_trainer(tmp_path, kind):
     plain, _ = fit(Named(kind), tmp_path / "plain")
-    rotor, keep = fit(Named(kind), tmp_path / "rotor", RotorStrategy("50%"))
+    seen = GradientsSeen()
+    rotor, keep = fit(Named(kind), tmp_path / "rotor", RotorStrategy("50%"), [seen])
     wrapped = keep.modules["net"]
     assert sum(r > 1 for r in wrapped.last_entry.runs) > 0
     assert_same_model(plain, rotor)
-    first = Named(kind)  # every parameter trained
-    assert all(not torch.equal(p, q) for p, q in zip(first.parameters(), rotor.parameters(), strict=True))
+    # every parameter trained: each got a gradient (a scale's update can round away next to 1.0, so values can't say)
+    assert seen.names == {n for n, _ in plain.named_parameters()}
 
 
 # -- 2. submodules the user put in eval mode ---------------------------------------------------------------------
