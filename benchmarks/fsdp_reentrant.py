@@ -18,23 +18,11 @@ import tempfile
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from fsdp_spike import COUNTS, count_collectives  # the sibling script (run from benchmarks/ as the spike is)
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from lightning_rotor.models.gpt import gpt, lm_loss
-
-COUNTS = {"all_gather": 0, "reduce_scatter": 0}
-
-
-def count_collectives() -> None:
-    for name, key in (("all_gather_single", "all_gather"), ("reduce_scatter_single", "reduce_scatter")):
-        original = getattr(dist, name)
-
-        def counted(*a, _original=original, _key=key, **k):
-            COUNTS[_key] += 1
-            return _original(*a, **k)
-
-        setattr(dist, name, counted)
 
 
 class Recompute(torch.autograd.Function):

@@ -144,19 +144,7 @@ def test_lora_with_input_grads_trains_like_plain(own_checkpointing, budget):
     """`prepare_model_for_kbit_training`'s setup on a model it does not quantize: base frozen, the embeddings'
     output made to require grad by a forward hook (`enable_input_require_grads`), with and without the model's
     own gradient checkpointing. The chain input then requires grad, a leaf whose gradient rotor passes back."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        num_hidden_layers=4,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        vocab_size=64,
-        max_position_embeddings=32,
-    )
-    base = peft.prepare_model_for_kbit_training(LlamaForCausalLM(config), use_gradient_checkpointing=False)
+    base = peft.prepare_model_for_kbit_training(tiny_llama(), use_gradient_checkpointing=False)
     if own_checkpointing:
         base.gradient_checkpointing_enable()
     base.enable_input_require_grads()
