@@ -237,6 +237,7 @@ class Checkpointable(nn.Module):
         self.own_checkpointing: list[tuple[str, nn.Module]] = []  # modules whose own flag rotor turned off
         self._own_note = ""  # what rotor did with the model's own checkpointing, told with the first plan
         self._model_note: list[str] = [""]  # the same for several chains of one model, shared: the first plan tells
+        self._own_peak = 0  # the peak a step with the module's own checkpointing on measured (`_measure_own`)
         self._modes: list[bool] | None = None  # every module's `training` flag at the last training call
         self._all_modules: list[nn.Module] = []  # the wrapped module's modules, listed once (`_check_modes`)
         self._set_stages(sequential_stages(module) if discover == "sequential" else stages)
@@ -294,10 +295,12 @@ class Checkpointable(nn.Module):
             value = args[0] if len(args) == 1 else args
             if not self.training or not torch.is_grad_enabled():
                 return self.plain_module(value)
+            self._measure_own((value,), {})
             return self._run(value, lambda: self.module(value))
         if not self.training or not torch.is_grad_enabled() or self.no_chain:
             return self.plain_module(*args, **kwargs)  # the user's forward, as written (traced code freezes `training`)
         args, kwargs = without_kv_cache(self.module, args, kwargs)  # Hugging Face: no KV cache in training
+        self._measure_own(args, kwargs)
         found = self.discovery
         if found is None:
             from lightning_rotor.discovery import DiscoveryError
@@ -386,6 +389,16 @@ class Checkpointable(nn.Module):
         own_checkpointing.turn_off(found)
         self.hold_own_checkpointing(found, own_checkpointing.turned_off(type(self.module).__name__, found))
 
+    def _measure_own(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Before the first plan, where the module has its own checkpointing flags (on, or turned off by rotor and
+        turned on again meanwhile): one step of it as the user has it, measured, for the warning to compare."""
+        if self.entries or self._own_peak:
+            return
+        held, found = self.own_checkpointing, own_checkpointing.flagged(self.module)
+        if held or found:
+            with own_checkpointing.turned_on(held):
+                self._own_peak = own_checkpointing.measured_peak(self.module, args, kwargs, self.loss_fn)
+
     def hold_own_checkpointing(self, found: list[tuple[str, nn.Module]], note: str | list[str]) -> None:
         """Flags turned off for this chain (`restore_own_checkpointing` turns them back on), and what to tell
         with its first plan: a list is one note shared by several chains of one model (lightning/wrap.py),
@@ -414,7 +427,7 @@ class Checkpointable(nn.Module):
         note = self._own_note or self._model_note[0]
         if note:
             share = self.shared_name if self.shared is not None and len(self.shared.names) > 1 else ""
-            warnings.warn(own_checkpointing.warning(note, budget, chain, share), stacklevel=5)
+            warnings.warn(own_checkpointing.warning(note, budget, chain, share, self._own_peak), stacklevel=5)
             self._own_note = self._model_note[0] = ""
 
     def _run(self, value: Any, plain_call: Callable[[], Any]) -> Any:

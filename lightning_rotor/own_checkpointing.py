@@ -11,8 +11,11 @@ Three ways a model checkpoints itself (docs/checkpointable.md, "The model's own 
   (which call it): graph discovery traces through the call, so rotor's plan replaces it; discovery
   sees the call (`checkpoint_calls`).
 
-Either way one warning says what rotor did, its budget, and what recomputing every stage once (what
-per-block checkpointing holds) would hold, so that a budget above what the user had is never silent.
+Either way one warning says what rotor did, its budget, and what the user's own checkpointing held, so that a
+budget above what the user had is never silent. With flags, that is measured (`measured_peak`: one step of the
+module as the user has it, before rotor turns the flags off); with `torch.utils.checkpoint` calls that discovery
+traced through, nothing is left to measure, and the figure is the simulator's estimate of recomputing every stage
+once (`every_stage_peak`).
 """
 
 from __future__ import annotations
@@ -29,9 +32,13 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
+from lightning_rotor._torch_compat import tree_flatten, tree_map
 from lightning_rotor.budget import format_bytes
 from lightning_rotor.chain import Chain
+from lightning_rotor.memory import MemoryProbe
 from lightning_rotor.ops import Op
+from lightning_rotor.pipeline import LossFn, own_leaf
+from lightning_rotor.profile import Untouched, caller_loss, grads_aside
 from lightning_rotor.simulate import simulate
 
 
@@ -48,6 +55,35 @@ def turn_off(modules: list[tuple[str, nn.Module]]) -> None:
 def turn_on(modules: list[tuple[str, nn.Module]]) -> None:
     for _, m in modules:
         setattr(m, "gradient_checkpointing", True)  # noqa: B010 (a flag of the user's class, not nn.Module's)
+
+
+@contextlib.contextmanager
+def turned_on(modules: list[tuple[str, nn.Module]]) -> Iterator[None]:
+    """The flags rotor turned off, on again while open (to measure the user's own checkpointing)."""
+    turn_on(modules)
+    try:
+        yield
+    finally:
+        turn_off(modules)
+
+
+def measured_peak(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], loss_fn: LossFn | None) -> int:
+    """The activation peak of one training step of `module` as it runs now (its own checkpointing on), measured.
+
+    Forward, the step's loss (`loss_fn`, else the output's own `.loss`: `profile.caller_loss`) and its backward,
+    under `MemoryProbe`, on copies of the call's tensors cut from the caller's graph. Parameters' `.grad`, buffers,
+    the RNG stream and autocast's cast cache are left as they were (`profile.Untouched`), so the step that follows
+    trains bitwise as without it.
+    """
+    args, kwargs = tree_map(own_leaf, (args, kwargs))
+    devices = [t.device for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    with Untouched([module], devices), MemoryProbe(module) as probe:
+        loss = caller_loss(module(*args, **kwargs), loss_fn)
+        if loss.requires_grad:
+            with grads_aside(loss):  # parameters outside `module` (a loss_fn's): their .grad is the caller's
+                loss.backward()
+        del loss
+    return probe.peak
 
 
 def _listed(found: list[tuple[str, nn.Module]]) -> str:
@@ -118,21 +154,28 @@ def every_stage_peak(chain: Chain) -> int:
     return simulate(chain, every_stage_ops(chain.length)).peak
 
 
-def warning(what: str, budget: int, chain: Chain, share: str = "") -> str:
+def warning(what: str, budget: int, chain: Chain, share: str = "", measured: int = 0) -> str:
     """The one line telling what rotor did with the model's own checkpointing, and how its budget compares.
 
-    `share`: the chain's name where several chains share one budget; its bytes are then its share of the
-    budget, not a `mem_limit` to give."""
-    per_stage = every_stage_peak(chain)
+    `measured`: the peak the user's own checkpointing measured (`measured_peak`); 0 where nothing could be
+    measured, and the simulator's estimate of per-block checkpointing is given instead. `share`: the chain's name
+    where several chains share one budget; its bytes are then its share of the budget, not a `mem_limit` to give."""
     whole = f"{share}'s chain itself within its share" if share else "the whole chain itself within"
     line = f"rotor: {what}; rotor plans {whole} {format_bytes(budget)}"
+    if measured:
+        theirs = f"your own checkpointing measured {measured} B a step; rotor's budget {budget} B"
+        return _compared(line + f": {theirs}", budget, measured, share, "")
+    per_stage = every_stage_peak(chain)
     if not per_stage:
         return line
-    per_block = "recomputing every stage once holds (rotor's figure for per-block checkpointing)"
-    if budget > per_stage:
-        advice = "a smaller budget holds less" if share else f"give mem_limit={per_stage} or less to hold no more"
-        return (
-            f"{line}, more than the {format_bytes(per_stage)} that {per_block}: it runs faster but may hold more "
-            f"than before; {advice}"
-        )
-    return f"{line}, within the {format_bytes(per_stage)} that {per_block}"
+    per_block = "recomputing every stage once holds (rotor's estimate of per-block checkpointing, not measured)"
+    return _compared(line, budget, per_stage, share, f"the {format_bytes(per_stage)} that {per_block}")
+
+
+def _compared(line: str, budget: int, theirs: int, share: str, named: str) -> str:
+    """`line` with whether `budget` is above `theirs` (what the user's checkpointing held, `named` if not said)."""
+    if budget > theirs:
+        advice = "a smaller budget holds less" if share else f"give mem_limit={theirs} or less to hold no more"
+        more = f", more than {named}" if named else ""
+        return f"{line}{more}: it runs faster but may hold more than before; {advice}"
+    return f"{line}, within {named}" if named else f"{line}: no more than before"

@@ -287,7 +287,7 @@ def measure_outside(
         return out
 
     # copies of the caller's tensors as leaves of their own: the backward stops at them, not in the caller's graph
-    args, kwargs = tree_map(_own_leaf, (args, kwargs))
+    args, kwargs = tree_map(own_leaf, (args, kwargs))
     devices = [t.device for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
     run.install(blocks_without_grad)
     try:
@@ -390,7 +390,7 @@ class Waits:
         return peak
 
 
-def _own_leaf(value: Any) -> Any:
+def own_leaf(value: Any) -> Any:
     """A copy of a caller's tensor, cut from its graph, requiring grad as it did (anything else as it is).
 
     A copy, not an alias: a forward that writes into its input (`x.mul_(2)` first) would otherwise

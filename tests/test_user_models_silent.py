@@ -311,6 +311,38 @@ def test_hugging_face_gradient_checkpointing_is_rotors_through_checkpointable(ma
     assert model.is_activation_checkpointing
 
 
+def lm_step_peak(model: nn.Module, x: torch.Tensor) -> int:
+    """One training step's activation peak, measured as its own (parameters excluded)."""
+    from lightning_rotor.memory import MemoryProbe
+
+    with MemoryProbe(model) as probe:
+        model(input_ids=x, labels=x).loss.backward()
+    return probe.peak
+
+
+def test_the_warning_gives_what_the_users_own_checkpointing_measured():
+    """Issue 25: the budget is compared with the peak the user's own checkpointing measured (here below rotor's
+    per-stage estimate), and the step that measured it leaves the training bitwise plain's, the RNG stream too."""
+    pytest.importorskip("transformers")
+    model, x = gpt2(), tokens()
+    plain = copy.deepcopy(model)
+    model.gradient_checkpointing_enable()
+    users = lm_step_peak(copy.deepcopy(model), x)  # the user's own checkpointing, measured apart
+    rotor = Checkpointable(model, "90%", discover="modules", repeats=1)
+    torch.manual_seed(3)
+    with pytest.warns(UserWarning) as record:
+        rotor(input_ids=x, labels=x).loss.backward()
+    after_rotor = torch.random.get_rng_state()
+    (said,) = own_warnings(record)
+    assert f"your own checkpointing measured {users} B a step; rotor's budget {rotor.budget} B" in said
+    assert rotor.budget > users and f"give mem_limit={users} or less to hold no more" in said
+    torch.manual_seed(3)
+    plain(input_ids=x, labels=x).loss.backward()
+    assert torch.equal(torch.random.get_rng_state(), after_rotor)
+    for (name, p), q in zip(plain.named_parameters(), model.parameters(), strict=True):
+        assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad), name
+
+
 def test_hugging_face_gradient_checkpointing_is_rotors_through_a_trainer(tmp_path):
     pytest.importorskip("transformers")
 
