@@ -25,6 +25,7 @@ from lightning_rotor._torch_compat import tree_flatten, tree_map, tree_unflatten
 from lightning_rotor.engine import HandOver
 from lightning_rotor.huggingface import without_kv_cache
 from lightning_rotor.memory import MemoryProbe
+from lightning_rotor.pipeline import own_leaf
 
 if TYPE_CHECKING:
     from lightning_rotor.checkpointable import Checkpointable
@@ -75,7 +76,7 @@ def measure_step_outside(
         probe.reset_peak()  # the chain's own bytes are its share's; its output is counted on
         return out
 
-    args, kwargs = tree_map(_own_leaf, (args, kwargs))
+    args, kwargs = tree_map(own_leaf, (args, kwargs))  # as measure_outside: copies, so a write stays ours
     devices = [t.device for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
     for rotor in chains:
         rotor.boxed = boxed
@@ -121,10 +122,3 @@ def remove(budget: Budget) -> None:
     for hook in budget.hooks:
         hook.remove()
     budget.hooks = []
-
-
-def _own_leaf(value: Any) -> Any:
-    """A tensor cut from the caller's graph, requiring grad as it did (anything else as it is)."""
-    if not isinstance(value, torch.Tensor):
-        return value
-    return value.detach().requires_grad_(value.requires_grad)
