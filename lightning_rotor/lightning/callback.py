@@ -66,6 +66,7 @@ from lightning_rotor.simulate import no_recompute_peak, simulate
 from lightning_rotor.tables import stage_markdown
 
 if TYPE_CHECKING:
+    from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
 
@@ -463,22 +464,7 @@ def curve_figure(
         predicted_peak / mib, color="tab:blue", linestyle=":", label=f"predicted peak {format_bytes(predicted_peak)}"
     )
     if measured:
-        ax.plot(
-            [i for i, _, _ in measured],
-            [b / mib for _, b, _ in measured],
-            "o",
-            markersize=3,
-            color="tab:orange",
-            label="measured after op",
-        )
-        ax.plot(
-            [i for i, _, _ in measured],
-            [b / mib for _, _, b in measured],
-            "^",
-            markersize=3,
-            color="tab:orange",
-            label="measured op peak",
-        )
+        _draw_measured(ax, measured, mib)
     if any(host):
         ax.step(
             x,
@@ -502,3 +488,10 @@ def curve_figure(
     ax.legend(fontsize=6, loc="upper center", ncol=3)
     fig.tight_layout()
     return fig
+
+
+def _draw_measured(ax: Axes, measured: list[tuple[int, int, int]], mib: float) -> None:
+    """The measured points of `curve_figure`: bytes after each marked op, and the peak during it."""
+    ops = [i for i, _, _ in measured]
+    ax.plot(ops, [b / mib for _, b, _ in measured], "o", markersize=3, color="tab:orange", label="measured after op")
+    ax.plot(ops, [b / mib for _, _, b in measured], "^", markersize=3, color="tab:orange", label="measured op peak")
