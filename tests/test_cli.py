@@ -240,3 +240,19 @@ def test_ddp_spawn_name_keeps_its_start_method(capsys):
     strategy = yaml.safe_load(capsys.readouterr().out)["trainer"]["strategy"]
     assert strategy["class_path"] == "lightning_rotor.lightning.RotorDDPStrategy"
     assert strategy["init_args"]["start_method"] == "spawn"
+
+
+@pytest.mark.parametrize("loader", ["train_dataloader", "val_dataloader", "predict_dataloader"])
+def test_a_data_loader_asked_before_setup_says_so_in_one_line(loader):
+    from lightning_rotor.lightning.data import SyntheticImages, SyntheticTokens
+
+    for data in (
+        SyntheticImages(num_samples=8, val_samples=4, batch_size=4),
+        SyntheticTokens(num_samples=8, val_samples=4, batch_size=4),
+    ):
+        with pytest.raises(
+            RuntimeError, match=rf"^{type(data).__name__}: call setup\(\) before asking for a dataloader$"
+        ):
+            getattr(data, loader)()
+        data.setup("fit")
+        assert len(getattr(data, loader)()) > 0
