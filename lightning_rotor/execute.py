@@ -176,8 +176,7 @@ class _Step:
             self.probe.mark(label)
 
     def mark(self, op: Op) -> None:
-        if self.probe is not None:
-            self.probe.mark(op.label)
+        self.mark_label(op.label)
 
     # -- forward ops ----------------------------------------------------------------------
     def _input(self, k: int, kind: OpKind) -> Any:
@@ -187,7 +186,7 @@ class _Step:
             return self.plain[k]
         if kind is not OpKind.FN and k in self.graph:
             return self.graph[k][1]
-        raise RuntimeError(f"executor bug: a_{k} is not held for {Op(kind, k).label}")
+        raise RuntimeError(f"executor bug: a_{k} is not held for {kind.value} {k}")
 
     def _kept_input(self, k: int, src: Any) -> tuple[Any, Any]:
         """(entry, input) for a stage whose input `a_k` the plan keeps beyond this forward.
