@@ -83,25 +83,14 @@ def simulate(chain: Chain, ops: Iterable[Any]) -> Simulation:
     )
 
 
-class _Replay(NamedTuple):
-    peak: int
-    times: list[float]  # op times, and the waits for prefetches among them
-    curve: list[int]
-    op_peaks: list[int]
-    host_curve: list[int]
-    host_peak: int
-    waits: list[float]
-
-
-def _replay(chain: Chain, ops: list[Op], first_op: int = 0, first_stage: int = 0) -> _Replay:
-    """Replay an ordinary chain; errors name ops `first_op`, stages `first_stage` on (`_Memory`)."""
+def _replay(chain: Chain, ops: list[Op], first_op: int = 0, first_stage: int = 0) -> _Memory:
+    """Replay an ordinary chain; errors name ops `first_op`, stages `first_stage` on. Returns what it held:
+    the peak, op times and waits (`times` holds the waits too), and the curves."""
     memory = _Memory(chain, first_op, first_stage)
     for i, note in enumerate(annotate(ops, chain.length, chain.in_free)):
         memory.step(i, note)
     memory.finish()
-    return _Replay(
-        memory.peak, memory.times, memory.curve, memory.op_peaks, memory.host_curve, memory.host_peak, memory.waits
-    )
+    return memory
 
 
 class _Moves:
@@ -156,7 +145,7 @@ class _Memory:
         self.early_graph: dict[int, int] = {}  # k: bytes of ā_k's free part already let go (B k-1 lets go the rest)
         self.let_go: set[int] = set()  # stages whose input was partly let go: no forward of them may follow
         self.cur = self.peak = s[0]
-        self.times: list[float] = []
+        self.times: list[float] = []  # op times, and the waits for prefetches among them
         self.waits: list[float] = []
         self.curve: list[int] = []
         self.op_peaks: list[int] = []
