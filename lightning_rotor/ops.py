@@ -7,8 +7,11 @@ to the JSON form of a plan and to what the C++ planner returns; `kind` is an
 the value `a_k` they move; for `OffloadSaved k` and `PrefetchSaved k` the stage whose recorded graph's
 offloadable part they move) and `option` the stage option an `Fs` records (chain version 5; 0 for
 every other op). Code that acts on ops
-dispatches on every kind explicitly (see `OpKind`), so a new kind cannot fall
-through as another.
+dispatches on every kind explicitly (see `OpKind`; the interpreters with `match` and `assert_never`,
+so mypy names a kind without a rule), so a new kind cannot fall through as another.
+What an op's place in a plan says about it (the last forward of its stage, a record an
+`OffloadSaved` moves, an early stop, a joined backward) is computed once, by `annotate`, as an
+`OpNote` the simulator and the executor both read.
 """
 
 from __future__ import annotations
