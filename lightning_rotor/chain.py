@@ -139,7 +139,7 @@ class StageProfile:
     in_free: int = 0  # version 3
     options: tuple[StageOption, ...] = ()  # version 5
     offloadable: int = 0  # version 6
-    name: str = ""
+    name: str | None = None  # None: `stage{k}`
 
 
 STAGE_COLUMNS = tuple(f.name for f in fields(StageProfile) if f.name != "name")  # a Chain's per-stage lists
@@ -444,7 +444,7 @@ class Chain:
         return cls(
             input_size=input_size,
             loss_tmp=loss_tmp,
-            names=[s.name or f"stage{k}" for k, s in enumerate(stages)],
+            names=[f"stage{k}" if s.name is None else s.name for k, s in enumerate(stages)],
             loss_tmp_kept=loss_tmp if loss_tmp_kept is None else loss_tmp_kept,
             loss_value=loss_value,
             frozen=frozen,
