@@ -510,7 +510,7 @@ class Untouched:
             self.rng.__exit__(*exc)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _Context:
     """What every measurement of one profile shares: how it measures, and what it was asked to measure."""
 
@@ -525,7 +525,7 @@ class _Context:
     warmup: int = 0  # untimed runs of each stage after its memory runs
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _StageRun:
     """Stage `k` on its sample input `a_k` (`value`), run as the executor runs it (`forward`)."""
 
@@ -804,7 +804,7 @@ def _measure_frozen(run: _StageRun, ctx: _Context) -> tuple[StageProfile, Any] |
     return StageProfile(size, size, 0.0, 0.0, tmp, 0, fwd_tmp_nograd=tmp, name=run.name), out
 
 
-@dataclass
+@dataclass(eq=False)
 class _Walk:
     """Where profiling stands along the chain: the records so far, and the next stage's sample input."""
 
