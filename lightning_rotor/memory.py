@@ -47,7 +47,9 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Set as AbstractSet
 from contextlib import AbstractContextManager, contextmanager
+from types import FrameType
 from typing import Any
 
 import torch
@@ -250,14 +252,14 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
 
     def _in_bookkeeping(self) -> bool:
         """True when a `bookkeeping` function is running, i.e. its frame is on the Python stack."""
-        frame = sys._getframe(1)
+        frame: FrameType | None = sys._getframe(1)
         while frame is not None:
             if frame.f_code in self._bookkeeping:
                 return True
             frame = frame.f_back
         return False
 
-    def _add(self, tensors: list[Any], inputs: set[int] = frozenset(), bookkeeping: bool | None = None) -> None:
+    def _add(self, tensors: list[Any], inputs: AbstractSet[int] = frozenset(), bookkeeping: bool | None = None) -> None:
         """Count the new storages behind `tensors` (flattened); `bookkeeping` None: look up (once) whether a
         bookkeeping function made them."""
         making = _making_host()
@@ -298,7 +300,7 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
             self.current += nbytes
         self.peak = max(self.peak, self.current)
 
-    def _add_host(self, tensors: Any, inputs: set[int]) -> None:
+    def _add_host(self, tensors: Any, inputs: AbstractSet[int]) -> None:
         """Count new storages as host copies (made inside `host_allocations`)."""
         for t in tree_leaves(tensors):
             if not _strided(t) or t.device.type == "meta":

@@ -28,7 +28,7 @@ from lightning_rotor.budget import BudgetSpec, format_bytes, resolve_budget
 from lightning_rotor.chain import Chain
 from lightning_rotor.discretize import DEFAULT_SLOTS, discretize, resolve_slots
 from lightning_rotor.ops import Op, frozen_prefix_ops, parse_ops, recomputed_stages, shift_ops
-from lightning_rotor.simulate import no_recompute_peak, simulate
+from lightning_rotor.simulate import Simulation, no_recompute_peak, simulate
 
 
 def _load_planner() -> ModuleType:
@@ -296,6 +296,69 @@ def solve_discretized(
     )
 
 
+def _planning_problem(
+    chain: Chain,
+    mem_limit: BudgetSpec,
+    bandwidth: float | None,
+    host_limit: int | None,
+    slots: int | None,
+    threads: int | None,
+) -> tuple[Chain, Chain, int, int]:
+    """(the whole chain, the part with choices, budget in bytes, slots) for `plan()`, its arguments checked; one
+    line refuses a budget below the floor or tables larger than the memory available."""
+    checked = check_bandwidth(bandwidth)
+    if checked is not None or host_limit is not None:
+        chain = chain.with_transfer(checked, host_limit)
+    whole, chain = chain, chain.suffix()  # a frozen prefix runs first as Fn ops: only the rest has choices
+    resolved = resolve_slots(slots, chain.length)
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"threads must be a positive integer or None, got {threads!r}")
+    budget = resolve_budget(mem_limit, no_recompute_peak(whole))
+    smallest = min_feasible_budget(whole)
+    if budget < smallest:
+        raise InfeasibleBudget(budget, smallest)
+    check_planner_memory(chain.length, resolved, chain.offloads)
+    return whole, chain, budget, resolved
+
+
+def _recompute_only_candidates(
+    chain: Chain, budget: int, slots: int, threads: int | None
+) -> list[tuple[Simulation, list[Op]]]:
+    """The plans without offloading, scored by the referee: the DP's (on the chain without transfers: exactly
+    the plan without offloading), then the exact-byte fallback's; `simulate` also refuses an invalid plan."""
+    found = solve_discretized(chain.with_transfer(0.0) if chain.offloads else chain, budget, slots, threads)
+    candidates = []
+    if found is not None:
+        candidates.append(parse_ops(found[1]))
+    fallback = _planner.feasible_schedule(
+        *_memory_args(chain),
+        budget,
+        loss_tmp_graph=chain.loss_tmp_graph,
+        in_free=chain.in_free,
+        loss_value=chain.loss_value,
+        options=_memory_options(chain),
+    )
+    if fallback is not None:
+        candidates.append(parse_ops(fallback))
+    return [(simulate(chain, ops), ops) for ops in candidates]
+
+
+def _offloading_candidate(
+    chain: Chain, budget: int, slots: int, threads: int | None
+) -> tuple[Simulation, list[Op]] | None:
+    """The DP's plan with offloading, scored by the referee; None when there is none, or when its replay
+    passes the budget or the host limit."""
+    offloading = solve_discretized(chain, budget, slots, threads)
+    if offloading is None:
+        return None
+    ops = parse_ops(offloading[1])
+    try:
+        sim = simulate(chain, ops)
+    except ValueError:  # its host bytes pass the host limit: not a candidate
+        return None
+    return (sim, ops) if sim.peak <= budget else None
+
+
 def plan(
     chain: Chain,
     mem_limit: BudgetSpec,
@@ -321,47 +384,13 @@ def plan(
     budget and the host limit compete and the fastest wins, so offloading is never slower than
     recomputing only (by the simulator). Without one, the plan is exactly the recompute-only plan.
     """
-    checked = check_bandwidth(bandwidth)
-    if checked is not None or host_limit is not None:
-        chain = chain.with_transfer(checked, host_limit)
-    whole, chain = chain, chain.suffix()  # a frozen prefix runs first as Fn ops: only the rest has choices
-    slots = resolve_slots(slots, chain.length)
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        raise ValueError(f"threads must be a positive integer or None, got {threads!r}")
-    budget = resolve_budget(mem_limit, no_recompute_peak(whole))
-    smallest = min_feasible_budget(whole)
-    if budget < smallest:
-        raise InfeasibleBudget(budget, smallest)
-    check_planner_memory(chain.length, slots, chain.offloads)
-    # today's program on the chain without transfers: exactly the plan without offloading
-    found = solve_discretized(chain.with_transfer(0.0) if chain.offloads else chain, budget, slots, threads)
-    candidates = []
-    if found is not None:
-        candidates.append(parse_ops(found[1]))
-    fallback = _planner.feasible_schedule(
-        *_memory_args(chain),
-        budget,
-        loss_tmp_graph=chain.loss_tmp_graph,
-        in_free=chain.in_free,
-        loss_value=chain.loss_value,
-        options=_memory_options(chain),
-    )
-    if fallback is not None:
-        candidates.append(parse_ops(fallback))
-    # the referee scores them all: the fastest, the DP's on ties (simulate also refuses an invalid plan)
-    scored = [(simulate(chain, ops), ops) for ops in candidates]
+    whole, chain, budget, slots = _planning_problem(chain, mem_limit, bandwidth, host_limit, slots, threads)
+    scored = _recompute_only_candidates(chain, budget, slots, threads)
     recompute_only = min(scored, key=lambda item: item[0].time)
     if chain.offloads:
-        offloading = solve_discretized(chain, budget, slots, threads)
+        offloading = _offloading_candidate(chain, budget, slots, threads)
         if offloading is not None:
-            ops = parse_ops(offloading[1])
-            try:
-                sim = simulate(chain, ops)
-            except ValueError:  # its host bytes pass the host limit: not a candidate
-                pass
-            else:
-                if sim.peak <= budget:
-                    scored.append((sim, ops))  # last: a tie goes to a plan without transfers
+            scored.append(offloading)  # last: a tie goes to a plan without transfers
     best, ops = min(scored, key=lambda item: item[0].time)
     peak, time, host_peak = best.peak, best.time, best.host_peak
     alone = recompute_only[0].time if chain.offloads else None
