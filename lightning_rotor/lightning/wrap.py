@@ -40,8 +40,9 @@ from torch import nn
 
 from lightning_rotor import own_checkpointing, step_outside
 from lightning_rotor.budget import MemLimit, Offload, parse_budget
-from lightning_rotor.checkpointable import Checkpointable, check_offload
+from lightning_rotor.checkpointable import Checkpointable
 from lightning_rotor.compile import compiled_inner
+from lightning_rotor.config import check_offload
 from lightning_rotor.discovery import DISCOVER_METHODS
 from lightning_rotor.discretize import check_slots
 from lightning_rotor.shared_budget import Budget
@@ -278,7 +279,7 @@ def wrap(
             module,
             budget,
             slots=slots,
-            discover=method,
+            discover=method or "auto",
             checkpoint_modules=types,
             fallback_plain=discover == "auto" and include is None,
             compile=None if compiled_inner(module) is not None else compile,  # compiled: its own options
