@@ -127,7 +127,7 @@ class RotorConfig:
         if self.fallback_plain is not None:
             self._set("fallback_plain", bool(self.fallback_plain))
         stage_compiler(self.compile)  # a bad compile= fails here, in one line
-        self._set("shape_buckets", check_buckets(None if self.shape_buckets is None else dict(self.shape_buckets)))
+        self._set("shape_buckets", check_buckets(self.shape_buckets))
         check_offload(self.offload, self.host_limit)
         for name in ("derive_shapes", "predict_shapes", "fit_shapes", "options", "early_stop"):
             self._set(name, bool(getattr(self, name)))
