@@ -5,7 +5,7 @@ Policy (docs/lightning.md, docs/discovery.md):
 - `discover="sequential"`: candidates are `nn.Sequential` submodules whose `forward` is
   `nn.Sequential.forward` with at least two stages once nested Sequentials are
   flattened; the outermost are wrapped;
-- `discover="auto"` (the strategy's default), `"graph"`, `"modules"`: the outermost
+- `discover="auto"` (the default), `"graph"`, `"modules"`: the outermost
   submodules that are either such a Sequential or a module of a class of your own
   (not torch's) with parameters; the latter's chain is discovered on its first training
   call (the whole forward with `"graph"`, a run of blocks with `"modules"`, the better of
@@ -24,7 +24,9 @@ Policy (docs/lightning.md, docs/discovery.md):
   once: a chain's offloaded values wait for its backward while later chains run).
 
 Wrapping swaps a `Checkpointable` in where the module stood: same parameter objects,
-same `state_dict` keys. `unwrap` puts the user's modules back.
+same `state_dict` keys. `unwrap` puts the user's modules back. The settings are one
+`RotorConfig` (lightning_rotor/config.py); `chain_configs` derives each chain's own from it,
+and each `Checkpointable` is built complete (its share of the one budget, `distributed`).
 """
 
 from __future__ import annotations
