@@ -36,12 +36,12 @@ from torch import nn
 
 from lightning_rotor import own_checkpointing, pipeline
 from lightning_rotor._torch_compat import active_ddp_reduced, tree_flatten
-from lightning_rotor.budget import BudgetError, MemLimit, format_bytes, parse_host_limit, parse_offload, resolve_budget
+from lightning_rotor.budget import MemLimit, format_bytes, resolve_budget
 from lightning_rotor.cache import PlanCache, plan_key, signature
 from lightning_rotor.calls import Call, InfeasibleStep, StepCalls, describe, step_minimum
 from lightning_rotor.chain import Chain
 from lightning_rotor.compile import compile_stages, stage_compiler, train_eagerly, unwrap_compiled
-from lightning_rotor.discretize import check_slots
+from lightning_rotor.config import RotorConfig, module_settings
 from lightning_rotor.huggingface import without_kv_cache
 from lightning_rotor.measure import StepMeasurement
 from lightning_rotor.memory import CudaMemoryProbe, MemoryProbe
@@ -52,7 +52,6 @@ from lightning_rotor.profile import Profile
 from lightning_rotor.shapes import (
     Dims,
     bucketed,
-    check_buckets,
     derived_times,
     feasible_for_shape,
     input_dims,
@@ -80,6 +79,10 @@ def auto_budget(device: torch.device, parameters: Iterable[nn.Parameter] = ()) -
 
 class Checkpointable(nn.Module):
     """A module (an nn.Sequential, or any module whose chain is discovered) trained within `mem_limit` bytes.
+
+    The settings below come as keyword arguments or as one `config=RotorConfig(...)` (lightning_rotor/config.py,
+    where each is documented and checked). `shared` / `shared_name`: one `Budget` over several chains and this
+    chain's name in it (lightning/wrap.py); `distributed`: trained under DDP (found on each call otherwise).
 
     `discover`: how a module that is not a plain nn.Sequential becomes a chain, on its first
     training call: "auto" (default), "graph" (torch.fx, the whole forward is the chain),
@@ -146,14 +149,15 @@ class Checkpointable(nn.Module):
         mem_limit: MemLimit = None,
         *,
         stages: Stages | None = None,
-        discover: str | None = None,
+        config: RotorConfig | None = None,
+        discover: str = "auto",
         checkpoint_modules: Iterable[type[nn.Module]] | None = None,
         slots: int | None = None,
         loss_tmp: int | None = None,
         loss_fn: Callable[[Any], torch.Tensor] | None = None,
         repeats: int = 5,
         warmup: int = 0,
-        fallback_plain: bool = False,
+        fallback_plain: bool | None = None,
         compile: bool | dict[str, Any] | None = None,
         derive_shapes: bool = True,
         predict_shapes: bool = False,
@@ -163,17 +167,22 @@ class Checkpointable(nn.Module):
         offload: bool | int | float | str = False,
         host_limit: int | str | None = None,
         early_stop: bool = False,
+        shared: Budget | None = None,
+        shared_name: str = "",
+        distributed: bool = False,
     ):
+        config = RotorConfig.of(config, locals())  # the settings, checked (lightning_rotor/config.py)
         object.__setattr__(self, "_rotor", RotorState())  # before any attribute: see `__setattr__`
         compiled = None
         if isinstance(module, nn.Module):  # torch.compile(m): stages of m, compiled alike (compile.py)
             module, compiled = unwrap_compiled(module)
-        compiler = stage_compiler(compile, compiled)
-        discover, types = _check_settings(module, stages, discover, checkpoint_modules)
-        own_budget = Budget(mem_limit)  # bad budgets fail here, with the accepted forms
-        check_slots(slots)
-        offload_setting, host_bytes = check_offload(offload, host_limit)
-        self.shape_buckets = check_buckets(shape_buckets)
+        compiler = stage_compiler(config.compile, compiled)
+        discover, types = module_settings(config, module, stages)
+        own_budget = Budget(config.mem_limit)  # type: ignore[arg-type]  # a per-chain dict fails here, in one line
+        if shared is not None and shared_name not in shared.names:
+            raise ValueError(f"shared_name={shared_name!r} is none of the shared budget's chains {shared.names}")
+        offload_setting, host_bytes = config.transfer()
+        self.shape_buckets = config.shape_buckets
         super().__init__()
         _share_registries(self, module)
         state = self._rotor
@@ -186,43 +195,42 @@ class Checkpointable(nn.Module):
         self.discovery: Discovery | None = None
         self.outside: dict[str, pipeline.Outside] = {}  # module-level chains: per call signature (measure_outside)
         self._outside_now: pipeline.Outside | None = None
-        self.fallback_plain = fallback_plain  # no chain found: warn once and run the module's forward as written
+        self.rotor_config = config  # the settings as given (`replan` and a failed prediction change the live ones)
+        self.fallback_plain = bool(config.fallback_plain)  # no chain found: warn once, run the forward as written
         # under DDP: a parameter shared by two stages is refused (`shared_parameters`), and the plan's backward
         # alone calls the parameters' accumulators (NOTE: [no parameter edges under DDP] in execute.py). Found on
         # each training call inside a DistributedDataParallel's forward (`_under_ddp`); True forces it.
-        self.distributed = False
+        self.distributed = distributed
         self._ddp_seen: tuple[int, Stages | None, bool] | None = None  # `_under_ddp`: (DDP's id, stages, answer)
         self._untied: Stages | None = None  # the stages found free of tied weights under DDP
         self.on_discovered: Callable[[Checkpointable], None] | None = None  # called once the stages are found
         self.no_chain = ""  # why no chain was found, when falling back
-        self.mem_limit = mem_limit
-        self.slots = slots
-        self.loss_tmp, self.loss_fn = _loss_settings(loss_tmp, loss_fn)
-        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-            raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
-        self.repeats = repeats
-        self.derive_shapes = derive_shapes
-        self.predict_shapes = bool(predict_shapes)
+        self.mem_limit = config.mem_limit
+        self.slots = config.slots
+        self.loss_tmp, self.loss_fn = config.loss_tmp, config.loss_fn
+        self.repeats = config.repeats
+        self.derive_shapes = config.derive_shapes
+        self.predict_shapes = config.predict_shapes
         self.predicted: dict[str, tuple[int, ...]] = {}  # plan key -> the measured sizes its chain came from
         # measured shapes, as (family, input shapes, chain, its no-recomputation peak)
         self._measured_shapes: list[tuple[str, tuple[tuple[int, ...], ...], Chain, int]] = []
         self._peak_floors: dict[str, int] = {}  # plan key of a predicted shape -> a lower bound of its own peak
-        self.fit_shapes = bool(fit_shapes)
+        self.fit_shapes = config.fit_shapes
         self.fitted: dict[str, tuple[int, ...]] = {}  # plan key -> the measured sizes its chain's sizes came from
         self._sized: list[tuple[str, Dims, Chain, list[int] | None]] = []  # measured: family, shapes, chain, FLOPs
-        self.options = bool(options)
-        self.offload = offload  # as given; `bandwidth` is what it resolves to (bytes/s, measured once for True)
+        self.options = config.options
+        self.offload = config.offload  # as given; `bandwidth` is what it resolves to (bytes/s, measured once for True)
         self.host_limit = host_bytes
         self._offload_setting = offload_setting
         self.bandwidth: float | None = offload_setting if isinstance(offload_setting, float) else None
         self._timed: tuple[Chain, list[int]] | None = None  # a timed shape's chain and stage FLOPs (derive_shapes)
-        self.warmup = warmup
+        self.warmup = config.warmup
         self.budget: int | None = None  # bytes of the signature that ran last (each shape has its own)
         self._first: tuple[int, int] | None = None  # the first shape's (bytes, no-recomputation peak)
         self._shapes: dict[str, str] = {}  # per plan key: its input's shapes, for messages
         self._own_budget = own_budget  # what mem_limit= resolves with, unless shared
-        self.shared: Budget | None = None  # set by whoever splits one budget over several chains
-        self.shared_name = ""
+        self.shared = shared  # one budget over several chains (lightning/wrap.py), this chain's name in it
+        self.shared_name = shared_name
         self.boxed: Callable[[Checkpointable, tuple, dict], Any] | None = None  # set while step_outside measures
         self.last_entry: Entry | None = None  # the entry the latest call ran
         self.calls = StepCalls()  # this step's pending calls (lightning_rotor/calls.py)
@@ -232,7 +240,7 @@ class Checkpointable(nn.Module):
         self._measurement: StepMeasurement | None = None
         # called as (stages done, stages, seconds) while a new input signature is profiled
         self.on_profile_progress: Callable[[int, int, float], None] | None = None
-        self.early_stop = early_stop
+        self.early_stop = config.early_stop
         self._params_of: tuple[Stages | None, list[nn.Parameter]] | None = None  # `_stage_parameters`
         self.own_checkpointing: list[tuple[str, nn.Module]] = []  # modules whose own flag rotor turned off
         self._own_note = ""  # what rotor did with the model's own checkpointing, told with the first plan
@@ -1017,58 +1025,6 @@ class Checkpointable(nn.Module):
             super().__delattr__(name)
 
 
-def check_offload(offload: Any, host_limit: Any) -> tuple[str | float | None, int | None]:
-    """(None: off, "measure", or bytes/s; host limit in bytes or None) from `offload=` and `host_limit=`.
-
-    Bad values fail when the module is made, in one line that says what is accepted (the parsers
-    the strategies and YAML use too, lightning_rotor/budget.py), not at the first training step.
-    """
-    rate = False if offload is None else parse_offload(offload)
-    setting: str | float | None = None if rate is False else "measure" if rate is True else float(rate)
-    if host_limit is None:
-        return setting, None
-    try:
-        nbytes = parse_host_limit(host_limit)
-    except BudgetError as err:
-        raise ValueError(
-            f"host_limit={host_limit!r} is not a size: give bytes or a size with a unit ('2GiB', '512MB', "
-            f"8000000000), not a fraction ({err})"
-        ) from None
-    if setting is None:
-        raise ValueError(f"host_limit={host_limit!r} bounds offloaded copies; give offload= too, or leave it out")
-    return setting, nbytes
-
-
-def _check_settings(
-    module: nn.Module, stages: Stages | None, discover: str | None, checkpoint_modules: Iterable[type] | None
-) -> tuple[str | None, tuple[type[nn.Module], ...] | None]:
-    """The discovery method (None: stages given) and the block types `Checkpointable` uses, or one clear error."""
-    from lightning_rotor.discovery import DISCOVER_METHODS
-
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"Checkpointable wraps an nn.Module, got {type(module).__name__}")
-    if stages is not None and not isinstance(stages, Stages):
-        raise TypeError(f"stages must be a lightning_rotor.Stages, got {type(stages).__name__}")
-    if discover is not None and discover not in DISCOVER_METHODS:
-        raise ValueError(f"discover={discover!r} is not a discovery method; use one of {', '.join(DISCOVER_METHODS)}")
-    if stages is not None and discover is not None:
-        raise ValueError("give stages= (found already) or discover= (found on the first training call), not both")
-    types = tuple(checkpoint_modules) if checkpoint_modules else None
-    if types is not None and not all(isinstance(t, type) and issubclass(t, nn.Module) for t in types):
-        raise TypeError(f"checkpoint_modules must be nn.Module classes, got {list(checkpoint_modules or [])!r}")
-    plain_sequential = isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward
-    if stages is not None:
-        return None, types
-    if discover is None or (discover == "auto" and plain_sequential and types is None):
-        discover = "sequential" if plain_sequential and types is None else "auto"
-    if discover == "sequential" and not plain_sequential:
-        raise TypeError(
-            f"discover='sequential' needs a plain nn.Sequential, got {type(module).__name__}; "
-            "use discover='auto', 'graph' or 'modules'"
-        )
-    return discover, types
-
-
 class RotorState:
     """A `Checkpointable`'s own attributes (settings, stages, plans, budgets), in one plain object.
 
@@ -1115,22 +1071,3 @@ def _share_registries(owner: nn.Module, module: nn.Module) -> None:
     the same names (`state_dict` keys, `parameters()`), whatever those names are; nothing is re-registered."""
     for registry in _REGISTRIES:
         object.__setattr__(owner, registry, module.__dict__[registry])
-
-
-def _loss_settings(loss_tmp: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> tuple[int | None, Any]:
-    """(`loss_tmp` bytes, `loss_fn`); a function given as `loss_tmp=` (deprecated in 0.2.0) moves to `loss_fn=`."""
-    if callable(loss_tmp):
-        warnings.warn(
-            "Checkpointable(loss_tmp=<function>) is deprecated since 0.2.0: give the loss as loss_fn=; "
-            "loss_tmp= takes bytes",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        loss_tmp, loss_fn = None, loss_tmp if loss_fn is None else loss_fn
-    if loss_tmp is not None and loss_fn is not None:
-        raise ValueError("give loss_fn= (the loss, measured) or loss_tmp= (its bytes), not both")
-    if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(f"loss_fn must be a function of the output, got {type(loss_fn).__name__}")
-    if loss_tmp is not None and (isinstance(loss_tmp, bool) or not isinstance(loss_tmp, int)):
-        raise TypeError(f"loss_tmp must be bytes (an int), got {loss_tmp!r}; give a loss function as loss_fn=")
-    return loss_tmp, loss_fn
