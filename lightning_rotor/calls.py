@@ -174,7 +174,7 @@ def describe(value: Any) -> str:
 class StepCalls:
     """The calls of one chain in the current training step, and the step structures seen so far."""
 
-    pending: list[weakref.ref] = field(default_factory=list)
+    pending: list[weakref.ref[Call]] = field(default_factory=list)
     step: list[tuple[str, int]] = field(default_factory=list)  # (signature, budget) of this step's calls
     finished: list[tuple[tuple[str, int], ...]] = field(default_factory=list)  # ended steps not learned yet
     step_peak: int = 0  # predicted peak of the current step: max over its calls of held before + plan peak

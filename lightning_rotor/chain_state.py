@@ -25,7 +25,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any, NamedTuple, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
 from torch import nn
@@ -36,7 +36,10 @@ from lightning_rotor.budget import MemLimit, format_bytes, resolve_budget
 from lightning_rotor.cache import PlanCache, plan_key
 from lightning_rotor.calls import Call, StepBudget, StepCalls, describe, step_minimum
 from lightning_rotor.chain import Chain
+from lightning_rotor.compile import compile_stages
+from lightning_rotor.ddp_checks import refuse_tied, shared_parameters
 from lightning_rotor.measure import StepMeasurement
+from lightning_rotor.ops import is_no_recompute
 from lightning_rotor.own_checkpointing import OwnCheckpointing
 from lightning_rotor.pipeline import Entry, LossFn
 from lightning_rotor.planner import InfeasibleBudget, Plan, min_feasible_budget
@@ -57,6 +60,9 @@ from lightning_rotor.simulate import no_recompute_peak
 from lightning_rotor.stages import Stages
 from lightning_rotor.symbolic_sizes import chain_at
 from lightning_rotor.tables import stage_text
+
+if TYPE_CHECKING:
+    from lightning_rotor.discovery import Discovery
 
 __all__ = ["CallInput", "ChainState"]
 
@@ -98,13 +104,22 @@ class ChainState:
         self.bandwidth: float | None = None  # bytes/s (measured once for offload=True)
         self.derive_shapes, self.predict_shapes, self.fit_shapes = True, False, False
         self.shape_buckets: Buckets | None = None
-        self.compiled = False  # compiled stages: timed at every shape, run as planned
+        self.compiler: Callable[[nn.Module], nn.Module] | None = None  # compiles each stage (None: run eagerly)
+        # under DDP: a parameter shared by two stages is refused (`shared_parameters`), and the plan's backward
+        # alone calls the parameters' accumulators (NOTE: [no parameter edges under DDP] in execute.py). Found on
+        # each training call inside a DistributedDataParallel's forward (`ddp_checks.DdpWatch`); True forces it.
+        self.distributed = False
         # called as (stages done, stages, seconds) while a new input signature is profiled
         self.on_profile_progress: Callable[[int, int, float], None] | None = None
         # the chain and its plans
+        self.discovery: Discovery | None = None  # how the chain was found (None: stages given, or not found yet)
         self.stages: Stages | None = None
         self.stage_names: list[str] = []
+        self.join_in_place = False  # a Sequential's in-place leaves join the stage before, on the first input
         self.plan_cache: PlanCache | None = None
+        self._params_of: tuple[Stages | None, list[nn.Parameter]] | None = None  # `stage_parameters`
+        self.outside: dict[str, pipeline.Outside] = {}  # module-level chains: per call signature (measure_outside)
+        self.outside_now: pipeline.Outside | None = None  # this call's
         self.budget: int | None = None  # bytes of the signature that ran last (each shape has its own)
         self._first: tuple[int, int] | None = None  # the first shape's (bytes, no-recomputation peak)
         self._shapes: dict[str, str] = {}  # per plan key: its input's shapes, for messages
@@ -126,15 +141,59 @@ class ChainState:
 
     # -- the chain ----------------------------------------------------------------------------------
     def set_stages(self, stages: Stages | None) -> None:
-        """The chain's stages (None until discovered) and an empty plan cache for them."""
+        """The chain's stages (None until discovered; compiled when asked) and an empty plan cache for them;
+        the module's own checkpointing flags turned off (rotor plans the whole chain)."""
+        if stages is not None:
+            self.own.take(self.module)
+            stages = compile_stages(stages, self.compiler)
         self.stages = stages
         self.stage_names = list(stages.names) if stages is not None else []
+        self._new_plans()
+
+    def _new_plans(self) -> None:
+        stages = self.stages
         self.plan_cache = None if stages is None else PlanCache(_seq(stages), stages.names, self.slots, self.early_stop)
 
     def forget_profiles(self) -> None:
-        """Every profile and plan forgotten (a module's `training` flag changed): measured again when next met."""
-        self.set_stages(self.stages)
-        self.last_entry, self._timed, self._measured_shapes, self._sized = None, None, [], []
+        """Every profile and plan forgotten (a module's `training` flag changed): a discovered chain is found
+        again (traced code holds the old flag), every shape measured again when next met."""
+        if self.discovery is not None:
+            self.discovery = None
+            self.set_stages(None)
+        self._new_plans()
+        self.last_entry, self.outside, self._timed, self._measured_shapes, self._sized = None, {}, None, [], []
+
+    def converted(self) -> None:
+        """The module's tensors were converted (`.to()`, `.double()`): a graph chain is found again on the next
+        training call (its stages hold references to the old buffers), what was measured outside it too."""
+        if self.discovery is not None and self.discovery.graph is not None:
+            self.discovery = None
+            self.set_stages(None)
+            self.last_entry = None
+        self.outside = {}  # measured in the old dtype or device
+        if self.plan_cache is not None:
+            self.plan_cache.forget_call_plans()
+
+    def stage_parameters(self) -> list[nn.Parameter]:
+        """The stages' parameters in order (found once per set of stages)."""
+        cached = self._params_of
+        if cached is None or cached[0] is not self.stages:
+            cached = self._params_of = (self.stages, [p for stage in self.stages or () for p in stage.parameters()])
+        return cached[1]
+
+    def side_outputs(self) -> tuple[str, ...]:
+        """What a module-level chain's stages record and carry besides the hidden state (side_outputs.py)."""
+        run = self.discovery.run if self.discovery is not None else None
+        return (run.side or ()) if run is not None else ()
+
+    def shared_parameters(self) -> dict[str, list[str]]:
+        """Parameters whose gradient several stages add to (tied weights), by name, with their users
+        (`ddp_checks.shared_parameters`: what DDP would miss)."""
+        return shared_parameters(self.module, self.stage_names, self.stages or [], self.discovery)
+
+    def _outside(self) -> pipeline.Outside | None:
+        """What a module-level chain's step holds outside the chain, for this call (`pipeline.measure_outside`)."""
+        return self.outside_now if self.discovery is not None and self.discovery.run is not None else None
 
     @property
     def entries(self) -> dict[str, Entry]:
@@ -152,18 +211,55 @@ class ChainState:
         """This step's pending calls (lightning_rotor/calls.py)."""
         return self.step.calls
 
-    def call_input(self, value: Any, trainable: list[bool], side: tuple[str, ...]) -> CallInput:
+    def call_input(self, value: Any, trainable: list[bool] | None = None) -> CallInput:
+        """`value` as this chain plans it (`trainable`: the stage parameters' flags, when known); before its
+        signature's first plan, a Sequential's leaves that write into their input in place joined to the stage
+        before, and the stages checked for tied weights under DDP."""
+        if trainable is None:
+            trainable = [p.requires_grad for p in self.stage_parameters()]
         sample = bucketed(value, self.shape_buckets) if self.shape_buckets else value  # the plan's shape
-        return CallInput(plan_key(sample, trainable, side=side), sample, trainable, side)
+        side = self.side_outputs()
+        call = CallInput(plan_key(sample, trainable, side=side), sample, trainable, side)
+        if call.key not in self.entries:
+            if self.join_in_place and self.stages is not None:  # preparing, before the first profile, never in a step
+                from lightning_rotor.discovery import join_in_place
+
+                self.join_in_place = False
+                joined = join_in_place(self.stages, call.sample)
+                if joined is not self.stages:
+                    self.set_stages(joined)
+            if self.distributed:
+                refuse_tied(self.shared_parameters())
+        return call
 
     # -- a training call: chain state -> step budget -> runner ---------------------------------------
-    def call_entry(
-        self, call: CallInput, value: Any, outside: pipeline.Outside | None
-    ) -> tuple[Entry, Call, int, bool]:
+    def run(self, value: Any, plain_call: Callable[[], Any], trainable: list[bool], distributed: bool) -> Any:
+        """A training call of the chain on its input `value`: its signature's entry (profiled and planned if new),
+        its budget in the step, then its runner, or `plain_call` where plain autograd frees as the plan does.
+        `distributed`: inside DDP's forward (NOTE: [no parameter edges under DDP] in execute.py)."""
+        entry, call, peak, alone = self.call_entry(self.call_input(value, trainable), value)
+        measurement = self._measurement
+        # after another call of the step, plain autograd would hold this call's parameter gradients until the
+        # earlier call's backward (one accumulator per parameter waits for both): run the plan instead
+        plain = alone and is_no_recompute(entry.plan.ops) and self.compiler is None  # compiled: stages as planned
+        if plain and measurement is None:
+            output = plain_call()  # no recomputation: plain autograd frees exactly as the plan does
+        else:
+            entry.runner.parameter_edges = not distributed
+            if measurement is not None:
+                entry.runner.probe = measurement.started(entry)
+            try:
+                output = entry.runner(value)
+            finally:
+                entry.runner.probe = None
+        self.step.calls.add(call, peak, output)
+        return output
+
+    def call_entry(self, call: CallInput, value: Any) -> tuple[Entry, Call, int, bool]:
         """The entry a training call on `value` runs, its `Call` (pending until its backward), its plan's peak and
         whether it is alone in its step: its signature's whole-budget entry, made now if new, then its budget in
         the step (`StepBudget`)."""
-        primary = self.entry_for(call, outside)
+        primary = self.entry_for(call)
         alone = not self.step.calls.alive()
         if alone:  # the step's bytes: its first call's shape's (docs/checkpointable.md, "Changing shapes")
             self.budget = primary.plan.budget
@@ -171,17 +267,16 @@ class ChainState:
         self.last_entry = entry
         return entry, pending, peak, alone
 
-    def entry_for(self, call: CallInput, outside: pipeline.Outside | None = None) -> Entry:
-        """The whole-budget entry of `call`'s plan key, profiled and planned if new (`outside`: what a
-        module-level chain's step holds outside the chain, `pipeline.measure_outside`)."""
+    def entry_for(self, call: CallInput) -> Entry:
+        """The whole-budget entry of `call`'s plan key, profiled and planned if new."""
         entry = self.entries.get(call.key)
         if entry is None:
             self._shapes[call.key] = describe(call.sample)
-            entry = self.plans.add(call.key, self._prepare(call, outside))
+            entry = self.plans.add(call.key, self._prepare(call))
         self.last_entry = entry
         return entry
 
-    def _prepare(self, call: CallInput, outside: pipeline.Outside | None) -> Entry:
+    def _prepare(self, call: CallInput) -> Entry:
         if self.fit_shapes and self._timed is not None and self._first is not None:  # exact: before a bound
             fitted = self._fitted_entry(call)
             if fitted is not None:
@@ -193,13 +288,13 @@ class ChainState:
         stages, value = self.stages, call.sample
         assert stages is not None
         # compiled stages are timed at every shape: an eval-mode count would compile graphs of its own
-        flops = stage_flops(_seq(stages), value) if self.derive_shapes and not self.compiled else None
+        flops = stage_flops(_seq(stages), value) if self.derive_shapes and self.compiler is None else None
         derive = flops is not None and self._timed is not None
         return pipeline.prepare(
             _seq(stages), value, partial(self._new_shape_bytes, call, flops), names=self.stage_names, slots=self.slots,
             adjust=partial(self._adjusted, value, flops, derive), build=self.plans.build,
-            repeats=self.repeats, warmup=self.warmup, loss_fn=self.loss_fn, loss_tmp=self.loss_tmp, outside=outside,
-            progress=self.on_profile_progress, timed=not derive, options=self.options,
+            repeats=self.repeats, warmup=self.warmup, loss_fn=self.loss_fn, loss_tmp=self.loss_tmp,
+            outside=self._outside(), progress=self.on_profile_progress, timed=not derive, options=self.options,
             offload=self._offload_setting is not None,
         )  # fmt: skip
 

@@ -24,32 +24,23 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from lightning_rotor import own_checkpointing, pipeline
+from lightning_rotor import own_checkpointing, pipeline, rotor_state
 from lightning_rotor._torch_compat import tree_flatten
 from lightning_rotor.budget import BudgetError, MemLimit, parse_host_limit, parse_offload
 from lightning_rotor.cache import signature
 from lightning_rotor.calls import InfeasibleStep
 from lightning_rotor.chain import Chain
-from lightning_rotor.chain_state import CallInput, ChainState
-from lightning_rotor.compile import compile_stages, stage_compiler, train_eagerly, unwrap_compiled
-from lightning_rotor.ddp_checks import DdpWatch, refuse_tied, shared_parameters
+from lightning_rotor.chain_state import ChainState
+from lightning_rotor.compile import stage_compiler, train_eagerly, unwrap_compiled
+from lightning_rotor.ddp_checks import DdpWatch, refuse_tied
 from lightning_rotor.discretize import check_slots
 from lightning_rotor.huggingface import without_kv_cache
 from lightning_rotor.measure import StepMeasurement
 from lightning_rotor.memory import CudaMemoryProbe, MemoryProbe
-from lightning_rotor.ops import is_no_recompute
 from lightning_rotor.own_checkpointing import OwnCheckpointing
 from lightning_rotor.pipeline import Entry
 from lightning_rotor.planner import InfeasibleBudget, Plan
 from lightning_rotor.profile import Profile
-from lightning_rotor.rotor_state import (
-    ChainAttribute,
-    RotorAttribute,
-    RotorState,
-    rotor_getattr,
-    rotor_setattr,
-    share_registries,
-)
 from lightning_rotor.shapes import check_buckets
 from lightning_rotor.sharded import refuse_fsdp2
 from lightning_rotor.shared_budget import Budget, auto_total
@@ -122,13 +113,14 @@ class Checkpointable(nn.Module):
     """
 
     # Rotor's own attributes, all kept in `_rotor` (`RotorState`), apart from the wrapped module's names
-    _rotor: RotorState
+    _rotor: rotor_state.RotorState
     module: nn.Module  # the wrapped module (its children, parameters and buffers are this module's registries)
     plain_module: nn.Module  # what eval mode and no_grad run (compiled when asked)
     compiler: Callable[[nn.Module], nn.Module] | None  # compiles each stage (None: stages run eagerly)
     chain_state: ChainState  # the chain's plans and budgets; the names below are its own (`ChainAttribute`)
     own: OwnCheckpointing  # the hand-off with the module's own checkpointing (own_checkpointing.py)
-    stages: Stages | None  # set by _set_stages
+    discovery: Discovery | None  # how the chain was found (None: stages given, or not found yet)
+    stages: Stages | None  # set by `ChainState.set_stages`
     stage_names: list[str]
     entries: dict[str, Entry]  # per plan key (input signature): the profile and the plan for the whole budget
     entry: Entry  # the profile and whole-budget plan of the last signature: what a call alone in its step runs
@@ -162,7 +154,7 @@ class Checkpointable(nn.Module):
         host_limit: int | str | None = None,
         early_stop: bool = False,
     ):
-        object.__setattr__(self, "_rotor", RotorState())  # before any attribute: see `__setattr__`
+        object.__setattr__(self, "_rotor", rotor_state.RotorState())  # before any attribute: see `__setattr__`
         compiled = None
         if isinstance(module, nn.Module):  # torch.compile(m): stages of m, compiled alike (compile.py)
             module, compiled = unwrap_compiled(module)
@@ -173,27 +165,18 @@ class Checkpointable(nn.Module):
         offload_setting, host_bytes = check_offload(offload, host_limit)
         buckets = check_buckets(shape_buckets)
         super().__init__()
-        share_registries(self, module)
+        rotor_state.share_registries(self, module)
         state = self._rotor
-        state.module, state.compiler = module, compiler
-        state.plain_module = compiler(module) if compiler else module
+        state.module, state.plain_module = module, compiler(module) if compiler else module
         state.own = OwnCheckpointing()
         state.chain_state = ChainState(module, own_budget, state.own)
-        state.chain_state.compiled = compiler is not None
-        self.shape_buckets = buckets
+        self.compiler, self.shape_buckets = compiler, buckets
         self.training = module.training  # the wrapped module's mode; `train()` sets both
         self.discover = None if discover == "sequential" else discover  # None: the stages are known
-        self._join_in_place = discover == "sequential"  # before the first profile (`join_in_place`)
+        self.chain_state.join_in_place = discover == "sequential"  # before the first profile (`join_in_place`)
         self.checkpoint_modules = types
-        self.discovery: Discovery | None = None
-        self.outside: dict[str, pipeline.Outside] = {}  # module-level chains: per call signature (measure_outside)
-        self._outside_now: pipeline.Outside | None = None
         self.fallback_plain = fallback_plain  # no chain found: warn once and run the module's forward as written
-        # under DDP: a parameter shared by two stages is refused (`shared_parameters`), and the plan's backward
-        # alone calls the parameters' accumulators (NOTE: [no parameter edges under DDP] in execute.py). Found on
-        # each training call inside a DistributedDataParallel's forward (`DdpWatch`); True forces it.
-        self.distributed = False
-        self._ddp = DdpWatch()
+        self._ddp = DdpWatch()  # whether a call runs inside DDP's forward (`distributed`; ddp_checks.py)
         self.on_discovered: Callable[[Checkpointable], None] | None = None  # called once the stages are found
         self.no_chain = ""  # why no chain was found, when falling back
         self.mem_limit = mem_limit
@@ -213,16 +196,9 @@ class Checkpointable(nn.Module):
         self.warmup = warmup
         self.boxed: Callable[[Checkpointable, tuple, dict], Any] | None = None  # set while step_outside measures
         self.early_stop = early_stop
-        self._params_of: tuple[Stages | None, list[nn.Parameter]] | None = None  # `_stage_parameters`
         self._modes: list[bool] | None = None  # every module's `training` flag at the last training call
         self._all_modules: list[nn.Module] = []  # the wrapped module's modules, listed once (`_check_modes`)
-        self._set_stages(sequential_stages(module) if discover == "sequential" else stages)  # type: ignore[arg-type]
-
-    def _set_stages(self, stages: Stages | None) -> None:
-        """The chain's stages (None until discovered; compiled when asked) and an empty plan cache for them."""
-        if stages is not None:
-            self.own.take(self.module)
-        self.chain_state.set_stages(compile_stages(stages, self.compiler) if stages is not None else None)
+        self.chain_state.set_stages(sequential_stages(module) if discover == "sequential" else stages)  # type: ignore[arg-type]
 
     # -- the wrapped Sequential's container API ---------------------------------------------------
     def __bool__(self) -> bool:
@@ -285,9 +261,10 @@ class Checkpointable(nn.Module):
         run = found.run  # a run of blocks is the chain; the rest of the forward runs as written around it
         assert run is not None and self.stages is not None
         key = signature((args, kwargs))
-        if key not in self.outside:
-            self.outside[key] = pipeline.measure_outside(self.module, run, self.stages, args, kwargs, self.loss_fn)
-        self._outside_now = self.outside[key]
+        outside = self.chain_state.outside
+        if key not in outside:
+            outside[key] = pipeline.measure_outside(self.module, run, self.stages, args, kwargs, self.loss_fn)
+        self.chain_state.outside_now = outside[key]
         run.install(lambda value: self._run(value, lambda: pipeline.run_stages(self.stages or (), value)))
         try:
             return self.module(*args, **kwargs)
@@ -315,11 +292,7 @@ class Checkpointable(nn.Module):
             self._all_modules = list(self.module.modules())
         modes = [m.training for m in self._all_modules]
         if self._modes is not None and modes != self._modes and self.entries:
-            if self.discovery is not None:
-                self.discovery = None
-                self._set_stages(None)
             self.chain_state.forget_profiles()
-            self.outside = {}
         self._modes = modes
 
     def discover_on(self, *args: Any, **kwargs: Any) -> Discovery:
@@ -342,7 +315,7 @@ class Checkpointable(nn.Module):
         if calls:
             self.own.note_calls(type(self.module).__name__, calls, found.kind)
         self.discovery = found
-        self._set_stages(found.stages)
+        self.chain_state.set_stages(found.stages)
         hook, self.on_discovered = self.on_discovered, None
         if hook is not None:  # e.g. plans saved in a checkpoint, restored now that the stages are known
             hook(self)
@@ -369,12 +342,11 @@ class Checkpointable(nn.Module):
 
     # -- the chain: chain state -> step budget -> runner ------------------------------------------
     def _run(self, value: Any, plain_call: Callable[[], Any]) -> Any:
-        """The chain on its input `a_0`: profile and plan if new, then the plan (or `plain_call`).
-
-        The plan is made against what this step's pending calls leave of the budget
-        (NOTE: [Several calls per step] in lightning_rotor/calls.py).
+        """The chain on its input `a_0`: profile and plan if new, then the plan (or `plain_call`), against what
+        this step's pending calls leave of the budget (NOTE: [Several calls per step] in lightning_rotor/calls.py).
         """
-        parameters = self._stage_parameters()
+        state = self.chain_state
+        parameters = state.stage_parameters()
         trainable = [p.requires_grad for p in parameters]
         if not any(trainable) and not any(
             t.requires_grad for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)
@@ -382,27 +354,9 @@ class Checkpointable(nn.Module):
             return plain_call()  # every stage frozen: no backward through the chain, nothing to checkpoint
         distributed = self.distributed or self._ddp.under_ddp(self.stages, parameters)
         if distributed and self._ddp.untied is not self.stages:  # before any profile or optimizer step
-            refuse_tied(self.shared_parameters())
+            refuse_tied(state.shared_parameters())
             self._ddp.untied = self.stages
-        state = self.chain_state
-        entry, call, peak, alone = state.call_entry(self._call_input(value, trainable), value, self._outside())
-        measurement = state._measurement
-        # after another call of the step, plain autograd would hold this call's parameter gradients until the
-        # earlier call's backward (one accumulator per parameter waits for both): run the plan instead
-        plain = alone and is_no_recompute(entry.plan.ops) and self.compiler is None  # compiled: stages as planned
-        if plain and measurement is None:
-            output = plain_call()  # no recomputation: plain autograd frees exactly as the plan does
-            state.calls.add(call, peak, output)
-            return output
-        entry.runner.parameter_edges = not distributed  # NOTE: [no parameter edges under DDP] (execute.py)
-        if measurement is not None:
-            entry.runner.probe = measurement.started(entry)
-        try:
-            output = entry.runner(value)
-        finally:
-            entry.runner.probe = None
-        state.calls.add(call, peak, output)
-        return output
+        return state.run(value, plain_call, trainable, distributed)
 
     def prepare_for(self, value: Any) -> Entry:
         """The profile and plan for `value`'s signature, made now if new (no training step runs):
@@ -412,45 +366,7 @@ class Checkpointable(nn.Module):
         """
         if self.stages is None:
             raise RuntimeError("the chain is not discovered yet: run one training forward (or discover_on) first")
-        trainable = [p.requires_grad for p in self._stage_parameters()]
-        return self.chain_state.entry_for(self._call_input(value, trainable), self._outside())
-
-    def _call_input(self, value: Any, trainable: list[bool]) -> CallInput:
-        """`value` as its chain plans it; before its signature's first plan, a Sequential's leaves that write into
-        their input in place joined to the stage before, and the stages checked for tied weights under DDP."""
-        call = self.chain_state.call_input(value, trainable, self._side_outputs())
-        if call.key not in self.entries:
-            if self._join_in_place and self.stages is not None:  # preparing, before the first profile, never in a step
-                from lightning_rotor.discovery import join_in_place
-
-                self._join_in_place = False
-                joined = join_in_place(self.stages, call.sample)
-                if joined is not self.stages:
-                    self._set_stages(joined)
-            if self.distributed:
-                refuse_tied(self.shared_parameters())
-        return call
-
-    def _outside(self) -> pipeline.Outside | None:
-        """What a module-level chain's step holds outside the chain, for this call (`pipeline.measure_outside`)."""
-        return self._outside_now if self.discovery is not None and self.discovery.run is not None else None
-
-    def _side_outputs(self) -> tuple[str, ...]:
-        """What a module-level chain's stages record and carry besides the hidden state (side_outputs.py)."""
-        run = self.discovery.run if self.discovery is not None else None
-        return (run.side or ()) if run is not None else ()
-
-    def _stage_parameters(self) -> list[nn.Parameter]:
-        """The stages' parameters in order (found once per set of stages)."""
-        cached = self._params_of
-        if cached is None or cached[0] is not self.stages:
-            cached = self._params_of = (self.stages, [p for stage in self.stages or () for p in stage.parameters()])
-        return cached[1]
-
-    def shared_parameters(self) -> dict[str, list[str]]:
-        """Parameters whose gradient several stages add to (tied weights), by name, with their users
-        (`ddp_checks.shared_parameters`: what DDP would miss)."""
-        return shared_parameters(self.module, self.stage_names, self.stages or [], self.discovery)
+        return self.chain_state.entry_for(self.chain_state.call_input(value))
 
     # -- measuring a step (lightning_rotor/measure.py) ---------------------------------------------
     def measure_step(self, probe: MemoryProbe | CudaMemoryProbe | None = None) -> StepMeasurement:
@@ -472,13 +388,7 @@ class Checkpointable(nn.Module):
         discovery; a conversion replaces buffer tensors, so those references would be stale.
         """
         self.module._apply(fn, *args, **kwargs)  # its registries are ours (`share_registries`)
-        if self.discovery is not None and self.discovery.graph is not None:
-            self.discovery = None
-            self._set_stages(None)
-            self.last_entry = None
-        self.outside = {}  # measured in the old dtype or device
-        if self.chain_state.plan_cache is not None:
-            self.chain_state.plan_cache.forget_call_plans()
+        self.chain_state.converted()
         return self
 
     def train(self, mode: bool = True) -> Checkpointable:
@@ -495,11 +405,11 @@ class Checkpointable(nn.Module):
     # -- rotor's attributes apart from the user's names (docs/checkpointable.md, "Your module's names") --
     def __getattr__(self, name: str) -> Any:
         """Rotor's attribute `name`, else the wrapped module's child, parameter or buffer of that name."""
-        return rotor_getattr(self, name)
+        return rotor_state.rotor_getattr(self, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
         """Rotor's attribute, its chain state's, or the user's module or tensor (`rotor_state.rotor_setattr`)."""
-        rotor_setattr(self, name, value)
+        rotor_state.rotor_setattr(self, name, value)
 
     def __delattr__(self, name: str) -> None:
         state = self.__dict__.get("_rotor")
@@ -509,19 +419,18 @@ class Checkpointable(nn.Module):
             super().__delattr__(name)
 
 
-for _name in ("module", "plain_module", "compiler", "chain_state", "own"):  # written to `_rotor` directly
-    setattr(Checkpointable, _name, RotorAttribute(_name))
+for _name in ("module", "plain_module", "chain_state", "own"):  # written to `_rotor` directly
+    setattr(Checkpointable, _name, rotor_state.RotorAttribute(_name))
 # the chain state's settings, plans and budgets, read and written as the module's own (`ChainAttribute`)
-CHAIN_ATTRIBUTES = (
-    *("mem_limit", "_own_budget", "shared", "shared_name", "slots", "early_stop", "repeats", "warmup", "loss_fn"),
-    *("loss_tmp", "options", "offload", "_offload_setting", "host_limit", "bandwidth", "derive_shapes"),
-    *("predict_shapes", "fit_shapes", "shape_buckets", "on_profile_progress", "stages", "stage_names", "plan_cache"),
-    *("entries", "budget", "predicted", "fitted", "calls", "last_entry", "last_measurement", "_measurement"),
-    *("entry", "chain", "plan", "profile", "profile_seconds", "step_limit", "summary", "automatic_budget_note"),
-    *("replan", "plan_state", "load_plan_state", "restore_plans", "budget_for_call"),
-)
+CHAIN_ATTRIBUTES = """
+    mem_limit _own_budget shared shared_name slots early_stop repeats warmup loss_fn loss_tmp options offload
+    _offload_setting host_limit bandwidth derive_shapes predict_shapes fit_shapes shape_buckets on_profile_progress
+    compiler distributed discovery stages stage_names outside shared_parameters plan_cache entries budget predicted
+    fitted calls last_entry last_measurement _measurement entry chain plan profile profile_seconds step_limit summary
+    automatic_budget_note replan plan_state load_plan_state restore_plans budget_for_call
+""".split()
 for _name in CHAIN_ATTRIBUTES:
-    setattr(Checkpointable, _name, ChainAttribute(_name))
+    setattr(Checkpointable, _name, rotor_state.ChainAttribute(_name))
 
 
 def check_offload(offload: Any, host_limit: Any) -> tuple[str | float | None, int | None]:
