@@ -1,8 +1,10 @@
 """`ChainState`: one chain's plans and budgets, apart from the nn.Module that routes its calls.
 
-A `Checkpointable` finds its chain and routes each training call to it; everything rotor learns
-about the chain lives here, in a plain object (no nn.Module, no forward):
+A `Checkpointable` routes each training call to its chain; everything rotor learns about the
+chain lives here, in a plain object (no nn.Module, no forward):
 
+- the chain itself: its discovery (`discover`), its stages, what a module-level chain's step holds
+  outside it (`outside`), found again when a module's `training` flag changes (`check_modes`);
 - the plan entries, one per plan key (`PlanCache`), each made through `pipeline.prepare`:
   profile, the budget of the new shape, plan, runner;
 - the budget of each input shape (a fraction of its own no-recomputation peak, bytes held at every
@@ -13,7 +15,7 @@ about the chain lives here, in a plain object (no nn.Module, no forward):
   above their budget;
 - replanning for a new budget or share, and the plans saved in checkpoints and loaded back;
 - the per-call budgets of several calls in one step (`calls.StepBudget`, which reads this object
-  through `StepChain`).
+  through `StepChain`), and a training call's run: chain state -> step budget -> runner (`run`).
 
 `Checkpointable` reads and writes these through class attributes of the same names (`ck.budget`,
 `ck.plan`, `ck.replan(...)`: `rotor_state.ChainAttribute`); nothing here calls back into it.
@@ -40,7 +42,7 @@ from lightning_rotor.compile import compile_stages
 from lightning_rotor.ddp_checks import refuse_tied, shared_parameters
 from lightning_rotor.measure import StepMeasurement
 from lightning_rotor.ops import is_no_recompute
-from lightning_rotor.own_checkpointing import OwnCheckpointing
+from lightning_rotor.own_checkpointing import OwnCheckpointing, checkpoint_calls
 from lightning_rotor.pipeline import Entry, LossFn
 from lightning_rotor.planner import InfeasibleBudget, Plan, min_feasible_budget
 from lightning_rotor.profile import Profile
@@ -120,6 +122,8 @@ class ChainState:
         self._params_of: tuple[Stages | None, list[nn.Parameter]] | None = None  # `stage_parameters`
         self.outside: dict[str, pipeline.Outside] = {}  # module-level chains: per call signature (measure_outside)
         self.outside_now: pipeline.Outside | None = None  # this call's
+        self._modes: list[bool] | None = None  # every module's `training` flag at the last training call
+        self._all_modules: list[nn.Module] = []  # the wrapped module's modules, listed once (`check_modes`)
         self.budget: int | None = None  # bytes of the signature that ran last (each shape has its own)
         self._first: tuple[int, int] | None = None  # the first shape's (bytes, no-recomputation peak)
         self._shapes: dict[str, str] = {}  # per plan key: its input's shapes, for messages
@@ -153,6 +157,40 @@ class ChainState:
     def _new_plans(self) -> None:
         stages = self.stages
         self.plan_cache = None if stages is None else PlanCache(_seq(stages), stages.names, self.slots, self.early_stop)
+
+    def discover(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], method: str, types: tuple[type[nn.Module], ...] | None
+    ) -> Discovery:
+        """Find the chain in the module on a call's arguments (`discovery.discover_chain`, `method`, block `types`),
+        the module's own checkpointing turned off first and back on where no chain is found.
+
+        Raises `DiscoveryError` (or `ValueBranch`, naming file and line) when no chain is found.
+        """
+        from lightning_rotor.discovery import discover_chain
+
+        self.own.take(self.module)
+        try:
+            with checkpoint_calls() as calls:
+                found = discover_chain(self.module, args, method, types, sample_kwargs=kwargs)
+        except BaseException:
+            self.own.restore()  # no chain: the module runs as written, its own checkpointing on
+            self.own.note = ""
+            raise
+        if calls:
+            self.own.note_calls(type(self.module).__name__, calls, found.kind)
+        self.discovery = found
+        self.set_stages(found.stages)
+        return found
+
+    def check_modes(self) -> None:
+        """A module's `training` flag changed since the chain was found and profiled (a frozen block unfrozen):
+        traced code holds the old flag and the plans its memory, so the chain is found and profiled again."""
+        if not self._all_modules:
+            self._all_modules = list(self.module.modules())
+        modes = [m.training for m in self._all_modules]
+        if self._modes is not None and modes != self._modes and self.entries:
+            self.forget_profiles()
+        self._modes = modes
 
     def forget_profiles(self) -> None:
         """Every profile and plan forgotten (a module's `training` flag changed): a discovered chain is found
@@ -317,7 +355,7 @@ class ChainState:
             device = next(t.device for t in tree_flatten(call.sample)[0] if isinstance(t, torch.Tensor))
             nbytes = self.budget = self._budget_of(chain, device)
             self._first = (nbytes, no_recompute_peak(chain))
-            self.own.tell(nbytes, chain, self.share_name(), stacklevel=7)
+            self.own.tell(nbytes, chain, self.share_name(), stacklevel=8)  # at forward
         else:
             nbytes = self._shape_bytes(call.key, chain, self.budget_rule(), *self._first)
         if self.fit_shapes:

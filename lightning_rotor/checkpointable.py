@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from lightning_rotor import own_checkpointing, pipeline, rotor_state
+from lightning_rotor import pipeline, rotor_state
 from lightning_rotor._torch_compat import tree_flatten
 from lightning_rotor.budget import BudgetError, MemLimit, parse_host_limit, parse_offload
 from lightning_rotor.cache import signature
@@ -196,8 +196,6 @@ class Checkpointable(nn.Module):
         self.warmup = warmup
         self.boxed: Callable[[Checkpointable, tuple, dict], Any] | None = None  # set while step_outside measures
         self.early_stop = early_stop
-        self._modes: list[bool] | None = None  # every module's `training` flag at the last training call
-        self._all_modules: list[nn.Module] = []  # the wrapped module's modules, listed once (`_check_modes`)
         self.chain_state.set_stages(sequential_stages(module) if discover == "sequential" else stages)  # type: ignore[arg-type]
 
     # -- the wrapped Sequential's container API ---------------------------------------------------
@@ -231,7 +229,7 @@ class Checkpointable(nn.Module):
         if training:
             if not self.entries:  # before the first plan, in either order of Checkpointable and fully_shard
                 refuse_fsdp2(self.module)  # docs/sharded.md
-            self._check_modes()
+            self.chain_state.check_modes()
         if self.stages is not None and self.discovery is None:  # an nn.Sequential, or stages given
             if kwargs:
                 raise TypeError(f"a chain of stages takes its input positionally, got keyword(s) {sorted(kwargs)}")
@@ -285,37 +283,14 @@ class Checkpointable(nn.Module):
             warnings.warn(f"rotor: {type(self.module).__name__} runs without checkpointing: {err}", stacklevel=4)
             return None
 
-    def _check_modes(self) -> None:
-        """A module's `training` flag changed since the chain was found and profiled (a frozen block unfrozen):
-        traced code holds the old flag and the plans its memory, so the chain is found and profiled again."""
-        if not self._all_modules:
-            self._all_modules = list(self.module.modules())
-        modes = [m.training for m in self._all_modules]
-        if self._modes is not None and modes != self._modes and self.entries:
-            self.chain_state.forget_profiles()
-        self._modes = modes
-
     def discover_on(self, *args: Any, **kwargs: Any) -> Discovery:
         """Find the chain on a call's arguments now (the first training call does it otherwise).
 
         Raises `DiscoveryError` (or `ValueBranch`, naming file and line) when no chain is found.
         """
-        from lightning_rotor.discovery import discover_chain
-
         if self.discover is None:
             raise RuntimeError("this Checkpointable was given its stages; there is nothing to discover")
-        self.own.take(self.module)
-        try:
-            with own_checkpointing.checkpoint_calls() as calls:
-                found = discover_chain(self.module, args, self.discover, self.checkpoint_modules, sample_kwargs=kwargs)
-        except BaseException:
-            self.restore_own_checkpointing()  # no chain: the module runs as written, its own checkpointing on
-            self.own.note = ""
-            raise
-        if calls:
-            self.own.note_calls(type(self.module).__name__, calls, found.kind)
-        self.discovery = found
-        self.chain_state.set_stages(found.stages)
+        found = self.chain_state.discover(args, kwargs, self.discover, self.checkpoint_modules)
         hook, self.on_discovered = self.on_discovered, None
         if hook is not None:  # e.g. plans saved in a checkpoint, restored now that the stages are known
             hook(self)
