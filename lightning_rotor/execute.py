@@ -598,6 +598,12 @@ class _Step:
                 self.prefetch_saved(op.stage)
                 self.mark(op)
                 i += 1
+            elif kind is OpKind.WAIT or kind is OpKind.WAIT_SAVED:
+                if self.transfers is None:
+                    raise RuntimeError(f"executor bug: {op.label} in a plan without transfers")
+                self.transfers.wait(op.stage, saved=kind is OpKind.WAIT_SAVED)
+                self.mark(op)
+                i += 1
             else:  # Loss splits the plan in PlanRunner; any other kind has no executor yet
                 raise RuntimeError(f"executor has no rule for op {op.label} here")
 
