@@ -63,6 +63,24 @@ def test_waits_run_bitwise_within_the_simulated_memory(name):
     assert probe.peak <= sim.peak
 
 
+def test_the_planners_debt_runs_and_waits_run_bitwise_within_budget():
+    """A link at which a GPT block's saved part takes about three forwards to copy (forwards 1 s, backwards 2 s):
+    the plan moves parts over several ops and waits where the memory needs it; the run keeps to the budget."""
+    plain, rotor, stages, chain, _, _, x, y = saved_case("gpt")
+    parts = [p for p in chain.offloadable if p > 0]
+    slow = chain.with_transfer(max(parts) / 3.0)
+    low, high = min_feasible_budget(slow), no_recompute_peak(slow)
+    assert low < min_feasible_budget(slow, bandwidth=0) or low == min_feasible_budget(slow, bandwidth=0)
+    budget = int(low + 0.2 * (high - low))
+    chosen = plan(slow, budget)
+    ops = chosen.ops
+    assert any(op.kind is OpKind.OFFLOAD_SAVED for op in ops)
+    runs = [i for i, op in enumerate(ops) if op.kind is OpKind.OFFLOAD_SAVED and ops[i + 1].kind is OpKind.FE]
+    assert runs  # a part moving while later stages run forward
+    probe, sim = run_measured("gpt", rotor, plain, stages, slow, ops, x, y)
+    assert probe.peak <= sim.peak <= budget
+
+
 @needs_gpu
 def test_cuda_waits_train_bitwise_like_plain(monkeypatch):
     """On CUDA a wait blocks the host on the copy's event; gradients stay bitwise, the host memory goes back."""
