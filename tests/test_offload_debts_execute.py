@@ -54,7 +54,9 @@ def run_measured(name, rotor, plain, stages, chain, ops, x, y):
     return probe, sim
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n == "gpt" else n for n in CASES]
+)  # the GPT case takes 6 s here
 def test_waits_run_bitwise_within_the_simulated_memory(name):
     plain, rotor, stages, chain, ops, _, x, y = saved_case(name)
     waited = with_waits(ops)
