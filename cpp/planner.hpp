@@ -81,7 +81,10 @@ struct Solution {
 // right part (docs/planner.md, "Offloading"). Empty: exactly the tables and plans without it.
 // saved_transfer_cost: empty, or per stage the copy time of chain.offloadable[k] (as transfer_cost; needs
 // transfer_cost and chain.offloadable): then recording s may move its saved part to host memory while
-// (s+1, t) runs (`Fe s, OffloadSaved s, …, PrefetchSaved s, B s+1, B s`).
+// (s+1, t) runs (`Fe s, OffloadSaved s, …, PrefetchSaved s, B s+1, B s`), or over a debt run (`Fe s,
+// OffloadSaved s, Fe s+1 … Fe j-1, [WaitSaved s], (j, t), B j-1 … B s`, PrefetchSaved s before one of those
+// backwards; docs/planner.md, "Debts"). A split's offloaded input is waited for (`Wait s`) where its sweep
+// does not hide the copy. Each part is clamped to saved[k] - in_free[k+1] (what stays charged for ā_{k+1}).
 Solution solve(const MemChain& chain, const std::vector<int64_t>& fwd_cost,
                const std::vector<int64_t>& bwd_cost, int64_t slots, int threads = 0,
                const std::vector<int64_t>& transfer_cost = {}, int count_bits = 0,
