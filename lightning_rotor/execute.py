@@ -435,6 +435,14 @@ class _Step:
         assert self.transfers is not None  # set whenever the plan has transfers
         self.transfers.prefetch_saved(k)
 
+    def wait(self, op: Op, saved: bool) -> None:
+        """`Wait k` / `WaitSaved k`: the offload of a_k (of stage k's saved part) has ended before the next op,
+        so its device memory may be reused (docs/memory-model.md, "Debts"); CUDA: the host waits for the copy."""
+        if self.transfers is None:
+            raise RuntimeError(f"executor bug: {op.label} in a plan without transfers")
+        assert op.stage is not None  # waits name a stage
+        self.transfers.wait(op.stage, saved=saved)
+
     def _redraw(self, k: int) -> Any:
         """How an `Fs k` rerun inside its backward replays the stage's random draws: as a recomputation of
         stage k would (the first run's record), or None when the stage runs once (run_selective records)."""
@@ -629,7 +637,9 @@ class _Step:
                 self.offload_saved(k)
             case OpKind.PREFETCH_SAVED:
                 self.prefetch_saved(k)
-            case OpKind.LOSS | OpKind.WAIT | OpKind.WAIT_SAVED:  # Loss splits the plan in PlanRunner
+            case OpKind.WAIT | OpKind.WAIT_SAVED:
+                self.wait(op, saved=kind is OpKind.WAIT_SAVED)
+            case OpKind.LOSS:  # Loss splits the plan in PlanRunner
                 raise RuntimeError(f"executor has no rule for op {op.label} here")
             case _:
                 assert_never(kind)

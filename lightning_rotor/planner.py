@@ -247,22 +247,27 @@ def min_feasible_budget(chain: Chain, *, bandwidth: float | None = None) -> int:
 
     At least 1: budgets are positive, even for a chain of empty values. A frozen prefix
     (chain version 4) needs its own forward peak; the rest is an ordinary chain, `chain.suffix()`.
-    `bandwidth` is accepted and checked like `plan()`'s, and changes nothing: offloading lowers a
-    plan's time, never the floor (docs/planner.md, "Offloading").
+    With a channel (`bandwidth` > 0, or the chain's own when None), kept inputs and the `offloadable`
+    parts of recorded stages may move to host memory, waited for where the memory needs it, so the
+    floor may be below recompute-only's (docs/planner.md, "Debts"); `bandwidth=0` gives recompute-only's.
     """
-    check_bandwidth(bandwidth)
+    checked = check_bandwidth(bandwidth)
     suffix = chain.suffix()
-    return max(
-        1,
-        chain.prefix_peak,
-        _planner.min_budget(
-            *_memory_args(suffix),
-            loss_tmp_graph=suffix.loss_tmp_graph,
-            in_free=suffix.in_free,
-            loss_value=suffix.loss_value,
-            options=_memory_options(suffix),
-        ),
+    offload = suffix.bandwidth > 0 if checked is None else checked > 0
+    return max(1, chain.prefix_peak, _planner.min_budget(*_memory_args(suffix), **_exact_extras(suffix, offload)))
+
+
+def _exact_extras(chain: Chain, offload: bool) -> dict[str, Any]:
+    """The keyword arguments of `_planner.min_budget` / `feasible_schedule` beyond the memory figures."""
+    extras: dict[str, Any] = dict(
+        loss_tmp_graph=chain.loss_tmp_graph,
+        in_free=chain.in_free,
+        loss_value=chain.loss_value,
+        options=_memory_options(chain),
     )
+    if offload:
+        extras.update(offload=True, offloadable=list(chain.offloadable) if any(chain.offloadable) else None)
+    return extras
 
 
 def solve_discretized(
@@ -330,33 +335,10 @@ def _recompute_only_candidates(
     candidates = []
     if found is not None:
         candidates.append(parse_ops(found[1]))
-    fallback = _planner.feasible_schedule(
-        *_memory_args(chain),
-        budget,
-        loss_tmp_graph=chain.loss_tmp_graph,
-        in_free=chain.in_free,
-        loss_value=chain.loss_value,
-        options=_memory_options(chain),
-    )
+    fallback = _planner.feasible_schedule(*_memory_args(chain), budget, **_exact_extras(chain, False))
     if fallback is not None:
         candidates.append(parse_ops(fallback))
     return [(simulate(chain, ops), ops) for ops in candidates]
-
-
-def _offloading_candidate(
-    chain: Chain, budget: int, slots: int, threads: int | None
-) -> tuple[Simulation, list[Op]] | None:
-    """The DP's plan with offloading, scored by the referee; None when there is none, or when its replay
-    passes the budget or the host limit."""
-    offloading = solve_discretized(chain, budget, slots, threads)
-    if offloading is None:
-        return None
-    ops = parse_ops(offloading[1])
-    try:
-        sim = simulate(chain, ops)
-    except ValueError:  # its host bytes pass the host limit: not a candidate
-        return None
-    return (sim, ops) if sim.peak <= budget else None
 
 
 def plan(
@@ -386,19 +368,19 @@ def plan(
     """
     whole, chain, budget, slots = _planning_problem(chain, mem_limit, bandwidth, host_limit, slots, threads)
     scored = _recompute_only_candidates(chain, budget, slots, threads)
-    recompute_only = min(scored, key=lambda item: item[0].time)
+    recompute_only = min(scored, key=lambda item: item[0].time) if scored else None
     if chain.offloads:
-        offloading = _offloading_candidate(chain, budget, slots, threads)
-        if offloading is not None:
-            scored.append(offloading)  # last: a tie goes to a plan without transfers
+        scored += _offloading_candidates(chain, budget, slots, threads, exact=not scored)
+    if not scored:  # only the exact-byte offloading schedule could fit, and the host limit refused it
+        raise InfeasibleBudget(budget, min_feasible_budget(whole, bandwidth=0.0))
     best, ops = min(scored, key=lambda item: item[0].time)
     peak, time, host_peak = best.peak, best.time, best.host_peak
-    alone = recompute_only[0].time if chain.offloads else None
+    alone = recompute_only[0].time if chain.offloads and recompute_only is not None else None
     if whole.frozen:
         prefix = frozen_prefix_ops(whole.frozen)
         ops = prefix + shift_ops(ops, whole.frozen)
         peak, time = simulate(whole, ops)[:2]
-        if alone is not None:
+        if alone is not None and recompute_only is not None:
             alone = simulate(whole, prefix + shift_ops(recompute_only[1], whole.frozen)).time
     return Plan(
         ops=ops,
@@ -412,3 +394,28 @@ def plan(
         host_peak=host_peak,
         recompute_only_time=alone,
     )
+
+
+def _offloading_candidates(
+    chain: Chain, budget: int, slots: int, threads: int | None, exact: bool
+) -> list[tuple[Any, list[Op]]]:
+    """The offloading program's plan, scored, when it fits the budget and the host limit; with `exact` (no
+    recompute-only schedule fits: the budget is below its floor), also the exact-byte schedule that moves what
+    it must, so that planning at `min_feasible_budget(chain)` succeeds whatever the slots' rounding."""
+    found = []
+    offloading = solve_discretized(chain, budget, slots, threads)
+    if offloading is not None:
+        found.append(parse_ops(offloading[1]))
+    if exact:
+        fallback = _planner.feasible_schedule(*_memory_args(chain), budget, **_exact_extras(chain, True))
+        if fallback is not None:
+            found.append(parse_ops(fallback))
+    scored = []
+    for ops in found:
+        try:
+            sim = simulate(chain, ops)
+        except ValueError:  # its host bytes pass the host limit: not a candidate
+            continue
+        if sim.peak <= budget:
+            scored.append((sim, ops))  # after the recompute-only ones: a tie goes to a plan without transfers
+    return scored
