@@ -361,14 +361,14 @@ def best_split(p: Problem, s: int, t: int, given: bool, m: int, flavour: Flavour
         left = best(p, s, s2, True, m - (0 if given else p.lv), flavour)  # after the loss: its value is held
         if left is None:
             continue
-        found = first_least(found, best_checkpoint(p, s, t, given, m, s2, forward, flavour, left[0]))
+        found = first_least(found, best_checkpoint(p, s, t, given, m, s2, forward, left[0], flavour))
         if flavour == "plain":
             found = first_least(found, best_offload(p, s, t, given, m, s2, forward, left[0]))
     return found
 
 
 def best_checkpoint(
-    p: Problem, s: int, t: int, given: bool, m: int, s2: int, forward: int, flavour: Flavour, left: int
+    p: Problem, s: int, t: int, given: bool, m: int, s2: int, forward: int, left: int, flavour: Flavour
 ) -> Choice | None:
     """The split s -> s2 with a_{s2} held during the right part (the loss on plain a_L when s2 == L, loss pending)."""
     if not given and s2 == p.length:
