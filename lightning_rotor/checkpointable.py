@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from lightning_rotor import own_checkpointing, pipeline
+from lightning_rotor import own_checkpointing, pipeline, sharded
 from lightning_rotor._torch_compat import active_ddp_reduced, tree_flatten
 from lightning_rotor.budget import BudgetError, MemLimit, format_bytes, parse_host_limit, parse_offload, resolve_budget
 from lightning_rotor.cache import PlanCache, plan_key, signature
@@ -60,7 +60,6 @@ from lightning_rotor.shapes import (
     size_axis,
     stage_flops,
 )
-from lightning_rotor.sharded import refuse_fsdp2
 from lightning_rotor.shared_budget import AUTO_MARGIN, Budget, auto_total
 from lightning_rotor.simulate import no_recompute_peak
 from lightning_rotor.stages import Stages, sequential_stages
@@ -165,6 +164,7 @@ class Checkpointable(nn.Module):
         early_stop: bool = False,
     ):
         object.__setattr__(self, "_rotor", RotorState())  # before any attribute: see `__setattr__`
+        sharded.refuse_sharded_root(module)  # FSDP2: Checkpointable first, fully_shard after (docs/sharded.md)
         compiled = None
         if isinstance(module, nn.Module):  # torch.compile(m): stages of m, compiled alike (compile.py)
             module, compiled = unwrap_compiled(module)
@@ -191,6 +191,7 @@ class Checkpointable(nn.Module):
         # alone calls the parameters' accumulators (NOTE: [no parameter edges under DDP] in execute.py). Found on
         # each training call inside a DistributedDataParallel's forward (`_under_ddp`); True forces it.
         self.distributed = False
+        self.sharded = False  # FSDP2 units inside, called from the root's forward (lightning_rotor/sharded.py)
         self._ddp_seen: tuple[int, Stages | None, bool] | None = None  # `_under_ddp`: (DDP's id, stages, answer)
         self._untied: Stages | None = None  # the stages found free of tied weights under DDP
         self.on_discovered: Callable[[Checkpointable], None] | None = None  # called once the stages are found
@@ -284,8 +285,8 @@ class Checkpointable(nn.Module):
         if torch.compiler.is_compiling() and self.training and torch.is_grad_enabled():
             return train_eagerly(self, *args, **kwargs)  # a graph break: rotor's step runs eagerly (compile.py)
         if self.training and torch.is_grad_enabled():
-            if not self.entries:  # before the first plan, in either order of Checkpointable and fully_shard
-                refuse_fsdp2(self.module)  # docs/sharded.md
+            if not self.entries:  # before the first plan: FSDP2 in the supported order (docs/sharded.md)
+                self.sharded = sharded.check_sharded(self.module)
             self._check_modes()
         if self.stages is not None and self.discovery is None:  # an nn.Sequential, or stages given
             if kwargs:
@@ -300,13 +301,15 @@ class Checkpointable(nn.Module):
         if not self.training or not torch.is_grad_enabled() or self.no_chain:
             return self.plain_module(*args, **kwargs)  # the user's forward, as written (traced code freezes `training`)
         args, kwargs = without_kv_cache(self.module, args, kwargs)  # Hugging Face: no KV cache in training
-        self._measure_own(args, kwargs)
+        with sharded.outside_fsdp(self.module, self.sharded and not self.entries):  # FSDP2: no hook of its fires
+            self._measure_own(args, kwargs)
         found = self.discovery
         if found is None:
             from lightning_rotor.discovery import DiscoveryError
 
             try:
-                found = self.discover_on(*args, **kwargs)
+                with sharded.outside_fsdp(self.module, self.sharded):
+                    found = self.discover_on(*args, **kwargs)
             except DiscoveryError as err:
                 if not self.fallback_plain:
                     raise
@@ -321,7 +324,8 @@ class Checkpointable(nn.Module):
         run = found.run  # a run of blocks is the chain; the rest of the forward runs as written around it
         key = signature((args, kwargs))
         if key not in self.outside:
-            self.outside[key] = pipeline.measure_outside(self.module, run, self.stages, args, kwargs, self.loss_fn)
+            with sharded.outside_fsdp(self.module, self.sharded):
+                self.outside[key] = pipeline.measure_outside(self.module, run, self.stages, args, kwargs, self.loss_fn)
         self._outside_now = self.outside[key]
         run.install(lambda value: self._run(value, lambda: pipeline.run_stages(self.stages, value)))
         try:
@@ -487,11 +491,12 @@ class Checkpointable(nn.Module):
     def _entry_for(self, key: str, value: Any) -> Entry:
         """The whole-budget entry of plan key `key`, profiled and planned if new."""
         entry = self.entries.get(key)
-        if entry is None and self._join_in_place:  # part of preparing, before the first profile, never in a step
-            self._join_in_place_on(value)
         if entry is None:
-            self._shapes[key] = describe(value)
-            entry = self.plan_cache.add(key, self._prepare(value, key))
+            with sharded.outside_fsdp(self.module, self.sharded):  # FSDP2: the profiler's runs fire none of its hooks
+                if self._join_in_place:  # part of preparing, before the first profile, never in a step
+                    self._join_in_place_on(value)
+                self._shapes[key] = describe(value)
+                entry = self.plan_cache.add(key, self._prepare(value, key))
         self.last_entry = entry
         return entry
 
@@ -515,6 +520,8 @@ class Checkpointable(nn.Module):
             loss_fn=self.loss_fn, loss_tmp=self.loss_tmp, outside=outside, progress=self.on_profile_progress,
             timed=not derive, options=self.options, offload=self._offload_setting is not None,
         )  # fmt: skip
+        if self.sharded:  # FSDP2: the same figures on every rank, with what FSDP2 gathers (lightning_rotor/sharded.py)
+            measured.chain = sharded.rank_chain(measured.chain, self.stages, self.stage_names, self.module)
         if derive:  # sizes measured, times from the timed shape's by FLOPs (lightning_rotor/shapes.py)
             measured.chain = derived_times(*self._timed, measured.chain, flops)  # type: ignore[misc]
             measured.repeats, measured.round_seconds = 0, []
@@ -1002,6 +1009,9 @@ class Checkpointable(nn.Module):
         """A plain value is rotor's (kept in `_rotor`, whatever the wrapped module names); a module or a tensor
         is the user's, registered in the wrapped module's registries as nn.Module does; nn.Module's own stay."""
         state = self.__dict__.get("_rotor")
+        if name == "__class__":  # fully_shard makes this module an FSDPModule by changing its class
+            object.__setattr__(self, name, value)
+            return
         if state is None or name in self.__dict__ or isinstance(value, (nn.Module, torch.Tensor)):
             super().__setattr__(name, value)
             return
