@@ -61,28 +61,31 @@ def _fit(strategy, folder: str):
     return seen
 
 
-def _worker(rank: int, port: int, store: str) -> None:
+def _worker(rank: int, ports: tuple[int, int], store: str) -> None:
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[0]), WORLD_SIZE="2", NODE_RANK="0")
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))  # launched externally: no launcher of Lightning's
     sizes = dict(data_parallel_size=2, tensor_parallel_size=1)
     with tempfile.TemporaryDirectory() as folder:
         plain = _fit(ModelParallelStrategy(**sizes), folder)
         torch.distributed.destroy_process_group()
+        os.environ["MASTER_PORT"] = str(ports[1])
         rotor = _fit(RotorModelParallelStrategy(0.5, **sizes), folder)
     torch.save((plain, rotor), f"{store}.rank{rank}")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_ports() -> tuple[int, int]:
+    """A port per fit: the second process group's store does not meet the first's closing connections."""
+    with socket.socket() as a, socket.socket() as b:
+        a.bind(("127.0.0.1", 0))
+        b.bind(("127.0.0.1", 0))
+        return a.getsockname()[1], b.getsockname()[1]
 
 
 @pytest.mark.slow  # one spawn of two processes, two fits each
 def test_rotor_model_parallel_strategy_is_bitwise_with_model_parallel_on_every_rank():
     store = tempfile.mktemp()
-    mp.spawn(_worker, args=(_free_port(), store), nprocs=2)
+    mp.spawn(_worker, args=(_free_ports(), store), nprocs=2)
     ranks = [torch.load(f"{store}.rank{rank}", weights_only=False) for rank in (0, 1)]
     for plain, rotor in ranks:
         assert all(torch.equal(a, b) for a, b in zip(plain["shards"], rotor["shards"], strict=True))
