@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -87,6 +88,14 @@ def check_sharded(module: nn.Module) -> bool:
     return bool(units)
 
 
+GATHER_SECONDS: weakref.WeakKeyDictionary[nn.Module, float] = weakref.WeakKeyDictionary()  # per unit: last all-gather
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 @contextmanager
 def outside_fsdp(module: nn.Module, sharded: bool = True) -> Iterator[list[nn.Module]]:
     """The profiler's runs (and discovery's) out of FSDP2's reach: every unit unsharded explicitly (one
@@ -98,7 +107,11 @@ def outside_fsdp(module: nn.Module, sharded: bool = True) -> Iterator[list[nn.Mo
     units = fsdp_units(module) if sharded else []
     gathered = [unit for unit in units if not fsdp_unit_unsharded(unit)]
     for unit in gathered:
+        _synchronize()
+        start = time.perf_counter()
         unit.unshard()  # type: ignore[operator]
+        _synchronize()
+        GATHER_SECONDS[unit] = time.perf_counter() - start
     states = {id(state): state for state in map(fsdp_state, units)}
     previous = {key: fsdp_hooks_passing(state) for key, state in states.items()}
     try:
@@ -166,6 +179,7 @@ class UnitBytes:
 
     units: list[int]
     root: list[int]
+    seconds: list[float]  # per stage: the all-gathers of its units, timed when the profile gathered them
 
 
 def unit_bytes(stages: list[nn.Module], names: list[str], units: list[nn.Module]) -> UnitBytes:
@@ -174,7 +188,7 @@ def unit_bytes(stages: list[nn.Module], names: list[str], units: list[nn.Module]
     from lightning_rotor._torch_compat import fsdp_is_root, fsdp_unit_bytes
 
     outer = {unit for unit in units if fsdp_is_root(unit)}  # gathered from the root's forward to the step's end
-    per_unit, per_root = [], []
+    per_unit, per_root, per_seconds = [], [], []
     for stage, name in zip(stages, names, strict=True):
         mine = [unit for unit in units if unit not in outer and unit in set(stage.modules())]
         around = [unit for unit in units if unit not in outer and stage in set(unit.modules()) and unit is not stage]
@@ -187,7 +201,8 @@ def unit_bytes(stages: list[nn.Module], names: list[str], units: list[nn.Module]
         total = sum(p.numel() * p.element_size() for p in stage.parameters())
         per_unit.append(gathered)
         per_root.append(max(0, total - gathered))
-    return UnitBytes(per_unit, per_root)
+        per_seconds.append(sum(GATHER_SECONDS.get(unit, 0.0) for unit in mine))
+    return UnitBytes(per_unit, per_root, per_seconds)
 
 
 def with_fsdp_bytes(chain: Chain, gathered: UnitBytes) -> Chain:
@@ -222,9 +237,12 @@ def with_fsdp_bytes(chain: Chain, gathered: UnitBytes) -> Chain:
 
 
 def rank_chain(chain: Chain, stages: list[nn.Module], names: list[str], module: nn.Module) -> Chain:
-    """The chain every rank plans on: its figures reduced across ranks (`same_chain_on_ranks`), with what
-    FSDP2 gathers for each stage (`with_fsdp_bytes`)."""
-    return with_fsdp_bytes(same_chain_on_ranks(chain), unit_bytes(list(stages), list(names), fsdp_units(module)))
+    """The chain every rank plans on: each forward of a stage charged its units' all-gather time (a forward of
+    a resharded unit gathers it), the figures reduced across ranks (`same_chain_on_ranks`), then what FSDP2
+    gathers for each stage added (`with_fsdp_bytes`)."""
+    gathered = unit_bytes(list(stages), list(names), fsdp_units(module))
+    timed = dataclasses.replace(chain, fwd_time=[t + s for t, s in zip(chain.fwd_time, gathered.seconds, strict=True)])
+    return with_fsdp_bytes(same_chain_on_ranks(timed), gathered)
 
 
 _HOOKED: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # units `hook_units` has hooked
