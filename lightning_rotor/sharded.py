@@ -52,7 +52,7 @@ def refuse_sharded_root(module: nn.Module) -> None:
     (which unshards the parameters no block owns) would never run. One line naming the supported order."""
     if isinstance(module, nn.Module) and fsdp_units(module)[:1] == [module]:
         raise ValueError(
-            f"Checkpointable got a fully_shard'ed {type(module).__name__} (the FSDP root): {SUPPORTED_ORDER}"
+            f"Checkpointable got a fully_shard'ed {type(module).__name__}, the FSDP root: {SUPPORTED_ORDER}"
         )
 
 
