@@ -203,6 +203,23 @@ def test_measured_peak_per_rank_within_budget(ranks, case):
         assert 0 < rotor["peak"] <= rotor["plan_peak"] <= rotor["budget"], (rotor["peak"], rotor["plan_peak"])
 
 
+UNIT_STAGES = {"gpt": range(1, 5), "gpt_no_recompute": range(1, 5), "llama": range(4), "gpt2": range(4)}
+
+
+@pytest.mark.parametrize("case", UNIT_STAGES)
+def test_no_more_all_gathers_than_charged(ranks, case):
+    """At most one all-gather per forward of a unit's stage (each charged its all-gather time) and per backward,
+    and the root's; no extra reduce-scatter."""
+    for seen in ranks:
+        plain, rotor = seen[case]
+        forwards = sum(
+            1 for op in rotor["ops"] if op.kind.value in ("Fn", "Fc", "Fe") and op.stage in UNIT_STAGES[case]
+        )
+        charged = 1 + forwards + len(UNIT_STAGES[case])
+        assert rotor["counts"]["all_gather"] <= charged * (STEPS - 1), (rotor["counts"], charged)
+        assert plain["counts"]["all_gather"] <= rotor["counts"]["all_gather"]
+
+
 def test_no_recomputation_budget_is_plain_fsdp2(ranks):
     """At a budget above rotor's no-recomputation peak: nothing recomputed, FSDP2's own collectives and peak."""
     for seen in ranks:
