@@ -79,7 +79,7 @@ def build(run: str, args, mem_limit: int | None) -> nn.Module:
 
 def persistent(root: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     params = list(root.parameters())
-    kept = [p.to_local() for p in params] + [p.grad.to_local() for p in params if p.grad is not None]
+    kept = [p.to_local().detach() for p in params] + [p.grad.to_local() for p in params if p.grad is not None]
     return kept + [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
 
 

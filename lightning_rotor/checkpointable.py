@@ -191,7 +191,7 @@ class Checkpointable(nn.Module):
         # alone calls the parameters' accumulators (NOTE: [no parameter edges under DDP] in execute.py). Found on
         # each training call inside a DistributedDataParallel's forward (`_under_ddp`); True forces it.
         self.distributed = False
-        self.sharded = False  # FSDP2 units inside, called from the root's forward (lightning_rotor/sharded.py)
+        self.sharded: bool | None = None  # FSDP2 units inside (lightning_rotor/sharded.py); None: not asked yet
         self._ddp_seen: tuple[int, Stages | None, bool] | None = None  # `_under_ddp`: (DDP's id, stages, answer)
         self._untied: Stages | None = None  # the stages found free of tied weights under DDP
         self.on_discovered: Callable[[Checkpointable], None] | None = None  # called once the stages are found
@@ -285,8 +285,8 @@ class Checkpointable(nn.Module):
         if torch.compiler.is_compiling() and self.training and torch.is_grad_enabled():
             return train_eagerly(self, *args, **kwargs)  # a graph break: rotor's step runs eagerly (compile.py)
         if self.training and torch.is_grad_enabled():
-            if not self.entries:  # before the first plan: FSDP2 in the supported order (docs/sharded.md)
-                self.sharded = sharded.check_sharded(self.module)
+            if not self.entries or self.sharded is None:  # before the first plan (or restored ones): FSDP2's order
+                self.sharded = sharded.check_sharded(self.module)  # and rotor's hooks on its units (docs/sharded.md)
             self._check_modes()
         if self.stages is not None and self.discovery is None:  # an nn.Sequential, or stages given
             if kwargs:

@@ -73,7 +73,7 @@ def _loss(out, targets):
 def _persistent(root, opt) -> list[torch.Tensor]:
     """What the budget leaves out under FSDP2: local shards, their gradients, the optimizer's state, buffers."""
     params = list(root.parameters())
-    kept = [p.to_local() for p in params] + [p.grad.to_local() for p in params if p.grad is not None]
+    kept = [p.to_local().detach() for p in params] + [p.grad.to_local() for p in params if p.grad is not None]
     kept += [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
     return kept + list(root.buffers())
 

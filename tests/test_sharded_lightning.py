@@ -2,8 +2,9 @@
 
 The LightningModule's `configure_model` shards as Lightning documents (each block, then the model) without
 checkpointing; the strategy wrapped the model in a `Checkpointable` before. One spawn runs FSDP2 alone and
-rotor on both ranks (each process is a Lightning rank launched externally, as torchrun would launch it);
-the local parameter shards after 3 AdamW steps must be torch.equal, and the ranks' plans the same.
+rotor on both ranks (each process is a Lightning rank launched externally, as torchrun would launch it):
+3 AdamW steps saved as a distributed checkpoint, then resumed from it to 6. The local parameter shards must
+be torch.equal after 3 steps and after the resumed run, and the ranks' plans the same.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.multiprocessing as mp
-from fitting import quiet_trainer
+from fitting import SaveAtEnd, quiet_trainer
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, TensorDataset
@@ -51,46 +52,60 @@ def _loader() -> DataLoader:
     return DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=4)
 
 
-def _fit(strategy, folder: str):
+def _fit(strategy, folder: str, steps: int, ckpt_path: str | None = None):
+    """`steps` steps (3 make an epoch on each rank), from `ckpt_path` when given; saved to folder/NAME.ckpt."""
     lm = LM()
-    quiet_trainer(folder, strategy, devices=2, enable_model_summary=False).fit(lm, _loader())
+    save = SaveAtEnd(f"{folder}/{type(strategy).__name__}.ckpt")
+    quiet_trainer(folder, strategy, devices=2, max_steps=steps, callbacks=[save]).fit(
+        lm, _loader(), ckpt_path=ckpt_path
+    )
     seen = {"shards": [p.to_local().detach().clone() for p in lm.model.parameters()]}
-    plan = getattr(lm.model, "plan", None) if hasattr(lm.model, "entries") else None
-    if plan is not None:
-        seen["ops"], seen["budget"] = list(plan.ops), plan.budget
+    if hasattr(lm.model, "entries"):
+        seen["ops"], seen["budget"] = list(lm.model.plan.ops), lm.model.plan.budget
+    torch.distributed.destroy_process_group()
     return seen
 
 
-def _worker(rank: int, ports: tuple[int, int], store: str) -> None:
+def _worker(rank: int, ports: list[int], store: str) -> None:
+    """FSDP2 alone and rotor: 3 steps saved (a distributed checkpoint), then resumed from it to 6 steps."""
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[0]), WORLD_SIZE="2", NODE_RANK="0")
+    os.environ.update(MASTER_ADDR="127.0.0.1", WORLD_SIZE="2", NODE_RANK="0")
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))  # launched externally: no launcher of Lightning's
     sizes = dict(data_parallel_size=2, tensor_parallel_size=1)
+    seen = []
     with tempfile.TemporaryDirectory() as folder:
-        plain = _fit(ModelParallelStrategy(**sizes), folder)
-        torch.distributed.destroy_process_group()
-        os.environ["MASTER_PORT"] = str(ports[1])
-        rotor = _fit(RotorModelParallelStrategy(0.5, **sizes), folder)
-    torch.save((plain, rotor), f"{store}.rank{rank}")
+        for k, make in enumerate(
+            (lambda: ModelParallelStrategy(**sizes), lambda: RotorModelParallelStrategy(0.5, **sizes))
+        ):
+            os.environ["MASTER_PORT"] = str(ports[2 * k])
+            first = _fit(make(), folder, 3)
+            os.environ["MASTER_PORT"] = str(ports[2 * k + 1])
+            saved = f"{folder}/{type(make()).__name__}.ckpt"
+            seen.append((first, _fit(make(), folder, 6, saved)))
+    torch.save(seen, f"{store}.rank{rank}")
 
 
-def _free_ports() -> tuple[int, int]:
-    """A port per fit: the second process group's store does not meet the first's closing connections."""
-    with socket.socket() as a, socket.socket() as b:
-        a.bind(("127.0.0.1", 0))
-        b.bind(("127.0.0.1", 0))
-        return a.getsockname()[1], b.getsockname()[1]
+def _free_ports(count: int = 4) -> list[int]:
+    """A port per fit: a process group's store does not meet the previous one's closing connections."""
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
 
 
-@pytest.mark.slow  # one spawn of two processes, two fits each
-def test_rotor_model_parallel_strategy_is_bitwise_with_model_parallel_on_every_rank():
+@pytest.mark.slow  # one spawn of two processes, four fits each
+def test_rotor_model_parallel_strategy_is_bitwise_with_model_parallel_and_resumes_on_every_rank():
     store = tempfile.mktemp()
     mp.spawn(_worker, args=(_free_ports(), store), nprocs=2)
     ranks = [torch.load(f"{store}.rank{rank}", weights_only=False) for rank in (0, 1)]
-    for plain, rotor in ranks:
+    for (plain, plain_resumed), (rotor, rotor_resumed) in ranks:
         assert all(torch.equal(a, b) for a, b in zip(plain["shards"], rotor["shards"], strict=True))
-        assert not is_no_recompute(rotor["ops"])
-    assert ranks[0][1]["ops"] == ranks[1][1]["ops"]
+        assert all(torch.equal(a, b) for a, b in zip(plain_resumed["shards"], rotor_resumed["shards"], strict=True))
+        assert not is_no_recompute(rotor["ops"]) and rotor_resumed["ops"] == rotor["ops"]  # the plan restored
+    assert ranks[0][1][0]["ops"] == ranks[1][1][0]["ops"]
 
 
 def test_rotor_model_parallel_is_registered_by_name():
