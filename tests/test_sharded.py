@@ -78,14 +78,22 @@ def _persistent(root, opt) -> list[torch.Tensor]:
     return kept + list(root.buffers())
 
 
-def _train(build, mem_limit, rank, micro=1):
-    """3 AdamW steps of FSDP2 alone (`mem_limit` None) or rotor under FSDP2; `micro` micro-batches per step,
-    the gradient sync off for all but the last (`set_requires_gradient_sync(False)`)."""
+def _sharded(build, mem_limit):
     model, blocks, vocab = build()
     root = model if mem_limit is None else Checkpointable(model, mem_limit=mem_limit)
     for block in blocks:
         fully_shard(block)
     fully_shard(root)
+    return root, vocab
+
+
+def _train(build, mem_limit, rank, micro=1, plans=None):
+    """3 AdamW steps of FSDP2 alone (`mem_limit` None) or rotor under FSDP2; `micro` micro-batches per step,
+    the gradient sync off for all but the last (`set_requires_gradient_sync(False)`); `plans`: rotor's saved
+    plans, loaded before the first step (no profiling)."""
+    root, vocab = _sharded(build, mem_limit)
+    if plans is not None:
+        root.load_plan_state(plans)
     opt = torch.optim.AdamW(root.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(100 + rank)
     peak = 0
@@ -114,6 +122,14 @@ CASES = {  # name: (model, budget); each beside FSDP2 alone
     "llama": (_llama, 0.6),
     "gpt2": (_gpt2, 0.6),
 }
+
+
+def _plans_of_one_step(rank: int) -> dict:
+    """The plans a rotor under FSDP2 made on its first step, as a checkpoint keeps them."""
+    root, vocab = _sharded(_gpt, 0.5)
+    data = torch.randint(vocab, (4, 17), generator=torch.Generator().manual_seed(100 + rank))
+    _loss(root(data[:, :-1]), data[:, 1:]).backward()
+    return root.plan_state()
 
 
 def _wrong_orders() -> list[str]:
@@ -163,6 +179,7 @@ def _worker(rank: int, store: str) -> None:
     for name, (build, mem_limit) in CASES.items():
         seen[name] = (_train(build, None, rank), _train(build, mem_limit, rank))
     seen["accumulation"] = (_train(_gpt, None, rank, micro=2), _train(_gpt, 0.5, rank, micro=2))
+    seen["restored"] = (seen["gpt"][0], _train(_gpt, 0.5, rank, plans=_plans_of_one_step(rank)))
     seen["wrong_orders"] = _wrong_orders()
     seen["tensor_parallel"] = _tensor_parallel()
     dist.destroy_process_group()
@@ -176,7 +193,7 @@ def ranks():
     return [torch.load(f"{store}.rank{rank}", weights_only=False) for rank in (0, 1)]
 
 
-TRAINED = [*CASES, "accumulation"]
+TRAINED = [*CASES, "accumulation", "restored"]  # restored: plans loaded, rotor's hooks on the units all the same
 
 
 @pytest.mark.parametrize("case", TRAINED)
