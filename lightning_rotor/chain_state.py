@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, cast
 import torch
 from torch import nn
 
-from lightning_rotor import pipeline
+from lightning_rotor import pipeline, sharded
 from lightning_rotor._torch_compat import tree_flatten
 from lightning_rotor.budget import MemLimit, format_bytes, resolve_budget
 from lightning_rotor.cache import PlanCache, plan_key, signature
@@ -112,6 +112,7 @@ class ChainState:
         # alone calls the parameters' accumulators (NOTE: [no parameter edges under DDP] in execute.py). Found on
         # each training call inside a DistributedDataParallel's forward (`ddp_checks.DdpWatch`); True forces it.
         self.distributed = False
+        self.sharded: bool | None = None  # FSDP2 units inside (lightning_rotor/sharded.py); None: not asked yet
         self._ddp = DdpWatch()  # whether a call runs inside DDP's forward, and the stages found untied under it
         # called as (stages done, stages, seconds) while a new input signature is profiled
         self.on_profile_progress: Callable[[int, int, float], None] | None = None
@@ -261,7 +262,8 @@ class ChainState:
         assert run is not None and self.stages is not None
         key = signature((args, kwargs))
         if key not in self.outside:
-            self.outside[key] = pipeline.measure_outside(self.module, run, self.stages, args, kwargs, self.loss_fn)
+            with sharded.outside_fsdp(self.module, bool(self.sharded)):  # FSDP2: none of its hooks fire
+                self.outside[key] = pipeline.measure_outside(self.module, run, self.stages, args, kwargs, self.loss_fn)
         self.outside_now = self.outside[key]
 
     def _outside(self) -> pipeline.Outside | None:
@@ -298,7 +300,8 @@ class ChainState:
                 from lightning_rotor.discovery import join_in_place
 
                 self.join_in_place = False
-                joined = join_in_place(self.stages, call.sample)
+                with sharded.outside_fsdp(self.module, bool(self.sharded)):
+                    joined = join_in_place(self.stages, call.sample)
                 if joined is not self.stages:
                     self.set_stages(joined)
             if self.distributed:
@@ -367,7 +370,8 @@ class ChainState:
         entry = self.entries.get(call.key)
         if entry is None:
             self._shapes[call.key] = describe(call.sample)
-            entry = self.plans.add(call.key, self._prepare(call))
+            with sharded.outside_fsdp(self.module, bool(self.sharded)):  # FSDP2: the profiler fires none of its hooks
+                entry = self.plans.add(call.key, self._prepare(call))
         self.last_entry = entry
         return entry
 
@@ -396,6 +400,9 @@ class ChainState:
     def _adjusted(self, value: Any, flops: list[int] | None, derive: bool, measured: Profile) -> Profile:
         """A new shape's profile as planned: times derived from the timed shape's by FLOPs
         (lightning_rotor/shapes.py), the transfer bandwidth in its chain (version 6: the planner reads it)."""
+        if self.sharded:  # FSDP2: the same figures on every rank, with what FSDP2 gathers (lightning_rotor/sharded.py)
+            assert self.stages is not None
+            measured.chain = sharded.rank_chain(measured.chain, list(self.stages), self.stage_names, self.module)
         if derive:
             assert self._timed is not None and flops is not None
             measured.chain = derived_times(*self._timed, measured.chain, flops)
