@@ -50,7 +50,6 @@ from lightning_rotor.pipeline import Entry
 from lightning_rotor.planner import InfeasibleBudget, Plan, min_feasible_budget
 from lightning_rotor.profile import Profile
 from lightning_rotor.shapes import (
-    Dims,
     bucketed,
     check_buckets,
     derived_times,
@@ -64,7 +63,7 @@ from lightning_rotor.sharded import refuse_fsdp2
 from lightning_rotor.shared_budget import AUTO_MARGIN, Budget, auto_total
 from lightning_rotor.simulate import no_recompute_peak
 from lightning_rotor.stages import Stages, sequential_stages
-from lightning_rotor.symbolic_sizes import chain_at
+from lightning_rotor.symbolic_sizes import ShapeLaws
 from lightning_rotor.tables import stage_text
 
 if TYPE_CHECKING:
@@ -105,10 +104,10 @@ class Checkpointable(nn.Module):
     gets no run at all: it is planned on a chain bounding its own from above, made from the measured
     shapes' chains, and measured only when that bound cannot meet its budget; `.predicted` maps those
     shapes' plan keys to the sizes they came from (lightning_rotor/shapes.py: what the bound rests on).
-    `fit_shapes`: a later shape between measured ones along one size gets no run when each of its sizes follows
-    one polynomial of that size through measured shapes around it (lightning_rotor/symbolic_sizes.py: what
-    that rests on); its times are derived as `derive_shapes` derives them; `.fitted` maps those shapes' plan
-    keys to the measured sizes they came from. Off by default.
+    `fit_shapes` (on by default): a later shape along one size axis of three measured ones gets no run when its
+    sizes follow from theirs, exactly (lightning_rotor/symbolic_sizes.py: their traced profiles, every size a sum
+    of storages' sizes, each storage's dimensions affine in the size); its times are derived as `derive_shapes`
+    derives them; `.fitted` maps those shapes' plan keys to the measured sizes they came from.
     `shape_buckets`: fewer plans, e.g. `{1: [64, 128, 256]}`: an input of length `n` along dimension 1
     runs the plan of the smallest bucket `>= n` (the input itself is not padded; lightning_rotor/shapes.py).
 
@@ -157,7 +156,7 @@ class Checkpointable(nn.Module):
         compile: bool | dict[str, Any] | None = None,
         derive_shapes: bool = True,
         predict_shapes: bool = False,
-        fit_shapes: bool = False,
+        fit_shapes: bool = True,
         shape_buckets: dict[int, list[int]] | None = None,
         options: bool = False,
         offload: bool | int | float | str = False,
@@ -209,7 +208,7 @@ class Checkpointable(nn.Module):
         self._peak_floors: dict[str, int] = {}  # plan key of a predicted shape -> a lower bound of its own peak
         self.fit_shapes = bool(fit_shapes)
         self.fitted: dict[str, tuple[int, ...]] = {}  # plan key -> the measured sizes its chain's sizes came from
-        self._sized: list[tuple[str, Dims, Chain, list[int] | None]] = []  # measured: family, shapes, chain, FLOPs
+        self._laws = ShapeLaws()  # measured shapes' traced sizes (lightning_rotor/symbolic_sizes.py)
         self.options = bool(options)
         self.offload = offload  # as given; `bandwidth` is what it resolves to (bytes/s, measured once for True)
         self.host_limit = host_bytes
@@ -321,7 +320,10 @@ class Checkpointable(nn.Module):
         run = found.run  # a run of blocks is the chain; the rest of the forward runs as written around it
         key = signature((args, kwargs))
         if key not in self.outside:
-            self.outside[key] = pipeline.measure_outside(self.module, run, self.stages, args, kwargs, self.loss_fn)
+            with self._laws.tracing_outside(self.fit_shapes, (args, kwargs)) as note:
+                self.outside[key] = note(
+                    pipeline.measure_outside(self.module, run, self.stages, args, kwargs, self.loss_fn)
+                )
         self._outside_now = self.outside[key]
         run.install(lambda value: self._run(value, lambda: pipeline.run_stages(self.stages, value)))
         try:
@@ -342,7 +344,7 @@ class Checkpointable(nn.Module):
             elif self.stages is not None:
                 self.plan_cache = PlanCache(self.stages, self.stages.names, self.slots, self.early_stop)
             self.last_entry, self.outside, self._timed, self._measured_shapes = None, {}, None, []
-            self._sized = []
+            self._laws = ShapeLaws()
         self._modes = modes
 
     def _join_in_place_on(self, value: Any) -> None:
@@ -510,11 +512,13 @@ class Checkpointable(nn.Module):
         # compiled stages are timed at every shape: an eval-mode count would compile graphs of its own
         flops = stage_flops(self.stages, value) if self.derive_shapes and self.compiler is None else None
         derive = flops is not None and self._timed is not None
-        measured = pipeline.profile(
-            self.stages, value, names=self.stage_names, repeats=self.repeats, warmup=self.warmup,
-            loss_fn=self.loss_fn, loss_tmp=self.loss_tmp, outside=outside, progress=self.on_profile_progress,
-            timed=not derive, options=self.options, offload=self._offload_setting is not None,
-        )  # fmt: skip
+        with self._laws.tracing(self.fit_shapes, value, outside) as trace:
+            measured = pipeline.profile(
+                self.stages, value, names=self.stage_names, repeats=self.repeats, warmup=self.warmup,
+                loss_fn=self.loss_fn, loss_tmp=self.loss_tmp, outside=outside, progress=self.on_profile_progress,
+                timed=not derive, options=self.options, offload=self._offload_setting is not None,
+            )  # fmt: skip
+        measured.chain = self._laws.add(self._family(value), input_dims(value), trace, measured.chain, flops)
         if derive:  # sizes measured, times from the timed shape's by FLOPs (lightning_rotor/shapes.py)
             measured.chain = derived_times(*self._timed, measured.chain, flops)  # type: ignore[misc]
             measured.repeats, measured.round_seconds = 0, []
@@ -530,8 +534,6 @@ class Checkpointable(nn.Module):
             self._tell_own_checkpointing(nbytes, measured.chain)
         else:
             nbytes = self._shape_bytes(key, measured.chain, self._budget(), *self._first)
-        if self.fit_shapes:
-            self._sized.append((self._family(value), input_dims(value), measured.chain, flops))
         if self.predict_shapes:
             chain = measured.chain
             self._measured_shapes.append((self._family(value), input_dims(value), chain, no_recompute_peak(chain)))
@@ -571,27 +573,18 @@ class Checkpointable(nn.Module):
         return self.plan_cache.build(Profile(chain, seconds=time.perf_counter() - start), chosen)
 
     def _fitted_entry(self, value: Any, key: str) -> Entry | None:
-        """The entry of a shape whose sizes follow measured shapes' along one size (`symbolic_sizes.chain_at`),
+        """The entry of a shape whose sizes follow from measured shapes' traced profiles (`symbolic_sizes.ShapeLaws`),
         its times derived by FLOPs, planned at its budget as if measured; None: measure it."""
         start = time.perf_counter()
-        family, dims = self._family(value), input_dims(value)
-        axes: dict[tuple[tuple[int, int], ...], list[tuple[int, Chain, list[int] | None]]] = {}
-        for their_family, their_dims, chain, flops in self._sized:
-            found = size_axis(their_dims, dims) if their_family == family else None
-            if found is not None:
-                axes.setdefault(found[0].coords, []).append((found[1], chain, flops))
-        if len(axes) != 1 or self._timed is None or self._first is None:
+        found = self._laws.chain_for(self._family(value), input_dims(value))
+        flops = stage_flops(self.stages, value) if not isinstance(found, str) else None
+        if isinstance(found, str) or flops is None or self._timed is None or self._first is None:
             return None
-        ((coords, points),) = axes.items()
-        fitted = chain_at(points, len(coords), dims[coords[0][0]][coords[0][1]])
-        if isinstance(fitted, str):
-            return None
-        flops = fitted[1] if fitted[1] is not None else stage_flops(self.stages, value)
-        if flops is None:
-            return None
-        chain = derived_times(*self._timed, fitted[0], flops)
+        chain = derived_times(*self._timed, found[0], flops)
+        if self._offload_setting is not None:
+            chain = chain.with_transfer(self._bandwidth_for(chain, value), self.host_limit)
         nbytes = self._shape_bytes(key, chain, self._budget(), *self._first)
-        self.fitted[key] = tuple(sorted(size for size, _, _ in points))
+        self.fitted[key] = found[1]
         chosen = pipeline.plan_chain(chain, nbytes, self.slots)
         return self.plan_cache.build(Profile(chain, seconds=time.perf_counter() - start), chosen)
 

@@ -48,7 +48,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -78,13 +78,49 @@ def _op_tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
+# NOTE: [storage sizes traced] while lightning_rotor/size_trace.py traces a profile, each storage's bytes come
+# from its sizer: an int that also knows which storage it is, so that every figure the profile derives from
+# them is known as a sum of storage sizes (and a new shape's figures follow from the storages' own sizes); a
+# probe's peak rises through the sizer too, which keeps every level the peak is the largest of
+class Sizer(Protocol):
+    def size(self, storage: torch.UntypedStorage, tensor: torch.Tensor) -> int: ...
+
+    def higher(self, peak: int, current: int) -> int: ...
+
+
+_SIZERS: list[Sizer] = []
+
+
+def storage_nbytes(storage: torch.UntypedStorage, tensor: torch.Tensor) -> int:
+    """Bytes of `storage` (behind `tensor`), as every probe counts them (NOTE: [storage sizes traced])."""
+    return _SIZERS[-1].size(storage, tensor) if _SIZERS else storage.nbytes()
+
+
+def higher_peak(peak: int, current: int) -> int:
+    """`max(peak, current)`: a probe's peak after an op (NOTE: [storage sizes traced])."""
+    if _SIZERS:
+        return _SIZERS[-1].higher(peak, current)
+    return current if current > peak else peak
+
+
+@contextmanager
+def storages_sized_by(sizer: Sizer) -> Iterator[None]:
+    """Inside, `storage_nbytes` and `higher_peak` (what every probe counts) ask `sizer`
+    (NOTE: [storage sizes traced])."""
+    _SIZERS.append(sizer)
+    try:
+        yield
+    finally:
+        _SIZERS.remove(sizer)
+
+
 def storage_bytes(tensors: Any) -> int:
     """Bytes of the distinct storages behind the tensors in a (nested) structure."""
     seen: dict[int, int] = {}
     for t in tree_leaves(tensors):
         if isinstance(t, torch.Tensor) and t.layout == torch.strided:
             storage = t.untyped_storage()
-            seen[storage_id(storage)] = storage.nbytes()
+            seen[storage_id(storage)] = storage_nbytes(storage, t)
     return sum(seen.values())
 
 
@@ -293,10 +329,10 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
                 if bookkeeping:
                     self._uncounted[key] = StorageWeakRef(storage)
                     continue
-            nbytes = storage.nbytes()
+            nbytes = storage_nbytes(storage, t)
             self._live[key] = (StorageWeakRef(storage), nbytes)
             self.current += nbytes
-        self.peak = max(self.peak, self.current)
+        self.peak = higher_peak(self.peak, self.current)
 
     def _add_host(self, tensors: Any, inputs: set[int]) -> None:
         """Count new storages as host copies (made inside `host_allocations`)."""
