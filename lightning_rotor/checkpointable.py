@@ -577,7 +577,7 @@ class Checkpointable(nn.Module):
         its times derived by FLOPs, planned at its budget as if measured; None: measure it."""
         start = time.perf_counter()
         found = self._laws.chain_for(self._family(value), input_dims(value))
-        flops = stage_flops(self.stages, value) if not isinstance(found, str) else None
+        flops = (found[2] or stage_flops(self.stages, value)) if not isinstance(found, str) else None
         if isinstance(found, str) or flops is None or self._timed is None or self._first is None:
             return None
         chain = derived_times(*self._timed, found[0], flops)

@@ -35,6 +35,7 @@ Terms = dict[int, int]  # storage index (CONST: the constant) -> coefficient
 
 OPS = ("<", "<=", ">", ">=", "==", "!=")
 
+MAX_TERMS = 5_000_000  # guards' terms a trace keeps at most (memory); beyond, it is abandoned: the shape measured
 _TRACES: list[SizeTrace] = []  # the traces being recorded (the innermost records)
 
 
@@ -186,6 +187,8 @@ class SizeTrace:
     def __init__(self) -> None:
         self.storages: list[Storage] = []
         self.guards: list[tuple[Terms, int, str, bool]] = []
+        self.terms = 0  # in all guards
+        self.abandoned = False  # too many guards to keep: no sizes are derived from this trace
         self._seen: dict[int, tuple[StorageWeakRef, Sym]] = {}
         self._dominated: dict[tuple[int, int], int] = {}
         self._kept: list[tuple[list[Terms], Terms]] = []
@@ -226,8 +229,11 @@ class SizeTrace:
 
     def guard(self, terms: Terms, op: str, result: bool) -> None:
         constant = terms.pop(CONST, 0)
-        if terms:  # a comparison of constants holds at every shape
+        if terms and not self.abandoned:  # a comparison of constants holds at every shape
             self.guards.append((terms, constant, op, result))
+            self.terms += len(terms)
+            if self.terms > MAX_TERMS:
+                self.abandoned, self.guards = True, []
 
     def close(self) -> None:
         self._seen = {}  # storage handles must not outlive the block (MemoryProbe.close)

@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -236,6 +237,26 @@ class ShapeLaw:
                     return None
         return None
 
+    def flops(self, x: int) -> list[int] | None:
+        """Each stage's forward FLOPs at size `x`, through the three measured shapes nearest `x` (a polynomial of
+        degree 2: matmuls over `B*L` or a side squared, attention's `L*L`); None where not counted at three or
+        negative. They only scale times (`shapes.derived_times`): a wrong one makes a plan slower, never larger."""
+        counted = sorted((s for s in self.shapes if s.flops is not None), key=lambda s: abs(s.size - x))[:3]
+        if len(counted) < 3:
+            return None
+        weights = []
+        for i, si in enumerate(counted):
+            w = Fraction(1)
+            for j, sj in enumerate(counted):
+                if j != i:
+                    w *= Fraction(x - sj.size, si.size - sj.size)
+            weights.append(w)
+        flops = [
+            round(sum(w * f for w, f in zip(weights, column, strict=True)))
+            for column in zip(*(s.flops or [] for s in counted), strict=True)
+        ]
+        return flops if all(f >= 0 for f in flops) else None
+
 
 def shape_law(shapes: Sequence[TracedShape]) -> ShapeLaw | str:
     """The law of traced shapes measured at distinct sizes along one axis, or why there is none."""
@@ -249,7 +270,8 @@ def shape_law(shapes: Sequence[TracedShape]) -> ShapeLaw | str:
             return f"the stages ran other ops at size {s.size} than at size {first.size}"
         if not np.array_equal(s.itemsizes, first.itemsizes):
             return f"the stages made tensors of other types at size {s.size} than at size {first.size}"
-    law = ShapeLaw(first.size, shapes[1].size, first.dims, shapes[1].dims, first.itemsizes, list(shapes))
+    low, high = sorted(shapes[:2], key=lambda s: s.size)  # the line through two, its span positive
+    law = ShapeLaw(low.size, high.size, low.dims, high.dims, first.itemsizes, list(shapes))
     span = law.x2 - law.x1
     for s in shapes[2:]:
         scaled = law.d1 * span + (law.d2 - law.d1) * (s.size - law.x1)
@@ -304,7 +326,7 @@ class ShapeLaws:
 
     def add(self, family: str, dims: Dims, trace: SizeTrace | None, chain: Chain, flops: list[int] | None) -> Chain:
         """A measured shape (`trace`: its traced profile, None where it was not traced); its chain in plain ints."""
-        traced = traced_shape(0, trace, chain, flops) if trace is not None else None
+        traced = traced_shape(0, trace, chain, flops) if trace is not None and not trace.abandoned else None
         self.measured.append((family, dims, traced, chain, flops))
         self._laws.clear()
         return traced.chain if traced is not None else plain_sizes(chain)
@@ -340,8 +362,9 @@ class ShapeLaws:
         self._outside = (outside, trace)
         return outside
 
-    def chain_for(self, family: str, dims: Dims) -> tuple[Chain, tuple[int, ...]] | str:
-        """The chain of a shape (times to derive) and the measured sizes its law came from, or why not."""
+    def chain_for(self, family: str, dims: Dims) -> tuple[Chain, tuple[int, ...], list[int] | None] | str:
+        """The chain of a shape (times to derive), the measured sizes its law came from and its stages' FLOPs (None:
+        count them), or why not."""
         axes: dict[tuple[tuple[int, int], ...], list[tuple[int, int]]] = {}
         for i, (their_family, their_dims, trace, _, _) in enumerate(self.measured):
             found = size_axis(their_dims, dims) if their_family == family and trace is not None else None
@@ -358,7 +381,7 @@ class ShapeLaws:
                 continue
             found_chain = law.chain(x)
             if found_chain is not None:
-                return found_chain[1], tuple(sorted(s.size for s in law.shapes))
+                return found_chain[1], tuple(sorted(s.size for s in law.shapes)), law.flops(x)
             reason = f"no traced shape's branches hold at size {x}"
         return reason
 

@@ -70,7 +70,7 @@ def test_traced_sizes_give_a_gpt_chain_at_other_lengths_to_the_byte():
     gradient below about 22 tokens, at the tokens' above): each length takes the trace whose largest ops hold
     there. Above the measured lengths, where an op none of them had largest overtakes: refused (measured)."""
     stages = gpt_stages()
-    laws = laws_of(stages, [tokens(2, n) for n in (16, 40, 24)])
+    laws = laws_of(stages, [tokens(2, n) for n in (40, 16, 24)])  # the line through 40 and 16: any order
     found = derived_against_measured(laws, stages, [tokens(2, n) for n in range(4, 82, 11)])
     assert found == [True] * 4 + [False] * 4  # 4, 15, 26, 37; from 48 on the attention's square overtakes
     assert laws.chain_for("family", ((2, 120),)) == "no traced shape's branches hold at size 120"
@@ -112,6 +112,16 @@ def test_a_data_dependent_stage_has_no_law_and_says_so_once():
     with pytest.warns(UserWarning, match=r"cannot be derived from measured ones \(a tensor's size at size 24 is not"):
         assert "not on the line through sizes 8 and 16" in laws.chain_for("family", ((2, 32, 8),))
     assert laws.refused is not None
+
+
+def test_a_trace_with_more_guards_than_it_may_keep_is_abandoned_and_its_shapes_measured(monkeypatch):
+    """A trace keeps its guards' terms up to `MAX_TERMS` (memory on large stages); beyond, it gives no sizes."""
+    from lightning_rotor import size_trace
+
+    monkeypatch.setattr(size_trace, "MAX_TERMS", 100)
+    stages = gpt_stages()
+    laws = laws_of(stages, [tokens(2, n) for n in (16, 40, 24)])
+    assert laws.chain_for("family", ((2, 30),)) == "no measured shapes along one axis of this one"
 
 
 def hf_chains(make, lengths, fit):
