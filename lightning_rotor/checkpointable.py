@@ -871,12 +871,12 @@ class Checkpointable(nn.Module):
             self._unfit(key, measurement.chain_peak, entry.plan.budget)
 
     def _unfit(self, key: str, peak: int, budget: int) -> None:
-        """A shape whose sizes were fitted measured above its budget: a size did not follow the polynomial it
-        was taken from, so every fitted shape is forgotten (measured when next met) and no more are fitted."""
+        """A shape whose sizes were derived measured above its budget: its stages did not run the ops the measured
+        shapes ran, so every derived shape is forgotten (measured when next met) and no more are derived."""
         warnings.warn(
             f"rotor: input shape {self._shapes.get(key, key)} had its sizes fitted from measured shapes' but "
-            f"measured {format_bytes(peak)} above its budget {format_bytes(budget)}: a size of this model does "
-            "not follow one polynomial of the input's (lightning_rotor/symbolic_sizes.py); every shape is "
+            f"measured {format_bytes(peak)} above its budget {format_bytes(budget)}: this model's stages do not "
+            "run the same ops at every size (lightning_rotor/symbolic_sizes.py); every shape is "
             "measured from now on",
             stacklevel=3,
         )

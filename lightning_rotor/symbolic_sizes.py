@@ -258,6 +258,41 @@ class ShapeLaw:
         return flops if all(f >= 0 for f in flops) else None
 
 
+PAIRS_FROM = 8  # the lines tried: through two of the first shapes measured
+
+
+def _line(shapes: Sequence[TracedShape]) -> tuple[TracedShape, TracedShape] | str:
+    """The two measured shapes (ascending) whose line the most others confirm, every storage's dimensions on it to
+    the byte, and none contradicts; or why none. A shape where the line gives a dimension that is not a whole
+    number (a stride's halving at an odd side) is no claim of the line's: neither confirms nor contradicts it."""
+    best: tuple[int, tuple[TracedShape, TracedShape]] | None = None
+    contradicted = ""
+    candidates = shapes[:PAIRS_FROM]
+    for i, a in enumerate(candidates):
+        for b in candidates[i + 1 :]:
+            low, high = (a, b) if a.size < b.size else (b, a)
+            span = high.size - low.size
+            confirmed = 0
+            for s in shapes:
+                if s is low or s is high:
+                    continue
+                scaled = low.dims * span + (high.dims - low.dims) * (s.size - low.size)
+                if np.any(scaled % span):
+                    continue
+                if not np.array_equal(scaled // span, s.dims):
+                    contradicted = (
+                        f"a tensor's size at size {s.size} is not on the line through sizes {low.size} and {high.size}"
+                    )
+                    confirmed = -1
+                    break
+                confirmed += 1
+            if confirmed > 0 and (best is None or confirmed > best[0]):
+                best = (confirmed, (low, high))
+    if best is None:
+        return contradicted or "no measured shape confirms a line through two others"
+    return best[1]
+
+
 def shape_law(shapes: Sequence[TracedShape]) -> ShapeLaw | str:
     """The law of traced shapes measured at distinct sizes along one axis, or why there is none."""
     if len({s.size for s in shapes}) != len(shapes):
@@ -270,13 +305,10 @@ def shape_law(shapes: Sequence[TracedShape]) -> ShapeLaw | str:
             return f"the stages ran other ops at size {s.size} than at size {first.size}"
         if not np.array_equal(s.itemsizes, first.itemsizes):
             return f"the stages made tensors of other types at size {s.size} than at size {first.size}"
-    low, high = sorted(shapes[:2], key=lambda s: s.size)  # the line through two, its span positive
-    law = ShapeLaw(low.size, high.size, low.dims, high.dims, first.itemsizes, list(shapes))
-    span = law.x2 - law.x1
-    for s in shapes[2:]:
-        scaled = law.d1 * span + (law.d2 - law.d1) * (s.size - law.x1)
-        if np.any(scaled % span) or not np.array_equal(scaled // span, s.dims):
-            return f"a tensor's size at size {s.size} is not on the line through sizes {law.x1} and {law.x2}"
+    line = _line(shapes)
+    if isinstance(line, str):
+        return line
+    law = ShapeLaw(line[0].size, line[1].size, line[0].dims, line[1].dims, first.itemsizes, list(shapes))
     constant = np.logical_or.reduce([s.constant for s in shapes])
     values = np.asarray([chain_sizes(s.chain) for s in shapes], dtype=object)
     moved = constant & np.any(values != values[0], axis=0)

@@ -97,6 +97,43 @@ def test_a_convnext_at_other_resolutions_and_batch_sizes_gets_its_sizes_to_the_b
     assert derived_against_measured(laws, stages, [image(1, 32), image(5, 32)], loss_tmp=0) == [True, True]
 
 
+@pytest.mark.slow
+def test_a_convnext_at_changing_resolutions_and_a_partial_last_batch_trains_bitwise_within_its_budgets():
+    """Variable image sizes through `Checkpointable` (the default: derived shapes): after three measured
+    resolutions and 160, the sides that are multiples of 32 get no run; 112 and 80 (where a stride-2 downsampling halves
+    an odd side: a dimension off the line) are measured, and do not spoil the law for the others; a last batch
+    of one image (an axis of its own) is measured. Every step bitwise equal to plain training and measured within
+    its budget, each derived chain equal to a profile's."""
+
+    def build():
+        torch.manual_seed(0)
+        return ConvNeXt(depths=(1, 1, 1, 1), dims=(8, 16, 32, 64), num_classes=10, drop_path_rate=0.1)
+
+    plain, rotor = build(), Checkpointable(build(), "75%", repeats=1, loss_tmp=0)
+    shapes = [(2, 64), (2, 96), (2, 128), (2, 160), (2, 112), (2, 192), (2, 224), (2, 80), (1, 224)]
+    for step, (batch, side) in enumerate(shapes):
+        x = torch.randn(batch, 3, side, side, generator=torch.Generator().manual_seed(step))
+        plain.zero_grad()
+        torch.manual_seed(step)
+        plain(x).square().mean().backward()
+        rotor.zero_grad()
+        if step:  # the first step finds the chain and profiles it (a profiling step is not held to the budget)
+            rotor.prepare_for(x)
+        torch.manual_seed(step)
+        with rotor.measure_step() as m:
+            rotor(x).square().mean().backward()
+        assert_same_state(plain, rotor)
+        entry = rotor.last_entry
+        assert m.peak <= entry.plan.budget or not step
+        key = next((k for k, e in rotor.entries.items() if e is entry), None)
+        if key in rotor.fitted:
+            stages = list(rotor.stages)
+            measured = profile_chain(stages, x, names=rotor.stage_names, repeats=1, timed=False, loss_tmp=0).chain
+            assert sizes(entry.chain) == sizes(measured)
+    # 160: beyond the three measured sides another op is a stage's largest (no trace's guards hold): measured
+    assert {rotor._shapes[k] for k in rotor.fitted} == {f"(2, 3, {side}, {side})" for side in (192, 224)}
+
+
 class KeepPositive(nn.Module):
     """Keeps the tokens whose first feature is positive: how many depends on the data, not the length."""
 
@@ -109,8 +146,8 @@ def test_a_data_dependent_stage_has_no_law_and_says_so_once():
     stages = [nn.Linear(8, 8), KeepPositive(), nn.Linear(8, 8)]
     inputs = [torch.randn(2, n, 8, generator=torch.Generator().manual_seed(n)) for n in (8, 16, 24, 32)]
     laws = laws_of(stages, inputs[:3])
-    with pytest.warns(UserWarning, match=r"cannot be derived from measured ones \(a tensor's size at size 24 is not"):
-        assert "not on the line through sizes 8 and 16" in laws.chain_for("family", ((2, 32, 8),))
+    with pytest.warns(UserWarning, match=r"cannot be derived from measured ones \(a tensor's size at size \d+ is not"):
+        assert "is not on the line through sizes" in laws.chain_for("family", ((2, 32, 8),))
     assert laws.refused is not None
 
 
