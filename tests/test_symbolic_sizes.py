@@ -64,6 +64,16 @@ def gpt_stages():
     return list(gpt(vocab_size=64, block_size=128, n_layer=2, n_head=2, n_embd=32, dropout=0.1))
 
 
+def test_a_traced_profile_measures_what_an_untraced_one_does_every_size_a_sum_of_storage_sizes():
+    from lightning_rotor.size_trace import Sym
+
+    stages, x = gpt_stages(), tokens(2, 20)
+    with traced() as trace:
+        chain = profile_chain(stages, x, repeats=1, timed=False).chain
+    assert sizes(chain) == sizes(profile_chain(stages, x, repeats=1, timed=False).chain)
+    assert all(isinstance(v, Sym) for v in chain.out_size + chain.saved_size) and trace.guards
+
+
 def test_traced_sizes_give_a_gpt_chain_at_other_lengths_to_the_byte():
     """Three measured lengths; lengths from 4 to 37 get the chain a profile measures there, to the byte, though
     the largest op of several stages changes across them (the embedding's backward peaks at its weight's
