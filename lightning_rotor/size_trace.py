@@ -35,7 +35,7 @@ Terms = dict[int, int]  # storage index (CONST: the constant) -> coefficient
 
 OPS = ("<", "<=", ">", ">=", "==", "!=")
 
-MAX_TERMS = 5_000_000  # guards' terms a trace keeps at most (memory); beyond, it is abandoned: the shape measured
+MAX_TERMS = 1_000_000  # guards' terms a trace keeps at most (memory); beyond, it is abandoned: the shape measured
 _TRACES: list[SizeTrace] = []  # the traces being recorded (the innermost records)
 
 
