@@ -319,17 +319,21 @@ class Checkpointable(nn.Module):
             return self._run(value, lambda: self.module(*args, **kwargs))
         run = found.run  # a run of blocks is the chain; the rest of the forward runs as written around it
         key = signature((args, kwargs))
-        if key not in self.outside:
+        derive = key not in self.outside and self.fit_shapes and self._timed is not None and self._first is not None
+        # a call whose chain follows from measured calls' needs no measure of the code around its run
+        derived = self._laws.call(self._family((args, kwargs)), input_dims((args, kwargs)), derive)
+        if key not in self.outside and not derived:
             with self._laws.tracing_outside(self.fit_shapes, (args, kwargs)) as note:
                 self.outside[key] = note(
                     pipeline.measure_outside(self.module, run, self.stages, args, kwargs, self.loss_fn)
                 )
-        self._outside_now = self.outside[key]
+        self._outside_now = self.outside.get(key)
         run.install(lambda value: self._run(value, lambda: pipeline.run_stages(self.stages, value)))
         try:
             return self.module(*args, **kwargs)
         finally:
             run.uninstall()
+            self._laws.call_done()
 
     def _check_modes(self) -> None:
         """A module's `training` flag changed since the chain was found and profiled (a frozen block unfrozen):
@@ -577,9 +581,10 @@ class Checkpointable(nn.Module):
         its times derived by FLOPs, planned at its budget as if measured; None: measure it."""
         start = time.perf_counter()
         found = self._laws.chain_for(self._family(value), input_dims(value))
-        flops = (found[2] or stage_flops(self.stages, value)) if not isinstance(found, str) else None
-        if isinstance(found, str) or flops is None or self._timed is None or self._first is None:
+        if isinstance(found, str) or self._timed is None or self._first is None:
             return None
+        # FLOPs only scale times: counted where the law has none, else the timed shape's (times as its)
+        flops = found[2] or stage_flops(self.stages, value) or list(self._timed[1])
         chain = derived_times(*self._timed, found[0], flops)
         if self._offload_setting is not None:
             chain = chain.with_transfer(self._bandwidth_for(chain, value), self.host_limit)

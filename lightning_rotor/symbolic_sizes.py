@@ -53,6 +53,8 @@ __all__ = [
     "traced_shape",
 ]
 
+Found = tuple[Chain, tuple[int, ...], "list[int] | None"]  # a derived chain, the sizes it came from, FLOPs
+Call = tuple[str, "Dims"]  # a module-level chain's call: its arguments' family and shapes
 NOT_SIZES = ("names", "frozen", "bandwidth", "host_limit", "options", *TIME_FIELDS)  # no size of the input's
 OPTION_NOT_SIZES = ("name", *TIME_FIELDS)
 Dims = tuple[tuple[int, ...], ...]  # the chain input's tensors' shapes, in order
@@ -351,7 +353,12 @@ class ShapeLaws:
     from those along one axis of it (`chain_for`). Says once why a law is refused."""
 
     def __init__(self) -> None:
-        self._outside: tuple[Any, SizeTrace] | None = None  # the code around a run of blocks, measured in a trace
+        # a module-level chain (a run of blocks, the code around it measured apart): its shapes are keyed by the
+        # call's arguments (family, shapes), whose sizes decide the run's input's; `call` says which call runs now
+        self._outside: tuple[Any, SizeTrace, Call | None] | None = None  # the code around it, measured in a trace
+        self._call: Call | None = None
+        self._call_derived: Found | None = None  # the chain of the call running now, derived from its arguments
+        self._keyed: Call | None = None  # the key the next measured shape is recorded under (a call's)
         self.measured: list[tuple[str, Dims, TracedShape | None, Chain, list[int] | None]] = []
         self._laws: dict[tuple[Any, ...], list[ShapeLaw | str]] = {}
         self.refused: str | None = None  # the first reason a law was refused (warned once)
@@ -359,6 +366,8 @@ class ShapeLaws:
     def add(self, family: str, dims: Dims, trace: SizeTrace | None, chain: Chain, flops: list[int] | None) -> Chain:
         """A measured shape (`trace`: its traced profile, None where it was not traced); its chain in plain ints."""
         traced = traced_shape(0, trace, chain, flops) if trace is not None and not trace.abandoned else None
+        family, dims = self._keyed or (family, dims)
+        self._keyed = None
         self.measured.append((family, dims, traced, chain, flops))
         self._laws.clear()
         return traced.chain if traced is not None else plain_sizes(chain)
@@ -374,6 +383,7 @@ class ShapeLaws:
         if not _traceable(on, value):
             yield None
             return
+        self._keyed = pending[2] if pending is not None else None
         with traced(pending[1] if pending is not None else None) as trace:
             yield trace
 
@@ -391,12 +401,30 @@ class ShapeLaws:
             yield lambda outside: self._noted(outside, trace)
 
     def _noted(self, outside: Any, trace: SizeTrace) -> Any:
-        self._outside = (outside, trace)
+        self._outside = (outside, trace, self._call)
         return outside
 
-    def chain_for(self, family: str, dims: Dims) -> tuple[Chain, tuple[int, ...], list[int] | None] | str:
+    def call(self, family: str, dims: Dims, derive: bool) -> bool:
+        """A call of a module-level chain begins, its arguments of `family` and shapes `dims`: True where `derive`
+        and its chain follows from measured calls' (`chain_for` gives it during the call, until `call_done`), so
+        that the code around its run of blocks need not be measured."""
+        self._call = (family, dims)
+        found = self._found(family, dims) if derive else None
+        self._call_derived = found if not isinstance(found, str) else None
+        return self._call_derived is not None
+
+    def call_done(self) -> None:
+        self._call = self._call_derived = None
+
+    def chain_for(self, family: str, dims: Dims) -> Found | str:
         """The chain of a shape (times to derive), the measured sizes its law came from and its stages' FLOPs (None:
-        count them), or why not."""
+        count them), or why not; during a module-level chain's call derived from its arguments (`call`), that."""
+        if self._call_derived is not None:
+            found, self._call_derived = self._call_derived, None
+            return found
+        return self._found(family, dims)
+
+    def _found(self, family: str, dims: Dims) -> Found | str:
         axes: dict[tuple[tuple[int, int], ...], list[tuple[int, int]]] = {}
         for i, (their_family, their_dims, trace, _, _) in enumerate(self.measured):
             found = size_axis(their_dims, dims) if their_family == family and trace is not None else None

@@ -179,7 +179,8 @@ def hf_chains(make, lengths, fit):
         x = tokens(2, n)
         rotor(input_ids=x, labels=x).loss.backward()
         chains[n] = rotor.last_entry.chain
-    return chains, {n for n, c in chains.items() if any(rotor.entries[k].chain is c for k in rotor.fitted)}
+    derived = {n for n, c in chains.items() if any(rotor.entries[k].chain is c for k in rotor.fitted)}
+    return chains, derived, len(rotor.outside)
 
 
 def tiny_gpt2():
@@ -193,12 +194,13 @@ def tiny_gpt2():
 @pytest.mark.parametrize("make", [tiny_gpt2, lambda: tiny_llama(max_position_embeddings=128)], ids=["gpt2", "llama"])
 def test_hugging_face_chains_derived_at_other_lengths_equal_the_measured_ones(make):
     """GPT-2 and Llama from configs, a module-level chain (the code around it and the loss charged to it, traced
-    with it), real training steps: the lengths after the first three get their chains derived, to the byte."""
+    with it, keyed by the call's arguments), real training steps: the lengths after the first three get their
+    chains derived, to the byte, and the code around the run is measured for the three only."""
     pytest.importorskip("transformers")
     lengths = (32, 44, 38, 50, 26, 62, 68)
-    derived, fitted = hf_chains(make, lengths, True)
-    measured, _ = hf_chains(make, lengths, False)
-    assert fitted == {50, 26, 62, 68}
+    derived, fitted, outsides = hf_chains(make, lengths, True)
+    measured, _, _ = hf_chains(make, lengths, False)
+    assert fitted == {50, 26, 62, 68} and outsides == 3
     for n in lengths:
         assert sizes(derived[n]) == sizes(measured[n]), n
 
