@@ -414,7 +414,12 @@ class ShapeLaws:
         return self._call_derived is not None
 
     def call_done(self) -> None:
+        """The call ended: a trace of the code around its run that no profile went on with is closed (its storage
+        handles must not outlive the call: a copy of the module would free them twice)."""
         self._call = self._call_derived = None
+        if self._outside is not None:
+            self._outside[1].close()
+            self._outside = None
 
     def chain_for(self, family: str, dims: Dims) -> Found | str:
         """The chain of a shape (times to derive), the measured sizes its law came from and its stages' FLOPs (None:

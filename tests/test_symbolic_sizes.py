@@ -183,6 +183,22 @@ def hf_chains(make, lengths, fit):
     return chains, derived, len(rotor.outside)
 
 
+@pytest.mark.slow
+def test_a_trace_of_the_code_around_a_run_is_closed_when_its_call_ends_unprofiled():
+    """A new call signature whose run's input is not new (another keyword, the same tokens): the code around the
+    run is measured in a trace that no profile goes on with; it is closed as the call ends, so that no storage
+    handle outlives it (a copy of the module would free it twice) and the copy trains on."""
+    import copy
+
+    pytest.importorskip("transformers")
+    rotor = Checkpointable(tiny_gpt2(), "70%", repeats=1)
+    x = tokens(2, 32)
+    rotor(input_ids=x, labels=x).loss.backward()
+    rotor(input_ids=x, labels=x, output_attentions=False).loss.backward()
+    assert len(rotor.outside) == 2 and len(rotor.entries) == 1 and rotor._laws._outside is None
+    copy.deepcopy(rotor)(input_ids=x, labels=x).loss.backward()
+
+
 def tiny_gpt2():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
