@@ -96,16 +96,9 @@ def storage_nbytes(storage: torch.UntypedStorage, tensor: torch.Tensor) -> int:
     return _SIZERS[-1].size(storage, tensor) if _SIZERS else storage.nbytes()
 
 
-def higher_peak(peak: int, current: int) -> int:
-    """`max(peak, current)`: a probe's peak after an op (NOTE: [storage sizes traced])."""
-    if _SIZERS:
-        return _SIZERS[-1].higher(peak, current)
-    return current if current > peak else peak
-
-
 @contextmanager
 def storages_sized_by(sizer: Sizer) -> Iterator[None]:
-    """Inside, `storage_nbytes` and `higher_peak` (what every probe counts) ask `sizer`
+    """Inside, `storage_nbytes` and the probes entered inside (what they count, how their peak rises) ask `sizer`
     (NOTE: [storage sizes traced])."""
     _SIZERS.append(sizer)
     try:
@@ -262,6 +255,7 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
         self.curve: list[int] = []
         self.marks: list[tuple[str, int, int]] = []  # (label, op index, bytes alive)
         self._closed = False
+        self._sizer: Sizer | None = None
 
     # -- accounting -------------------------------------------------------------------------
     def _gradients(self) -> set[int]:
@@ -329,10 +323,13 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
                 if bookkeeping:
                     self._uncounted[key] = StorageWeakRef(storage)
                     continue
-            nbytes = storage_nbytes(storage, t)
+            nbytes = self._sizer.size(storage, t) if self._sizer is not None else storage.nbytes()
             self._live[key] = (StorageWeakRef(storage), nbytes)
             self.current += nbytes
-        self.peak = higher_peak(self.peak, self.current)
+        if self._sizer is not None:
+            self.peak = self._sizer.higher(self.peak, self.current)
+        elif self.current > self.peak:
+            self.peak = self.current
 
     def _add_host(self, tensors: Any, inputs: set[int]) -> None:
         """Count new storages as host copies (made inside `host_allocations`)."""
@@ -379,6 +376,9 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
             raise RuntimeError("a MemoryProbe measures one block and is closed; make a new MemoryProbe")
         _ACTIVE.add(self)
         _ACTIVE_HOST.add(self)
+        # a probe entered while a profile is traced counts through its sizer; one entered before (a step's
+        # measurement around a step that profiles) counts plain bytes (NOTE: [storage sizes traced])
+        self._sizer = _SIZERS[-1] if _SIZERS else None
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
