@@ -15,6 +15,11 @@ to the byte on every further one (at least one), per dimension of every storage.
 - no trace whose guards hold (the largest op of a stage changes between measured shapes, say): the shape is
   measured, and its trace covers the sizes around it from then on.
 
+A module-level chain (a run of blocks, the code around it measured apart and charged to the chain) is traced
+with the code around it, and its shapes are keyed by the call's arguments (the tokens, the labels) rather than
+the run's input, which only exists once the code before the run has run: so a call is known to be derived
+before anything of it is measured (`ShapeLaws.call`), and the code around its run is not measured either.
+
 Checked on the measured shapes themselves: a trace whose guards hold at another measured shape must give that
 shape's measured chain to the byte (a size that left the sums, a constant to the trace, fails here). A law is
 refused, and every shape of its axis measured, where shapes differ in structure (another number of storages:
