@@ -27,13 +27,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from lightning_rotor.budget import format_bandwidth, format_bytes
-from lightning_rotor.chain import Chain
-from lightning_rotor.ops import OpKind
-from lightning_rotor.planner import InfeasibleBudget, min_feasible_budget, plan
-from lightning_rotor.simulate import no_recompute_peak, simulate
-
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # this checkout's package, not an installed one
+
+from lightning_rotor.budget import format_bandwidth, format_bytes  # noqa: E402
+from lightning_rotor.chain import Chain  # noqa: E402
+from lightning_rotor.ops import OpKind  # noqa: E402
+from lightning_rotor.planner import InfeasibleBudget, min_feasible_budget, plan  # noqa: E402
+from lightning_rotor.simulate import no_recompute_peak, simulate  # noqa: E402
+
 ZOO = ["hetero", "mobilenet", "gpt", "resnet50", "resnet18", "mlp"]  # benchmarks/zoo.py's models, bench sizes
 EXAMPLE_TIMES = {  # where the example chains' times come from
     "gpt_tiny_sac_options": "examples/, CPU, 1 thread (options_profile.py)",

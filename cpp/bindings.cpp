@@ -60,8 +60,8 @@ MemChain make_chain(Sizes size, Sizes saved, Sizes fwd_tmp, Sizes fwd_tmp_nograd
 }
 
 py::list to_python(const std::vector<Op>& ops) {
-    static const char* names[] = {"Fn",      "Fc",       "Fe",           "Loss",         "B",
-                                  "Fs",      "Offload",  "Prefetch",     "OffloadSaved", "PrefetchSaved"};
+    static const char* names[] = {"Fn",      "Fc",       "Fe",           "Loss",          "B",    "Fs",
+                                  "Offload", "Prefetch", "OffloadSaved", "PrefetchSaved", "Wait", "WaitSaved"};
     py::list out;
     for (const Op& op : ops) {
         if (op.kind == OpKind::Loss) {
@@ -116,28 +116,33 @@ PYBIND11_MODULE(_planner, m) {
     m.def(
         "min_budget",
         [](Sizes size, Sizes saved, Sizes fwd_tmp, Sizes fwd_tmp_nograd, Sizes bwd_tmp, int64_t loss_tmp, Opt loss_tmp_graph,
-           OptSizes in_free, int64_t loss_value, OptOptions options) {
-            return rotor::min_budget(make_chain(size, saved, fwd_tmp, fwd_tmp_nograd, bwd_tmp, loss_tmp, loss_tmp_graph,
-                                                std::move(in_free), loss_value, std::move(options)));
+           OptSizes in_free, int64_t loss_value, OptOptions options, bool offload, OptSizes offloadable) {
+            MemChain c = make_chain(size, saved, fwd_tmp, fwd_tmp_nograd, bwd_tmp, loss_tmp, loss_tmp_graph,
+                                    std::move(in_free), loss_value, std::move(options));
+            if (offloadable) c.offloadable = std::move(*offloadable);
+            return rotor::min_budget(c, offload);
         },
         py::arg("size"), py::arg("saved"), py::arg("fwd_tmp"), py::arg("fwd_tmp_nograd"), py::arg("bwd_tmp"), py::arg("loss_tmp"),
         py::arg("loss_tmp_graph") = py::none(), py::arg("in_free") = py::none(), py::arg("loss_value") = 0,
-        py::arg("options") = py::none(),
-        "Smallest budget (a_0 included) for which a persistent schedule exists.");
+        py::arg("options") = py::none(), py::arg("offload") = false, py::arg("offloadable") = py::none(),
+        "Smallest budget (a_0 included) for which a persistent schedule exists; `offload`: a channel exists,\n"
+        "so kept inputs (and the `offloadable` bytes of saved parts) may move to host memory.");
 
     m.def(
         "feasible_schedule",
         [](Sizes size, Sizes saved, Sizes fwd_tmp, Sizes fwd_tmp_nograd, Sizes bwd_tmp, int64_t loss_tmp, int64_t budget,
-           Opt loss_tmp_graph, OptSizes in_free, int64_t loss_value, OptOptions options) -> py::object {
-            rotor::Solution sol = rotor::feasible_schedule(
-                make_chain(size, saved, fwd_tmp, fwd_tmp_nograd, bwd_tmp, loss_tmp, loss_tmp_graph, std::move(in_free),
-                           loss_value, std::move(options)),
-                budget);
+           Opt loss_tmp_graph, OptSizes in_free, int64_t loss_value, OptOptions options, bool offload,
+           OptSizes offloadable) -> py::object {
+            MemChain c = make_chain(size, saved, fwd_tmp, fwd_tmp_nograd, bwd_tmp, loss_tmp, loss_tmp_graph,
+                                    std::move(in_free), loss_value, std::move(options));
+            if (offloadable) c.offloadable = std::move(*offloadable);
+            rotor::Solution sol = rotor::feasible_schedule(c, budget, offload);
             if (!sol.feasible) return py::none();
             return to_python(sol.ops);
         },
         py::arg("size"), py::arg("saved"), py::arg("fwd_tmp"), py::arg("fwd_tmp_nograd"), py::arg("bwd_tmp"), py::arg("loss_tmp"),
         py::arg("budget"), py::arg("loss_tmp_graph") = py::none(), py::arg("in_free") = py::none(),
-        py::arg("loss_value") = 0, py::arg("options") = py::none(),
-        "Ops of a schedule within `budget` exact units, or None below the minimum.");
+        py::arg("loss_value") = 0, py::arg("options") = py::none(), py::arg("offload") = false,
+        py::arg("offloadable") = py::none(),
+        "Ops of a schedule within `budget` exact units, or None below the minimum (`offload` as min_budget's).");
 }

@@ -24,15 +24,25 @@ constexpr int kEndBlock = 8;
 constexpr int64_t kBlock = 32;
 constexpr double INF = std::numeric_limits<double>::infinity();
 
-// Memory needs of the subproblems, in the chain's units.
+// Memory needs of the subproblems, in the chain's units. With offloading (docs/planner.md, "Debts") each
+// subproblem has two: "input any" (given, pending) and "input plain" (pgiven, ppending: a_s held plain, so
+// the split may offload it); without, the plain ones equal the others.
 struct Needs {
     int L;
     std::vector<int64_t> given;    // [s * (L + 1) + t]: least m for (s, t, given)
     std::vector<int64_t> pending;  // [s]: least m for (s, L, loss pending)
+    std::vector<int64_t> pgiven, ppending;  // the same, a_s held plain
     std::vector<int64_t> full_given, full_pending;  // m from which all-record fits
 
-    int64_t g(int s, int t) const { return given[s * (L + 1) + t]; }
+    int64_t g(int s, int t, bool plain = false) const { return (plain ? pgiven : given)[s * (L + 1) + t]; }
+    int64_t p(int s, bool plain = false) const { return (plain ? ppending : pending)[s]; }
+    int64_t sub(int s, int t, bool given_, bool plain = false) const { return given_ ? g(s, t, plain) : p(s, plain); }
     int64_t fg(int s, int t) const { return full_given[s * (L + 1) + t]; }
+};
+
+// What may move (chain version 6), for the memory needs: values (bandwidth > 0) and saved parts (offloadable).
+struct Moves {
+    bool values = false, saved = false;
 };
 
 // How stage s is recorded with option o: o = 0 is `Fe s` (the stage's columns, in_free[s] let go
@@ -72,9 +82,34 @@ inline int64_t run_step(const MemChain& c, int s, int j) {
     return j == s + 1 ? c.size[s + 1] + c.fwd_tmp_nograd[s] : c.size[j - 1] + c.size[j] + c.fwd_tmp_nograd[j - 1];
 }
 
+// Held in (k, t)'s frame just before B k: its graph less in_free[k], δ_{k+1}, and the loss value after the loss.
+inline int64_t before_b(const MemChain& c, int k, bool given) {
+    return c.saved[k] - c.in_free[k] + c.size[k + 1] + (given ? 0 : c.loss_value);
+}
+
+// Peak of B k in (k, t)'s frame (fe_need's backward term).
+inline int64_t b_peak(const MemChain& c, int k, bool given) { return before_b(c, k, given) + c.size[k] + c.bwd_tmp[k]; }
+
+// Least m of (s, t) at which a split s -> s2 offloading a_s fits the prefetch and B s2 with a_s back on the device.
+inline int64_t prefetch_need(const MemChain& c, int s2, bool given) {
+    const int64_t held = before_b(c, s2, given);
+    return c.size[s2] + std::max(held, held + c.size[s2] + c.bwd_tmp[s2]);
+}
+
+// What every debt run of (s, t) needs besides the rest: Fe s with its part, B s, and the state just before B s with
+// the part back (where the shortest run prefetches it). By then Fe s+1 has let go in_free[s+1] of a_{s+1} when
+// s+1 < t and stage s+1 has no options (an option lets nothing go).
+inline int64_t run_head(const MemChain& c, int s, int t, bool given) {
+    const int64_t held = given ? c.size[t] : 0;
+    const int64_t gone = s + 1 < t && c.options_of(s + 1) == 0 ? c.in_free[s + 1] : 0;
+    return std::max({held + c.saved[s] + c.fwd_tmp[s], b_peak(c, s, given), before_b(c, s, given) - gone});
+}
+
 // `fastest[s]`: the option of least fwd + bwd cost (0 on ties): the all-record schedule records each stage
 // so, and from m_full on it fits. Only the Solver reads m_full; min_budget passes no costs (all zeros).
-Needs compute_needs(const MemChain& c, const std::vector<int>& fastest) {
+// `moves`: what may move to host memory; the needs are then the least over the offloading choices too, a
+// copy waited for where the memory needs it (docs/planner.md, "Debts"), so they do not depend on times.
+Needs compute_needs(const MemChain& c, const std::vector<int>& fastest, Moves moves = {}) {
     const int L = c.length();
     const auto& size = c.size;
     Needs n;
@@ -83,41 +118,54 @@ Needs compute_needs(const MemChain& c, const std::vector<int>& fastest) {
     n.full_given.assign(n.given.size(), 0);
     n.pending.assign(L + 1, 0);
     n.full_pending.assign(L + 1, 0);
-    for (int s = L - 1; s >= 0; --s) {
-        const int options = c.options_of(s), f = fastest[s];
-        for (int t = s + 1; t <= L; ++t) {
-            int64_t held = size[t];
-            int64_t fe = std::numeric_limits<int64_t>::max(), full = fe_need(c, s, t, true, f);
-            for (int o = 0; o <= options; ++o) {  // the least need over ways to record s
-                int64_t need = fe_need(c, s, t, true, o);
-                if (s + 1 < t) need = std::max(need, fe_shift(c, s, o) + n.g(s + 1, t));
-                fe = std::min(fe, need);
-            }
-            if (s + 1 < t) full = std::max(full, fe_shift(c, s, f) + n.fg(s + 1, t));
-            int64_t best = fe, run = 0;
-            for (int s2 = s + 1; s2 < t; ++s2) {
-                run = std::max(run, run_step(c, s, s2));
-                int64_t need = std::max({held + run, size[s2] + n.g(s2, t), n.g(s, s2)});
-                best = std::min(best, need);
-            }
-            n.given[s * (L + 1) + t] = best;
-            n.full_given[s * (L + 1) + t] = full;
+    n.pgiven = n.given;
+    n.ppending = n.pending;
+    auto need = [&](int s, int t, bool given, bool plain) {
+        const int64_t held = given ? size[t] : 0, lshift = given ? 0 : c.loss_value;
+        int64_t best = std::numeric_limits<int64_t>::max();
+        for (int o = 0; o <= c.options_of(s); ++o) {  // the least need over ways to record s
+            int64_t fe = fe_need(c, s, t, given, o);
+            if (s + 1 < t) fe = std::max(fe, fe_shift(c, s, o) + n.sub(s + 1, t, given));
+            best = std::min(best, fe);
         }
-        int64_t fe = std::numeric_limits<int64_t>::max(), full = fe_need(c, s, L, false, f);
-        for (int o = 0; o <= options; ++o) {
-            int64_t need = fe_need(c, s, L, false, o);
-            if (s + 1 < L) need = std::max(need, fe_shift(c, s, o) + n.pending[s + 1]);
-            fe = std::min(fe, need);
+        const int64_t part = moves.saved ? c.offloadable[s] : 0;
+        if (part > 0) {  // Fe s, OffloadSaved s, WaitSaved s, (s+1, t) without the part, PrefetchSaved s, B s
+            int64_t run = run_head(c, s, t, given);
+            if (s + 1 < t) run = std::max(run, fe_shift(c, s, 0) - part + n.sub(s + 1, t, given));
+            if (!given && s + 1 == L) run = std::max(run, c.saved[s] + size[L] + c.loss_tmp_graph - c.in_free[s] - part);
+            best = std::min(best, run);
         }
-        if (s + 1 < L) full = std::max(full, fe_shift(c, s, f) + n.full_pending[s + 1]);
-        int64_t best = fe, run = 0;
-        for (int s2 = s + 1; s2 <= L; ++s2) {
+        int64_t run = 0;
+        const int last = given ? t - 1 : t;
+        for (int s2 = s + 1; s2 <= last; ++s2) {
             run = std::max(run, run_step(c, s, s2));
-            int64_t right = s2 == L ? 2 * size[L] + c.loss_tmp : size[s2] + n.pending[s2];
-            best = std::min(best, std::max({run, right, n.g(s, s2) + c.loss_value}));  // left after the loss
+            const bool loss = !given && s2 == L;
+            const int64_t right = loss ? 2 * size[L] + c.loss_tmp : size[s2] + n.sub(s2, t, given, true);
+            const int64_t left = n.g(s, s2, plain) + lshift;  // the left part runs after the loss: its value is held
+            best = std::min(best, std::max({held + run, right, left}));
+            if (plain && moves.values && s > 0 && !loss && c.options_of(s2) == 0)  // a_s offloaded, waited for
+                best = std::min(best, std::max({held + run, size[s2] - size[s] + n.sub(s2, t, given, true), left,
+                                                prefetch_need(c, s2, given)}));
         }
-        n.pending[s] = best;
-        n.full_pending[s] = full;
+        return best;
+    };
+    auto full = [&](int s, int t, bool given) {
+        const int f = fastest[s];
+        int64_t x = fe_need(c, s, t, given, f);
+        if (s + 1 < t) x = std::max(x, fe_shift(c, s, f) + (given ? n.fg(s + 1, t) : n.full_pending[s + 1]));
+        return x;
+    };
+    const bool two = moves.values;  // the plain needs differ only where a value may move
+    for (int s = L - 1; s >= 0; --s) {
+        for (int t = s + 1; t <= L; ++t) {
+            const size_t at = static_cast<size_t>(s) * (L + 1) + t;
+            n.given[at] = need(s, t, true, false);
+            n.pgiven[at] = two && s > 0 ? need(s, t, true, true) : n.given[at];
+            n.full_given[at] = full(s, t, true);
+        }
+        n.pending[s] = need(s, L, false, false);
+        n.ppending[s] = two && s > 0 ? need(s, L, false, true) : n.pending[s];
+        n.full_pending[s] = full(s, L, false);
     }
     return n;
 }
@@ -135,7 +183,8 @@ class Solver {
            const std::vector<int64_t>& transfer_cost = {}, int count_bits = 0,
            const std::vector<int64_t>& saved_transfer_cost = {})
         : c_(c), L_(c.length()), top_(top), fastest_(fastest_options(c, fwd_cost, bwd_cost)),
-          needs_(compute_needs(c, fastest_)), offload_(!transfer_cost.empty()), count_bits_(count_bits),
+          needs_(compute_needs(c, fastest_, Moves{!transfer_cost.empty(), !saved_transfer_cost.empty()})),
+          offload_(!transfer_cost.empty()), count_bits_(count_bits),
           tc_(transfer_cost), bci_(bwd_cost), stc_(saved_transfer_cost), fci_(fwd_cost) {
         need_.assign(L_ + 1, 0);
         fc_.assign(fwd_cost.begin(), fwd_cost.end());
@@ -162,14 +211,14 @@ class Solver {
             tab.full_cost = static_cast<double>(prefix_[t] - prefix_[s]);
             total += static_cast<size_t>(tab.hi - tab.lo);
         };
-        // Both flavours start where today's tables do: offloading lowers time, not the need (docs/planner.md).
+        // Each flavour starts at its own need: with offloading, below recompute-only's (docs/planner.md, "Debts").
         for_each_given([&](int s, int t) {
             layout(G(s, t), needs_.g(s, t), needs_.fg(s, t), s, t);
-            if (offload_ && s > 0) layout(pgiven_[s * (L_ + 1) + t], needs_.g(s, t), needs_.fg(s, t), s, t);
+            if (offload_ && s > 0) layout(pgiven_[s * (L_ + 1) + t], needs_.g(s, t, true), needs_.fg(s, t), s, t);
         });
         for (int s = L_ - 1; s >= 0; --s) {
             layout(pending_[s], needs_.pending[s], needs_.full_pending[s], s, L_);
-            if (offload_ && s > 0) layout(ppending_[s], needs_.pending[s], needs_.full_pending[s], s, L_);
+            if (offload_ && s > 0) layout(ppending_[s], needs_.p(s, true), needs_.full_pending[s], s, L_);
         }
         data_.assign(total, INF);
     }
@@ -184,9 +233,9 @@ class Solver {
             fill_given_parallel(threads);
         }
         for (int s = L_ - 1; s >= 0; --s) fill(s, L_, false, need_);
-        out.feasible = true;
         out.cost = value(pending_[0], top_);
-        emit(0, L_, false, false, top_, out.ops);
+        out.feasible = out.cost < INF;
+        if (out.feasible) emit(0, L_, false, false, top_, out.ops);
         return out;
     }
 
@@ -242,24 +291,37 @@ class Solver {
         return given ? G(s, t) : pending_[s];
     }
 
-    // May a split s -> s2 offload a_s during its right part? Not into the loss split, not when B s2's time
-    // depends on an option, and only when the copy surely ends within the sweep Fn s+1 … Fn s2-1: its ticks
-    // rounded up, plus one tick per forward (each rounded to nearest), at most the sweep's ticks.
+    // May a split s -> s2 offload a_s during its right part? Not into the loss split, and not when B s2's time
+    // depends on an option. What the sweep Fn s+1 … Fn s2-1 does not hide of the copy, a `Wait s` pays.
     bool offloadable(int s, int t, bool given, int s2) const {
-        if (!offload_ || s < 1 || (!given && s2 == L_) || s2 >= t || c_.options_of(s2) > 0) return false;
-        const int64_t sweep = (fprefix_[s2] - fprefix_[s + 1]) >> count_bits_;
-        return (tc_[s] >> count_bits_) + (s2 - 1 - s) <= sweep;
+        return offload_ && s >= 1 && (given || s2 != L_) && s2 < t && c_.options_of(s2) == 0;
     }
 
-    // Least m of (s, t) at which the offload variant's prefetch and B s2 fit with a_s back on the device.
-    int64_t prefetch_need(int s2, bool given) const {
-        const int64_t lv = given ? 0 : c_.loss_value;
-        const int64_t held = c_.saved[s2] - c_.in_free[s2] + c_.size[s2 + 1] + lv;  // before B s2
-        return c_.size[s2] + std::max(held, held + c_.size[s2] + c_.bwd_tmp[s2]);
+    int64_t ticks(int64_t cost) const { return cost >> count_bits_; }
+
+    // Forward ticks of stages a … b-1 (each rounded to nearest by discretize).
+    int64_t forward_ticks(int a, int b) const {
+        int64_t x = 0;
+        for (int k = a; k < b; ++k) x += ticks(fci_[k]);
+        return x;
     }
 
-    // The stall of the left part's first op: the prefetch of a_s overlaps B s2 only.
-    double stall(int s, int s2) const { return static_cast<double>(std::max<int64_t>(0, tc_[s] - bci_[s2])); }
+    // Whether a copy of `copy` (a cost) issued before the forwards a … b-1 surely ends by their end: its ticks
+    // (rounded up) plus one per forward (rounded to nearest) at most theirs. Otherwise a wait follows them.
+    bool done_after(int64_t copy, int a, int b) const { return ticks(copy) + (b - a) <= forward_ticks(a, b); }
+
+    // The wait after the forwards a … b-1 for a copy issued before them (a cost).
+    int64_t front_stall(int64_t copy, int a, int b) const {
+        return std::max<int64_t>(0, ticks(copy) - forward_ticks(a, b)) << count_bits_;
+    }
+
+    int64_t prefetch_need(int s2, bool given) const { return rotor::prefetch_need(c_, s2, given); }
+
+    // The stalls of offloading a_s over s -> s2: the wait before the right part, and the left part's first op
+    // waiting for the prefetch, which overlaps B s2 only.
+    double stall(int s, int s2) const {
+        return static_cast<double>(front_stall(tc_[s], s + 1, s2) + std::max<int64_t>(0, tc_[s] - bci_[s2]));
+    }
 
     // May recording s (Fe s) in (s, t) move its saved part to host memory while (s+1, t) runs? Only when
     // (s+1, t) is a real subproblem (its last op is B s+1), stage s+1 has no options (B s+1's time is known),
@@ -280,6 +342,62 @@ class Solver {
         const int64_t before = c_.saved[s + 1] - c_.in_free[s + 1] + c_.size[s + 2] + lv;  // PrefetchSaved s
         const int64_t last = std::max(before, before + c_.size[s + 1] + c_.bwd_tmp[s + 1]);  // B s+1
         return std::max(fe_need(c_, s, t, given, 0), fe_shift(c_, s, 0) + std::max(first, last));
+    }
+
+    // A debt run of (s, t) (docs/planner.md, "Debts"): `Fe s, OffloadSaved s, Fe s+1 … Fe j-1, [WaitSaved s], (j, t),
+    // B j-1 … B s`, `PrefetchSaved s` before `B i` (i = j: before (j, t)'s last op). `need`: its least m but (j, t),
+    // read at m - shift; `cost`: its ops and stalls but (j, t).
+    struct Run {
+        int j, i;
+        int64_t need, shift;
+        double cost;
+        bool wait;
+    };
+
+    // The runs of (s, t) in the reference planner's order (j, then i ascending), into `out`; none when the part
+    // cannot move. The offload debt is paid by the forwards s+1 … j-1 (the part held during one that may start
+    // before the copy ends) and a wait; the prefetch debt by the backwards i … s+1, B s waiting for the rest.
+    // Runs stop at the first j whose forwards and backwards both hide the copy.
+    void runs(int s, int t, bool given, std::vector<Run>& out) const {
+        out.clear();
+        if (stc_.empty() || c_.offloadable[s] <= 0) return;
+        const int64_t part = c_.offloadable[s], copy = stc_[s], held = given ? c_.size[t] : 0;
+        const int64_t head = run_head(c_, s, t, given);
+        std::vector<int64_t> base(t + 1, 0);  // (s, t)'s frame to (k, t)'s, the part included
+        base[s + 1] = fe_shift(c_, s, 0);
+        for (int k = s + 1; k < t; ++k) base[k + 1] = base[k] + fe_shift(c_, k, 0);
+        int64_t front = head, ops = fci_[s] + bci_[s];
+        for (int j = s + 1; j <= t; ++j) {
+            if (j > s + 1) {  // Fe j-1, the part still there unless the copy surely ended before it started
+                const int k = j - 1;
+                const bool gone = done_after(copy, s + 1, k);
+                front = std::max(front, held + base[k] - (gone ? part : 0) + c_.saved[k] + c_.fwd_tmp[k]);
+                ops += fci_[k] + bci_[k];
+            }
+            const bool wait = !done_after(copy, s + 1, j);
+            int64_t need_j = front;
+            if (j == t && !given)  // the loss, the part away
+                need_j = std::max(need_j, base[t - 1] + c_.saved[t - 1] + c_.size[t] + c_.loss_tmp_graph -
+                                              c_.in_free[t - 1] - part);
+            const int last = (j < t && c_.options_of(j) == 0) ? j : j - 1;
+            const double fixed = static_cast<double>(ops + front_stall(copy, s + 1, j));
+            for (int i = s; i <= last; ++i) {
+                int64_t need = need_j, window = 0;
+                for (int k = s + 1; k <= std::min(i, j - 1); ++k) need = std::max(need, base[k] + b_peak(c_, k, given));
+                for (int k = std::max(i, s) + 1; k < j; ++k) need = std::max(need, base[k] - part + b_peak(c_, k, given));
+                if (i == j) {
+                    need = std::max({need, base[j] + before_b(c_, j, given), base[j] + b_peak(c_, j, given)});
+                } else if (i > s) {
+                    need = std::max(need, base[i] + before_b(c_, i, given));
+                }
+                for (int k = s + 1; k <= i; ++k) window += bci_[k];
+                const double cost = fixed + static_cast<double>(std::max<int64_t>(0, copy - window));
+                out.push_back({j, i, need, j < t ? base[j] - part : 0, cost, wait});
+            }
+            int64_t hidden = 0;
+            for (int k = s + 1; k < j; ++k) hidden += bci_[k];
+            if (!wait && hidden >= copy) break;
+        }
     }
 
     // The stall of B s: the saved part's prefetch overlaps B s+1 only.
@@ -428,6 +546,18 @@ class Solver {
                 }
             }
         }
+        // Debt runs: record s, its saved part moving while the forwards after it run (docs/planner.md, "Debts").
+        static thread_local std::vector<Run> found;  // scratch: fill runs on several threads
+        runs(s, t, given, found);
+        for (const Run& r : found) {
+            if (r.j == t) {
+                double* out = data_.data() + tab.offset - lo;
+                for (int64_t m = std::max(lo, r.need); m < hi; ++m) out[m] = std::min(out[m], r.cost);
+                continue;
+            }
+            const Table& sub = T(r.j, t, given);  // a_j recorded: "input any"
+            relax(tab, std::max({lo, r.need, sub.lo + r.shift}), hi, r.cost, sub, r.shift, nullptr);
+        }
         // Checkpoint s -> s2: Fc s, Fn s+1 … Fn s2-1, then right (s2, t), then left (s, s2).
         const int64_t held = given ? c_.size[t] : 0;
         const int last = given ? t - 1 : t;
@@ -495,6 +625,37 @@ class Solver {
         return true;
     }
 
+    // The ops of the first run of (s, t) reaching `target` at m, if one does (the reference's order).
+    bool emit_run(int s, int t, bool given, int64_t m, double target, std::vector<Op>& ops) {
+        std::vector<Run> found;
+        runs(s, t, given, found);
+        for (const Run& r : found) {
+            if (m < r.need) continue;
+            const double cand = r.cost + (r.j < t ? value(T(r.j, t, given), m - r.shift) : 0.0);
+            if (cand != target) continue;
+            ops.push_back({OpKind::Fe, s});
+            ops.push_back({OpKind::OffloadSaved, s});
+            for (int k = s + 1; k < r.j; ++k) ops.push_back({OpKind::Fe, k});
+            if (r.wait) ops.push_back({OpKind::WaitSaved, s});
+            if (r.j < t) {
+                emit(r.j, t, given, false, m - r.shift, ops);
+                if (r.i == r.j) {  // (j, t) ends with B j: the part comes back just before it
+                    ops.pop_back();
+                    ops.push_back({OpKind::PrefetchSaved, s});
+                    ops.push_back({OpKind::B, r.j});
+                }
+            } else if (!given) {
+                ops.push_back({OpKind::Loss, -1});
+            }
+            for (int k = r.j - 1; k >= s; --k) {
+                if (k == r.i) ops.push_back({OpKind::PrefetchSaved, s});
+                ops.push_back({OpKind::B, k});
+            }
+            return true;
+        }
+        return false;
+    }
+
     // Re-evaluate the choices at (s, t, m) and emit the ops of the first optimal one
     // (Fe first, then Fs s:1, s:2 …, then s2 ascending: the reference planner's order).
     // An offload follows the plain split of the same s2 (both planners' order).
@@ -528,6 +689,7 @@ class Solver {
             ops.push_back({OpKind::B, s});
             return;
         }
+        if (emit_run(s, t, given, m, target, ops)) return;
         const int64_t held = given ? c_.size[t] : 0;
         const int last = given ? t - 1 : t;
         int64_t run = 0;
@@ -562,6 +724,7 @@ class Solver {
             ops.push_back({OpKind::Fc, s});
             ops.push_back({OpKind::Offload, s});
             for (int j = s + 1; j < s2; ++j) ops.push_back({OpKind::Fn, j});
+            if (!done_after(tc_[s], s + 1, s2)) ops.push_back({OpKind::Wait, s});
             emit(s2, t, given, true, m - c_.size[s2] + c_.size[s], ops);
             ops.pop_back();  // the right part ends with B s2: a_s comes back just before it
             ops.push_back({OpKind::Prefetch, s});
@@ -573,20 +736,40 @@ class Solver {
     }
 };
 
-void emit_feasible(const MemChain& c, const Needs& n, int s, int t, bool given, int64_t m, std::vector<Op>& ops) {
+// A schedule of (s, t) within m exact units, walking the needs' tables: record if the memory allows, then move
+// stage s's saved part and wait for it, then the first split that fits (offloading a_s and waiting for it where
+// only that fits). `moves` must be the needs' own; `plain`: the caller holds a_s plain.
+void emit_feasible(const MemChain& c, const Needs& n, Moves moves, int s, int t, bool given, bool plain, int64_t m,
+                   std::vector<Op>& ops) {
     const int L = c.length();
     for (int o = 0; o <= c.options_of(s); ++o) {  // record all first, then the options in order
         int64_t fe = fe_need(c, s, t, given, o);
-        if (s + 1 < t) fe = std::max(fe, fe_shift(c, s, o) + (given ? n.g(s + 1, t) : n.pending[s + 1]));
+        if (s + 1 < t) fe = std::max(fe, fe_shift(c, s, o) + n.sub(s + 1, t, given));
         if (m < fe) continue;
         ops.push_back(o == 0 ? Op{OpKind::Fe, s} : Op{OpKind::Fs, s, o});
         if (s + 1 == t) {
             if (!given) ops.push_back({OpKind::Loss, -1});
         } else {
-            emit_feasible(c, n, s + 1, t, given, m - fe_shift(c, s, o), ops);
+            emit_feasible(c, n, moves, s + 1, t, given, false, m - fe_shift(c, s, o), ops);
         }
         ops.push_back({OpKind::B, s});
         return;
+    }
+    const int64_t part = moves.saved ? c.offloadable[s] : 0;
+    if (part > 0) {  // the shortest debt run: the part waited for at once, back before B s
+        int64_t need = run_head(c, s, t, given);
+        if (s + 1 < t) need = std::max(need, fe_shift(c, s, 0) - part + n.sub(s + 1, t, given));
+        if (!given && s + 1 == L) need = std::max(need, c.saved[s] + c.size[L] + c.loss_tmp_graph - c.in_free[s] - part);
+        if (m >= need) {
+            ops.insert(ops.end(), {{OpKind::Fe, s}, {OpKind::OffloadSaved, s}, {OpKind::WaitSaved, s}});
+            if (s + 1 < t) {
+                emit_feasible(c, n, moves, s + 1, t, given, false, m - fe_shift(c, s, 0) + part, ops);
+            } else if (!given) {
+                ops.push_back({OpKind::Loss, -1});
+            }
+            ops.insert(ops.end(), {{OpKind::PrefetchSaved, s}, {OpKind::B, s}});
+            return;
+        }
     }
     const int64_t held = given ? c.size[t] : 0;
     const int last = given ? t - 1 : t;
@@ -594,17 +777,28 @@ void emit_feasible(const MemChain& c, const Needs& n, int s, int t, bool given, 
     for (int s2 = s + 1; s2 <= last; ++s2) {
         run = std::max(run, run_step(c, s, s2));
         const bool loss = !given && s2 == L;
-        int64_t right = loss ? 2 * c.size[L] + c.loss_tmp : c.size[s2] + (given ? n.g(s2, t) : n.pending[s2]);
+        int64_t right = loss ? 2 * c.size[L] + c.loss_tmp : c.size[s2] + n.sub(s2, t, given, true);
         const int64_t lshift = given ? 0 : c.loss_value;
-        if (std::max({held + run, right, n.g(s, s2) + lshift}) > m) continue;
+        const int64_t left = n.g(s, s2, plain) + lshift;
+        const bool fits = std::max({held + run, right, left}) <= m;
+        const bool moved = !fits && plain && moves.values && s > 0 && !loss && c.options_of(s2) == 0 &&
+                           std::max({held + run, c.size[s2] - c.size[s] + n.sub(s2, t, given, true), left,
+                                     prefetch_need(c, s2, given)}) <= m;
+        if (!fits && !moved) continue;
         ops.push_back({OpKind::Fc, s});
+        if (moved) ops.push_back({OpKind::Offload, s});
         for (int j = s + 1; j < s2; ++j) ops.push_back({OpKind::Fn, j});
         if (loss) {
             ops.push_back({OpKind::Loss, -1});
+        } else if (moved) {
+            ops.push_back({OpKind::Wait, s});
+            emit_feasible(c, n, moves, s2, t, given, true, m - c.size[s2] + c.size[s], ops);
+            ops.back() = {OpKind::Prefetch, s};  // (s2, t) ends with B s2: a_s comes back just before it
+            ops.push_back({OpKind::B, s2});
         } else {
-            emit_feasible(c, n, s2, t, given, m - c.size[s2], ops);
+            emit_feasible(c, n, moves, s2, t, given, true, m - c.size[s2], ops);
         }
-        emit_feasible(c, n, s, s2, true, m - lshift, ops);
+        emit_feasible(c, n, moves, s, s2, true, plain, m - lshift, ops);
         return;
     }
     throw std::logic_error("planner: no feasible choice at stage " + std::to_string(s));
@@ -638,6 +832,18 @@ void check_chain(const MemChain& c) {
                                             std::to_string(k + 1) + "]");
 }
 
+// The chain with each saved part no larger than what stays charged for ā_{k+1} beyond the part of a_{k+1} that
+// Fe k+1 lets go (in_free[k+1]): a part never holds a_{k+1}'s storage (docs/memory-model.md, "Chain version 6"),
+// so a profiled chain always passes, and a reached subproblem then never has more memory than the budget.
+MemChain movable(const MemChain& chain) {
+    MemChain c = chain;
+    for (size_t k = 0; k < c.offloadable.size(); ++k) {
+        const int64_t freed = k + 1 < c.in_free.size() ? c.in_free[k + 1] : 0;
+        c.offloadable[k] = std::max<int64_t>(0, std::min(c.offloadable[k], c.saved[k] - freed));
+    }
+    return c;
+}
+
 }  // namespace
 
 int default_threads() {
@@ -662,24 +868,29 @@ Solution solve(const MemChain& chain, const std::vector<int64_t>& fwd_cost, cons
         for (int64_t x : *costs)
             if (x < 0 || (x & ((int64_t{1} << count_bits) - 1)) != 0)
                 throw std::invalid_argument("planner: a transfer cost must be >= 0 and carry no forward-op count");
-    Solver solver(chain, fwd_cost, bwd_cost, slots - chain.size[0], transfer_cost, count_bits, saved_transfer_cost);
+    const MemChain c = movable(chain);
+    Solver solver(c, fwd_cost, bwd_cost, slots - c.size[0], transfer_cost, count_bits, saved_transfer_cost);
     if (threads <= 0) threads = default_threads();
     return solver.run(threads);
 }
 
-int64_t min_budget(const MemChain& chain) {
+int64_t min_budget(const MemChain& chain, bool values) {
     check_chain(chain);
-    return chain.size[0] + compute_needs(chain, std::vector<int>(chain.length(), 0)).pending[0];
+    const Moves moves{values, values && !chain.offloadable.empty()};
+    const MemChain c = movable(chain);
+    return c.size[0] + compute_needs(c, std::vector<int>(c.length(), 0), moves).pending[0];
 }
 
-Solution feasible_schedule(const MemChain& chain, int64_t budget) {
+Solution feasible_schedule(const MemChain& chain, int64_t budget, bool values) {
     check_chain(chain);
     Solution out;
-    Needs n = compute_needs(chain, std::vector<int>(chain.length(), 0));
-    const int64_t m = budget - chain.size[0];
+    const Moves moves{values, values && !chain.offloadable.empty()};
+    const MemChain c = movable(chain);
+    Needs n = compute_needs(c, std::vector<int>(c.length(), 0), moves);
+    const int64_t m = budget - c.size[0];
     if (m < n.pending[0]) return out;
     out.feasible = true;
-    emit_feasible(chain, n, 0, chain.length(), false, m, out.ops);
+    emit_feasible(c, n, moves, 0, c.length(), false, false, m, out.ops);
     return out;
 }
 

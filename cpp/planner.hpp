@@ -20,7 +20,9 @@ enum class OpKind : int {
     Offload = 6,
     Prefetch = 7,
     OffloadSaved = 8,
-    PrefetchSaved = 9
+    PrefetchSaved = 9,
+    Wait = 10,      // compute idles until the copy of a_k ends (docs/memory-model.md, "Debts")
+    WaitSaved = 11  // the same for stage k's saved part
 };
 
 struct Op {
@@ -79,7 +81,10 @@ struct Solution {
 // right part (docs/planner.md, "Offloading"). Empty: exactly the tables and plans without it.
 // saved_transfer_cost: empty, or per stage the copy time of chain.offloadable[k] (as transfer_cost; needs
 // transfer_cost and chain.offloadable): then recording s may move its saved part to host memory while
-// (s+1, t) runs (`Fe s, OffloadSaved s, …, PrefetchSaved s, B s+1, B s`).
+// (s+1, t) runs (`Fe s, OffloadSaved s, …, PrefetchSaved s, B s+1, B s`), or over a debt run (`Fe s,
+// OffloadSaved s, Fe s+1 … Fe j-1, [WaitSaved s], (j, t), B j-1 … B s`, PrefetchSaved s before one of those
+// backwards; docs/planner.md, "Debts"). A split's offloaded input is waited for (`Wait s`) where its sweep
+// does not hide the copy. Each part is clamped to saved[k] - in_free[k+1] (what stays charged for ā_{k+1}).
 Solution solve(const MemChain& chain, const std::vector<int64_t>& fwd_cost,
                const std::vector<int64_t>& bwd_cost, int64_t slots, int threads = 0,
                const std::vector<int64_t>& transfer_cost = {}, int count_bits = 0,
@@ -88,12 +93,15 @@ Solution solve(const MemChain& chain, const std::vector<int64_t>& fwd_cost,
 // min(2, std::thread::hardware_concurrency()), at least 1.
 int default_threads();
 
-// Smallest budget (a_0 included) for which some persistent schedule exists.
-int64_t min_budget(const MemChain& chain);
+// Smallest budget (a_0 included) for which some persistent schedule exists. `values`: a channel exists
+// (bandwidth > 0), so kept inputs and the chain's offloadable saved parts may move to host memory, each
+// copy waited for where the memory needs it (docs/planner.md, "Debts"): the floor may then be lower.
+int64_t min_budget(const MemChain& chain, bool values = false);
 
-// A schedule that fits in `budget` (exact units), or infeasible when budget < min_budget.
-// Prefers recording (Fe) and short forward runs wherever memory allows. It walks min_budget's
-// tables, so it shares the DP's memory rules; plans are scored by lightning_rotor/simulate.py alone.
-Solution feasible_schedule(const MemChain& chain, int64_t budget);
+// A schedule that fits in `budget` (exact units), or infeasible when budget < min_budget(chain, values).
+// Prefers recording (Fe) and short forward runs wherever memory allows, then moving what may move. It
+// walks min_budget's tables, so it shares the DP's memory rules; plans are scored by
+// lightning_rotor/simulate.py alone.
+Solution feasible_schedule(const MemChain& chain, int64_t budget, bool values = false);
 
 }  // namespace rotor

@@ -76,7 +76,8 @@ def main() -> None:
         ax,
         3.1,
         0.36,
-        "Checkpointable (checkpointable.py): first call of a signature → pipeline; later calls → cached runner",
+        "Checkpointable (checkpointable.py): forward → route → chain state (chain_state.py: plans, budgets) "
+        "→ step budget (calls.py) → runner",
         LAYER,
     )
     band(ax, 1.5, 1.42, "pipeline.py: plain functions, data moves one way", "#f4f4f4")

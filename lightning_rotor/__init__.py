@@ -31,6 +31,7 @@ _HOMES = {
     "Chain": "chain",
     "ChainError": "chain",
     "Checkpointable": "checkpointable",
+    "RotorConfig": "config",
     "ChainDiverged": "discovery",
     "DiscoveryError": "discovery",
     "GuardFailed": "discovery",
@@ -71,6 +72,7 @@ __all__ = [
     "OpKind",
     "Plan",
     "RotorCallback",
+    "RotorConfig",
     "RotorDDPStrategy",
     "RotorFabricStrategy",
     "RotorStrategy",
@@ -108,6 +110,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from lightning_rotor.budget import BudgetError, format_bytes, parse_budget
     from lightning_rotor.chain import Chain, ChainError
     from lightning_rotor.checkpointable import Checkpointable
+    from lightning_rotor.config import RotorConfig
     from lightning_rotor.discovery import (
         ChainDiverged,
         DiscoveryError,

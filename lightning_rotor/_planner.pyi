@@ -33,6 +33,8 @@ def min_budget(
     in_free: list[int] | None = None,
     loss_value: int = 0,
     options: list[list[list[int]]] | None = None,
+    offload: bool = False,
+    offloadable: list[int] | None = None,
 ) -> int: ...
 def feasible_schedule(
     size: list[int],
@@ -46,4 +48,6 @@ def feasible_schedule(
     in_free: list[int] | None = None,
     loss_value: int = 0,
     options: list[list[list[int]]] | None = None,
+    offload: bool = False,
+    offloadable: list[int] | None = None,
 ) -> list[tuple[str, int] | tuple[str, int, int] | tuple[str]] | None: ...

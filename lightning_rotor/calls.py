@@ -38,7 +38,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -49,7 +49,20 @@ from lightning_rotor.ops import Op, OpKind
 from lightning_rotor.planner import InfeasibleBudget
 from lightning_rotor.simulate import simulate
 
-__all__ = ["Call", "InfeasibleStep", "StepCalls", "call_figures", "step_budgets", "step_minimum"]
+if TYPE_CHECKING:
+    from lightning_rotor.cache import PlanCache
+    from lightning_rotor.pipeline import Entry
+
+__all__ = [
+    "Call",
+    "InfeasibleStep",
+    "StepBudget",
+    "StepCalls",
+    "StepChain",
+    "call_figures",
+    "step_budgets",
+    "step_minimum",
+]
 
 GRID = 16  # budgets tried per call when planning a step's calls together (planning takes milliseconds)
 
@@ -161,7 +174,7 @@ def describe(value: Any) -> str:
 class StepCalls:
     """The calls of one chain in the current training step, and the step structures seen so far."""
 
-    pending: list[weakref.ref] = field(default_factory=list)
+    pending: list[weakref.ref[Call]] = field(default_factory=list)
     step: list[tuple[str, int]] = field(default_factory=list)  # (signature, budget) of this step's calls
     finished: list[tuple[tuple[str, int], ...]] = field(default_factory=list)  # ended steps not learned yet
     step_peak: int = 0  # predicted peak of the current step: max over its calls of held before + plan peak
@@ -243,3 +256,90 @@ class _Started:
 
     def __call__(self, grads: Any) -> None:
         self.calls.started(self.call)
+
+
+class StepChain(Protocol):
+    """What a step's budget reads of its chain, and asks of it (implemented by `chain_state.ChainState`)."""
+
+    budget: int | None  # the step's bytes: its first call's shape's
+
+    @property
+    def plans(self) -> PlanCache: ...
+
+    def no_recompute(self) -> bool:
+        """Nothing is recomputed, however many calls (an automatic budget off CUDA)."""
+        ...
+
+    def grow_share(self, structure: tuple[str, ...]) -> bool:
+        """A share of a budget shared with other chains that fits a step of `structure`'s calls; asked or not."""
+        ...
+
+    def share_name(self) -> str:
+        """The chain's name where it shares a budget with others ("" alone), for errors."""
+        ...
+
+
+class StepBudget:
+    """The budgets of one chain's calls in a training step (NOTE: [Several calls per step]): the step's pending
+    calls, the step structures seen so far and the budgets each of their calls first ran with."""
+
+    def __init__(self) -> None:
+        self.calls = StepCalls()  # this step's pending calls
+        self.structures: dict[tuple[str, ...], list[int]] = {}  # steps seen: signatures -> budgets first run
+        self.to_grow: list[tuple[str, ...]] = []  # steps of several calls a shared budget is not split for yet
+
+    def call_entry(self, chain: StepChain, key: str, primary: Entry, value: Any) -> tuple[Entry, Call, int]:
+        """The entry this call runs (`primary`: its signature's whole-budget entry), planned against the budget
+        less what pending calls hold; with the call to count as pending and its plan's peak.
+
+        Raises `InfeasibleStep` when the call cannot fit in what is left, before it runs.
+        """
+        plans = chain.plans
+        prefix = self.calls.begin()
+        for step in self.calls.take_finished():
+            structure = tuple(sig for sig, _ in step)
+            if structure not in self.structures and len(structure) > 1:
+                self.to_grow.append(structure)
+            self.structures.setdefault(structure, [b for _, b in step])
+        if self.to_grow and chain.grow_share(self.to_grow[-1]):
+            self.to_grow.clear()
+        budget, held = chain.budget or 0, self.calls.held()
+        what = f"call {len(prefix) + 1} of this step (input {describe(value)})"
+        if chain.no_recompute():  # an automatic CPU budget: nothing is recomputed, however many calls
+            chosen = budget
+        else:
+            chosen = self.budget_for_call(plans, prefix, key, budget - held, budget)
+            if chosen < plans.smallest(key) and chain.grow_share((*prefix, key)):
+                budget = chain.budget or 0
+                chosen = self.budget_for_call(plans, prefix, key, budget - held, budget)
+            if chosen < plans.smallest(key):
+                need = step_minimum((*prefix, key), plans.smallest_of((*prefix, key)), plans.figures)
+                self.calls.refused(key)
+                raise InfeasibleStep(what, budget, held, plans.smallest(key), need, chain.share_name())
+        entry = primary if chosen == budget else plans.entry_at(key, chosen)
+        pending, backward_peak = plans.call_figures(key, chosen)
+        call = Call(key, len(prefix), chosen, pending, backward_peak, budget, what)
+        return entry, call, entry.plan.peak
+
+    def budget_for_call(
+        self, plans: PlanCache, prefix: tuple[str, ...], key: str, available: int, budget: int | None
+    ) -> int:
+        """The budget of the next call after `prefix` (signatures of the step's calls so far), at most
+        `available`; `budget`: the step's."""
+        position = len(prefix)
+        wanted = []
+        for structure, tried in self.structures.items():
+            if len(structure) > position and structure[: position + 1] == (*prefix, key):
+                budgets = plans.learned_budgets(structure, budget, tried)
+                if budgets is not None:
+                    wanted.append(budgets[position])
+        if wanted:
+            return min(min(wanted), available)
+        if position == 0 and self.structures:
+            return available  # a new input signature: steps so far tell nothing, plan for the whole budget
+        return min(plans.smallest(key), available)  # the first step, or a call more: hold the least
+
+    def step_limit(self, budget: int | None, no_recompute: bool) -> int:
+        """The bytes a training step may hold, all its calls together: `budget`, or with nothing recomputed
+        (an automatic budget off CUDA) the step's predicted peak when larger."""
+        return max(budget or 0, self.calls.step_peak) if no_recompute else budget or 0

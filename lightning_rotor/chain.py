@@ -9,31 +9,29 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-CHAIN_VERSION = 6
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
 SIZE_FIELDS = ("out_size", "saved_size", "fwd_tmp", "bwd_tmp")
 SIGNED_FIELDS = ("bwd_tmp",)  # version 2: may be negative (autograd frees as it goes), down to -s_k
-OPTIONAL_FIELDS = (
-    "fwd_tmp_nograd",
-    "out_free",
-    "loss_tmp_kept",
-    "in_free",
-    "loss_value",
-    "frozen",
-    "options",
-    "bandwidth",
-    "host_limit",
-    "offloadable",
-)
-V2_FIELDS = ("out_free", "loss_tmp_kept")  # fields a version-1 file cannot have
-V3_FIELDS = ("in_free", "loss_value")  # fields a version-1 or version-2 file cannot have
-V4_FIELDS = ("frozen",)  # fields a file before version 4 cannot have
-V5_FIELDS = ("options",)  # fields a file before version 5 cannot have
-V6_FIELDS = ("bandwidth", "host_limit", "offloadable")  # fields a file before version 6 cannot have
+# NOTE: [chain versions] each version's new fields, the one table every version check reads: a file may hold
+# a field only from the version that added it on (`from_dict`), and a file says the oldest version that
+# holds all its fields (`to_dict`). A field's default gives the previous version's meaning.
+VERSION_FIELDS: dict[int, tuple[str, ...]] = {
+    1: ("fwd_tmp_nograd",),
+    2: ("out_free", "loss_tmp_kept"),  # released outputs, the loss on a kept output; bwd_tmp, loss_tmp signed
+    3: ("in_free", "loss_value"),  # released stage inputs, the loss value apart from the input
+    4: ("frozen",),  # a frozen prefix
+    5: ("options",),  # ways to record a stage beside recording all
+    6: ("bandwidth", "host_limit", "offloadable"),  # offloading
+}
+FIELD_VERSION = {name: version for version, names in VERSION_FIELDS.items() for name in names}
+OPTIONAL_FIELDS = tuple(FIELD_VERSION)
+CHAIN_VERSION = max(VERSION_FIELDS)
+READABLE_VERSIONS = tuple(VERSION_FIELDS)
+OLDEST_WRITTEN = 4  # files said version 4 before there were later ones; a file written says at least that
 OPTION_FIELDS = ("saved_size", "fwd_time", "bwd_time", "fwd_tmp", "bwd_tmp")  # required in each option
 TIME_FIELDS = ("fwd_time", "bwd_time")
 STAGE_FIELDS = SIZE_FIELDS + TIME_FIELDS
@@ -125,6 +123,28 @@ class StageOption:
         return data
 
 
+@dataclass(frozen=True)
+class StageProfile:
+    """One stage's figures: its entries of a `Chain`'s per-stage lists, which the `Chain` docstring and
+    docs/memory-model.md define. The profiler measures a chain stage by stage; `Chain.from_stages` gathers them."""
+
+    out_size: int
+    saved_size: int
+    fwd_time: float
+    bwd_time: float
+    fwd_tmp: int
+    bwd_tmp: int
+    fwd_tmp_nograd: int | None = None  # None: fwd_tmp
+    out_free: int = 0  # version 2
+    in_free: int = 0  # version 3
+    options: tuple[StageOption, ...] = ()  # version 5
+    offloadable: int = 0  # version 6
+    name: str | None = None  # None: `stage{k}`
+
+
+STAGE_COLUMNS = tuple(f.name for f in fields(StageProfile) if f.name != "name")  # a Chain's per-stage lists
+
+
 def _check_option(value: Any, where: str, s_in: int, s_out: int, in_free_next: int) -> StageOption:
     """A stage option from its JSON object or a `StageOption`, checked like the stage's own figures."""
     if isinstance(value, StageOption):
@@ -162,6 +182,21 @@ def _check_option(value: Any, where: str, s_in: int, s_out: int, in_free_next: i
         out_free=out_free,
         name=name,
     )
+
+
+def _check_version_holds(data: dict[str, Any], version: int) -> None:
+    """A file of `version` holds no field a later version added (NOTE: [chain versions]); version 1's transients
+    are non-negative (nothing of a recorded output is released, autograd's early frees are not counted)."""
+    for newer in range(CHAIN_VERSION, version, -1):
+        added = [name for name in VERSION_FIELDS[newer] if name in data]
+        if added:
+            raise ChainError(
+                f"field(s) {', '.join(added)} need chain version {newer}; this file says version {version}"
+            )
+    if version == 1:
+        for k, v in enumerate(data["bwd_tmp"] if isinstance(data["bwd_tmp"], (list, tuple)) else []):
+            _check_size(v, f"bwd_tmp[{k}]")
+        _check_size(data.get("loss_tmp", 0), "loss_tmp")
 
 
 @dataclass
@@ -236,6 +271,20 @@ class Chain:
     offloadable: list[int] = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
+        length = self._check_stage_columns()
+        sizes = self._check_sizes(length)
+        self._check_out_free(length)
+        self.loss_value = _check_size(self.loss_value, "loss_value")
+        self._check_frozen(length)
+        self._check_in_free(length)
+        self._check_options(length, sizes)
+        self._check_transfer(length)
+        self._check_totals(length)
+        self._check_names(length)
+
+    def _check_stage_columns(self) -> int:
+        """The number of stages; every required per-stage list has one valid entry per stage (`bwd_tmp` aside,
+        checked against the sizes in `_check_sizes`)."""
         length = len(self.out_size) if isinstance(self.out_size, (list, tuple)) else None
         if length is None:
             raise ChainError(f"out_size must be a list, got {type(self.out_size).__name__}")
@@ -254,6 +303,10 @@ class Chain:
                 continue  # checked below, against the sizes
             check = _check_size if name in SIZE_FIELDS else _check_time
             setattr(self, name, [check(v, f"{name}[{k}]") for k, v in enumerate(values)])
+        return length
+
+    def _check_sizes(self, length: int) -> list[int]:
+        """`s_0 … s_L`, after checking `fwd_tmp_nograd`, `input_size` and the signed transients against them."""
         self.fwd_tmp_nograd = _optional_sizes(self.fwd_tmp_nograd, "fwd_tmp_nograd", list(self.fwd_tmp))
         self.input_size = _check_size(self.input_size, "input_size")
         sizes = self.sizes
@@ -263,6 +316,9 @@ class Chain:
             self.loss_tmp_kept = self.loss_tmp
         else:
             self.loss_tmp_kept = _check_signed(self.loss_tmp_kept, "loss_tmp_kept", -sizes[-1])
+        return sizes
+
+    def _check_out_free(self, length: int) -> None:
         self.out_free = _optional_sizes(self.out_free, "out_free", [0] * length)
         for k in range(length):
             if self.out_free[k] > min(self.out_size[k], self.saved_size[k]):
@@ -270,12 +326,16 @@ class Chain:
                     f"out_free[{k}]={self.out_free[k]} is larger than out_size[{k}]={self.out_size[k]} "
                     f"or saved_size[{k}]={self.saved_size[k]}; only the stage's own output is released"
                 )
-        self.loss_value = _check_size(self.loss_value, "loss_value")
+
+    def _check_frozen(self, length: int) -> None:
         if isinstance(self.frozen, bool) or not isinstance(self.frozen, int) or not 0 <= self.frozen < length:
             raise ChainError(
                 f"frozen must be an integer from 0 to {length - 1} (the stages before the first one that "
                 f"needs a backward; at least the last stage does), got {self.frozen!r}"
             )
+
+    def _check_in_free(self, length: int) -> None:
+        """`in_free[k]` within `a_k`, and within what the graph of stage `k-1` does not keep (NOTE: version 3)."""
         self.in_free = _optional_sizes(self.in_free, "in_free", [0] * length)
         if self.in_free[0] > self.input_size:
             raise ChainError(
@@ -294,6 +354,8 @@ class Chain:
                     f"{self.out_free[k - 1]}: bytes of a_{k} neither graph keeps are among those the "
                     f"graph of stage {k - 1} does not keep"
                 )
+
+    def _check_options(self, length: int, sizes: list[int]) -> None:
         if self.options is None:
             self.options = [[] for _ in range(length)]
         if not isinstance(self.options, (list, tuple)) or len(self.options) != length:
@@ -310,6 +372,9 @@ class Chain:
                 ]
             )
         self.options = checked
+
+    def _check_transfer(self, length: int) -> None:
+        """The transfer channel and what may move over it (version 6)."""
         bandwidth = self.bandwidth
         if isinstance(bandwidth, bool) or not isinstance(bandwidth, (int, float)) or not 0 <= bandwidth < math.inf:
             raise ChainError(
@@ -325,6 +390,9 @@ class Chain:
                     f"offloadable[{k}]={self.offloadable[k]} is larger than saved_size[{k}]={self.saved_size[k]}: "
                     "only bytes the graph of Fe k saves can move to host memory"
                 )
+
+    def _check_totals(self, length: int) -> None:
+        """All sizes together within what the planner adds exactly, all times within its time scale."""
         total = (
             self.input_size
             + self.loss_value
@@ -346,6 +414,8 @@ class Chain:
                 f"the chain's times are too large: {length} x Σ fwd_time + Σ bwd_time = {horizon:g} s; "
                 f"at most {MAX_SECONDS:g} s is accepted"
             )
+
+    def _check_names(self, length: int) -> None:
         if self.names is None or (isinstance(self.names, (list, tuple)) and not self.names):
             self.names = [f"stage{k}" for k in range(length)]
         if not isinstance(self.names, (list, tuple)) or len(self.names) != length:
@@ -353,6 +423,45 @@ class Chain:
         if not all(isinstance(n, str) for n in self.names):
             raise ChainError("names must be strings")
         self.names = list(self.names)
+
+    @classmethod
+    def from_stages(
+        cls,
+        stages: Sequence[StageProfile],
+        *,
+        input_size: int,
+        loss_tmp: int = 0,
+        loss_tmp_kept: int | None = None,
+        loss_value: int = 0,
+        frozen: int = 0,
+        bandwidth: float = 0.0,
+        host_limit: int | None = None,
+    ) -> Chain:
+        """The chain of `stages`, in order, with the figures that belong to the whole chain; checked as any chain."""
+        columns: dict[str, Any] = {name: [getattr(s, name) for s in stages] for name in STAGE_COLUMNS}
+        columns["fwd_tmp_nograd"] = [s.fwd_tmp if s.fwd_tmp_nograd is None else s.fwd_tmp_nograd for s in stages]
+        columns["options"] = [list(s.options) for s in stages]
+        return cls(
+            input_size=input_size,
+            loss_tmp=loss_tmp,
+            names=[f"stage{k}" if s.name is None else s.name for k, s in enumerate(stages)],
+            loss_tmp_kept=loss_tmp if loss_tmp_kept is None else loss_tmp_kept,
+            loss_value=loss_value,
+            frozen=frozen,
+            bandwidth=bandwidth,
+            host_limit=host_limit,
+            **columns,
+        )
+
+    @property
+    def stages(self) -> list[StageProfile]:
+        """Per stage, its figures as one record (`from_stages` gathers them back into this chain)."""
+        columns = {name: getattr(self, name) for name in STAGE_COLUMNS}
+        columns["options"] = [tuple(opts) for opts in self.options]
+        return [
+            StageProfile(name=name, **{column: values[k] for column, values in columns.items()})
+            for k, name in enumerate(self.names)
+        ]
 
     @property
     def length(self) -> int:
@@ -485,30 +594,7 @@ class Chain:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ChainError(f"unknown chain field(s) {', '.join(unknown)}; known fields: {', '.join(sorted(known))}")
-        if version < 6:
-            v6 = [k for k in V6_FIELDS if k in data]
-            if v6:
-                raise ChainError(f"field(s) {', '.join(v6)} need chain version 6; this file says version {version}")
-        if version < 5:
-            v5 = [k for k in V5_FIELDS if k in data]
-            if v5:
-                raise ChainError(f"field(s) {', '.join(v5)} need chain version 5; this file says version {version}")
-        if version < 4:
-            v4 = [k for k in V4_FIELDS if k in data]
-            if v4:
-                raise ChainError(f"field(s) {', '.join(v4)} need chain version 4; this file says version {version}")
-        if version < 3:
-            v3 = [k for k in V3_FIELDS if k in data]
-            if v3:
-                raise ChainError(f"field(s) {', '.join(v3)} need chain version 3; this file says version {version}")
-        if version == 1:
-            # version 1: transients are non-negative and nothing of a recorded output is released
-            v2 = [k for k in V2_FIELDS if k in data]
-            if v2:
-                raise ChainError(f"field(s) {', '.join(v2)} need chain version 2; this file says version 1")
-            for k, v in enumerate(data["bwd_tmp"] if isinstance(data["bwd_tmp"], (list, tuple)) else []):
-                _check_size(v, f"bwd_tmp[{k}]")
-            _check_size(data.get("loss_tmp", 0), "loss_tmp")
+        _check_version_holds(data, version)
         return cls(
             input_size=data["input_size"],
             loss_tmp=data.get("loss_tmp", 0),
@@ -517,18 +603,21 @@ class Chain:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        data = {
-            # a file says the oldest version that holds it, so older readers still load it
-            "version": CHAIN_VERSION
-            if self.bandwidth or self.host_limit is not None or any(self.offloadable)
-            else 5
-            if any(self.options)
-            else 4,
+        data: dict[str, Any] = {
+            "version": OLDEST_WRITTEN,
             "names": list(self.names),
             "input_size": self.input_size,
             **{name: list(getattr(self, name)) for name in STAGE_FIELDS},
             "loss_tmp": self.loss_tmp,
+            **self._optional_dict(),
         }
+        # a file says the oldest version that holds it, so older readers still load it (NOTE: [chain versions])
+        data["version"] = max(OLDEST_WRITTEN, *(FIELD_VERSION.get(name, 1) for name in data))
+        return data
+
+    def _optional_dict(self) -> dict[str, Any]:
+        """The optional fields that differ from their defaults (the previous version's meaning), as written."""
+        data: dict[str, Any] = {}
         if self.fwd_tmp_nograd != self.fwd_tmp:
             data["fwd_tmp_nograd"] = list(self.fwd_tmp_nograd)
         if any(self.out_free):

@@ -21,9 +21,9 @@ solve the very same problem and their optima can be compared exactly.
 - Transfers (chain version 6, `bandwidth > 0`): `transfer_cost[k]` is the time to copy `a_k`
   between device and host, in ticks rounded *up* (so the planner's "the offload ends within
   the forward sweep" is never optimistic) and shifted like a backward's cost (no forward op).
-  The planner only lets a transfer's stall last as long as the forward sweep it overlaps, so
-  stalls at most double a schedule's time: the time scale's bound is doubled, and costs stay
-  below 2**53. Without bandwidth nothing here changes.
+  Every stall (a `Wait`, or an op waiting for a prefetch) lasts at most one copy, capped at
+  `copy_cap`, and a schedule has a bounded number of them: the time scale's bound counts them,
+  and costs stay below 2**53. Without bandwidth nothing here changes.
 - Saved parts (chain version 6, `offloadable`): `offloadable[k]` leaves the device while the part is
   on the host, so it is a release and rounded *down*; `saved_transfer_cost[k]` is its copy time as
   `transfer_cost`. Each record's stall is at most the forward it follows (stage k+1's), so all of them
@@ -109,8 +109,9 @@ def time_scale(chain: Chain) -> tuple[int, float]:
     count_bits = most_forward_ops.bit_length()
     time_bits = 51 - count_bits
     bound = length * math.fsum(chain.slowest_fwd_time) + math.fsum(chain.slowest_bwd_time)
-    if chain.offloads:  # each stall is at most the forward sweep it follows (docs/planner.md, "Offloading")
-        bound *= 3 if any(chain.offloadable) else 2  # saved parts' stalls: at most every forward once more
+    if chain.offloads:  # every stall is at most one copy, capped at copy_cap (docs/planner.md, "Debts")
+        stalls = 2 * most_forward_ops + 3 * length  # two per value offloaded (one per Fc at most), three per record
+        bound += stalls * copy_cap(chain)
     tick = bound / 2**time_bits if bound > 0 else 1.0
     return count_bits, tick
 
@@ -118,8 +119,7 @@ def time_scale(chain: Chain) -> tuple[int, float]:
 def transfer_costs(chain: Chain, count_bits: int, tick: float) -> list[int]:
     """Per value `a_0 … a_L`, its copy time in ticks rounded up, shifted by `count_bits`; [] without bandwidth.
 
-    A copy longer than every forward together can never be hidden by a sweep, so its ticks are capped
-    just above that sum: the planner never offloads it, and the cost stays far below 2**53.
+    The time scale counts every possible stall at `copy_cap`, so costs stay below 2**53.
     """
     if not chain.offloads:
         return []
@@ -133,9 +133,16 @@ def saved_transfer_costs(chain: Chain, count_bits: int, tick: float) -> list[int
     return _copy_costs(chain, chain.offloadable, count_bits, tick)
 
 
+def copy_cap(chain: Chain) -> float:
+    """Seconds no copy exceeds: the largest value or saved part over the bandwidth. Each stall (a wait, an op waiting
+    for a prefetch) lasts at most one copy; copies are never capped, so "the copy surely ended" is never optimistic
+    (a copy thousands of times a stage's time coarsens the ticks instead)."""
+    largest = max([*chain.sizes, *chain.offloadable], default=0)
+    return largest / chain.bandwidth if chain.offloads else 0.0
+
+
 def _copy_costs(chain: Chain, sizes: list[int], count_bits: int, tick: float) -> list[int]:
-    cap = sum(round(t / tick) for t in chain.fwd_time) + chain.length + 1
-    return [math.ceil(min(s / chain.bandwidth / tick, cap)) << count_bits for s in sizes]
+    return [math.ceil(s / chain.bandwidth / tick) << count_bits for s in sizes]
 
 
 def check_slots(slots: object) -> int | None:

@@ -18,12 +18,14 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager, nullcontext
-from typing import Any
+from dataclasses import replace
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 from torch.utils.checkpoint import checkpoint
+from typing_extensions import assert_never
 
 from lightning_rotor._torch_compat import (
     backward_is_full,
@@ -52,7 +54,7 @@ from lightning_rotor.engine import (
     versions,
 )
 from lightning_rotor.offload import SavedPart, TransferChannel, Transfers, buffer_sizes
-from lightning_rotor.ops import Op, OpKind, check_frozen_prefix, last_forwards, parse_ops, recomputed_stage_set
+from lightning_rotor.ops import Op, OpKind, OpNote, annotate, check_frozen_prefix, parse_ops, recomputed_stage_set
 from lightning_rotor.rng import GeneratorWatch, RecordRandom, ReplayFrom, ReplayRandom, Rewind, alone
 from lightning_rotor.selective import run_selective
 from lightning_rotor.stages import SideInputs
@@ -85,6 +87,16 @@ from lightning_rotor.stages import SideInputs
 # graph root first, so the sum is in the node's buffer before stage k's contributions are added to it,
 # one by one, as in plain autograd. Joined backwards (several stages' contributions in one buffer each)
 # and reruns inside a backward (early stop, options) are not used with side inputs.
+
+
+class OpMarks(Protocol):
+    """What the runner asks of a probe (`memory.MemoryProbe`, `memory.CudaMemoryProbe`): count the tensors that
+    existed before the step (the chain input), and remember the bytes alive after each op under its label."""
+
+    def track(self, *tensors: Any) -> None: ...
+
+    def mark(self, label: str) -> None: ...
+
 
 _JOINED = "joined"  # a stage's entry when its input is a_k straight from stage k-1's graph
 
@@ -129,7 +141,7 @@ class _Autocast:
 class _Step:
     """Everything one training step holds: values, graphs, gradients, RNG states."""
 
-    def __init__(self, runner: PlanRunner, value: Any, probe: Any):
+    def __init__(self, runner: PlanRunner, value: Any, probe: OpMarks | None):
         self.runner = runner
         self.probe = probe
         self.plain: dict[int, Any] = {0: value}  # a_k without graph
@@ -153,15 +165,18 @@ class _Step:
         # side inputs (NOTE: [side inputs]): the call's side tensors (detached), per recorded stage the tensors it
         # read in their place (and the slot catching their gradient), and their gradient summed so far
         self.sides: list[torch.Tensor] = []
-        self.side_entries: dict[int, tuple[list, tuple]] = {}
+        self.side_entries: dict[int, tuple[list[Any], Sequence[torch.Tensor]]] = {}
         self.side_grads: list[torch.Tensor | None] = []
         self.input_node: tuple[Any, int] | None = None  # EnterStage's node of a_0 for B 0, and its inputs
         # per tensor of a_0: its gradient in parts, one per use in stage 0 (NOTE: [a run's input gradient in parts])
         self.input_parts: list[list[torch.Tensor]] | None = None
 
+    def mark_label(self, label: str) -> None:
+        if self.probe is not None:
+            self.probe.mark(label)
+
     def mark(self, op: Op) -> None:
-        if self.probe is not None and hasattr(self.probe, "mark"):
-            self.probe.mark(op.label)
+        self.mark_label(op.label)
 
     # -- forward ops ----------------------------------------------------------------------
     def _input(self, k: int, kind: OpKind) -> Any:
@@ -171,7 +186,7 @@ class _Step:
             return self.plain[k]
         if kind is not OpKind.FN and k in self.graph:
             return self.graph[k][1]
-        raise RuntimeError(f"executor bug: a_{k} is not held for {Op(kind, k).label}")
+        raise RuntimeError(f"executor bug: a_{k} is not held for {kind.value} {k}")
 
     def _kept_input(self, k: int, src: Any) -> tuple[Any, Any]:
         """(entry, input) for a stage whose input `a_k` the plan keeps beyond this forward.
@@ -198,9 +213,41 @@ class _Step:
             self.input_node = (get_gradient_edge(entered[0]).node, len(entered)) if entered else None
         return entry, inp
 
-    def forward_op(self, kind: OpKind, k: int, last: bool = False, pack: bool = False) -> None:
-        """Run `kind` on stage k; `last`: this `Fe k` is stage k's last forward before `B k` (k >= 1);
-        `pack`: an `OffloadSaved k` moves what this `Fe k` saves (recorded behind handles, `SavedPart`).
+    @contextmanager
+    def _stage_run(self, k: int, remember: bool) -> Iterator[None]:
+        """Around every forward of stage k: a recomputed stage's first run is remembered (its random draws,
+        its buffers), every later run replays it (`_replay`); `remember`: this stage is recomputed."""
+        stage = self.runner.stages[k]
+        first = k not in self.ran
+        with ExitStack() as stack:
+            stack.enter_context(no_cast_cache())
+            if first:
+                self.ran.add(k)
+                if remember:
+                    self._remember(k, stage, stack)
+            else:
+                self._replay(k, stage, stack)
+            yield
+        if first and remember:
+            self._find_mutated(k, stage)
+            self._learn_quiet(k)
+
+    def forward_nograd(self, k: int, forget: bool) -> None:
+        """`Fn k` (`forget`: a_k goes after, never a_0) and `Fc k`: a_{k+1} held plain, no graph."""
+        stage, name = self.runner.stages[k], self.runner.names[k]
+        src = self._input(k, OpKind.FN if forget else OpKind.FC)
+        with self._stage_run(k, k in self.runner.recomputed):
+            before = versions(src)
+            with torch.no_grad(), self._sides(k, record=False):
+                out = stage(src)
+            self.plain[k + 1] = out
+            check_inplace(before, src, k, name)
+        if forget and k != 0:
+            del self.plain[k]
+
+    def record(self, k: int, last: bool, pack: bool) -> None:
+        """`Fe k`: ā_{k+1} held with stage k's graph. `last`: stage k's last forward before `B k` (k >= 1);
+        `pack`: an `OffloadSaved k` moves what it saves (recorded behind handles, `SavedPart`).
 
         After the last forward, the executor lets go of `a_k`: the stage's graph holds
         what it saved, the rest is freed (chain version 3, `in_free`). A recorded `a_k`
@@ -209,67 +256,72 @@ class _Step:
         stage through `EnterStage`, which keeps nothing.
         """
         stage, name = self.runner.stages[k], self.runner.names[k]
-        src = self._input(k, kind)
-        first = k not in self.ran
-        with ExitStack() as stack:
-            stack.enter_context(no_cast_cache())
-            if first:
-                self.ran.add(k)
-                if k in self.runner.recomputed:
-                    self._remember(k, stage, stack)
-            else:
-                self._replay(k, stage, stack)
+        src = self._input(k, OpKind.FE)
+        with self._stage_run(k, k in self.runner.recomputed):
             before = versions(src)
-            if kind is OpKind.FE or kind is OpKind.FS:
-                recorded = k not in self.plain
-                # Fs k:o (chain version 5): the option's graph keeps a_k to rerun the stage, so nothing is let go
-                last = last and kind is OpKind.FE and (recorded or self.runner.releases_plain(k))
-                if not last:
-                    entry, inp = self._kept_input(k, src)
-                elif k == self.runner.frozen > 0:  # a_F: no gradient wanted; nothing but stage F's graph keeps it
-                    entry, inp = _Caught([False] * len(tensors_of(src))), detach_value(src, False)
-                elif recorded and k in self.runner.joinable:
-                    entry, inp = _JOINED, compact_gradients(src, self.carried.get(k))
-                    self.joined.add(k)
-                    self.joined_edges[k] = output_edges(src)  # where δ_k enters stage k-1: B k is done
-                else:
-                    entry = _Caught([differentiable(t) for t in tensors_of(src)])  # EnterStage's slot: δ_k lands here
-                    inp = None
-                with torch.enable_grad(), self._sides(k, record=True):
-                    if inp is None:
-                        inp = enter_stage(src, entry, self.dummy, entry.wanted, compact=False)
-                    if pack:
-                        part = SavedPart(k, [*stage.parameters(), *stage.buffers()])
-                        with part.recording():
-                            out = stage(inp)
-                        part.settle(src, out)  # a_k still held: what can move is settled now, as when profiled
-                        self.saved_parts[k] = part
-                        del part
-                    else:
-                        out = stage(inp) if kind is OpKind.FE else run_selective(stage, inp, self._redraw(k), name)
-                self.carried[k + 1] = carried_through(inp, out)
-                del inp
-                self.graph[k + 1] = (entry, out)
-                if last:
-                    if recorded:  # keep a_k's graph node, not its value
-                        entry_k, value = self.graph[k]
-                        if value is not None:
-                            if entry is not _JOINED:  # joined: B k-1 runs inside B k's call, from no edges of its own
-                                self.released[k] = output_edges(value)
-                            self.graph[k] = (entry_k, None)
-                        del value
-                    else:
-                        del self.plain[k]
-            else:
-                with torch.no_grad(), self._sides(k, record=False):
-                    out = stage(src)
-                self.plain[k + 1] = out
+            recorded = k not in self.plain
+            last = last and (recorded or self.runner.releases_plain(k))
+            entry, inp = self._record_entry(k, src, last, recorded)
+            with torch.enable_grad(), self._sides(k, record=True):
+                if inp is None:
+                    assert isinstance(entry, _Caught)  # only a caught entry enters the stage here
+                    inp = enter_stage(src, entry, self.dummy, entry.wanted, compact=False)
+                out = self._record_packed(k, inp, src) if pack else stage(inp)
+            self.carried[k + 1] = carried_through(inp, out)
+            del inp
+            self.graph[k + 1] = (entry, out)
+            if last:
+                self._let_go_input(k, entry, recorded)
             check_inplace(before, src, k, name)
-        if first and k in self.runner.recomputed:
-            self._find_mutated(k, stage)
-            self._learn_quiet(k)
-        if kind is OpKind.FN and k != 0:
+
+    def record_option(self, k: int) -> None:
+        """`Fs k:1` (chain version 5): stage k recorded by option 1 (sac, `run_selective`); its graph keeps
+        a_k to rerun the stage in `B k`, so nothing is let go."""
+        stage, name = self.runner.stages[k], self.runner.names[k]
+        src = self._input(k, OpKind.FS)
+        with self._stage_run(k, k in self.runner.recomputed):
+            before = versions(src)
+            entry, inp = self._kept_input(k, src)
+            with torch.enable_grad(), self._sides(k, record=True):
+                out = run_selective(stage, inp, self._redraw(k), name)
+            self.carried[k + 1] = carried_through(inp, out)
+            del inp
+            self.graph[k + 1] = (entry, out)
+            check_inplace(before, src, k, name)
+
+    def _record_entry(self, k: int, src: Any, last: bool, recorded: bool) -> tuple[Any, Any]:
+        """(entry, input) of `Fe k`; input None: `EnterStage` makes it inside the recording."""
+        if not last:
+            return self._kept_input(k, src)
+        if k == self.runner.frozen > 0:  # a_F: no gradient wanted; nothing but stage F's graph keeps it
+            return _Caught([False] * len(tensors_of(src))), detach_value(src, False)
+        if recorded and k in self.runner.joinable:
+            inp = compact_gradients(src, self.carried.get(k))
+            self.joined.add(k)
+            self.joined_edges[k] = output_edges(src)  # where δ_k enters stage k-1: B k is done
+            return _JOINED, inp
+        return _Caught([differentiable(t) for t in tensors_of(src)]), None  # EnterStage's slot: δ_k lands here
+
+    def _record_packed(self, k: int, inp: Any, src: Any) -> Any:
+        """Record stage k with what it saves behind handles, for the `OffloadSaved k` that moves it."""
+        stage = self.runner.stages[k]
+        part = SavedPart(k, [*stage.parameters(), *stage.buffers()])
+        with part.recording():
+            out = stage(inp)
+        part.settle(src, out)  # a_k still held: what can move is settled now, as when profiled
+        self.saved_parts[k] = part
+        return out
+
+    def _let_go_input(self, k: int, entry: Any, recorded: bool) -> None:
+        """After stage k's last forward: a recorded a_k keeps its graph node, not its value; a plain one goes."""
+        if not recorded:
             del self.plain[k]
+            return
+        entry_k, value = self.graph[k]
+        if value is not None:
+            if entry is not _JOINED:  # joined: B k-1 runs inside B k's call, from no edges of its own
+                self.released[k] = output_edges(value)
+            self.graph[k] = (entry_k, None)
 
     @contextmanager
     def _sides(self, k: int, record: bool) -> Iterator[None]:
@@ -314,14 +366,7 @@ class _Step:
         """
         stage, name = self.runner.stages[k], self.runner.names[k]
         src = self._input(k, OpKind.FC)
-        first = k not in self.ran
-        with ExitStack() as stack:
-            stack.enter_context(no_cast_cache())
-            if first:
-                self.ran.add(k)
-                self._remember(k, stage, stack)
-            else:
-                self._replay(k, stage, stack)
+        with self._stage_run(k, remember=True):  # an early stage is recomputed: its Fe k follows
             before = versions(src)
             entry, inp = self._kept_input(k, src)
             flat, spec = tree_flatten(inp)
@@ -344,9 +389,6 @@ class _Step:
             self.plain[k + 1] = detach_value(out, False)
             del out
             check_inplace(before, src, k, name)
-        if first:
-            self._find_mutated(k, stage)
-            self._learn_quiet(k)
 
     @contextmanager
     def _recomputing(self, k: int) -> Iterator[None]:
@@ -392,6 +434,14 @@ class _Step:
         its copy when they unpack it (CUDA), so `B k+1` before it overlaps the copy."""
         assert self.transfers is not None  # set whenever the plan has transfers
         self.transfers.prefetch_saved(k)
+
+    def wait(self, op: Op, saved: bool) -> None:
+        """`Wait k` / `WaitSaved k`: the offload of a_k (of stage k's saved part) has ended before the next op,
+        so its device memory may be reused (docs/memory-model.md, "Debts"); CUDA: the host waits for the copy."""
+        if self.transfers is None:
+            raise RuntimeError(f"executor bug: {op.label} in a plan without transfers")
+        assert op.stage is not None  # waits name a stage
+        self.transfers.wait(op.stage, saved=saved)
 
     def _redraw(self, k: int) -> Any:
         """How an `Fs k` rerun inside its backward replays the stage's random draws: as a recomputation of
@@ -496,8 +546,8 @@ class _Step:
         if slot:  # the sums, one per side tensor (None where nothing reached it: the sum so far stays)
             self.side_grads = [new if new is not None else old for new, old in zip(slot, self.side_grads, strict=True)]
         del slot
-        for label in unmarked:
-            self.probe.mark(label)
+        for label in unmarked:  # only with a probe (`_mark_done`)
+            self.mark_label(label)
         del edges
         if isinstance(entry, _Caught):
             self.grads[bottom] = entry.deltas()  # caught by EnterStage
@@ -526,14 +576,15 @@ class _Step:
         reaches stage i-1's graph. Returns the hook handles, the marks still to make after the
         call (no graph below `B i`), and the mark of `B k` (made once δ_{k+1} is freed).
         """
-        if len(run) == 1 or self.probe is None or not hasattr(self.probe, "mark"):
+        probe = self.probe
+        if len(run) == 1 or probe is None:
             return [], [], None
         handles: list[Any] = []
         pending: list[str] = []
 
         def mark_until(label: str) -> None:
             while label in pending:  # marks stay in op order: any skipped come first
-                self.probe.mark(pending.pop(0))
+                probe.mark(pending.pop(0))
 
         for i in run[:-1]:
             label = Op(OpKind.B, i).label
@@ -547,59 +598,53 @@ class _Step:
         top = Op(OpKind.B, run[0]).label
         return handles, pending, lambda: mark_until(top)
 
-    def run(
-        self,
-        ops: Sequence[Op],
-        last: Sequence[bool] | None = None,
-        pack: Sequence[bool] | None = None,
-        early: Sequence[bool] | None = None,
-    ) -> None:
-        """Run `ops`; `last[i]`: op i is its stage's last forward before its backward (`ops.last_forwards`);
-        `pack[i]`: op i is an `Fe` whose saved part an `OffloadSaved` moves; `early[i]`: op i is an `Fc`
-        run with early-stopping recomputation, or the `Fe` it makes unneeded (`early_stops`)."""
-        i, n = 0, len(ops)
-        last = last or [False] * n
-        pack = pack or [False] * n
-        early = early or [False] * n
-        while i < n:
-            op = ops[i]
-            kind = op.kind
-            if early[i]:
-                if kind is OpKind.FC:
-                    self.early_forward(op.stage)
-                # an Fe: B k recomputes the stage itself, with early stop
-                self.mark(op)
-                i += 1
-            elif kind is OpKind.FN or kind is OpKind.FC or kind is OpKind.FE or kind is OpKind.FS:
-                if kind is OpKind.FS and op.option != 1:
+    def run(self, notes: Sequence[OpNote]) -> None:
+        """Run the ops of `notes` in order (a `B k` may run the `B` ops after it too: joined backwards)."""
+        i = 0
+        while i < len(notes):
+            i += self.run_op(notes, i)
+
+    def run_op(self, notes: Sequence[OpNote], i: int) -> int:
+        """Run op `i` of `notes` by its kind and flags (`ops.annotate`), mark it; returns how many ops ran."""
+        note = notes[i]
+        op, kind = note.op, note.kind
+        k = -1 if op.stage is None else op.stage  # -1: the loss, which has no stage
+        if note.early:  # an Fc with early-stopping recomputation, or the Fe it makes unneeded (B k reruns it)
+            if kind is OpKind.FC:
+                self.early_forward(k)
+            self.mark(op)
+            return 1
+        match kind:
+            case OpKind.FN | OpKind.FC:
+                self.forward_nograd(k, forget=kind is OpKind.FN)
+            case OpKind.FE:
+                self.record(k, note.last, note.pack)
+            case OpKind.FS:
+                if op.option != 1:
                     raise RuntimeError(f"executor has no rule for op {op.label}: option 1 (sac) is the only one")
-                self.forward_op(kind, op.stage, last[i], pack[i])
-                self.mark(op)
-                i += 1
-            elif kind is OpKind.B:
+                self.record_option(k)
+            case OpKind.B:
                 if self.transfers is not None:
-                    self.transfers.ready(op.stage)
-                done = self.backward_op(op.stage)
-                i += done
-                self.mark(ops[i - 1])  # the last B of a joined run (the others were marked inside the call)
-            elif kind is OpKind.OFFLOAD:
-                self.offload(op.stage)
-                self.mark(op)
-                i += 1
-            elif kind is OpKind.PREFETCH:
-                self.prefetch(op.stage)
-                self.mark(op)
-                i += 1
-            elif kind is OpKind.OFFLOAD_SAVED:
-                self.offload_saved(op.stage)
-                self.mark(op)
-                i += 1
-            elif kind is OpKind.PREFETCH_SAVED:
-                self.prefetch_saved(op.stage)
-                self.mark(op)
-                i += 1
-            else:  # Loss splits the plan in PlanRunner; any other kind has no executor yet
+                    self.transfers.ready(k)
+                done = self.backward_op(k)
+                self.mark(notes[i + done - 1].op)  # the last B of a joined run (the others were marked inside the call)
+                return done
+            case OpKind.OFFLOAD:
+                self.offload(k)
+            case OpKind.PREFETCH:
+                self.prefetch(k)
+            case OpKind.OFFLOAD_SAVED:
+                self.offload_saved(k)
+            case OpKind.PREFETCH_SAVED:
+                self.prefetch_saved(k)
+            case OpKind.WAIT | OpKind.WAIT_SAVED:
+                self.wait(op, saved=kind is OpKind.WAIT_SAVED)
+            case OpKind.LOSS:  # Loss splits the plan in PlanRunner
                 raise RuntimeError(f"executor has no rule for op {op.label} here")
+            case _:
+                assert_never(kind)
+        self.mark(op)
+        return 1
 
     def clear(self) -> None:
         self.plain.clear()
@@ -621,59 +666,40 @@ class _Step:
         self.probe = None
 
 
-def _packed_records(ops: Sequence[Op]) -> set[int]:
-    """Positions of the `Fe k` ops whose saved part an `OffloadSaved k` moves: each one's last forward of stage
-    k before it. Raises ValueError for an `OffloadSaved k` after any other forward (`Fs`, `Fc`, `Fn`) or none."""
-    packed: set[int] = set()
-    recent: dict[int, int] = {}  # stage: position of its latest forward
-    for i, op in enumerate(ops):
-        k = op.stage
-        if op.kind.is_forward and k is not None:
-            recent[k] = i
-        elif op.kind is OpKind.OFFLOAD_SAVED and k is not None:
-            at = recent.get(k)
-            if at is None or ops[at].kind is not OpKind.FE:
-                raise ValueError(f"{op.label} must follow the Fe {k} whose recorded graph it moves")
-            packed.add(at)
-    return packed
+def _check_plan(ops: list[Op], length: int) -> int:
+    """Raise ValueError unless `ops` is a plan of a chain of `length` stages; returns its frozen prefix's length.
 
-
-def early_stops(
-    ops: Sequence[Op], stages: Sequence[nn.Module], frozen: int, in_free: Sequence[int] | None, packed: set[int]
-) -> set[int]:
-    """Positions of the `Fc k` ops to run with early-stopping recomputation, and of the `Fe k` ops they replace.
-
-    NOTE: [early-stopping recomputation] (`_Step.early_forward`). A stage qualifies when its
-    `Fe k` comes right before `B k`, the forward of stage k before that `Fe k` is an `Fc k`, and
-    the plan holds `a_k` whole from that `Fc k` to the end of `B k`: no forward of stage k-1 (which
-    would make `a_k` again) or transfer of `a_k` in between, and nothing of `a_k` let go at `Fe k`
-    (`in_free[k] == 0`: stage k's graph keeps all of it; unknown without a chain, so none qualifies).
-    Compiled stages (replayed by rewinding, compile.py) and stages with BatchNorm or InstanceNorm (rerun
-    without running statistics, which saves fewer tensors than torch's checkpoint recorded) keep `Fe k`.
-    The memory then never exceeds the plan's: `B k` holds `a_k`, `δ_{k+1}` and what the rerun saves (a
-    part of what `Fe k` saves).
+    Stages without a B op are a frozen prefix 0 … F-1 (chain version 4): Fn ops, first, once each.
     """
-    if in_free is None:
-        return set()
-    found: set[int] = set()
-    recent: dict[int, int] = {}  # stage: position of its latest forward
-    for j, op in enumerate(ops):
-        k = op.stage
-        if k is None or not op.kind.is_forward:
-            continue
-        i = recent.get(k)
-        recent[k] = j
-        if op.kind is not OpKind.FE or j + 1 >= len(ops) or ops[j + 1] != Op(OpKind.B, k) or j in packed:
-            continue
-        if i is None or ops[i].kind is not OpKind.FC or k < frozen or in_free[k] != 0:
-            continue
-        between = ops[i + 1 : j]
-        if any((o.kind.is_forward and o.stage == k - 1) or (o.kind.is_transfer and o.stage == k) for o in between):
-            continue
-        if rewinds(stages[k]) or any(is_norm(m) for m in stages[k].modules()):
-            continue  # a norm's recomputation runs without running statistics: torch's checkpoint counts fewer saved
-        found |= {i, j}
-    return found
+    if ops.count(Op(OpKind.LOSS)) != 1:
+        raise ValueError("a plan has exactly one Loss op")
+    frozen = length - sum(1 for op in ops if op.kind is OpKind.B)
+    if sorted(op.stage for op in ops if op.kind is OpKind.B and op.stage is not None) != list(range(frozen, length)):
+        raise ValueError(
+            f"the plan does not fit a chain of {length} stages: it needs one B op per stage "
+            "after a frozen prefix, whose stages run first as Fn 0 … Fn F-1 and never again"
+        )
+    check_frozen_prefix(ops, frozen)
+    return frozen
+
+
+def check_offload_saved(notes: Sequence[OpNote]) -> None:
+    """Raise ValueError for an `OffloadSaved k` whose stage's latest forward is no `Fe k` (an `Fs`, `Fc`, `Fn`,
+    or none): the executor moves only what an `Fe` recorded behind handles."""
+    for note in notes:
+        if note.kind is OpKind.OFFLOAD_SAVED and not note.moves:
+            raise ValueError(f"{note.op.label} must follow the Fe {note.op.stage} whose recorded graph it moves")
+
+
+def early_stage(stage: nn.Module) -> bool:
+    """Can stage k run with early-stopping recomputation where the plan allows it (`ops.early_pairs`)?
+
+    NOTE: [early-stopping recomputation] (`_Step.early_forward`). Compiled stages (replayed by rewinding,
+    compile.py) and stages with BatchNorm or InstanceNorm (rerun without running statistics, which saves fewer
+    tensors than torch's checkpoint recorded) keep `Fe k`. The memory then never exceeds the plan's: `B k`
+    holds `a_k`, `δ_{k+1}` and what the rerun saves (a part of what `Fe k` saves).
+    """
+    return not rewinds(stage) and not any(is_norm(m) for m in stage.modules())
 
 
 def _plain_buffers(stage: nn.Module) -> list[torch.Tensor]:
@@ -681,7 +707,7 @@ def _plain_buffers(stage: nn.Module) -> list[torch.Tensor]:
     return [b for b in stage.buffers() if id(b) not in norms]
 
 
-def _restore_tracking(norms: list[nn.Module]) -> None:
+def _restore_tracking(norms: list[Any]) -> None:
     for m in norms:
         m.track_running_stats = True
 
@@ -787,7 +813,7 @@ class _Tail(torch.autograd.Function):
         leaves = [inputs[i] for i in itertools.accumulate(uses[:-1], initial=0)]
         step.plain[0] = tree_unflatten(leaves, spec)
         runner = step.runner
-        step.run(runner.forward_ops, runner.forward_last, runner.forward_pack, runner.forward_early)
+        step.run(runner.forward_notes)
         ctx.step = step
         ctx.uses = uses
         ctx.is_tensor = [isinstance(t, torch.Tensor) for t in leaves]
@@ -799,7 +825,7 @@ class _Tail(torch.autograd.Function):
         stashed = _stash_grads(step.runner.shared_parameters())
         try:
             runner = step.runner
-            step.run(runner.backward_ops, runner.backward_last, runner.backward_pack, runner.backward_early)
+            step.run(runner.backward_notes)
             delta = step.grads.pop(step.runner.frozen)
             if step.runner.frozen:  # B F made no gradient: the chain input does not require grad
                 delta = [None] * sum(ctx.is_tensor)
@@ -870,19 +896,9 @@ class PlanRunner:
         self.sides = sides  # tensors every stage reads besides its input (NOTE: [side inputs])
         self.length = len(self.stages)
         self.names = list(names) if names is not None else [f"stage{k}" for k in range(self.length)]
-        ops = parse_ops(ops)
-        if ops.count(Op(OpKind.LOSS)) != 1:
-            raise ValueError("a plan has exactly one Loss op")
-        # stages without a B op are a frozen prefix 0 … F-1 (chain version 4): Fn ops, first, once each
-        self.frozen = self.length - sum(1 for op in ops if op.kind is OpKind.B)
-        if sorted(op.stage for op in ops if op.kind is OpKind.B) != list(range(self.frozen, self.length)):
-            raise ValueError(
-                f"the plan does not fit a chain of {self.length} stages: it needs one B op per stage "
-                "after a frozen prefix, whose stages run first as Fn 0 … Fn F-1 and never again"
-            )
-        check_frozen_prefix(ops, self.frozen)
+        self.ops = ops = parse_ops(ops)
+        self.frozen = _check_plan(ops, self.length)
         split = ops.index(Op(OpKind.LOSS))
-        self.ops = ops
         self.forward_ops = ops[:split]
         self.backward_ops = ops[split + 1 :]
         self.recomputed = recomputed_stage_set(ops)
@@ -892,27 +908,21 @@ class PlanRunner:
         if any(op.kind.is_transfer for op in ops):
             reserve = buffer_sizes(ops, sizes, offloadable or ()) if sizes is not None else ()
             self.channel = TransferChannel(reserve)
-        last = last_forwards(ops, self.length)
-        self.forward_last = [i in last for i in range(split)]
-        self.backward_last = [i in last for i in range(split + 1, len(ops))]
-        packed = _packed_records(ops)
-        self.forward_pack = [i in packed for i in range(split)]
-        self.backward_pack = [i in packed for i in range(split + 1, len(ops))]
-        # Fc k recorded under torch's checkpoint, Fe k skipped, B k recomputes with early stop
-        self._early_ops = early_stops(ops, self.stages, self.frozen, self.in_free, packed) if early_stop else set()
-        # B k then B k-1 at once: a recorded a_k may feed stage k as it is, joining the graphs
-        self._joinable = {
-            op.stage
-            for op, nxt in zip(self.backward_ops, self.backward_ops[1:], strict=False)
-            if op.kind is OpKind.B and nxt == Op(OpKind.B, op.stage - 1)
-        }
+        notes = annotate(ops, self.length, self.in_free)
+        check_offload_saved(notes)
+        # Fc k recorded under torch's checkpoint, Fe k skipped, B k recomputes with early stop; B k then B k-1
+        # at once: a recorded a_k may feed stage k as it is, joining the graphs (both off with side inputs)
+        early = {n.op.stage for n in notes if n.early} if early_stop else set()
+        early = {k for k in early if k is not None and early_stage(self.stages[k])}
+        self._notes = [replace(n, early=n.early and n.op.stage in early) for n in notes]
+        self._side_notes = [replace(n, early=False, joins=False) for n in notes]
         self._with_sides(False)
         # per tensor of a_0: how many edges of stage 0's graph use it (`Profile.input_uses`; none given: 1 each)
         self.input_uses = list(input_uses)
         self.quiet: set[int] = set()  # recomputed stages whose last recorded first run drew no random number
-        self.probe: Any = None
+        self.probe: OpMarks | None = None
         self.token_device = torch.device("cpu")
-        self._norms: dict[int, list[nn.Module]] = {}
+        self._norms: dict[int, list[Any]] = {}
         self._all_params: list[torch.Tensor] | None = None
         self._shared: list[torch.Tensor] | None = None
         # off under DDP: the plan's backward alone calls the accumulators (NOTE: [no parameter edges under DDP])
@@ -925,12 +935,12 @@ class PlanRunner:
         side values bound to it are gone); an option (`Fs`), which always does, is refused."""
         if on and any(op.kind is OpKind.FS for op in self.ops):
             raise ValueError("a chain with side inputs has no stage options: an Fs op reruns its stage in a backward")
-        early = set() if on else self._early_ops
+        notes = self._side_notes if on else self._notes
         split = len(self.forward_ops)
-        self.early = {self.ops[i].stage for i in early}
-        self.forward_early = [i in early for i in range(split)]
-        self.backward_early = [i in early for i in range(split + 1, len(self.ops))]
-        self.joinable = set() if on else self._joinable
+        self.forward_notes = notes[:split]
+        self.backward_notes = notes[split + 1 :]
+        self.early = {n.op.stage for n in notes if n.early}
+        self.joinable = {n.op.stage for n in notes if n.joins}
 
     def releases_plain(self, k: int) -> bool:
         """Does a plain `a_k` go after stage k's last forward? As the chain says (`in_free[k] > 0`).
@@ -946,8 +956,9 @@ class PlanRunner:
             return self.in_free is not None and self.in_free[k] > 0
         return self.in_free is None or self.in_free[k] > 0
 
-    def norms(self, k: int) -> list[nn.Module]:
-        """Stage k's normalization modules with running statistics (found once: replays are per op)."""
+    def norms(self, k: int) -> list[Any]:
+        """Stage k's normalization modules with running statistics (found once: replays are per op); typed
+        Any: no public base class covers BatchNorm and InstanceNorm (`is_norm`), whose flags a replay sets."""
         if k not in self._norms:
             self._norms[k] = [m for m in self.stages[k].modules() if is_norm(m)]
         return self._norms[k]
@@ -1019,7 +1030,7 @@ class PlanRunner:
         if self.channel is not None:
             self.channel.prepare(device)  # CUDA: the plan's pinned host buffers, made once, before any op runs
         step = _Step(self, value, self.probe)
-        if step.probe is not None and hasattr(step.probe, "track"):
+        if step.probe is not None:
             step.probe.track(value)
         dummy = torch.empty(0, device=device, requires_grad=True)
         sides = self.sides.tensors() if self.sides is not None else []

@@ -47,7 +47,9 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Set as AbstractSet
 from contextlib import AbstractContextManager, contextmanager
+from types import FrameType
 from typing import Any, Protocol
 
 import torch
@@ -88,6 +90,17 @@ class Sizer(Protocol):
     def higher(self, peak: int, current: int) -> int: ...
 
 
+class _PlainBytes:
+    """Bytes as they are, outside a traced profile."""
+
+    def size(self, storage: torch.UntypedStorage, tensor: torch.Tensor) -> int:
+        return storage.nbytes()
+
+    def higher(self, peak: int, current: int) -> int:
+        return current if current > peak else peak
+
+
+PLAIN_BYTES: Sizer = _PlainBytes()
 _SIZERS: list[Sizer] = []
 
 
@@ -255,7 +268,7 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
         self.curve: list[int] = []
         self.marks: list[tuple[str, int, int]] = []  # (label, op index, bytes alive)
         self._closed = False
-        self._sizer: Sizer | None = None
+        self._sizer: Sizer = PLAIN_BYTES
 
     # -- accounting -------------------------------------------------------------------------
     def _gradients(self) -> set[int]:
@@ -280,14 +293,14 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
 
     def _in_bookkeeping(self) -> bool:
         """True when a `bookkeeping` function is running, i.e. its frame is on the Python stack."""
-        frame = sys._getframe(1)
+        frame: FrameType | None = sys._getframe(1)
         while frame is not None:
             if frame.f_code in self._bookkeeping:
                 return True
             frame = frame.f_back
         return False
 
-    def _add(self, tensors: list[Any], inputs: set[int] = frozenset(), bookkeeping: bool | None = None) -> None:
+    def _add(self, tensors: list[Any], inputs: AbstractSet[int] = frozenset(), bookkeeping: bool | None = None) -> None:
         """Count the new storages behind `tensors` (flattened); `bookkeeping` None: look up (once) whether a
         bookkeeping function made them."""
         making = _making_host()
@@ -323,15 +336,12 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
                 if bookkeeping:
                     self._uncounted[key] = StorageWeakRef(storage)
                     continue
-            nbytes = self._sizer.size(storage, t) if self._sizer is not None else storage.nbytes()
+            nbytes = self._sizer.size(storage, t)
             self._live[key] = (StorageWeakRef(storage), nbytes)
             self.current += nbytes
-        if self._sizer is not None:
-            self.peak = self._sizer.higher(self.peak, self.current)
-        elif self.current > self.peak:
-            self.peak = self.current
+        self.peak = self._sizer.higher(self.peak, self.current)
 
-    def _add_host(self, tensors: Any, inputs: set[int]) -> None:
+    def _add_host(self, tensors: Any, inputs: AbstractSet[int]) -> None:
         """Count new storages as host copies (made inside `host_allocations`)."""
         for t in tree_leaves(tensors):
             if not _strided(t) or t.device.type == "meta":
@@ -378,7 +388,7 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
         _ACTIVE_HOST.add(self)
         # a probe entered while a profile is traced counts through its sizer; one entered before (a step's
         # measurement around a step that profiles) counts plain bytes (NOTE: [storage sizes traced])
-        self._sizer = _SIZERS[-1] if _SIZERS else None
+        self._sizer = _SIZERS[-1] if _SIZERS else PLAIN_BYTES
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:

@@ -482,6 +482,18 @@ class Transfers:
         del copy  # CPU: the host copy goes now
         part.give(tensors, event, device)
 
+    def wait(self, k: int, saved: bool = False) -> None:
+        """`Wait k` (`WaitSaved k`): the offload of a_k (of stage k's saved part) has ended before the next op runs,
+        so the allocator may reuse its device memory (docs/memory-model.md, "Debts"). CPU: copies are done when
+        issued. CUDA: the host waits for the copy's event, as compute idles in the model."""
+        if saved:
+            entry = self.saved_on_host.get(k)
+            copy = None if entry is None else entry[1]
+        else:
+            copy = self.on_host.get(k)
+        if copy is not None and copy.done is not None:
+            copy.done.synchronize()
+
     def ready(self, k: int) -> None:
         """Compute is about to read `a_k`: make it wait for the prefetch still copying it (CUDA)."""
         arriving = self.arriving.pop(k, None)

@@ -7,13 +7,17 @@ to the JSON form of a plan and to what the C++ planner returns; `kind` is an
 the value `a_k` they move; for `OffloadSaved k` and `PrefetchSaved k` the stage whose recorded graph's
 offloadable part they move) and `option` the stage option an `Fs` records (chain version 5; 0 for
 every other op). Code that acts on ops
-dispatches on every kind explicitly (see `OpKind`), so a new kind cannot fall
-through as another.
+dispatches on every kind explicitly (see `OpKind`; the interpreters with `match` and `assert_never`,
+so mypy names a kind without a rule), so a new kind cannot fall through as another.
+What an op's place in a plan says about it (the last forward of its stage, a record an
+`OffloadSaved` moves, an early stop, a joined backward) is computed once, by `annotate`, as an
+`OpNote` the simulator and the executor both read.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any, cast
 
@@ -185,6 +189,94 @@ def last_forwards(ops: Sequence[Op], length: int) -> set[int]:
             awaiting.discard(k)
             if op.kind is OpKind.FE and 0 <= k < length:
                 found.add(i)
+    return found
+
+
+@dataclass(frozen=True)
+class OpNote:
+    """One op of a plan with what its place in the plan says about it (`annotate`): both interpreters,
+    the simulator and the executor, read these flags rather than scanning the plan themselves."""
+
+    op: Op
+    last: bool = False  # an `Fe k` that is stage k's last forward before `B k` (`last_forwards`): a_k may go after it
+    pack: bool = False  # an `Fe k` whose saved part an `OffloadSaved k` moves (recorded behind handles)
+    moves: bool = False  # an `OffloadSaved k` whose stage's latest forward is an `Fe k` (the record it moves)
+    early: bool = (
+        False  # an `Fc k`, or the `Fe k` right before `B k` it makes unneeded: early stop allowed (`early_pairs`)
+    )
+    joins: bool = False  # a `B k` followed by `B k-1`: a recorded a_k may feed stage k as it is, joining the graphs
+
+    @property
+    def kind(self) -> OpKind:
+        return self.op.kind
+
+
+def annotate(ops: Sequence[Op], length: int, in_free: Sequence[int] | None = None) -> list[OpNote]:
+    """Each op of `ops` (a plan of a chain of `length` stages) with its flags (`OpNote`).
+
+    `in_free`: the chain's `in_free` figures; without them no op is marked `early` (whether the plan keeps
+    a_k whole is then unknown). Raises nothing: what a flag's absence means is each interpreter's rule.
+    """
+    last = last_forwards(ops, length)
+    packed, moving = _packed_records(ops)
+    early = early_pairs(ops, in_free, packed)
+    joins = {i for i, (op, nxt) in enumerate(zip(ops, ops[1:], strict=False)) if _joins(op, nxt)}
+    return [
+        OpNote(op, last=i in last, pack=i in packed, moves=i in moving, early=i in early, joins=i in joins)
+        for i, op in enumerate(ops)
+    ]
+
+
+def _joins(op: Op, nxt: Op) -> bool:
+    return op.kind is OpKind.B and op.stage is not None and nxt == Op(OpKind.B, op.stage - 1)
+
+
+def _packed_records(ops: Sequence[Op]) -> tuple[set[int], set[int]]:
+    """(positions of the `Fe k` ops whose saved part an `OffloadSaved k` moves: each one's latest forward of
+    stage k before it; positions of the `OffloadSaved k` ops whose stage's latest forward is such an `Fe k`)."""
+    packed: set[int] = set()
+    moving: set[int] = set()
+    recent: dict[int, int] = {}  # stage: position of its latest forward
+    for i, op in enumerate(ops):
+        k = op.stage
+        if op.kind.is_forward and k is not None:
+            recent[k] = i
+        elif op.kind is OpKind.OFFLOAD_SAVED and k is not None:
+            at = recent.get(k)
+            if at is not None and ops[at].kind is OpKind.FE:
+                packed.add(at)
+                moving.add(i)
+    return packed, moving
+
+
+def early_pairs(ops: Sequence[Op], in_free: Sequence[int] | None, packed: set[int]) -> set[int]:
+    """Positions of the `Fc k` ops the plan allows to run with early-stopping recomputation, and of the `Fe k`
+    ops they replace (docs/memory-model.md, "Early-stopping recomputation"; the executor also asks the stage).
+
+    A pair qualifies when its `Fe k` comes right before `B k` and is not packed, the forward of stage k before
+    that `Fe k` is an `Fc k`, and the plan holds `a_k` whole from that `Fc k` to the end of `B k`: no forward
+    of stage k-1 (which would make `a_k` again) or transfer of `a_k` in between, and nothing of `a_k` let go at
+    `Fe k` (`in_free[k] == 0`: stage k's graph keeps all of it; unknown without a chain, so none qualifies).
+    A frozen stage runs only `Fn` (`check_frozen_prefix`), so never qualifies.
+    """
+    if in_free is None:
+        return set()
+    found: set[int] = set()
+    recent: dict[int, int] = {}  # stage: position of its latest forward
+    for j, op in enumerate(ops):
+        k = op.stage
+        if k is None or not op.kind.is_forward:
+            continue
+        i = recent.get(k)
+        recent[k] = j
+        if op.kind is not OpKind.FE or j + 1 >= len(ops) or ops[j + 1] != Op(OpKind.B, k) or j in packed:
+            continue
+        if i is None or ops[i].kind is not OpKind.FC or in_free[k] != 0:
+            continue
+        between = ops[i + 1 : j]
+        if any((o.kind.is_forward and o.stage == k - 1) or (o.kind.is_transfer and o.stage == k) for o in between):
+            continue
+        found |= {i, j}
     return found
 
 

@@ -24,6 +24,7 @@ import contextlib
 import inspect
 import os
 import sys
+import warnings
 from collections.abc import Iterator
 from types import CodeType, FrameType
 from typing import Any
@@ -179,3 +180,62 @@ def _compared(line: str, budget: int, theirs: int, share: str, named: str) -> st
         more = f", more than {named}" if named else ""
         return f"{line}{more}: it runs faster but may hold more than before; {advice}"
     return f"{line}, within {named}" if named else f"{line}: no more than before"
+
+
+class OwnCheckpointing:
+    """One chain's hand-off with its module's own checkpointing: the flags rotor turned off (`held`), what to
+    tell with the chain's first plan (`tell`), and the peak one step with the flags on measured (`peak`)."""
+
+    def __init__(self) -> None:
+        self.held: list[tuple[str, nn.Module]] = []  # modules whose own flag rotor turned off
+        self.note = ""  # what rotor did with the model's own checkpointing, told with the first plan
+        self.model_note: list[str] = [""]  # the same for several chains of one model, shared: the first plan tells
+        self.peak = 0  # the peak a step with the module's own checkpointing on measured (`measure`)
+
+    def take(self, module: nn.Module) -> None:
+        """Turn off `module`'s own `gradient_checkpointing` flags: rotor plans the whole chain."""
+        found = flagged(module)
+        if found:
+            turn_off(found)
+            self.hold(found, turned_off(type(module).__name__, found))
+
+    def measure(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], loss_fn: LossFn | None) -> None:
+        """Where `module` has its own checkpointing flags (on, or turned off by rotor and turned on again
+        meanwhile): one step of it as the user has it, measured once, for the warning to compare."""
+        if self.peak:
+            return
+        if self.held or flagged(module):
+            with turned_on(self.held):
+                self.peak = measured_peak(module, args, kwargs, loss_fn)
+
+    def hold(self, found: list[tuple[str, nn.Module]], note: str | list[str]) -> None:
+        """Flags turned off for this chain (`restore` turns them back on), and what to tell with its first plan:
+        a list is one note shared by several chains of one model (lightning/wrap.py), told by whichever plans
+        first (a chain that finds none, and runs as written, leaves it to the others)."""
+        self.held += found
+        if isinstance(note, list):
+            self.model_note = note
+        else:
+            self.note = note
+
+    def note_calls(self, owner: str, calls: list[str], kind: str) -> None:
+        """`torch.utils.checkpoint` calls that discovery of kind `kind` saw in `owner`'s forward, to tell."""
+        where = calls[0] + (f" and {len(calls) - 1} more" if len(calls) > 1 else "")
+        if kind == "graph":
+            did = "graph discovery traced through them: rotor's plan replaces them"
+        else:
+            did = f"{kind} discovery runs the forward as written: they stay, nested in rotor's plan"
+            did += " (discover='graph' replaces them)"
+        self.note = f"{owner}'s forward calls torch.utils.checkpoint ({where}); {did}"
+
+    def restore(self) -> None:
+        """Turn the flags rotor turned off back on."""
+        turn_on(self.held)
+        self.held = []
+
+    def tell(self, budget: int, chain: Chain, share: str, stacklevel: int) -> None:
+        """With the chain's first plan (`budget` bytes for `chain`): one warning, once per model."""
+        note = self.note or self.model_note[0]
+        if note:
+            warnings.warn(warning(note, budget, chain, share, self.peak), stacklevel=stacklevel + 1)
+            self.note = self.model_note[0] = ""

@@ -4,7 +4,8 @@ Plain functions, in the order a first training call runs them. Each takes the pr
 one's output and knows nothing of the ones after it: `profile` measures the stages on the
 sample and returns numbers (a `Profile` holding the `Chain`); `plan_chain` sees only the
 `Chain` and a byte budget; `runner` sees only the stages and the `Plan`. `prepare` runs the
-three in a row and returns an `Entry`, what `PlanCache` keeps per call signature.
+three in a row and returns an `Entry`, what `PlanCache` keeps per call signature: a chain's
+`ChainState` (lightning_rotor/chain_state.py) makes each new signature's entry through it.
 
 A chain found inside a module's forward (module-level discovery) leaves part of the forward
 outside the chain; `measure_outside` measures what that part holds and `charge_outside`
@@ -216,16 +217,25 @@ def prepare(
     *,
     names: Sequence[str] | None = None,
     slots: int | None = None,
+    adjust: Callable[[Profile], Profile] | None = None,
+    build: Callable[[Profile, Plan], Entry] | None = None,
     **settings: Any,
 ) -> Entry:
     """The whole pipeline on one call signature: profile, plan within `budget`, runner.
 
     `budget`: bytes, or a function of the profiled chain giving bytes (a fraction of its
-    no-recomputation peak, a share of a budget over several chains). `settings` go to `profile`.
+    no-recomputation peak, a share of a budget over several chains). `adjust`: the profile as it is
+    planned (a later shape's times derived from the first's, the transfer bandwidth: `ChainState`).
+    `build`: the entry of the profile and its plan (default: `runner`'s; `PlanCache.build` for a
+    cache's settings). `settings` go to `profile`.
     """
     measured = profile(stages, sample, names=names, **settings)
+    if adjust is not None:
+        measured = adjust(measured)
     nbytes = budget(measured.chain) if callable(budget) else budget
     chosen = plan_chain(measured.chain, nbytes, slots)
+    if build is not None:
+        return build(measured, chosen)
     return Entry(measured, chosen, runner(stages, measured.chain, chosen, names, input_uses=measured.input_uses))
 
 

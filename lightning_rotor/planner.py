@@ -28,7 +28,7 @@ from lightning_rotor.budget import BudgetSpec, format_bytes, resolve_budget
 from lightning_rotor.chain import Chain
 from lightning_rotor.discretize import DEFAULT_SLOTS, discretize, resolve_slots
 from lightning_rotor.ops import Op, frozen_prefix_ops, parse_ops, recomputed_stages, shift_ops
-from lightning_rotor.simulate import no_recompute_peak, simulate
+from lightning_rotor.simulate import Simulation, no_recompute_peak, simulate
 
 
 def _load_planner() -> ModuleType:
@@ -247,22 +247,27 @@ def min_feasible_budget(chain: Chain, *, bandwidth: float | None = None) -> int:
 
     At least 1: budgets are positive, even for a chain of empty values. A frozen prefix
     (chain version 4) needs its own forward peak; the rest is an ordinary chain, `chain.suffix()`.
-    `bandwidth` is accepted and checked like `plan()`'s, and changes nothing: offloading lowers a
-    plan's time, never the floor (docs/planner.md, "Offloading").
+    With a channel (`bandwidth` > 0, or the chain's own when None), kept inputs and the `offloadable`
+    parts of recorded stages may move to host memory, waited for where the memory needs it, so the
+    floor may be below recompute-only's (docs/planner.md, "Debts"); `bandwidth=0` gives recompute-only's.
     """
-    check_bandwidth(bandwidth)
+    checked = check_bandwidth(bandwidth)
     suffix = chain.suffix()
-    return max(
-        1,
-        chain.prefix_peak,
-        _planner.min_budget(
-            *_memory_args(suffix),
-            loss_tmp_graph=suffix.loss_tmp_graph,
-            in_free=suffix.in_free,
-            loss_value=suffix.loss_value,
-            options=_memory_options(suffix),
-        ),
+    offload = suffix.bandwidth > 0 if checked is None else checked > 0
+    return max(1, chain.prefix_peak, _planner.min_budget(*_memory_args(suffix), **_exact_extras(suffix, offload)))
+
+
+def _exact_extras(chain: Chain, offload: bool) -> dict[str, Any]:
+    """The keyword arguments of `_planner.min_budget` / `feasible_schedule` beyond the memory figures."""
+    extras: dict[str, Any] = dict(
+        loss_tmp_graph=chain.loss_tmp_graph,
+        in_free=chain.in_free,
+        loss_value=chain.loss_value,
+        options=_memory_options(chain),
     )
+    if offload:
+        extras.update(offload=True, offloadable=list(chain.offloadable) if any(chain.offloadable) else None)
+    return extras
 
 
 def solve_discretized(
@@ -296,6 +301,46 @@ def solve_discretized(
     )
 
 
+def _planning_problem(
+    chain: Chain,
+    mem_limit: BudgetSpec,
+    bandwidth: float | None,
+    host_limit: int | None,
+    slots: int | None,
+    threads: int | None,
+) -> tuple[Chain, Chain, int, int]:
+    """(the whole chain, the part with choices, budget in bytes, slots) for `plan()`, its arguments checked; one
+    line refuses a budget below the floor or tables larger than the memory available."""
+    checked = check_bandwidth(bandwidth)
+    if checked is not None or host_limit is not None:
+        chain = chain.with_transfer(checked, host_limit)
+    whole, chain = chain, chain.suffix()  # a frozen prefix runs first as Fn ops: only the rest has choices
+    resolved = resolve_slots(slots, chain.length)
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"threads must be a positive integer or None, got {threads!r}")
+    budget = resolve_budget(mem_limit, no_recompute_peak(whole))
+    smallest = min_feasible_budget(whole)
+    if budget < smallest:
+        raise InfeasibleBudget(budget, smallest)
+    check_planner_memory(chain.length, resolved, chain.offloads)
+    return whole, chain, budget, resolved
+
+
+def _recompute_only_candidates(
+    chain: Chain, budget: int, slots: int, threads: int | None
+) -> list[tuple[Simulation, list[Op]]]:
+    """The plans without offloading, scored by the referee: the DP's (on the chain without transfers: exactly
+    the plan without offloading), then the exact-byte fallback's; `simulate` also refuses an invalid plan."""
+    found = solve_discretized(chain.with_transfer(0.0) if chain.offloads else chain, budget, slots, threads)
+    candidates = []
+    if found is not None:
+        candidates.append(parse_ops(found[1]))
+    fallback = _planner.feasible_schedule(*_memory_args(chain), budget, **_exact_extras(chain, False))
+    if fallback is not None:
+        candidates.append(parse_ops(fallback))
+    return [(simulate(chain, ops), ops) for ops in candidates]
+
+
 def plan(
     chain: Chain,
     mem_limit: BudgetSpec,
@@ -321,55 +366,21 @@ def plan(
     budget and the host limit compete and the fastest wins, so offloading is never slower than
     recomputing only (by the simulator). Without one, the plan is exactly the recompute-only plan.
     """
-    checked = check_bandwidth(bandwidth)
-    if checked is not None or host_limit is not None:
-        chain = chain.with_transfer(checked, host_limit)
-    whole, chain = chain, chain.suffix()  # a frozen prefix runs first as Fn ops: only the rest has choices
-    slots = resolve_slots(slots, chain.length)
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        raise ValueError(f"threads must be a positive integer or None, got {threads!r}")
-    budget = resolve_budget(mem_limit, no_recompute_peak(whole))
-    smallest = min_feasible_budget(whole)
-    if budget < smallest:
-        raise InfeasibleBudget(budget, smallest)
-    check_planner_memory(chain.length, slots, chain.offloads)
-    # today's program on the chain without transfers: exactly the plan without offloading
-    found = solve_discretized(chain.with_transfer(0.0) if chain.offloads else chain, budget, slots, threads)
-    candidates = []
-    if found is not None:
-        candidates.append(parse_ops(found[1]))
-    fallback = _planner.feasible_schedule(
-        *_memory_args(chain),
-        budget,
-        loss_tmp_graph=chain.loss_tmp_graph,
-        in_free=chain.in_free,
-        loss_value=chain.loss_value,
-        options=_memory_options(chain),
-    )
-    if fallback is not None:
-        candidates.append(parse_ops(fallback))
-    # the referee scores them all: the fastest, the DP's on ties (simulate also refuses an invalid plan)
-    scored = [(simulate(chain, ops), ops) for ops in candidates]
-    recompute_only = min(scored, key=lambda item: item[0].time)
+    whole, chain, budget, slots = _planning_problem(chain, mem_limit, bandwidth, host_limit, slots, threads)
+    scored = _recompute_only_candidates(chain, budget, slots, threads)
+    recompute_only = min(scored, key=lambda item: item[0].time) if scored else None
     if chain.offloads:
-        offloading = solve_discretized(chain, budget, slots, threads)
-        if offloading is not None:
-            ops = parse_ops(offloading[1])
-            try:
-                sim = simulate(chain, ops)
-            except ValueError:  # its host bytes pass the host limit: not a candidate
-                pass
-            else:
-                if sim.peak <= budget:
-                    scored.append((sim, ops))  # last: a tie goes to a plan without transfers
+        scored += _offloading_candidates(chain, budget, slots, threads, exact=not scored)
+    if not scored:  # only the exact-byte offloading schedule could fit, and the host limit refused it
+        raise InfeasibleBudget(budget, min_feasible_budget(whole, bandwidth=0.0))
     best, ops = min(scored, key=lambda item: item[0].time)
     peak, time, host_peak = best.peak, best.time, best.host_peak
-    alone = recompute_only[0].time if chain.offloads else None
+    alone = recompute_only[0].time if chain.offloads and recompute_only is not None else None
     if whole.frozen:
         prefix = frozen_prefix_ops(whole.frozen)
         ops = prefix + shift_ops(ops, whole.frozen)
         peak, time = simulate(whole, ops)[:2]
-        if alone is not None:
+        if alone is not None and recompute_only is not None:
             alone = simulate(whole, prefix + shift_ops(recompute_only[1], whole.frozen)).time
     return Plan(
         ops=ops,
@@ -383,3 +394,28 @@ def plan(
         host_peak=host_peak,
         recompute_only_time=alone,
     )
+
+
+def _offloading_candidates(
+    chain: Chain, budget: int, slots: int, threads: int | None, exact: bool
+) -> list[tuple[Any, list[Op]]]:
+    """The offloading program's plan, scored, when it fits the budget and the host limit; with `exact` (no
+    recompute-only schedule fits: the budget is below its floor), also the exact-byte schedule that moves what
+    it must, so that planning at `min_feasible_budget(chain)` succeeds whatever the slots' rounding."""
+    found = []
+    offloading = solve_discretized(chain, budget, slots, threads)
+    if offloading is not None:
+        found.append(parse_ops(offloading[1]))
+    if exact:
+        fallback = _planner.feasible_schedule(*_memory_args(chain), budget, **_exact_extras(chain, True))
+        if fallback is not None:
+            found.append(parse_ops(fallback))
+    scored = []
+    for ops in found:
+        try:
+            sim = simulate(chain, ops)
+        except ValueError:  # its host bytes pass the host limit: not a candidate
+            continue
+        if sim.peak <= budget:
+            scored.append((sim, ops))  # after the recompute-only ones: a tie goes to a plan without transfers
+    return scored

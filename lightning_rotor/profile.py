@@ -30,7 +30,7 @@ from lightning_rotor._torch_compat import (
     tree_flatten,
     tree_unflatten,
 )
-from lightning_rotor.chain import Chain, StageOption
+from lightning_rotor.chain import Chain, StageOption, StageProfile
 from lightning_rotor.engine import (
     HandOver,
     InputParts,
@@ -510,24 +510,68 @@ class Untouched:
             self.rng.__exit__(*exc)
 
 
-def _measure_recorded(
-    forward: Callable[[bool], tuple[Any, Any]],
-    value: Any,
-    exclude: list[nn.Module],
-    watch: _AllocatorWatch,
-    untouched: Untouched,
-    accumulate: bool,
-    params: list[torch.Tensor],
-    free_grads: bool,
-    pack: SavedPart | None = None,
-    dense_delta: bool = False,
-    input_parts: bool = False,
-) -> tuple[int, int, int, int, list[bool], int, bool, list[int]]:
-    """(fwd_tmp, saved bytes, out_free, backward peak above a_k, output kept, offloadable bytes, output dense, input
-    uses) of one stage run `Fe` then `B`; `pack`: record the forward behind its handles, as the executor records an
-    `Fe k` whose saved part moves, to find the offloadable bytes (0 without).
+@dataclass(frozen=True, eq=False)
+class _Context:
+    """What every measurement of one profile shares: how it measures, and what it was asked to measure."""
 
-    `input_parts` (stage 0, its input requiring grad): input uses, per tensor of `a_k`, how many edges of the
+    sample: Any  # the chain input a_0, held by the caller throughout
+    exclude: list[nn.Module]  # the stages: their parameters and buffers are not activations
+    watch: _AllocatorWatch
+    untouched: Untouched
+    device: torch.device
+    needs_grad: bool  # the chain input requires grad
+    options: bool = False  # measure option "sac" of each stage (chain version 5)
+    offload: bool = False  # measure each stage's offloadable bytes (chain version 6)
+    warmup: int = 0  # untimed runs of each stage after its memory runs
+
+
+@dataclass(frozen=True, eq=False)
+class _StageRun:
+    """Stage `k` on its sample input `a_k` (`value`), run as the executor runs it (`forward`)."""
+
+    stage: nn.Module
+    k: int
+    name: str
+    value: Any
+    grad_in: bool  # a_k enters requiring grad (not a_0 that does not, nor a_F after a frozen prefix)
+
+    def forward(self, record: bool, selective: bool = False) -> tuple[Any, Any]:
+        """(input leaf, output) of the stage, recording its graph when `record` (`_stage_forward`)."""
+        return _stage_forward(self.stage, self.value, self.grad_in, self.k, self.name, record, selective)
+
+    @property
+    def input_parts(self) -> bool:
+        """Stage 0 with an input that requires grad: its input gradient's parts are measured (`_measure_recorded`)."""
+        return self.k == 0 and self.grad_in
+
+
+@dataclass(frozen=True)
+class _Recorded:
+    """Figures of one measured `Fe k` then `B k` (`_measure_recorded`)."""
+
+    fwd_tmp: int
+    saved: int  # bytes the recording leaves alive beside a_k: ā_{k+1}
+    out_free: int  # bytes freed when the output values are dropped and the graph kept
+    bwd_peak: int  # the backward's peak above a_k
+    out_kept: list[bool]  # per tensor of a_{k+1}: its storage outlives the value (the graph keeps it, or it is a_k's)
+    offloadable: int  # bytes `OffloadSaved k` moves (0 unless measured)
+    dense: bool  # every tensor of a_{k+1} is contiguous
+    input_uses: list[int]  # per tensor of a_k, the edges of the stage's graph that take it (only with input_parts)
+
+
+def _measure_recorded(
+    run: _StageRun,
+    ctx: _Context,
+    accumulate: bool,
+    *,
+    selective: bool = False,
+    offload: bool = False,
+    dense_delta: bool = False,
+) -> _Recorded:
+    """One stage run `Fe` (`selective`: `Fs k:1`) then `B`, measured. `offload`: record the forward behind
+    handles, as the executor records an `Fe k` whose saved part moves, to find the offloadable bytes.
+
+    `run.input_parts` (stage 0, its input requiring grad): input uses, per tensor of `a_k`, how many edges of the
     stage's graph take it; where one is used more than once, its gradient's parts are held apart, as the
     executor holds them (NOTE: [a run's input gradient in parts], engine.py), so the backward peak charges them.
 
@@ -537,71 +581,110 @@ def _measure_recorded(
     first op needs another layout copies δ_{k+1} (a transpose, then a Linear's reshape). Output
     dense: every tensor of `a_{k+1}` is contiguous, so that both layouts are one.
 
-    Output kept: per tensor of `a_{k+1}`, whether its storage outlives the value (the graph
-    keeps it, or it is `a_k`'s).
-
     The backward runs as the executor runs it: δ_{k+1} made, the output values dropped
     (only the graph's own saved tensors keep their storage), then backpropagation from
-    the output edges. `accumulate`: parameter gradients already stored (zeros), so new
-    ones are added into them, as from the second step without `zero_grad(set_to_none=True)`.
-    `free_grads`: δ_{k+1} is freed once consumed, as the executor does below the last stage.
+    the output edges, δ_{k+1} freed once consumed, as the executor does below the last stage.
+    `accumulate`: parameter gradients already stored (zeros), so new ones are added into them,
+    as from the second step without `zero_grad(set_to_none=True)`.
     """
-    untouched.clear_grads()
+    ctx.untouched.clear_grads()
     if accumulate:
-        for p in params:
+        for p in run.stage.parameters():
             if p.requires_grad:
                 p.grad = torch.zeros_like(p)
-    a_k = storage_bytes(value)
-    with MemoryProbe(exclude) as probe:
-        probe.track(value)
-        base = probe.current
-        watch.start()
-        if pack is None:
-            held = list(forward(True))  # [leaf input, output]
-        else:
-            with pack.recording():
-                held = list(forward(True))
-            pack.settle(value, held[1])  # with a_k and a_{k+1} held, as the executor settles it
-        offloadable = 0 if pack is None else pack.nbytes
-        del pack  # the graph alone holds the handles now: the backward below frees as the executor's does
-        peak, end = watch.stop()
-        collect_young()
-        probe.mark("after")
-        fwd_tmp = max(probe.peak - probe.current, peak - end)
-        # what the recording leaves alive beside a_k: an output that is a view of a_k, or tensors of
-        # a_k passed through unchanged (a carried skip), add nothing, since ā_{k+1} is only ever held
-        # beside a_k (Fe k to B k); their storage is a_k's, so releasing the output never frees them
-        saved = max(probe.current - base, end)
-        outs = tensors_of(held[1])
-        dense = all(t.is_contiguous() for t in outs)
-        grads = [_delta_like(t, dense_delta) if t.requires_grad else None for t in outs]
-        del outs
-        edges = output_edges(held[1])
-        parts = _input_parts(held[0], edges) if input_parts else None
-        uses = parts.uses if parts is not None else []
-        hooks = parts.install() if parts is not None and max(uses, default=1) > 1 else []
-        probe.mark("with δ")
-        with_delta = probe.current
-        refs = [StorageWeakRef(t.untyped_storage()) if t.layout == torch.strided else None for t in tensors_of(held[1])]
-        del held[1]  # the executor keeps the edges, not the values
-        out_kept = [ref is None or not ref.expired() for ref in refs]  # by the graph (or a view of a_k)
-        del refs
-        probe.reset_peak()
-        out_free = with_delta - probe.current
-        watch.start()
-        with torch.autocast(value_device(value).type, enabled=False):
-            backward_from_edges(edges, grads, free_grads=free_grads)
-        alloc_peak, _ = watch.stop()
-        for hook in hooks:
-            hook.remove()
-        del edges, grads, held, hooks
-        collect_young()
-        probe.mark("after backward")
-        bwd_peak = max(probe.peak - a_k, probe.current - a_k, with_delta - out_free - a_k + alloc_peak)
-        del parts  # held until here: the executor holds them until the chain's backward returns
-    untouched.clear_grads()
-    untouched.restore_buffers()
-    return fwd_tmp, saved, out_free, bwd_peak, out_kept, offloadable, dense, uses
+    a_k = storage_bytes(run.value)
+    with MemoryProbe(ctx.exclude) as probe:
+        probe.track(run.value)
+        held, fwd_tmp, saved, offloadable = _record_forward(run, ctx, probe, selective, offload)
+        out_free, bwd_peak, out_kept, dense, uses = _backward_recorded(run, ctx, probe, held, dense_delta, a_k)
+    ctx.untouched.clear_grads()
+    ctx.untouched.restore_buffers()
+    return _Recorded(fwd_tmp, saved, out_free, bwd_peak, out_kept, offloadable, dense, uses)
+
+
+def _record_forward(
+    run: _StageRun, ctx: _Context, probe: MemoryProbe, selective: bool, offload: bool
+) -> tuple[list[Any], int, int, int]:
+    """`Fe k` inside `probe`: ([input leaf, output], fwd_tmp, bytes left alive beside a_k, offloadable bytes)."""
+    base = probe.current
+    ctx.watch.start()
+    held, offloadable = _run_recorded(run, selective, offload)
+    peak, end = ctx.watch.stop()
+    collect_young()
+    probe.mark("after")
+    fwd_tmp = max(probe.peak - probe.current, peak - end)
+    # what the recording leaves alive beside a_k: an output that is a view of a_k, or tensors of
+    # a_k passed through unchanged (a carried skip), add nothing, since ā_{k+1} is only ever held
+    # beside a_k (Fe k to B k); their storage is a_k's, so releasing the output never frees them
+    saved = max(probe.current - base, end)
+    return held, fwd_tmp, saved, offloadable
+
+
+def _run_recorded(run: _StageRun, selective: bool, offload: bool) -> tuple[list[Any], int]:
+    """([input leaf, output], offloadable bytes) of the stage run recording its graph.
+
+    NOTE: [the graph alone holds the handles] with `offload`, the forward records behind a `SavedPart`, made and
+    dropped here, as the executor makes its own: once settled, only the graph holds the handles, so the measured
+    backward frees each saved tensor as the executor's does. A `SavedPart` still referenced anywhere during the
+    backward (a caller's variable, the keyword dict of a `functools.partial` call) would keep every handle's
+    tensor alive to its end: a GPT block's `bwd_tmp` then read 28,672 bytes instead of 16,448.
+    """
+    if not offload:
+        return list(run.forward(True, selective)), 0
+    part = SavedPart(run.k, [*run.stage.parameters(), *run.stage.buffers()])
+    with part.recording():
+        held = list(run.forward(True, selective))
+    return held, part.settle(run.value, held[1])  # with a_k and a_{k+1} held, as the executor settles it
+
+
+def _backward_recorded(
+    run: _StageRun, ctx: _Context, probe: MemoryProbe, held: list[Any], dense_delta: bool, a_k: int
+) -> tuple[int, int, list[bool], bool, list[int]]:
+    """`B k` inside `probe`, from `held` ([input leaf, output], emptied here, so that nothing the caller holds
+    keeps them): (out_free, backward peak above a_k, output kept, output dense, input uses)."""
+    outs = tensors_of(held[1])
+    dense = all(t.is_contiguous() for t in outs)
+    grads = [_delta_like(t, dense_delta) if t.requires_grad else None for t in outs]
+    del outs
+    edges = output_edges(held[1])
+    parts = _input_parts(held[0], edges) if run.input_parts else None
+    uses = parts.uses if parts is not None else []
+    hooks = parts.install() if parts is not None and max(uses, default=1) > 1 else []
+    probe.mark("with δ")
+    with_delta = probe.current
+    refs = [StorageWeakRef(t.untyped_storage()) if t.layout == torch.strided else None for t in tensors_of(held[1])]
+    del held[1]  # the executor keeps the edges, not the values
+    out_kept = [ref is None or not ref.expired() for ref in refs]  # by the graph (or a view of a_k)
+    del refs
+    probe.reset_peak()
+    out_free = with_delta - probe.current
+    ctx.watch.start()
+    with torch.autocast(value_device(run.value).type, enabled=False):
+        backward_from_edges(edges, grads, free_grads=True)
+    alloc_peak, _ = ctx.watch.stop()
+    for hook in hooks:
+        hook.remove()
+    del edges, grads, hooks
+    held.clear()  # the input leaf, and the gradient accumulated into it
+    collect_young()
+    probe.mark("after backward")
+    bwd_peak = max(probe.peak - a_k, probe.current - a_k, with_delta - out_free - a_k + alloc_peak)
+    del parts  # held until here: the executor holds them until the chain's backward returns
+    return out_free, bwd_peak, out_kept, dense, uses
+
+
+def _stage_figures(recorded: list[_Recorded], out_size: int, s_k: int) -> tuple[int, int, int, int]:
+    """(fwd_tmp, saved_size, out_free, bwd_tmp) of a way of recording a stage, from its measured runs.
+
+    `out_free` is the least any run freed and `bwd_tmp` the largest backward: B k peaks at
+    cur - out_free + s_k + bwd_tmp (docs/memory-model.md, part 2), cur holding a_k, ā_{k+1} (saved_size)
+    and δ_{k+1} (out_size); for k = 0, s_0 also carries the loss value (charged with a_0).
+    """
+    fwd_tmp, saved_size = recorded[0].fwd_tmp, recorded[0].saved
+    out_free = min(r.out_free for r in recorded)
+    held_at_b = saved_size + out_size - out_free
+    bwd_tmp = max(-s_k, max(r.bwd_peak - held_at_b - s_k for r in recorded))
+    return fwd_tmp, saved_size, out_free, bwd_tmp
 
 
 def _input_parts(inp: Any, edges: list[Any]) -> InputParts:
@@ -632,38 +715,18 @@ class _OpKinds(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _measure_option(
-    stage: nn.Module,
-    forward: Callable[..., tuple[Any, Any]],
-    value: Any,
-    exclude: list[nn.Module],
-    watch: _AllocatorWatch,
-    untouched: Untouched,
-    s_k: int,
-    out_size: int,
-    input_parts: bool = False,
-) -> StageOption | None:
-    """Option "sac" of a stage (chain version 5), measured as its `Fe` is (`_measure_recorded`, `input_parts` as
-    there), times 0 (the timing rounds fill them); None where it cannot help: the stage runs no op the policy saves,
-    or none it recomputes."""
+def _measure_option(run: _StageRun, ctx: _Context, s_k: int, out_size: int) -> StageOption | None:
+    """Option "sac" of a stage (chain version 5), measured as its `Fe` is (`_measure_recorded`), times 0 (the
+    timing rounds fill them); None where it cannot help: the stage runs no op the policy saves, or none it
+    recomputes."""
     kinds = _OpKinds()
     with torch.no_grad(), no_cast_cache(), kinds:
-        stage(value)
-    untouched.restore_buffers()
+        run.stage(run.value)
+    ctx.untouched.restore_buffers()
     if not (kinds.saved and kinds.recomputed):
         return None
-    selective = functools.partial(forward, selective=True)
-    params = list(stage.parameters())
-    recorded = [
-        _measure_recorded(
-            selective, value, exclude, watch, untouched, accumulate, params, free_grads=True, input_parts=input_parts
-        )
-        for accumulate in (False, True)
-    ]
-    fwd_tmp, saved_size = recorded[0][:2]
-    out_free = min(r[2] for r in recorded)
-    held_at_b = saved_size + out_size - out_free  # as option 0's: B k peaks at cur - out_free + s_k + bwd_tmp
-    bwd_tmp = max(-s_k, max(r[3] - held_at_b - s_k for r in recorded))
+    recorded = [_measure_recorded(run, ctx, accumulate, selective=True) for accumulate in (False, True)]
+    fwd_tmp, saved_size, out_free, bwd_tmp = _stage_figures(recorded, out_size, s_k)
     return StageOption(saved_size, 0.0, 0.0, fwd_tmp, bwd_tmp, out_free, name="sac")
 
 
@@ -708,18 +771,8 @@ def _released_whole(value: Any, new: list[bool], kept_before: list[bool], kept_a
     return sum(nbytes for nbytes, _ in storages.values())
 
 
-def _measure_frozen(
-    stage: nn.Module,
-    value: Any,
-    sample: Any,
-    k: int,
-    name: str,
-    exclude: list[nn.Module],
-    watch: _AllocatorWatch,
-    untouched: Untouched,
-    fields: dict[str, list],
-) -> Any:
-    """A stage of the frozen prefix: its output when it needs no backward (size fields filled), else None.
+def _measure_frozen(run: _StageRun, ctx: _Context) -> tuple[StageProfile, Any] | None:
+    """A stage of the frozen prefix: (its record, its output) when it needs no backward, else None.
 
     Its time comes from the timing rounds, as every stage's (`_timed_rounds`).
 
@@ -727,39 +780,190 @@ def _measure_frozen(
     requires grad (no parameter requires grad, none captured either) autograd recorded
     nothing, and the stage costs what `Fn k` costs; its backward figures are 0 and unused
     (chain version 4). Otherwise it is the first stage that needs a backward, measured as usual.
-    Its `out_size` counts only storages that are not the chain input's (`sample`, held anyway):
+    Its `out_size` counts only storages that are not the chain input's (`ctx.sample`, held anyway):
     a frozen `Flatten` of `a_0` adds nothing to the bytes held.
     """
-    with MemoryProbe(exclude) as probe:
-        probe.track(value)
-        watch.start()
-        before = versions(value)
+    with MemoryProbe(ctx.exclude) as probe:
+        probe.track(run.value)
+        ctx.watch.start()
+        before = versions(run.value)
         with torch.enable_grad(), no_cast_cache():
-            out = stage(value)
-        check_inplace(before, value, k, name)
-        peak, end = watch.stop()
+            out = run.stage(run.value)
+        check_inplace(before, run.value, run.k, run.name)
+        peak, end = ctx.watch.stop()
         collect_young()
         probe.mark("after")
     if any(t.requires_grad for t in tensors_of(out)):
         del out
-        untouched.restore_buffers()
+        ctx.untouched.restore_buffers()
         return None
     tmp = max(probe.peak - probe.current, peak - end)
-    untouched.restore_buffers()
-    held = {storage_key(t) for t in tensors_of(sample) if t.layout == torch.strided}
+    ctx.untouched.restore_buffers()
+    held = {storage_key(t) for t in tensors_of(ctx.sample) if t.layout == torch.strided}
     size = storage_bytes([t for t in tensors_of(out) if t.layout != torch.strided or storage_key(t) not in held])
-    figures = {
-        "out_size": size,
-        "saved_size": size,
-        "fwd_tmp": tmp,
-        "fwd_tmp_nograd": tmp,
-        "bwd_tmp": 0,
-        "out_free": 0,
-        "in_free": 0,
-    }
-    for key, v in figures.items():
-        fields[key].append(v)
-    return out
+    return StageProfile(size, size, 0.0, 0.0, tmp, 0, fwd_tmp_nograd=tmp, name=run.name), out
+
+
+@dataclass(eq=False)
+class _Walk:
+    """Where profiling stands along the chain: the records so far, and the next stage's sample input."""
+
+    value: Any  # a_k, made without grad by the stages before it
+    own: list[bool] = field(default_factory=list)  # per tensor of a_k: a storage of its own, not one of a_{k-1}'s
+    output_kept: list[bool] = field(default_factory=list)  # per tensor of a_k: kept by the graph of F_{k-1}
+    frozen: int = 0  # stages so far that need no backward (chain version 4): a prefix
+    records: list[StageProfile] = field(default_factory=list)
+    input_uses: list[int] = field(default_factory=list)  # per tensor of a_0: the edges of stage 0's graph that take it
+
+    def advance(self, record: StageProfile, out: Any, output_kept: list[bool] | None) -> None:
+        """Stage k measured (`record`): its output `out` is the next stage's input (`output_kept` None: none kept)."""
+        self.records.append(record)
+        keys = {storage_key(t) for t in tensors_of(self.value) if t.layout == torch.strided}
+        self.own = [t.layout == torch.strided and storage_key(t) not in keys for t in tensors_of(out)]
+        self.output_kept = [False] * len(self.own) if output_kept is None else output_kept
+        self.value = out
+
+
+def _profile_stage(stage: nn.Module, k: int, name: str, walk: _Walk, ctx: _Context) -> None:
+    """Measure stage `k` on `walk.value` and walk on to its output (NOTE: [what each field measures])."""
+    if walk.frozen == k and not ctx.needs_grad and not any(p.requires_grad for p in stage.parameters()):
+        found = _measure_frozen(_StageRun(stage, k, name, walk.value, False), ctx)
+        if found is not None:  # nothing of it requires grad: a frozen stage, its output the next input
+            walk.advance(*found, None)
+            walk.frozen += 1
+            return
+    # the first stage after the frozen prefix gets its input as plain autograd does: without grad
+    run = _StageRun(stage, k, name, walk.value, ctx.needs_grad if k <= walk.frozen else True)
+    record, output_kept = _measure_stage(run, walk, ctx)
+    for _ in range(ctx.warmup):  # untimed (the memory runs above warm up too)
+        _timed_run(run.forward, ctx.device, ctx.untouched)
+    with torch.no_grad(), no_cast_cache():
+        out = stage(walk.value)  # the next stage's sample input
+    walk.advance(record, out, output_kept)
+    ctx.untouched.restore_buffers()
+
+
+def _measure_stage(run: _StageRun, walk: _Walk, ctx: _Context) -> tuple[StageProfile, list[bool]]:
+    """Stage k's record, times 0 (the timing rounds fill them), and per tensor of a_{k+1}: kept by its graph."""
+    out_size, fwd_tmp_nograd = _measure_nograd(run, ctx)
+    in_free = _in_free(run, walk, ctx)  # measured after the in-place check of the run above
+    recorded = _measure_recorded_runs(run, ctx)
+    if run.k == 0:
+        walk.input_uses = recorded[0].input_uses
+    s_k = walk.records[run.k - 1].out_size if 0 < run.k <= walk.frozen else storage_bytes(run.value)  # a_F: beside a_0
+    fwd_tmp, saved_size, out_free, bwd_tmp = _stage_figures(recorded, out_size, s_k)
+    option = _measure_option(run, ctx, s_k, out_size) if ctx.options else None
+    record = StageProfile(
+        out_size=out_size,
+        saved_size=saved_size,
+        fwd_time=0.0,
+        bwd_time=0.0,
+        fwd_tmp=fwd_tmp,
+        bwd_tmp=bwd_tmp,
+        fwd_tmp_nograd=fwd_tmp_nograd,
+        out_free=out_free,
+        in_free=in_free,
+        options=(option,) if option is not None and option.saved_size < saved_size else (),
+        offloadable=recorded[0].offloadable,
+        name=run.name,
+    )
+    return record, [any(kept) for kept in zip(*(r.out_kept for r in recorded), strict=True)]
+
+
+def _measure_nograd(run: _StageRun, ctx: _Context) -> tuple[int, int]:
+    """(out_size, fwd_tmp_nograd): the stage run without grad recording (`Fn`, `Fc`)."""
+    with MemoryProbe(ctx.exclude) as probe:
+        probe.track(run.value)  # a_k is held before the stage runs; only what comes after counts
+        ctx.watch.start()
+        out = run.forward(False)[1]
+        peak, end = ctx.watch.stop()
+        collect_young()
+        probe.mark("after")
+    out_size = storage_bytes(out)
+    del out  # not held through the recorded runs: profiling stays within what B k needs
+    ctx.untouched.restore_buffers()
+    return out_size, max(probe.peak - probe.current, peak - end)
+
+
+def _in_free(run: _StageRun, walk: _Walk, ctx: _Context) -> int:
+    """What letting go of a_k after its stage's last forward frees (a_0 is the caller's: never)."""
+    k, value = run.k, run.value
+    if k > walk.frozen:
+        # at most what every way of recording stage k-1 lets go of (options' out_free too)
+        before = walk.records[k - 1]
+        kept = _input_kept(run.stage, value)
+        in_free = min(
+            before.out_free,
+            *(o.out_free for o in before.options),
+            _released_whole(value, walk.own, walk.output_kept, kept),
+        )
+    elif k == walk.frozen > 0:  # a_F: no graph made it; it goes after Fe F unless stage F's graph keeps it
+        in_free = _released_whole(value, walk.own, walk.output_kept, _input_kept(run.stage, value, grad_in=False))
+    else:
+        return 0
+    ctx.untouched.restore_buffers()
+    return in_free
+
+
+def _measure_recorded_runs(run: _StageRun, ctx: _Context) -> list[_Recorded]:
+    """`Fe k` then `B k`, measured once with no parameter gradient stored yet (autograd stores a fresh one as
+    `.grad`), once accumulating into stored ones (a real transient), and where the output is not contiguous once
+    more with a contiguous δ_{k+1} (NOTE: [the layout of δ_{k+1}]); `_stage_figures` keeps the larger backward,
+    as either may happen in training. The offloadable bytes are found in the first run."""
+    recorded = [
+        _measure_recorded(run, ctx, accumulate, offload=ctx.offload and not accumulate) for accumulate in (False, True)
+    ]
+    if not recorded[0].dense:  # a non-contiguous output: its δ may come back contiguous too, measured so
+        recorded.append(_measure_recorded(run, ctx, False, dense_delta=True))
+    return recorded
+
+
+def _loss_figures(
+    value: Any, loss_tmp: int | Callable[[Any], torch.Tensor] | None, device: torch.device
+) -> tuple[int, int, int]:
+    """(loss_tmp, loss_tmp_kept, loss_value) of the chain output `value`: measured, or given as bytes."""
+    if loss_tmp is None or callable(loss_tmp):
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            return measure_loss_tmp(value, loss_tmp or proxy_loss)
+    return int(loss_tmp), int(loss_tmp), LOSS_HELD
+
+
+def _timed_records(
+    records: list[StageProfile], fwd: list[list[float]], bwd: list[list[float]], selective: dict[int, list[float]]
+) -> list[StageProfile]:
+    """The records with the times of the timing rounds (NOTE: [stage times]); an option's from its own runs."""
+    fwd_time, bwd_time = stage_times(fwd, bwd)
+    scale = _round_scale(fwd, bwd)  # option runs share the stages' clock: fastest run, same factor
+    timed = []
+    for k, record in enumerate(records):
+        runs = selective.get(k)
+        options = record.options
+        if runs:
+            f, b = min(runs[0::2]) * scale, min(runs[1::2]) * scale
+            options = tuple(dataclasses.replace(o, fwd_time=f, bwd_time=b) for o in options)
+        timed.append(dataclasses.replace(record, fwd_time=fwd_time[k], bwd_time=bwd_time[k], options=options))
+    return timed
+
+
+def _walk_chain(
+    stages: Sequence[nn.Module],
+    names: list[str],
+    ctx: _Context,
+    progress: Callable[[int, int, float], None] | None,
+    start: float,
+) -> _Walk:
+    """Every stage measured in chain order, each on the output of the one before (made without grad)."""
+    walk = _Walk(ctx.sample)
+    for k, stage in enumerate(stages):
+        _profile_stage(stage, k, names[k], walk, ctx)
+        if progress is not None:
+            progress(k + 1, len(stages), time.perf_counter() - start)
+    if walk.frozen == len(stages):
+        raise ValueError(
+            "no stage of the chain needs a backward: the input does not require grad and no "
+            "parameter of any stage does; there is nothing to checkpoint"
+        )
+    return walk
 
 
 def profile_chain(
@@ -793,183 +997,39 @@ def profile_chain(
     if not inputs:
         raise TypeError("the chain input must be a tensor or a tuple of tensors")
     device = inputs[0].device
-    exclude = list(stages)
     start = time.perf_counter()
-    names_of_fields = ("out_size", "saved_size", "fwd_tmp", "fwd_tmp_nograd", "bwd_tmp", "out_free", "in_free")
-    fields: dict[str, list] = {f: [] for f in names_of_fields}
     needs_grad = any(t.requires_grad for t in inputs)
-    watch = _AllocatorWatch(device)
-    value = sample
-    own: list[bool] = []  # per tensor of a_k: a storage of its own, not one of a_{k-1}'s
-    output_kept: list[bool] = []  # per tensor of a_k: kept by the graph of F_{k-1}
-    frozen = 0  # stages so far that need no backward (chain version 4): a prefix
-    stage_options: list[list[StageOption]] = []  # per stage: option "sac" where kept (chain version 5)
-    offloadable: list[int] = []  # per stage: what OffloadSaved k moves (chain version 6), 0 unless `offload`
-    input_uses: list[int] = []  # per tensor of a_0: the edges of stage 0's graph that take it
     collect_young()  # garbage of what ran before dies now, not inside a measured run
     with collector_paused(), Untouched(stages, [device]) as untouched:
-        for k, stage in enumerate(stages):
-            if frozen == k and not needs_grad and not any(p.requires_grad for p in stage.parameters()):
-                out = _measure_frozen(stage, value, sample, k, names[k], exclude, watch, untouched, fields)
-                if out is not None:  # nothing of it requires grad: a frozen stage, its output the next input
-                    keys = {storage_key(t) for t in tensors_of(value) if t.layout == torch.strided}
-                    value = out
-                    own = [t.layout == torch.strided and storage_key(t) not in keys for t in tensors_of(value)]
-                    output_kept = [False] * len(own)
-                    del keys, out
-                    frozen += 1
-                    offloadable.append(0)
-                    stage_options.append([])
-                    if progress is not None:
-                        progress(k + 1, len(stages), time.perf_counter() - start)
-                    continue
-            # the first stage after the frozen prefix gets its input as plain autograd does: without grad
-            grad_in = needs_grad if k <= frozen else True
-            forward = functools.partial(_stage_forward, stage, value, grad_in, k, names[k])
-
-            # memory without grad recording (Fn / Fc)
-            with MemoryProbe(exclude) as probe:
-                probe.track(value)  # a_k is held before the stage runs; only what comes after counts
-                watch.start()
-                out = forward(False)[1]
-                peak, end = watch.stop()
-                collect_young()
-                probe.mark("after")
-            out_size = storage_bytes(out)
-            del out  # not held through the recorded runs below: profiling stays within what B k needs
-            tmp_nograd = max(probe.peak - probe.current, peak - end)
-            untouched.restore_buffers()
-            # what letting go of a_k after its stage's last forward frees (a_0 is the caller's: never);
-            # measured after the in-place check above
-            in_free = 0
-            if k > frozen:
-                # at most what every way of recording stage k-1 lets go of (options' out_free too)
-                in_free = min(
-                    fields["out_free"][k - 1],
-                    *(o.out_free for o in stage_options[k - 1]),
-                    _released_whole(value, own, output_kept, _input_kept(stage, value)),
-                )
-                untouched.restore_buffers()
-            elif k == frozen > 0:  # a_F: no graph made it; it goes after Fe F unless stage F's graph keeps it
-                in_free = _released_whole(value, own, output_kept, _input_kept(stage, value, grad_in=False))
-                untouched.restore_buffers()
-            # memory with grad recording (Fe), then its backward (B): once with no parameter gradient
-            # stored yet (autograd stores a fresh one as .grad), once accumulating into stored ones
-            # (a real transient); the larger backward figure is kept, as either may happen in training
-            recorded = [
-                _measure_recorded(
-                    forward,
-                    value,
-                    exclude,
-                    watch,
-                    untouched,
-                    accumulate,
-                    list(stage.parameters()),
-                    free_grads=True,
-                    pack=SavedPart(k, [*stage.parameters(), *stage.buffers()]) if offload and not accumulate else None,
-                    input_parts=k == 0 and grad_in,
-                )  # fmt: skip
-                for accumulate in (False, True)
-            ]
-            if not recorded[0][6]:  # a non-contiguous output: its δ may come back contiguous too, measured so
-                recorded.append(
-                    _measure_recorded(
-                        forward,
-                        value,
-                        exclude,
-                        watch,
-                        untouched,
-                        False,
-                        list(stage.parameters()),
-                        True,
-                        None,
-                        True,
-                        k == 0 and grad_in,
-                    )
-                )
-            offloadable.append(recorded[0][5])
-            if k == 0:
-                input_uses = recorded[0][7]
-            fwd_tmp, saved_size = recorded[0][:2]
-            output_kept = [any(kept) for kept in zip(*(r[4] for r in recorded), strict=True)]
-            out_free = min(r[2] for r in recorded)
-            # B k peaks at cur - out_free + s_k + bwd_tmp (docs/memory-model.md, part 2), cur holding
-            # a_k, ā_{k+1} (saved_size) and δ_{k+1} (out_size): bwd_tmp is the measured peak above that
-            # for k = 0, s_0 also carries the loss value (charged with a_0, fixed below)
-            s_k = fields["out_size"][k - 1] if 0 < k <= frozen else storage_bytes(value)  # a_F: beside a_0's
-            held_at_b = saved_size + out_size - out_free
-            bwd_tmp = max(-s_k, max(r[3] - held_at_b - s_k for r in recorded))
-            option = None
-            if options:
-                option = _measure_option(
-                    stage, forward, value, exclude, watch, untouched, s_k, out_size, k == 0 and grad_in
-                )
-            stage_options.append([option] if option is not None and option.saved_size < saved_size else [])
-            for _ in range(warmup):  # untimed (the memory runs above warm up too)
-                _timed_run(forward, device, untouched)
-            for name, v in zip(
-                names_of_fields,
-                (out_size, saved_size, fwd_tmp, tmp_nograd, bwd_tmp, out_free, in_free),
-                strict=True,
-            ):
-                fields[name].append(v)
-            # the next stage's sample input
-            keys = {storage_key(t) for t in tensors_of(value) if t.layout == torch.strided}
-            with torch.no_grad(), no_cast_cache():
-                value = stage(value)
-            own = [t.layout == torch.strided and storage_key(t) not in keys for t in tensors_of(value)]
-            del keys
-            untouched.restore_buffers()
-            del forward  # holds a_k
-            if progress is not None:
-                progress(k + 1, len(stages), time.perf_counter() - start)
-        if frozen == len(stages):
-            raise ValueError(
-                "no stage of the chain needs a backward: the input does not require grad and no "
-                "parameter of any stage does; there is nothing to checkpoint"
-            )
-        del probe  # it tracked a_{L-1}, which the rounds need not hold
-        if loss_tmp is None or callable(loss_tmp):
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                loss_bytes, loss_kept, held = measure_loss_tmp(value, loss_tmp or proxy_loss)
-        else:
-            loss_bytes = loss_kept = int(loss_tmp)
-            held = LOSS_HELD
-        del value  # a_L: the timing rounds hold no more than B k does
+        ctx = _Context(
+            sample, list(stages), _AllocatorWatch(device), untouched, device, needs_grad, options, offload, warmup
+        )
+        walk = _walk_chain(stages, names, ctx, progress, start)
+        loss = _loss_figures(walk.value, loss_tmp, device)
+        walk.value = None  # a_L: the timing rounds hold no more than B k does
+        selective: dict[int, list[float]] = {k: [] for k, record in enumerate(walk.records) if record.options}
         rounds = repeats if timed else 0
-        selective: dict[int, list[float]] = {k: [] for k, opts in enumerate(stage_options) if opts}
-        fwd, bwd = _timed_rounds(stages, sample, needs_grad, names, device, untouched, rounds, start, frozen, selective)
+        fwd, bwd = _timed_rounds(
+            stages, sample, needs_grad, names, device, untouched, rounds, start, walk.frozen, selective
+        )
         if not timed:
             fwd, bwd = [[0.0] for _ in stages], [[0.0] for _ in stages]
-    fields["fwd_time"], fields["bwd_time"] = stage_times(fwd, bwd)
-    scale = _round_scale(fwd, bwd)  # option runs share the stages' clock: fastest run, same factor
-    for k, runs in selective.items():
-        if runs:
-            stage_options[k] = [
-                dataclasses.replace(o, fwd_time=min(runs[0::2]) * scale, bwd_time=min(runs[1::2]) * scale)
-                for o in stage_options[k]
-            ]
-    fields["options"] = stage_options
-    fields["offloadable"] = offloadable
     # the loss value lives from the end of the loss to the end of the step (chain version 3: loss_value)
-    chain = Chain(
+    chain = Chain.from_stages(
+        _timed_records(walk.records, fwd, bwd, selective),
         input_size=storage_bytes(sample),
-        loss_tmp=loss_bytes,
-        loss_tmp_kept=loss_kept,
-        loss_value=held,
-        names=names,
-        frozen=frozen,
-        **fields,
+        loss_tmp=loss[0],
+        loss_tmp_kept=loss[1],
+        loss_value=loss[2],
+        frozen=walk.frozen,
     )
-    seconds = time.perf_counter() - start
-    threads = torch.get_num_threads()
     return Profile(
         chain,
-        seconds,
+        time.perf_counter() - start,
         [_spread(runs) for runs in fwd],
         [_spread(runs) for runs in bwd],
         repeats=len(fwd[0]) if fwd else 0,
-        threads=threads,
+        threads=torch.get_num_threads(),
         round_seconds=round_totals(fwd, bwd),
-        input_uses=input_uses,
+        input_uses=walk.input_uses,
     )

@@ -4,7 +4,8 @@ A `Budget` owns every way a budget becomes bytes: a byte count or size as given,
 (`"50%"`) of the chains' no-recomputation peaks, the automatic budget (`None`, below), a split
 between chains and a chain's growth when it is called several times per step. It receives
 `Chain`s (numbers) and hands back bytes; a chain that must plan again for a new share is told
-through the `replan` function it gave when it joined, never through its module.
+through the `ShareHolder` it joined with (its `ChainState`, lightning_rotor/chain_state.py), never
+through its module.
 
 One chain alone (`Budget(mem_limit)`, `bytes_for` without other names): the bytes are resolved
 once, on its first profiled chain; a fraction is taken of that chain's no-recomputation peak.
@@ -38,9 +39,9 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from fractions import Fraction
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -56,6 +57,7 @@ __all__ = [
     "OUTSIDE",
     "Budget",
     "InfeasibleTotal",
+    "ShareHolder",
     "SharedBudget",
     "auto_total",
     "split_by_need",
@@ -64,6 +66,18 @@ __all__ = [
 AUTO_MARGIN = 0.9  # of the CUDA memory left for activations: allocator fragmentation and kernel workspaces
 OUTSIDE = "(outside the chains)"  # the need of the model's code around the chains (`Budget.charge_outside`)
 OPTIMIZER_STATES = 2  # per parameter, as Adam keeps (SGD with momentum keeps 1): assumed before the optimizer runs
+
+
+class ShareHolder(Protocol):
+    """What a budget asks of a chain that joined it (implemented by `chain_state.ChainState`)."""
+
+    def new_share(self, share: int) -> None:
+        """The chain now has `share` bytes at its first shape: it plans every shape again."""
+        ...
+
+    def busy(self) -> bool:
+        """Whether a call of the chain's step is pending (its share may not shrink now)."""
+        ...
 
 
 class InfeasibleTotal(InfeasibleBudget):
@@ -123,8 +137,7 @@ class Budget:
         self.needs: dict[str, tuple[int, int]] = {}
         self.grown: dict[str, tuple[int, int]] = {}  # chains with several calls per step: their steps' figures
         self.shares: dict[str, int] = {}  # bytes given to each chain that joined
-        self.replans: dict[str, Callable[[int], None]] = {}  # how to tell a chain its new share
-        self.busy: dict[str, Callable[[], bool]] = {}  # whether a chain has calls pending in this step
+        self.holders: dict[str, ShareHolder] = {}  # the chains that joined: told their new shares, asked if busy
         self.auto_bytes: int | None = None  # the CUDA automatic total, measured once
         self.auto_measured = False  # a lone chain's automatic budget was resolved (on its first chain)
         self.short = False  # the chains known so far need more than the total; raised once all have joined
@@ -163,12 +176,11 @@ class Budget:
         device: torch.device,
         parameters: Iterable[nn.Parameter] = (),
         name: str = "",
-        replan: Callable[[int], None] | None = None,
-        busy: Callable[[], bool] | None = None,
+        holder: ShareHolder | None = None,
     ) -> int:
         """The bytes of chain `name` (profiled as `chain`): the whole budget alone, else its share (`share`)."""
         if self.shared:
-            return self.share(name, chain, device, parameters, replan, busy)
+            return self.share(name, chain, device, parameters, holder)
         if self.value is None:
             self.auto_bytes, self.auto_measured = auto_total(device, parameters), True
             return no_recompute_peak(chain) if self.auto_bytes is None else self.auto_bytes
@@ -198,12 +210,11 @@ class Budget:
         chain: Chain,
         device: torch.device,
         parameters: Iterable[nn.Parameter] = (),
-        replan: Callable[[int], None] | None = None,
-        busy: Callable[[], bool] | None = None,
+        holder: ShareHolder | None = None,
     ) -> int:
-        """Register chain `name` (profiled as `chain`) and return its share in bytes.
+        """Register chain `name` (profiled as `chain`, its state `holder`) and return its share in bytes.
 
-        Chains that joined before are planned again for their new share (their `replan`);
+        Chains that joined before are planned again for their new share (`ShareHolder.new_share`);
         raises `InfeasibleTotal` before changing anything when the total cannot be met.
         """
         if self.value is None and self.auto_bytes is None:
@@ -225,10 +236,8 @@ class Budget:
             # until then this chain runs at its own smallest budget, so that they can be measured
             self.short = True
             shares = {n: m for n, (m, _) in needs.items()}
-        if replan is not None:
-            self.replans[name] = replan
-        if busy is not None:
-            self.busy[name] = busy
+        if holder is not None:
+            self.holders[name] = holder
         self._tell_others(name, shares)
         self.shares[name] = shares[name]
         return shares[name]
@@ -248,7 +257,7 @@ class Budget:
 
     def others_busy(self, name: str) -> bool:
         """Whether a chain other than `name` has calls pending in this step (its share may not shrink now)."""
-        return any(other != name and busy() for other, busy in self.busy.items())
+        return any(other != name and holder.busy() for other, holder in self.holders.items())
 
     def grow(self, name: str, smallest: int, need: int) -> int:
         """Chain `name`'s steps need at least `smallest` bytes and `need` without recomputation
@@ -266,9 +275,9 @@ class Budget:
         return shares[name]
 
     def _tell_others(self, name: str, shares: dict[str, int]) -> None:
-        for other, replan in self.replans.items():
+        for other, holder in self.holders.items():
             if other != name and self.shares.get(other) not in (None, shares[other]):
-                replan(shares[other])
+                holder.new_share(shares[other])
                 self.shares[other] = shares[other]
 
     def check(self) -> None:

@@ -11,12 +11,15 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
+from typing_extensions import assert_never
+
 from lightning_rotor.chain import Chain
 from lightning_rotor.ops import (
     Op,
     OpKind,
+    OpNote,
+    annotate,
     check_frozen_prefix,
-    last_forwards,
     no_recompute_ops,
     parse_ops,
     shift_ops,
@@ -80,338 +83,423 @@ def simulate(chain: Chain, ops: Iterable[Any]) -> Simulation:
     )
 
 
-class _Replay(NamedTuple):
-    peak: int
-    times: list[float]  # op times, and the waits for prefetches among them
-    curve: list[int]
-    op_peaks: list[int]
-    host_curve: list[int]
-    host_peak: int
-    waits: list[float]
+def _replay(chain: Chain, ops: list[Op], first_op: int = 0, first_stage: int = 0) -> _Memory:
+    """Replay an ordinary chain; errors name ops `first_op`, stages `first_stage` on. Returns what it held:
+    the peak, op times and waits (`times` holds the waits too), and the curves."""
+    memory = _Memory(chain, first_op, first_stage)
+    for i, note in enumerate(annotate(ops, chain.length, chain.in_free)):
+        memory.step(i, note)
+    memory.finish()
+    return memory
 
 
-def _replay(chain: Chain, ops: list[Op], first_op: int = 0, first_stage: int = 0) -> _Replay:
-    """Replay an ordinary chain; errors name ops `first_op`, stages `first_stage` on.
+class _Moves:
+    """Copies of one kind of thing on the transfer channel, keyed by k: the values `a_k` (`Offload k`,
+    `Prefetch k`) or the saved parts of recorded stages (`OffloadSaved k`, `PrefetchSaved k`).
 
-    Transfers (chain version 6) run on one channel beside compute: compute's clock `now` advances by
-    each op's time and by waits for prefetched values; the channel serves transfers in issue order.
-    An offloaded `a_k` leaves device memory at the start of the first op at or after its copy ends; a
-    prefetched one occupies it from the prefetch on (docs/memory-model.md, "Offloading"). The saved part
-    of a recorded stage k (`offloadable[k]` bytes of the graph `Fe k` recorded) moves the same way, by
-    `OffloadSaved k` and `PrefetchSaved k`; only `B k` reads it. `Wait k` (`WaitSaved k`) idles compute
+    docs/memory-model.md, "Chain version 6": an offloaded item leaves device memory at the start of the first
+    op at or after its copy ends; a prefetched one occupies it from the prefetch on, and its host copy goes
+    when the prefetch ends.
+    """
+
+    def __init__(self, sizes: Sequence[int], what: str) -> None:
+        self.sizes = sizes  # bytes of item k
+        self.what = what  # how messages name item k: "a_{n}" or "the saved part of stage {n}"
+        self.leaving: dict[int, float] = {}  # k: end of its offload (its device copy is still held until then)
+        self.on_host: set[int] = set()  # offloaded and not yet prefetched
+        self.arriving: dict[int, float] = {}  # k: end of its prefetch (compute needing it waits for it)
+        self.host_freed: dict[int, float] = {}  # k: when its host copy goes (its prefetch ends)
+        self.issued: dict[int, float] = {}  # k: end of the latest copy issued (what a `Wait` waits for)
+
+    def name(self, n: int) -> str:
+        return self.what.format(n=n)
+
+
+class _Memory:
+    """What a schedule holds while it is replayed, one method per op kind (docs/memory-model.md, "Operations"
+    and Part 2's sections): the values `a_k` (plain or with their graph `ā_k`), the gradients `δ_k`, the byte
+    count `cur`, and the transfer timeline (chain version 6).
+
+    Transfers run on one channel beside compute: compute's clock `now` advances by each op's time and by waits
+    for prefetched items; the channel serves copies in issue order. Values and saved parts share the channel
+    and its rules (`_Moves`); only `B k` reads stage k's saved part. `Wait k` (`WaitSaved k`) idles compute
     until the latest copy of `a_k` (of stage k's saved part) has ended, so what it frees is free from then on.
     """
-    length = chain.length
-    s = chain.sizes
-    sb = [0, *chain.saved_size]  # sb[k] is the bytes of the recorded value ā_k
-    plain = {0}  # values a_k held without graph; a_0 is the caller's and always held
-    graph: set[int] = set()  # ā_k: value a_k with the graph of F_{k-1}
-    released: set[int] = set()  # ā_k whose free part (out_free[k-1]) is already let go
-    free = [0, *chain.out_free]  # free[k]: bytes of a_k that ā_k's own graph does not keep
-    grads: set[int] = set()  # δ_k
-    # chain version 5: ā_{k+1} recorded by option o >= 1 of stage k (Fs k:o) is held with that option's figures
-    recorded_by: dict[int, int] = {}  # k+1: the option that recorded ā_{k+1} (absent: option 0, Fe k)
 
-    def recorded(k: int) -> tuple[int, int, int, float]:
+    def __init__(self, chain: Chain, first_op: int, first_stage: int) -> None:
+        self.chain = chain
+        self.length = chain.length
+        self.first_op, self.first_stage = first_op, first_stage
+        s = chain.sizes
+        self.sb = [0, *chain.saved_size]  # sb[k] is the bytes of the recorded value ā_k
+        self.free = [0, *chain.out_free]  # free[k]: bytes of a_k that ā_k's own graph does not keep
+        self.plain = {0}  # values a_k held without graph; a_0 is the caller's and always held
+        self.graph: set[int] = set()  # ā_k: value a_k with the graph of F_{k-1}
+        self.released: set[int] = set()  # ā_k whose free part (out_free[k-1]) is already let go
+        self.grads: set[int] = set()  # δ_k
+        # chain version 5: ā_{k+1} recorded by option o >= 1 of stage k (Fs k:o) is held with that option's figures
+        self.recorded_by: dict[int, int] = {}  # k+1: the option that recorded ā_{k+1} (absent: option 0, Fe k)
+        # chain version 3: after the last forward of stage k before B k (an Fe k, k >= 1), the in_free[k]
+        # bytes of a_k that neither graph keeps are let go, from the plain a_k when held, else from ā_k
+        self.early_plain: dict[int, int] = {}  # k: bytes of a plain a_k already let go (B k drops the rest)
+        self.early_graph: dict[int, int] = {}  # k: bytes of ā_k's free part already let go (B k-1 lets go the rest)
+        self.let_go: set[int] = set()  # stages whose input was partly let go: no forward of them may follow
+        self.cur = self.peak = s[0]
+        self.times: list[float] = []  # op times, and the waits for prefetches among them
+        self.waits: list[float] = []
+        self.curve: list[int] = []
+        self.op_peaks: list[int] = []
+        self.loss_done = False
+        self.next_backward = self.length - 1
+        # the transfer channel (chain version 6)
+        self.now = 0.0  # compute's clock
+        self.channel = 0.0  # when the channel is free
+        self.values = _Moves(s, "a_{n}")
+        self.saved = _Moves(chain.offloadable, "the saved part of stage {n}")  # its own key space: stage k
+        self.host = self.host_peak = 0
+        self.host_curve: list[int] = []
+        self.i = 0  # the op being replayed, and its stage (-1: the loss), for messages
+        self.op = Op(OpKind.LOSS)
+        self.k = -1
+
+    # -- the replay ---------------------------------------------------------------------------------------
+    def step(self, i: int, note: OpNote) -> None:
+        """Replay op `i`: check what it needs, then charge its peak and what it leaves held."""
+        self.i, self.op = i, note.op
+        kind = note.kind
+        self.k = k = -1 if note.op.stage is None else note.op.stage  # -1: the loss, which has no stage
+        if kind is not OpKind.LOSS and not 0 <= k < self.length:
+            raise self.fail(f"stage index out of range 0..{self.length + self.first_stage - 1}")
+        self.settle()
+        during = self.dispatch(note)
+        self.peak = max(self.peak, during)
+        self.op_peaks.append(during)
+        self.curve.append(self.cur)
+        self.host_curve.append(self.host)
+
+    def dispatch(self, note: OpNote) -> int:
+        """The op's rule; returns its peak (the bytes held during it)."""
+        kind = note.kind
+        match kind:
+            case OpKind.FN | OpKind.FC:
+                return self.forward_nograd()
+            case OpKind.FE:
+                return self.record(note.last)
+            case OpKind.FS:
+                return self.record_option(note.op.option)
+            case OpKind.LOSS:
+                return self.loss()
+            case OpKind.B:
+                return self.backward()
+            case OpKind.OFFLOAD:
+                return self.offload()
+            case OpKind.PREFETCH:
+                return self.prefetch()
+            case OpKind.OFFLOAD_SAVED:
+                return self.offload_saved()
+            case OpKind.PREFETCH_SAVED:
+                return self.prefetch_saved()
+            case OpKind.WAIT:
+                return self.wait(self.values)
+            case OpKind.WAIT_SAVED:
+                return self.wait(self.saved)
+            case _:
+                assert_never(kind)
+
+    def fail(self, why: str) -> ValueError:
+        op = self.op
+        label = op.label if op.stage is None else op.with_stage(op.stage + self.first_stage).label
+        return ValueError(f"invalid plan: op {self.i + self.first_op} ({label}): {why}")
+
+    def finish(self) -> None:
+        """A plan ends with every offloaded item back and holding `δ_0`."""
+        if self.saved.on_host:
+            k = min(self.saved.on_host)
+            raise ValueError(
+                f"invalid plan: the saved part of stage {k + self.first_stage} is offloaded and never prefetched; "
+                "a plan ends with every offloaded part back"
+            )
+        if self.values.on_host:
+            k = min(self.values.on_host)
+            raise ValueError(
+                f"invalid plan: a_{k + self.first_stage} is offloaded and never prefetched; a plan ends with every "
+                "offloaded value back"
+            )
+        if not self.loss_done or self.next_backward != -1:
+            expected = "Loss" if not self.loss_done else f"B {self.next_backward + self.first_stage}"
+            raise ValueError(
+                f"invalid plan: it ends before B {self.first_stage} (next expected: {expected}); "
+                f"a plan must end holding δ_{self.first_stage}"
+            )
+
+    # -- compute's clock ------------------------------------------------------------------------------------
+    def compute(self, seconds: float) -> None:
+        self.times.append(seconds)
+        self.now += seconds
+
+    def idle_until(self, end: float) -> None:
+        """Compute waits for a copy that ends at `end` (nothing when it has ended)."""
+        if end > self.now:
+            self.times.append(end - self.now)
+            self.waits.append(end - self.now)
+            self.now = end
+
+    def wait_for(self, moves: _Moves, k: int) -> None:
+        """Compute needs item k of `moves`: wait until its prefetch has ended."""
+        end = moves.arriving.pop(k, None)
+        if end is not None:
+            self.idle_until(end)
+
+    # -- forwards (Operations; chain versions 3 and 5) ----------------------------------------------------
+    def forward_input(self, kind: OpKind) -> int:
+        """Check that the forward of stage k has its input `a_k`, and wait for its prefetch; returns k."""
+        k, n = self.k, self.k + self.first_stage
+        if kind is OpKind.FN and k not in self.plain:
+            raise self.fail(f"needs a_{n} held without graph" + (" (offloaded)" if k in self.values.on_host else ""))
+        if k not in self.plain and k not in self.graph:
+            raise self.fail(self.not_held(k))
+        self.wait_for(self.values, k)
+        if k in self.let_go:
+            raise self.fail(f"a_{n} was partly let go after the last forward of stage {n} before B {n}")
+        return k
+
+    def not_held(self, k: int) -> str:
+        n = k + self.first_stage
+        return f"needs a_{n}, which is not held" + (
+            f" (offloaded: Prefetch {n} first)" if k in self.values.on_host else ""
+        )
+
+    def forward_nograd(self) -> int:
+        """`Fn k` and `Fc k`: hold `a_{k+1}` plain; `Fn` drops `a_k` (never `a_0`)."""
+        kind = self.op.kind
+        k = self.forward_input(kind)
+        s = self.chain.sizes
+        if k + 1 in self.plain:
+            raise self.fail(f"a_{k + self.first_stage + 1} is already held")
+        during = self.cur + s[k + 1] + self.chain.fwd_tmp_nograd[k]
+        self.plain.add(k + 1)
+        self.cur += s[k + 1]
+        if kind is OpKind.FN and k != 0:
+            self.plain.discard(k)
+            self.cur -= s[k]
+        self.compute(self.chain.fwd_time[k])
+        return during
+
+    def record(self, last: bool) -> int:
+        """`Fe k`: hold `ā_{k+1}`; the last forward of stage k before `B k` lets `in_free[k]` of `a_k` go."""
+        k = self.forward_input(OpKind.FE)
+        if k + 1 in self.graph:
+            raise self.fail(f"a_{k + self.first_stage + 1} is already held with its graph")
+        during = self.cur + self.sb[k + 1] + self.chain.fwd_tmp[k]
+        self.graph.add(k + 1)
+        self.cur += self.sb[k + 1]
+        in_free = self.chain.in_free[k]
+        if last and in_free:  # after the op's peak: a_k lives only as far as graphs save it
+            (self.early_plain if k in self.plain else self.early_graph)[k] = in_free
+            self.let_go.add(k)
+            self.cur -= in_free
+        self.compute(self.chain.fwd_time[k])
+        return during
+
+    def record_option(self, o: int) -> int:
+        """`Fs k:o` (chain version 5): hold `ā_{k+1}` with option o's figures; a_k stays (nothing released)."""
+        k = self.forward_input(OpKind.FS)
+        n = k + self.first_stage
+        options = self.chain.options[k]
+        if not 1 <= o <= len(options):
+            raise self.fail(f"stage {n} has {len(options)} option(s) beside recording all (Fe)")
+        if k + 1 in self.graph:
+            raise self.fail(f"a_{n + 1} is already held with its graph")
+        opt = options[o - 1]
+        during = self.cur + opt.saved_size + opt.fwd_tmp
+        self.graph.add(k + 1)
+        self.recorded_by[k + 1] = o
+        self.cur += opt.saved_size  # a_k stays: the option's backward recomputes from it (no release)
+        self.compute(opt.fwd_time)
+        return during
+
+    def recorded(self, k: int) -> tuple[int, int, int, float]:
         """(sb_{k+1}, free part of a_{k+1}, bwd_tmp, bwd_time) of stage k as ā_{k+1} was recorded."""
-        o = recorded_by.get(k + 1, 0)
+        chain = self.chain
+        o = self.recorded_by.get(k + 1, 0)
         if not o:
-            return sb[k + 1], free[k + 1], chain.bwd_tmp[k], chain.bwd_time[k]
+            return self.sb[k + 1], self.free[k + 1], chain.bwd_tmp[k], chain.bwd_time[k]
         opt = chain.options[k][o - 1]
         return opt.saved_size, opt.out_free, opt.bwd_tmp, opt.bwd_time
 
-    # chain version 3: after the last forward of stage k before B k (an Fe k, k >= 1), the in_free[k]
-    # bytes of a_k that neither graph keeps are let go, from the plain a_k when held, else from ā_k
-    in_free = chain.in_free
-    last_forward = last_forwards(ops, length) if any(in_free) else set()
-    early_plain: dict[int, int] = {}  # k: bytes of a plain a_k already let go (B k drops the rest)
-    early_graph: dict[int, int] = {}  # k: bytes of ā_k's free part already let go (B k-1 lets go the rest)
-    let_go: set[int] = set()  # stages whose input was partly let go: no forward of them may follow
-    cur = s[0]
-    peak = cur
-    times: list[float] = []
-    curve: list[int] = []
-    op_peaks: list[int] = []
-    loss_done = False
-    next_backward = length - 1
-    # the transfer channel (chain version 6)
-    bandwidth = chain.bandwidth
-    now = 0.0  # compute's clock
-    channel = 0.0  # when the channel is free
-    leaving: dict[int, float] = {}  # k: end of a_k's offload (its device copy is still held until then)
-    on_host: set[int] = set()  # a_k offloaded and not yet prefetched
-    arriving: dict[int, float] = {}  # k: end of a_k's prefetch (compute needing a_k waits for it)
-    host_freed: dict[int, float] = {}  # k: when a_k's host copy goes (its prefetch ends)
-    # the saved part of stage k's graph: same timeline, its own key space (stage k, not value a_k)
-    offloadable = chain.offloadable
-    saved_leaving: dict[int, float] = {}
-    saved_on_host: set[int] = set()
-    saved_arriving: dict[int, float] = {}
-    saved_host_freed: dict[int, float] = {}
-    host = host_peak = 0
-    host_curve: list[int] = []
-    waits: list[float] = []
-
-    def fail(i: int, op: Op, why: str) -> ValueError:
-        label = op.label if op.stage is None else op.with_stage(op.stage + first_stage).label
-        return ValueError(f"invalid plan: op {i + first_op} ({label}): {why}")
-
-    def transfer(size: int) -> float:
-        """Issue a copy of `size` bytes on the channel now; its end."""
-        nonlocal channel
-        channel = max(now, channel) + size / bandwidth
-        return channel
-
-    def wait_for(k: int, arrivals: dict[int, float] | None = None) -> None:
-        """Compute needs a_k (or, from `saved_arriving`, stage k's saved part): wait until its prefetch has ended."""
-        nonlocal now
-        end = (arriving if arrivals is None else arrivals).pop(k, None)
-        if end is not None and end > now:
-            times.append(end - now)
-            waits.append(end - now)
-            now = end
-
-    issued: dict[int, float] = {}  # k: end of the latest copy of a_k issued (what `Wait k` waits for)
-    saved_issued: dict[int, float] = {}  # k: the same for stage k's saved part (`WaitSaved k`)
-
-    def settle() -> None:
-        """Copies ended by `now` free their source: an offload's device copy, a prefetch's host copy."""
-        nonlocal cur, host
-        for j, end in list(leaving.items()):  # offloads done by now free their device copy
-            if end <= now:
-                cur -= s[j]
-                del leaving[j]
-        for j, end in list(host_freed.items()):  # prefetches done by now free their host copy
-            if end <= now:
-                host -= s[j]
-                del host_freed[j]
-        for j, end in list(saved_leaving.items()):
-            if end <= now:
-                cur -= offloadable[j]
-                del saved_leaving[j]
-        for j, end in list(saved_host_freed.items()):
-            if end <= now:
-                host -= offloadable[j]
-                del saved_host_freed[j]
-
-    def not_held(k: int, n: int) -> str:
-        return f"needs a_{n}, which is not held" + (f" (offloaded: Prefetch {n} first)" if k in on_host else "")
-
-    for i, op in enumerate(ops):
-        kind = op.kind
-        k = -1 if op.stage is None else op.stage  # -1: the loss, which has no stage
-        n = k + first_stage  # the stage's index in messages
-        if kind is not OpKind.LOSS and not 0 <= k < length:
-            raise fail(i, op, f"stage index out of range 0..{length + first_stage - 1}")
-        settle()
-        if kind is OpKind.WAIT or kind is OpKind.WAIT_SAVED:
-            saved = kind is OpKind.WAIT_SAVED
-            if k not in (saved_issued if saved else issued):
-                what = f"the saved part of stage {n}" if saved else f"a_{n}"
-                raise fail(i, op, f"no copy of {what} was issued before (Offload/Prefetch it first)")
-            end = (saved_issued if saved else issued)[k]
-            during = cur  # held while compute idles; what the copy frees goes at its end
-            if end > now:
-                times.append(end - now)
-                waits.append(end - now)
-                now = end
-            settle()
-            peak = max(peak, during)
-            op_peaks.append(during)
-            curve.append(cur)
-            host_curve.append(host)
-            continue
-        if kind is OpKind.OFFLOAD_SAVED or kind is OpKind.PREFETCH_SAVED:
-            if bandwidth <= 0:
-                raise fail(i, op, "the chain has no transfer bandwidth (bandwidth 0: no offloading)")
-            if kind is OpKind.OFFLOAD_SAVED:
-                if k + 1 not in graph:
-                    raise fail(i, op, f"needs a_{n + 1} recorded by Fe {n} (its graph holds the saved part)")
-                if recorded_by.get(k + 1, 0):
-                    raise fail(
-                        i, op, f"a_{n + 1} was recorded by Fs {n}:{recorded_by[k + 1]}; only Fe {n}'s saved part moves"
-                    )
-                if not offloadable[k]:
-                    raise fail(i, op, f"stage {n} has nothing offloadable (offloadable[{n}] is 0)")
-                if k in saved_on_host:
-                    raise fail(i, op, f"the saved part of stage {n} is already on the host")
-                if k in saved_arriving:
-                    raise fail(i, op, f"the saved part of stage {n} is still being prefetched")
-                saved_leaving[k] = saved_issued[k] = transfer(offloadable[k])
-                saved_on_host.add(k)
-                host += offloadable[k]
-                if chain.host_limit is not None and host > chain.host_limit:
-                    raise fail(i, op, f"host memory {host} bytes exceeds the chain's host_limit {chain.host_limit}")
-            else:
-                if k not in saved_on_host:
-                    raise fail(i, op, f"the saved part of stage {n} is not on the host (no OffloadSaved {n} before)")
-                saved_on_host.discard(k)
-                cur += offloadable[k]  # on the device again from the prefetch's start
-                saved_arriving[k] = saved_host_freed[k] = saved_issued[k] = transfer(offloadable[k])
-            host_peak = max(host_peak, host)
-            peak = max(peak, cur)
-            op_peaks.append(cur)
-            curve.append(cur)
-            host_curve.append(host)
-            continue
-        if kind is OpKind.OFFLOAD or kind is OpKind.PREFETCH:
-            if bandwidth <= 0:
-                raise fail(i, op, "the chain has no transfer bandwidth (bandwidth 0: no offloading)")
-            if k == 0:
-                raise fail(i, op, "a_0 is the caller's: offloading it frees nothing")
-            if kind is OpKind.OFFLOAD:
-                if k not in plain:
-                    why = "is held with its graph" if k in graph else "is not held"
-                    raise fail(i, op, f"offloads a kept stage input held without graph; a_{n} {why}")
-                if k + 1 in graph:
-                    raise fail(i, op, f"the graph of stage {n} is held and may keep a_{n}: offload before Fe {n}")
-                if k in arriving:
-                    raise fail(i, op, f"a_{n} is still being prefetched")
-                if k in early_plain:
-                    raise fail(i, op, f"a_{n} was partly let go after the last forward of stage {n}")
-                plain.discard(k)
-                leaving[k] = issued[k] = transfer(s[k])
-                on_host.add(k)
-                host += s[k]
-                if chain.host_limit is not None and host > chain.host_limit:
-                    raise fail(i, op, f"host memory {host} bytes exceeds the chain's host_limit {chain.host_limit}")
-                during = cur
-            else:
-                if k not in on_host:
-                    raise fail(i, op, f"a_{n} is not on the host (no Offload {n} before)")
-                on_host.discard(k)
-                cur += s[k]  # the prefetched copy occupies device memory from the prefetch's start
-                arriving[k] = host_freed[k] = issued[k] = transfer(s[k])
-                plain.add(k)
-                during = cur
-            host_peak = max(host_peak, host)
-            peak = max(peak, during)
-            op_peaks.append(during)
-            curve.append(cur)
-            host_curve.append(host)
-            continue
-        if kind is OpKind.FN or kind is OpKind.FC or kind is OpKind.FE or kind is OpKind.FS:
-            if kind is OpKind.FN and k not in plain:
-                raise fail(i, op, f"needs a_{n} held without graph" + (" (offloaded)" if k in on_host else ""))
-            if k not in plain and k not in graph:
-                raise fail(i, op, not_held(k, n))
-            wait_for(k)
-            if k in let_go:
-                raise fail(i, op, f"a_{n} was partly let go after the last forward of stage {n} before B {n}")
-            fwd_time = chain.fwd_time[k]
-            if kind is OpKind.FS:
-                o = op.option
-                if not 1 <= o <= len(chain.options[k]):
-                    raise fail(i, op, f"stage {n} has {len(chain.options[k])} option(s) beside recording all (Fe)")
-                if k + 1 in graph:
-                    raise fail(i, op, f"a_{n + 1} is already held with its graph")
-                opt = chain.options[k][o - 1]
-                during = cur + opt.saved_size + opt.fwd_tmp
-                graph.add(k + 1)
-                recorded_by[k + 1] = o
-                cur += opt.saved_size  # a_k stays: the option's backward recomputes from it (no release)
-                fwd_time = opt.fwd_time
-            elif kind is OpKind.FE:
-                if k + 1 in graph:
-                    raise fail(i, op, f"a_{n + 1} is already held with its graph")
-                during = cur + sb[k + 1] + chain.fwd_tmp[k]
-                graph.add(k + 1)
-                cur += sb[k + 1]
-                if i in last_forward and in_free[k]:  # after the op's peak: a_k lives only as far as graphs save it
-                    (early_plain if k in plain else early_graph)[k] = in_free[k]
-                    let_go.add(k)
-                    cur -= in_free[k]
-            else:
-                if k + 1 in plain:
-                    raise fail(i, op, f"a_{n + 1} is already held")
-                during = cur + s[k + 1] + chain.fwd_tmp_nograd[k]
-                plain.add(k + 1)
-                cur += s[k + 1]
-                if kind is OpKind.FN and k != 0:
-                    plain.discard(k)
-                    cur -= s[k]
-            times.append(fwd_time)
-            now += fwd_time
-        elif kind is OpKind.LOSS:
-            if loss_done:
-                raise fail(i, op, "the loss is computed once per step")
-            if length not in graph and length not in plain:
-                raise fail(i, op, f"needs the chain output a_{length + first_stage}, which is not held")
-            # a_L is handed to the loss: plain, it leaves the plan; with its graph, the plan keeps only the graph
-            if length in graph:
-                o = recorded_by.get(length, 0)
-                last = chain.options[length - 1][o - 1] if o else None
-                during = cur + s[length] + (chain.loss_tmp_graph if last is None else chain.option_loss_tmp_graph(last))
-                released.add(length)
-                cur -= recorded(length - 1)[1]
-            else:
-                during = cur + s[length] + chain.loss_tmp
-                plain.discard(length)
-                cur -= s[length]
-            grads.add(length)
-            cur += s[length] + chain.loss_value  # δ_L, and the loss value from here to the end
-            loss_done = True
-        elif kind is OpKind.B:
-            if not loss_done:
-                raise fail(i, op, "backward before the loss")
-            if k != next_backward:
-                raise fail(
-                    i,
-                    op,
-                    f"backwards run B {length + first_stage - 1} … B {first_stage} in order; "
-                    f"expected B {next_backward + first_stage}",
-                )
-            if k + 1 not in graph:
-                raise fail(i, op, f"needs a_{n + 1} with its graph (run Fe {n} first)")
-            if k + 1 not in grads:
-                raise fail(i, op, f"needs the gradient δ_{n + 1}")
-            if k not in plain and k not in graph:
-                raise fail(i, op, not_held(k, n))
-            if k in saved_on_host:
-                raise fail(i, op, f"the saved part of stage {n} is on the host (PrefetchSaved {n} first)")
-            wait_for(k)
-            wait_for(k, saved_arriving)
-            saved_k, free_k, bwd_tmp_k, bwd_time_k = recorded(k)
-            if k + 1 not in released:  # the free part of a_{k+1} is let go before the backward runs
-                cur -= free_k - early_graph.pop(k + 1, 0)
-            released.discard(k + 1)
-            during = cur + s[k] + bwd_tmp_k
-            graph.discard(k + 1)
-            recorded_by.pop(k + 1, None)
-            grads.discard(k + 1)
-            grads.add(k)
-            cur += s[k] - (saved_k - free_k) - s[k + 1]
-            if k in plain and k != 0:
-                plain.discard(k)
-                cur -= s[k] - early_plain.pop(k, 0)
-            times.append(bwd_time_k)
-            now += bwd_time_k
-            next_backward -= 1
+    # -- the loss and backwards (Operations; "The loss and its gradient"; chain version 2) --------------
+    def loss(self) -> int:
+        """`Loss`: hold `δ_L` and the loss value; a plain `a_L` leaves the plan, a recorded one keeps its graph."""
+        chain, length, s = self.chain, self.length, self.chain.sizes
+        if self.loss_done:
+            raise self.fail("the loss is computed once per step")
+        if length not in self.graph and length not in self.plain:
+            raise self.fail(f"needs the chain output a_{length + self.first_stage}, which is not held")
+        if length in self.graph:
+            o = self.recorded_by.get(length, 0)
+            last = chain.options[length - 1][o - 1] if o else None
+            tmp = chain.loss_tmp_graph if last is None else chain.option_loss_tmp_graph(last)
+            during = self.cur + s[length] + tmp
+            self.released.add(length)
+            self.cur -= self.recorded(length - 1)[1]
         else:
-            raise fail(i, op, f"the simulator has no rule for {kind.value} ops")
-        peak = max(peak, during)
-        op_peaks.append(during)
-        curve.append(cur)
-        host_curve.append(host)
-    if saved_on_host:
-        k = min(saved_on_host)
-        raise ValueError(
-            f"invalid plan: the saved part of stage {k + first_stage} is offloaded and never prefetched; a plan "
-            "ends with every offloaded part back"
-        )
-    if on_host:
-        k = min(on_host)
-        raise ValueError(
-            f"invalid plan: a_{k + first_stage} is offloaded and never prefetched; a plan ends with every "
-            "offloaded value back"
-        )
-    if not loss_done or next_backward != -1:
-        expected = "Loss" if not loss_done else f"B {next_backward + first_stage}"
-        raise ValueError(
-            f"invalid plan: it ends before B {first_stage} (next expected: {expected}); "
-            f"a plan must end holding δ_{first_stage}"
-        )
-    return _Replay(peak, times, curve, op_peaks, host_curve, host_peak, waits)
+            during = self.cur + s[length] + chain.loss_tmp
+            self.plain.discard(length)
+            self.cur -= s[length]
+        self.grads.add(length)
+        self.cur += s[length] + chain.loss_value  # δ_L, and the loss value from here to the end
+        self.loss_done = True
+        return during
+
+    def backward(self) -> int:
+        """`B k`: hold `δ_k`; drop `ā_{k+1}` (its free part first), `δ_{k+1}` and a plain `a_k` (not `a_0`)."""
+        k, n, s = self.k, self.k + self.first_stage, self.chain.sizes
+        self.check_backward(k, n)
+        self.wait_for(self.values, k)
+        self.wait_for(self.saved, k)
+        saved_k, free_k, bwd_tmp_k, bwd_time_k = self.recorded(k)
+        if k + 1 not in self.released:  # the free part of a_{k+1} is let go before the backward runs
+            self.cur -= free_k - self.early_graph.pop(k + 1, 0)
+        self.released.discard(k + 1)
+        during = self.cur + s[k] + bwd_tmp_k
+        self.graph.discard(k + 1)
+        self.recorded_by.pop(k + 1, None)
+        self.grads.discard(k + 1)
+        self.grads.add(k)
+        self.cur += s[k] - (saved_k - free_k) - s[k + 1]
+        if k in self.plain and k != 0:
+            self.plain.discard(k)
+            self.cur -= s[k] - self.early_plain.pop(k, 0)
+        self.compute(bwd_time_k)
+        self.next_backward -= 1
+        return during
+
+    def check_backward(self, k: int, n: int) -> None:
+        if not self.loss_done:
+            raise self.fail("backward before the loss")
+        if k != self.next_backward:
+            raise self.fail(
+                f"backwards run B {self.length + self.first_stage - 1} … B {self.first_stage} in order; "
+                f"expected B {self.next_backward + self.first_stage}"
+            )
+        if k + 1 not in self.graph:
+            raise self.fail(f"needs a_{n + 1} with its graph (run Fe {n} first)")
+        if k + 1 not in self.grads:
+            raise self.fail(f"needs the gradient δ_{n + 1}")
+        if k not in self.plain and k not in self.graph:
+            raise self.fail(self.not_held(k))
+        if k in self.saved.on_host:
+            raise self.fail(f"the saved part of stage {n} is on the host (PrefetchSaved {n} first)")
+
+    # -- transfers (chain version 6: "Chain version 6", "Transfers across several operations") -----------
+    def settle(self) -> None:
+        """Copies ended by `now` free their source: an offload's device copy, a prefetch's host copy."""
+        for moves in (self.values, self.saved):
+            for j, end in list(moves.leaving.items()):
+                if end <= self.now:
+                    self.cur -= moves.sizes[j]
+                    del moves.leaving[j]
+            for j, end in list(moves.host_freed.items()):
+                if end <= self.now:
+                    self.host -= moves.sizes[j]
+                    del moves.host_freed[j]
+
+    def transfer(self, size: int) -> float:
+        """Issue a copy of `size` bytes on the channel now; its end."""
+        self.channel = max(self.now, self.channel) + size / self.chain.bandwidth
+        return self.channel
+
+    def check_channel(self) -> None:
+        if self.chain.bandwidth <= 0:
+            raise self.fail("the chain has no transfer bandwidth (bandwidth 0: no offloading)")
+
+    def send(self, moves: _Moves, k: int) -> int:
+        """Start copying item k of `moves` to host memory; its device copy stays until the copy ends."""
+        size = moves.sizes[k]
+        moves.leaving[k] = moves.issued[k] = self.transfer(size)
+        moves.on_host.add(k)
+        self.host += size
+        limit = self.chain.host_limit
+        if limit is not None and self.host > limit:
+            raise self.fail(f"host memory {self.host} bytes exceeds the chain's host_limit {limit}")
+        self.host_peak = max(self.host_peak, self.host)
+        return self.cur
+
+    def fetch(self, moves: _Moves, k: int) -> int:
+        """Start copying item k of `moves` back: it occupies device memory from the prefetch's start."""
+        moves.on_host.discard(k)
+        self.cur += moves.sizes[k]
+        moves.arriving[k] = moves.host_freed[k] = moves.issued[k] = self.transfer(moves.sizes[k])
+        self.host_peak = max(self.host_peak, self.host)
+        return self.cur
+
+    def offload(self) -> int:
+        """`Offload k`: a kept stage input held without graph goes to host memory."""
+        k, n = self.check_value_transfer()
+        if k not in self.plain:
+            why = "is held with its graph" if k in self.graph else "is not held"
+            raise self.fail(f"offloads a kept stage input held without graph; a_{n} {why}")
+        if k + 1 in self.graph:
+            raise self.fail(f"the graph of stage {n} is held and may keep a_{n}: offload before Fe {n}")
+        if k in self.values.arriving:
+            raise self.fail(f"a_{n} is still being prefetched")
+        if k in self.early_plain:
+            raise self.fail(f"a_{n} was partly let go after the last forward of stage {n}")
+        self.plain.discard(k)
+        return self.send(self.values, k)
+
+    def prefetch(self) -> int:
+        """`Prefetch k`: `a_k` back, plain."""
+        k, n = self.check_value_transfer()
+        if k not in self.values.on_host:
+            raise self.fail(f"a_{n} is not on the host (no Offload {n} before)")
+        during = self.fetch(self.values, k)
+        self.plain.add(k)
+        return during
+
+    def check_value_transfer(self) -> tuple[int, int]:
+        self.check_channel()
+        if self.k == 0:
+            raise self.fail("a_0 is the caller's: offloading it frees nothing")
+        return self.k, self.k + self.first_stage
+
+    def offload_saved(self) -> int:
+        """`OffloadSaved k`: the offloadable part of what `Fe k` recorded goes to host memory."""
+        self.check_channel()
+        k, n = self.k, self.k + self.first_stage
+        if k + 1 not in self.graph:
+            raise self.fail(f"needs a_{n + 1} recorded by Fe {n} (its graph holds the saved part)")
+        if self.recorded_by.get(k + 1, 0):
+            raise self.fail(
+                f"a_{n + 1} was recorded by Fs {n}:{self.recorded_by[k + 1]}; only Fe {n}'s saved part moves"
+            )
+        if not self.chain.offloadable[k]:
+            raise self.fail(f"stage {n} has nothing offloadable (offloadable[{n}] is 0)")
+        if k in self.saved.on_host:
+            raise self.fail(f"the saved part of stage {n} is already on the host")
+        if k in self.saved.arriving:
+            raise self.fail(f"the saved part of stage {n} is still being prefetched")
+        return self.send(self.saved, k)
+
+    def prefetch_saved(self) -> int:
+        """`PrefetchSaved k`: stage k's saved part back, for `B k`."""
+        self.check_channel()
+        k, n = self.k, self.k + self.first_stage
+        if k not in self.saved.on_host:
+            raise self.fail(f"the saved part of stage {n} is not on the host (no OffloadSaved {n} before)")
+        return self.fetch(self.saved, k)
+
+    def wait(self, moves: _Moves) -> int:
+        """`Wait k` / `WaitSaved k`: compute idles until the latest copy of item k has ended."""
+        k = self.k
+        if k not in moves.issued:
+            raise self.fail(
+                f"no copy of {moves.name(k + self.first_stage)} was issued before (Offload/Prefetch it first)"
+            )
+        during = self.cur  # held while compute idles; what the copy frees goes at its end
+        self.idle_until(moves.issued[k])
+        self.settle()
+        return during
 
 
 def no_recompute_peak(chain: Chain) -> int:

@@ -67,7 +67,7 @@ def solve(d: DiscreteChain) -> tuple[int, list[tuple]] | None:
     inf, lv = d.in_free, d.loss_value
     options = d.options or [[] for _ in range(length)]
     tc, cb = d.transfer_cost, d.count_bits  # tc: [] without offloading
-    stc, off = d.saved_transfer_cost, d.offloadable  # []: no saved part moves
+    stc, off = d.saved_transfer_cost, movable(d.offloadable, saved, inf)  # []: no saved part moves
 
     def saved_offloadable(s: int, t: int) -> bool:
         """Whether Fe s may offload its saved part while (s+1, t) runs: the copy surely ends within Fe/Fc s+1."""
@@ -83,11 +83,82 @@ def solve(d: DiscreteChain) -> tuple[int, list[tuple]] | None:
         last = max(before, before + size[s + 1] + bt[s + 1])  # B s+1
         return max(fe_need(s, t, given), saved[s] - inf[s] + max(first, last))
 
+    def ticks(cost: int) -> int:
+        return cost >> cb
+
+    @cache
+    def runs(s: int, t: int, given: bool) -> tuple[tuple[int, int, int, int, int, bool], ...]:
+        """The debt runs of (s, t): (j, i, need, cost, base_j, wait) per run `Fe s, OffloadSaved s, Fe s+1 … Fe j-1,
+        [WaitSaved s], (j, t), B j-1 … B s+1, B s` with `PrefetchSaved s` before `B i` (i = j: before (j, t)'s last op).
+
+        The offload debt is paid by the forwards s+1 … j-1 (the part still on the device while one may run before
+        the copy ends) and by the wait; the prefetch debt by the backwards i … s+1, and `B s` waits for the rest.
+        `need`: the least m of the run but (j, t) itself, read at `m - base_j + off[s]`; `cost`: the run's ops and
+        stalls but (j, t). Runs stop at the first j whose forwards and backwards both hide the copy.
+        """
+        if not stc or off[s] <= 0:
+            return ()
+        part, copy = off[s], stc[s]
+        held, after = (size[t], 0) if given else (0, lv)
+
+        def before(k: int) -> int:  # held in (k, t)'s frame just before B k: its graph, δ_{k+1}, the loss value
+            return saved[k] - inf[k] + size[k + 1] + after
+
+        def bpeak(k: int) -> int:  # B k in (k, t)'s frame
+            return before(k) + size[k] + bt[k]
+
+        gone = inf[s + 1] if s + 1 < t and not options[s + 1] else 0  # a_{s+1}'s part Fe s+1 let go before B s
+        head = max(held + saved[s] + ft[s], bpeak(s), before(s) - gone)  # Fe s, B s and the prefetch before it
+        base = [0] * (t + 1)  # base[k]: (s, t)'s frame to (k, t)'s, the part included
+        base[s + 1] = saved[s] - inf[s]
+        for k in range(s + 1, t):
+            base[k + 1] = base[k] + saved[k] - inf[k]
+        found = []
+        forwards = sum(d.fwd_cost[k] + d.bwd_cost[k] for k in range(s, s + 1))
+        front = head
+        for j in range(s + 1, t + 1):
+            if j > s + 1:  # Fe j-1, the part still there unless the copy surely ended before it started
+                k = j - 1
+                gone = done_after(copy, s + 1, k)
+                front = max(front, held + base[k] - (part if gone else 0) + saved[k] + ft[k])
+                forwards += d.fwd_cost[k] + d.bwd_cost[k]
+            wait = not done_after(copy, s + 1, j)
+            need_j = front
+            if j == t and not given:  # the loss, the part away
+                need_j = max(need_j, base[t - 1] + saved[t - 1] + size[t] + ltg - inf[t - 1] - part)
+            last = j if (j < t and not options[j]) else j - 1
+            for i in range(s, last + 1):
+                need = need_j
+                for k in range(s + 1, min(i, j - 1) + 1):  # B k with the part back
+                    need = max(need, base[k] + bpeak(k))
+                for k in range(max(i, s) + 1, j):  # B k before the prefetch
+                    need = max(need, base[k] - part + bpeak(k))
+                if i == j:
+                    need = max(need, base[j] + before(j), base[j] + bpeak(j))
+                elif i > s:
+                    need = max(need, base[i] + before(i))
+                window = sum(d.bwd_cost[s + 1 : i + 1])
+                cost = forwards + front_stall(copy, s + 1, j) + max(0, copy - window)
+                found.append((j, i, need, cost, base[j] if j < t else 0, wait))
+            hidden = sum(d.bwd_cost[s + 1 : j]) >= copy
+            if not wait and hidden:
+                break
+        return tuple(found)
+
     def offloadable(s: int, t: int, given: bool, s2: int) -> bool:
-        """Whether the split s -> s2 may offload a_s: its copy surely ends within the sweep Fn s+1 … Fn s2-1."""
-        if not tc or s < 1 or (not given and s2 == length) or s2 >= t or options[s2]:
-            return False
-        return (tc[s] >> cb) + (s2 - 1 - s) <= sum(d.fwd_cost[s + 1 : s2]) >> cb
+        """Whether the split s -> s2 may offload a_s (a `Wait s` before the right part pays what the sweep does not)."""
+        return bool(tc) and s >= 1 and (given or s2 != length) and s2 < t and not options[s2]
+
+    def done_after(copy: int, start: int, end: int) -> bool:
+        """Whether a copy (a cost) issued before the forwards start … end-1 surely ends by their end.
+
+        One tick per forward for their rounding to the nearest tick (the copy is rounded up).
+        """
+        return ticks(copy) + (end - start) <= sum(ticks(c) for c in d.fwd_cost[start:end])
+
+    def front_stall(copy: int, start: int, end: int) -> int:
+        """Idle time (a cost) of a `Wait` after the forwards start … end-1 for a copy issued before them."""
+        return max(0, ticks(copy) - sum(ticks(c) for c in d.fwd_cost[start:end])) << cb
 
     def prefetch_need(s2: int, given: bool) -> int:
         """Least m for the prefetch of a_s and B s2 with a_s back on the device."""
@@ -125,8 +196,6 @@ def solve(d: DiscreteChain) -> tuple[int, list[tuple]] | None:
         """
         if m < 0:
             return None
-        if flavour != "today" and best(s, t, given, m) is None:
-            return None  # the tables start where today's do
         inner = "today" if flavour == "today" else "any"  # after Fe s, a_{s+1} is recorded
         rights = "today" if flavour == "today" else "plain"  # a split's a_{s2} is plain
         found: tuple[int, tuple] | None = None
@@ -145,6 +214,12 @@ def solve(d: DiscreteChain) -> tuple[int, list[tuple]] | None:
                     cost = step + max(0, stc[s] - d.bwd_cost[s + 1]) + sub[0]
                     if found is None or cost < found[0]:
                         found = (cost, ("Fe-saved", 0))
+        for n, (j, _, need, extra, base_j, _) in enumerate(runs(s, t, given) if flavour != "today" else ()):
+            if m < need:
+                continue
+            sub = (0, ()) if j == t else best(j, t, given, m - base_j + off[s], inner)
+            if sub is not None and (found is None or extra + sub[0] < found[0]):
+                found = (extra + sub[0], ("run", n))
         last = t if not given else t - 1
         forward = 0
         for s2 in range(s + 1, last + 1):
@@ -167,7 +242,8 @@ def solve(d: DiscreteChain) -> tuple[int, list[tuple]] | None:
             if flavour == "plain" and offloadable(s, t, given, s2) and m >= prefetch_need(s2, given):
                 sub = best(s2, t, given, m - size[s2] + size[s], "plain")  # a_s's slots are free meanwhile
                 if sub is not None:
-                    cost = forward + max(0, tc[s] - d.bwd_cost[s2]) + sub[0] + left[0]
+                    stall = front_stall(tc[s], s + 1, s2) + max(0, tc[s] - d.bwd_cost[s2])
+                    cost = forward + stall + sub[0] + left[0]
                     if found is None or cost < found[0]:
                         found = (cost, ("off", s2))
         return found
@@ -176,6 +252,22 @@ def solve(d: DiscreteChain) -> tuple[int, list[tuple]] | None:
         _, choice = best(s, t, given, m, flavour)
         inner = "today" if flavour == "today" else "any"
         rights = "today" if flavour == "today" else "plain"
+        if choice[0] == "run":
+            j, i, _, _, base_j, wait = runs(s, t, given)[choice[1]]
+            middle = [("Fe", k) for k in range(s + 1, j)] + ([("WaitSaved", s)] if wait else [])
+            if j < t:
+                inside = ops(j, t, given, m - base_j + off[s], inner)
+                if i == j:
+                    assert inside[-1] == ("B", j)
+                    inside = [*inside[:-1], ("PrefetchSaved", s), ("B", j)]
+                middle += inside
+            elif not given:
+                middle.append(("Loss",))
+            tail = []
+            for k in range(min(j - 1, t - 1), s - 1, -1):
+                tail += [("PrefetchSaved", s)] if k == i else []
+                tail.append(("B", k))
+            return [("Fe", s), ("OffloadSaved", s), *middle, *tail]
         if choice[0] == "Fe-saved":
             inside = ops(s + 1, t, given, m - saved[s] + inf[s] + off[s], inner)
             assert inside[-1] == ("B", s + 1)
@@ -194,7 +286,8 @@ def solve(d: DiscreteChain) -> tuple[int, list[tuple]] | None:
         if choice[0] == "off":
             right = ops(s2, t, given, m - size[s2] + size[s], "plain")
             assert right[-1] == ("B", s2)
-            return [("Fc", s), ("Offload", s), *sweep, *right[:-1], ("Prefetch", s), ("B", s2), *left]
+            wait = [] if done_after(tc[s], s + 1, s2) else [("Wait", s)]
+            return [("Fc", s), ("Offload", s), *sweep, *wait, *right[:-1], ("Prefetch", s), ("B", s2), *left]
         right = [("Loss",)] if (not given and s2 == length) else ops(s2, t, given, m - size[s2], rights)
         return [("Fc", s), *sweep, *right, *left]
 
@@ -209,6 +302,14 @@ def solve(d: DiscreteChain) -> tuple[int, list[tuple]] | None:
         return top[0], ops(0, length, False, root, flavour)
     finally:
         sys.setrecursionlimit(old_limit)
+
+
+def movable(offloadable: list[int], saved: list[int], in_free: list[int]) -> list[int]:
+    """Each saved part at most what stays charged for ā_{k+1} beyond the part of a_{k+1} that Fe k+1 lets go: a part
+    never holds a_{k+1}'s storage, so a profiled chain passes as it is (the C++ planner clamps the same way)."""
+    return [
+        max(0, min(o, saved[k] - (in_free[k + 1] if k + 1 < len(in_free) else 0))) for k, o in enumerate(offloadable)
+    ]
 
 
 def reference_plan(chain: Chain, budget: int, slots: int | None = DEFAULT_SLOTS) -> tuple[int, list[tuple]] | None:
@@ -231,10 +332,15 @@ def reference_plan(chain: Chain, budget: int, slots: int | None = DEFAULT_SLOTS)
     ]
 
 
-def reference_min_budget(chain: Chain) -> int:
-    """Smallest budget in bytes for which some persistent schedule exists (exact, no rounding)."""
+def reference_min_budget(chain: Chain, offload: bool = False) -> int:
+    """Smallest budget in bytes for which some persistent schedule exists (exact, no rounding).
+
+    `offload`: a channel exists, so the offload family's shortest members count too (docs/planner.md, "Debts"):
+    a split's plain input moved and waited for during its right part (prefetched before `B s2`), a recorded
+    stage's `offloadable` part moved and waited for right after `Fe s` (prefetched before `B s`).
+    """
     if chain.frozen:
-        return max(chain.prefix_peak, reference_min_budget(chain.suffix()))
+        return max(chain.prefix_peak, reference_min_budget(chain.suffix(), offload))
     length = chain.length
     size, saved = chain.sizes, chain.saved_size
     ft, ft_ng, bt, lt = chain.fwd_tmp, chain.fwd_tmp_nograd, chain.bwd_net, chain.loss_tmp
@@ -246,8 +352,10 @@ def reference_min_budget(chain: Chain) -> int:
             (o.saved_size, o.fwd_tmp, o.bwd_net, 0, chain.option_loss_tmp_graph(o)) for o in chain.options[s]
         ]
 
+    off = movable(chain.offloadable, saved, inf) if offload else [0] * length
+
     @cache
-    def need(s: int, t: int, given: bool) -> int:
+    def need(s: int, t: int, given: bool, plain: bool = False) -> int:
         held = size[t] if given else 0
         after = 0 if given else lv
         fes = []
@@ -258,17 +366,31 @@ def reference_min_budget(chain: Chain) -> int:
             if s + 1 < t:
                 fe = max(fe, sb - free + need(s + 1, t, given))
             fes.append(fe)
+        if off[s] > 0:  # Fe s, OffloadSaved s, WaitSaved s, (s+1, t) without the part, PrefetchSaved s, B s
+            before = saved[s] - inf[s] + size[s + 1] + after
+            gone = inf[s + 1] if s + 1 < t and not chain.options[s + 1] else 0  # let go by Fe s+1 before B s
+            moved = max(held + saved[s] + ft[s], before - gone, before + size[s] + bt[s])
+            if s + 1 < t:
+                moved = max(moved, saved[s] - inf[s] - off[s] + need(s + 1, t, given))
+            if not given and s + 1 == length:
+                moved = max(moved, saved[s] + size[length] + ltg - inf[s] - off[s])
+            fes.append(moved)
         result = min(fes)
         run = size[s + 1] + ft_ng[s]
         last = t if not given else t - 1
         for s2 in range(s + 1, last + 1):
             if s2 > s + 1:
                 run = max(run, size[s2 - 1] + size[s2] + ft_ng[s2 - 1])
+            left = need(s, s2, True, plain) + after
             if not given and s2 == length:
                 right = 2 * size[length] + lt
             else:
-                right = size[s2] + need(s2, t, given)
-            result = min(result, max(held + run, right, need(s, s2, True) + after))
+                right = size[s2] + need(s2, t, given, True)
+            result = min(result, max(held + run, right, left))
+            if offload and plain and s >= 1 and s2 < t and not chain.options[s2]:  # a_s moved during the right part
+                before = saved[s2] - inf[s2] + size[s2 + 1] + after
+                prefetch = size[s2] + max(before, before + size[s2] + bt[s2])
+                result = min(result, max(held + run, size[s2] - size[s] + need(s2, t, given, True), left, prefetch))
         return result
 
     return size[0] + need(0, length, False)

@@ -129,7 +129,15 @@ def test_one_budget_object_resolves_alone_and_shares_between_chains_from_chains_
     total = min_feasible_budget(small) + min_feasible_budget(big) + 50
     shared = Budget(total, ["small", "big"])
     told: list[int] = []
-    first = shared.bytes_for(small, cpu, name="small", replan=told.append)
+
+    class Small:  # the first chain's state (`ShareHolder`): told its new shares
+        def new_share(self, share: int) -> None:
+            told.append(share)
+
+        def busy(self) -> bool:
+            return False
+
+    first = shared.bytes_for(small, cpu, name="small", holder=Small())
     assert first == total  # alone so far: the whole total (the other chain has not run yet)
     second = shared.bytes_for(big, cpu, name="big")
     needs = {n: (min_feasible_budget(c), no_recompute_peak(c)) for n, c in (("small", small), ("big", big))}

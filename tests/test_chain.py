@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_rotor.chain import Chain, ChainError
+from lightning_rotor.chain import FIELD_VERSION, VERSION_FIELDS, Chain, ChainError, StageProfile
 
 
 def chain_dict(**changes):
@@ -306,3 +306,52 @@ def test_version_1_example_files_plan_as_before():
         written = loaded.to_dict()
         assert written["version"] == 4 and "in_free" not in written  # written back as version 4, same figures
         assert loaded.in_free == [0] * loaded.length
+
+
+def full_chain():
+    """A chain with every optional field away from its default: a frozen stage, options, offloading."""
+    return Chain.from_dict(
+        chain_dict(
+            version=6,
+            fwd_tmp_nograd=[2, 9, 0],
+            out_free=[0, 5, 7],
+            loss_tmp_kept=9,
+            in_free=[0, 0, 5],
+            loss_value=8,
+            frozen=1,
+            options=[[], [], [{"name": "sac", "saved_size": 7, "fwd_time": 0.6, "bwd_time": 1.2, "fwd_tmp": 1,
+                               "bwd_tmp": 2, "out_free": 7}]],
+            bandwidth=1e9,
+            host_limit=100,
+            offloadable=[0, 3, 0],
+        )
+    )  # fmt: skip
+
+
+def test_per_stage_records_gather_back_into_the_chain():
+    """`Chain.stages` gives each stage's figures as one record; `Chain.from_stages` gathers them back."""
+    chain = full_chain()
+    stages = chain.stages
+    assert [s.name for s in stages] == ["a", "b", "c"]
+    assert stages[1].out_size == 5 and stages[1].fwd_tmp_nograd == 9 and stages[1].offloadable == 3
+    assert stages[2].options == tuple(chain.options[2]) and stages[2].in_free == 5
+    whole = {"input_size": 10, "loss_tmp": 6, "loss_tmp_kept": 9, "loss_value": 8, "frozen": 1}
+    assert Chain.from_stages(stages, **whole, bandwidth=1e9, host_limit=100) == chain
+    # defaults: fwd_tmp_nograd is fwd_tmp, names stage0 …; checked as any chain
+    plain = Chain.from_stages([StageProfile(4, 4, 1.0, 1.0, 2, 0), StageProfile(3, 3, 1.0, 1.0, 0, 0)], input_size=4)
+    assert plain.fwd_tmp_nograd == plain.fwd_tmp == [2, 0] and plain.names == ["stage0", "stage1"]
+    with pytest.raises(ChainError, match=r"out_free\[0\]=5 is larger than out_size\[0\]=4"):
+        Chain.from_stages([StageProfile(4, 4, 1.0, 1.0, 2, 0, out_free=5)], input_size=4)
+
+
+@pytest.mark.parametrize(("version", "name"), [(v, f) for v, names in VERSION_FIELDS.items() if v > 1 for f in names])
+def test_each_field_needs_the_version_that_added_it(version, name):
+    """One table says which version adds which field: a file of the version before is refused, and a chain
+    holding the field is written as that version (at least 4), which reads it back."""
+    data = full_chain().to_dict()
+    assert data["version"] == 6
+    alone = {k: v for k, v in data.items() if FIELD_VERSION.get(k, 1) < version or k == name}  # none later
+    with pytest.raises(ChainError, match=f"field.s. {name} need chain version {version}; this file says version"):
+        Chain.from_dict({**alone, "version": version - 1})
+    written = Chain.from_dict({**alone, "version": version}).to_dict()
+    assert written["version"] == max(version, 4) and name in written

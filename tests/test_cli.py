@@ -117,6 +117,23 @@ def test_bad_offload_is_one_line(tmp_path, capfd, extra, message):
     assert err.startswith("lightning-rotor: error: ") and message in err and len(err.splitlines()) == 1
 
 
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--trainer.strategy.discover=bogus"], "discover='bogus' is not a discovery method; use one of auto"),
+        (["--trainer.strategy.repeats=0"], "repeats must be an integer >= 1, got 0"),
+    ],
+)
+def test_a_refused_setting_is_one_line_naming_it(tmp_path, capfd, extra, message):
+    """Any setting RotorConfig refuses is told in its own line (jsonargparse's dump of every argument was told)."""
+    code = main(
+        ["fit", "--config", QUICKSTART, "--trainer.max_steps=1", f"--trainer.default_root_dir={tmp_path}"] + extra
+    )
+    err = capfd.readouterr().err.strip()
+    assert code in (1, 2) and "Traceback" not in err
+    assert err.startswith("lightning-rotor: error: ") and message in err and len(err.splitlines()) == 1
+
+
 def test_strategy_name_on_the_command_line(tmp_path, capsys):
     assert console_main(["fit", "--config", QUICKSTART, "--trainer.strategy=rotor", "--print_config"]) == 0
     assert yaml.safe_load(capsys.readouterr().out)["trainer"]["strategy"] == "rotor"
@@ -240,3 +257,19 @@ def test_ddp_spawn_name_keeps_its_start_method(capsys):
     strategy = yaml.safe_load(capsys.readouterr().out)["trainer"]["strategy"]
     assert strategy["class_path"] == "lightning_rotor.lightning.RotorDDPStrategy"
     assert strategy["init_args"]["start_method"] == "spawn"
+
+
+@pytest.mark.parametrize("loader", ["train_dataloader", "val_dataloader", "predict_dataloader"])
+def test_a_data_loader_asked_before_setup_says_so_in_one_line(loader):
+    from lightning_rotor.lightning.data import SyntheticImages, SyntheticTokens
+
+    for data in (
+        SyntheticImages(num_samples=8, val_samples=4, batch_size=4),
+        SyntheticTokens(num_samples=8, val_samples=4, batch_size=4),
+    ):
+        with pytest.raises(
+            RuntimeError, match=rf"^{type(data).__name__}: call setup\(\) before asking for a dataloader$"
+        ):
+            getattr(data, loader)()
+        data.setup("fit")
+        assert len(getattr(data, loader)()) > 0

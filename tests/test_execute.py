@@ -206,13 +206,15 @@ def test_in_place_modules_are_fused_into_the_stage_before():
 
 def test_executor_refuses_an_op_it_has_no_rule_for():
     from lightning_rotor.execute import PlanRunner, _Step
-    from lightning_rotor.ops import Op, OpKind, no_recompute_ops
+    from lightning_rotor.ops import Op, OpKind, OpNote, no_recompute_ops
 
     stages = [nn.Linear(2, 2), nn.Linear(2, 2)]
     runner = PlanRunner(stages, no_recompute_ops(2))
     step = _Step(runner, torch.ones(1, 2), None)
     with pytest.raises(RuntimeError, match="no rule for op Loss"):
-        step.run([Op(OpKind.LOSS)])
+        step.run([OpNote(Op(OpKind.LOSS))])
+    with pytest.raises(RuntimeError, match="Wait 1 in a plan without transfers"):
+        step.run([OpNote(Op(OpKind.WAIT, 1))])
 
 
 def _peak_of(run, model, x, y):

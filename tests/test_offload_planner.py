@@ -70,10 +70,11 @@ def test_offload_plans_replay_within_budget_at_the_predicted_time(chain, where, 
     assert sim.peak <= budget
     predicted = d.cost_to_time(got[0])
     assert abs(sim.time - predicted) <= 2 * (len(got[1]) + 1) * d.tick + 1e-12 * max(1.0, sim.time)
-    # without offloading the same budget costs as much or more
+    # without offloading the same budget costs as much or more (or is below recompute-only's floor)
     alone = solve_discretized(chain.with_transfer(0.0), budget, slots)
-    assert alone is not None
-    assert sim.time <= simulate(chain, alone[1]).time + 2 * (len(got[1]) + len(alone[1])) * d.tick
+    assert alone is not None or budget < min_feasible_budget(chain, bandwidth=0) + 3 * d.unit
+    if alone is not None:
+        assert sim.time <= simulate(chain, alone[1]).time + 2 * (len(got[1]) + len(alone[1])) * d.tick
 
 
 def offloading_chain() -> Chain:
@@ -349,15 +350,17 @@ def test_saved_parts_move_only_when_allowed():
     chain = saved_part_chain()
     assert plan(chain, 27, bandwidth=0).time == 13.0  # no channel
     assert plan(chain, 27, host_limit=18).time == 13.0  # 19 B do not fit on the host
-    assert plan(saved_part_chain(bandwidth=19.0), 27).time == 13.0  # a 1 s copy does not surely end within Fe 2
+    # a 1 s copy does not surely end within Fe 2; Fe 2 and Fe 3 hide it (a debt run, docs/planner.md "Debts")
+    slow = plan(saved_part_chain(bandwidth=19.0), 27)
+    assert slow.time == 12.0 and [op.label for op in slow.ops if op.kind is not OpKind.WAIT_SAVED] == SAVED_OPS
     staged = saved_part_chain(
         options=[[], [], [StageOption(saved_size=1, fwd_time=1.0, bwd_time=9.0, fwd_tmp=0, bwd_tmp=0)], []]
     )
-    assert not any(op.kind is OpKind.OFFLOAD_SAVED for op in plan(staged, 27).ops)  # B 2's time depends on the option
+    # the variant ending within Fe 2 needs B 2's time, which depends on the option; a debt run records stage 2 by Fe
+    assert [op.label for op in plan(staged, 27).ops if op.kind is not OpKind.WAIT_SAVED] == SAVED_OPS
     # every offloadable 0: exactly the plans and costs of value offloading alone
     zero = saved_part_chain(offloadable=[0] * 4)
     assert discretize(zero, 27).saved_transfer_cost == [] and discretize(zero, 27).offloadable == []
-    assert discretize(zero, 27).tick == discretize(saved_part_chain(), 27).tick * 2 / 3  # the bound is not tripled
     # without a channel, offloadable changes nothing
     for budget in range(25, 47):
         alone = saved_part_chain(bandwidth=0.0)
@@ -405,17 +408,16 @@ def test_saved_part_plans_replay_within_budget_at_the_predicted_time(chain, wher
     assert sim.peak <= budget
     assert abs(sim.time - d.cost_to_time(got[0])) <= 2 * (len(ops) + 1) * d.tick + 1e-12 * max(1.0, sim.time)
     for i, op in enumerate(ops):
-        if op[0] == "OffloadSaved":
-            assert ops[i - 1] == ("Fe", op[1]) and ops[i + 1][1] == op[1] + 1
+        if op[0] == "OffloadSaved":  # Fe s, OffloadSaved s, … PrefetchSaved s, B …, B s (docs/planner.md, "Debts")
+            assert ops[i - 1] == ("Fe", op[1])
             j = ops.index(("PrefetchSaved", op[1]))
-            assert ops[j + 1] == ("B", op[1] + 1)
-            # then B k, after an enclosing record's PrefetchSaved k-1 or an enclosing split's Prefetch, if any
-            after = [o for o in ops[j + 2 :] if o[0] not in ("Prefetch", "PrefetchSaved")]
-            assert after[0] == ("B", op[1]) and all(
-                o[0].startswith("Prefetch") for o in ops[j + 2 : ops.index(after[0])]
-            )
+            end = ops.index(("B", op[1]))
+            # only backwards of later stages between them, and the prefetches of enclosing records or splits
+            assert j < end and all(o[0] in ("B", "Prefetch", "PrefetchSaved") for o in ops[j + 1 : end])
     result = plan(chain, budget, slots=slots)
-    assert result.peak <= budget and result.time <= result.recompute_only_time
+    assert result.peak <= budget
+    assert result.recompute_only_time is None or result.time <= result.recompute_only_time
+    assert result.recompute_only_time is not None or budget < min_feasible_budget(chain, bandwidth=0)
 
 
 @pytest.mark.slow

@@ -201,3 +201,36 @@ def test_version_3_last_forward_of_a_stage():
     late = [("Fe", 0), ("Fe", 1), ("Loss",), ("B", 1), ("Fc", 1)]
     with pytest.raises(ValueError, match=r"op 4 \(Fc 1\): a_1 was partly let go"):
         simulate(chain, late)
+
+
+def test_annotate_gives_each_op_the_flags_both_interpreters_read():
+    from lightning_rotor.ops import OpNote, annotate, parse_ops
+
+    ops = parse_ops(
+        [
+            ("Fc", 0),
+            ("Fc", 1),
+            ("Fe", 2),
+            ("OffloadSaved", 2),
+            ("Loss",),
+            ("PrefetchSaved", 2),
+            ("B", 2),
+            ("Fe", 1),
+            ("B", 1),
+            ("Fe", 0),
+            ("B", 0),
+        ]
+    )
+    notes = annotate(ops, 3, in_free=[0, 0, 4])
+    assert [n.op for n in notes] == ops and all(isinstance(n, OpNote) for n in notes)
+    assert [i for i, n in enumerate(notes) if n.last] == [2, 7, 9]  # last forwards before their B (`last_forwards`)
+    assert [i for i, n in enumerate(notes) if n.pack] == [2]  # Fe 2: an OffloadSaved 2 moves what it saved
+    assert [i for i, n in enumerate(notes) if n.moves] == [3]
+    # Fc k ... Fe k right before B k, a_k kept whole between (in_free[k] = 0): early stop allowed, stages 0 and 1
+    assert [i for i, n in enumerate(notes) if n.early] == [0, 1, 7, 9]
+    assert not any(n.joins for n in notes)  # no B k right before B k-1
+    assert [n.joins for n in annotate(no_recompute_ops(3), 3)] == [False] * 4 + [True, True, False]
+    assert not any(n.early for n in annotate(ops, 3))  # without the chain's in_free: unknown, never early
+    # an OffloadSaved after a forward other than Fe moves nothing (the executor refuses it, the simulator names why)
+    odd = annotate(parse_ops([("Fc", 0), ("OffloadSaved", 0), ("Fe", 0), ("Loss",), ("B", 0)]), 1)
+    assert [n.moves for n in odd] == [False] * 5 and not any(n.pack for n in odd)

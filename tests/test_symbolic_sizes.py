@@ -143,7 +143,8 @@ def test_a_convnext_at_changing_resolutions_and_a_partial_last_batch_trains_bitw
             stages = list(rotor.stages)
             measured = profile_chain(stages, x, names=rotor.stage_names, repeats=1, timed=False, loss_tmp=0).chain
             assert sizes(entry.chain) == sizes(measured)
-    assert {rotor._shapes[k] for k in rotor.fitted} == {f"(2, 3, {side}, {side})" for side in (160, 192, 224)}
+    derived = {rotor.chain_state._shapes[k] for k in rotor.fitted}
+    assert derived == {f"(2, 3, {side}, {side})" for side in (160, 192, 224)}
 
 
 class KeepPositive(nn.Module):
@@ -216,7 +217,7 @@ def test_a_trace_of_the_code_around_a_run_is_closed_when_its_call_ends_unprofile
     x = tokens(2, 32)
     rotor(input_ids=x, labels=x).loss.backward()
     rotor(input_ids=x, labels=x, output_attentions=False).loss.backward()
-    assert len(rotor.outside) == 2 and len(rotor.entries) == 1 and rotor._laws._outside is None
+    assert len(rotor.outside) == 2 and len(rotor.entries) == 1 and rotor.chain_state._laws._outside is None
     copy.deepcopy(rotor)(input_ids=x, labels=x).loss.backward()
 
 

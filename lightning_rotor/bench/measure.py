@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -15,6 +15,12 @@ from lightning_rotor.bench.workload import Workload, measure_peak
 from lightning_rotor.budget import format_bytes, parse_budget
 from lightning_rotor.memory import storage_bytes
 from lightning_rotor.profile import synchronize
+
+
+class Progress(Protocol):
+    """What the bench reports its progress to (a tqdm bar)."""
+
+    def update(self, n: int, /) -> object: ...
 
 
 def train_step(w: Workload, forward: Callable[[torch.Tensor], Any], seed: int) -> None:
@@ -58,27 +64,27 @@ def _summarize(r: Row) -> None:
         r.spread = (max(r.times) - min(r.times)) / med if med > 0 else 0.0
 
 
-def run_interleaved(w: Workload, methods: list[Method], repeats: int, warmup: int, seed: int, bar: Any) -> None:
+def run_interleaved(w: Workload, methods: list[Method], repeats: int, warmup: int, seed: int, bar: Progress) -> None:
     """Warm up, measure memory once, then time `repeats` rounds of one step per method."""
-    live = [m for m in methods if m.forward is not None]
-    for m in live:
+    live = [(m.row, forward) for m in methods if (forward := m.forward) is not None]
+    for row, forward in live:
         for _ in range(warmup):
-            train_step(w, m.forward, seed)
-        m.row.measured_peak = measure_peak(w, m.forward, seed)
+            train_step(w, forward, seed)
+        row.measured_peak = measure_peak(w, forward, seed)
         bar.update(warmup + 1)
     for _ in range(repeats):
-        for m in live:
+        for row, forward in live:
             synchronize(w.device)
             start = time.perf_counter()
-            train_step(w, m.forward, seed)
+            train_step(w, forward, seed)
             synchronize(w.device)
-            m.row.times.append(time.perf_counter() - start)
+            row.times.append(time.perf_counter() - start)
             bar.update(1)
-    for m in live:
-        _summarize(m.row)
+    for row, _ in live:
+        _summarize(row)
 
 
-def run_compiled(w: Workload, fractions: list[str], repeats: int, warmup: int, seed: int, bar: Any) -> list[Row]:
+def run_compiled(w: Workload, fractions: list[str], repeats: int, warmup: int, seed: int, bar: Progress) -> list[Row]:
     """`torch.compile` at each activation-memory budget, each in its own block; failures become notes."""
     rows: list[Row] = []
     eager_alloc: int | None = None
@@ -87,8 +93,11 @@ def run_compiled(w: Workload, fractions: list[str], repeats: int, warmup: int, s
         rows.append(r)
         try:
             fraction = float(parse_budget(token))
-            if w.device.type == "cpu" and eager_alloc is None:
-                eager_alloc = allocator_peak(w, w.model, seed)
+            eager_text = ""  # on CPU: the eager step's allocator peak, for comparison
+            if w.device.type == "cpu":
+                if eager_alloc is None:
+                    eager_alloc = allocator_peak(w, w.model, seed)
+                eager_text = format_bytes(eager_alloc)
             reset_compiled()
             with activation_memory_budget(fraction):
                 compiled = torch.compile(w.model)
@@ -100,7 +109,7 @@ def run_compiled(w: Workload, fractions: list[str], repeats: int, warmup: int, s
                 if w.device.type == "cpu":
                     r.measured_peak = allocator_peak(w, compiled, seed)
                     r.note = (
-                        f"CPU allocator via torch.profiler (eager none the same way: {format_bytes(eager_alloc)}); "
+                        f"CPU allocator via torch.profiler (eager none the same way: {eager_text}); "
                         f"compiled in {compile_s:.0f} s"
                     )
                 else:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import csv
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,59 +54,46 @@ def markdown(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class Ran:
+    """A row whose step time (the statistic read) and measured peak are both known."""
+
+    method: str
+    mem_limit: str
+    segments: int | None
+    budget_bytes: int | None
+    peak_gap: float | None
+    step_ms: float
+    peak: int  # measured
+
+
+def ran(rows: list[Row], stat: str = "step_ms") -> list[Ran]:
+    """The rows that ran, with `stat` ("step_ms" median or "step_ms_min") as their step time."""
+    out = []
+    for r in rows:
+        step_ms = getattr(r, stat)
+        if step_ms is not None and r.measured_peak is not None:
+            out.append(Ran(r.method, r.mem_limit, r.segments, r.budget_bytes, r.peak_gap, step_ms, r.measured_peak))
+    return out
+
+
 def checks(rows: list[Row], stat: str = "step_ms") -> list[str]:
     """What rotor promises against the others, read off the rows (`stat`: median "step_ms" or "step_ms_min").
 
     One line each: rotor against the fastest checkpoint_sequential that fits in its memory, the lowest
     peaks, rotor at its largest budget against no checkpointing, and measured against predicted peaks.
     """
-    ran = [replace(r, step_ms=getattr(r, stat)) for r in rows if getattr(r, stat) is not None]
-    ran = [r for r in ran if r.measured_peak is not None]
-    rotor = [r for r in ran if r.method == "rotor"]
-    seg = [r for r in ran if r.method == "checkpoint_sequential"]
-    none = next((r for r in ran if r.method == "none"), None)
-    lines: list[str] = []
+    done = ran(rows, stat)
+    rotor = [r for r in done if r.method == "rotor"]
     if not rotor:
         return ["no rotor budget planned: no target can be read"]
-    for r in rotor if seg else []:
-        fits = [c for c in seg if c.measured_peak <= r.measured_peak]
-        if not fits:
-            peak = format_bytes(r.measured_peak)
-            lines.append(f"mem_limit {r.mem_limit}: no checkpoint_sequential fits in rotor's {peak}")
-            continue
-        best = min(fits, key=lambda c: c.step_ms)
-        verdict = "holds" if r.step_ms <= best.step_ms else "fails"
-        lines.append(
-            f"mem_limit {r.mem_limit}: rotor {r.step_ms:.1f} ms at {format_bytes(r.measured_peak)} vs fastest fitting "
-            f"checkpoint_sequential ({best.segments} segments) {best.step_ms:.1f} ms at "
-            f"{format_bytes(best.measured_peak)}: {r.step_ms / best.step_ms:.3f}x, {verdict}"
-        )
-    if seg:
-        low_r = min(r.measured_peak for r in rotor)
-        low_s = min(c.measured_peak for c in seg)
-        lines.append(
-            f"lowest peak: rotor {format_bytes(low_r)} vs checkpoint_sequential {format_bytes(low_s)}: "
-            f"{'holds' if low_r < low_s else 'fails'}"
-        )
-    block = next((r for r in ran if r.method == "per_block"), None)
+    lines = segment_checks(rotor, [r for r in done if r.method == "checkpoint_sequential"])
+    block = next((r for r in done if r.method == "per_block"), None)
     if block is not None:  # models as written: full activation checkpointing, one checkpoint per block
-        fits = [r for r in rotor if r.measured_peak <= block.measured_peak]
-        if fits:
-            best = min(fits, key=lambda r: r.step_ms)
-            lines.append(
-                f"at per_block's peak {format_bytes(block.measured_peak)}: rotor (mem_limit {best.mem_limit}) "
-                f"{best.step_ms:.1f} ms vs per_block {block.step_ms:.1f} ms = {best.step_ms / block.step_ms:.3f}x: "
-                f"{'holds' if best.step_ms <= block.step_ms else 'fails'}"
-            )
-        else:
-            lines.append(f"no rotor budget fits in per_block's peak {format_bytes(block.measured_peak)}")
-        low_r = min(r.measured_peak for r in rotor)
-        lines.append(
-            f"lowest peak: rotor {format_bytes(low_r)} vs per_block {format_bytes(block.measured_peak)}: "
-            f"{'holds' if low_r < block.measured_peak else 'fails'}"
-        )
-    lines += peer_checks(ran)
+        lines += per_block_checks(rotor, block)
+    lines += peer_checks(done)
     top = max(rotor, key=lambda r: r.budget_bytes or 0)
+    none = next((r for r in done if r.method == "none"), None)
     if none is not None:
         ratio = top.step_ms / none.step_ms
         lines.append(
@@ -122,24 +109,70 @@ def checks(rows: list[Row], stat: str = "step_ms") -> list[str]:
     return lines
 
 
+def segment_checks(rotor: list[Ran], seg: list[Ran]) -> list[str]:
+    """Each rotor budget against the fastest checkpoint_sequential that fits in its peak; the lowest peaks."""
+    if not seg:
+        return []
+    lines = []
+    for r in rotor:
+        fits = [c for c in seg if c.peak <= r.peak]
+        if not fits:
+            lines.append(f"mem_limit {r.mem_limit}: no checkpoint_sequential fits in rotor's {format_bytes(r.peak)}")
+            continue
+        best = min(fits, key=lambda c: c.step_ms)
+        verdict = "holds" if r.step_ms <= best.step_ms else "fails"
+        lines.append(
+            f"mem_limit {r.mem_limit}: rotor {r.step_ms:.1f} ms at {format_bytes(r.peak)} vs fastest fitting "
+            f"checkpoint_sequential ({best.segments} segments) {best.step_ms:.1f} ms at "
+            f"{format_bytes(best.peak)}: {r.step_ms / best.step_ms:.3f}x, {verdict}"
+        )
+    low_r = min(r.peak for r in rotor)
+    low_s = min(c.peak for c in seg)
+    lines.append(
+        f"lowest peak: rotor {format_bytes(low_r)} vs checkpoint_sequential {format_bytes(low_s)}: "
+        f"{'holds' if low_r < low_s else 'fails'}"
+    )
+    return lines
+
+
+def per_block_checks(rotor: list[Ran], block: Ran) -> list[str]:
+    """Models as written: the fastest rotor budget within per-block checkpointing's peak; the lowest peaks."""
+    lines = []
+    fits = [r for r in rotor if r.peak <= block.peak]
+    if fits:
+        best = min(fits, key=lambda r: r.step_ms)
+        lines.append(
+            f"at per_block's peak {format_bytes(block.peak)}: rotor (mem_limit {best.mem_limit}) "
+            f"{best.step_ms:.1f} ms vs per_block {block.step_ms:.1f} ms = {best.step_ms / block.step_ms:.3f}x: "
+            f"{'holds' if best.step_ms <= block.step_ms else 'fails'}"
+        )
+    else:
+        lines.append(f"no rotor budget fits in per_block's peak {format_bytes(block.peak)}")
+    low_r = min(r.peak for r in rotor)
+    lines.append(
+        f"lowest peak: rotor {format_bytes(low_r)} vs per_block {format_bytes(block.peak)}: "
+        f"{'holds' if low_r < block.peak else 'fails'}"
+    )
+    return lines
+
+
 PEER_TARGET = 0.97  # rotor's step at a peer's measured peak, at most this fraction of the peer's
 
 
-def peer_checks(ran: list[Row]) -> list[str]:
+def peer_checks(done: list[Ran]) -> list[str]:
     """hf:/timm: models: rotor and rotor+options planned for each peer's (own, sac) measured peak against it."""
     lines = []
-    for peer in (r for r in ran if r.method in ("own", "sac")):
-        assert peer.measured_peak is not None and peer.step_ms is not None
+    for peer in (r for r in done if r.method in ("own", "sac")):
         for name in ("rotor", "rotor+options"):
-            r = next((r for r in ran if r.method == name and r.mem_limit == peer.method), None)
+            r = next((r for r in done if r.method == name and r.mem_limit == peer.method), None)
             if r is None:
-                lines.append(f"at {peer.method}'s peak {format_bytes(peer.measured_peak)}: {name} did not run")
+                lines.append(f"at {peer.method}'s peak {format_bytes(peer.peak)}: {name} did not run")
                 continue
             ratio = r.step_ms / peer.step_ms
-            fits = r.measured_peak <= peer.measured_peak
+            fits = r.peak <= peer.peak
             lines.append(
-                f"at {peer.method}'s peak {format_bytes(peer.measured_peak)}: {name} {r.step_ms:.1f} ms at "
-                f"{format_bytes(r.measured_peak)} vs {peer.method} {peer.step_ms:.1f} ms = {ratio:.3f}x "
+                f"at {peer.method}'s peak {format_bytes(peer.peak)}: {name} {r.step_ms:.1f} ms at "
+                f"{format_bytes(r.peak)} vs {peer.method} {peer.step_ms:.1f} ms = {ratio:.3f}x "
                 f"(target <= {PEER_TARGET}): {'holds' if ratio <= PEER_TARGET and fits else 'fails'}"
                 + ("" if fits else " (over the peer's peak)")
             )
@@ -178,36 +211,38 @@ def write_plot(rows: list[Row], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    def pts(method: str) -> list[Row]:
-        return [r for r in rows if r.method == method and r.step_ms is not None and r.measured_peak is not None]
+    done = ran(rows)
+
+    def pts(method: str) -> list[Ran]:
+        return [r for r in done if r.method == method]
 
     mib = 2**20
     fig, ax = plt.subplots(figsize=(8.4, 4.2), dpi=80)
-    rotor = sorted(pts("rotor"), key=lambda r: r.measured_peak)
+    rotor = sorted(pts("rotor"), key=lambda r: r.peak)
     if rotor:
-        ax.plot([r.step_ms for r in rotor], [r.measured_peak / mib for r in rotor], "o-", color="C3", label="rotor")
+        ax.plot([r.step_ms for r in rotor], [r.peak / mib for r in rotor], "o-", color="C3", label="rotor")
         for r in rotor:
-            ax.annotate(r.mem_limit, (r.step_ms, r.measured_peak / mib), fontsize=7, xytext=(3, 3),
+            ax.annotate(r.mem_limit, (r.step_ms, r.peak / mib), fontsize=7, xytext=(3, 3),
                         textcoords="offset points")  # fmt: skip
     seg = pts("checkpoint_sequential")
     if seg:
-        ax.scatter([r.step_ms for r in seg], [r.measured_peak / mib for r in seg], s=18, color="C0",
+        ax.scatter([r.step_ms for r in seg], [r.peak / mib for r in seg], s=18, color="C0",
                    label="checkpoint_sequential\n(segment count)")  # fmt: skip
         for r in seg:
-            ax.annotate(str(r.segments), (r.step_ms, r.measured_peak / mib), fontsize=6, color="C0",
+            ax.annotate(str(r.segments), (r.step_ms, r.peak / mib), fontsize=6, color="C0",
                         xytext=(2, -7), textcoords="offset points")  # fmt: skip
-    plus = sorted(pts("rotor+options"), key=lambda r: r.measured_peak)
+    plus = sorted(pts("rotor+options"), key=lambda r: r.peak)
     if plus:
-        ax.plot([r.step_ms for r in plus], [r.measured_peak / mib for r in plus], "v:", color="C4",
+        ax.plot([r.step_ms for r in plus], [r.peak / mib for r in plus], "v:", color="C4",
                 label="rotor+options")  # fmt: skip
-    comp = sorted(pts("compile"), key=lambda r: r.measured_peak)
+    comp = sorted(pts("compile"), key=lambda r: r.peak)
     if comp:
-        ax.plot([r.step_ms for r in comp], [r.measured_peak / mib for r in comp], "s--", color="C2",
+        ax.plot([r.step_ms for r in comp], [r.peak / mib for r in comp], "s--", color="C2",
                 label="torch.compile +\nactivation_memory_budget\n(CPU: allocator)")  # fmt: skip
     marks = (("none", "*", "k"), ("recompute_all", "X", "C1"), ("own", "P", "C0"), ("sac", "D", "C8"))
     for method, marker, color in marks:
         for r in pts(method):
-            ax.scatter([r.step_ms], [r.measured_peak / mib], marker=marker, s=80, color=color, label=method)
+            ax.scatter([r.step_ms], [r.peak / mib], marker=marker, s=80, color=color, label=method)
     ax.set_xlabel("step time, median (ms)")
     ax.set_ylabel("peak activation memory (MiB)")
     ax.set_title(title, fontsize=9)

@@ -17,6 +17,9 @@ from lightning_rotor.memory import CudaMemoryProbe, probe_for
 from lightning_rotor.models import MODELS, ModelSpec
 from lightning_rotor.stages import sequential_stages
 
+LossFn = Callable[[Any, Any], torch.Tensor]  # (output, target) -> loss
+Built = tuple[nn.Module, torch.Tensor, "torch.Tensor | None", LossFn]  # model, input, target, loss
+
 
 class BenchError(ValueError):
     """Bad bench input (model path, budgets, sizes): reported as one line."""
@@ -31,7 +34,7 @@ class Workload:
     model: nn.Module  # an nn.Sequential, or a model as written (`any_models`: rotor discovers its chain)
     x: torch.Tensor
     y: torch.Tensor | None
-    loss: Callable[[Any, Any], torch.Tensor]
+    loss: LossFn
     device: torch.device
     stage_names: list[str] = field(default_factory=list)
     stages: list[nn.Module] = field(default_factory=list)  # empty for a model that is not a plain Sequential
@@ -63,7 +66,7 @@ def parse_kwargs(items: list[str]) -> dict[str, Any]:
     return kwargs
 
 
-def _from_factory(path: str, kwargs: dict[str, Any], batch_size: int, input_shape: tuple[int, ...] | None) -> tuple:
+def _from_factory(path: str, kwargs: dict[str, Any], batch_size: int, input_shape: tuple[int, ...] | None) -> Built:
     module_name, _, attr = path.partition(":")
     try:
         factory = getattr(importlib.import_module(module_name), attr)
@@ -82,15 +85,17 @@ def _from_factory(path: str, kwargs: dict[str, Any], batch_size: int, input_shap
             raise BenchError(f"{path} returned an nn.Sequential; give --input-shape (e.g. --input-shape 8,3,224,224)")
         return made, torch.randn(*input_shape, generator=torch.Generator().manual_seed(0)), None, _square_loss
     if isinstance(made, tuple) and made and isinstance(made[0], nn.Sequential) and len(made) in (2, 3):
-        loss = made[2] if len(made) == 3 else _square_loss
-        return made[0], made[1], None, (lambda out, _y: loss(out)) if len(made) == 3 else loss
+        if len(made) == 2:
+            return made[0], made[1], None, _square_loss
+        own_loss = made[2]  # loss_fn(output), the target unused
+        return made[0], made[1], None, lambda out, _y: own_loss(out)
     raise BenchError(
         f"{path} returned {type(made).__name__}; a factory returns a ModelSpec, an nn.Sequential, "
         "or (nn.Sequential, input[, loss_fn])"
     )
 
 
-def _from_spec(spec: ModelSpec, kwargs: dict[str, Any], batch_size: int) -> tuple:
+def _from_spec(spec: ModelSpec, kwargs: dict[str, Any], batch_size: int) -> Built:
     try:
         model = spec.build(**spec.model_kwargs(kwargs))
     except TypeError as err:

@@ -243,15 +243,15 @@ def _discover_chain(
     kwargs = _copy(dict(sample_kwargs or {}))
     types = tuple(checkpoint_modules) if checkpoint_modules else None
     if types is not None and not all(isinstance(t, type) and issubclass(t, nn.Module) for t in types):
-        raise TypeError(f"checkpoint_modules must be nn.Module classes, got {list(checkpoint_modules)!r}")
-    plain_sequential = isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward
-    if method == "sequential" or (method == "auto" and plain_sequential and types is None):
-        if not plain_sequential:
+        raise TypeError(f"checkpoint_modules must be nn.Module classes, got {list(types)!r}")
+    plain = module if isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward else None
+    if method == "sequential" or (method == "auto" and plain is not None and types is None):
+        if plain is None:
             raise DiscoveryError(
                 f"discover='sequential' needs a plain nn.Sequential, got {type(module).__name__}; "
                 "use discover='graph' or 'modules'"
             )
-        stages = join_in_place(sequential_stages(module), args[0] if len(args) == 1 else args)
+        stages = join_in_place(sequential_stages(plain), args[0] if len(args) == 1 else args)
         return Discovery(stages, notes=[f"sequential: {len(stages)} stages", *stages.notes])
     if method == "modules":
         return _modules(module, args, kwargs, types)

@@ -26,13 +26,15 @@ import dataclasses
 import inspect
 import operator
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.fx.node import map_aggregate, map_arg
+from torch.fx.node import Target, map_aggregate, map_arg
+from torch.utils.hooks import RemovableHandle
 
 from lightning_rotor._torch_compat import fx_unpatched_module, tensor_version, tree_flatten
 
@@ -103,6 +105,8 @@ _SHAPE_METHODS = {
 class ShapeProxy(fx.Proxy):
     """A proxy whose concrete sample value answers Python questions on shapes (with a guard)."""
 
+    tracer: ShapeTracer  # fx.Proxy declares the base class; a ShapeProxy is only ever made by a ShapeTracer
+
     def _value(self) -> Any:
         return self.tracer.values[self.node]
 
@@ -138,8 +142,10 @@ class ShapeProxy(fx.Proxy):
         self.tracer.create_proxy("call_function", _guard_eq, (length, n, _user_frame()), {})
         return n
 
-    def __iter__(self):
-        return iter([self[i] for i in range(len(self))])
+    def __iter__(self) -> Iterator[fx.Proxy]:
+        # self[i] as fx's Proxy.__getitem__ records it (fx adds that at run time, unseen by the type checker)
+        tracer = self.tracer
+        return iter([tracer.create_proxy("call_function", operator.getitem, (self, i), {}) for i in range(len(self))])
 
     # `x += y` on a tensor writes x in place (and every alias of x sees it); fx's Proxy has no in-place
     # operators, so Python would fall back to `x = x + y` and the traced graph would compute otherwise
@@ -184,12 +190,13 @@ def _leaves(value: Any) -> list[Any]:
 class _real_modules:
     """Run real module calls while tracing: fx patches `nn.Module.__call__`, this restores it for a moment."""
 
+    # the ignores: swapping the class's methods is the point (mypy refuses any assignment to a method)
     def __enter__(self) -> None:
         self.patched = nn.Module.__call__, nn.Module.__getattr__
-        nn.Module.__call__, nn.Module.__getattr__ = fx_unpatched_module()
+        nn.Module.__call__, nn.Module.__getattr__ = fx_unpatched_module()  # type: ignore[method-assign]
 
     def __exit__(self, *exc: Any) -> None:
-        nn.Module.__call__, nn.Module.__getattr__ = self.patched
+        nn.Module.__call__, nn.Module.__getattr__ = self.patched  # type: ignore[method-assign]
 
 
 class _answer_is_tensor:
@@ -209,17 +216,21 @@ class _answer_is_tensor:
                 return isinstance(obj._value(), torch.Tensor)
             return original(obj)
 
-        torch.is_tensor = is_tensor  # type: ignore[assignment]
+        torch.is_tensor = is_tensor  # type: ignore[assignment]  # torch's returns a TypeIs; ours a plain bool
 
     def __exit__(self, *exc: Any) -> None:
-        torch.is_tensor = self.original  # type: ignore[assignment]
+        torch.is_tensor = self.original
 
 
 class ShapeTracer(fx.Tracer):
     """torch.fx tracer that runs each op on the sample (see the module docstring)."""
 
     def __init__(
-        self, sample: dict[str, Any], leaves: set[str], leaf_types: tuple[type, ...], through: set[str] = frozenset()
+        self,
+        sample: dict[str, Any],
+        leaves: set[str],
+        leaf_types: tuple[type, ...],
+        through: AbstractSet[str] = frozenset(),
     ):
         super().__init__(autowrap_functions=())
         self.sample = sample
@@ -278,11 +289,20 @@ class ShapeTracer(fx.Tracer):
                 value = getattr(value, part)
         self.values[node], self.data[node] = value, isinstance(value, torch.Tensor)
 
-    def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
+    def create_proxy(
+        self,
+        kind: str,
+        target: Target,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        name: str | None = None,
+        type_expr: Any | None = None,
+        proxy_factory_fn: Callable[[fx.Node], fx.Proxy] | None = None,
+    ) -> fx.Proxy:
         proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
         node = proxy.node
         if kind == "placeholder":
-            if target in self.sample:  # concrete (non-tensor) arguments get no sample value
+            if isinstance(target, str) and target in self.sample:  # concrete (non-tensor) arguments: no sample value
                 value = self.sample[target]
                 self.values[node], self.data[node] = value, _is_data(value)
             return proxy
@@ -299,15 +319,7 @@ class ShapeTracer(fx.Tracer):
         map_arg((node.args, node.kwargs), inputs.append)
         before = [[tensor_version(t) for t in _tensors(self.values[a])] for a in inputs]
         with torch.no_grad():
-            if kind == "call_function":
-                value = target(*vals[0], **vals[1])
-            elif kind == "call_method":
-                value = getattr(vals[0][0], target)(*vals[0][1:], **vals[1])
-            elif kind == "call_module":
-                with _real_modules():
-                    value = self.root.get_submodule(target)(*vals[0], **vals[1])
-            else:
-                value = None
+            value = self._run_op(kind, target, vals[0], vals[1])
         self.values[node] = value
         written = [
             a
@@ -325,6 +337,21 @@ class ShapeTracer(fx.Tracer):
         else:
             self.data[node] = any(self.data.get(n, False) for n in inputs)
         return proxy
+
+    def _run_op(self, kind: str, target: Target, args: Any, kwargs: Any) -> Any:
+        """A new node's op run on the sample values of its arguments (fx's targets: a callable for
+        call_function, a name for call_method and call_module)."""
+        if kind == "call_function":
+            assert callable(target)
+            return target(*args, **kwargs)
+        if kind == "call_method":
+            assert isinstance(target, str)
+            return getattr(args[0], target)(*args[1:], **kwargs)
+        if kind == "call_module":
+            assert isinstance(target, str)
+            with _real_modules():
+                return self.root.get_submodule(target)(*args, **kwargs)
+        return None
 
 
 # -- cutting ---------------------------------------------------------------------------------
@@ -500,10 +527,7 @@ def _trace(
         except _SubmoduleBranch as branch:
             leaves.add(branch.qualname)
         finally:
-            with torch.no_grad():
-                for n, b in module.named_buffers():
-                    if n in saved:
-                        b.copy_(saved[n])
+            _put_back_buffers(module, saved)
     raise DiscoveryError(f"tracing {type(module).__name__} kept finding value-dependent branches")
 
 
@@ -613,36 +637,8 @@ def _stage_costs(
     saved_buffers = {n: b.detach().clone() for n, b in module.named_buffers()}
     rng = [torch.device("cuda", i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
     costs: list[int] = []
-
-    def fresh(t: Any) -> Any:
-        if not isinstance(t, torch.Tensor):
-            return t
-        t = t.detach().clone()
-        return t.requires_grad_() if t.is_floating_point() else t
-
-    def nbytes(tensors: list[torch.Tensor], skip: set[int | None]) -> tuple[int, set[int | None]]:
-        seen: dict[int | None, int] = {}
-        for t in tensors:
-            s = _storage(t)
-            if s not in skip and s is not None:
-                seen[s] = t.untyped_storage().nbytes()
-        return sum(seen.values()), set(seen)
-
-    kept: list[torch.Tensor] = []
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        kept.append(t)
-        return t
-
-    def record(name: str) -> Callable[..., None]:
-        def hook(_: nn.Module, __: Any, out: Any) -> None:
-            if sizes is not None:
-                sizes[name] = sum(t.untyped_storage().nbytes() for t in _tensors(out))
-
-        return hook
-
-    hooks = [m.register_forward_hook(record(q)) for q, m in module.named_modules() if types and isinstance(m, types)]
-    value = map_aggregate(sample, fresh)
+    hooks = _record_output_sizes(module, types, sizes) if sizes is not None else []
+    value = map_aggregate(sample, _fresh)
     try:
         with torch.random.fork_rng(devices=rng), torch.enable_grad():
             for stage, called in zip(chain.stages, chain.stage_modules, strict=True):
@@ -651,61 +647,134 @@ def _stage_costs(
                     with torch.no_grad():
                         out = stage(value)
                     costs.append(known[key])
-                    value = map_aggregate(out, fresh)
-                    continue
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                    out = stage(value)
-                inputs, in_storages = nbytes(_tensors(value), own)
-                extra, _ = nbytes(kept, own | in_storages)
-                outputs, _ = nbytes(_tensors(out), own | in_storages)
-                inner = max((t.untyped_storage().nbytes() for t in kept if _storage(t) not in own), default=0)
-                costs.append(inputs + extra + outputs + max(inputs, inner))  # the last: δ_k or an inner gradient
-                if key:
-                    known[key] = costs[-1]
-                kept.clear()
-                value = map_aggregate(out, fresh)
+                else:
+                    out, cost = _backward_bytes(stage, value, own)
+                    costs.append(cost)
+                    if key:
+                        known[key] = cost
+                value = map_aggregate(out, _fresh)
     finally:
         for h in hooks:
             h.remove()
-        with torch.no_grad():
-            for n, b in module.named_buffers():
-                if n in saved_buffers:
-                    b.copy_(saved_buffers[n])
+        _put_back_buffers(module, saved_buffers)
     return costs
 
 
+def _fresh(t: Any) -> Any:
+    """A tensor as a new leaf (requiring grad where it can), cut from what made it; anything else as is."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    t = t.detach().clone()
+    return t.requires_grad_() if t.is_floating_point() else t
+
+
+def _storage_bytes(tensors: list[torch.Tensor], skip: set[int | None]) -> tuple[int, set[int | None]]:
+    """Bytes of the storages of `tensors` outside `skip`, each counted once, and those storages."""
+    seen: dict[int | None, int] = {}
+    for t in tensors:
+        s = _storage(t)
+        if s not in skip and s is not None:
+            seen[s] = t.untyped_storage().nbytes()
+    return sum(seen.values()), set(seen)
+
+
+def _backward_bytes(stage: nn.Module, value: Any, own: set[int | None]) -> tuple[Any, int]:
+    """`stage` run on `value` with grad: its output, and about the bytes its backward holds (`_stage_costs`);
+    `own`: the storages of the module's parameters and buffers, left out."""
+    kept: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        kept.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = stage(value)
+    inputs, in_storages = _storage_bytes(_tensors(value), own)
+    extra, _ = _storage_bytes(kept, own | in_storages)
+    outputs, _ = _storage_bytes(_tensors(out), own | in_storages)
+    inner = max((t.untyped_storage().nbytes() for t in kept if _storage(t) not in own), default=0)
+    return out, inputs + extra + outputs + max(inputs, inner)  # the last: δ_k or an inner gradient
+
+
+def _record_output_sizes(module: nn.Module, types: tuple[type, ...], sizes: dict[str, int]) -> list[RemovableHandle]:
+    """Forward hooks writing into `sizes` the output bytes of each call of a submodule of class `types`."""
+
+    def record(name: str) -> Callable[..., None]:
+        def hook(_: nn.Module, __: Any, out: Any) -> None:
+            sizes[name] = sum(t.untyped_storage().nbytes() for t in _tensors(out))
+
+        return hook
+
+    return [m.register_forward_hook(record(q)) for q, m in module.named_modules() if issubclass(type(m), types)]
+
+
+def _put_back_buffers(module: nn.Module, saved: dict[str, torch.Tensor]) -> None:
+    """The module's buffers (running statistics) set back to `saved`, in place."""
+    with torch.no_grad():
+        for n, b in module.named_buffers():
+            if n in saved:
+                b.copy_(saved[n])
+
+
+@dataclass
+class _Body:
+    """The traced graph as `_cut` reads it: the ops in order and where each value is last used."""
+
+    placeholders: list[fx.Node]  # the forward's arguments with a sample value
+    dead: list[fx.Node]  # those without one: concrete arguments
+    output: fx.Node
+    ops: list[fx.Node]  # the ops with a sample value, in order; get_attr left out (read inside each stage)
+    pos: dict[fx.Node, int]  # index in `ops`; -1 for placeholders
+    last_use: dict[fx.Node, int]  # index in `ops` of the last op reading a value; len(ops) for the output
+
+    @classmethod
+    def of(cls, graph: fx.Graph, tracer: ShapeTracer) -> _Body:
+        nodes = list(graph.nodes)
+        placeholders = [n for n in nodes if n.op == "placeholder" and n in tracer.values]
+        dead = [n for n in nodes if n.op == "placeholder" and n not in tracer.values]
+        output = next(n for n in nodes if n.op == "output")
+        ops = [n for n in nodes if n.op not in ("placeholder", "output", "get_attr") and n in tracer.values]
+        pos = {n: i for i, n in enumerate(ops)}
+        for n in placeholders:
+            pos[n] = -1
+        last_use: dict[fx.Node, int] = {}
+        for i, n in enumerate(ops):
+            for a in n.all_input_nodes:
+                last_use[a] = i
+        for a in output.all_input_nodes:
+            last_use[a] = len(ops)
+        return cls(placeholders, dead, output, ops, pos, last_use)
+
+    def live_after(self, i: int) -> list[fx.Node]:
+        """The values a cut after op `i` carries: made by then, read later."""
+        return [n for n in [*self.placeholders, *self.ops[: i + 1]] if self.last_use.get(n, -2) > i]
+
+
 def _cut(
-    root: nn.Module, graph: fx.Graph, tracer: ShapeTracer, max_carry: int, ends: set[str] = frozenset()
+    root: nn.Module, graph: fx.Graph, tracer: ShapeTracer, max_carry: int, ends: AbstractSet[str] = frozenset()
 ) -> GraphChain:
     """Cut after weighty ops where few tensors cross; also at the end of each block in `ends` (traced into)."""
-    nodes = list(graph.nodes)
-    placeholders = [n for n in nodes if n.op == "placeholder" and n in tracer.values]
-    dead = [n for n in nodes if n.op == "placeholder" and n not in tracer.values]  # concrete args
-    output = next(n for n in nodes if n.op == "output")
-    body = [n for n in nodes if n.op not in ("placeholder", "output", "get_attr") and n in tracer.values]
-    pos = {n: i for i, n in enumerate(body)}
-    for n in placeholders:
-        pos[n] = -1
-    last_use: dict[fx.Node, int] = {}
-    for i, n in enumerate(body):
-        for a in n.all_input_nodes:
-            last_use[a] = i
-    for a in output.all_input_nodes:
-        last_use[a] = len(body)
-    # in-place writes forbid cuts between the written value's first alias and the write
-    blocked = [False] * len(body)
+    body = _Body.of(graph, tracer)
+    blocked = _blocked_cuts(root, tracer, body)
+    return _stages_between(root, tracer, body, _cut_points(tracer, body, blocked, max_carry, ends))
+
+
+def _blocked_cuts(root: nn.Module, tracer: ShapeTracer, body: _Body) -> list[bool]:
+    """Per op, whether a cut after it is forbidden: in-place writes forbid cuts between the written
+    value's first alias and the write (NOTE: [in-place block start])."""
+    blocked = [False] * len(body.ops)
     by_storage: dict[int, int] = {}
-    for n in [*placeholders, *body]:
+    for n in [*body.placeholders, *body.ops]:
         s = _storage(tracer.values.get(n))
         if s is not None and s not in by_storage:
-            by_storage[s] = pos[n]
-    for j, n in enumerate(body):
+            by_storage[s] = body.pos[n]
+    for j, n in enumerate(body.ops):
         static = _writes_into(n, root, tracer.values)
         for target in {*tracer.writes.get(n, ()), *([static] if static is not None else [])}:
             if target.op == "get_attr":
                 continue
             s = _storage(tracer.values.get(target))
-            start = by_storage.get(s, pos.get(target, -1)) if s is not None else pos.get(target, -1)
+            start = by_storage.get(s, body.pos.get(target, -1)) if s is not None else body.pos.get(target, -1)
             for c in range(max(start, 0), j):
                 blocked[c] = True
             if start < 0:  # NOTE: [in-place block start]: the chain input has no producer to share a stage with
@@ -714,43 +783,54 @@ def _cut(
                     "overwrite the chain input it is recomputed from; module-level discovery (discover='modules') runs "
                     "such a write before the chain, or make it out-of-place"
                 )
+    return blocked
 
-    def live_after(i: int) -> list[fx.Node]:
-        return [n for n in [*placeholders, *body[: i + 1]] if last_use.get(n, -2) > i]
 
+def _cut_points(
+    tracer: ShapeTracer, body: _Body, blocked: list[bool], max_carry: int, ends: AbstractSet[str]
+) -> list[int]:
+    """The ops a stage ends after: after weighty ops (or at a block's end), where at most `max_carry`
+    tensors cross and no write forbids it."""
     cuts: list[int] = []
     weight = False
-    for i, n in enumerate(body[:-1]):
+    for i, n in enumerate(body.ops[:-1]):
         weight = weight or _is_weighty(n)
-        if not (weight or _ends_block(n, body[i + 1], ends)) or blocked[i]:
+        if not (weight or _ends_block(n, body.ops[i + 1], ends)) or blocked[i]:
             continue
-        live = live_after(i)
+        live = body.live_after(i)
         if sum(_is_data(tracer.values.get(v)) for v in live) > max_carry:
             continue
         cuts.append(i)
         weight = False
-    if cuts and not any(_is_weighty(n) for n in body[cuts[-1] + 1 :]):
+    if cuts and not any(_is_weighty(n) for n in body.ops[cuts[-1] + 1 :]):
         cuts.pop()  # a trailing stage without a submodule call or product joins the one before
-    bounds = [-1, *cuts, len(body) - 1]
-    stages, names, crossing, called = [], [], [], []
+    return cuts
+
+
+def _stages_between(root: nn.Module, tracer: ShapeTracer, body: _Body, cuts: list[int]) -> GraphChain:
+    """The chain of stages between the cuts, named by the submodules they call."""
+    bounds = [-1, *cuts, len(body.ops) - 1]
+    stages: list[nn.Module] = []
+    names: list[str] = []
+    crossing: list[str] = []
+    called: list[list[str]] = []
     for k in range(len(bounds) - 1):
         lo, hi = bounds[k] + 1, bounds[k + 1]
-        inputs = placeholders if k == 0 else live_after(bounds[k])
-        last = k == len(bounds) - 2
-        outputs = None if last else live_after(hi)
-        stages.append(_stage_module(root, body[lo : hi + 1], inputs, outputs, output, dead, k))
-        mods = [str(n.target) for n in body[lo : hi + 1] if n.op == "call_module"]
-        names.append(_stage_name(mods, body[lo : hi + 1], k))
+        inputs = body.placeholders if k == 0 else body.live_after(bounds[k])
+        outputs = None if k == len(bounds) - 2 else body.live_after(hi)  # None: the last stage
+        stages.append(_stage_module(root, body.ops[lo : hi + 1], inputs, outputs, body.output, body.dead, k))
+        mods = [str(n.target) for n in body.ops[lo : hi + 1] if n.op == "call_module"]
+        names.append(_stage_name(mods, body.ops[lo : hi + 1], k))
         called.append(mods)
-        if not last:
+        if outputs is not None:
             crossing.append(
                 f"after {names[-1]}: " + ", ".join(f"{v.name}{_shape_str(tracer.values.get(v))}" for v in outputs)
             )
-    guards = sum(1 for n in body if n.op == "call_function" and n.target in _GUARDS)
+    guards = sum(1 for n in body.ops if n.op == "call_function" and n.target in _GUARDS)
     return GraphChain(stages, _unique(names), crossing, guards, stage_modules=called)
 
 
-def _ends_block(node: fx.Node, after: fx.Node, ends: set[str]) -> bool:
+def _ends_block(node: fx.Node, after: fx.Node, ends: AbstractSet[str]) -> bool:
     """`node` is the last op of one of the blocks `ends` (a block boundary: a cut there splits no block)."""
     if not ends:
         return False

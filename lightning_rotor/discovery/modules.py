@@ -26,7 +26,7 @@ to the end of the chain, where the last call hands them to the model's collector
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,7 +48,9 @@ class _Pending(torch.Tensor):
     """What an intermediate block call returns: any torch operation on it raises (see module docstring)."""
 
     @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
+    def __torch_function__(
+        cls, func: Callable[..., Any], types: Iterable[type], args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
         raise ChainDiverged(
             "the output of a block inside a module-level rotor chain was used outside the next block "
             f"({getattr(func, '__name__', func)}); rotor runs the whole run of blocks at once, so only the last "
@@ -99,7 +101,9 @@ class _Uses(TorchFunctionMode):
         self.outputs: dict[int, torch.Tensor] = {}
         self.uses: dict[int, list[tuple[int, ...]]] = {}  # id(output) -> open-call stacks of its uses
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(
+        self, func: Callable[..., Any], types: Iterable[type], args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         stack = tuple(self.open_calls)
         for t in tree_flatten((args, kwargs))[0]:
@@ -188,7 +192,7 @@ class ModuleRun:
         self._state.clear()
 
     @contextmanager
-    def _inside(self):
+    def _inside(self) -> Iterator[None]:
         self._state["inside"] += 1
         try:
             yield
@@ -280,6 +284,8 @@ class _Patched:
 class _BlockStage(nn.Module):
     """A stage of a module-level run: the user's block (and the blocks `joined` to it, NOTE: [in-place block
     start] in lightning_rotor/discovery/graph.py), with the current forward's other arguments."""
+
+    run: ModuleRun  # set past nn.Module's __setattr__: the run is no submodule of its stage
 
     def __init__(self, run: ModuleRun, lo: int, hi: int):
         super().__init__()
@@ -383,26 +389,31 @@ def _runs(
     runs: list[ModuleRun] = []
     for (parent, _), siblings in by_parent.items():
         current: list[_Call] = []
-        for c in [*siblings, None]:
-            usable = (
-                c is not None
-                and alone(c)
-                and (types is None or isinstance(c.module, tuple(types)))
-                and bool(c.args)
-                and isinstance(c.args[0], torch.Tensor)
-                and _hidden(c.output) is not None
-                and _passed(c) is not _NOT_PASSED
-            )
-            if usable and current and _continues(current[-1], c, uses):
-                current.append(c)
+        for call in [*siblings, None]:  # None: the end, closing the last run
+            usable = call if call is not None and _usable(call, alone, types) else None
+            if usable is not None and current and _continues(current[-1], usable, uses):
+                current.append(usable)
                 continue
             run = _joined_run(parent, current, min_blocks)
             if run is not None:
                 runs.append(run)
-            current = [c] if usable else []
+            current = [usable] if usable is not None else []
     # most parameters first (the run covering the model's blocks, not one block's inner layers)
     runs.sort(key=lambda r: (-_parameters(r.blocks), -len(r.blocks), r.parent.count(".")))
     return runs
+
+
+def _usable(c: _Call, alone: Callable[[_Call], bool], types: Sequence[type] | None) -> bool:
+    """Whether the call can be a block of a run: its module called once per parent call, of a class asked
+    for, a tensor in and the hidden state out, and what else it returns passed on from its arguments."""
+    return (
+        alone(c)
+        and (types is None or isinstance(c.module, tuple(types)))
+        and bool(c.args)
+        and isinstance(c.args[0], torch.Tensor)
+        and _hidden(c.output) is not None
+        and _passed(c) is not _NOT_PASSED
+    )
 
 
 def _called_once_per_parent(calls: list[_Call]) -> Callable[[_Call], bool]:

@@ -16,7 +16,7 @@ names, for `fabric.log_dict(fabric.strategy.metrics, step=...)`.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,15 +28,13 @@ from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from lightning_rotor.budget import MemLimit, format_bytes
 from lightning_rotor.checkpointable import Checkpointable
-from lightning_rotor.compile import stage_compiler
+from lightning_rotor.config import RotorConfig
 from lightning_rotor.lightning.callback import schedule_key, step_metrics, summary_text, warn_if_over_budget
-from lightning_rotor.lightning.strategy import ProfileProgress
-from lightning_rotor.lightning.wrap import Selector, check_rotor_arguments, is_candidate, is_user_model, wrap
+from lightning_rotor.lightning.strategy import ConfigAttributes, ProfileProgress, budget_words
+from lightning_rotor.lightning.wrap import is_candidate, is_user_model, wrap
 from lightning_rotor.measure import StepMeasurement
 from lightning_rotor.memory import MemoryProbe
-from lightning_rotor.shapes import check_buckets
 
 ROOT = "model"  # the chain's name when the whole set-up module is wrapped
 KEPT_OUTPUT_HINT = (
@@ -45,16 +43,14 @@ KEPT_OUTPUT_HINT = (
 )
 
 
-class RotorFabricStrategy(SingleDeviceStrategy):
+class RotorFabricStrategy(ConfigAttributes, SingleDeviceStrategy):
     """One device (CUDA with `accelerator="gpu"`, CPU otherwise) with rotor checkpointing, for Fabric.
 
-    The rotor arguments are `RotorStrategy`'s: `mem_limit` (None: automatic; bytes; a size
-    such as `"6GiB"`; a fraction of the no-recomputation peak such as `0.5` or `"50%"`; or
-    `{chain name: budget}`), `include` / `exclude` (submodule names relative to the set-up
-    module, globs, class names or classes; without `include` the module itself is the
-    chain), `slots`, `discover`, `checkpoint_modules`, `compile`, `options`, `shape_buckets`, `predict_shapes`,
-    `fit_shapes`,
-    `offload`, `host_limit`.
+    The rotor settings are `RotorStrategy`'s, `RotorConfig`'s fields (lightning_rotor/config.py), as
+    `config=` or keyword arguments: `mem_limit` (None: automatic; bytes; a size such as `"6GiB"`; a
+    fraction of the no-recomputation peak such as `0.5` or `"50%"`; or `{chain name: budget}`),
+    `include` / `exclude` (submodule names relative to the set-up module, globs, class names or classes;
+    without `include` the module itself is the chain), and the rest.
     Each `fabric.setup(module, ...)` gets the whole budget. `measure_every_n_steps`: how often
     the activation peak is sampled (0: only the first step of each plan). `print_summary`: print the plan table once.
     `device`: leave None to take Fabric's `accelerator` and `devices`.
@@ -66,18 +62,26 @@ class RotorFabricStrategy(SingleDeviceStrategy):
         self,
         mem_limit: int | float | str | dict[str, int | float | str | None] | None = None,
         *,
+        config: RotorConfig | None = None,
         include: list[str | type] | None = None,
         exclude: list[str | type] | None = None,
-        slots: int | None = None,
         discover: str = "auto",
         checkpoint_modules: list[str | type] | None = None,
+        slots: int | None = None,
+        loss_fn: Callable[[Any], Any] | None = None,
+        loss_tmp: int | None = None,
+        repeats: int = 5,
+        warmup: int = 0,
+        fallback_plain: bool | None = None,
         compile: bool | dict | None = None,
-        options: bool = False,
-        shape_buckets: dict[int, list[int]] | None = None,
+        derive_shapes: bool = True,
         predict_shapes: bool = False,
-        fit_shapes: bool = False,
+        fit_shapes: bool = True,
+        shape_buckets: dict[int, list[int]] | None = None,
+        options: bool = False,
         offload: bool | float | str = False,
         host_limit: int | str | None = None,
+        early_stop: bool = False,
         measure_every_n_steps: int = 50,
         print_summary: bool = True,
         device: str | torch.device | None = None,
@@ -85,22 +89,15 @@ class RotorFabricStrategy(SingleDeviceStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision: Precision | None = None,
     ):
+        settings = RotorConfig.of(config, locals())  # bad settings fail here, in one line, before setup
+        if (
+            isinstance(measure_every_n_steps, bool)
+            or not isinstance(measure_every_n_steps, int)
+            or measure_every_n_steps < 0
+        ):
+            raise ValueError(f"measure_every_n_steps must be an integer >= 0, got {measure_every_n_steps!r}")
         super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision=precision)
-        _check_arguments(mem_limit, slots, discover, checkpoint_modules, measure_every_n_steps, offload, host_limit)
-        stage_compiler(compile)  # a bad compile= fails here, in one line
-        self.compile = compile
-        self.options = options
-        self.offload = offload
-        self.host_limit = host_limit
-        self.shape_buckets = check_buckets(shape_buckets)  # bad buckets fail here, before setup
-        self.predict_shapes = bool(predict_shapes)
-        self.fit_shapes = bool(fit_shapes)
-        self.mem_limit = dict(mem_limit) if isinstance(mem_limit, Mapping) else mem_limit
-        self.include = None if include is None else list(include)
-        self.exclude = list(exclude or ())
-        self.slots = slots
-        self.discover = discover
-        self.checkpoint_modules = None if checkpoint_modules is None else list(checkpoint_modules)
+        self.config = settings
         self.measure_every_n_steps = measure_every_n_steps
         self.print_summary = print_summary
         self.chains: dict[str, Checkpointable] = {}  # every set-up module's rotor modules, by name
@@ -153,42 +150,16 @@ class RotorFabricStrategy(SingleDeviceStrategy):
         """The module with its chains swapped for `Checkpointable`s (the module itself when it is the chain)."""
         module = super().setup_module(module)
         whole = (
-            self.include is None
+            self.config.include is None
             and not isinstance(module, Checkpointable)
-            and (is_candidate(module) or (self.discover != "sequential" and is_user_model(module)))
+            and (is_candidate(module) or (self.config.discover != "sequential" and is_user_model(module)))
         )
         if whole:  # the module is the chain: wrap it as the only child of a holder, named ROOT
             holder = nn.ModuleDict({ROOT: module})
-            wrapped, why = wrap(
-                holder,
-                self.mem_limit,
-                slots=self.slots,
-                discover=self.discover,
-                checkpoint_modules=self.checkpoint_modules,
-                compile=self.compile,
-                options=self.options,
-                offload=self.offload,
-                host_limit=self.host_limit,
-            )
+            wrapped, why = wrap(holder, config=self.config.replace(exclude=None))
             module = holder[ROOT]
         else:
-            wrapped, why = wrap(
-                module,
-                self.mem_limit,
-                include=self.include,
-                exclude=self.exclude,
-                slots=self.slots,
-                discover=self.discover,
-                checkpoint_modules=self.checkpoint_modules,
-                compile=self.compile,
-                options=self.options,
-                offload=self.offload,
-                host_limit=self.host_limit,
-            )
-        for w in wrapped:  # changing shapes: fewer plans (shape_buckets), fewer profiles (predict_shapes)
-            w.rotor.shape_buckets = self.shape_buckets
-            w.rotor.predict_shapes = self.predict_shapes
-            w.rotor.fit_shapes = self.fit_shapes
+            wrapped, why = wrap(module, config=self.config)
         found = {w.name: w.rotor for w in wrapped}
         found.update({name or ROOT: m for name, m in _outermost_rotor(module).items() if m not in found.values()})
         if not found:
@@ -209,14 +180,7 @@ class RotorFabricStrategy(SingleDeviceStrategy):
             else f"{name} ({type(r.module).__name__}, chain found on the first batch)"
             for name, r in found.items()
         )
-        budget = self.mem_limit
-        total = (
-            "per-chain budgets"
-            if isinstance(budget, Mapping)
-            else "an automatic budget"
-            if budget is None
-            else f"budget {format_bytes(budget) if isinstance(budget, int) else budget}"
-        )
+        total = budget_words(self.config.mem_limit)
         rank_zero_info(f"rotor: checkpointing {parts} within {total}; profiling on the first training batch")
         return module
 
@@ -318,22 +282,3 @@ def _outermost_rotor(module: nn.Module) -> dict[str, Checkpointable]:
         if isinstance(m, Checkpointable) and not any(name.startswith(p + ".") or p == "" for p in found):
             found[name] = m
     return found
-
-
-def _check_arguments(
-    mem_limit: MemLimit | Mapping[str, MemLimit],
-    slots: int | None,
-    discover: str,
-    checkpoint_modules: Sequence[Selector] | None,
-    measure_every_n_steps: int,
-    offload: bool | float | str = False,
-    host_limit: int | str | None = None,
-) -> None:
-    """Fail at construction, in one line, on an argument rotor cannot use."""
-    check_rotor_arguments(mem_limit, slots, discover, checkpoint_modules, offload, host_limit)
-    if (
-        isinstance(measure_every_n_steps, bool)
-        or not isinstance(measure_every_n_steps, int)
-        or measure_every_n_steps < 0
-    ):
-        raise ValueError(f"measure_every_n_steps must be an integer >= 0, got {measure_every_n_steps!r}")

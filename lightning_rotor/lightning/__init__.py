@@ -6,10 +6,11 @@ Importing this package registers the strategy names `"rotor"`, `"rotor_ddp"` and
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_rotor.config import RotorConfig
 from lightning_rotor.lightning.callback import RotorCallback
 from lightning_rotor.lightning.strategy import RotorDDPStrategy, RotorStrategy
 
 RotorStrategy.register_strategies(StrategyRegistry)
 RotorDDPStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["RotorCallback", "RotorDDPStrategy", "RotorStrategy"]
+__all__ = ["RotorCallback", "RotorConfig", "RotorDDPStrategy", "RotorStrategy"]

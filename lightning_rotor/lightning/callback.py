@@ -48,7 +48,7 @@ from __future__ import annotations
 import io
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
@@ -64,6 +64,10 @@ from lightning_rotor.pipeline import Entry
 from lightning_rotor.shared_budget import OUTSIDE
 from lightning_rotor.simulate import no_recompute_peak, simulate
 from lightning_rotor.tables import stage_markdown
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 
 def _lightning_bookkeeping() -> tuple[Callable, ...]:
@@ -154,15 +158,23 @@ def discovery_lines(chains: dict[str, Checkpointable]) -> list[str]:
     return lines
 
 
+def last_entries(chains: dict[str, Checkpointable]) -> list[Entry]:
+    """Each chain's latest plan, in order; every chain given has run (callers pass the planned ones)."""
+    entries = []
+    for rotor in chains.values():
+        entry = rotor.last_entry
+        assert entry is not None, "a chain that has not run has no plan to report"
+        entries.append(entry)
+    return entries
+
+
 def step_budget(chains: dict[str, Checkpointable]) -> int:
     """The bytes a step of `chains` may hold: per chain its budget for all its calls in the step
     (`Checkpointable.step_limit`), else its last plan's, and what the model's code around the chains
     was charged (`Budget.charge_outside`); what `rotor/budget_bytes` logs."""
     total = 0
     budgets = {id(r.shared): r.shared for r in chains.values() if r.shared is not None}
-    for rotor in chains.values():
-        entry = rotor.last_entry
-        assert entry is not None  # a chain that ran this step
+    for rotor, entry in zip(chains.values(), last_entries(chains), strict=True):
         total += rotor.step_limit or entry.plan.budget
     return total + sum(b.needs.get(OUTSIDE, (0, 0))[0] for b in budgets.values())
 
@@ -185,7 +197,7 @@ def step_metrics(
     chains: dict[str, Checkpointable], step_seconds: float | None = None, measured_peak: int | None = None
 ) -> dict[str, float]:
     """The `rotor/...` scalars of a step, summed over `chains` (the Trainer's callback and Fabric log the same)."""
-    entries = [rotor.last_entry for rotor in chains.values()]
+    entries = last_entries(chains)
     no_recompute = sum(e.chain.no_recompute_time() for e in entries)
     predicted = sum(e.plan.time for e in entries)
     # per chain: its budget, which covers all its calls in a step, and the step's predicted peak
@@ -290,10 +302,9 @@ class RotorCallback(Callback):
                 # on CPU count the whole step, excluding every parameter of the LightningModule and what the
                 # strategy's wrapper (DDP) keeps; the chain input is tracked by the chain, the rest of the batch
                 # is data, not activations
+                excluded = [m for m in (pl_module, trainer.strategy.model) if m is not None]
                 wide = (
-                    MemoryProbe(
-                        [pl_module, trainer.strategy.model], record_curve=True, bookkeeping=LIGHTNING_BOOKKEEPING
-                    )
+                    MemoryProbe(excluded, record_curve=True, bookkeeping=LIGHTNING_BOOKKEEPING)
                     if pl_module.device.type != "cuda"
                     else None
                 )
@@ -362,8 +373,7 @@ class RotorCallback(Callback):
         clean = [m.peak for _, rotor, m, before in measured if len(rotor.entries) == before and m.entry is not None]
         warn_if_over_budget(planned, max(clean, default=0), self._warned_over, "see rotor/<chain>/memory_curve")
         if trainer.is_global_zero:
-            for name, rotor in planned.items():
-                entry = rotor.last_entry
+            for (name, rotor), entry in zip(planned.items(), last_entries(planned), strict=True):
                 if id(entry) not in self._plans:
                     self._plans[id(entry)] = sum(1 for _ in rotor.entries) - 1
                     self._log_stage_table(trainer, name, entry)
@@ -381,7 +391,10 @@ class RotorCallback(Callback):
             pl_module.log(key, value, on_step=True, on_epoch=False, rank_zero_only=True, batch_size=1)
 
     def _experiments(self, trainer: pl.Trainer) -> list[Any]:
-        return [logger.experiment for logger in trainer.loggers if hasattr(logger.experiment, "add_scalar")]
+        """The loggers' backends that take scalars (TensorBoard's SummaryWriter and the like): duck-typed."""
+        # the base Logger declares no `experiment`; every logger Lightning ships has one
+        found = [getattr(logger, "experiment", None) for logger in trainer.loggers]
+        return [experiment for experiment in found if hasattr(experiment, "add_scalar")]
 
     def _log_stage_table(self, trainer: pl.Trainer, name: str, entry: Entry) -> None:
         text = stage_markdown(name, entry)
@@ -429,7 +442,7 @@ def curve_figure(
     mem_limit: int,
     measured_peak: int,
     host: Sequence[int] = (),
-) -> Any:
+) -> Figure:
     """Bytes alive after each op and the peak during it (MiB), predicted and measured, against the budget.
 
     `measured` holds (op index, bytes after, peak during); `measured_peak` is this chain's measured peak.
@@ -451,22 +464,7 @@ def curve_figure(
         predicted_peak / mib, color="tab:blue", linestyle=":", label=f"predicted peak {format_bytes(predicted_peak)}"
     )
     if measured:
-        ax.plot(
-            [i for i, _, _ in measured],
-            [b / mib for _, b, _ in measured],
-            "o",
-            markersize=3,
-            color="tab:orange",
-            label="measured after op",
-        )
-        ax.plot(
-            [i for i, _, _ in measured],
-            [b / mib for _, _, b in measured],
-            "^",
-            markersize=3,
-            color="tab:orange",
-            label="measured op peak",
-        )
+        _draw_measured(ax, measured, mib)
     if any(host):
         ax.step(
             x,
@@ -490,3 +488,10 @@ def curve_figure(
     ax.legend(fontsize=6, loc="upper center", ncol=3)
     fig.tight_layout()
     return fig
+
+
+def _draw_measured(ax: Axes, measured: list[tuple[int, int, int]], mib: float) -> None:
+    """The measured points of `curve_figure`: bytes after each marked op, and the peak during it."""
+    ops = [i for i, _, _ in measured]
+    ax.plot(ops, [b / mib for _, b, _ in measured], "o", markersize=3, color="tab:orange", label="measured after op")
+    ax.plot(ops, [b / mib for _, _, b in measured], "^", markersize=3, color="tab:orange", label="measured op peak")

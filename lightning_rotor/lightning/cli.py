@@ -7,8 +7,8 @@ The strategy names work wherever a strategy is written: `strategy: rotor`,
 `strategy: {class_path: rotor, init_args: {mem_limit: 50%}}`, `--trainer.strategy=rotor`
 followed by `--trainer.strategy.mem_limit=50%`. jsonargparse knows classes, not
 Lightning's strategy names, so a name of ours is turned into its class path as
-configs and arguments are read. A budget (or an `offload=` rate, a `host_limit=`) jsonargparse rejects is
-reported in one line.
+configs and arguments are read. A rotor setting the strategy refuses (a budget, an `offload=` rate, a
+`discover=` method, ...: `RotorConfig`'s checks) is reported in one line.
 """
 
 from __future__ import annotations
@@ -79,12 +79,21 @@ def expand_argv(argv: list[str]) -> list[str]:
 
 
 def budget_line(message: str) -> str | None:
-    """Our one-line budget (bandwidth, host limit) message inside jsonargparse's report, if that is what it reports."""
+    """Rotor's one-line message inside jsonargparse's report, if that is what it reports: a setting the strategy
+    refused (a line of the report's "Errors:" list other than a type mismatch), or a budget, bandwidth or host
+    limit it could not parse."""
+    lines = [line.strip(" -") for line in message.splitlines()]
+    if "class_path='lightning_rotor." in message:  # our strategy, instantiated: its own error is listed
+        listed = [line.strip(" -") for line in message.splitlines() if line.startswith("  - ")]
+        refused = [line for line in listed if not line.startswith("Expected a")]
+        if refused:
+            return refused[0]
     return next(
         (
-            line.strip(" -")
-            for line in message.splitlines()
-            if ACCEPTED in line or BANDWIDTH_ACCEPTED in line or "host_limit=" in line or "host limit" in line
+            line
+            for line in lines
+            if not line.startswith("Given value")  # jsonargparse's dump of every argument
+            and (ACCEPTED in line or BANDWIDTH_ACCEPTED in line or "host_limit=" in line or "host limit" in line)
         ),
         None,
     )

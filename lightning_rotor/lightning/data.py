@@ -37,12 +37,20 @@ class _Synthetic(pl.LightningDataModule):
             self.train = self.make(self.num_samples, generator)
             self.val = self.make(self.val_samples, generator)
 
+    def _made(self) -> tuple[TensorDataset, TensorDataset]:
+        """The training and validation sets `setup` made (Lightning calls it before asking for loaders)."""
+        if self.train is None or self.val is None:
+            raise RuntimeError(f"{type(self).__name__}: call setup() before asking for a dataloader")
+        return self.train, self.val
+
     def train_dataloader(self) -> DataLoader:
         generator = torch.Generator().manual_seed(self.seed)
-        return DataLoader(self.train, batch_size=self.batch_size, shuffle=True, generator=generator, drop_last=True)
+        train, _ = self._made()
+        return DataLoader(train, batch_size=self.batch_size, shuffle=True, generator=generator, drop_last=True)
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val, batch_size=self.batch_size)
+        _, val = self._made()
+        return DataLoader(val, batch_size=self.batch_size)
 
     def test_dataloader(self) -> DataLoader:
         return self.val_dataloader()

@@ -59,7 +59,7 @@ class ModelTask(pl.LightningModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(
             self.parameters(),
-            lr=self.hparams.lr,
-            momentum=self.hparams.momentum,
-            weight_decay=self.hparams.weight_decay,
+            lr=self.hparams["lr"],
+            momentum=self.hparams["momentum"],
+            weight_decay=self.hparams["weight_decay"],
         )

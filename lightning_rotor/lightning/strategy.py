@@ -12,9 +12,9 @@ undone at teardown. A `RotorCallback` is added when the Trainer has none.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from datetime import timedelta
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -22,15 +22,15 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
-from lightning_rotor.budget import MemLimit, format_bytes
-from lightning_rotor.compile import stage_compiler
-from lightning_rotor.lightning.wrap import Selector, Wrapped, check_rotor_arguments, unwrap, wrap
-from lightning_rotor.shapes import check_buckets
+from lightning_rotor.budget import format_bytes
+from lightning_rotor.config import FIELDS, RotorConfig
+from lightning_rotor.lightning.wrap import Wrapped, unwrap, wrap
 
 
 class ProfileProgress:
@@ -54,34 +54,38 @@ class ProfileProgress:
         rank_zero_info(f"rotor: profiling {self.name}: {done}/{total} stages, {seconds:.1f} s")
 
 
-class _RotorMixin:
+def budget_words(mem_limit: Any) -> str:
+    """The budget as the line that starts training tells it ("within ...")."""
+    if isinstance(mem_limit, Mapping):
+        return "per-chain budgets"
+    if mem_limit is None:
+        return "an automatic budget"
+    return f"budget {format_bytes(mem_limit) if isinstance(mem_limit, int) else mem_limit}"
+
+
+class ConfigAttributes:
+    """A strategy's rotor settings read as its attributes too (`strategy.mem_limit`, as before `config=`)."""
+
+    config: RotorConfig
+
+    def __getattr__(self, name: str) -> Any:
+        config = self.__dict__.get("config")
+        if config is not None and name in FIELDS:
+            return getattr(config, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+
+if TYPE_CHECKING:  # the mixin is always combined with a Lightning strategy (first in the MRO)
+    _StrategyBase = Strategy
+else:
+    _StrategyBase = object
+
+
+class _RotorMixin(ConfigAttributes, _StrategyBase):
     """The rotor part shared by the single-device and DDP strategies."""
 
-    def _init_rotor(
-        self,
-        mem_limit: MemLimit | Mapping[str, MemLimit],
-        include: Sequence[Selector] | None,
-        exclude: Sequence[Selector],
-        slots: int | None,
-        discover: str = "auto",
-        checkpoint_modules: Sequence[str | type] | None = None,
-        compile: bool | dict | None = None,
-        options: bool = False,
-        offload: bool | float | str = False,
-        host_limit: int | str | None = None,
-    ) -> None:
-        check_rotor_arguments(mem_limit, slots, discover, checkpoint_modules, offload, host_limit)
-        stage_compiler(compile)  # a bad compile= fails here, in one line
-        self.discover = discover
-        self.checkpoint_modules = None if checkpoint_modules is None else list(checkpoint_modules)
-        self.mem_limit = dict(mem_limit) if isinstance(mem_limit, Mapping) else mem_limit
-        self.include = None if include is None else list(include)
-        self.exclude = list(exclude or ())
-        self.slots = slots
-        self.compile = compile
-        self.options = bool(options)
-        self.offload = offload
-        self.host_limit = host_limit
+    def _init_rotor(self, config: RotorConfig) -> None:
+        self.config = config
         self.wrapped: list[Wrapped] = []
         self.not_wrapped_reason = ""
         self._warned = False
@@ -98,19 +102,8 @@ class _RotorMixin:
         trainer = module._trainer if module is not None else None
         if module is None or trainer is None or trainer.state.fn != TrainerFn.FITTING or self.wrapped:
             return
-        self.wrapped, self.not_wrapped_reason = wrap(
-            module,
-            self.mem_limit,
-            include=self.include,
-            exclude=self.exclude,
-            slots=self.slots,
-            discover=self.discover,
-            checkpoint_modules=self.checkpoint_modules,
-            compile=self.compile,
-            options=self.options,
-            offload=self.offload,
-            host_limit=self.host_limit,
-        )
+        distributed = isinstance(self, DDPStrategy)
+        self.wrapped, self.not_wrapped_reason = wrap(module, config=self.config, distributed=distributed)
         if not self.wrapped:
             if not self._warned:
                 self._warned = True
@@ -119,26 +112,15 @@ class _RotorMixin:
                     "Put the model in a submodule (self.model = ...), or name what to wrap with include=[...]."
                 )
             return
-        for w in self.wrapped:  # changing shapes: fewer plans (shape_buckets=...), fewer profiles (predict_shapes=True)
-            w.rotor.shape_buckets = getattr(self, "shape_buckets", None)
-            w.rotor.predict_shapes = getattr(self, "predict_shapes", False)
-            w.rotor.fit_shapes = getattr(self, "fit_shapes", False)
         for w in self.wrapped:
-            w.rotor.on_profile_progress = ProfileProgress(w.name)
-            w.rotor.distributed = isinstance(self, DDPStrategy)
-        budget = self.mem_limit
-        if isinstance(budget, Mapping):
-            total = "per-chain budgets"
-        elif budget is None:
-            total = "an automatic budget"
-        else:
-            total = f"budget {format_bytes(budget) if isinstance(budget, int) else budget}"
+            w.rotor.on_profile_progress = ProfileProgress(w.name)  # a hook, not a setting
         parts = ", ".join(
             f"{w.name} ({len(w.rotor.stages)} stages)"
             if w.rotor.stages is not None
             else f"{w.name} ({type(w.original).__name__}, chain found on the first batch)"
             for w in self.wrapped
         )
+        total = budget_words(self.config.mem_limit)
         rank_zero_info(f"rotor: checkpointing {parts} within {total}; profiling on the first training batch")
 
     def _unwrap_model(self) -> None:
@@ -146,14 +128,10 @@ class _RotorMixin:
             unwrap(self.lightning_module, self.wrapped)
         self.wrapped = []
 
-    # Lightning hooks, shared by both strategies (the mixin comes first in their MRO).
+    # Lightning hooks, shared by both strategies (the mixin comes first in their MRO); each wraps in `_setup_model`.
     def connect(self, model: pl.LightningModule) -> None:
         super().connect(model)
         self._add_callback(model)
-
-    def _setup_model(self, model: nn.Module) -> nn.Module:
-        self._wrap_model()
-        return super()._setup_model(model)
 
     def teardown(self) -> None:
         self._unwrap_model()
@@ -163,25 +141,15 @@ class _RotorMixin:
 class RotorStrategy(_RotorMixin, SingleDeviceStrategy):
     """One device (CUDA with `accelerator="gpu"`, CPU otherwise) with rotor checkpointing.
 
-    `mem_limit`: ONE activation budget for the whole model, split over its chains by
-    need: None (automatic: on CUDA free memory minus parameter gradients and optimizer
-    state, with a 10% margin; on CPU the no-recomputation peak), bytes, a size
-    (`"6GiB"`), a fraction of the no-recomputation peak (`0.5`, `"50%"`), or
-    `{name: budget}` per chain. `discover`: "auto" (the model's chain is discovered on
-    the first batch; its plain Sequentials are taken as they are), "graph", "modules",
-    or "sequential" (only nn.Sequential parts, as before). `checkpoint_modules`: block
-    classes (classes, class paths or names) each kept whole in one stage.
-    `include` / `exclude`: submodule names (globs allowed), class names or classes
-    overriding what is wrapped. `slots`: the planner's memory precision (None: automatic). `compile`: True
-    or a dict of torch.compile arguments compiles each stage (docs/compile.md). `device`:
-    leave None to take the Trainer's accelerator and `devices`. `options`: also profile each stage's
-    selective-recording option (docs/checkpointable.md, "Per-stage options"). `shape_buckets`: fewer plans over
-    changing input shapes, e.g. `{1: [128, 256, 512]}`; `predict_shapes`: fewer profiles, a shape that differs
-    from measured ones in one size planned from a bound of their chains (docs/checkpointable.md, "Changing shapes");
-    `fit_shapes`: exact sizes without a run, a shape between measured ones whose sizes follow them.
-    `offload`: also let plans copy kept activations to host memory while later stages run (False; True:
-    the link's bandwidth measured at profile time; or a rate such as `"12GB/s"`); `host_limit`: the most
-    host memory those copies may take at once, for the whole model (`"2GiB"`, bytes; None: no limit).
+    The rotor settings are `RotorConfig`'s (lightning_rotor/config.py documents each), as `config=` or as
+    keyword arguments (what LightningCLI's `init_args` give). `mem_limit`: ONE activation budget for the
+    whole model, split over its chains by need: None (automatic: on CUDA free memory minus parameter
+    gradients and optimizer state, with a 10% margin; on CPU the no-recomputation peak), bytes, a size
+    (`"6GiB"`), a fraction of the no-recomputation peak (`0.5`, `"50%"`), or `{name: budget}` per chain.
+    `discover` ("auto": the model's chain is discovered on the first batch, its plain Sequentials taken as
+    they are), `checkpoint_modules` (classes, class paths or names), `include` / `exclude` choose what is
+    wrapped (docs/lightning.md); `host_limit` is the whole model's. `device`: leave None to take the
+    Trainer's accelerator and `devices`.
     """
 
     strategy_name = "rotor"
@@ -190,43 +158,42 @@ class RotorStrategy(_RotorMixin, SingleDeviceStrategy):
         self,
         mem_limit: int | float | str | dict[str, int | float | str | None] | None = None,
         *,
+        config: RotorConfig | None = None,
         include: list[str | type] | None = None,
         exclude: list[str | type] | None = None,
-        slots: int | None = None,
         discover: str = "auto",
         checkpoint_modules: list[str | type] | None = None,
+        slots: int | None = None,
+        loss_fn: Callable[[Any], Any] | None = None,
+        loss_tmp: int | None = None,
+        repeats: int = 5,
+        warmup: int = 0,
+        fallback_plain: bool | None = None,
         compile: bool | dict | None = None,
+        derive_shapes: bool = True,
+        predict_shapes: bool = False,
+        fit_shapes: bool = True,
+        shape_buckets: dict[int, list[int]] | None = None,
         options: bool = False,
+        offload: bool | float | str = False,
+        host_limit: int | str | None = None,
+        early_stop: bool = False,
         device: str | torch.device | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
-        shape_buckets: dict[int, list[int]] | None = None,
-        predict_shapes: bool = False,
-        fit_shapes: bool = False,
-        offload: bool | float | str = False,
-        host_limit: int | str | None = None,
     ):
-        self.shape_buckets = check_buckets(shape_buckets)  # bad buckets fail here, before the Trainer
-        self.predict_shapes = bool(predict_shapes)
-        self.fit_shapes = bool(fit_shapes)
+        settings = RotorConfig.of(config, locals())  # bad settings fail here, before the Trainer
         super().__init__(
             device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin
         )
-        self._init_rotor(
-            mem_limit,
-            include,
-            exclude or (),
-            slots,
-            discover,
-            checkpoint_modules,
-            compile,
-            options,
-            offload,
-            host_limit,
-        )
+        self._init_rotor(settings)
         self._device = None if device is None else torch.device(device)
         self._parallel_devices: list[torch.device] = []
+
+    def _setup_model(self, model: nn.Module) -> nn.Module:
+        self._wrap_model()  # on its device, when fitting
+        return super()._setup_model(model)
 
     # The accelerator connector fills `parallel_devices` from `accelerator=` and `devices=`
     # for strategies that have the attribute; that is how this strategy learns its device.
@@ -268,15 +235,26 @@ class RotorDDPStrategy(_RotorMixin, DDPStrategy):
         self,
         mem_limit: int | float | str | dict[str, int | float | str | None] | None = None,
         *,
+        config: RotorConfig | None = None,
         include: list[str | type] | None = None,
         exclude: list[str | type] | None = None,
-        slots: int | None = None,
         discover: str = "auto",
         checkpoint_modules: list[str | type] | None = None,
+        slots: int | None = None,
+        loss_fn: Callable[[Any], Any] | None = None,
+        loss_tmp: int | None = None,
+        repeats: int = 5,
+        warmup: int = 0,
+        fallback_plain: bool | None = None,
         compile: bool | dict | None = None,
+        derive_shapes: bool = True,
+        predict_shapes: bool = False,
+        fit_shapes: bool = True,
+        shape_buckets: dict[int, list[int]] | None = None,
         options: bool = False,
         offload: bool | float | str = False,
         host_limit: int | str | None = None,
+        early_stop: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -291,6 +269,7 @@ class RotorDDPStrategy(_RotorMixin, DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ):
+        settings = RotorConfig.of(config, locals())  # bad settings fail here, before the Trainer
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -306,18 +285,11 @@ class RotorDDPStrategy(_RotorMixin, DDPStrategy):
             start_method=start_method,
             **kwargs,
         )
-        self._init_rotor(
-            mem_limit,
-            include,
-            exclude or (),
-            slots,
-            discover,
-            checkpoint_modules,
-            compile,
-            options,
-            offload,
-            host_limit,
-        )
+        self._init_rotor(settings)
+
+    def _setup_model(self, model: nn.Module) -> DistributedDataParallel:
+        self._wrap_model()  # on its device, before DDP wraps the model, when fitting
+        return super()._setup_model(model)
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:

@@ -5,7 +5,7 @@ Policy (docs/lightning.md, docs/discovery.md):
 - `discover="sequential"`: candidates are `nn.Sequential` submodules whose `forward` is
   `nn.Sequential.forward` with at least two stages once nested Sequentials are
   flattened; the outermost are wrapped;
-- `discover="auto"` (the strategy's default), `"graph"`, `"modules"`: the outermost
+- `discover="auto"` (the default), `"graph"`, `"modules"`: the outermost
   submodules that are either such a Sequential or a module of a class of your own
   (not torch's) with parameters; the latter's chain is discovered on its first training
   call (the whole forward with `"graph"`, a run of blocks with `"modules"`, the better of
@@ -24,7 +24,9 @@ Policy (docs/lightning.md, docs/discovery.md):
   once: a chain's offloaded values wait for its backward while later chains run).
 
 Wrapping swaps a `Checkpointable` in where the module stood: same parameter objects,
-same `state_dict` keys. `unwrap` puts the user's modules back.
+same `state_dict` keys. `unwrap` puts the user's modules back. The settings are one
+`RotorConfig` (lightning_rotor/config.py); `chain_configs` derives each chain's own from it,
+and each `Checkpointable` is built complete (its share of the one budget, `distributed`).
 """
 
 from __future__ import annotations
@@ -39,11 +41,10 @@ from typing import Any
 from torch import nn
 
 from lightning_rotor import own_checkpointing, step_outside
-from lightning_rotor.budget import MemLimit, Offload, parse_budget
-from lightning_rotor.checkpointable import Checkpointable, check_offload
+from lightning_rotor.budget import MemLimit, Offload
+from lightning_rotor.checkpointable import Checkpointable
 from lightning_rotor.compile import compiled_inner
-from lightning_rotor.discovery import DISCOVER_METHODS
-from lightning_rotor.discretize import check_slots
+from lightning_rotor.config import FIELDS, RotorConfig, check_discover, check_offload
 from lightning_rotor.shared_budget import Budget
 from lightning_rotor.stages import sequential_stages
 
@@ -118,12 +119,12 @@ def _matches(name: str, module: nn.Module, selectors: Sequence[Selector]) -> boo
 def find_chains(
     model: nn.Module,
     include: Sequence[Selector] | None = None,
-    exclude: Sequence[Selector] = (),
+    exclude: Sequence[Selector] | None = (),
     discover: str = "sequential",
 ) -> tuple[list[tuple[str, nn.Module]], str]:
     """The submodules to wrap (outermost first, in module order) and, when none, why not."""
-    if discover not in DISCOVER_METHODS:
-        raise ValueError(f"discover={discover!r} is not a discovery method; use one of {', '.join(DISCOVER_METHODS)}")
+    check_discover(discover)
+    exclude = exclude or ()
     found: list[tuple[str, nn.Module]] = []
     skipped: set[str] = set()
     seen_sequential = 0
@@ -136,48 +137,61 @@ def find_chains(
             continue
         seen_sequential += isinstance(module, nn.Sequential)
         if exclude and _matches(name, module, exclude):
-            skipped.add(name)
+            skipped.add(name)  # excluded, with everything below it
             continue
-        plain = isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward
-        if include is not None:
-            if not _matches(name, module, include):
-                continue
-            if discover == "sequential" and not plain:
-                raise TypeError(
-                    f"include matched {name!r}, a {type(module).__name__}; with discover='sequential' "
-                    "rotor wraps plain nn.Sequential modules only (discover='auto' takes any model)"
-                )
-            if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
-                raise TypeError(
-                    f"include matched {name!r}, a {type(module).__name__}, which is never called; name "
-                    "the module whose forward loops over it, or its block class in checkpoint_modules"
-                )
-        elif not (is_candidate(module) or (discover != "sequential" and is_user_model(module))):
+        if not _chosen(name, module, include, discover):
             continue
-        elif not plain and (stacks := encoder_decoder(module)):  # its encoder and decoder: two chains, one budget
+        stacks = encoder_decoder(module) if include is None and not _plain(module) else []
+        if stacks:  # its encoder and decoder: two chains, one budget
             found.extend((f"{name}.{stack}", module.get_submodule(stack)) for stack in stacks)
-            skipped.add(name)
-            continue
-        found.append((name, stands))  # a compiled one is swapped whole: its stages compiled alike (compile.py)
+        else:
+            found.append((name, stands))  # a compiled one is swapped whole: its stages compiled alike (compile.py)
         skipped.add(name)
     if discover == "auto" and include is None and len(found) > 1:
         big = [(n, m) for n, m in found if not 2 <= _stage_count(m) < MIN_AUTO_STAGES]
         found = big or found  # a head is wrapped only when it is all there is
-    if found:
-        return found, ""
+    return (found, "") if found else ([], _why_none(model, include, discover, seen_sequential))
+
+
+def _plain(module: nn.Module) -> bool:
+    return isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward
+
+
+def _chosen(name: str, module: nn.Module, include: Sequence[Selector] | None, discover: str) -> bool:
+    """Whether `module` (not excluded) is wrapped: it matches `include`, or without one it is a candidate of the
+    policy (module docstring). A match rotor cannot wrap is one clear error."""
+    if include is None:
+        return is_candidate(module) or (discover != "sequential" and is_user_model(module))
+    if not _matches(name, module, include):
+        return False
+    if discover == "sequential" and not _plain(module):
+        raise TypeError(
+            f"include matched {name!r}, a {type(module).__name__}; with discover='sequential' "
+            "rotor wraps plain nn.Sequential modules only (discover='auto' takes any model)"
+        )
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        raise TypeError(
+            f"include matched {name!r}, a {type(module).__name__}, which is never called; name "
+            "the module whose forward loops over it, or its block class in checkpoint_modules"
+        )
+    return True
+
+
+def _why_none(model: nn.Module, include: Sequence[Selector] | None, discover: str, seen_sequential: int) -> str:
+    """Why `find_chains` found nothing to wrap in `model`, in one line."""
     cls = type(model).__name__
     if include is not None:
-        why = f"no submodule of {cls} matches include={list(include)!r}"
-    elif seen_sequential:
+        return f"no submodule of {cls} matches include={list(include)!r}"
+    if seen_sequential:
         why = (
             f"{cls} has {seen_sequential} nn.Sequential submodule(s) but none is a plain Sequential with at least "
             "two stages outside `exclude`"
         )
     else:
         why = f"{cls} has no nn.Sequential submodule"
-    if discover != "sequential" and include is None:
+    if discover != "sequential":
         why += " and no submodule of a class of your own with parameters to discover a chain in"
-    return [], why
+    return why
 
 
 def resolve_block_types(model: nn.Module, checkpoint_modules: Sequence[str | type] | None) -> tuple[type, ...] | None:
@@ -249,44 +263,37 @@ def wrap(
     model: nn.Module,
     mem_limit: MemLimit | Mapping[str, MemLimit] = None,
     *,
-    include: Sequence[Selector] | None = None,
-    exclude: Sequence[Selector] = (),
-    slots: int | None = None,
-    discover: str = "sequential",
-    checkpoint_modules: Sequence[str | type] | None = None,
-    compile: bool | dict | None = None,
-    options: bool = False,
-    offload: Offload = False,
-    host_limit: int | str | None = None,
+    config: RotorConfig | None = None,
+    distributed: bool = False,
+    **settings: Any,
 ) -> tuple[list[Wrapped], str]:
-    """Swap `Checkpointable`s in for the chosen submodules of `model`, in place, under one budget."""
-    chains, why = find_chains(model, include, exclude, discover)
-    types = resolve_block_types(model, checkpoint_modules)
-    transfer = offload_settings(offload, host_limit, len(chains))
+    """Swap `Checkpointable`s in for the chosen submodules of `model`, in place, under one budget.
+
+    The settings are `config=` or `RotorConfig`'s fields as keyword arguments (`mem_limit`, `include`, ...);
+    `distributed`: the model trains under DDP (each chain refuses tied weights before its first profile).
+    """
+    unknown = sorted(set(settings) - set(FIELDS))
+    if unknown:
+        raise TypeError(f"wrap() got unknown setting(s) {unknown}; the settings are RotorConfig's: {', '.join(FIELDS)}")
+    config = RotorConfig.of(config, {"mem_limit": mem_limit, **settings})
+    chains, why = find_chains(model, config.include, config.exclude, config.discover)
+    names = [name for name, _ in chains]
     shared = None
-    if isinstance(mem_limit, Mapping):
-        check_budget_names(mem_limit, [name for name, _ in chains])
+    if isinstance(config.mem_limit, Mapping):
+        check_budget_names(config.mem_limit, names)
     elif chains:
-        shared = Budget(mem_limit, [name for name, _ in chains])
+        shared = Budget(config.mem_limit, names)
     own = take_own_checkpointing(model, chains)
+    each = chain_configs(model, config, chains)
     wrapped = []
     for name, module in chains:
-        budget = mem_limit[name] if isinstance(mem_limit, Mapping) else mem_limit
-        plain = is_candidate(module) and (types is None or discover == "sequential")
-        method = None if plain and discover in ("auto", "sequential") else discover
         rotor = Checkpointable(
             module,
-            budget,
-            slots=slots,
-            discover=method,
-            checkpoint_modules=types,
-            fallback_plain=discover == "auto" and include is None,
-            compile=None if compiled_inner(module) is not None else compile,  # compiled: its own options
-            options=options,
-            **transfer,
+            config=each[name],
+            shared=shared,
+            shared_name=name if shared is not None else "",
+            distributed=distributed,
         )
-        if shared is not None:
-            rotor.shared, rotor.shared_name = shared, name
         if own:
             rotor.hold_own_checkpointing(*own.pop(name))
         _set(model, name, rotor)
@@ -294,6 +301,33 @@ def wrap(
     if shared is not None and len(wrapped) > 1:  # the model's code around the chains, charged to the budget
         step_outside.install(model, {w.name: w.rotor for w in wrapped}, shared)
     return wrapped, why
+
+
+def chain_configs(
+    model: nn.Module, config: RotorConfig, chains: Sequence[tuple[str, nn.Module]]
+) -> dict[str, RotorConfig]:
+    """Each chain's own settings from the model's: its budget (a per-chain dict's entry), its discovery method
+    ("auto" finds a plain Sequential's stages as they are), the block classes resolved in `model`, its share of
+    the host limit, no compile= for a module compiled already (its own options), and no include / exclude."""
+    types = resolve_block_types(model, config.checkpoint_modules)
+    transfer = offload_settings(config.offload, config.host_limit, len(chains))
+    fallback = config.fallback_plain
+    if fallback is None:
+        fallback = config.discover == "auto" and config.include is None
+    each = {}
+    for name, module in chains:
+        plain = is_candidate(module) and (types is None or config.discover == "sequential")
+        each[name] = config.replace(
+            mem_limit=config.mem_limit[name] if isinstance(config.mem_limit, Mapping) else config.mem_limit,
+            include=None,
+            exclude=None,
+            discover="auto" if plain and config.discover in ("auto", "sequential") else config.discover,
+            checkpoint_modules=types,
+            fallback_plain=fallback,
+            compile=None if compiled_inner(module) is not None else config.compile,
+            **transfer,
+        )
+    return each
 
 
 def unwrap(model: nn.Module, wrapped: Sequence[Wrapped]) -> None:
@@ -308,7 +342,7 @@ def unwrap(model: nn.Module, wrapped: Sequence[Wrapped]) -> None:
 def offload_settings(offload: Offload, host_limit: int | str | None, chains: int) -> dict[str, Any]:
     """`Checkpointable`'s `offload=` / `host_limit=` for each of `chains` chains (none when not offloading).
 
-    Checked by `Checkpointable`'s own `check_offload`, so the strategies, YAML and the module fail alike.
+    Checked by `lightning_rotor.config.check_offload`, so the strategies, YAML and the module fail alike.
     The host limit is the whole model's: each chain gets an even share, so that all their host copies
     together stay within it.
     """
@@ -316,27 +350,3 @@ def offload_settings(offload: Offload, host_limit: int | str | None, chains: int
     if setting is None:
         return {}
     return {"offload": offload, "host_limit": None if limit is None else max(1, limit // max(1, chains))}
-
-
-def check_rotor_arguments(
-    mem_limit: MemLimit | Mapping[str, MemLimit],
-    slots: int | None,
-    discover: str,
-    checkpoint_modules: Sequence[Selector] | None,
-    offload: Offload = False,
-    host_limit: int | str | None = None,
-) -> None:
-    """Fail at construction, in one line, on a rotor argument that cannot be used (Trainer and Fabric)."""
-    for value in mem_limit.values() if isinstance(mem_limit, Mapping) else [mem_limit]:
-        if value is not None:
-            parse_budget(value)
-    offload_settings(offload, host_limit, 1)
-    check_slots(slots)
-    if discover not in DISCOVER_METHODS:
-        raise ValueError(f"discover={discover!r} is not a discovery method; use one of {', '.join(DISCOVER_METHODS)}")
-    if checkpoint_modules is not None and (
-        isinstance(checkpoint_modules, (str, type)) or not all(isinstance(c, (str, type)) for c in checkpoint_modules)
-    ):
-        raise TypeError(
-            f"checkpoint_modules must be a list of classes, class paths or class names, got {checkpoint_modules!r}"
-        )

@@ -39,6 +39,8 @@ class Embedding(nn.Module):
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention where position t sees positions <= t only."""
 
+    mask: torch.Tensor  # (block_size, block_size) lower triangle, a buffer
+
     def __init__(self, n_embd: int, n_head: int, block_size: int, dropout: float):
         super().__init__()
         if n_embd % n_head:

@@ -9,10 +9,12 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Any
 
 from torch import nn
 
-CONFIGS = {
+# each layout: output channels of a 3x3 convolution (at width 64), or "M" for a 2x2 max-pool
+CONFIGS: dict[int, tuple[int | str, ...]] = {
     11: (64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"),
     13: (64, 64, "M", 128, 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"),
     16: (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M"),
@@ -36,7 +38,7 @@ def vgg(
     layers: list[nn.Module] = []
     cin = in_channels
     for item in CONFIGS[depth]:
-        if item == "M":
+        if isinstance(item, str):  # "M"
             layers.append(nn.MaxPool2d(2, 2))
             continue
         cout = item * width // 64
@@ -59,5 +61,5 @@ def vgg(
     return nn.Sequential(OrderedDict(features=nn.Sequential(*layers), classifier=classifier))
 
 
-def vgg11(**kwargs) -> nn.Sequential:
+def vgg11(**kwargs: Any) -> nn.Sequential:
     return vgg(11, **kwargs)
