@@ -316,13 +316,21 @@ def shape_law(shapes: Sequence[TracedShape]) -> ShapeLaw | str:
     if isinstance(line, str):
         return line
     law = ShapeLaw(line[0].size, line[1].size, line[0].dims, line[1].dims, first.itemsizes, list(shapes))
+    moved = _moved_constants(shapes)
+    if moved is not None:
+        return f"{moved} is not a sum of storage sizes: its constant part differs between measured shapes"
+    return _checked(law)
+
+
+def _moved_constants(shapes: Sequence[TracedShape]) -> str | None:
+    """The first size of the chain whose constant part (what left the sums: a product, a figure not from the
+    probe) differs between `shapes`, or None. Constants of a trace are the same at every shape (a parameter's
+    bytes, the loss value's stand-in): one that moves stands for a size the trace lost."""
     constant = np.logical_or.reduce([s.constant for s in shapes])
     values = np.asarray([chain_sizes(s.chain) for s in shapes], dtype=object)
-    moved = constant & np.any(values != values[0], axis=0)
-    if np.any(moved):  # a size that left the sums (a product, a figure not from the probe) and changes
-        name = _slots(first.chain)[int(np.argmax(moved))][0]
-        return f"{name} is not a sum of storage sizes and differs between sizes {law.x1} and {law.x2} or others"
-    return _checked(law)
+    consts = np.asarray([s.sizes.consts for s in shapes])
+    moved = (constant & np.any(values != values[0], axis=0)) | np.any(consts != consts[0], axis=0)
+    return _slots(shapes[0].chain)[int(np.argmax(moved))][0] if np.any(moved) else None
 
 
 def _checked(law: ShapeLaw) -> ShapeLaw | str:

@@ -7,6 +7,7 @@ a ConvNeXt at other resolutions and batch sizes, Hugging Face's GPT-2 and Llama 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import lightning.pytorch as pl
 import pytest
@@ -162,6 +163,22 @@ def test_a_data_dependent_stage_has_no_law_and_says_so_once():
     with pytest.warns(UserWarning, match=r"cannot be derived from measured ones \(a tensor's size at size \d+ is not"):
         assert "is not on the line through sizes" in laws.chain_for("family", ((2, 32, 8),))
     assert laws.refused is not None
+
+
+def test_a_size_whose_constant_part_moves_between_shapes_has_no_law():
+    """A figure that left the sums (here: the loss value plus the length in bytes, as a size computed from a
+    product would) is a constant to its trace; one that differs between measured shapes is refused."""
+    from lightning_rotor.size_trace import CONST, Sym
+
+    stages, laws = gpt_stages(), ShapeLaws()
+    for n in (16, 40, 24):
+        x = tokens(2, n)
+        with traced() as trace:
+            chain = profile_chain(stages, x, repeats=1, timed=False).chain
+        lost = Sym(chain.loss_value + n, {**chain.input_size.terms, CONST: chain.loss_value + n - chain.input_size})
+        laws.add("family", (tuple(x.shape),), trace, dataclasses.replace(chain, loss_value=lost), None)
+    with pytest.warns(UserWarning, match="loss_value is not a sum of storage sizes"):
+        assert "loss_value is not a sum" in laws.chain_for("family", ((2, 30),))
 
 
 def test_a_trace_with_more_guards_than_it_may_keep_is_abandoned_and_its_shapes_measured(monkeypatch):
