@@ -35,11 +35,11 @@ from torch import nn
 from lightning_rotor import pipeline
 from lightning_rotor._torch_compat import tree_flatten
 from lightning_rotor.budget import MemLimit, format_bytes, resolve_budget
-from lightning_rotor.cache import PlanCache, plan_key
+from lightning_rotor.cache import PlanCache, plan_key, signature
 from lightning_rotor.calls import Call, StepBudget, StepCalls, describe, step_minimum
 from lightning_rotor.chain import Chain
 from lightning_rotor.compile import compile_stages
-from lightning_rotor.ddp_checks import refuse_tied, shared_parameters
+from lightning_rotor.ddp_checks import DdpWatch, refuse_tied, shared_parameters
 from lightning_rotor.measure import StepMeasurement
 from lightning_rotor.ops import is_no_recompute
 from lightning_rotor.own_checkpointing import OwnCheckpointing, checkpoint_calls
@@ -112,6 +112,7 @@ class ChainState:
         # alone calls the parameters' accumulators (NOTE: [no parameter edges under DDP] in execute.py). Found on
         # each training call inside a DistributedDataParallel's forward (`ddp_checks.DdpWatch`); True forces it.
         self.distributed = False
+        self._ddp = DdpWatch()  # whether a call runs inside DDP's forward, and the stages found untied under it
         # called as (stages done, stages, seconds) while a new input signature is profiled
         self.on_profile_progress: Callable[[int, int, float], None] | None = None
         # the chain and its plans
@@ -254,6 +255,24 @@ class ChainState:
         (`ddp_checks.shared_parameters`: what DDP would miss)."""
         return shared_parameters(self.module, self.stage_names, self.stages or [], self.discovery)
 
+    def measure_outside(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """What a module-level chain's step holds outside the chain on this call (its run of blocks found),
+        measured once per call signature (`pipeline.measure_outside`) in a trace its profile goes on with, or not
+        at all where the call's chain follows from measured calls' (`symbolic_sizes.ShapeLaws.call`); the call
+        ends with `call_done`."""
+        run = self.discovery.run if self.discovery is not None else None
+        assert run is not None and self.stages is not None
+        key, call_args = signature((args, kwargs)), (args, kwargs)
+        derive = key not in self.outside and self.fit_shapes and self._timed is not None and self._first is not None
+        family = plan_key(call_args, [p.requires_grad for p in self.stage_parameters()], False, self.side_outputs())
+        derived = self._laws.call(family, input_dims(call_args), derive)
+        if key not in self.outside and not derived:
+            with self._laws.tracing_outside(self.fit_shapes, call_args) as note:
+                self.outside[key] = note(
+                    pipeline.measure_outside(self.module, run, self.stages, args, kwargs, self.loss_fn)
+                )
+        self.outside_now = self.outside.get(key)
+
     def _outside(self) -> pipeline.Outside | None:
         """What a module-level chain's step holds outside the chain, for this call (`pipeline.measure_outside`)."""
         return self.outside_now if self.discovery is not None and self.discovery.run is not None else None
@@ -296,10 +315,22 @@ class ChainState:
         return call
 
     # -- a training call: chain state -> step budget -> runner ---------------------------------------
-    def run(self, value: Any, plain_call: Callable[[], Any], trainable: list[bool], distributed: bool) -> Any:
+    def run(self, value: Any, plain_call: Callable[[], Any]) -> Any:
         """A training call of the chain on its input `value`: its signature's entry (profiled and planned if new),
-        its budget in the step, then its runner, or `plain_call` where plain autograd frees as the plan does.
-        `distributed`: inside DDP's forward (NOTE: [no parameter edges under DDP] in execute.py)."""
+        its budget in the step (NOTE: [Several calls per step] in lightning_rotor/calls.py), then its runner, or
+        `plain_call` where plain autograd frees as the plan does, or where every stage and the input are frozen
+        (no backward through the chain: nothing to checkpoint)."""
+        parameters = self.stage_parameters()
+        trainable = [p.requires_grad for p in parameters]
+        if not any(trainable) and not any(
+            t.requires_grad for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)
+        ):
+            return plain_call()
+        # inside DDP's forward (NOTE: [no parameter edges under DDP] in execute.py): tied weights refused first
+        distributed = self.distributed or self._ddp.under_ddp(self.stages, parameters)
+        if distributed and self._ddp.untied is not self.stages:  # before any profile or optimizer step
+            refuse_tied(self.shared_parameters())
+            self._ddp.untied = self.stages
         entry, call, peak, alone = self.call_entry(self.call_input(value, trainable), value)
         measurement = self._measurement
         # after another call of the step, plain autograd would hold this call's parameter gradients until the
@@ -329,6 +360,16 @@ class ChainState:
         entry, pending, peak = self.step.call_entry(self, call.key, primary, value)
         self.last_entry = entry
         return entry, pending, peak, alone
+
+    def prepare_for(self, value: Any) -> Entry:
+        """The profile and plan for `value`'s signature, made now if new (no training step runs):
+        the plan of a call alone in its step, at the whole budget.
+
+        Raises `InfeasibleBudget` (with the smallest feasible budget) when the budget is too small.
+        """
+        if self.stages is None:
+            raise RuntimeError("the chain is not discovered yet: run one training forward (or discover_on) first")
+        return self.entry_for(self.call_input(value))
 
     def entry_for(self, call: CallInput) -> Entry:
         """The whole-budget entry of `call`'s plan key, profiled and planned if new."""
@@ -437,20 +478,8 @@ class ChainState:
         chosen = pipeline.plan_chain(chain, nbytes, self.slots)
         return self.plans.build(Profile(chain, seconds=time.perf_counter() - start), chosen)
 
-    def outside_for(self, key: str, call_args: Any, measure: Callable[[], pipeline.Outside]) -> None:
-        """A module-level chain's call with arguments `call_args` (signature `key`) begins: `outside_now` is what the
-        code around its run holds, measured once per signature (`measure`) in a trace its profile goes on with, or
-        not at all where the call's chain follows from measured calls' (`symbolic_sizes.ShapeLaws.call`)."""
-        derive = key not in self.outside and self.fit_shapes and self._timed is not None and self._first is not None
-        family = plan_key(call_args, [p.requires_grad for p in self.stage_parameters()], False, self.side_outputs())
-        derived = self._laws.call(family, input_dims(call_args), derive)
-        if key not in self.outside and not derived:
-            with self._laws.tracing_outside(self.fit_shapes, call_args) as note:
-                self.outside[key] = note(measure())
-        self.outside_now = self.outside.get(key)
-
     def call_done(self) -> None:
-        """A module-level chain's call ended (`outside_for`)."""
+        """A module-level chain's call ended (`measure_outside`)."""
         self._laws.call_done()
 
     def measured(self, measurement: StepMeasurement) -> None:

@@ -19,22 +19,18 @@ from __future__ import annotations
 import inspect
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from lightning_rotor import pipeline, rotor_state
-from lightning_rotor._torch_compat import tree_flatten
 from lightning_rotor.budget import MemLimit
-from lightning_rotor.cache import signature
 from lightning_rotor.calls import InfeasibleStep
 from lightning_rotor.chain import Chain
 from lightning_rotor.chain_state import ChainState
 from lightning_rotor.compile import stage_compiler, train_eagerly, unwrap_compiled
 from lightning_rotor.config import RotorConfig, module_settings
-from lightning_rotor.ddp_checks import DdpWatch, refuse_tied
 from lightning_rotor.huggingface import without_kv_cache
 from lightning_rotor.measure import StepMeasurement
 from lightning_rotor.memory import CudaMemoryProbe, MemoryProbe
@@ -57,7 +53,7 @@ def auto_budget(device: torch.device, parameters: Iterable[nn.Parameter] = ()) -
     return auto_total(device, parameters)
 
 
-class Checkpointable(nn.Module):
+class Checkpointable(rotor_state.RotorModule):
     """A module (an nn.Sequential, or any module whose chain is discovered) trained within `mem_limit` bytes.
 
     The settings come as keyword arguments or as one `config=RotorConfig(...)`, not both: each is documented
@@ -67,11 +63,12 @@ class Checkpointable(nn.Module):
     `distributed`: trained under DDP (found on each call otherwise).
 
     After the first training forward: `.chain`, `.plan`, `.profile`, `.summary()`, `.profile_seconds`;
-    `.entries` holds one profile and plan per input signature, all kept by `.chain_state` (chain_state.py).
-    `state_dict()` keys are the wrapped module's.
+    `.entries` holds one profile and plan per input signature, all kept by `.chain_state` (chain_state.py);
+    `.prepare_for(x)` profiles and plans `x`'s signature now, with no training step. `state_dict()` keys are
+    the wrapped module's.
     """
 
-    # Rotor's own attributes, all kept in `_rotor` (`RotorState`), apart from the wrapped module's names
+    # Rotor's own attributes, kept in `_rotor` (`RotorState`), apart from the wrapped module's names (rotor_state.py)
     _rotor: rotor_state.RotorState
     module: nn.Module  # the wrapped module (its children, parameters and buffers are this module's registries)
     plain_module: nn.Module  # what eval mode and no_grad run (compiled when asked)
@@ -118,7 +115,6 @@ class Checkpointable(nn.Module):
         distributed: bool = False,
     ):
         config = RotorConfig.of(config, locals())  # the settings, checked (lightning_rotor/config.py)
-        object.__setattr__(self, "_rotor", rotor_state.RotorState())  # before any attribute: see `__setattr__`
         compiled = None
         if isinstance(module, nn.Module):  # torch.compile(m): stages of m, compiled alike (compile.py)
             module, compiled = unwrap_compiled(module)
@@ -127,10 +123,9 @@ class Checkpointable(nn.Module):
         own_budget = Budget(config.mem_limit)  # type: ignore[arg-type]  # a per-chain dict fails here, in one line
         if shared is not None and shared_name not in shared.names:
             raise ValueError(f"shared_name={shared_name!r} is none of the shared budget's chains {shared.names}")
-        super().__init__()
-        rotor_state.share_registries(self, module)
+        super().__init__(module, rotor_state.RotorState())  # the wrapped module's registries are this module's
         state = self._rotor
-        state.module, state.plain_module = module, compiler(module) if compiler else module
+        state.plain_module = compiler(module) if compiler else module
         state.own = OwnCheckpointing()
         state.chain_state = ChainState(module, own_budget, state.own)
         self.chain_state.take_settings(config, compiler, shared, shared_name, distributed)
@@ -140,7 +135,6 @@ class Checkpointable(nn.Module):
         self.checkpoint_modules = types
         self.rotor_config = config  # the settings as given (`replan` and a failed prediction change the live ones)
         self.fallback_plain = bool(config.fallback_plain)  # no chain found: warn once, run the forward as written
-        self._ddp = DdpWatch()  # whether a call runs inside DDP's forward (`distributed`; ddp_checks.py)
         self.on_discovered: Callable[[Checkpointable], None] | None = None  # called once the stages are found
         self.no_chain = ""  # why no chain was found, when falling back
         self.boxed: Callable[[Checkpointable, tuple, dict], Any] | None = None  # set while step_outside measures
@@ -187,7 +181,7 @@ class Checkpointable(nn.Module):
             if not training:
                 return self.plain_module(value)
             self._measure_own((value,), {})
-            return self._run(value, lambda: self.module(value))
+            return self.chain_state.run(value, lambda: self.module(value))
         if not training or self.no_chain:
             return self.plain_module(*args, **kwargs)  # the user's forward, as written (traced code freezes `training`)
         return self._module_call(*without_kv_cache(self.module, args, kwargs))  # Hugging Face: no KV cache
@@ -203,12 +197,11 @@ class Checkpointable(nn.Module):
             bound = inspect.signature(self.module.forward).bind(*args, **kwargs)
             bound.apply_defaults()
             value = found.graph.chain_input(dict(bound.arguments))
-            return self._run(value, lambda: self.module(*args, **kwargs))
+            return self.chain_state.run(value, lambda: self.module(*args, **kwargs))
         run = found.run  # a run of blocks is the chain; the rest of the forward runs as written around it
         assert run is not None and self.stages is not None
-        measure = partial(pipeline.measure_outside, self.module, run, self.stages, args, kwargs, self.loss_fn)
-        self.chain_state.outside_for(signature((args, kwargs)), (args, kwargs), measure)
-        run.install(lambda value: self._run(value, lambda: pipeline.run_stages(self.stages or (), value)))
+        self.chain_state.measure_outside(args, kwargs)
+        run.install(lambda value: self.chain_state.run(value, lambda: pipeline.run_stages(self.stages or (), value)))
         try:
             return self.module(*args, **kwargs)
         finally:
@@ -261,34 +254,6 @@ class Checkpointable(nn.Module):
         if not self.entries:
             self.own.measure(self.module, args, kwargs, self.loss_fn)
 
-    # -- the chain: chain state -> step budget -> runner ------------------------------------------
-    def _run(self, value: Any, plain_call: Callable[[], Any]) -> Any:
-        """The chain on its input `a_0`: profile and plan if new, then the plan (or `plain_call`), against what
-        this step's pending calls leave of the budget (NOTE: [Several calls per step] in lightning_rotor/calls.py).
-        """
-        state = self.chain_state
-        parameters = state.stage_parameters()
-        trainable = [p.requires_grad for p in parameters]
-        if not any(trainable) and not any(
-            t.requires_grad for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)
-        ):
-            return plain_call()  # every stage frozen: no backward through the chain, nothing to checkpoint
-        distributed = self.distributed or self._ddp.under_ddp(self.stages, parameters)
-        if distributed and self._ddp.untied is not self.stages:  # before any profile or optimizer step
-            refuse_tied(state.shared_parameters())
-            self._ddp.untied = self.stages
-        return state.run(value, plain_call, trainable, distributed)
-
-    def prepare_for(self, value: Any) -> Entry:
-        """The profile and plan for `value`'s signature, made now if new (no training step runs):
-        the plan of a call alone in its step, at the whole budget.
-
-        Raises `InfeasibleBudget` (with the smallest feasible budget) when the budget is too small.
-        """
-        if self.stages is None:
-            raise RuntimeError("the chain is not discovered yet: run one training forward (or discover_on) first")
-        return self.chain_state.entry_for(self.chain_state.call_input(value))
-
     # -- measuring a step (lightning_rotor/measure.py) ---------------------------------------------
     def measure_step(self, probe: MemoryProbe | CudaMemoryProbe | None = None) -> StepMeasurement:
         """A context manager measuring the activation memory of the step run inside it.
@@ -322,33 +287,3 @@ class Checkpointable(nn.Module):
         stages = len(self.stages) if self.stages is not None else f"found on the first call ({self.discover})"
         offload = f", offload={self.offload!r}" if self._offload_setting is not None else ""
         return f"stages={stages}, mem_limit={self.mem_limit!r}{offload}"
-
-    # -- rotor's attributes apart from the user's names (docs/checkpointable.md, "Your module's names") --
-    def __getattr__(self, name: str) -> Any:
-        """Rotor's attribute `name`, else the wrapped module's child, parameter or buffer of that name."""
-        return rotor_state.rotor_getattr(self, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        """Rotor's attribute, its chain state's, or the user's module or tensor (`rotor_state.rotor_setattr`)."""
-        rotor_state.rotor_setattr(self, name, value)
-
-    def __delattr__(self, name: str) -> None:
-        state = self.__dict__.get("_rotor")
-        if state is not None and name in state.__dict__:
-            delattr(state, name)
-        else:
-            super().__delattr__(name)
-
-
-for _name in ("module", "plain_module", "chain_state", "own"):  # written to `_rotor` directly
-    setattr(Checkpointable, _name, rotor_state.RotorAttribute(_name))
-# the chain state's settings, plans and budgets, read and written as the module's own (`ChainAttribute`)
-CHAIN_ATTRIBUTES = """
-    mem_limit _own_budget shared shared_name slots early_stop repeats warmup loss_fn loss_tmp options offload
-    _offload_setting host_limit bandwidth derive_shapes predict_shapes fit_shapes shape_buckets on_profile_progress
-    compiler distributed discovery stages stage_names outside shared_parameters plan_cache entries budget predicted
-    fitted calls last_entry last_measurement _measurement entry chain plan profile profile_seconds step_limit summary
-    automatic_budget_note replan plan_state load_plan_state restore_plans budget_for_call
-""".split()
-for _name in CHAIN_ATTRIBUTES:
-    setattr(Checkpointable, _name, rotor_state.ChainAttribute(_name))

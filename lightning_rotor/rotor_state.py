@@ -4,6 +4,7 @@ A `Checkpointable`'s children, parameters and buffers are the wrapped module's (
 any name the user's model uses (`shared`, `budget`, `plan`, ...) stays the user's. Rotor's own values
 live in one plain object (`RotorState`, the module's `_rotor`); the chain's plans and budgets in its
 `ChainState` (lightning_rotor/chain_state.py), read through `ChainAttribute`s on the class.
+`RotorModule` is the nn.Module that keeps names so (`Checkpointable`'s base).
 (docs/checkpointable.md, "Your module's names".)
 """
 
@@ -19,9 +20,27 @@ if TYPE_CHECKING:
     from lightning_rotor.chain_state import ChainState
     from lightning_rotor.own_checkpointing import OwnCheckpointing
 
-__all__ = ["ChainAttribute", "RotorAttribute", "RotorState", "rotor_getattr", "rotor_setattr", "share_registries"]
+__all__ = [
+    "CHAIN_ATTRIBUTES",
+    "ChainAttribute",
+    "RotorAttribute",
+    "RotorModule",
+    "RotorState",
+    "rotor_getattr",
+    "rotor_setattr",
+    "share_registries",
+]
 
 REGISTRIES = ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules")
+ROTOR_ATTRIBUTES = ("module", "plain_module", "chain_state", "own")  # written to `_rotor` directly
+# the chain state's settings, plans and budgets, read and written as the module's own (`ChainAttribute`)
+CHAIN_ATTRIBUTES = """
+    mem_limit _own_budget shared shared_name slots early_stop repeats warmup loss_fn loss_tmp options offload
+    _offload_setting host_limit bandwidth derive_shapes predict_shapes fit_shapes shape_buckets on_profile_progress
+    compiler distributed discovery stages stage_names outside shared_parameters plan_cache entries budget predicted
+    fitted calls last_entry last_measurement _measurement entry chain plan profile profile_seconds step_limit summary
+    automatic_budget_note replan plan_state load_plan_state restore_plans budget_for_call prepare_for
+""".split()
 
 
 class RotorState:
@@ -107,3 +126,35 @@ def share_registries(owner: nn.Module, module: nn.Module) -> None:
     the same names (`state_dict` keys, `parameters()`), whatever those names are; nothing is re-registered."""
     for registry in REGISTRIES:
         object.__setattr__(owner, registry, module.__dict__[registry])
+
+
+class RotorModule(nn.Module):
+    """An nn.Module whose own attributes live in `_rotor` (`RotorState`) and its `ChainState`, apart from the
+    wrapped module's children, parameters and buffers, which are its registries (`share_registries`)."""
+
+    def __init__(self, module: nn.Module, state: RotorState) -> None:
+        object.__setattr__(self, "_rotor", state)  # before any attribute: see `__setattr__`
+        super().__init__()
+        share_registries(self, module)
+        state.module = module
+
+    def __getattr__(self, name: str) -> Any:
+        """Rotor's attribute `name`, else the wrapped module's child, parameter or buffer of that name."""
+        return rotor_getattr(self, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Rotor's attribute, its chain state's, or the user's module or tensor (`rotor_setattr`)."""
+        rotor_setattr(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        state = self.__dict__.get("_rotor")
+        if state is not None and name in state.__dict__:
+            delattr(state, name)
+        else:
+            super().__delattr__(name)
+
+
+for _name in ROTOR_ATTRIBUTES:
+    setattr(RotorModule, _name, RotorAttribute(_name))
+for _name in CHAIN_ATTRIBUTES:
+    setattr(RotorModule, _name, ChainAttribute(_name))

@@ -53,255 +53,416 @@ from __future__ import annotations
 
 import sys
 from functools import cache
+from typing import Literal
 
 from lightning_rotor.chain import Chain
 from lightning_rotor.discretize import DEFAULT_SLOTS, DiscreteChain, discretize
 
 INFEASIBLE = None
 
+# "today": no offloading anywhere; with offloading, "any" (today's choices and the moves) or "plain" (`a_s` held
+# plain, so a split may offload it too).
+Flavour = Literal["today", "any", "plain"]
+Choice = tuple[
+    int, tuple
+]  # (cost, choice): ('Fe', o) (o >= 1: Fs s:o), ('Fe-saved', 0), ('run', n), ('ck' | 'off', s2)
+Run = tuple[int, int, int, int, int, bool]  # (j, i, need, cost, base_j, wait): see `runs`
+
+# The code reads like cpp/planner.cpp's `Solver`: `best` is its `fill` (one function per family of choices:
+# `best_record`, `best_saved`, `best_run`, `best_split` with `best_checkpoint` and `best_offload`), `emit` its
+# `emit`, and the helpers keep the C++ names (`fe_need`, `saved_need`, `runs`, `prefetch_need`, ...).
+
+
+class Problem:
+    """What the recursion's functions share: the discretized chain under short names, and the memos."""
+
+    def __init__(self, d: DiscreteChain) -> None:
+        self.length, self.size, self.saved = d.length, d.size, d.saved
+        self.ft, self.ft_ng, self.bt = d.fwd_tmp, d.fwd_tmp_nograd, d.bwd_tmp
+        self.lt, self.ltg, self.inf, self.lv = d.loss_tmp, d.loss_tmp_graph, d.in_free, d.loss_value
+        self.fwd, self.bwd = d.fwd_cost, d.bwd_cost
+        self.options = d.options or [[] for _ in range(d.length)]
+        self.tc, self.cb = d.transfer_cost, d.count_bits  # tc: [] without offloading
+        self.stc = d.saved_transfer_cost  # []: no saved part moves
+        self.off = movable(d.offloadable, d.saved, d.in_free)
+        self.best_memo: dict[tuple[int, int, bool, int, Flavour], Choice | None] = {}
+        self.runs_memo: dict[tuple[int, int, bool], tuple[Run, ...]] = {}
+
 
 def solve(d: DiscreteChain) -> tuple[int, list[tuple]] | None:
     """Least cost and its ops for the whole chain within `d.slots`, or None when nothing fits."""
-    length, size, saved = d.length, d.size, d.saved
-    ft, ft_ng, bt, lt, ltg = d.fwd_tmp, d.fwd_tmp_nograd, d.bwd_tmp, d.loss_tmp, d.loss_tmp_graph
-    inf, lv = d.in_free, d.loss_value
-    options = d.options or [[] for _ in range(length)]
-    tc, cb = d.transfer_cost, d.count_bits  # tc: [] without offloading
-    stc, off = d.saved_transfer_cost, movable(d.offloadable, saved, inf)  # []: no saved part moves
-
-    def saved_offloadable(s: int, t: int) -> bool:
-        """Whether Fe s may offload its saved part while (s+1, t) runs: the copy surely ends within Fe/Fc s+1."""
-        if not stc or off[s] <= 0 or s + 1 >= t or options[s + 1]:
-            return False
-        return (stc[s] >> cb) + 1 <= d.fwd_cost[s + 1] >> cb
-
-    def saved_need(s: int, t: int, given: bool) -> int:
-        """Least m of (s, t) for the saved-part variant: Fe s, and (s+1, t)'s first and last ops with the part there."""
-        held = size[t] if given else 0
-        first = held + max(saved[s + 1] + ft[s + 1], size[s + 2] + ft_ng[s + 1])
-        before = saved[s + 1] - inf[s + 1] + size[s + 2] + (0 if given else lv)  # at PrefetchSaved s
-        last = max(before, before + size[s + 1] + bt[s + 1])  # B s+1
-        return max(fe_need(s, t, given), saved[s] - inf[s] + max(first, last))
-
-    def ticks(cost: int) -> int:
-        return cost >> cb
-
-    @cache
-    def runs(s: int, t: int, given: bool) -> tuple[tuple[int, int, int, int, int, bool], ...]:
-        """The debt runs of (s, t): (j, i, need, cost, base_j, wait) per run `Fe s, OffloadSaved s, Fe s+1 … Fe j-1,
-        [WaitSaved s], (j, t), B j-1 … B s+1, B s` with `PrefetchSaved s` before `B i` (i = j: before (j, t)'s last op).
-
-        The offload debt is paid by the forwards s+1 … j-1 (the part still on the device while one may run before
-        the copy ends) and by the wait; the prefetch debt by the backwards i … s+1, and `B s` waits for the rest.
-        `need`: the least m of the run but (j, t) itself, read at `m - base_j + off[s]`; `cost`: the run's ops and
-        stalls but (j, t). Runs stop at the first j whose forwards and backwards both hide the copy.
-        """
-        if not stc or off[s] <= 0:
-            return ()
-        part, copy = off[s], stc[s]
-        held, after = (size[t], 0) if given else (0, lv)
-
-        def before(k: int) -> int:  # held in (k, t)'s frame just before B k: its graph, δ_{k+1}, the loss value
-            return saved[k] - inf[k] + size[k + 1] + after
-
-        def bpeak(k: int) -> int:  # B k in (k, t)'s frame
-            return before(k) + size[k] + bt[k]
-
-        gone = inf[s + 1] if s + 1 < t and not options[s + 1] else 0  # a_{s+1}'s part Fe s+1 let go before B s
-        head = max(held + saved[s] + ft[s], bpeak(s), before(s) - gone)  # Fe s, B s and the prefetch before it
-        base = [0] * (t + 1)  # base[k]: (s, t)'s frame to (k, t)'s, the part included
-        base[s + 1] = saved[s] - inf[s]
-        for k in range(s + 1, t):
-            base[k + 1] = base[k] + saved[k] - inf[k]
-        found = []
-        forwards = sum(d.fwd_cost[k] + d.bwd_cost[k] for k in range(s, s + 1))
-        front = head
-        for j in range(s + 1, t + 1):
-            if j > s + 1:  # Fe j-1, the part still there unless the copy surely ended before it started
-                k = j - 1
-                gone = done_after(copy, s + 1, k)
-                front = max(front, held + base[k] - (part if gone else 0) + saved[k] + ft[k])
-                forwards += d.fwd_cost[k] + d.bwd_cost[k]
-            wait = not done_after(copy, s + 1, j)
-            need_j = front
-            if j == t and not given:  # the loss, the part away
-                need_j = max(need_j, base[t - 1] + saved[t - 1] + size[t] + ltg - inf[t - 1] - part)
-            last = j if (j < t and not options[j]) else j - 1
-            for i in range(s, last + 1):
-                need = need_j
-                for k in range(s + 1, min(i, j - 1) + 1):  # B k with the part back
-                    need = max(need, base[k] + bpeak(k))
-                for k in range(max(i, s) + 1, j):  # B k before the prefetch
-                    need = max(need, base[k] - part + bpeak(k))
-                if i == j:
-                    need = max(need, base[j] + before(j), base[j] + bpeak(j))
-                elif i > s:
-                    need = max(need, base[i] + before(i))
-                window = sum(d.bwd_cost[s + 1 : i + 1])
-                cost = forwards + front_stall(copy, s + 1, j) + max(0, copy - window)
-                found.append((j, i, need, cost, base[j] if j < t else 0, wait))
-            hidden = sum(d.bwd_cost[s + 1 : j]) >= copy
-            if not wait and hidden:
-                break
-        return tuple(found)
-
-    def offloadable(s: int, t: int, given: bool, s2: int) -> bool:
-        """Whether the split s -> s2 may offload a_s (a `Wait s` before the right part pays what the sweep does not)."""
-        return bool(tc) and s >= 1 and (given or s2 != length) and s2 < t and not options[s2]
-
-    def done_after(copy: int, start: int, end: int) -> bool:
-        """Whether a copy (a cost) issued before the forwards start … end-1 surely ends by their end.
-
-        One tick per forward for their rounding to the nearest tick (the copy is rounded up).
-        """
-        return ticks(copy) + (end - start) <= sum(ticks(c) for c in d.fwd_cost[start:end])
-
-    def front_stall(copy: int, start: int, end: int) -> int:
-        """Idle time (a cost) of a `Wait` after the forwards start … end-1 for a copy issued before them."""
-        return max(0, ticks(copy) - sum(ticks(c) for c in d.fwd_cost[start:end])) << cb
-
-    def prefetch_need(s2: int, given: bool) -> int:
-        """Least m for the prefetch of a_s and B s2 with a_s back on the device."""
-        held = saved[s2] - inf[s2] + size[s2 + 1] + (0 if given else lv)
-        return size[s2] + max(held, held + size[s2] + bt[s2])
-
-    def record(s: int, o: int) -> tuple[int, int, int, int, int, int]:
-        """(saved, fwd_tmp, bwd_net, released, loss on a recorded a_L, fwd + bwd cost) of recording s with option o."""
-        if o == 0:
-            return saved[s], ft[s], bt[s], inf[s], ltg, d.fwd_cost[s] + d.bwd_cost[s]
-        x = options[s][o - 1]
-        return x.saved, x.fwd_tmp, x.bwd_tmp, 0, x.loss_tmp_graph, x.fwd_cost + x.bwd_cost
-
-    def fe_need(s: int, t: int, given: bool, o: int = 0) -> int:
-        sb, tmp, net, free, loss, _ = record(s, o)
-        held = size[t] if given else 0
-        after = 0 if given else lv  # B s runs after the loss: with the loss pending here, its value is held by then
-        need = max(held + sb + tmp, sb + size[s + 1] + size[s] + net - free + after)
-        if not given and s + 1 == length:
-            need = max(need, sb + size[length] + loss - free)
-        return need
-
-    def forward_need(s: int, s2: int, given: bool, t: int) -> int:
-        held = size[t] if given else 0
-        need = size[s + 1] + ft_ng[s]
-        for j in range(s + 1, s2):
-            need = max(need, size[j] + size[j + 1] + ft_ng[j])
-        return held + need
-
-    @cache
-    def best(s: int, t: int, given: bool, m: int, flavour: str = "today") -> tuple[int, tuple] | None:
-        """(cost, choice) where choice is ('Fe', o) (o >= 1: Fs s:o), ('Fe-saved', 0), ('ck', s2) or ('off', s2).
-
-        `flavour`: "today" (no offloading anywhere), or with offloading "any" or "plain" (a_s held plain).
-        """
-        if m < 0:
-            return None
-        inner = "today" if flavour == "today" else "any"  # after Fe s, a_{s+1} is recorded
-        rights = "today" if flavour == "today" else "plain"  # a split's a_{s2} is plain
-        found: tuple[int, tuple] | None = None
-        for o in range(len(options[s]) + 1):
-            if m < fe_need(s, t, given, o):
-                continue
-            sb, _, _, free, _, step = record(s, o)
-            sub = None if s + 1 == t else best(s + 1, t, given, m - sb + free, inner)
-            if s + 1 == t or sub is not None:
-                cost = step + (sub[0] if sub is not None else 0)
-                if found is None or cost < found[0]:
-                    found = (cost, ("Fe", o))
-            if o == 0 and flavour != "today" and saved_offloadable(s, t) and m >= saved_need(s, t, given):
-                sub = best(s + 1, t, given, m - sb + free + off[s], inner)  # the saved part is away meanwhile
-                if sub is not None:
-                    cost = step + max(0, stc[s] - d.bwd_cost[s + 1]) + sub[0]
-                    if found is None or cost < found[0]:
-                        found = (cost, ("Fe-saved", 0))
-        for n, (j, _, need, extra, base_j, _) in enumerate(runs(s, t, given) if flavour != "today" else ()):
-            if m < need:
-                continue
-            sub = (0, ()) if j == t else best(j, t, given, m - base_j + off[s], inner)
-            if sub is not None and (found is None or extra + sub[0] < found[0]):
-                found = (extra + sub[0], ("run", n))
-        last = t if not given else t - 1
-        forward = 0
-        for s2 in range(s + 1, last + 1):
-            forward += d.fwd_cost[s2 - 1]
-            if m < forward_need(s, s2, given, t):
-                break  # the forward run only needs more memory as s2 grows
-            left = best(s, s2, True, m - (0 if given else lv), flavour)  # after the loss: its value is held
-            if left is None:
-                continue
-            right: int | None = None
-            if not given and s2 == length:
-                right = 0 if m >= 2 * size[length] + lt else None
-            else:
-                sub = best(s2, t, given, m - size[s2], rights)
-                right = None if sub is None else sub[0]
-            if right is not None:
-                cost = forward + right + left[0]
-                if found is None or cost < found[0]:
-                    found = (cost, ("ck", s2))
-            if flavour == "plain" and offloadable(s, t, given, s2) and m >= prefetch_need(s2, given):
-                sub = best(s2, t, given, m - size[s2] + size[s], "plain")  # a_s's slots are free meanwhile
-                if sub is not None:
-                    stall = front_stall(tc[s], s + 1, s2) + max(0, tc[s] - d.bwd_cost[s2])
-                    cost = forward + stall + sub[0] + left[0]
-                    if found is None or cost < found[0]:
-                        found = (cost, ("off", s2))
-        return found
-
-    def ops(s: int, t: int, given: bool, m: int, flavour: str = "today") -> list[tuple]:
-        _, choice = best(s, t, given, m, flavour)
-        inner = "today" if flavour == "today" else "any"
-        rights = "today" if flavour == "today" else "plain"
-        if choice[0] == "run":
-            j, i, _, _, base_j, wait = runs(s, t, given)[choice[1]]
-            middle = [("Fe", k) for k in range(s + 1, j)] + ([("WaitSaved", s)] if wait else [])
-            if j < t:
-                inside = ops(j, t, given, m - base_j + off[s], inner)
-                if i == j:
-                    assert inside[-1] == ("B", j)
-                    inside = [*inside[:-1], ("PrefetchSaved", s), ("B", j)]
-                middle += inside
-            elif not given:
-                middle.append(("Loss",))
-            tail = []
-            for k in range(min(j - 1, t - 1), s - 1, -1):
-                tail += [("PrefetchSaved", s)] if k == i else []
-                tail.append(("B", k))
-            return [("Fe", s), ("OffloadSaved", s), *middle, *tail]
-        if choice[0] == "Fe-saved":
-            inside = ops(s + 1, t, given, m - saved[s] + inf[s] + off[s], inner)
-            assert inside[-1] == ("B", s + 1)
-            return [("Fe", s), ("OffloadSaved", s), *inside[:-1], ("PrefetchSaved", s), ("B", s + 1), ("B", s)]
-        if choice[0] == "Fe":
-            o = choice[1]
-            sb, _, _, free, _, _ = record(s, o)
-            if s + 1 == t:
-                middle = [] if given else [("Loss",)]
-            else:
-                middle = ops(s + 1, t, given, m - sb + free, inner)
-            return [("Fe", s) if o == 0 else ("Fs", s, o), *middle, ("B", s)]
-        s2 = choice[1]
-        sweep = [("Fn", j) for j in range(s + 1, s2)]
-        left = ops(s, s2, True, m - (0 if given else lv), flavour)
-        if choice[0] == "off":
-            right = ops(s2, t, given, m - size[s2] + size[s], "plain")
-            assert right[-1] == ("B", s2)
-            wait = [] if done_after(tc[s], s + 1, s2) else [("Wait", s)]
-            return [("Fc", s), ("Offload", s), *sweep, *wait, *right[:-1], ("Prefetch", s), ("B", s2), *left]
-        right = [("Loss",)] if (not given and s2 == length) else ops(s2, t, given, m - size[s2], rights)
-        return [("Fc", s), *sweep, *right, *left]
-
+    p = Problem(d)
     old_limit = sys.getrecursionlimit()
     sys.setrecursionlimit(max(old_limit, 10_000))
     try:
-        root = d.slots - size[0]
-        flavour = "any" if tc else "today"
-        top = best(0, length, False, root, flavour)
+        root = d.slots - p.size[0]
+        flavour: Flavour = "any" if p.tc else "today"
+        top = best(p, 0, p.length, False, root, flavour)
         if top is None:
             return INFEASIBLE
-        return top[0], ops(0, length, False, root, flavour)
+        return top[0], emit(p, 0, p.length, False, root, flavour)
     finally:
         sys.setrecursionlimit(old_limit)
+
+
+def inner_flavour(flavour: Flavour) -> Flavour:
+    """The flavour of `(s+1, t)` after `Fe s`: `a_{s+1}` is recorded."""
+    return "today" if flavour == "today" else "any"
+
+
+def right_flavour(flavour: Flavour) -> Flavour:
+    """The flavour of a split's right part: its `a_{s2}` is plain."""
+    return "today" if flavour == "today" else "plain"
+
+
+def first_least(found: Choice | None, candidate: Choice | None) -> Choice | None:
+    """The choice so far unless the later candidate costs strictly less: the first of least cost wins."""
+    if candidate is not None and (found is None or candidate[0] < found[0]):
+        return candidate
+    return found
+
+
+# Memory and time of single choices (cpp/planner.cpp's free functions and Solver helpers of the same names).
+
+
+def ticks(p: Problem, cost: int) -> int:
+    return cost >> p.cb
+
+
+def done_after(p: Problem, copy: int, start: int, end: int) -> bool:
+    """Whether a copy (a cost) issued before the forwards start … end-1 surely ends by their end.
+
+    One tick per forward for their rounding to the nearest tick (the copy is rounded up).
+    """
+    return ticks(p, copy) + (end - start) <= sum(ticks(p, c) for c in p.fwd[start:end])
+
+
+def front_stall(p: Problem, copy: int, start: int, end: int) -> int:
+    """Idle time (a cost) of a `Wait` after the forwards start … end-1 for a copy issued before them."""
+    return max(0, ticks(p, copy) - sum(ticks(p, c) for c in p.fwd[start:end])) << p.cb
+
+
+def record(p: Problem, s: int, o: int) -> tuple[int, int, int, int, int, int]:
+    """(saved, fwd_tmp, bwd_net, released, loss on a recorded a_L, fwd + bwd cost) of recording s with option o."""
+    if o == 0:
+        return p.saved[s], p.ft[s], p.bt[s], p.inf[s], p.ltg, p.fwd[s] + p.bwd[s]
+    x = p.options[s][o - 1]
+    return x.saved, x.fwd_tmp, x.bwd_tmp, 0, x.loss_tmp_graph, x.fwd_cost + x.bwd_cost
+
+
+def fe_need(p: Problem, s: int, t: int, given: bool, o: int = 0) -> int:
+    """Least m of (s, t) for recording s with option o itself: the recording, the backward (and the loss)."""
+    size = p.size
+    sb, tmp, net, free, loss, _ = record(p, s, o)
+    held = size[t] if given else 0
+    after = 0 if given else p.lv  # B s runs after the loss: with the loss pending here, its value is held by then
+    need = max(held + sb + tmp, sb + size[s + 1] + size[s] + net - free + after)
+    if not given and s + 1 == p.length:
+        need = max(need, sb + size[p.length] + loss - free)
+    return need
+
+
+def forward_need(p: Problem, s: int, s2: int, given: bool, t: int) -> int:
+    """Least m of (s, t) for the forward run `Fc s, Fn s+1 … Fn s2-1` of a split s -> s2."""
+    size = p.size
+    held = size[t] if given else 0
+    need = size[s + 1] + p.ft_ng[s]
+    for j in range(s + 1, s2):
+        need = max(need, size[j] + size[j + 1] + p.ft_ng[j])
+    return held + need
+
+
+def prefetch_need(p: Problem, s2: int, given: bool) -> int:
+    """Least m for the prefetch of a_s and B s2 with a_s back on the device."""
+    held = before_b(p, s2, given)
+    return p.size[s2] + max(held, held + p.size[s2] + p.bt[s2])
+
+
+def offloadable(p: Problem, s: int, t: int, given: bool, s2: int) -> bool:
+    """Whether the split s -> s2 may offload a_s (a `Wait s` before the right part pays what the sweep does not)."""
+    return bool(p.tc) and s >= 1 and (given or s2 != p.length) and s2 < t and not p.options[s2]
+
+
+def saved_offloadable(p: Problem, s: int, t: int) -> bool:
+    """Whether Fe s may offload its saved part while (s+1, t) runs: the copy surely ends within Fe/Fc s+1."""
+    if not p.stc or p.off[s] <= 0 or s + 1 >= t or p.options[s + 1]:
+        return False
+    return (p.stc[s] >> p.cb) + 1 <= p.fwd[s + 1] >> p.cb
+
+
+def saved_need(p: Problem, s: int, t: int, given: bool) -> int:
+    """Least m of (s, t) for the saved-part variant: Fe s, and (s+1, t)'s first and last ops with the part there."""
+    size, saved = p.size, p.saved
+    held = size[t] if given else 0
+    first = held + max(saved[s + 1] + p.ft[s + 1], size[s + 2] + p.ft_ng[s + 1])
+    before = saved[s + 1] - p.inf[s + 1] + size[s + 2] + (0 if given else p.lv)  # at PrefetchSaved s
+    last = max(before, before + size[s + 1] + p.bt[s + 1])  # B s+1
+    return max(fe_need(p, s, t, given), saved[s] - p.inf[s] + max(first, last))
+
+
+# Debt runs (docs/planner.md, "Debts"; cpp/planner.cpp's `runs` and the free functions it reads).
+
+
+def before_b(p: Problem, k: int, given: bool) -> int:
+    """Held in (k, t)'s frame just before B k: its graph, δ_{k+1}, the loss value after the loss."""
+    return p.saved[k] - p.inf[k] + p.size[k + 1] + (0 if given else p.lv)
+
+
+def b_peak(p: Problem, k: int, given: bool) -> int:
+    """Peak of B k in (k, t)'s frame (fe_need's backward term)."""
+    return before_b(p, k, given) + p.size[k] + p.bt[k]
+
+
+def run_head(p: Problem, s: int, t: int, given: bool) -> int:
+    """What every run of (s, t) needs besides the rest: Fe s with its part, B s, and the prefetch before it."""
+    held = p.size[t] if given else 0
+    gone = p.inf[s + 1] if s + 1 < t and not p.options[s + 1] else 0  # a_{s+1}'s part Fe s+1 let go before B s
+    return max(held + p.saved[s] + p.ft[s], b_peak(p, s, given), before_b(p, s, given) - gone)
+
+
+def run_frames(p: Problem, s: int, t: int) -> list[int]:
+    """base[k]: (s, t)'s frame to (k, t)'s, the part included (recording s … k-1)."""
+    base = [0] * (t + 1)
+    base[s + 1] = p.saved[s] - p.inf[s]
+    for k in range(s + 1, t):
+        base[k + 1] = base[k] + p.saved[k] - p.inf[k]
+    return base
+
+
+def run_need(p: Problem, s: int, given: bool, j: int, i: int, need_j: int, base: list[int]) -> int:
+    """Least m of the run (j, i) but (j, t): the forwards' `need_j`, and the backwards with the part away or back."""
+    need = need_j
+    for k in range(s + 1, min(i, j - 1) + 1):  # B k with the part back
+        need = max(need, base[k] + b_peak(p, k, given))
+    for k in range(max(i, s) + 1, j):  # B k before the prefetch
+        need = max(need, base[k] - p.off[s] + b_peak(p, k, given))
+    if i == j:
+        need = max(need, base[j] + before_b(p, j, given), base[j] + b_peak(p, j, given))
+    elif i > s:
+        need = max(need, base[i] + before_b(p, i, given))
+    return need
+
+
+def runs(p: Problem, s: int, t: int, given: bool) -> tuple[Run, ...]:
+    """The debt runs of (s, t): (j, i, need, cost, base_j, wait) per run `Fe s, OffloadSaved s, Fe s+1 … Fe j-1,
+    [WaitSaved s], (j, t), B j-1 … B s+1, B s` with `PrefetchSaved s` before `B i` (i = j: before (j, t)'s last op).
+
+    The offload debt is paid by the forwards s+1 … j-1 (the part still on the device while one may run before
+    the copy ends) and by the wait; the prefetch debt by the backwards i … s+1, and `B s` waits for the rest.
+    `need`: the least m of the run but (j, t) itself, read at `m - base_j + off[s]`; `cost`: the run's ops and
+    stalls but (j, t). Runs stop at the first j whose forwards and backwards both hide the copy.
+    """
+    key = (s, t, given)
+    if key not in p.runs_memo:
+        p.runs_memo[key] = () if not p.stc or p.off[s] <= 0 else tuple(find_runs(p, s, t, given))
+    return p.runs_memo[key]
+
+
+def find_runs(p: Problem, s: int, t: int, given: bool) -> list[Run]:
+    """The runs of `runs`, stage s's part movable: for each j ascending, each i ascending."""
+    part, copy = p.off[s], p.stc[s]
+    held = p.size[t] if given else 0
+    base = run_frames(p, s, t)
+    found: list[Run] = []
+    forwards = p.fwd[s] + p.bwd[s]
+    front = run_head(p, s, t, given)
+    for j in range(s + 1, t + 1):
+        if j > s + 1:  # Fe j-1, the part still there unless the copy surely ended before it started
+            k = j - 1
+            gone = done_after(p, copy, s + 1, k)
+            front = max(front, held + base[k] - (part if gone else 0) + p.saved[k] + p.ft[k])
+            forwards += p.fwd[k] + p.bwd[k]
+        wait = not done_after(p, copy, s + 1, j)
+        need_j = front
+        if j == t and not given:  # the loss, the part away
+            need_j = max(need_j, base[t - 1] + p.saved[t - 1] + p.size[t] + p.ltg - p.inf[t - 1] - part)
+        last = j if (j < t and not p.options[j]) else j - 1
+        for i in range(s, last + 1):
+            need = run_need(p, s, given, j, i, need_j, base)
+            window = sum(p.bwd[s + 1 : i + 1])
+            cost = forwards + front_stall(p, copy, s + 1, j) + max(0, copy - window)
+            found.append((j, i, need, cost, base[j] if j < t else 0, wait))
+        hidden = sum(p.bwd[s + 1 : j]) >= copy
+        if not wait and hidden:
+            break
+    return found
+
+
+# The recursion: the best choice of (s, t, given, m) in each flavour (cpp/planner.cpp's `fill`).
+
+
+def best(p: Problem, s: int, t: int, given: bool, m: int, flavour: Flavour = "today") -> Choice | None:
+    """(cost, choice) of least cost for (s, t, given) within m slots, or None; the first of least cost wins,
+    in the order `Fe s` (with its saved-part variant right after), `Fs s:1` …, the runs, then the splits."""
+    key = (s, t, given, m, flavour)
+    if key not in p.best_memo:
+        p.best_memo[key] = choose(p, s, t, given, m, flavour)
+    return p.best_memo[key]
+
+
+def choose(p: Problem, s: int, t: int, given: bool, m: int, flavour: Flavour) -> Choice | None:
+    """`best` without the memo: each family's first choice of least cost, in the order of choices."""
+    if m < 0:
+        return None
+    found = best_record(p, s, t, given, m, flavour)
+    if flavour != "today":
+        found = first_least(found, best_run(p, s, t, given, m))
+    return first_least(found, best_split(p, s, t, given, m, flavour))
+
+
+def best_record(p: Problem, s: int, t: int, given: bool, m: int, flavour: Flavour) -> Choice | None:
+    """Record stage s (`Fe s`, then `Fs s:o`), solve (s+1, t) with a_{s+1} recorded, `B s`."""
+    found: Choice | None = None
+    for o in range(len(p.options[s]) + 1):
+        if m < fe_need(p, s, t, given, o):
+            continue
+        sb, _, _, free, _, step = record(p, s, o)
+        if s + 1 == t:
+            found = first_least(found, (step, ("Fe", o)))
+        else:
+            sub = best(p, s + 1, t, given, m - sb + free, inner_flavour(flavour))
+            found = first_least(found, None if sub is None else (step + sub[0], ("Fe", o)))
+        if o == 0 and flavour != "today":
+            found = first_least(found, best_saved(p, s, t, given, m))
+    return found
+
+
+def best_saved(p: Problem, s: int, t: int, given: bool, m: int) -> Choice | None:
+    """`Fe s` with its saved part away while (s+1, t) runs (which gets the part's slots), back before `B s+1`."""
+    if not saved_offloadable(p, s, t) or m < saved_need(p, s, t, given):
+        return None
+    sub = best(p, s + 1, t, given, m - p.saved[s] + p.inf[s] + p.off[s], "any")
+    if sub is None:
+        return None
+    return record(p, s, 0)[5] + max(0, p.stc[s] - p.bwd[s + 1]) + sub[0], ("Fe-saved", 0)
+
+
+def best_run(p: Problem, s: int, t: int, given: bool, m: int) -> Choice | None:
+    """The debt runs of (s, t) (`runs`), each with its (j, t) solved in what the run leaves."""
+    found: Choice | None = None
+    for n, (j, _, need, extra, base_j, _) in enumerate(runs(p, s, t, given)):
+        if m < need:
+            continue
+        sub = (0, ()) if j == t else best(p, j, t, given, m - base_j + p.off[s], "any")
+        found = first_least(found, None if sub is None else (extra + sub[0], ("run", n)))
+    return found
+
+
+def best_split(p: Problem, s: int, t: int, given: bool, m: int, flavour: Flavour) -> Choice | None:
+    """Checkpoint s -> s2 for s2 ascending: `Fc s, Fn s+1 … Fn s2-1`, the right part, the left part (s, s2);
+    in the "plain" flavour each followed by its variant offloading a_s."""
+    found: Choice | None = None
+    last = t if not given else t - 1
+    forward = 0
+    for s2 in range(s + 1, last + 1):
+        forward += p.fwd[s2 - 1]
+        if m < forward_need(p, s, s2, given, t):
+            break  # the forward run only needs more memory as s2 grows
+        left = best(p, s, s2, True, m - (0 if given else p.lv), flavour)  # after the loss: its value is held
+        if left is None:
+            continue
+        found = first_least(found, best_checkpoint(p, s, t, given, m, s2, forward, left[0], flavour))
+        if flavour == "plain":
+            found = first_least(found, best_offload(p, s, t, given, m, s2, forward, left[0]))
+    return found
+
+
+def best_checkpoint(
+    p: Problem, s: int, t: int, given: bool, m: int, s2: int, forward: int, left: int, flavour: Flavour
+) -> Choice | None:
+    """The split s -> s2 with a_{s2} held during the right part (the loss on plain a_L when s2 == L, loss pending)."""
+    if not given and s2 == p.length:
+        if m < 2 * p.size[p.length] + p.lt:
+            return None
+        right = 0
+    else:
+        sub = best(p, s2, t, given, m - p.size[s2], right_flavour(flavour))
+        if sub is None:
+            return None
+        right = sub[0]
+    return forward + right + left, ("ck", s2)
+
+
+def best_offload(p: Problem, s: int, t: int, given: bool, m: int, s2: int, forward: int, left: int) -> Choice | None:
+    """The split s -> s2 offloading a_s during the right part (which gets a_s's slots), prefetched before `B s2`."""
+    if not offloadable(p, s, t, given, s2) or m < prefetch_need(p, s2, given):
+        return None
+    sub = best(p, s2, t, given, m - p.size[s2] + p.size[s], "plain")  # a_s's slots are free meanwhile
+    if sub is None:
+        return None
+    stall = front_stall(p, p.tc[s], s + 1, s2) + max(0, p.tc[s] - p.bwd[s2])
+    return forward + stall + sub[0] + left, ("off", s2)
+
+
+# The ops of the best choices (cpp/planner.cpp's `emit`, which re-evaluates where this reads `best`'s choice).
+
+
+def emit(p: Problem, s: int, t: int, given: bool, m: int, flavour: Flavour = "today") -> list[tuple]:
+    """The ops of (s, t, given) within m slots: those of its best choice, recursively."""
+    found = best(p, s, t, given, m, flavour)
+    assert found is not None
+    kind, arg = found[1]
+    if kind == "run":
+        return emit_run(p, s, t, given, m, arg)
+    if kind == "Fe-saved":
+        return emit_saved(p, s, t, given, m)
+    if kind == "Fe":
+        return emit_record(p, s, t, given, m, arg, flavour)
+    return emit_split(p, s, t, given, m, kind == "off", arg, flavour)
+
+
+def emit_record(p: Problem, s: int, t: int, given: bool, m: int, o: int, flavour: Flavour) -> list[tuple]:
+    """`Fe s` or `Fs s:o`, the ops of (s+1, t) (the loss when s+1 == L, pending), `B s`."""
+    sb, _, _, free, _, _ = record(p, s, o)
+    if s + 1 == t:
+        middle = [] if given else [("Loss",)]
+    else:
+        middle = emit(p, s + 1, t, given, m - sb + free, inner_flavour(flavour))
+    return [("Fe", s) if o == 0 else ("Fs", s, o), *middle, ("B", s)]
+
+
+def emit_saved(p: Problem, s: int, t: int, given: bool, m: int) -> list[tuple]:
+    """`Fe s, OffloadSaved s`, (s+1, t) with `PrefetchSaved s` before its last op `B s+1`, `B s`."""
+    inside = emit(p, s + 1, t, given, m - p.saved[s] + p.inf[s] + p.off[s], "any")
+    assert inside[-1] == ("B", s + 1)
+    return [("Fe", s), ("OffloadSaved", s), *inside[:-1], ("PrefetchSaved", s), ("B", s + 1), ("B", s)]
+
+
+def emit_run(p: Problem, s: int, t: int, given: bool, m: int, n: int) -> list[tuple]:
+    """The ops of the n-th debt run of (s, t) (`runs`), its (j, t) in what the run leaves."""
+    j, i, _, _, base_j, wait = runs(p, s, t, given)[n]
+    middle = [("Fe", k) for k in range(s + 1, j)] + ([("WaitSaved", s)] if wait else [])
+    if j < t:
+        inside = emit(p, j, t, given, m - base_j + p.off[s], "any")
+        if i == j:
+            assert inside[-1] == ("B", j)
+            inside = [*inside[:-1], ("PrefetchSaved", s), ("B", j)]
+        middle += inside
+    elif not given:
+        middle.append(("Loss",))
+    tail = []
+    for k in range(min(j - 1, t - 1), s - 1, -1):
+        tail += [("PrefetchSaved", s)] if k == i else []
+        tail.append(("B", k))
+    return [("Fe", s), ("OffloadSaved", s), *middle, *tail]
+
+
+def emit_split(
+    p: Problem, s: int, t: int, given: bool, m: int, offload: bool, s2: int, flavour: Flavour
+) -> list[tuple]:
+    """`Fc s`, the sweep to a_{s2}, the right part (s2, t), the left part (s, s2); offloading a_s meanwhile."""
+    sweep = [("Fn", j) for j in range(s + 1, s2)]
+    left = emit(p, s, s2, True, m - (0 if given else p.lv), flavour)
+    if offload:
+        right = emit(p, s2, t, given, m - p.size[s2] + p.size[s], "plain")
+        assert right[-1] == ("B", s2)
+        wait = [] if done_after(p, p.tc[s], s + 1, s2) else [("Wait", s)]
+        return [("Fc", s), ("Offload", s), *sweep, *wait, *right[:-1], ("Prefetch", s), ("B", s2), *left]
+    if not given and s2 == p.length:
+        right = [("Loss",)]
+    else:
+        right = emit(p, s2, t, given, m - p.size[s2], right_flavour(flavour))
+    return [("Fc", s), *sweep, *right, *left]
 
 
 def movable(offloadable: list[int], saved: list[int], in_free: list[int]) -> list[int]:

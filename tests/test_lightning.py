@@ -399,7 +399,9 @@ def test_checkpoint_carries_chains_resume_skips_profiling_and_cross_loads(tmp_pa
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_accelerator_puts_rotor_on_cuda(tmp_path):
     keep = Keep()
-    strategy = RotorStrategy(mem_limit=BUDGET)
+    # 100%: on an H200 this tiny net's smallest feasible budget was its whole no-recompute peak (32 MiB: likely
+    # the first matmul's cuBLAS workspace, measured inside a stage), so 70% was refused (docs/benchmarks.md)
+    strategy = RotorStrategy(mem_limit="100%")
     runs = {}
     for name, chosen in (("plain", "auto"), ("rotor", strategy)):
         model = Net()

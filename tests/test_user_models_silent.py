@@ -89,7 +89,8 @@ def rotor_names() -> list[str]:
     attribute holding its state) that a user's module may use too (nn.Module's own names it may not)."""
     ck = Checkpointable(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)), repeats=1)
     ck(torch.randn(2, 4, requires_grad=True)).sum().backward()
-    own = set(vars(ck._rotor)) | {n for n in vars(Checkpointable) if not n.startswith("__")} | {"_rotor"}
+    classes = [c for c in Checkpointable.__mro__ if issubclass(c, nn.Module) and c is not nn.Module]  # and its bases'
+    own = set(vars(ck._rotor)) | {n for c in classes for n in vars(c) if not n.startswith("__")} | {"_rotor"}
     return sorted(own - set(dir(nn.Module())))
 
 
