@@ -40,6 +40,17 @@ __all__ = [
     "backward_is_full",
     "ddp_pre_forward",
     "fx_unpatched_module",
+    "fsdp_hooks_passing",
+    "fsdp_hooks_restore",
+    "fsdp_in_forward",
+    "in_backward",
+    "fsdp_is_root",
+    "fsdp_state",
+    "fsdp_tensor_parallel",
+    "fsdp_unit_bytes",
+    "fsdp_wrap_hooks",
+    "fsdp_unit_gathered",
+    "fsdp_unit_unsharded",
     "forward_hooks",
     "has_post_accumulate_grad_hooks",
     "is_accumulate_grad",
@@ -306,3 +317,91 @@ def allocation_bytes(prof: Any) -> Iterator[int]:
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     events.sort(key=lambda e: e.start_ns())
     return (e.nbytes() for e in events)
+
+
+# -- FSDP2 (torch.distributed.fsdp.fully_shard), for lightning_rotor/sharded.py --------------------
+# rotor's profiler runs the stages and backwards of its own before the step's: those runs must leave
+# FSDP2's per-step bookkeeping untouched (docs/sharded.md, NOTE: [rotor under FSDP2]). FSDP2 has no
+# public "run this unit without its hooks"; its hooks pass a call through when the unit's state is
+# PRE_BACKWARD (what they do for activation-checkpointing recomputation), and `FSDPParam.is_dtensor`
+# says a parameter was a DTensor (tensor parallelism) before FSDP2 sharded it.
+
+
+def fsdp_state(unit: nn.Module) -> Any:
+    """The `FSDPState` of a `fully_shard`ed module (`FSDPModule._get_fsdp_state`)."""
+    return unit._get_fsdp_state()  # type: ignore[operator]
+
+
+def fsdp_hooks_passing(state: Any) -> Any:
+    """Make `state`'s forward hooks pass calls through (unshard only if needed, no reshard, no backward
+    hooks): its training state set to PRE_BACKWARD. Returns the previous state, for `fsdp_hooks_restore`."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    previous = state._training_state
+    state._training_state = TrainingState.PRE_BACKWARD
+    return previous
+
+
+def fsdp_hooks_restore(state: Any, previous: Any) -> None:
+    state._training_state = previous
+
+
+def fsdp_unit_unsharded(unit: nn.Module) -> bool:
+    """Whether every parameter group of the unit holds its unsharded parameters now."""
+    return all(group.is_unsharded for group in fsdp_state(unit)._fsdp_param_groups)
+
+
+def fsdp_unit_gathered(unit: nn.Module) -> bool:
+    """Whether every parameter group of the unit is unsharded or being gathered (a prefetch's all-gather issued,
+    `_all_gather_result` set, not waited for yet: `is_unsharded` turns true only when its forward waits)."""
+    return all(
+        group.is_unsharded or group._all_gather_result is not None for group in fsdp_state(unit)._fsdp_param_groups
+    )
+
+
+def in_backward() -> bool:
+    """Whether an autograd engine call (a backward) is running in this thread (`_current_graph_task_id`), the
+    test FSDP2 itself makes (`is_bw`) to keep a unit unsharded after a forward run inside a backward."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def fsdp_wrap_hooks(unit: nn.Module, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> bool:
+    """Replace the unit's FSDP2 forward pre-hook and forward hook by `wrap(hook)`, in place (same order, same
+    handles). False, and nothing done, for a unit of several modules (`fully_shard([a, b])`: grouped hooks)."""
+    state = fsdp_state(unit)
+    if len(state._modules) != 1:
+        return False
+    for handle in (state._pre_forward_hook_handle, state._post_forward_hook_handle):
+        hooks = handle.hooks_dict_ref()
+        hooks[handle.id] = wrap(hooks[handle.id])
+    return True
+
+
+def fsdp_is_root(unit: nn.Module) -> bool:
+    """Whether the unit is its FSDP2 tree's root (set by the root's lazy init, on its first forward)."""
+    return bool(fsdp_state(unit)._is_root)
+
+
+def fsdp_in_forward(unit: nn.Module) -> bool:
+    """Whether an FSDP2 root's forward is running over `unit` (after its lazy init, every unit shares the root's
+    state context, whose `iter_forward_root` is set from the root's pre-forward to its post-forward)."""
+    return fsdp_state(unit)._state_ctx.iter_forward_root is not None
+
+
+def fsdp_tensor_parallel(unit: nn.Module) -> str | None:
+    """The name of a parameter of the unit that was a DTensor before FSDP2 sharded it (tensor parallel), or None."""
+    for group in fsdp_state(unit)._fsdp_param_groups:
+        for fsdp_param in group.fsdp_params:
+            if fsdp_param.is_dtensor:
+                return str(fsdp_param._param_fqn or fsdp_param._module_info.param_name)
+    return None
+
+
+def fsdp_unit_bytes(unit: nn.Module) -> int:
+    """Bytes of the unit's unsharded parameters (what an all-gather of the unit makes, padding aside)."""
+    total = 0
+    for group in fsdp_state(unit)._fsdp_param_groups:
+        for fsdp_param in group.fsdp_params:
+            dtype = fsdp_param.param_dtype or fsdp_param.orig_dtype
+            total += fsdp_param._orig_size.numel() * dtype.itemsize
+    return total

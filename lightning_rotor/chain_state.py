@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, cast
 import torch
 from torch import nn
 
-from lightning_rotor import pipeline
+from lightning_rotor import pipeline, sharded
 from lightning_rotor._torch_compat import tree_flatten
 from lightning_rotor.budget import MemLimit, format_bytes, resolve_budget
 from lightning_rotor.cache import PlanCache, plan_key, signature
@@ -112,6 +112,7 @@ class ChainState:
         # alone calls the parameters' accumulators (NOTE: [no parameter edges under DDP] in execute.py). Found on
         # each training call inside a DistributedDataParallel's forward (`ddp_checks.DdpWatch`); True forces it.
         self.distributed = False
+        self.sharded: bool | None = None  # FSDP2 units inside (lightning_rotor/sharded.py); None: not asked yet
         self._ddp = DdpWatch()  # whether a call runs inside DDP's forward, and the stages found untied under it
         # called as (stages done, stages, seconds) while a new input signature is profiled
         self.on_profile_progress: Callable[[int, int, float], None] | None = None
@@ -263,14 +264,15 @@ class ChainState:
         run = self.discovery.run if self.discovery is not None else None
         assert run is not None and self.stages is not None
         key, call_args = signature((args, kwargs)), (args, kwargs)
-        derive = key not in self.outside and self.fit_shapes and self._timed is not None and self._first is not None
+        traced = self.fit_shapes and not self.sharded  # FSDP2: each rank's figures max-reduced, not traced
+        derive = key not in self.outside and traced and self._timed is not None and self._first is not None
         family = plan_key(call_args, [p.requires_grad for p in self.stage_parameters()], False, self.side_outputs())
         derived = self._laws.call(family, input_dims(call_args), derive)
         if key not in self.outside and not derived:
-            with self._laws.tracing_outside(self.fit_shapes, call_args) as note:
-                self.outside[key] = note(
-                    pipeline.measure_outside(self.module, run, self.stages, args, kwargs, self.loss_fn)
-                )
+            with self._laws.tracing_outside(traced, call_args) as note:
+                with sharded.outside_fsdp(self.module, bool(self.sharded)):  # FSDP2: none of its hooks fire
+                    measured = pipeline.measure_outside(self.module, run, self.stages, args, kwargs, self.loss_fn)
+                self.outside[key] = note(measured)
         self.outside_now = self.outside.get(key)
 
     def _outside(self) -> pipeline.Outside | None:
@@ -307,7 +309,8 @@ class ChainState:
                 from lightning_rotor.discovery import join_in_place
 
                 self.join_in_place = False
-                joined = join_in_place(self.stages, call.sample)
+                with sharded.outside_fsdp(self.module, bool(self.sharded)):
+                    joined = join_in_place(self.stages, call.sample)
                 if joined is not self.stages:
                     self.set_stages(joined)
             if self.distributed:
@@ -376,7 +379,8 @@ class ChainState:
         entry = self.entries.get(call.key)
         if entry is None:
             self._shapes[call.key] = describe(call.sample)
-            entry = self.plans.add(call.key, self._prepare(call))
+            with sharded.outside_fsdp(self.module, bool(self.sharded)):  # FSDP2: the profiler fires none of its hooks
+                entry = self.plans.add(call.key, self._prepare(call))
         self.last_entry = entry
         return entry
 
@@ -394,7 +398,8 @@ class ChainState:
         # compiled stages are timed at every shape: an eval-mode count would compile graphs of its own
         flops = stage_flops(_seq(stages), value) if self.derive_shapes and self.compiler is None else None
         derive = flops is not None and self._timed is not None
-        with self._laws.tracing(self.fit_shapes, value, self._outside()) as trace:  # lightning_rotor/size_trace.py
+        traced = self.fit_shapes and not self.sharded  # sizes as sums of storages' (lightning_rotor/size_trace.py)
+        with self._laws.tracing(traced, value, self._outside()) as trace:
             return pipeline.prepare(
                 _seq(stages), value, partial(self._new_shape_bytes, call, flops), names=self.stage_names,
                 slots=self.slots, adjust=partial(self._adjusted, call, trace, flops, derive), build=self.plans.build,
@@ -407,10 +412,13 @@ class ChainState:
         self, call: CallInput, trace: SizeTrace | None, flops: list[int] | None, derive: bool, measured: Profile
     ) -> Profile:
         """A new shape's profile as planned: its traced sizes recorded (`ShapeLaws.add`, the trace ended: the rest
-        is planning), times derived from the timed shape's by FLOPs (lightning_rotor/shapes.py), the transfer
-        bandwidth in its chain (version 6: the planner reads it)."""
+        is planning), under FSDP2 the same figures on every rank, times derived from the timed shape's by FLOPs
+        (lightning_rotor/shapes.py), the transfer bandwidth in its chain (version 6: the planner reads it)."""
         value = call.sample
         measured.chain = self._laws.add(call.family(), input_dims(value), trace, measured.chain, flops)
+        if self.sharded:  # FSDP2: the same figures on every rank, with what FSDP2 gathers (lightning_rotor/sharded.py)
+            assert self.stages is not None
+            measured.chain = sharded.rank_chain(measured.chain, list(self.stages), self.stage_names, self.module)
         if derive:
             assert self._timed is not None and flops is not None
             measured.chain = derived_times(*self._timed, measured.chain, flops)

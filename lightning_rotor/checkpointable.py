@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from lightning_rotor import pipeline, rotor_state
+from lightning_rotor import pipeline, rotor_state, sharded
 from lightning_rotor.budget import MemLimit
 from lightning_rotor.calls import InfeasibleStep
 from lightning_rotor.chain import Chain
@@ -38,7 +38,6 @@ from lightning_rotor.own_checkpointing import OwnCheckpointing
 from lightning_rotor.pipeline import Entry
 from lightning_rotor.planner import InfeasibleBudget, Plan
 from lightning_rotor.profile import Profile
-from lightning_rotor.sharded import refuse_fsdp2
 from lightning_rotor.shared_budget import Budget, auto_total
 from lightning_rotor.stages import Stages, sequential_stages
 
@@ -85,6 +84,7 @@ class Checkpointable(rotor_state.RotorModule):
     plan: Plan
     profile: Profile
     last_entry: Entry | None  # the entry the latest call ran
+    sharded: bool | None  # FSDP2 units inside (lightning_rotor/sharded.py); None: not asked yet
 
     def __init__(
         self,
@@ -123,6 +123,7 @@ class Checkpointable(rotor_state.RotorModule):
         own_budget = Budget(config.mem_limit)  # type: ignore[arg-type]  # a per-chain dict fails here, in one line
         if shared is not None and shared_name not in shared.names:
             raise ValueError(f"shared_name={shared_name!r} is none of the shared budget's chains {shared.names}")
+        sharded.refuse_sharded_root(module)  # FSDP2: Checkpointable first, fully_shard after (docs/sharded.md)
         super().__init__(module, rotor_state.RotorState())  # the wrapped module's registries are this module's
         state = self._rotor
         state.plain_module = compiler(module) if compiler else module
@@ -169,8 +170,8 @@ class Checkpointable(rotor_state.RotorModule):
         if torch.compiler.is_compiling() and training:
             return train_eagerly(self, *args, **kwargs)  # a graph break: rotor's step runs eagerly (compile.py)
         if training:
-            if not self.entries:  # before the first plan, in either order of Checkpointable and fully_shard
-                refuse_fsdp2(self.module)  # docs/sharded.md
+            if not self.entries or self.sharded is None:  # before the first plan (or restored ones): FSDP2's order
+                self.sharded = sharded.check_sharded(self.module)  # FSDP2's order, rotor's hooks on its units
             self.chain_state.check_modes()
         if self.stages is not None and self.discovery is None:  # an nn.Sequential, or stages given
             if kwargs:
@@ -214,7 +215,8 @@ class Checkpointable(rotor_state.RotorModule):
         from lightning_rotor.discovery import DiscoveryError
 
         try:
-            return self.discover_on(*args, **kwargs)
+            with sharded.outside_fsdp(self.module, bool(self.sharded)):  # FSDP2: none of its hooks fire
+                return self.discover_on(*args, **kwargs)
         except DiscoveryError as err:
             if not self.fallback_plain:
                 raise
@@ -252,7 +254,8 @@ class Checkpointable(rotor_state.RotorModule):
     def _measure_own(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Before the first plan: one step with the module's own checkpointing, measured (`OwnCheckpointing`)."""
         if not self.entries:
-            self.own.measure(self.module, args, kwargs, self.loss_fn)
+            with sharded.outside_fsdp(self.module, bool(self.sharded)):  # FSDP2: none of its hooks fire
+                self.own.measure(self.module, args, kwargs, self.loss_fn)
 
     # -- measuring a step (lightning_rotor/measure.py) ---------------------------------------------
     def measure_step(self, probe: MemoryProbe | CudaMemoryProbe | None = None) -> StepMeasurement:

@@ -276,6 +276,8 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
         keys = set()
         for p in self._params:
             g = p.grad
+            if g is not None and hasattr(g, "to_local"):  # FSDP2: a DTensor gradient, the rank's shard in it
+                g = g.to_local()
             if g is not None and g.layout == torch.strided:
                 keys.add(storage_key(g))
         return keys

@@ -37,9 +37,9 @@ ROTOR_ATTRIBUTES = ("module", "plain_module", "chain_state", "own")  # written t
 CHAIN_ATTRIBUTES = """
     mem_limit _own_budget shared shared_name slots early_stop repeats warmup loss_fn loss_tmp options offload
     _offload_setting host_limit bandwidth derive_shapes predict_shapes fit_shapes shape_buckets on_profile_progress
-    compiler distributed discovery stages stage_names outside shared_parameters plan_cache entries budget predicted
-    fitted calls last_entry last_measurement _measurement entry chain plan profile profile_seconds step_limit summary
-    automatic_budget_note replan plan_state load_plan_state restore_plans budget_for_call prepare_for
+    compiler distributed sharded discovery stages stage_names outside shared_parameters plan_cache entries budget
+    predicted fitted calls last_entry last_measurement _measurement entry chain plan profile profile_seconds step_limit
+    summary automatic_budget_note replan plan_state load_plan_state restore_plans budget_for_call prepare_for
 """.split()
 
 
@@ -110,7 +110,7 @@ def rotor_setattr(obj: nn.Module, name: str, value: Any) -> None:
     the class says so (`ChainAttribute`); a module or a tensor is the user's, registered in the wrapped module's
     registries as nn.Module does; nn.Module's own attributes stay where nn.Module keeps them."""
     state = obj.__dict__.get("_rotor")
-    if isinstance(getattr(type(obj), name, None), ChainAttribute):
+    if name == "__class__" or isinstance(getattr(type(obj), name, None), ChainAttribute):  # fully_shard: the class
         object.__setattr__(obj, name, value)
         return
     if state is None or name in obj.__dict__ or isinstance(value, (nn.Module, torch.Tensor)):

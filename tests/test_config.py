@@ -15,13 +15,13 @@ import torch.distributed as dist
 from fitting import classes_loader, quiet_trainer
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import SingleDeviceStrategy as FabricSingleDevice
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 from torch import nn
 
 from lightning_rotor import Checkpointable, RotorConfig
 from lightning_rotor.config import DEFAULTS, FIELDS
 from lightning_rotor.fabric import RotorFabricStrategy
-from lightning_rotor.lightning import RotorDDPStrategy, RotorStrategy
+from lightning_rotor.lightning import RotorDDPStrategy, RotorModelParallelStrategy, RotorStrategy
 from lightning_rotor.lightning.state import rotor_modules
 from lightning_rotor.lightning.wrap import wrap
 from lightning_rotor.shared_budget import Budget
@@ -180,6 +180,7 @@ def _rotor_parameters(cls: type, *own: type | str) -> dict[str, inspect.Paramete
     [
         (RotorStrategy, (SingleDeviceStrategy,), ()),
         (RotorDDPStrategy, (DDPStrategy,), ()),
+        (RotorModelParallelStrategy, (ModelParallelStrategy,), ()),
         (RotorFabricStrategy, (FabricSingleDevice, "measure_every_n_steps", "print_summary"), ()),
         (Checkpointable, ("module", "stages", "shared", "shared_name", "distributed"), ("include", "exclude")),
     ],

@@ -37,6 +37,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_rotor import side_outputs
 from lightning_rotor._torch_compat import forward_hooks, make_subclass, tensor_version, tree_flatten, tree_unflatten
+from lightning_rotor.sharded import passes_outer_calls
 from lightning_rotor.stages import Stages
 
 
@@ -521,6 +522,8 @@ def sees_block_output(block: nn.Module) -> bool:
     """Would a forward hook see `block`'s output? The model's recording hooks do only while their name is recorded."""
     recorded = side_outputs.recorded_names()
     for hook in forward_hooks(block):
+        if passes_outer_calls(hook):  # FSDP2's, off for the calls that would see it (lightning_rotor/sharded.py)
+            continue
         name = side_outputs.recorder_name(hook)
         if name is None or name in recorded:
             return True

@@ -130,7 +130,7 @@ class RotorFabricStrategy(ConfigAttributes, SingleDeviceStrategy):
         if len(devices) > 1:
             raise ValueError(
                 f"the rotor Fabric strategy runs on one device but Fabric asks for {len(devices)}; use devices=1 "
-                "(or DDP without rotor; FSDP2 is not supported yet: issue 27)"
+                "(or DDP without rotor; FSDP2: RotorFabricModelParallelStrategy, docs/sharded.md)"
             )
         self._parallel_devices = devices
 

@@ -207,7 +207,8 @@ class RotorStrategy(_RotorMixin, SingleDeviceStrategy):
         if len(devices) > 1:
             raise ValueError(
                 f"RotorStrategy runs on one device but the Trainer asks for {len(devices)}; "
-                "use strategy='rotor_ddp' (or 'rotor_ddp_spawn') for several (FSDP2 is not supported yet: issue 27)"
+                "use strategy='rotor_ddp' (or 'rotor_ddp_spawn') for several "
+                "(FSDP2: 'rotor_model_parallel', docs/sharded.md)"
             )
         self._parallel_devices = devices
 
