@@ -3,12 +3,11 @@ order (dynamic padding), plain training against rotor.
 
     python benchmarks/shapes.py --n-layer 4 --n-embd 64 --batch 4 --lengths 20 --steps 40 --runs 3 --threads 1
 
-Variants: `plain`; `rotor` (a later shape profiled for sizes only, its times derived by FLOPs: the
-default); `rotor-predict` (`predict_shapes=True`: a shape of a measured family gets no run when a bound from
-the measured shapes' chains meets its budget); `rotor-fit` (`fit_shapes=True`: a shape between measured ones
-gets no run when each of its sizes follows one polynomial through measured shapes around it); `rotor-fit-predict`
-(both: a shape not fitted may be predicted); `rotor-full`
-(`derive_shapes=False`: every shape timed); `rotor-buckets`
+Variants: `plain`; `rotor` (the default: a later shape along one size of three measured ones gets its sizes
+exactly from their traced profiles, `fit_shapes`, and no run; others are profiled for sizes only, their times
+derived by FLOPs); `rotor-measure` (`fit_shapes=False`: every later shape profiled for sizes); `rotor-predict`
+(`predict_shapes=True` too: a shape not derived gets no run when a bound from the measured shapes' chains meets
+its budget); `rotor-full` (`derive_shapes=False`, `fit_shapes=False`: every shape timed); `rotor-buckets`
 (`shape_buckets={1: --buckets}`). Per variant and run: the total time of steps 2..N (the first step, which
 profiles the first shape, excluded) and its ratio to plain's in the same round; printed as medians and
 spread ((max - min) / median) over `--runs` rounds. Then one untimed check per rotor variant: every step's
@@ -59,12 +58,10 @@ def make(args: argparse.Namespace, variant: str) -> nn.Module:
         return model
     options: dict = {"repeats": args.repeats}
     if variant == "rotor-full":
-        options["derive_shapes"] = False
+        options["derive_shapes"] = options["fit_shapes"] = False
+    if variant == "rotor-measure":
+        options["fit_shapes"] = False
     if variant == "rotor-predict":
-        options["predict_shapes"] = True
-    if variant in ("rotor-fit", "rotor-fit-predict"):
-        options["fit_shapes"] = True
-    if variant == "rotor-fit-predict":
         options["predict_shapes"] = True
     if variant == "rotor-buckets":
         options["shape_buckets"] = {1: args.buckets}
@@ -114,6 +111,37 @@ def check(args: argparse.Namespace, variant: str, data: Batches) -> str:
     )
 
 
+def on_new_shape(model: nn.Module, kinds: list[str]) -> Callable[[int], None]:
+    """After each step: what made its plan ("first", "derived", "measured", "" for a shape seen before)."""
+    seen = {"plans": 0}
+
+    def note(i: int) -> None:
+        plans = len(getattr(model, "entries", {}))
+        derived = len(getattr(model, "fitted", {})) + len(getattr(model, "predicted", {}))
+        if len(kinds) == i:  # the first run of a variant names the steps (the data is the same in every run)
+            new = plans > seen["plans"]
+            kinds.append("first" if i == 0 else ("derived" if new and derived > seen.get("derived", 0) else ""))
+            if new and kinds[-1] == "":
+                kinds[-1] = "measured"
+        seen["plans"], seen["derived"] = plans, derived
+
+    return note
+
+
+def overheads(runs: list[list[float]], plain: list[list[float]], kinds: list[str]) -> str:
+    """Per kind of step, its mean overhead over plain's same step, in plain steps (medians over runs)."""
+    step = statistics.median(t for r in plain for t in r[1:])
+    parts = []
+    for kind in ("first", "measured", "derived"):
+        idx = [i for i, k in enumerate(kinds) if k == kind]
+        if idx:
+            extra = statistics.median(
+                statistics.mean(r[i] - p[i] for i in idx) for r, p in zip(runs, plain, strict=True)
+            )
+            parts.append(f"{len(idx)} {kind}: +{extra / step:.2f} plain steps each")
+    return "; ".join(parts) + f" (a plain step {step * 1e3:.0f} ms)"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n-layer", type=int, default=4)
@@ -139,9 +167,13 @@ def main() -> None:
     )
     totals: dict[str, list[float]] = {v: [] for v in ["plain", *args.variants]}
     ratios: dict[str, list[float]] = {v: [] for v in args.variants}
+    steps: dict[str, list[list[float]]] = {v: [] for v in totals}
+    kinds: dict[str, list[str]] = {}
     for _ in range(args.runs):
         for variant in totals:
-            totals[variant].append(sum(train(make(args, variant), data)[1:]))
+            model = make(args, variant)
+            steps[variant].append(train(model, data, on_new_shape(model, kinds.setdefault(variant, []))))
+            totals[variant].append(sum(steps[variant][-1][1:]))
         for variant in args.variants:
             ratios[variant].append(totals[variant][-1] / totals["plain"][-1])
     for variant, runs in totals.items():
@@ -151,6 +183,8 @@ def main() -> None:
             r = ratios[variant]
             line += f"; x plain: median {statistics.median(r):.2f} (min {min(r):.2f}, max {max(r):.2f})"
         print(line, flush=True)
+        if variant in ratios:
+            print("    " + overheads(steps[variant], steps["plain"], kinds[variant]), flush=True)
     if not args.no_check:
         for variant in args.variants:
             print(check(args, variant, copy.copy(data)), flush=True)

@@ -54,7 +54,7 @@ def _check_size(value: Any, where: str) -> int:
         raise ChainError(f"{where} must be a non-negative integer number of bytes, got {value!r}")
     if value > MAX_BYTES:
         raise ChainError(f"{where} is {value!r} bytes, more than the 2**62 bytes (4 EiB) a chain may hold")
-    return int(value)
+    return value if isinstance(value, int) else int(value)  # an int as it is: a traced size keeps its terms
 
 
 def _check_signed(value: Any, where: str, lowest: int) -> int:
@@ -71,7 +71,7 @@ def _check_signed(value: Any, where: str, lowest: int) -> int:
         raise ChainError(
             f"{where}={int(value)} is below {lowest}: the peak of an op cannot be below what is held when it starts"
         )
-    return int(value)
+    return value if isinstance(value, int) else int(value)  # an int as it is: a traced size keeps its terms
 
 
 def _optional_sizes(values: Any, name: str, default: list[int]) -> list[int]:

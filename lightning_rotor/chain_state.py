@@ -48,7 +48,6 @@ from lightning_rotor.planner import InfeasibleBudget, Plan, min_feasible_budget
 from lightning_rotor.profile import Profile
 from lightning_rotor.shapes import (
     Buckets,
-    Dims,
     bucketed,
     derived_times,
     feasible_for_shape,
@@ -59,8 +58,9 @@ from lightning_rotor.shapes import (
 )
 from lightning_rotor.shared_budget import AUTO_MARGIN, Budget
 from lightning_rotor.simulate import no_recompute_peak
+from lightning_rotor.size_trace import SizeTrace
 from lightning_rotor.stages import Stages
-from lightning_rotor.symbolic_sizes import chain_at
+from lightning_rotor.symbolic_sizes import ShapeLaws
 from lightning_rotor.tables import stage_text
 
 if TYPE_CHECKING:
@@ -105,7 +105,7 @@ class ChainState:
         self._offload_setting: str | float | None = None  # None: off, "measure", or bytes/s
         self.host_limit: int | None = None
         self.bandwidth: float | None = None  # bytes/s (measured once for offload=True)
-        self.derive_shapes, self.predict_shapes, self.fit_shapes = True, False, False
+        self.derive_shapes, self.predict_shapes, self.fit_shapes = True, False, True
         self.shape_buckets: Buckets | None = None
         self.compiler: Callable[[nn.Module], nn.Module] | None = None  # compiles each stage (None: run eagerly)
         # under DDP: a parameter shared by two stages is refused (`shared_parameters`), and the plan's backward
@@ -136,7 +136,7 @@ class ChainState:
         self._measured_shapes: list[tuple[str, tuple[tuple[int, ...], ...], Chain, int]] = []
         self._peak_floors: dict[str, int] = {}  # plan key of a predicted shape -> a lower bound of its own peak
         self.fitted: dict[str, tuple[int, ...]] = {}  # plan key -> the measured sizes its chain's sizes came from
-        self._sized: list[tuple[str, Dims, Chain, list[int] | None]] = []  # measured: family, shapes, chain, FLOPs
+        self._laws = ShapeLaws()  # measured shapes' traced sizes (lightning_rotor/symbolic_sizes.py)
         self.step = StepBudget()  # this step's calls and the steps seen (lightning_rotor/calls.py)
         self.last_entry: Entry | None = None  # the entry the latest call ran
         self.last_measurement: StepMeasurement | None = None
@@ -225,7 +225,8 @@ class ChainState:
             self.discovery = None
             self.set_stages(None)
         self._new_plans()
-        self.last_entry, self.outside, self._timed, self._measured_shapes, self._sized = None, {}, None, [], []
+        self.last_entry, self.outside, self._timed, self._measured_shapes = None, {}, None, []
+        self._laws = ShapeLaws()
 
     def converted(self) -> None:
         """The module's tensors were converted (`.to()`, `.double()`): a graph chain is found again on the next
@@ -257,14 +258,22 @@ class ChainState:
 
     def measure_outside(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """What a module-level chain's step holds outside the chain on this call (its run of blocks found),
-        measured once per call signature (`pipeline.measure_outside`)."""
+        measured once per call signature (`pipeline.measure_outside`) in a trace its profile goes on with, or not
+        at all where the call's chain follows from measured calls' (`symbolic_sizes.ShapeLaws.call`); the call
+        ends with `call_done`."""
         run = self.discovery.run if self.discovery is not None else None
         assert run is not None and self.stages is not None
-        key = signature((args, kwargs))
-        if key not in self.outside:
-            with sharded.outside_fsdp(self.module, bool(self.sharded)):  # FSDP2: none of its hooks fire
-                self.outside[key] = pipeline.measure_outside(self.module, run, self.stages, args, kwargs, self.loss_fn)
-        self.outside_now = self.outside[key]
+        key, call_args = signature((args, kwargs)), (args, kwargs)
+        traced = self.fit_shapes and not self.sharded  # FSDP2: each rank's figures max-reduced, not traced
+        derive = key not in self.outside and traced and self._timed is not None and self._first is not None
+        family = plan_key(call_args, [p.requires_grad for p in self.stage_parameters()], False, self.side_outputs())
+        derived = self._laws.call(family, input_dims(call_args), derive)
+        if key not in self.outside and not derived:
+            with self._laws.tracing_outside(traced, call_args) as note:
+                with sharded.outside_fsdp(self.module, bool(self.sharded)):  # FSDP2: none of its hooks fire
+                    measured = pipeline.measure_outside(self.module, run, self.stages, args, kwargs, self.loss_fn)
+                self.outside[key] = note(measured)
+        self.outside_now = self.outside.get(key)
 
     def _outside(self) -> pipeline.Outside | None:
         """What a module-level chain's step holds outside the chain, for this call (`pipeline.measure_outside`)."""
@@ -389,17 +398,24 @@ class ChainState:
         # compiled stages are timed at every shape: an eval-mode count would compile graphs of its own
         flops = stage_flops(_seq(stages), value) if self.derive_shapes and self.compiler is None else None
         derive = flops is not None and self._timed is not None
-        return pipeline.prepare(
-            _seq(stages), value, partial(self._new_shape_bytes, call, flops), names=self.stage_names, slots=self.slots,
-            adjust=partial(self._adjusted, value, flops, derive), build=self.plans.build,
-            repeats=self.repeats, warmup=self.warmup, loss_fn=self.loss_fn, loss_tmp=self.loss_tmp,
-            outside=self._outside(), progress=self.on_profile_progress, timed=not derive, options=self.options,
-            offload=self._offload_setting is not None,
-        )  # fmt: skip
+        traced = self.fit_shapes and not self.sharded  # sizes as sums of storages' (lightning_rotor/size_trace.py)
+        with self._laws.tracing(traced, value, self._outside()) as trace:
+            return pipeline.prepare(
+                _seq(stages), value, partial(self._new_shape_bytes, call, flops), names=self.stage_names,
+                slots=self.slots, adjust=partial(self._adjusted, call, trace, flops, derive), build=self.plans.build,
+                repeats=self.repeats, warmup=self.warmup, loss_fn=self.loss_fn, loss_tmp=self.loss_tmp,
+                outside=self._outside(), progress=self.on_profile_progress, timed=not derive, options=self.options,
+                offload=self._offload_setting is not None,
+            )  # fmt: skip
 
-    def _adjusted(self, value: Any, flops: list[int] | None, derive: bool, measured: Profile) -> Profile:
-        """A new shape's profile as planned: times derived from the timed shape's by FLOPs
+    def _adjusted(
+        self, call: CallInput, trace: SizeTrace | None, flops: list[int] | None, derive: bool, measured: Profile
+    ) -> Profile:
+        """A new shape's profile as planned: its traced sizes recorded (`ShapeLaws.add`, the trace ended: the rest
+        is planning), under FSDP2 the same figures on every rank, times derived from the timed shape's by FLOPs
         (lightning_rotor/shapes.py), the transfer bandwidth in its chain (version 6: the planner reads it)."""
+        value = call.sample
+        measured.chain = self._laws.add(call.family(), input_dims(value), trace, measured.chain, flops)
         if self.sharded:  # FSDP2: the same figures on every rank, with what FSDP2 gathers (lightning_rotor/sharded.py)
             assert self.stages is not None
             measured.chain = sharded.rank_chain(measured.chain, list(self.stages), self.stage_names, self.module)
@@ -422,8 +438,6 @@ class ChainState:
             self.own.tell(nbytes, chain, self.share_name(), stacklevel=8)  # at forward
         else:
             nbytes = self._shape_bytes(call.key, chain, self.budget_rule(), *self._first)
-        if self.fit_shapes:
-            self._sized.append((call.family(), input_dims(call.sample), chain, flops))
         if self.predict_shapes:
             self._measured_shapes.append((call.family(), input_dims(call.sample), chain, no_recompute_peak(chain)))
         return nbytes
@@ -456,29 +470,25 @@ class ChainState:
         return self.plans.build(Profile(chain, seconds=time.perf_counter() - start), chosen)
 
     def _fitted_entry(self, call: CallInput) -> Entry | None:
-        """The entry of a shape whose sizes follow measured shapes' along one size (`symbolic_sizes.chain_at`),
+        """The entry of a shape whose sizes follow from measured shapes' traced profiles (`symbolic_sizes.ShapeLaws`),
         its times derived by FLOPs, planned at its budget as if measured; None: measure it."""
         start = time.perf_counter()
-        family, dims = call.family(), input_dims(call.sample)
-        axes: dict[tuple[tuple[int, int], ...], list[tuple[int, Chain, list[int] | None]]] = {}
-        for their_family, their_dims, chain, flops in self._sized:
-            found = size_axis(their_dims, dims) if their_family == family else None
-            if found is not None:
-                axes.setdefault(found[0].coords, []).append((found[1], chain, flops))
-        if len(axes) != 1 or self._timed is None or self._first is None or self.stages is None:
+        found = self._laws.chain_for(call.family(), input_dims(call.sample))
+        if isinstance(found, str) or self._timed is None or self._first is None or self.stages is None:
             return None
-        ((coords, points),) = axes.items()
-        fitted = chain_at(points, len(coords), dims[coords[0][0]][coords[0][1]])
-        if isinstance(fitted, str):
-            return None
-        flops = fitted[1] if fitted[1] is not None else stage_flops(_seq(self.stages), call.sample)
-        if flops is None:
-            return None
-        chain = derived_times(*self._timed, fitted[0], flops)
+        # FLOPs only scale times: counted where the law has none, else the timed shape's (times as its)
+        flops = found[2] or stage_flops(_seq(self.stages), call.sample) or list(self._timed[1])
+        chain = derived_times(*self._timed, found[0], flops)
+        if self._offload_setting is not None:
+            chain = chain.with_transfer(self._bandwidth_for(chain, call.sample), self.host_limit)
         nbytes = self._shape_bytes(call.key, chain, self.budget_rule(), *self._first)
-        self.fitted[call.key] = tuple(sorted(size for size, _, _ in points))
+        self.fitted[call.key] = found[1]
         chosen = pipeline.plan_chain(chain, nbytes, self.slots)
         return self.plans.build(Profile(chain, seconds=time.perf_counter() - start), chosen)
+
+    def call_done(self) -> None:
+        """A module-level chain's call ended (`measure_outside`)."""
+        self._laws.call_done()
 
     def measured(self, measurement: StepMeasurement) -> None:
         """A measured step ended (`StepMeasurement`): a shape planned without a run that measured above its
@@ -499,7 +509,7 @@ class ChainState:
 
     def _unplanned(self, key: str, peak: int, budget: int, predicted: bool) -> None:
         """A shape planned on a bound (`predicted`) or with fitted sizes measured above its budget: the bound,
-        or a size's polynomial, was wrong for this model, so every such shape is forgotten (measured when next
+        or the derived sizes' premise, was wrong for this model, so every such shape is forgotten (measured when next
         met) and no more are made; one warning says so."""
         shape = self._shapes.get(key, key)
         above = f"measured {format_bytes(peak)} above its budget {format_bytes(budget)}"
@@ -510,8 +520,8 @@ class ChainState:
             )
         else:
             told = (
-                f"rotor: input shape {shape} had its sizes fitted from measured shapes' but {above}: a size of this "
-                "model does not follow one polynomial of the input's (lightning_rotor/symbolic_sizes.py)"
+                f"rotor: input shape {shape} had its sizes fitted from measured shapes' but {above}: this model's "
+                "stages do not run the same ops at every size (lightning_rotor/symbolic_sizes.py)"
             )
         warnings.warn(f"{told}; every shape is measured from now on", stacklevel=3)
         made = self.predicted if predicted else self.fitted

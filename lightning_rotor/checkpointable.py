@@ -104,7 +104,7 @@ class Checkpointable(rotor_state.RotorModule):
         compile: bool | dict[str, Any] | None = None,
         derive_shapes: bool = True,
         predict_shapes: bool = False,
-        fit_shapes: bool = False,
+        fit_shapes: bool = True,
         shape_buckets: dict[int, list[int]] | None = None,
         options: bool = False,
         offload: bool | int | float | str = False,
@@ -207,6 +207,7 @@ class Checkpointable(rotor_state.RotorModule):
             return self.module(*args, **kwargs)
         finally:
             run.uninstall()
+            self.chain_state.call_done()
 
     def _discovered(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Discovery | None:
         """The chain found on this call, or None where none is and `fallback_plain` lets the module run as

@@ -88,9 +88,9 @@ class RotorConfig:
     """A later shape that differs from measured ones in one size is planned, without a run, on a chain
     bounding its own from above; measured only when that bound cannot meet its budget (shapes.py)."""
 
-    fit_shapes: bool = False
-    """A later shape between measured ones along one size gets exact sizes, without a run, where each size
-    follows one polynomial of that size (symbolic_sizes.py)."""
+    fit_shapes: bool = True
+    """A later shape along one size axis of three measured ones gets its exact sizes from their traced
+    profiles, without a run, where they follow (symbolic_sizes.py); others are measured."""
 
     shape_buckets: Mapping[int, Sequence[int]] | None = None
     """Fewer plans, e.g. `{1: [64, 128, 256]}`: an input of length `n` along dimension 1 runs the plan of the

@@ -50,7 +50,7 @@ from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Set as AbstractSet
 from contextlib import AbstractContextManager, contextmanager
 from types import FrameType
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -80,13 +80,53 @@ def _op_tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
+# NOTE: [storage sizes traced] while lightning_rotor/size_trace.py traces a profile, each storage's bytes come
+# from its sizer: an int that also knows which storage it is, so that every figure the profile derives from
+# them is known as a sum of storage sizes (and a new shape's figures follow from the storages' own sizes); a
+# probe's peak rises through the sizer too, which keeps every level the peak is the largest of
+class Sizer(Protocol):
+    def size(self, storage: torch.UntypedStorage, tensor: torch.Tensor) -> int: ...
+
+    def higher(self, peak: int, current: int) -> int: ...
+
+
+class _PlainBytes:
+    """Bytes as they are, outside a traced profile."""
+
+    def size(self, storage: torch.UntypedStorage, tensor: torch.Tensor) -> int:
+        return storage.nbytes()
+
+    def higher(self, peak: int, current: int) -> int:
+        return current if current > peak else peak
+
+
+PLAIN_BYTES: Sizer = _PlainBytes()
+_SIZERS: list[Sizer] = []
+
+
+def storage_nbytes(storage: torch.UntypedStorage, tensor: torch.Tensor) -> int:
+    """Bytes of `storage` (behind `tensor`), as every probe counts them (NOTE: [storage sizes traced])."""
+    return _SIZERS[-1].size(storage, tensor) if _SIZERS else storage.nbytes()
+
+
+@contextmanager
+def storages_sized_by(sizer: Sizer) -> Iterator[None]:
+    """Inside, `storage_nbytes` and the probes entered inside (what they count, how their peak rises) ask `sizer`
+    (NOTE: [storage sizes traced])."""
+    _SIZERS.append(sizer)
+    try:
+        yield
+    finally:
+        _SIZERS.remove(sizer)
+
+
 def storage_bytes(tensors: Any) -> int:
     """Bytes of the distinct storages behind the tensors in a (nested) structure."""
     seen: dict[int, int] = {}
     for t in tree_leaves(tensors):
         if isinstance(t, torch.Tensor) and t.layout == torch.strided:
             storage = t.untyped_storage()
-            seen[storage_id(storage)] = storage.nbytes()
+            seen[storage_id(storage)] = storage_nbytes(storage, t)
     return sum(seen.values())
 
 
@@ -228,6 +268,7 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
         self.curve: list[int] = []
         self.marks: list[tuple[str, int, int]] = []  # (label, op index, bytes alive)
         self._closed = False
+        self._sizer: Sizer = PLAIN_BYTES
 
     # -- accounting -------------------------------------------------------------------------
     def _gradients(self) -> set[int]:
@@ -297,10 +338,10 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
                 if bookkeeping:
                     self._uncounted[key] = StorageWeakRef(storage)
                     continue
-            nbytes = storage.nbytes()
+            nbytes = self._sizer.size(storage, t)
             self._live[key] = (StorageWeakRef(storage), nbytes)
             self.current += nbytes
-        self.peak = max(self.peak, self.current)
+        self.peak = self._sizer.higher(self.peak, self.current)
 
     def _add_host(self, tensors: Any, inputs: AbstractSet[int]) -> None:
         """Count new storages as host copies (made inside `host_allocations`)."""
@@ -347,6 +388,9 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
             raise RuntimeError("a MemoryProbe measures one block and is closed; make a new MemoryProbe")
         _ACTIVE.add(self)
         _ACTIVE_HOST.add(self)
+        # a probe entered while a profile is traced counts through its sizer; one entered before (a step's
+        # measurement around a step that profiles) counts plain bytes (NOTE: [storage sizes traced])
+        self._sizer = _SIZERS[-1] if _SIZERS else PLAIN_BYTES
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:

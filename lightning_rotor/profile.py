@@ -47,7 +47,7 @@ from lightning_rotor.engine import (
     value_device,
     versions,
 )
-from lightning_rotor.memory import MemoryProbe, storage_bytes, storage_key
+from lightning_rotor.memory import MemoryProbe, storage_bytes, storage_key, storage_nbytes
 from lightning_rotor.offload import SavedPart
 from lightning_rotor.selective import EXPENSIVE_OPS, run_selective
 
@@ -764,7 +764,7 @@ def _released_whole(value: Any, new: list[bool], kept_before: list[bool], kept_a
         if t.layout != torch.strided or not own:
             continue
         key = storage_key(t)
-        nbytes, kept = storages.get(key, (t.untyped_storage().nbytes(), False))
+        nbytes, kept = storages.get(key, (storage_nbytes(t.untyped_storage(), t), False))
         storages[key] = (nbytes, kept or a or b)
     if not storages or any(kept for _, kept in storages.values()):
         return 0

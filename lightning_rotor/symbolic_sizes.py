@@ -1,45 +1,68 @@
-"""Exact sizes of a new input shape without running it: each size of a chain as a polynomial of the varying size.
+"""Exact sizes of a new input shape without running it, from traced profiles of measured shapes.
 
-A chain's sizes (`out_size`, `saved_size`, transients, bytes freed, the loss's, each option's: every integer
-field but the stage count and `frozen`) are sums of tensor sizes, and a tensor's size in a stage of standard
-ops is a product of the input's dimensions: a polynomial of the varying size `x` (a sequence length, an image
-side) with integer values, of degree at most 2 per varying input dimension (`B*L*d`, `B*H*L*L`; `dims`
-dimensions varying together: degree `2 * dims`). A `SizeLaw` finds each field's polynomial exactly (rational
-coefficients, Lagrange interpolation) from `2 * dims + 1` measured chains of one family along one axis and
-checks it, to the byte, on every other measured chain of that axis (at least one): where any field disagrees
-there is no law (a data-dependent stage, a size-dependent kernel choice, a stride's rounding), and each shape
-is measured as before. A shape's chain is then the law's value at its size, provided every field there is a
-whole number of bytes and the chain passes `Chain`'s own checks.
+A traced profile (lightning_rotor/size_trace.py) gives every size of a measured chain as a sum of its storages'
+sizes, valid wherever its guards hold (each comparison the probe and the profile made has the same outcome: the
+same op is a stage's largest, the same run the smaller). What is left is each storage's size at the new shape.
 
-What this rests on, and what the check can and cannot prove: if every field is a polynomial of degree at most
-`2 * dims`, the interpolated one is it, exactly, at every size (two such polynomials equal at `2 * dims + 1`
-points are one). The check on a further measured shape cannot prove that premise: a field that follows another
-law (`ceil(x / 8) * 8`, a stride-2 convolution's `floor((x - 1) / 2) + 1` at odd sides, tokens kept by their
-values) can agree with a polynomial at every measured size and differ at the next. It catches the usual ways
-the premise fails (padding, parity, data-dependent counts at random sizes); the memory probe's samples
-(`RotorCallback`, `measure_step`) check the rest, as they check predicted shapes.
+A storage's bytes are its element size times the dimensions of the tensor that made it. Along one size axis
+(the chain input's varying dimensions, all of one size `x`: a sequence length, an image side, a batch size) a
+dimension of a stage's tensor is `a x + b` (`B*L`, `L`, `H/4`, `3*d`): found from two measured shapes, checked
+to the byte on every further one (at least one), per dimension of every storage. Then, at `x`:
 
-Compared with a symbolic trace (fake tensors with symbolic sizes, each tensor's size read as an expression):
-a trace proves the premise op by op and refuses data-dependent ops itself, but the chain's fields are not
-tensor sizes, they are the memory probe's accounting of them (storages shared by views, in-place writes,
-tensors autograd saves or frees, what outlives a stage): to be exact it must replay the probe's accounting on
-the symbolic tensors, where a law fitted from the probe's own figures inherits it as it is.
+- each storage's dimensions are evaluated (whole numbers only: `H/2` at an odd side has no law there);
+- the traced shapes are tried nearest first: the first whose every guard holds at `x` gives every size of the
+  chain, exactly, as the profile run at `x` would have computed it, taking the same branches;
+- no trace whose guards hold (the largest op of a stage changes between measured shapes, say): the shape is
+  measured, and its trace covers the sizes around it from then on.
+
+A module-level chain (a run of blocks, the code around it measured apart and charged to the chain) is traced
+with the code around it, and its shapes are keyed by the call's arguments (the tokens, the labels) rather than
+the run's input, which only exists once the code before the run has run: so a call is known to be derived
+before anything of it is measured (`ShapeLaws.call`), and the code around its run is not measured either.
+
+Checked on the measured shapes themselves: a trace whose guards hold at another measured shape must give that
+shape's measured chain to the byte (a size that left the sums, a constant to the trace, fails here). A law is
+refused, and every shape of its axis measured, where shapes differ in structure (another number of storages:
+ops that depend on the sizes or the data, MoE routing), a dimension is not affine in `x` at a measured shape,
+or a trace disagrees with a measured chain.
+
+What this rests on: the stages run the same ops at `x` as at the measured shapes (no size-dependent branch, no
+data-dependent op), and each dimension is affine in `x` between and beyond them. The check on measured shapes
+catches the usual ways this fails (padding to a multiple, stride parity, data-dependent counts); the memory
+probe's samples (`RotorCallback`, `measure_step`) check the rest, as for any plan.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Iterator, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from fractions import Fraction
 from typing import Any
 
+import numpy as np
+import torch
+
+from lightning_rotor._torch_compat import tree_flatten
 from lightning_rotor.chain import TIME_FIELDS, Chain, ChainError, StageOption
+from lightning_rotor.size_trace import CONST, OPS, SizeTrace, Terms, terms_of, traced
 
-__all__ = ["SizeLaw", "chain_at", "size_law"]
+__all__ = [
+    "ShapeLaw",
+    "ShapeLaws",
+    "TracedShape",
+    "chain_sizes",
+    "plain_sizes",
+    "shape_law",
+    "traced_shape",
+]
 
-NOT_SIZES = ("names", "frozen", "bandwidth", "host_limit", "options", *TIME_FIELDS)  # no polynomial of the size
+Found = tuple[Chain, tuple[int, ...], "list[int] | None"]  # a derived chain, the sizes it came from, FLOPs
+Call = tuple[str, "Dims"]  # a module-level chain's call: its arguments' family and shapes
+NOT_SIZES = ("names", "frozen", "bandwidth", "host_limit", "options", *TIME_FIELDS)  # no size of the input's
 OPTION_NOT_SIZES = ("name", *TIME_FIELDS)
-Point = tuple[int, Chain, Sequence[int] | None]  # (size along the axis, its measured chain, its stages' FLOPs)
+Dims = tuple[tuple[int, ...], ...]  # the chain input's tensors' shapes, in order
 
 
 def chain_sizes(chain: Chain) -> list[int]:
@@ -86,144 +109,390 @@ def _option_sizes(it: Iterator[int]) -> dict[str, Any]:
     return {g.name: next(it) for g in dataclasses.fields(StageOption) if g.name not in OPTION_NOT_SIZES}
 
 
+def plain_sizes(chain: Chain) -> Chain:
+    """`chain` with every size a plain int (a traced profile's are `Sym`s)."""
+    return with_sizes(chain, [int(v) for v in chain_sizes(chain)])
+
+
 def _structure(chain: Chain) -> tuple[Any, ...]:
-    """What two chains of one family along an axis share: all but their figures."""
+    """What two chains of one family share: all but their figures."""
     optional = tuple(getattr(chain, f.name) is None for f in dataclasses.fields(Chain))
     names = tuple(tuple(o.name for o in opts) for opts in chain.options)
-    return chain.length, chain.names, chain.frozen, chain.host_limit, optional, names, len(chain_sizes(chain))
+    return chain.length, tuple(chain.names), chain.frozen, chain.host_limit, optional, names, len(chain_sizes(chain))
 
 
-def _lagrange(nodes: Sequence[int], x: int) -> list[Fraction]:
-    """The weights `w` with `p(x) = sum(w_i p(nodes_i))` for every polynomial `p` of degree below `len(nodes)`."""
-    weights = []
-    for i, xi in enumerate(nodes):
-        w = Fraction(1)
-        for j, xj in enumerate(nodes):
-            if j != i:
-                w *= Fraction(x - xj, xi - xj)
-        weights.append(w)
-    return weights
+class Rows:
+    """Linear functions of the storages' sizes (one `Terms` each), evaluated together (numpy, exact int64)."""
+
+    def __init__(self, rows: Sequence[Terms], sentinel: int):
+        # every row gets a term of the sentinel storage (size 0), so that no row is empty for `reduceat`
+        cols: list[int] = []
+        coefs: list[int] = []
+        starts: list[int] = []
+        consts: list[int] = []
+        for terms in rows:
+            starts.append(len(cols))
+            consts.append(terms.get(CONST, 0))
+            for k, c in terms.items():
+                if k != CONST:
+                    cols.append(k)
+                    coefs.append(c)
+            cols.append(sentinel)
+            coefs.append(0)
+        self.cols = np.asarray(cols, dtype=np.int64)
+        self.coefs = np.asarray(coefs, dtype=np.int64)
+        self.starts = np.asarray(starts, dtype=np.int64)
+        self.consts = np.asarray(consts, dtype=np.int64)
+
+    def at(self, sizes: np.ndarray) -> np.ndarray:
+        if not len(self.starts):
+            return self.consts
+        return np.add.reduceat(self.coefs * sizes[self.cols], self.starts) + self.consts
 
 
-def _evaluated(weights: Sequence[Fraction], values: Sequence[Sequence[int]]) -> list[int] | None:
-    """Each component's interpolated value; None where one is not a whole number."""
-    out = []
-    for column in zip(*values, strict=True):
-        v = sum((w * c for w, c in zip(weights, column, strict=True)), Fraction(0))
-        if v.denominator != 1:
+@dataclasses.dataclass
+class TracedShape:
+    """A measured shape along an axis: its size there, its chain (plain ints), its stages' FLOPs, and its trace
+    (its storages' dimensions, its guards and each size of its chain as rows of its storages' sizes)."""
+
+    size: int
+    chain: Chain
+    flops: list[int] | None
+    dims: np.ndarray  # (storages, widest) int64, padded with 1
+    itemsizes: np.ndarray
+    ranks: tuple[int, ...]
+    guards: Rows
+    ops: np.ndarray  # per guard, its comparison's index in OPS
+    outcomes: np.ndarray  # per guard, its outcome
+    sizes: Rows
+    constant: np.ndarray  # per size of the chain: a constant to the trace (no storage's size in it)
+
+    def guards_hold(self, sizes: np.ndarray) -> bool:
+        values = self.guards.at(sizes)
+        held = np.empty(len(values), dtype=bool)
+        for i, op in enumerate(OPS):
+            mask = self.ops == i
+            held[mask] = _COMPARE[op](values[mask])
+        return bool(np.array_equal(held, self.outcomes))
+
+
+_COMPARE = {
+    "<": lambda v: v < 0,
+    "<=": lambda v: v <= 0,
+    ">": lambda v: v > 0,
+    ">=": lambda v: v >= 0,
+    "==": lambda v: v == 0,
+    "!=": lambda v: v != 0,
+}
+
+
+def traced_shape(size: int, trace: SizeTrace, chain: Chain, flops: list[int] | None) -> TracedShape:
+    """The measured shape of `chain`, profiled under `trace`, at `size` along its axis."""
+    n = len(trace.storages)
+    widest = max((len(s.factors) for s in trace.storages), default=0)
+    dims = np.ones((n + 1, max(widest, 1)), dtype=np.int64)  # the last: the sentinel, size 0 (itemsize 0)
+    for i, s in enumerate(trace.storages):
+        dims[i, : len(s.factors)] = s.factors
+    itemsizes = np.asarray([s.itemsize for s in trace.storages] + [0], dtype=np.int64)
+    sizes = [terms_of(v) for v in chain_sizes(chain)]
+    return TracedShape(
+        size=size,
+        chain=plain_sizes(chain),
+        flops=flops,
+        dims=dims,
+        itemsizes=itemsizes,
+        ranks=tuple(len(s.factors) for s in trace.storages),
+        guards=Rows([g[0] | {CONST: g[1]} for g in trace.guards], n),
+        ops=np.asarray([OPS.index(g[2]) for g in trace.guards], dtype=np.int64),
+        outcomes=np.asarray([g[3] for g in trace.guards], dtype=bool),
+        sizes=Rows([t if t is not None else {} for t in sizes], n),
+        constant=np.asarray([t is None or not any(k != CONST for k in t) for t in sizes], dtype=bool),
+    )
+
+
+@dataclasses.dataclass
+class ShapeLaw:
+    """Each storage's dimensions as `a x + b` along one axis (through two measured shapes, checked on the others),
+    and the measured shapes whose traces give a chain where their guards hold."""
+
+    x1: int
+    x2: int
+    d1: np.ndarray
+    d2: np.ndarray
+    itemsizes: np.ndarray
+    shapes: list[TracedShape]
+
+    def storage_sizes(self, x: int) -> np.ndarray | None:
+        """Each storage's bytes at size `x`; None where a dimension is not a non-negative whole number there."""
+        span = self.x2 - self.x1
+        scaled = self.d1 * span + (self.d2 - self.d1) * (x - self.x1)
+        if np.any(scaled % span) or np.any(scaled < 0):
             return None
-        out.append(int(v))
-    return out
+        return self.itemsizes * np.prod(scaled // span, axis=1)
 
-
-@dataclasses.dataclass(frozen=True)
-class SizeLaw:
-    """Each size field of one family's chains (and each stage's forward FLOPs, where counted) as a polynomial
-    of the varying size, interpolated through `nodes` and checked to the byte at `checked`."""
-
-    template: Chain
-    nodes: tuple[int, ...]
-    sizes: tuple[tuple[int, ...], ...]  # per node, `chain_sizes` of its chain
-    flops: tuple[tuple[int, ...], ...] | None  # per node, its stages' FLOPs; None: not all counted, or no law
-    checked: tuple[int, ...]
-
-    def chain(self, x: int) -> tuple[Chain, list[int] | None] | None:
-        """The chain at size `x` (times the template's: derive them from the FLOPs), with its stages' FLOPs;
-        None where a field is not a whole number of bytes there or the chain breaks `Chain`'s rules."""
-        weights = _lagrange(self.nodes, x)
-        sizes = _evaluated(weights, self.sizes)
+    def chain(self, x: int) -> tuple[TracedShape, Chain] | None:
+        """The chain at size `x` (times the trace's own: derive them) and the measured shape whose trace gave it;
+        None where no trace's guards hold at `x`."""
+        sizes = self.storage_sizes(x)
         if sizes is None:
             return None
-        try:
-            chain = with_sizes(self.template, sizes)
-        except ChainError:
+        for shape in sorted(self.shapes, key=lambda s: abs(s.size - x)):
+            if shape.guards_hold(sizes):
+                try:
+                    return shape, with_sizes(shape.chain, [int(v) for v in shape.sizes.at(sizes)])
+                except ChainError:
+                    return None
+        return None
+
+    def flops(self, x: int) -> list[int] | None:
+        """Each stage's forward FLOPs at size `x`, through the three measured shapes nearest `x` (a polynomial of
+        degree 2: matmuls over `B*L` or a side squared, attention's `L*L`); None where not counted at three or
+        negative. They only scale times (`shapes.derived_times`): a wrong one makes a plan slower, never larger."""
+        counted = sorted((s for s in self.shapes if s.flops is not None), key=lambda s: abs(s.size - x))[:3]
+        if len(counted) < 3:
             return None
-        flops = _evaluated(weights, self.flops) if self.flops is not None else None
-        if flops is not None and any(f < 0 for f in flops):
-            flops = None
-        return chain, flops
+        weights = []
+        for i, si in enumerate(counted):
+            w = Fraction(1)
+            for j, sj in enumerate(counted):
+                if j != i:
+                    w *= Fraction(x - sj.size, si.size - sj.size)
+            weights.append(w)
+        flops = [
+            round(sum(w * f for w, f in zip(weights, column, strict=True)))
+            for column in zip(*(s.flops or [] for s in counted), strict=True)
+        ]
+        return flops if all(f >= 0 for f in flops) else None
 
 
-def size_law(points: Sequence[Point], dims: int) -> SizeLaw | str:
-    """The law of the chains `points` measured at distinct sizes along one axis (`dims` input dimensions
-    varying with it), or why there is none: too few points (fewer than `2 * dims + 2`), chains of different
-    structure, or a field that no polynomial of degree `2 * dims` through the first `2 * dims + 1` points fits
-    at another (named, with its stage where it has one)."""
-    count = 2 * dims + 1
-    if len({x for x, _, _ in points}) != len(points):
-        return "two chains measured at one size"
-    if len(points) <= count:
-        return f"{len(points)} shapes measured, a law needs {count + 1}"
-    first = points[0][1]
-    if any(_structure(c) != _structure(first) for _, c, _ in points):
-        return "chains of different structure"
-    nodes, rest = points[:count], points[count:]
-    sizes = tuple(tuple(chain_sizes(c)) for _, c, _ in nodes)
-    counted = all(f is not None for _, _, f in points)
-    flops = tuple(tuple(f) for _, _, f in nodes if f is not None) if counted else None
-    for x, chain, measured_flops in rest:
-        weights = _lagrange([n for n, _, _ in nodes], x)
-        fitted: Sequence[int | None] = _evaluated(weights, sizes) or [None] * len(sizes[0])
-        wrong = [name for (name, v), f in zip(_slots(chain), fitted, strict=True) if v != f]
-        if wrong:
-            return f"{wrong[0]} at size {x} is off the polynomial through sizes {[n for n, _, _ in nodes]}"
-        if flops is not None and _evaluated(weights, flops) != list(measured_flops or ()):
-            flops = None  # FLOPs off the law: counted per shape, the sizes' law stands
-    return SizeLaw(first, tuple(n for n, _, _ in nodes), sizes, flops, tuple(x for x, _, _ in rest))
+PAIRS_FROM = 8  # the lines tried: through two of the first shapes measured
 
 
-def _windowed(xs: Sequence[int], rows: Sequence[Sequence[int]], x: int, degree: int) -> list[int | None]:
-    """Per component of `rows` (one row per measured size `xs`, ascending), its value at `x` from the polynomial
-    of degree `degree` through a window of `degree + 2` consecutive sizes around `x` that it fits (interpolated
-    through the first `degree + 1`, checked on the last). None where no window around `x` fits, where two
-    fitting windows disagree at `x` (two pieces of a peak: its largest op changes near `x`), or where the
-    value is not whole."""
-    width = degree + 2
-    found: list[int | None] = [None] * len(rows[0])
-    refused = [False] * len(rows[0])
-    for s in range(len(xs) - width + 1):
-        if not xs[s] <= x <= xs[s + width - 1]:
-            continue
-        nodes, check = xs[s : s + degree + 1], s + degree + 1
-        at_check, at_x = _lagrange(nodes, xs[check]), _lagrange(nodes, x)
-        for c, column in enumerate(zip(*rows[s : s + degree + 1], strict=True)):
-            if sum((w * v for w, v in zip(at_check, column, strict=True)), Fraction(0)) != rows[check][c]:
+def _line(shapes: Sequence[TracedShape]) -> tuple[TracedShape, TracedShape] | str:
+    """The two measured shapes (ascending) whose line the most others confirm, every storage's dimensions on it to
+    the byte, and none contradicts; or why none. A shape where the line gives a dimension that is not a whole
+    number (a stride's halving at an odd side) is no claim of the line's: neither confirms nor contradicts it."""
+    best: tuple[int, tuple[TracedShape, TracedShape]] | None = None
+    contradicted = ""
+    candidates = shapes[:PAIRS_FROM]
+    for i, a in enumerate(candidates):
+        for b in candidates[i + 1 :]:
+            low, high = (a, b) if a.size < b.size else (b, a)
+            span = high.size - low.size
+            confirmed = 0
+            for s in shapes:
+                if s is low or s is high:
+                    continue
+                scaled = low.dims * span + (high.dims - low.dims) * (s.size - low.size)
+                if np.any(scaled % span):
+                    continue
+                if not np.array_equal(scaled // span, s.dims):
+                    contradicted = (
+                        f"a tensor's size at size {s.size} is not on the line through sizes {low.size} and {high.size}"
+                    )
+                    confirmed = -1
+                    break
+                confirmed += 1
+            if confirmed > 0 and (best is None or confirmed > best[0]):
+                best = (confirmed, (low, high))
+    if best is None:
+        return contradicted or "no measured shape confirms a line through two others"
+    return best[1]
+
+
+def shape_law(shapes: Sequence[TracedShape]) -> ShapeLaw | str:
+    """The law of traced shapes measured at distinct sizes along one axis, or why there is none."""
+    if len({s.size for s in shapes}) != len(shapes):
+        return "two shapes measured at one size"
+    if len(shapes) < 3:
+        return f"{len(shapes)} shapes measured, a law needs 3"
+    first = shapes[0]
+    for s in shapes[1:]:
+        if _structure(s.chain) != _structure(first.chain) or s.ranks != first.ranks:
+            return f"the stages ran other ops at size {s.size} than at size {first.size}"
+        if not np.array_equal(s.itemsizes, first.itemsizes):
+            return f"the stages made tensors of other types at size {s.size} than at size {first.size}"
+    line = _line(shapes)
+    if isinstance(line, str):
+        return line
+    law = ShapeLaw(line[0].size, line[1].size, line[0].dims, line[1].dims, first.itemsizes, list(shapes))
+    moved = _moved_constants(shapes)
+    if moved is not None:
+        return f"{moved} is not a sum of storage sizes: its constant part differs between measured shapes"
+    return _checked(law)
+
+
+def _moved_constants(shapes: Sequence[TracedShape]) -> str | None:
+    """The first size of the chain whose constant part (what left the sums: a product, a figure not from the
+    probe) differs between `shapes`, or None. Constants of a trace are the same at every shape (a parameter's
+    bytes, the loss value's stand-in): one that moves stands for a size the trace lost."""
+    constant = np.logical_or.reduce([s.constant for s in shapes])
+    values = np.asarray([chain_sizes(s.chain) for s in shapes], dtype=object)
+    consts = np.asarray([s.sizes.consts for s in shapes])
+    moved = (constant & np.any(values != values[0], axis=0)) | np.any(consts != consts[0], axis=0)
+    return _slots(shapes[0].chain)[int(np.argmax(moved))][0] if np.any(moved) else None
+
+
+def _checked(law: ShapeLaw) -> ShapeLaw | str:
+    """`law`, or why not: a trace whose guards hold at another measured shape must give its chain to the byte."""
+    for s in law.shapes:
+        sizes = law.storage_sizes(s.size)
+        measured = chain_sizes(s.chain)
+        for other in law.shapes:
+            if sizes is not None and other.guards_hold(sizes):
+                derived = [int(v) for v in other.sizes.at(sizes)]
+                if derived != measured:
+                    name = next(n for (n, m), v in zip(_slots(s.chain), derived, strict=True) if m != v)
+                    return f"{name} at size {s.size} differs from the one traced at size {other.size}"
+    return law
+
+
+def size_axis(measured: Dims, new: Dims) -> tuple[tuple[tuple[int, int], ...], int, int] | None:
+    """(the coordinates (tensor, dimension) where `new` differs from `measured`, the size there in `measured`, in
+    `new`); None when they are equal, differ in rank, or the differing coordinates do not share one size in each."""
+    if len(measured) != len(new) or any(len(a) != len(b) for a, b in zip(measured, new, strict=True)):
+        return None
+    coords = tuple(
+        (i, d) for i, (a, b) in enumerate(zip(measured, new, strict=True)) for d in range(len(a)) if a[d] != b[d]
+    )
+    theirs, ours = {measured[i][d] for i, d in coords}, {new[i][d] for i, d in coords}
+    if not coords or len(theirs) != 1 or len(ours) != 1:
+        return None
+    return coords, theirs.pop(), ours.pop()
+
+
+class ShapeLaws:
+    """The traced shapes of one chain, per family (plan key without shapes) and input shapes; a new shape's chain
+    from those along one axis of it (`chain_for`). Says once why a law is refused."""
+
+    def __init__(self) -> None:
+        # a module-level chain (a run of blocks, the code around it measured apart): its shapes are keyed by the
+        # call's arguments (family, shapes), whose sizes decide the run's input's; `call` says which call runs now
+        self._outside: tuple[Any, SizeTrace, Call | None] | None = None  # the code around it, measured in a trace
+        self._call: Call | None = None
+        self._call_derived: Found | None = None  # the chain of the call running now, derived from its arguments
+        self._keyed: Call | None = None  # the key the next measured shape is recorded under (a call's)
+        self.measured: list[tuple[str, Dims, TracedShape | None, Chain, list[int] | None]] = []
+        self._laws: dict[tuple[Any, ...], list[ShapeLaw | str]] = {}
+        self.refused: str | None = None  # the first reason a law was refused (warned once)
+
+    def add(self, family: str, dims: Dims, trace: SizeTrace | None, chain: Chain, flops: list[int] | None) -> Chain:
+        """A measured shape (`trace`: its traced profile, None where it was not traced); its chain in plain ints."""
+        traced = traced_shape(0, trace, chain, flops) if trace is not None and not trace.abandoned else None
+        family, dims = self._keyed or (family, dims)
+        self._keyed = None
+        self.measured.append((family, dims, traced, chain, flops))
+        self._laws.clear()
+        return traced.chain if traced is not None else plain_sizes(chain)
+
+    @contextlib.contextmanager
+    def tracing(self, on: bool, value: Any, outside: Any = None) -> Iterator[SizeTrace | None]:
+        """A trace of the profile run inside (None: not traced). With `outside` (what the code around a run of
+        blocks costs), the profile goes on with the trace that measured it (`tracing_outside`), or is not traced."""
+        pending, self._outside = self._outside, None
+        if outside is not None and (pending is None or pending[0] is not outside):
+            yield None
+            return
+        if not _traceable(on, value):
+            yield None
+            return
+        self._keyed = pending[2] if pending is not None else None
+        with traced(pending[1] if pending is not None else None) as trace:
+            yield trace
+
+    @contextlib.contextmanager
+    def tracing_outside(self, on: bool, value: Any) -> Iterator[Callable[[Any], Any]]:
+        """Measure the code around a run of blocks in a trace that the profile of its shape goes on with: the
+        block yields `note`, to be called with what was measured (returned as it is)."""
+        if self._outside is not None:
+            self._outside[1].close()
+            self._outside = None
+        if not _traceable(on, value):
+            yield lambda outside: outside
+            return
+        with traced(close=False) as trace:
+            yield lambda outside: self._noted(outside, trace)
+
+    def _noted(self, outside: Any, trace: SizeTrace) -> Any:
+        self._outside = (outside, trace, self._call)
+        return outside
+
+    def call(self, family: str, dims: Dims, derive: bool) -> bool:
+        """A call of a module-level chain begins, its arguments of `family` and shapes `dims`: True where `derive`
+        and its chain follows from measured calls' (`chain_for` gives it during the call, until `call_done`), so
+        that the code around its run of blocks need not be measured."""
+        self._call = (family, dims)
+        found = self._found(family, dims) if derive else None
+        self._call_derived = found if not isinstance(found, str) else None
+        return self._call_derived is not None
+
+    def call_done(self) -> None:
+        """The call ended: a trace of the code around its run that no profile went on with is closed (its storage
+        handles must not outlive the call: a copy of the module would free them twice)."""
+        self._call = self._call_derived = None
+        if self._outside is not None:
+            self._outside[1].close()
+            self._outside = None
+
+    def chain_for(self, family: str, dims: Dims) -> Found | str:
+        """The chain of a shape (times to derive), the measured sizes its law came from and its stages' FLOPs (None:
+        count them), or why not; during a module-level chain's call derived from its arguments (`call`), that."""
+        if self._call_derived is not None:
+            found, self._call_derived = self._call_derived, None
+            return found
+        return self._found(family, dims)
+
+    def _found(self, family: str, dims: Dims) -> Found | str:
+        axes: dict[tuple[tuple[int, int], ...], list[tuple[int, int]]] = {}
+        for i, (their_family, their_dims, trace, _, _) in enumerate(self.measured):
+            found = size_axis(their_dims, dims) if their_family == family and trace is not None else None
+            if found is not None:
+                axes.setdefault(found[0], []).append((found[1], i))
+        if len(axes) != 1:
+            return "no measured shapes along one axis of this one"
+        ((coords, points),) = axes.items()
+        x = dims[coords[0][0]][coords[0][1]]
+        reason = "fewer than 3 traced shapes along this axis"
+        for law in self._laws_along(coords, points):
+            if isinstance(law, str):
+                reason = law
                 continue
-            value = sum((w * v for w, v in zip(at_x, column, strict=True)), Fraction(0))
-            if value.denominator != 1 or found[c] not in (None, value):
-                refused[c] = True
-            found[c] = int(value)
-    return [None if r else f for f, r in zip(found, refused, strict=True)]
+            found_chain = law.chain(x)
+            if found_chain is not None:
+                return found_chain[1], tuple(sorted(s.size for s in law.shapes)), law.flops(x)
+            reason = f"no traced shape's branches hold at size {x}"
+        return reason
+
+    def _laws_along(self, coords: Any, points: list[tuple[int, int]]) -> list[ShapeLaw | str]:
+        """The laws of the traced shapes along one axis, one per group of shapes that ran the same ops (a small
+        image whose last stage is 1x1 runs other ops than larger ones), largest group first."""
+        key = (coords, tuple(i for _, i in points))
+        if key not in self._laws:
+            groups: dict[Any, list[TracedShape]] = {}
+            for size, i in points:
+                traced = self.measured[i][2]
+                if traced is not None:
+                    groups.setdefault(_ops_of(traced), []).append(dataclasses.replace(traced, size=size))
+            laws = [shape_law(g) for g in sorted(groups.values(), key=len, reverse=True) if len(g) >= 3]
+            self._laws[key] = laws
+            refused = next((law for law in laws if isinstance(law, str)), None)
+            if refused is not None and self.refused is None:
+                self.refused = refused
+                warnings.warn(
+                    f"rotor: the sizes of new input shapes cannot be derived from measured ones ({refused}); "
+                    "such shapes are measured (lightning_rotor/symbolic_sizes.py)",
+                    stacklevel=5,
+                )
+        return self._laws[key]
 
 
-def chain_at(points: Sequence[Point], dims: int, x: int) -> tuple[Chain, list[int] | None] | str:
-    """The chain at size `x` from chains `points` measured at other sizes along one axis (`dims` input dimensions
-    varying with it), each size field from a window of measured sizes around `x` on which it follows one
-    polynomial of degree `2 * dims` (`_windowed`), with the stages' FLOPs where they were counted at every point
-    and follow one too (else None: count them); or why not (the first field without a law at `x`).
+def _ops_of(shape: TracedShape) -> tuple[Any, ...]:
+    """What two traced shapes share when their stages ran the same ops: the chain's structure, the storages made."""
+    return _structure(shape.chain), shape.ranks, shape.itemsizes.tobytes()
 
-    Piecewise, as a transient is a peak: the largest of its ops' levels, each a polynomial, the largest changing
-    with the size (an attention's square overtaking an MLP's line). What it rests on beyond `size_law`'s: no
-    other op's level overtakes between the measured sizes of the window, unseen at all of them."""
-    degree = 2 * dims
-    ordered = sorted(points, key=lambda p: p[0])
-    if len({p[0] for p in ordered}) != len(ordered) or any(p[0] == x for p in ordered):
-        return "two chains measured at one size, or at this one"
-    if len(ordered) < degree + 2 or not ordered[0][0] < x < ordered[-1][0]:
-        return f"size {x} is not between {degree + 2} measured sizes"
-    template = ordered[0][1]
-    if any(_structure(c) != _structure(template) for _, c, _ in ordered):
-        return "chains of different structure"
-    xs = [p[0] for p in ordered]
-    sizes = _windowed(xs, [chain_sizes(c) for _, c, _ in ordered], x, degree)
-    missing = [name for (name, _), v in zip(_slots(template), sizes, strict=True) if v is None]
-    if missing:
-        return f"{missing[0]} follows no polynomial around size {x}"
-    try:
-        chain = with_sizes(template, [v for v in sizes if v is not None])
-    except ChainError as error:
-        return f"the chain at size {x} breaks a rule: {error}"
-    counted = [list(f) for _, _, f in ordered if f is not None]
-    flops = _windowed(xs, counted, x, degree) if len(counted) == len(ordered) else [None]
-    whole = [f for f in flops if f is not None and f >= 0]
-    return chain, whole if len(whole) == len(flops) else None
+
+def _traceable(on: bool, value: Any) -> bool:
+    """Trace when asked and the input is off CUDA. On CUDA a profile also keeps the caching allocator's figures
+    where they are larger (kernel workspaces, its rounding), which are no sums of storage sizes: every shape there
+    is measured."""
+    return on and not any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in tree_flatten(value)[0])

@@ -314,7 +314,7 @@ def test_a_predicted_chain_bounds_the_measured_one_for_every_plan():
 
 
 def test_predicted_shapes_run_no_profile_and_train_bitwise_within_each_budget():
-    plain, rotor = small_gpt(), Checkpointable(small_gpt(), "60%", repeats=1, predict_shapes=True)
+    plain, rotor = small_gpt(), Checkpointable(small_gpt(), "60%", repeats=1, predict_shapes=True, fit_shapes=False)
     lengths = (16, 32, 24, 20, 28, 8, 30)
     for step, length in enumerate(lengths):
         x, y = batch(length)
@@ -342,7 +342,10 @@ def test_predicted_shapes_run_no_profile_and_train_bitwise_within_each_budget():
 def test_the_trainer_with_predict_shapes_profiles_fewer_shapes(tmp_path):
     keep, loader = KeepRotorModules(), DataLoader(Lengths(), batch_size=None)
     runs = {}
-    for name, strategy in (("plain", "auto"), ("rotor", RotorStrategy(mem_limit="60%", predict_shapes=True))):
+    for name, strategy in (
+        ("plain", "auto"),
+        ("rotor", RotorStrategy(mem_limit="60%", predict_shapes=True, fit_shapes=False)),
+    ):
         model = LM()
         torch.manual_seed(7)
         callbacks = [keep] if name == "rotor" else []
@@ -359,7 +362,7 @@ def test_a_predicted_shape_measured_above_its_budget_turns_prediction_off_and_is
     """The bound rests on how the model's memory grows; a step that proves it wrong (here: a predicted
     entry replaced by one planned on a smaller shape's chain, an under-estimate) forgets every predicted
     shape, warns once, and the shape is profiled when met again."""
-    rotor = Checkpointable(small_gpt(), "60%", repeats=1, predict_shapes=True)
+    rotor = Checkpointable(small_gpt(), "60%", repeats=1, predict_shapes=True, fit_shapes=False)
     for length in (8, 32):
         x, y = batch(length)
         lm_loss(rotor(x), y).backward()
@@ -401,7 +404,10 @@ def test_predicted_shapes_on_hugging_face_models_train_bitwise_within_budget(fam
         )  # fmt: skip
         return transformers.LlamaForCausalLM(config)
 
-    plain, rotor = build(), Checkpointable(build(), "60%", repeats=1, predict_shapes=True, discover="modules")
+    plain, rotor = (
+        build(),
+        Checkpointable(build(), "60%", repeats=1, predict_shapes=True, fit_shapes=False, discover="modules"),
+    )
     for step, length in enumerate((16, 48, 32, 24, 56, 40)):
         x = torch.randint(0, 64, (2, length), generator=torch.Generator().manual_seed(step))
         for model in (plain, rotor):

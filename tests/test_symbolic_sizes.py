@@ -1,14 +1,19 @@
-"""A new input shape's sizes from a law of measured ones (lightning_rotor/symbolic_sizes.py): to the byte at
-shapes the law was not made from, on the project's GPT, a ConvNeXt at several resolutions and Hugging Face's
-GPT-2 from a config; no law where a size does not follow one polynomial (a data-dependent stage, a peak whose
-largest op changes with the size)."""
+"""A new input shape's sizes without running it (lightning_rotor/symbolic_sizes.py): from traced profiles of three
+measured shapes, every size of the chain at another shape equals the one a profile measures there, to the byte,
+or the shape is refused (and measured): on the project's GPT across lengths where a stage's largest op changes,
+a ConvNeXt at other resolutions and batch sizes, Hugging Face's GPT-2 and Llama from configs through
+`Checkpointable`; no law for a data-dependent stage."""
 
 from __future__ import annotations
+
+import contextlib
+import dataclasses
 
 import lightning.pytorch as pl
 import pytest
 import torch
 from fitting import KeepRotorModules, quiet_trainer
+from hf_models import tiny_llama
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from training import assert_same_state
@@ -20,7 +25,8 @@ from lightning_rotor.models.gpt import gpt, lm_loss
 from lightning_rotor.planner import plan
 from lightning_rotor.profile import Profile, profile_chain
 from lightning_rotor.simulate import no_recompute_peak
-from lightning_rotor.symbolic_sizes import SizeLaw, size_law
+from lightning_rotor.size_trace import traced
+from lightning_rotor.symbolic_sizes import ShapeLaws
 
 TIMES = ("fwd_time", "bwd_time")
 
@@ -30,49 +36,116 @@ def sizes(chain):
     return {k: v for k, v in chain.to_dict().items() if k not in TIMES}
 
 
+def laws_of(stages, inputs, **options):
+    """The laws of `stages` traced on `inputs` (one family along one axis)."""
+    laws = ShapeLaws()
+    for x in inputs:
+        with traced() as trace:
+            chain = profile_chain(stages, x, repeats=1, timed=False, **options).chain
+        laws.add("family", tuple(tuple(t.shape) for t in [x]), trace, chain, None)
+    return laws
+
+
+def derived_against_measured(laws, stages, inputs, **options):
+    """Per input: True where the law gave its chain (checked to the byte against a profile), False where refused."""
+    found = []
+    for x in inputs:
+        got = laws.chain_for("family", (tuple(x.shape),))
+        if not isinstance(got, str):
+            measured = profile_chain(stages, x, repeats=1, timed=False, **options).chain
+            assert sizes(got[0]) == sizes(measured), tuple(x.shape)
+        found.append(not isinstance(got, str))
+    return found
+
+
+def tokens(batch, length):
+    return torch.randint(0, 64, (batch, length), generator=torch.Generator().manual_seed(length))
+
+
 def gpt_stages():
     torch.manual_seed(0)
-    return list(gpt(vocab_size=64, block_size=64, n_layer=2, n_head=2, n_embd=32, dropout=0.1))
+    return list(gpt(vocab_size=64, block_size=128, n_layer=2, n_head=2, n_embd=32, dropout=0.1))
 
 
-def gpt_chain(stages, length):
-    x = torch.randint(0, 64, (2, length), generator=torch.Generator().manual_seed(length))
-    return profile_chain(stages, x, repeats=1, timed=False).chain
+def test_a_traced_profile_measures_what_an_untraced_one_does_every_size_a_sum_of_storage_sizes():
+    from lightning_rotor.size_trace import Sym
+
+    stages, x = gpt_stages(), tokens(2, 20)
+    with traced() as trace:
+        chain = profile_chain(stages, x, repeats=1, timed=False).chain
+    assert sizes(chain) == sizes(profile_chain(stages, x, repeats=1, timed=False).chain)
+    assert all(isinstance(v, Sym) for v in chain.out_size + chain.saved_size) and trace.guards
 
 
-def test_a_law_of_measured_lengths_gives_each_size_of_another_length_to_the_byte():
+def test_traced_sizes_give_a_gpt_chain_at_other_lengths_to_the_byte():
+    """Three measured lengths; lengths from 4 to 37 get the chain a profile measures there, to the byte, though
+    the largest op of several stages changes across them (the embedding's backward peaks at its weight's
+    gradient below about 22 tokens, at the tokens' above): each length takes the trace whose largest ops hold
+    there. Above the measured lengths, where an op none of them had largest overtakes: refused (measured)."""
     stages = gpt_stages()
-    law = size_law([(n, gpt_chain(stages, n), None) for n in (28, 36, 32, 40)], dims=1)
-    assert isinstance(law, SizeLaw) and law.nodes == (28, 36, 32) and law.checked == (40,)
-    for length in (30, 47, 64):
-        predicted = law.chain(length)
-        assert predicted is not None
-        assert sizes(predicted[0]) == sizes(gpt_chain(stages, length))
+    laws = laws_of(stages, [tokens(2, n) for n in (40, 16, 24)])  # the line through 40 and 16: any order
+    found = derived_against_measured(laws, stages, [tokens(2, n) for n in range(4, 82, 11)])
+    assert found == [True] * 4 + [False] * 4  # 4, 15, 26, 37; from 48 on the attention's square overtakes
+    assert laws.chain_for("family", ((2, 120),)) == "no traced shape's branches hold at size 120"
 
 
-def test_a_peak_whose_largest_op_changes_with_the_length_has_no_law():
-    """A transient is a peak over the ops of a stage: the largest of several polynomials, not one. Below
-    about 22 tokens the embedding's backward peaks at its weight's gradient, above at the tokens' gradient."""
-    stages = gpt_stages()
-    law = size_law([(n, gpt_chain(stages, n), None) for n in (8, 16, 12, 24)], dims=1)
-    assert law == "bwd_tmp[0] at size 24 is off the polynomial through sizes [8, 16, 12]"
-
-
-def test_a_convnext_at_other_resolutions_gets_its_sizes_to_the_byte():
-    """Height and width vary together (degree 4 in the side): six resolutions make the law and check it."""
+def test_a_convnext_at_other_resolutions_and_batch_sizes_gets_its_sizes_to_the_byte():
+    """Height and width vary together (each tensor's side is affine in the input's): three resolutions that run
+    the same ops make the law (at 32 the last stage is 1x1 and runs others: left out); 160 and 224 are derived,
+    16 (other ops again) is not. The batch size is an axis of its own."""
     torch.manual_seed(0)
     model = ConvNeXt(depths=(1, 1, 1, 1), dims=(8, 16, 32, 64), num_classes=10)
     stages = [model.stem, *model.stages]
 
-    def chain(side):
-        x = torch.randn(2, 3, side, side, generator=torch.Generator().manual_seed(side))
-        return profile_chain(stages, x, repeats=1, timed=False, loss_tmp=0).chain
+    def image(batch, side):
+        return torch.randn(batch, 3, side, side, generator=torch.Generator().manual_seed(side))
 
-    law = size_law([(s, chain(s), None) for s in (32, 64, 96, 128, 160, 192)], dims=2)
-    assert isinstance(law, SizeLaw) and law.checked == (192,)
-    for side in (224, 288):
-        predicted = law.chain(side)
-        assert predicted is not None and sizes(predicted[0]) == sizes(chain(side))
+    laws = laws_of(stages, [image(2, s) for s in (32, 64, 96, 128)], loss_tmp=0)  # at 32 the last stage is 1x1
+    assert derived_against_measured(laws, stages, [image(2, 160), image(2, 224), image(2, 16)], loss_tmp=0) == [
+        True,
+        True,
+        False,
+    ]
+    laws = laws_of(stages, [image(b, 32) for b in (2, 4, 3)], loss_tmp=0)
+    assert derived_against_measured(laws, stages, [image(1, 32), image(5, 32)], loss_tmp=0) == [True, True]
+
+
+@pytest.mark.slow
+def test_a_convnext_at_changing_resolutions_and_a_partial_last_batch_trains_bitwise_within_its_budgets():
+    """Variable image sizes through `Checkpointable` (the default: derived shapes): after three measured
+    resolutions, the sides that are multiples of 32 get no run (the step's own probe, entered before a profile,
+    counts plain bytes: it does not enter the profile's trace); 112 and 80 (where a stride-2 downsampling halves
+    an odd side: a dimension off the line) are measured, and do not spoil the law for the others; a last batch
+    of one image (an axis of its own) is measured. Every step bitwise equal to plain training and measured within
+    its budget, each derived chain equal to a profile's."""
+
+    def build():
+        torch.manual_seed(0)
+        return ConvNeXt(depths=(1, 1, 1, 1), dims=(8, 16, 32, 64), num_classes=10, drop_path_rate=0.1)
+
+    plain, rotor = build(), Checkpointable(build(), "75%", repeats=1, loss_tmp=0)
+    shapes = [(2, 64), (2, 96), (2, 128), (2, 160), (2, 112), (2, 192), (2, 224), (2, 80), (1, 224)]
+    for step, (batch, side) in enumerate(shapes):
+        x = torch.randn(batch, 3, side, side, generator=torch.Generator().manual_seed(step))
+        plain.zero_grad()
+        torch.manual_seed(step)
+        plain(x).square().mean().backward()
+        rotor.zero_grad()
+        if step:  # the first step finds the chain and profiles it (a profiling step is not held to the budget)
+            rotor.prepare_for(x)
+        torch.manual_seed(step)
+        with rotor.measure_step() as m:
+            rotor(x).square().mean().backward()
+        assert_same_state(plain, rotor)
+        entry = rotor.last_entry
+        assert m.peak <= entry.plan.budget or not step
+        key = next((k for k, e in rotor.entries.items() if e is entry), None)
+        if key in rotor.fitted:
+            stages = list(rotor.stages)
+            measured = profile_chain(stages, x, names=rotor.stage_names, repeats=1, timed=False, loss_tmp=0).chain
+            assert sizes(entry.chain) == sizes(measured)
+    derived = {rotor.chain_state._shapes[k] for k in rotor.fitted}
+    assert derived == {f"(2, 3, {side}, {side})" for side in (160, 192, 224)}
 
 
 class KeepPositive(nn.Module):
@@ -82,36 +155,109 @@ class KeepPositive(nn.Module):
         return x[x[..., 0] > 0]
 
 
-def test_a_data_dependent_stage_has_no_law():
+def test_a_data_dependent_stage_has_no_law_and_says_so_once():
     torch.manual_seed(0)
     stages = [nn.Linear(8, 8), KeepPositive(), nn.Linear(8, 8)]
+    inputs = [torch.randn(2, n, 8, generator=torch.Generator().manual_seed(n)) for n in (8, 16, 24, 32)]
+    laws = laws_of(stages, inputs[:3])
+    with pytest.warns(UserWarning, match=r"cannot be derived from measured ones \(a tensor's size at size \d+ is not"):
+        assert "is not on the line through sizes" in laws.chain_for("family", ((2, 32, 8),))
+    assert laws.refused is not None
 
-    def chain(length):
-        x = torch.randn(2, length, 8, generator=torch.Generator().manual_seed(length))
-        return profile_chain(stages, x, repeats=1, timed=False).chain
 
-    law = size_law([(n, chain(n), None) for n in (8, 16, 24, 32, 40, 48)], dims=1)
-    assert isinstance(law, str) and "is off the polynomial through sizes [8, 16, 24]" in law
+def test_a_size_whose_constant_part_moves_between_shapes_has_no_law():
+    """A figure that left the sums (here: the loss value plus the length in bytes, as a size computed from a
+    product would) is a constant to its trace; one that differs between measured shapes is refused."""
+    from lightning_rotor.size_trace import CONST, Sym
+
+    stages, laws = gpt_stages(), ShapeLaws()
+    for n in (16, 40, 24):
+        x = tokens(2, n)
+        with traced() as trace:
+            chain = profile_chain(stages, x, repeats=1, timed=False).chain
+        lost = Sym(chain.loss_value + n, {**chain.input_size.terms, CONST: chain.loss_value + n - chain.input_size})
+        laws.add("family", (tuple(x.shape),), trace, dataclasses.replace(chain, loss_value=lost), None)
+    with pytest.warns(UserWarning, match="loss_value is not a sum of storage sizes"):
+        assert "loss_value is not a sum" in laws.chain_for("family", ((2, 30),))
+
+
+def test_a_trace_with_more_guards_than_it_may_keep_is_abandoned_and_its_shapes_measured(monkeypatch):
+    """A trace keeps its guards' terms up to `MAX_TERMS` (memory on large stages); beyond, it gives no sizes."""
+    from lightning_rotor import size_trace
+
+    monkeypatch.setattr(size_trace, "MAX_TERMS", 100)
+    stages = gpt_stages()
+    laws = laws_of(stages, [tokens(2, n) for n in (16, 40, 24)])
+    assert laws.chain_for("family", ((2, 30),)) == "no measured shapes along one axis of this one"
+
+
+def hf_chains(make, lengths, fit):
+    """Per length, the chain `Checkpointable` planned it on (a real training step each), and which were derived."""
+    rotor = Checkpointable(make(), "70%", repeats=1, fit_shapes=fit)
+    chains = {}
+    for n in lengths:
+        x = tokens(2, n)
+        rotor(input_ids=x, labels=x).loss.backward()
+        chains[n] = rotor.last_entry.chain
+    derived = {n for n, c in chains.items() if any(rotor.entries[k].chain is c for k in rotor.fitted)}
+    return chains, derived, len(rotor.outside)
 
 
 @pytest.mark.slow
-def test_hugging_face_gpt2_chains_at_other_lengths_to_the_byte():
-    """GPT-2 from a config as a module-level chain (the rest of the forward and the loss charged to it), the
-    chains of real training steps: between 26 and 68 tokens no stage's largest op changes."""
+def test_hugging_face_gpt2_at_derived_lengths_trains_bitwise_within_each_budget():
+    """Real training steps of GPT-2 from a config, plain against rotor on the same seeds: every step bitwise equal;
+    each derived length's step (no profile, no measure of the code around the run) measured within its budget."""
+    pytest.importorskip("transformers")
+    plain, rotor = tiny_gpt2(), Checkpointable(tiny_gpt2(), "70%", repeats=1)
+    for step, n in enumerate((32, 44, 38, 50, 26, 62, 50)):
+        x = tokens(2, n)
+        for model in (plain, rotor):
+            model.zero_grad()
+            torch.manual_seed(step)
+            with rotor.measure_step() if model is rotor else contextlib.nullcontext() as m:
+                model(input_ids=x, labels=x).loss.backward()
+        assert_same_state(plain, rotor)
+        if step >= 3:
+            assert m.peak <= rotor.last_entry.plan.budget
+    assert len(rotor.fitted) == 3 and len(rotor.outside) == 3
+
+
+@pytest.mark.slow
+def test_a_trace_of_the_code_around_a_run_is_closed_when_its_call_ends_unprofiled():
+    """A new call signature whose run's input is not new (another keyword, the same tokens): the code around the
+    run is measured in a trace that no profile goes on with; it is closed as the call ends, so that no storage
+    handle outlives it (a copy of the module would free it twice) and the copy trains on."""
+    import copy
+
+    pytest.importorskip("transformers")
+    rotor = Checkpointable(tiny_gpt2(), "70%", repeats=1)
+    x = tokens(2, 32)
+    rotor(input_ids=x, labels=x).loss.backward()
+    rotor(input_ids=x, labels=x, output_attentions=False).loss.backward()
+    assert len(rotor.outside) == 2 and len(rotor.entries) == 1 and rotor.chain_state._laws._outside is None
+    copy.deepcopy(rotor)(input_ids=x, labels=x).loss.backward()
+
+
+def tiny_gpt2():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=128, use_cache=False)
-    rotor = Checkpointable(transformers.GPT2LMHeadModel(config), None, repeats=1, discover="modules")
-    chains = {}
-    for length in (32, 44, 38, 50, 26, 62, 68):
-        x = torch.randint(0, 64, (2, length), generator=torch.Generator().manual_seed(length))
-        rotor(input_ids=x, labels=x).loss.backward()
-        chains[length] = rotor.last_entry.chain
-    law = size_law([(n, chains[n], None) for n in (32, 44, 38, 50)], dims=1)
-    assert isinstance(law, SizeLaw)
-    for length in (26, 62, 68):
-        predicted = law.chain(length)
-        assert predicted is not None and sizes(predicted[0]) == sizes(chains[length])
+    return transformers.GPT2LMHeadModel(config)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("make", [tiny_gpt2, lambda: tiny_llama(max_position_embeddings=128)], ids=["gpt2", "llama"])
+def test_hugging_face_chains_derived_at_other_lengths_equal_the_measured_ones(make):
+    """GPT-2 and Llama from configs, a module-level chain (the code around it and the loss charged to it, traced
+    with it, keyed by the call's arguments), real training steps: the lengths after the first three get their
+    chains derived, to the byte, and the code around the run is measured for the three only."""
+    pytest.importorskip("transformers")
+    lengths = (32, 44, 38, 50, 26, 62, 68)
+    derived, fitted, outsides = hf_chains(make, lengths, True)
+    measured, _, _ = hf_chains(make, lengths, False)
+    assert fitted == {50, 26, 62, 68} and outsides == 3
+    for n in lengths:
+        assert sizes(derived[n]) == sizes(measured[n]), n
 
 
 def batch(length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,11 +298,11 @@ def test_fitted_shapes_run_no_profile_train_bitwise_and_have_the_measured_sizes(
 
 
 def test_a_fitted_shape_measured_above_its_budget_turns_fitting_off_and_is_measured_again():
-    """Fitted sizes rest on each size following one polynomial; a step that proves one wrong (here: a fitted
-    entry replaced by one planned on a smaller shape's chain, an under-estimate) forgets every fitted shape,
-    warns once, and the shape is profiled when met again."""
-    rotor = Checkpointable(small_gpt(), "60%", repeats=1, fit_shapes=True)
-    for length in (4, 14, 8, 12):
+    """Derived sizes rest on the stages running the same ops at every size; a step that proves them wrong (here: a
+    derived entry replaced by one planned on a smaller shape's chain, an under-estimate) forgets every derived
+    shape, warns once, and the shape is profiled when met again."""
+    rotor = Checkpointable(small_gpt(), "60%", repeats=1)
+    for length in (4, 14, 8):
         x, y = batch(length)
         lm_loss(rotor(x), y).backward()
     x, y = batch(10)
@@ -218,6 +364,6 @@ def test_the_trainer_with_fit_shapes_fits_lengths_between_measured_ones_bitwise(
         runs[name] = model
     rotor = keep.modules["net"]
     assert rotor.fit_shapes and len(rotor.entries) == len(Lengths.LENGTHS)
-    assert len(rotor.fitted) == 4  # 10, 6, 9, 11: between the measured 4, 8, 12, 14
+    assert len(rotor.fitted) == 5  # 12, 10, 6, 9, 11: after the measured 4, 14, 8
     for a_step, b_step in zip(runs["rotor"].grads, runs["plain"].grads, strict=True):
         assert all(torch.equal(a, b) for a, b in zip(a_step, b_step, strict=True))

@@ -76,7 +76,7 @@ class RotorFabricStrategy(ConfigAttributes, SingleDeviceStrategy):
         compile: bool | dict | None = None,
         derive_shapes: bool = True,
         predict_shapes: bool = False,
-        fit_shapes: bool = False,
+        fit_shapes: bool = True,
         shape_buckets: dict[int, list[int]] | None = None,
         options: bool = False,
         offload: bool | float | str = False,

@@ -55,7 +55,7 @@ class RotorModelParallelStrategy(_RotorMixin, ModelParallelStrategy):
         compile: bool | dict | None = None,
         derive_shapes: bool = True,
         predict_shapes: bool = False,
-        fit_shapes: bool = False,
+        fit_shapes: bool = True,
         shape_buckets: dict[int, list[int]] | None = None,
         options: bool = False,
         offload: bool | float | str = False,
