@@ -16,6 +16,7 @@ import io
 import os
 import socket
 import tempfile
+import warnings
 
 import lightning.pytorch as pl
 import pytest
@@ -25,9 +26,11 @@ from fitting import SaveAtEnd, quiet_trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_rotor import own_checkpointing
 from lightning_rotor.lightning import RotorCallback, RotorModelParallelStrategy
 from lightning_rotor.models.gpt import gpt, lm_loss
 from lightning_rotor.ops import is_no_recompute
@@ -91,6 +94,31 @@ def _logged(folder: str) -> dict:
     return {"event_files": len(files), "scalars": scalars, "images": acc.Tags()["images"], "table": table}
 
 
+class WrappedLM(LM):
+    """The GPT with each block under torch's `checkpoint_wrapper` before `configure_model` shards it
+    (torchtitan's recipe; the wrapper is the unit)."""
+
+    def __init__(self):
+        super().__init__()
+        for k, block in enumerate(self.model.blocks):
+            self.model.blocks[k] = checkpoint_wrapper(block)
+
+
+def _fit_wrapped(strategy, folder: str) -> dict:
+    """3 steps of `WrappedLM` under rotor: its shards, rotor's warnings, and the wrappers on after the fit."""
+    lm = WrappedLM()
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        quiet_trainer(folder, strategy, devices=2, max_steps=3).fit(lm, _loader())
+    seen = {
+        "shards": [p.to_local().detach().clone() for p in lm.model.parameters()],
+        "warnings": [str(w.message) for w in said if str(w.message).startswith("rotor:")],
+        "wrappers_on": len(own_checkpointing.flagged(lm.model)),
+    }
+    torch.distributed.destroy_process_group()
+    return seen
+
+
 def _worker(rank: int, ports: list[int], store: str) -> None:
     """FSDP2 alone and rotor: 3 steps saved (a distributed checkpoint), then resumed from it to 6 steps."""
     torch.set_num_threads(1)
@@ -107,10 +135,12 @@ def _worker(rank: int, ports: list[int], store: str) -> None:
             os.environ["MASTER_PORT"] = str(ports[2 * k + 1])
             saved = f"{folder}/{type(make()).__name__}.ckpt"
             seen.append((first, _fit(make(), folder, 6, saved)))
+        os.environ["MASTER_PORT"] = str(ports[4])
+        seen.append(_fit_wrapped(RotorModelParallelStrategy(0.5, **sizes), folder))
     torch.save(seen, f"{store}.rank{rank}")
 
 
-def _free_ports(count: int = 4) -> list[int]:
+def _free_ports(count: int = 5) -> list[int]:
     """A port per fit: a process group's store does not meet the previous one's closing connections."""
     sockets = [socket.socket() for _ in range(count)]
     for s in sockets:
@@ -131,7 +161,7 @@ def ranks():
 
 @pytest.mark.slow  # one spawn of two processes, four fits each
 def test_rotor_model_parallel_strategy_is_bitwise_with_model_parallel_and_resumes_on_every_rank(ranks):
-    for (plain, plain_resumed), (rotor, rotor_resumed) in ranks:
+    for (plain, plain_resumed), (rotor, rotor_resumed), _ in ranks:
         assert all(torch.equal(a, b) for a, b in zip(plain["shards"], rotor["shards"], strict=True))
         assert all(torch.equal(a, b) for a, b in zip(plain_resumed["shards"], rotor_resumed["shards"], strict=True))
         assert not is_no_recompute(rotor["ops"]) and rotor_resumed["ops"] == rotor["ops"]  # the plan restored
@@ -163,3 +193,16 @@ def test_summary_metrics_and_memory_curve_are_rank_zeros_under_model_parallel(ra
     assert [step for step, _ in scalars["rotor/model/plan0/predicted_bytes"]] == list(range(len(rank0["ops"])))
     assert "rotor/model/plan0/measured_bytes" in scalars and "rotor/model/memory_curve" in rank0["images"]
     assert "| stage |" in rank0["table"]
+
+
+@pytest.mark.slow  # the same spawn as above (cached)
+def test_checkpoint_wrappers_are_turned_off_for_the_fit_and_on_again_at_its_end(ranks):
+    """checkpoint_wrapper on the blocks before `configure_model` shards them: one warning on every rank, shards
+    bitwise with ModelParallelStrategy without checkpointing, and the wrappers checkpoint again after the fit
+    (the chains stay wrapped under FSDP2, but their own checkpointing is the user's again)."""
+    for seen in ranks:
+        (plain, _), _, wrapped = seen
+        assert all(torch.equal(a, b) for a, b in zip(plain["shards"], wrapped["shards"], strict=True))
+        (said,) = [w for w in wrapped["warnings"] if "had its own gradient checkpointing on" in w]
+        assert "4 modules: model.blocks.0" in said or "4 modules: blocks.0" in said, said
+        assert wrapped["wrappers_on"] == 4
