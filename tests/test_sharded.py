@@ -92,6 +92,30 @@ def _llama_own():
     return model, blocks, vocab
 
 
+class LoopLM(torch.nn.Module):
+    """A model of the user's own: an embedding, a loop over a ModuleList of MLP blocks (each block under
+    `torch.utils.checkpoint` in the forward when `own`), a head; "auto" discovery would trace it as a graph."""
+
+    def __init__(self, own: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.own, self.embed, self.head = own, torch.nn.Embedding(32, 16), torch.nn.Linear(16, 32)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16)) for _ in range(4)
+        )
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = x + (torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if self.own else block(x))
+        return self.head(x)
+
+
+def _loop():
+    model = LoopLM()
+    return model, list(model.blocks), 32
+
+
 def _loss(out, targets):
     logits = out if isinstance(out, torch.Tensor) else out.logits
     return lm_loss(logits, targets) if logits.dim() == 3 else F.cross_entropy(logits, targets)
@@ -158,6 +182,7 @@ CASES = {  # name: (model, budget); each beside FSDP2 alone
     "gpt_no_recompute": (_gpt, 10**9),
     "llama": (_llama, 0.6),
     "gpt2": (_gpt2, 0.6),
+    "loop": (_loop, 0.9),  # "auto" discovery: module-level under FSDP2 (graph stages never call the blocks)
 }
 
 
@@ -193,6 +218,24 @@ def _wrong_orders() -> list[str]:
     return seen
 
 
+def _refused_discoveries() -> list[str]:
+    """What a forward calling torch.utils.checkpoint, and graph discovery of sharded blocks, raise."""
+    seen = []
+    for own, discover in ((True, "auto"), (False, "graph")):
+        model = LoopLM(own)
+        rotor = Checkpointable(model, mem_limit=0.6, discover=discover)
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(rotor)
+        try:
+            tokens = torch.zeros(2, 8, dtype=torch.long)
+            lm_loss(rotor(tokens), tokens).backward()
+            seen.append("no error")
+        except NotImplementedError as err:
+            seen.append(str(err))
+    return seen
+
+
 def _tensor_parallel() -> str:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
@@ -221,6 +264,7 @@ def _worker(rank: int, store: str) -> None:
         seen[name] = (seen[plain][0], _train(build, CASES[plain][1], rank))  # beside FSDP2 alone, no checkpointing
     seen["wrong_orders"] = _wrong_orders()
     seen["tensor_parallel"] = _tensor_parallel()
+    seen["refused_discoveries"] = _refused_discoveries()
     dist.destroy_process_group()
     torch.save(seen, f"{store}.rank{rank}")
 
@@ -268,6 +312,7 @@ UNIT_STAGES = {
     "gpt2": range(4),
     "gpt_wrapped": range(1, 5),
     "llama_own": range(4),
+    "loop": range(4),
 }
 
 
@@ -322,3 +367,13 @@ def test_own_checkpointing_under_fsdp2_is_turned_off_with_one_warning(ranks, cas
         assert "rotor turned it off" in said, said
         if case == "gpt_wrapped":
             assert rotor["block_calls"] == _block_forwards(rotor["ops"], UNIT_STAGES[case]) * (STEPS - 1)
+
+
+def test_what_fsdp2_cannot_run_is_refused_in_one_line(ranks):
+    """torch.utils.checkpoint called in the forward (a CheckpointError in the first backward before) and graph
+    discovery of fully_shard'ed blocks ("mixed torch.Tensor and DTensor" in the first forward before)."""
+    for seen in ranks:
+        calls, graph = seen["refused_discoveries"]
+        assert calls.startswith("LoopLM's forward calls torch.utils.checkpoint (") and "remove the call" in calls, calls
+        assert graph.startswith("rotor under FSDP2 needs stages that call the fully_shard'ed blocks"), graph
+        assert "discover='modules'" in graph and all("\n" not in line for line in (calls, graph))
