@@ -13,6 +13,7 @@ every module wrapper uses (`torch.nn.utils.parametrize` too), not engine interna
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -414,7 +415,8 @@ def fsdp_unit_bytes(unit: nn.Module) -> int:
 # wrapper's checkpointing off, as it turns Hugging Face's flags off, by swapping that function for a
 # plain call while it holds the model, and back (docs/checkpointable.md, "The model's own checkpointing").
 
-_WRAPPER_CHECKPOINT_FN: dict[int, tuple[nn.Module, Callable[..., Any]]] = {}  # id: (wrapper, its own fn), while off
+_WRAPPER_CHECKPOINT_FN: weakref.WeakKeyDictionary[nn.Module, Callable[..., Any]] = weakref.WeakKeyDictionary()
+# per wrapper whose checkpointing rotor turned off: its own `checkpoint_fn`
 
 
 def _plain_call(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -432,13 +434,13 @@ def is_checkpoint_wrapper(module: nn.Module) -> bool:
 
 def checkpoint_wrapper_on(module: nn.Module) -> bool:
     """Whether `module` is a `CheckpointWrapper` whose checkpointing rotor has not turned off."""
-    return is_checkpoint_wrapper(module) and id(module) not in _WRAPPER_CHECKPOINT_FN
+    return is_checkpoint_wrapper(module) and module not in _WRAPPER_CHECKPOINT_FN
 
 
 def set_checkpoint_wrapper(module: nn.Module, on: bool) -> None:
     """Turn a `CheckpointWrapper`'s checkpointing off (its block called plainly) or back on."""
     if not on and checkpoint_wrapper_on(module):
-        _WRAPPER_CHECKPOINT_FN[id(module)] = (module, vars(module)["checkpoint_fn"])
+        _WRAPPER_CHECKPOINT_FN[module] = vars(module)["checkpoint_fn"]
         vars(module)["checkpoint_fn"] = _plain_call
-    elif on and id(module) in _WRAPPER_CHECKPOINT_FN:
-        vars(module)["checkpoint_fn"] = _WRAPPER_CHECKPOINT_FN.pop(id(module))[1]
+    elif on and module in _WRAPPER_CHECKPOINT_FN:
+        vars(module)["checkpoint_fn"] = _WRAPPER_CHECKPOINT_FN.pop(module)
