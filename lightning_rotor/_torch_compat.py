@@ -13,6 +13,7 @@ every module wrapper uses (`torch.nn.utils.parametrize` too), not engine interna
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -405,3 +406,41 @@ def fsdp_unit_bytes(unit: nn.Module) -> int:
             dtype = fsdp_param.param_dtype or fsdp_param.orig_dtype
             total += fsdp_param._orig_size.numel() * dtype.itemsize
     return total
+
+
+# -- torch's checkpoint_wrapper (torch.distributed.algorithms._checkpoint), for own_checkpointing.py ----------
+# `checkpoint_wrapper` (and `apply_activation_checkpointing`, which calls it) puts a block under
+# `torch.utils.checkpoint` by wrapping it in a `CheckpointWrapper`; the module lives in a private torch
+# package. Its forward calls the instance's `checkpoint_fn` on the wrapped block: rotor turns the
+# wrapper's checkpointing off, as it turns Hugging Face's flags off, by swapping that function for a
+# plain call while it holds the model, and back (docs/checkpointable.md, "The model's own checkpointing").
+
+_WRAPPER_CHECKPOINT_FN: weakref.WeakKeyDictionary[nn.Module, Callable[..., Any]] = weakref.WeakKeyDictionary()
+# per wrapper whose checkpointing rotor turned off: its own `checkpoint_fn`
+
+
+def _plain_call(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return function(*args, **kwargs)
+
+
+def is_checkpoint_wrapper(module: nn.Module) -> bool:
+    """Whether `module` is torch's `CheckpointWrapper` (`checkpoint_wrapper`, `apply_activation_checkpointing`)."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    return isinstance(module, CheckpointWrapper)
+
+
+def checkpoint_wrapper_on(module: nn.Module) -> bool:
+    """Whether `module` is a `CheckpointWrapper` whose checkpointing rotor has not turned off."""
+    return is_checkpoint_wrapper(module) and module not in _WRAPPER_CHECKPOINT_FN
+
+
+def set_checkpoint_wrapper(module: nn.Module, on: bool) -> None:
+    """Turn a `CheckpointWrapper`'s checkpointing off (its block called plainly) or back on."""
+    if not on and checkpoint_wrapper_on(module):
+        _WRAPPER_CHECKPOINT_FN[module] = vars(module)["checkpoint_fn"]
+        vars(module)["checkpoint_fn"] = _plain_call
+    elif on and module in _WRAPPER_CHECKPOINT_FN:
+        vars(module)["checkpoint_fn"] = _WRAPPER_CHECKPOINT_FN.pop(module)

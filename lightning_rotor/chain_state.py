@@ -195,9 +195,13 @@ class ChainState:
         from lightning_rotor.discovery import discover_chain
 
         self.own.take(self.module)
+        if self.sharded:  # FSDP2: "auto" finds stages that call the fully_shard'ed blocks
+            method = sharded.discovery_method(self.module, method)
         try:
             with checkpoint_calls() as calls:
                 found = discover_chain(self.module, args, method, types, sample_kwargs=kwargs)
+            if self.sharded:  # FSDP2: a chain its hooks cannot run under, refused in one line
+                sharded.check_discovered(self.module, found.kind, calls)
         except BaseException:
             self.own.restore()  # no chain: the module runs as written, its own checkpointing on
             self.own.note = ""

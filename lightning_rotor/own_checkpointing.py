@@ -1,15 +1,16 @@
 """The model's own checkpointing, under rotor: rotor plans the whole chain itself, and says so.
 
-Three ways a model checkpoints itself (docs/checkpointable.md, "The model's own checkpointing"):
+The ways a model checkpoints itself (docs/checkpointable.md, "The model's own checkpointing"):
 
 - a `gradient_checkpointing` flag on its modules: Hugging Face transformers layers after
-  `gradient_checkpointing_enable()`, diffusers blocks after `enable_gradient_checkpointing()`.
+  `gradient_checkpointing_enable()`, diffusers blocks after `enable_gradient_checkpointing()`; and torch's
+  `checkpoint_wrapper` modules (`apply_activation_checkpointing`, torchtitan's recipe, before `fully_shard`),
+  whose checkpointing is turned off the same way (their `checkpoint_fn` swapped for a plain call).
   Left on, rotor would profile blocks that checkpoint themselves and recompute them again on top
   (a block run up to five times for a few percent of memory). Rotor turns the flags off on the module
   it wraps while it holds it (`unwrap`, at the end of a Trainer's fit, turns them back on);
-- `torch.utils.checkpoint.checkpoint` called in a forward, or torch's `checkpoint_wrapper` modules
-  (which call it): graph discovery traces through the call, so rotor's plan replaces it; discovery
-  sees the call (`checkpoint_calls`).
+- `torch.utils.checkpoint.checkpoint` called in a forward: graph discovery traces through the call, so
+  rotor's plan replaces it; discovery sees the call (`checkpoint_calls`).
 
 Either way one warning says what rotor did, its budget, and what the user's own checkpointing held, so that a
 budget above what the user had is never silent. With flags, that is measured (`measured_peak`: one step of the
@@ -33,7 +34,13 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from lightning_rotor._torch_compat import tree_flatten, tree_map
+from lightning_rotor._torch_compat import (
+    checkpoint_wrapper_on,
+    is_checkpoint_wrapper,
+    set_checkpoint_wrapper,
+    tree_flatten,
+    tree_map,
+)
 from lightning_rotor.budget import format_bytes
 from lightning_rotor.chain import Chain
 from lightning_rotor.memory import MemoryProbe
@@ -43,19 +50,32 @@ from lightning_rotor.profile import Untouched, caller_loss, grads_aside
 from lightning_rotor.simulate import simulate
 
 
+def _own_on(module: nn.Module) -> bool:
+    if is_checkpoint_wrapper(module):  # its attributes read through to the block it wraps: not its own flag
+        return checkpoint_wrapper_on(module)
+    return getattr(module, "gradient_checkpointing", False) is True
+
+
 def flagged(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    """`module`'s submodules (itself included) whose own checkpointing is on (`gradient_checkpointing=True`)."""
-    return [(n, m) for n, m in module.named_modules() if getattr(m, "gradient_checkpointing", False) is True]
+    """`module`'s submodules (itself included) whose own checkpointing is on: a `gradient_checkpointing=True` flag,
+    or torch's `checkpoint_wrapper` (`CheckpointWrapper`), whose checkpointing rotor turns off the same way."""
+    return [(n, m) for n, m in module.named_modules() if _own_on(m)]
 
 
 def turn_off(modules: list[tuple[str, nn.Module]]) -> None:
     for _, m in modules:
-        setattr(m, "gradient_checkpointing", False)  # noqa: B010 (a flag of the user's class, not nn.Module's)
+        if is_checkpoint_wrapper(m):
+            set_checkpoint_wrapper(m, False)
+        else:
+            setattr(m, "gradient_checkpointing", False)  # noqa: B010 (a flag of the user's class, not nn.Module's)
 
 
 def turn_on(modules: list[tuple[str, nn.Module]]) -> None:
     for _, m in modules:
-        setattr(m, "gradient_checkpointing", True)  # noqa: B010 (a flag of the user's class, not nn.Module's)
+        if is_checkpoint_wrapper(m):
+            set_checkpoint_wrapper(m, True)
+        else:
+            setattr(m, "gradient_checkpointing", True)  # noqa: B010 (a flag of the user's class, not nn.Module's)
 
 
 @contextlib.contextmanager

@@ -88,6 +88,42 @@ def check_sharded(module: nn.Module) -> bool:
     return bool(units)
 
 
+def _sharded_blocks(module: nn.Module) -> list[nn.Module]:
+    from lightning_rotor._torch_compat import fsdp_is_root
+
+    return [unit for unit in fsdp_units(module) if not fsdp_is_root(unit)]
+
+
+def discovery_method(module: nn.Module, method: str) -> str:
+    """The discovery to run under FSDP2: with blocks `fully_shard`ed, "auto" skips graph discovery (whose stages
+    run the blocks' traced ops, never their calls, so FSDP2 never gathers them) for module-level discovery; a
+    plain `nn.Sequential` stays "auto" (its stages are its children)."""
+    plain = isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward
+    return "modules" if method == "auto" and not plain and _sharded_blocks(module) else method
+
+
+def check_discovered(module: nn.Module, kind: str, calls: list[str]) -> None:
+    """Refuse in one line, before any profile or optimizer step, a discovered chain FSDP2 cannot run under rotor:
+
+    - graph discovery with blocks `fully_shard`ed: its stages run the traced ops of the blocks, never the blocks'
+      calls, so FSDP2's hooks never gather them ("mixed torch.Tensor and DTensor" in the first forward);
+    - `torch.utils.checkpoint` called in the forward (not a `checkpoint_wrapper`, which rotor turns off): it
+      recomputes inside rotor's plan, and under FSDP2 its recomputation saves a different number of tensors
+      (`CheckpointError` in the first backward)."""
+    owner = type(module).__name__
+    if kind == "graph" and _sharded_blocks(module):
+        raise NotImplementedError(
+            f"rotor under FSDP2 needs stages that call the fully_shard'ed blocks, and graph discovery traced "
+            f"{owner}'s forward through them: give discover='modules' (docs/sharded.md)"
+        )
+    if calls:
+        raise NotImplementedError(
+            f"{owner}'s forward calls torch.utils.checkpoint ({calls[0]}), which rotor cannot plan around under "
+            "FSDP2: remove the call and let rotor plan (a checkpoint_wrapper or Hugging Face's "
+            "gradient_checkpointing, rotor turns off) (docs/sharded.md)"
+        )
+
+
 GATHER_SECONDS: weakref.WeakKeyDictionary[nn.Module, float] = weakref.WeakKeyDictionary()  # per unit: last all-gather
 
 

@@ -12,6 +12,7 @@ optimizer's state, buffers): the budget's definition under FSDP2.
 from __future__ import annotations
 
 import tempfile
+import warnings
 
 import pytest
 import torch
@@ -29,6 +30,7 @@ from lightning_rotor.ops import is_no_recompute
 pytestmark = pytest.mark.slow  # one spawn of two processes for the whole file's cases
 
 COUNTS = {"all_gather": 0, "reduce_scatter": 0}
+BLOCK_CALLS = [0]  # forwards of the blocks a model counts (`_gpt_wrapped`), over steps 2-3
 STEPS = 3
 
 
@@ -65,6 +67,55 @@ def _gpt2():
     return model, list(model.transformer.h), 64
 
 
+def _count_block_call(module, args) -> None:
+    BLOCK_CALLS[0] += 1
+
+
+def _gpt_wrapped():
+    """The GPT with each block under torch's `checkpoint_wrapper` (torchtitan's recipe: before `fully_shard`, the
+    wrapper the unit), each block's forwards counted: rotor must turn the wrappers off, not recompute on top."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model, blocks, vocab = _gpt()
+    for k, block in enumerate(blocks):
+        block.register_forward_pre_hook(_count_block_call)
+        model.blocks[k] = checkpoint_wrapper(block)
+    return model, list(model.blocks), vocab
+
+
+def _llama_own():
+    """The Llama with Hugging Face's own gradient checkpointing on."""
+    model, blocks, vocab = _llama()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers 5: the method's name is deprecated, the flag is not
+        model.gradient_checkpointing_enable()
+    return model, blocks, vocab
+
+
+class LoopLM(torch.nn.Module):
+    """A model of the user's own: an embedding, a loop over a ModuleList of MLP blocks (each block under
+    `torch.utils.checkpoint` in the forward when `own`), a head; "auto" discovery would trace it as a graph."""
+
+    def __init__(self, own: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.own, self.embed, self.head = own, torch.nn.Embedding(32, 16), torch.nn.Linear(16, 32)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16)) for _ in range(4)
+        )
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = x + (torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if self.own else block(x))
+        return self.head(x)
+
+
+def _loop():
+    model = LoopLM()
+    return model, list(model.blocks), 32
+
+
 def _loss(out, targets):
     logits = out if isinstance(out, torch.Tensor) else out.logits
     return lm_loss(logits, targets) if logits.dim() == 3 else F.cross_entropy(logits, targets)
@@ -87,19 +138,14 @@ def _sharded(build, mem_limit):
     return root, vocab
 
 
-def _train(build, mem_limit, rank, micro=1, plans=None):
-    """3 AdamW steps of FSDP2 alone (`mem_limit` None) or rotor under FSDP2; `micro` micro-batches per step,
-    the gradient sync off for all but the last (`set_requires_gradient_sync(False)`); `plans`: rotor's saved
-    plans, loaded before the first step (no profiling)."""
-    root, vocab = _sharded(build, mem_limit)
-    if plans is not None:
-        root.load_plan_state(plans)
-    opt = torch.optim.AdamW(root.parameters(), lr=1e-2)
+def _steps(root, opt, vocab: int, rank: int, micro: int) -> int:
+    """`STEPS` AdamW steps of `micro` micro-batches each; the largest peak measured over steps 2-3."""
     g = torch.Generator().manual_seed(100 + rank)
     peak = 0
     for step in range(STEPS):
         if step == 1:
             COUNTS.update(all_gather=0, reduce_scatter=0)
+            BLOCK_CALLS[0] = 0
         for m in range(micro):
             root.set_requires_gradient_sync(m == micro - 1)
             data = torch.randint(vocab, (4, 17), generator=g)
@@ -109,8 +155,23 @@ def _train(build, mem_limit, rank, micro=1, plans=None):
             peak = max(peak, probe.peak if probe is not None else 0)
         opt.step()
         opt.zero_grad(set_to_none=False)  # gradients kept: persistent state, left out of the measured peak
+    return peak
+
+
+def _train(build, mem_limit, rank, micro=1, plans=None):
+    """3 AdamW steps of FSDP2 alone (`mem_limit` None) or rotor under FSDP2; `micro` micro-batches per step,
+    the gradient sync off for all but the last (`set_requires_gradient_sync(False)`); `plans`: rotor's saved
+    plans, loaded before the first step (no profiling)."""
+    root, vocab = _sharded(build, mem_limit)
+    if plans is not None:
+        root.load_plan_state(plans)
+    opt = torch.optim.AdamW(root.parameters(), lr=1e-2)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        peak = _steps(root, opt, vocab, rank, micro)
     shards = [p.to_local().detach().clone() for p in root.parameters()]
-    seen = {"shards": shards, "counts": dict(COUNTS), "peak": peak}
+    told = [str(w.message) for w in said if str(w.message).startswith("rotor:")]
+    seen = {"shards": shards, "counts": dict(COUNTS), "peak": peak, "block_calls": BLOCK_CALLS[0], "warnings": told}
     if mem_limit is not None:
         seen.update(ops=list(root.plan.ops), budget=root.plan.budget, plan_peak=root.plan.peak)
     return seen
@@ -121,6 +182,7 @@ CASES = {  # name: (model, budget); each beside FSDP2 alone
     "gpt_no_recompute": (_gpt, 10**9),
     "llama": (_llama, 0.6),
     "gpt2": (_gpt2, 0.6),
+    "loop": (_loop, 0.9),  # "auto" discovery: module-level under FSDP2 (graph stages never call the blocks)
 }
 
 
@@ -156,6 +218,24 @@ def _wrong_orders() -> list[str]:
     return seen
 
 
+def _refused_discoveries() -> list[str]:
+    """What a forward calling torch.utils.checkpoint, and graph discovery of sharded blocks, raise."""
+    seen = []
+    for own, discover in ((True, "auto"), (False, "graph")):
+        model = LoopLM(own)
+        rotor = Checkpointable(model, mem_limit=0.6, discover=discover)
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(rotor)
+        try:
+            tokens = torch.zeros(2, 8, dtype=torch.long)
+            lm_loss(rotor(tokens), tokens).backward()
+            seen.append("no error")
+        except NotImplementedError as err:
+            seen.append(str(err))
+    return seen
+
+
 def _tensor_parallel() -> str:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
@@ -180,8 +260,11 @@ def _worker(rank: int, store: str) -> None:
         seen[name] = (_train(build, None, rank), _train(build, mem_limit, rank))
     seen["accumulation"] = (_train(_gpt, None, rank, micro=2), _train(_gpt, 0.5, rank, micro=2))
     seen["restored"] = (seen["gpt"][0], _train(_gpt, 0.5, rank, plans=_plans_of_one_step(rank)))
+    for name, build, plain in (("gpt_wrapped", _gpt_wrapped, "gpt"), ("llama_own", _llama_own, "llama")):
+        seen[name] = (seen[plain][0], _train(build, CASES[plain][1], rank))  # beside FSDP2 alone, no checkpointing
     seen["wrong_orders"] = _wrong_orders()
     seen["tensor_parallel"] = _tensor_parallel()
+    seen["refused_discoveries"] = _refused_discoveries()
     dist.destroy_process_group()
     torch.save(seen, f"{store}.rank{rank}")
 
@@ -193,7 +276,9 @@ def ranks():
     return [torch.load(f"{store}.rank{rank}", weights_only=False) for rank in (0, 1)]
 
 
-TRAINED = [*CASES, "accumulation", "restored"]  # restored: plans loaded, rotor's hooks on the units all the same
+TRAINED = [*CASES, "accumulation", "restored", "gpt_wrapped", "llama_own"]
+# restored: plans loaded, rotor's hooks on the units all the same; gpt_wrapped, llama_own: the model's own
+# checkpointing on (checkpoint_wrapper, Hugging Face's flag), beside FSDP2 alone without it
 
 
 @pytest.mark.parametrize("case", TRAINED)
@@ -220,7 +305,19 @@ def test_measured_peak_per_rank_within_budget(ranks, case):
         assert 0 < rotor["peak"] <= rotor["plan_peak"] <= rotor["budget"], (rotor["peak"], rotor["plan_peak"])
 
 
-UNIT_STAGES = {"gpt": range(1, 5), "gpt_no_recompute": range(1, 5), "llama": range(4), "gpt2": range(4)}
+UNIT_STAGES = {
+    "gpt": range(1, 5),
+    "gpt_no_recompute": range(1, 5),
+    "llama": range(4),
+    "gpt2": range(4),
+    "gpt_wrapped": range(1, 5),
+    "llama_own": range(4),
+    "loop": range(4),
+}
+
+
+def _block_forwards(ops, stages) -> int:
+    return sum(1 for op in ops if op.kind.value in ("Fn", "Fc", "Fe") and op.stage in stages)
 
 
 @pytest.mark.parametrize("case", UNIT_STAGES)
@@ -229,9 +326,7 @@ def test_no_more_all_gathers_than_charged(ranks, case):
     and the root's; no extra reduce-scatter."""
     for seen in ranks:
         plain, rotor = seen[case]
-        forwards = sum(
-            1 for op in rotor["ops"] if op.kind.value in ("Fn", "Fc", "Fe") and op.stage in UNIT_STAGES[case]
-        )
+        forwards = _block_forwards(rotor["ops"], UNIT_STAGES[case])
         charged = 1 + forwards + len(UNIT_STAGES[case])
         assert rotor["counts"]["all_gather"] <= charged * (STEPS - 1), (rotor["counts"], charged)
         assert plain["counts"]["all_gather"] <= rotor["counts"]["all_gather"]
@@ -259,3 +354,26 @@ def test_wrong_order_is_refused_in_one_line_naming_the_supported_one(ranks):
 def test_tensor_parallel_is_refused_in_one_line(ranks):
     for seen in ranks:
         assert seen["tensor_parallel"].startswith("rotor does not support tensor parallelism yet"), seen
+
+
+@pytest.mark.parametrize("case", ["gpt_wrapped", "llama_own"])
+def test_own_checkpointing_under_fsdp2_is_turned_off_with_one_warning(ranks, case):
+    """checkpoint_wrapper before fully_shard (torchtitan's order), Hugging Face's `gradient_checkpointing_enable()`:
+    turned off as on one device, one warning on every rank, each block run once per forward of rotor's plan (not
+    recomputed by the wrapper on top); bitwise with FSDP2 alone (`test_rotor_under_fsdp2_is_bitwise_on_every_rank`)."""
+    for seen in ranks:
+        rotor = seen[case][1]
+        (said,) = [w for w in rotor["warnings"] if "had its own gradient checkpointing on" in w]
+        assert "rotor turned it off" in said, said
+        if case == "gpt_wrapped":
+            assert rotor["block_calls"] == _block_forwards(rotor["ops"], UNIT_STAGES[case]) * (STEPS - 1)
+
+
+def test_what_fsdp2_cannot_run_is_refused_in_one_line(ranks):
+    """torch.utils.checkpoint called in the forward (a CheckpointError in the first backward before) and graph
+    discovery of fully_shard'ed blocks ("mixed torch.Tensor and DTensor" in the first forward before)."""
+    for seen in ranks:
+        calls, graph = seen["refused_discoveries"]
+        assert calls.startswith("LoopLM's forward calls torch.utils.checkpoint (") and "remove the call" in calls, calls
+        assert graph.startswith("rotor under FSDP2 needs stages that call the fully_shard'ed blocks"), graph
+        assert "discover='modules'" in graph and all("\n" not in line for line in (calls, graph))

@@ -83,7 +83,10 @@ class RotorModelParallelStrategy(_RotorMixin, ModelParallelStrategy):
         self._wrap_model()
 
     def teardown(self) -> None:
-        """The chains stay wrapped: the `Checkpointable` is the FSDP root, which unwrapping would take away."""
+        """The chains stay wrapped: the `Checkpointable` is the FSDP root, which unwrapping would take away. Their
+        own checkpointing (Hugging Face's flags, `checkpoint_wrapper`s) is turned back on, as `unwrap` does."""
+        for item in self.wrapped:
+            item.rotor.restore_own_checkpointing()
         self.wrapped = []
         super().teardown()
 
