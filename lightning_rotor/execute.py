@@ -982,7 +982,7 @@ class PlanRunner:
         gradient too. The plan's backward already called it once, so the edge would mark the parameter a
         second time ("marked as ready twice"), unless that backward happened to mark the model's last
         parameter (the reducer then stops listening until the next step: one chain, nothing trainable before
-        it). With `parameter_edges` off (a call inside DDP's forward, `Checkpointable._under_ddp`, or `distributed`)
+        it). With `parameter_edges` off (a call inside DDP's forward, `ddp_checks.DdpWatch`, or `distributed`)
         each accumulator runs once per step, as in plain DDP, and `autograd.grad` of the chain's parameters
         alone is not detected (DDP's reducer waits for every parameter's gradient anyway).
         """

@@ -105,7 +105,7 @@ FOUND = {
         discover="sequential", conv=False, ops=(("layer",), ("act", "relu", "inplace"), ("layer",))
     ),
     # the run's input used after the run and requiring grad: the first call's measurement of the rest of the
-    # forward (Checkpointable._measure_outside) adds its stand-in loss's gradient into the input's .grad
+    # forward (pipeline.measure_outside) adds its stand-in loss's gradient into the input's .grad
     "loop_input_grad_first_step": Spec(
         discover="modules", conv=False, blocks=((("layer",),), (("layer",),)), skip_over=True, input_grad=True
     ),

@@ -1,7 +1,7 @@
 """Profiling a new input signature leaves the user's training state as plain training would.
 
 The first training call for a new shape profiles the chain and, for a module-level chain,
-measures the rest of the forward with a backward of its own (`Checkpointable._measure_outside`).
+measures the rest of the forward with a backward of its own (`pipeline.measure_outside`).
 Neither may add into gradients already held in `.grad` (accumulation, `zero_grad(set_to_none=False)`),
 replace those tensors, move buffers or consume random numbers.
 """
