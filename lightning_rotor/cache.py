@@ -93,7 +93,8 @@ class PlanCache:
     ) -> None:
         self.stages = list(stages)
         self.sides = side_inputs(stages)  # tensors every stage reads besides its input (a `Stages`' only)
-        self.early_stop = early_stop  # runners recompute with early stop where sound (`ops.early_pairs`, `execute.early_stage`)
+        # runners recompute with early stop where sound (`ops.early_pairs`, `execute.early_stage`)
+        self.early_stop = early_stop
         self.names = list(names)
         self.slots = slots
         self.entries: dict[str, Entry] = {}  # per key: the plan for the chain's whole budget
