@@ -112,14 +112,15 @@ def estimated_saved_parts(chain: Chain) -> Chain:
 
 
 def chains_to_study(
-    models: list[str], examples: bool, saved_parts: bool = True, gpu: bool = False
+    models: list[str], examples: bool, saved_parts: bool = True, gpu: bool = False, gpu_dir: Path = GPU_CHAINS
 ) -> dict[str, tuple[Chain, str]]:
     """name -> (chain, where its times come from); without `saved_parts` only stage inputs may move; `gpu`: the
     GPU-like chains of benchmarks/gpu_chains.py too."""
     found: dict[str, tuple[Chain, str]] = {}
     if gpu:
-        for path in sorted(GPU_CHAINS.glob("*.json")):
-            found[path.stem] = (Chain.load(path), GPU_SOURCE)
+        source = GPU_SOURCE if gpu_dir == GPU_CHAINS else f"{gpu_dir.name}: times measured (gpu_chain_times.py)"
+        for path in sorted(gpu_dir.glob("*.json")):
+            found[path.stem] = (Chain.load(path), source)
     for name in models:  # profiled with offloading on: their offloadable bytes are measured (0 where none)
         found[name] = (Chain.load(CHAINS_DIR / f"{name}.json"), "profiled here, CPU, 1 thread")
     if examples:
@@ -403,13 +404,18 @@ def main(argv: list[str] | None = None) -> int:
         "--inputs-only", action="store_true", help="offload stage inputs only (no saved parts of recorded stages)"
     )
     parser.add_argument("--gpu", action="store_true", help="the chains of benchmarks/gpu_chains.py only")
+    parser.add_argument(
+        "--gpu-dir", type=Path, default=GPU_CHAINS, help="with --gpu: their folder (gpu_chain_times.py: measured)"
+    )
     args = parser.parse_args(argv)
     if args.gpu:
         args.models, args.no_examples = [], True
     missing = [m for m in args.models if not (CHAINS_DIR / f"{m}.json").exists()]
     if args.reprofile or missing:
         profile_zoo(args.models if args.reprofile else missing, CHAINS_DIR)
-    chains = chains_to_study(args.models, not args.no_examples, saved_parts=not args.inputs_only, gpu=args.gpu)
+    chains = chains_to_study(
+        args.models, not args.no_examples, saved_parts=not args.inputs_only, gpu=args.gpu, gpu_dir=args.gpu_dir
+    )
     results: dict[tuple[str, float], list[Point]] = {}
     for name, (chain, _) in chains.items():
         budgets = budgets_of(chain, args.budgets)
