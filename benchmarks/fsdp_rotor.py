@@ -31,6 +31,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.utils.checkpoint import checkpoint
 
+from lightning_rotor.bench.collectives import count_collectives as counting
 from lightning_rotor.checkpointable import Checkpointable
 from lightning_rotor.memory import MemoryProbe
 from lightning_rotor.models.gpt import gpt, lm_loss
@@ -39,15 +40,8 @@ COUNTS = {"all_gather": 0, "reduce_scatter": 0}
 
 
 def count_collectives() -> None:
-    """FSDP2 (torch 2.13) calls these through torch.distributed's module attributes: count each call."""
-    for name, key in (("all_gather_single", "all_gather"), ("reduce_scatter_single", "reduce_scatter")):
-        original = getattr(dist, name)
-
-        def counted(*a, _original=original, _key=key, **k):
-            COUNTS[_key] += 1
-            return _original(*a, **k)
-
-        setattr(dist, name, counted)
+    """Count FSDP2's all-gathers and reduce-scatters in `COUNTS` (lightning_rotor/bench/collectives.py)."""
+    counting(COUNTS)
 
 
 class Checkpointed(nn.Module):

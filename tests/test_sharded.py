@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from hf_models import TINY_DECODER, tiny_llama
 from torch.distributed.fsdp import fully_shard
 
+from lightning_rotor.bench.collectives import count_collectives as counting
 from lightning_rotor.checkpointable import Checkpointable
 from lightning_rotor.memory import MemoryProbe
 from lightning_rotor.models.gpt import gpt, lm_loss
@@ -35,15 +36,8 @@ STEPS = 3
 
 
 def count_collectives() -> None:
-    """FSDP2 (torch 2.13) calls these through torch.distributed's module attributes: count each call."""
-    for name, key in (("all_gather_single", "all_gather"), ("reduce_scatter_single", "reduce_scatter")):
-        original = getattr(dist, name)
-
-        def counted(*a, _original=original, _key=key, **k):
-            COUNTS[_key] += 1
-            return _original(*a, **k)
-
-        setattr(dist, name, counted)
+    """Count FSDP2's all-gathers and reduce-scatters in `COUNTS` (lightning_rotor/bench/collectives.py)."""
+    counting(COUNTS)
 
 
 def _gpt():
