@@ -10,7 +10,8 @@ Runs, each in the supported order (docs/sharded.md), every block a unit, the roo
 - `rotor`: `Checkpointable` first, at `fsdp+ckpt`'s measured peak (equal memory);
 - `rotor-nr`: rotor at a budget above its no-recomputation peak (what it costs when nothing is recomputed).
 Per run and rank: the median step time (after 2 warm-up steps; the runs take turns, one step each),
-the peak beyond the persistent model state (CPU: tensor accounting, `MemoryProbe`; CUDA: the
+the peak beyond the persistent model state (CPU: tensor accounting with FSDP2's unsharded parameters,
+`sharded.ShardedMemoryProbe`; CUDA: the
 allocator's peak over the memory held at the step's start), and the all-gathers and reduce-scatters
 per step. Printed as a table per rank.
 """
@@ -33,8 +34,8 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_rotor.bench.collectives import count_collectives as counting
 from lightning_rotor.checkpointable import Checkpointable
-from lightning_rotor.memory import MemoryProbe
 from lightning_rotor.models.gpt import gpt, lm_loss
+from lightning_rotor.sharded import ShardedMemoryProbe
 
 COUNTS = {"all_gather": 0, "reduce_scatter": 0}
 
@@ -83,7 +84,7 @@ def step(root, opt, data, device: str, measure: bool) -> int:
         torch.cuda.synchronize()
         held = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-    probe = MemoryProbe(persistent(root, opt)) if measure and device == "cpu" else None
+    probe = ShardedMemoryProbe(root, persistent(root, opt)) if measure and device == "cpu" else None
     with probe if probe is not None else torch.enable_grad():
         lm_loss(root(data[:, :-1]), data[:, 1:]).backward()
     opt.step()

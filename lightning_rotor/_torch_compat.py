@@ -398,6 +398,17 @@ def fsdp_tensor_parallel(unit: nn.Module) -> str | None:
     return None
 
 
+def fsdp_unsharded_tensors(unit: nn.Module) -> list[torch.Tensor]:
+    """The unit's unsharded parameters as FSDP2 made them (`FSDPParam._unsharded_param`, made at its lazy init):
+    their storages are resized in place by each all-gather and reshard, no dispatched op allocating them."""
+    return [
+        fsdp_param._unsharded_param
+        for group in fsdp_state(unit)._fsdp_param_groups
+        for fsdp_param in group.fsdp_params
+        if hasattr(fsdp_param, "_unsharded_param")
+    ]
+
+
 def fsdp_unit_bytes(unit: nn.Module) -> int:
     """Bytes of the unit's unsharded parameters (what an all-gather of the unit makes, padding aside)."""
     total = 0

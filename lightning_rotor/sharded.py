@@ -31,6 +31,7 @@ from lightning_rotor._torch_compat import (
     in_backward,
 )
 from lightning_rotor.chain import Chain
+from lightning_rotor.memory import MemoryProbe, storage_key
 
 SUPPORTED_ORDER = (
     "wrap the model in Checkpointable first, then fully_shard each block, then fully_shard the "
@@ -279,6 +280,47 @@ def rank_chain(chain: Chain, stages: list[nn.Module], names: list[str], module: 
     gathered = unit_bytes(list(stages), list(names), fsdp_units(module))
     timed = dataclasses.replace(chain, fwd_time=[t + s for t, s in zip(chain.fwd_time, gathered.seconds, strict=True)])
     return with_fsdp_bytes(same_chain_on_ranks(timed), gathered)
+
+
+class ShardedMemoryProbe(MemoryProbe):
+    """`MemoryProbe` that also counts the parameters FSDP2 holds unsharded (NOTE: [measuring under FSDP2]).
+
+    FSDP2 makes a unit's unsharded parameters once and, at each all-gather, resizes their storages in place
+    (`untyped_storage().resize_`, no dispatched op) before copying the gathered bytes into them; reshard
+    resizes them back to 0. Tensor accounting alone never sees them, so a per-rank peak it measured left out
+    the running unit, the prefetched one and the root's parameters. After every op, and at every mark, this
+    probe adds the bytes those storages hold then (a storage also counted as an op's output is counted once).
+    """
+
+    def __init__(self, module: nn.Module, exclude: Any = (), **kwargs: Any):
+        super().__init__(exclude, **kwargs)
+        self._units = fsdp_units(module)
+
+    def gathered(self) -> int:
+        """Bytes of unsharded parameters FSDP2 holds now, beyond the storages already counted."""
+        from lightning_rotor._torch_compat import fsdp_unsharded_tensors
+
+        held: dict[int, int] = {}
+        for unit in self._units:
+            for t in fsdp_unsharded_tensors(unit):
+                key = storage_key(t)
+                if key not in self._live:
+                    held[key] = t.untyped_storage().nbytes()
+        return sum(held.values())
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        extra = self.gathered()
+        if extra:
+            self.peak = max(self.peak, self.current + extra)
+            if self.record_curve:
+                self.curve[-1] += extra
+        return out
+
+    def mark(self, label: str) -> None:
+        super().mark(label)
+        name, ops, nbytes = self.marks[-1]
+        self.marks[-1] = (name, ops, nbytes + self.gathered())
 
 
 _HOOKED: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # units `hook_units` has hooked

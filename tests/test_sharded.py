@@ -6,7 +6,8 @@ supported order: `Checkpointable` first, each block `fully_shard`ed, then the `C
 root), on each rank's own batches: the local parameter shards must be torch.equal on every rank.
 Collectives are counted over steps 2-3 (step 1 profiles); the step's peak is measured per rank by
 tensor accounting of everything but the persistent model state (local shards, their gradients, the
-optimizer's state, buffers): the budget's definition under FSDP2.
+optimizer's state, buffers): the budget's definition under FSDP2, less FSDP2's unsharded parameters,
+which tensor accounting alone does not see (`test_measured_peak_counts_the_parameters_fsdp2_gathers`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from lightning_rotor.checkpointable import Checkpointable
 from lightning_rotor.memory import MemoryProbe
 from lightning_rotor.models.gpt import gpt, lm_loss
 from lightning_rotor.ops import is_no_recompute
+from lightning_rotor.sharded import ShardedMemoryProbe
 
 pytestmark = pytest.mark.slow  # one spawn of two processes for the whole file's cases
 
@@ -245,6 +247,25 @@ def _tensor_parallel() -> str:
     return "no error"
 
 
+def _gathered_seen(rank: int) -> tuple[int, int, int]:
+    """One step of FSDP2 alone after a first one, measured by tensor accounting alone and by
+    `ShardedMemoryProbe` at once (nested), and a block's unsharded bytes."""
+    root, vocab = _sharded(_gpt, None)
+    opt = torch.optim.AdamW(root.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(100 + rank)
+    peaks = []
+    for _ in range(2):
+        data = torch.randint(vocab, (4, 17), generator=g)
+        kept = _persistent(root, opt)
+        with MemoryProbe(kept) as blind, ShardedMemoryProbe(root, kept) as sharded:
+            _loss(root(data[:, :-1]), data[:, 1:]).backward()
+        peaks = [blind.peak, sharded.peak]
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    unit = sum(p.numel() * p.element_size() for p in root.blocks[0].parameters())  # DTensors: the global sizes
+    return peaks[0], peaks[1], unit
+
+
 def _worker(rank: int, store: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
@@ -257,6 +278,7 @@ def _worker(rank: int, store: str) -> None:
     for name, build, plain in (("gpt_wrapped", _gpt_wrapped, "gpt"), ("llama_own", _llama_own, "llama")):
         seen[name] = (seen[plain][0], _train(build, CASES[plain][1], rank))  # beside FSDP2 alone, no checkpointing
     seen["wrong_orders"] = _wrong_orders()
+    seen["gathered_seen"] = _gathered_seen(rank)
     seen["tensor_parallel"] = _tensor_parallel()
     seen["refused_discoveries"] = _refused_discoveries()
     dist.destroy_process_group()
@@ -297,6 +319,14 @@ def test_measured_peak_per_rank_within_budget(ranks, case):
     for seen in ranks:
         rotor = seen[case][1]
         assert 0 < rotor["peak"] <= rotor["plan_peak"] <= rotor["budget"], (rotor["peak"], rotor["plan_peak"])
+
+
+def test_measured_peak_counts_the_parameters_fsdp2_gathers(ranks):
+    """FSDP2 resizes its unsharded parameters' storages in place (no op allocates them): tensor accounting alone
+    missed them, so every measured peak under FSDP2 left out at least the running unit's parameters."""
+    for seen in ranks:
+        blind, sharded, unit = seen["gathered_seen"]
+        assert sharded >= blind + unit, (blind, sharded, unit)
 
 
 UNIT_STAGES = {
