@@ -4,7 +4,8 @@ python benchmarks/fsdp_budgets.py          # CPU, gloo, 2 processes; GPT of 4 bl
 
 FSDP2 alone, then rotor (the supported order, docs/sharded.md) at 40% and 60% of its no-recomputation
 peak, at FSDP2's own measured peak (the largest over ranks, in bytes) and above its no-recomputation peak.
-3 AdamW steps each; the peak of steps 2-3 beyond the persistent model state (tensor accounting), the
+3 AdamW steps each; the peak of steps 2-3 beyond the persistent model state (tensor accounting with
+FSDP2's unsharded parameters, `sharded.ShardedMemoryProbe`, through fsdp_rotor.step), the
 all-gathers over steps 2-3, and whether the local shards are torch.equal to FSDP2 alone's.
 """
 
