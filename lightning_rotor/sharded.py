@@ -227,8 +227,10 @@ def unit_bytes(stages: list[nn.Module], names: list[str], units: list[nn.Module]
     outer = {unit for unit in units if fsdp_is_root(unit)}  # gathered from the root's forward to the step's end
     per_unit, per_root, per_seconds = [], [], []
     for stage, name in zip(stages, names, strict=True):
-        mine = [unit for unit in units if unit not in outer and unit in set(stage.modules())]
-        around = [unit for unit in units if unit not in outer and stage in set(unit.modules()) and unit is not stage]
+        inside = set(stage.modules())
+        mine = [unit for unit in units if unit not in outer and unit in inside]
+        # a stage holding part of a unit but not the unit (discovered inside a block, or a wrapper of its parts)
+        around = [unit for unit in units if unit not in outer and unit not in inside and inside & set(unit.modules())]
         if around:
             raise NotImplementedError(
                 f"rotor's stage {name!r} is inside a fully_shard'ed unit ({type(around[0]).__name__}): stages must "
@@ -247,7 +249,8 @@ def with_fsdp_bytes(chain: Chain, gathered: UnitBytes) -> Chain:
 
     Unit bytes `U_k` (stage k's units, unsharded) and their gradients `G_k` (as many bytes):
     - the root's parameters, gathered from the root's pre-forward to the step's end: with the chain input;
-    - each forward of stage k: `U_k` (`fwd_tmp`, `fwd_tmp_nograd`);
+    - each forward of stage k: `U_k` (`fwd_tmp`, `fwd_tmp_nograd`), and from the first unit on the largest
+      unit's bytes: the latest all-gather's output buffer, kept until the next unit's all-gather;
     - its backward: `U_k` and the gradients as they are made, or, at its end, `U_k`, `G_k` and the
       reduce-scatter's copy of them (`bwd_tmp`: the larger);
     - after the last unit's reduce-scatter, FSDP2 keeps its input until the next one: the largest unit's
@@ -261,13 +264,16 @@ def with_fsdp_bytes(chain: Chain, gathered: UnitBytes) -> Chain:
     last_unit = max((k for k, u in enumerate(units) if u), default=-1)
     largest = max(units, default=0)
     kept = [largest if k < last_unit else 0 for k in range(len(units))]
+    # forwards from the first unit on: the output buffer of the latest all-gather, which FSDP2 keeps until the
+    # next unit's all-gather (NOTE: [measuring under FSDP2]); the stages after the last unit held it uncharged
+    ahead = [largest if k >= first_unit else 0 for k in range(len(units))]
     bwd = [max(t + 2 * u, 3 * u) + r for t, u, r in zip(chain.bwd_tmp, units, kept, strict=True)]
     bwd[0] += sum(root[:first_unit]) + sum(root)
     return dataclasses.replace(
         chain,
         input_size=chain.input_size + sum(root),
-        fwd_tmp=[t + u + r for t, u, r in zip(chain.fwd_tmp, units, kept, strict=True)],
-        fwd_tmp_nograd=[t + u + r for t, u, r in zip(chain.fwd_tmp_nograd, units, kept, strict=True)],
+        fwd_tmp=[t + u + max(r, a) for t, u, r, a in zip(chain.fwd_tmp, units, kept, ahead, strict=True)],
+        fwd_tmp_nograd=[t + u + max(r, a) for t, u, r, a in zip(chain.fwd_tmp_nograd, units, kept, ahead, strict=True)],
         bwd_tmp=bwd,
         loss_value=chain.loss_value + largest + sum(root[first_unit:]),
     )
