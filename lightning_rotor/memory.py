@@ -46,8 +46,7 @@ from __future__ import annotations
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator
-from collections.abc import Set as AbstractSet
+from collections.abc import Callable, Container, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from types import FrameType
 from typing import Any, Protocol
@@ -221,6 +220,31 @@ def storage_emptied(storage: torch.UntypedStorage) -> None:
             probe._forget(storage_id(storage))
 
 
+class _InputKeys:
+    """The storages of an op's inputs, found on the first ask: an output on one of them (a view, an in-place op)
+    is no new allocation, and most outputs need no ask (new storages of counted ones, or fixed ones)."""
+
+    def __init__(self, args: Any) -> None:
+        self._args: Any = args
+        self._keys: set[int] | None = None
+
+    def __contains__(self, key: object) -> bool:
+        if self._keys is None:
+            self._keys = {storage_key(t) for t in _op_tensors(self._args) if t.layout == torch.strided}
+            self._args = None
+        return key in self._keys
+
+
+_GradMark = tuple[weakref.ref[torch.Tensor], int] | None  # a gradient seen: the tensor, where its memory is
+
+
+def _same_grad(grad: torch.Tensor | None, mark: _GradMark) -> bool:
+    """`grad` is the gradient `mark` saw, on the same memory."""
+    if grad is None or mark is None:
+        return grad is None and mark is None
+    return mark[0]() is grad and grad.data_ptr() == mark[1]
+
+
 class MemoryProbe(TorchDispatchMode, _HostAccount):
     """Exact live activation bytes: `with MemoryProbe(exclude=model) as probe: ...`.
 
@@ -269,17 +293,27 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
         self.marks: list[tuple[str, int, int]] = []  # (label, op index, bytes alive)
         self._closed = False
         self._sizer: Sizer = PLAIN_BYTES
+        self._grads_seen: list[_GradMark] = []  # `_gradients`' last ask
+        self._grad_keys: set[int] = set()
 
     # -- accounting -------------------------------------------------------------------------
     def _gradients(self) -> set[int]:
-        """Storages of the excluded parameters' gradients (parameter memory, not activations)."""
+        """Storages of the excluded parameters' gradients (parameter memory, not activations). Asked before
+        every op, so found again only where some parameter's `.grad` is another tensor, or on other memory
+        (`.data` set), than at the last ask; an FSDP2 (DTensor) gradient is looked at every time."""
+        grads = [p.grad for p in self._params]
+        marks = [None if g is None else (weakref.ref(g), g.data_ptr()) for g in grads if not hasattr(g, "to_local")]
+        if len(marks) == len(grads) and len(marks) == len(self._grads_seen):
+            if all(_same_grad(g, m) for g, m in zip(grads, self._grads_seen, strict=True)):
+                return self._grad_keys
         keys = set()
-        for p in self._params:
-            g = p.grad
+        for g in grads:
             if g is not None and hasattr(g, "to_local"):  # FSDP2: a DTensor gradient, the rank's shard in it
                 g = g.to_local()
             if g is not None and g.layout == torch.strided:
                 keys.add(storage_key(g))
+        self._grads_seen = marks if len(marks) == len(grads) else []
+        self._grad_keys = keys
         return keys
 
     def _sweep(self) -> None:
@@ -302,7 +336,7 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
             frame = frame.f_back
         return False
 
-    def _add(self, tensors: list[Any], inputs: AbstractSet[int] = frozenset(), bookkeeping: bool | None = None) -> None:
+    def _add(self, tensors: list[Any], inputs: Container[int] = frozenset(), bookkeeping: bool | None = None) -> None:
         """Count the new storages behind `tensors` (flattened); `bookkeeping` None: look up (once) whether a
         bookkeeping function made them."""
         making = _making_host()
@@ -317,17 +351,19 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
                 continue
             storage = t.untyped_storage()
             key = storage_id(storage)
-            if key in self._fixed or key in inputs:
+            if key in self._fixed:
                 continue
-            host = self._host_live.get(key)
+            host, old = self._host_live.get(key), self._live.get(key)
+            old_alive = old is not None and not old[0].expired()
+            if (host is not None and not host[0].expired()) or (host is None and old_alive):
+                continue  # counted already (a host copy as host memory): nothing new, an input's or not
+            if key in inputs:
+                continue
             if host is not None:
-                if not host[0].expired():
-                    continue  # a host copy, counted as host memory
                 self.host_current -= self._host_live.pop(key)[1]
-            old = self._live.get(key)
+            if old_alive:
+                continue
             if old is not None:
-                if not old[0].expired():
-                    continue
                 self.current -= self._live.pop(key)[1]
             if self._bookkeeping:
                 ref = self._uncounted.get(key)
@@ -343,7 +379,7 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
             self.current += nbytes
         self.peak = self._sizer.higher(self.peak, self.current)
 
-    def _add_host(self, tensors: Any, inputs: AbstractSet[int]) -> None:
+    def _add_host(self, tensors: Any, inputs: Container[int]) -> None:
         """Count new storages as host copies (made inside `host_allocations`)."""
         for t in tree_leaves(tensors):
             if not _strided(t) or t.device.type == "meta":
@@ -419,8 +455,7 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         # an output on an input's storage (a view, an in-place op) is no new allocation
-        inputs = {storage_key(t) for t in _op_tensors((args, kwargs)) if t.layout == torch.strided}
-        self._add(_op_tensors(out), inputs)
+        self._add(_op_tensors(out), _InputKeys((args, kwargs)))
         self.ops += 1
         if self.record_curve:
             self.curve.append(self.current)
