@@ -46,7 +46,8 @@ from __future__ import annotations
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Container, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Set as AbstractSet
 from contextlib import AbstractContextManager, contextmanager
 from types import FrameType
 from typing import Any, Protocol
@@ -55,7 +56,14 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_rotor._torch_compat import StorageWeakRef, TorchDispatchMode, ddp_pre_forward, storage_id, tree_leaves
+from lightning_rotor._torch_compat import (
+    StorageWeakRef,
+    TorchDispatchMode,
+    ddp_pre_forward,
+    storage_id,
+    tree_leaves,
+    weak_storage_expired,
+)
 
 
 def storage_key(tensor: torch.Tensor) -> int:
@@ -220,31 +228,6 @@ def storage_emptied(storage: torch.UntypedStorage) -> None:
             probe._forget(storage_id(storage))
 
 
-class _InputKeys:
-    """The storages of an op's inputs, found on the first ask: an output on one of them (a view, an in-place op)
-    is no new allocation, and most outputs need no ask (new storages of counted ones, or fixed ones)."""
-
-    def __init__(self, args: Any) -> None:
-        self._args: Any = args
-        self._keys: set[int] | None = None
-
-    def __contains__(self, key: object) -> bool:
-        if self._keys is None:
-            self._keys = {storage_key(t) for t in _op_tensors(self._args) if t.layout == torch.strided}
-            self._args = None
-        return key in self._keys
-
-
-_GradMark = tuple[weakref.ref[torch.Tensor], int] | None  # a gradient seen: the tensor, where its memory is
-
-
-def _same_grad(grad: torch.Tensor | None, mark: _GradMark) -> bool:
-    """`grad` is the gradient `mark` saw, on the same memory."""
-    if grad is None or mark is None:
-        return grad is None and mark is None
-    return mark[0]() is grad and grad.data_ptr() == mark[1]
-
-
 class MemoryProbe(TorchDispatchMode, _HostAccount):
     """Exact live activation bytes: `with MemoryProbe(exclude=model) as probe: ...`.
 
@@ -293,34 +276,27 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
         self.marks: list[tuple[str, int, int]] = []  # (label, op index, bytes alive)
         self._closed = False
         self._sizer: Sizer = PLAIN_BYTES
-        self._grads_seen: list[_GradMark] = []  # `_gradients`' last ask
-        self._grad_keys: set[int] = set()
 
     # -- accounting -------------------------------------------------------------------------
     def _gradients(self) -> set[int]:
-        """Storages of the excluded parameters' gradients (parameter memory, not activations). Asked before
-        every op, so found again only where some parameter's `.grad` is another tensor, or on other memory
-        (`.data` set), than at the last ask; an FSDP2 (DTensor) gradient is looked at every time."""
-        grads = [p.grad for p in self._params]
-        marks = [None if g is None else (weakref.ref(g), g.data_ptr()) for g in grads if not hasattr(g, "to_local")]
-        if len(marks) == len(grads) and len(marks) == len(self._grads_seen):
-            if all(_same_grad(g, m) for g, m in zip(grads, self._grads_seen, strict=True)):
-                return self._grad_keys
+        """Storages of the excluded parameters' gradients (parameter memory, not activations)."""
         keys = set()
-        for g in grads:
-            if g is not None and hasattr(g, "to_local"):  # FSDP2: a DTensor gradient, the rank's shard in it
+        for p in self._params:
+            g = p.grad
+            if g is None:
+                continue
+            if type(g) is not torch.Tensor and hasattr(g, "to_local"):  # FSDP2: a DTensor gradient, its shard
                 g = g.to_local()
-            if g is not None and g.layout == torch.strided:
-                keys.add(storage_key(g))
-        self._grads_seen = marks if len(marks) == len(grads) else []
-        self._grad_keys = keys
+            if g.layout == torch.strided:
+                keys.add(storage_id(g.untyped_storage()))
         return keys
 
     def _sweep(self) -> None:
         if not self._live and not self._host_live:
             return
         fixed, grads = self._fixed, self._gradients() if self._params else ()
-        dead = [k for k, (ref, _) in self._live.items() if k in fixed or k in grads or ref.expired()]
+        expired = weak_storage_expired
+        dead = [k for k, (ref, _) in self._live.items() if k in fixed or k in grads or expired(ref.cdata)]
         for k in dead:
             self.current -= self._live.pop(k)[1]
         if self._host_live:
@@ -336,7 +312,7 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
             frame = frame.f_back
         return False
 
-    def _add(self, tensors: list[Any], inputs: Container[int] = frozenset(), bookkeeping: bool | None = None) -> None:
+    def _add(self, tensors: list[Any], inputs: AbstractSet[int] = frozenset(), bookkeeping: bool | None = None) -> None:
         """Count the new storages behind `tensors` (flattened); `bookkeeping` None: look up (once) whether a
         bookkeeping function made them."""
         making = _making_host()
@@ -351,19 +327,17 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
                 continue
             storage = t.untyped_storage()
             key = storage_id(storage)
-            if key in self._fixed:
+            if key in self._fixed or key in inputs:
                 continue
-            host, old = self._host_live.get(key), self._live.get(key)
-            old_alive = old is not None and not old[0].expired()
-            if (host is not None and not host[0].expired()) or (host is None and old_alive):
-                continue  # counted already (a host copy as host memory): nothing new, an input's or not
-            if key in inputs:
-                continue
+            host = self._host_live.get(key)
             if host is not None:
+                if not host[0].expired():
+                    continue  # a host copy, counted as host memory
                 self.host_current -= self._host_live.pop(key)[1]
-            if old_alive:
-                continue
+            old = self._live.get(key)
             if old is not None:
+                if not old[0].expired():
+                    continue
                 self.current -= self._live.pop(key)[1]
             if self._bookkeeping:
                 ref = self._uncounted.get(key)
@@ -379,7 +353,7 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
             self.current += nbytes
         self.peak = self._sizer.higher(self.peak, self.current)
 
-    def _add_host(self, tensors: Any, inputs: Container[int]) -> None:
+    def _add_host(self, tensors: Any, inputs: AbstractSet[int]) -> None:
         """Count new storages as host copies (made inside `host_allocations`)."""
         for t in tree_leaves(tensors):
             if not _strided(t) or t.device.type == "meta":
@@ -455,7 +429,8 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         # an output on an input's storage (a view, an in-place op) is no new allocation
-        self._add(_op_tensors(out), _InputKeys((args, kwargs)))
+        inputs = {storage_key(t) for t in _op_tensors((args, kwargs)) if t.layout == torch.strided}
+        self._add(_op_tensors(out), inputs)
         self.ops += 1
         if self.record_curve:
             self.curve.append(self.current)
