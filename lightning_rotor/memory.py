@@ -43,6 +43,7 @@ entered around forward and backward sees both.
 
 from __future__ import annotations
 
+import operator
 import sys
 import threading
 import weakref
@@ -65,6 +66,8 @@ from lightning_rotor._torch_compat import (
     weak_storage_expired,
 )
 
+_GRAD = operator.attrgetter("grad")
+
 
 def storage_key(tensor: torch.Tensor) -> int:
     """Identity of the storage behind `tensor` (shared by all its views)."""
@@ -76,15 +79,21 @@ def _strided(t: Any) -> bool:
 
 
 def _op_tensors(value: Any) -> list[torch.Tensor]:
-    """The tensors in an op's arguments or results (tensors, lists, tuples, dicts of them): what
-    `tree_leaves` finds there, without its per-node cost, which the probe pays on every op."""
+    """The tensors in an op's arguments or results (tensors, lists, tuples, dicts of them), in order: what
+    `tree_leaves` finds there, without its per-node cost, which the probe pays on every op (and no call per leaf)."""
     if isinstance(value, torch.Tensor):
         return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _op_tensors(v)]
     if isinstance(value, dict):
-        return [t for v in value.values() for t in _op_tensors(v)]
-    return []
+        value = list(value.values())
+    if not isinstance(value, (list, tuple)):
+        return []
+    out = []
+    for v in value:
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, (list, tuple, dict)):
+            out.extend(_op_tensors(v))
+    return out
 
 
 # NOTE: [storage sizes traced] while lightning_rotor/size_trace.py traces a profile, each storage's bytes come
@@ -281,10 +290,7 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
     def _gradients(self) -> set[int]:
         """Storages of the excluded parameters' gradients (parameter memory, not activations)."""
         keys = set()
-        for p in self._params:
-            g = p.grad
-            if g is None:
-                continue
+        for g in [g for g in map(_GRAD, self._params) if g is not None]:  # most are None: no Python loop for them
             if type(g) is not torch.Tensor and hasattr(g, "to_local"):  # FSDP2: a DTensor gradient, its shard
                 g = g.to_local()
             if g.layout == torch.strided:
