@@ -68,6 +68,7 @@ __all__ = [
     "tree_leaves",
     "tree_map",
     "tree_unflatten",
+    "weak_storage_expired",
     "view_base",
 ]
 
@@ -82,6 +83,11 @@ TORCH_CHECKED = "2.13.0"  # the torch version every entry below was checked agai
 # storage itself; `untyped_storage()` makes a new Python wrapper per call, so a plain weakref would
 # die with the wrapper. MemoryProbe sees a storage die through it, and the profiler whether a
 # stage's graph kept an output's storage. Re-exported above.
+
+
+# `StorageWeakRef(...).expired()` is a Python method around this C call, taking the reference's `cdata`;
+# MemoryProbe asks it for every live storage before every op, so it calls it directly.
+weak_storage_expired: Callable[[int], bool] = torch.UntypedStorage._expired  # type: ignore[assignment]
 
 
 def storage_id(storage: torch.UntypedStorage) -> int:

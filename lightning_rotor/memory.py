@@ -43,6 +43,7 @@ entered around forward and backward sees both.
 
 from __future__ import annotations
 
+import operator
 import sys
 import threading
 import weakref
@@ -56,7 +57,16 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_rotor._torch_compat import StorageWeakRef, TorchDispatchMode, ddp_pre_forward, storage_id, tree_leaves
+from lightning_rotor._torch_compat import (
+    StorageWeakRef,
+    TorchDispatchMode,
+    ddp_pre_forward,
+    storage_id,
+    tree_leaves,
+    weak_storage_expired,
+)
+
+_GRAD = operator.attrgetter("grad")
 
 
 def storage_key(tensor: torch.Tensor) -> int:
@@ -69,15 +79,21 @@ def _strided(t: Any) -> bool:
 
 
 def _op_tensors(value: Any) -> list[torch.Tensor]:
-    """The tensors in an op's arguments or results (tensors, lists, tuples, dicts of them): what
-    `tree_leaves` finds there, without its per-node cost, which the probe pays on every op."""
+    """The tensors in an op's arguments or results (tensors, lists, tuples, dicts of them), in order: what
+    `tree_leaves` finds there, without its per-node cost, which the probe pays on every op (and no call per leaf)."""
     if isinstance(value, torch.Tensor):
         return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _op_tensors(v)]
     if isinstance(value, dict):
-        return [t for v in value.values() for t in _op_tensors(v)]
-    return []
+        value = list(value.values())
+    if not isinstance(value, (list, tuple)):
+        return []
+    out = []
+    for v in value:
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, (list, tuple, dict)):
+            out.extend(_op_tensors(v))
+    return out
 
 
 # NOTE: [storage sizes traced] while lightning_rotor/size_trace.py traces a profile, each storage's bytes come
@@ -274,19 +290,19 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
     def _gradients(self) -> set[int]:
         """Storages of the excluded parameters' gradients (parameter memory, not activations)."""
         keys = set()
-        for p in self._params:
-            g = p.grad
-            if g is not None and hasattr(g, "to_local"):  # FSDP2: a DTensor gradient, the rank's shard in it
+        for g in [g for g in map(_GRAD, self._params) if g is not None]:  # most are None: no Python loop for them
+            if type(g) is not torch.Tensor and hasattr(g, "to_local"):  # FSDP2: a DTensor gradient, its shard
                 g = g.to_local()
-            if g is not None and g.layout == torch.strided:
-                keys.add(storage_key(g))
+            if g.layout == torch.strided:
+                keys.add(storage_id(g.untyped_storage()))
         return keys
 
     def _sweep(self) -> None:
         if not self._live and not self._host_live:
             return
         fixed, grads = self._fixed, self._gradients() if self._params else ()
-        dead = [k for k, (ref, _) in self._live.items() if k in fixed or k in grads or ref.expired()]
+        expired = weak_storage_expired
+        dead = [k for k, (ref, _) in self._live.items() if k in fixed or k in grads or expired(ref.cdata)]
         for k in dead:
             self.current -= self._live.pop(k)[1]
         if self._host_live:
