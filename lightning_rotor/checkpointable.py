@@ -266,7 +266,12 @@ class Checkpointable(rotor_state.RotorModule):
         """
         if probe is None:
             device = next((p.device for p in self.parameters()), torch.device("cpu"))
-            probe = CudaMemoryProbe(device) if device.type == "cuda" else MemoryProbe(self, record_curve=True)
+            if device.type == "cuda":
+                probe = CudaMemoryProbe(device)
+            elif self.sharded:  # FSDP2's gathered parameters counted too (NOTE: [measuring under FSDP2])
+                probe = sharded.ShardedMemoryProbe(self, self, record_curve=True)
+            else:
+                probe = MemoryProbe(self, record_curve=True)
         return StepMeasurement(probe, self.chain_state.watch, self.chain_state.measured)
 
     # -- nn.Module --------------------------------------------------------------------------------

@@ -48,6 +48,7 @@ from __future__ import annotations
 import io
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
@@ -224,6 +225,16 @@ def step_metrics(
     return metrics
 
 
+def probe_kind(rotor: Checkpointable) -> Callable[..., MemoryProbe]:
+    """Tensor accounting for a CPU step; under FSDP2 it also counts the parameters FSDP2 gathers, which it
+    resizes in place where tensor accounting alone never sees them (`sharded.ShardedMemoryProbe`)."""
+    if rotor.sharded:
+        from lightning_rotor.sharded import ShardedMemoryProbe
+
+        return partial(ShardedMemoryProbe, rotor)
+    return MemoryProbe
+
+
 class RotorCallback(Callback):
     """Logs rotor's budgets, peaks, times and plans; carries chains in checkpoints.
 
@@ -304,7 +315,7 @@ class RotorCallback(Callback):
                 # is data, not activations
                 excluded = [m for m in (pl_module, trainer.strategy.model) if m is not None]
                 wide = (
-                    MemoryProbe(excluded, record_curve=True, bookkeeping=LIGHTNING_BOOKKEEPING)
+                    probe_kind(rotor)(excluded, record_curve=True, bookkeeping=LIGHTNING_BOOKKEEPING)
                     if pl_module.device.type != "cuda"
                     else None
                 )
