@@ -63,19 +63,20 @@ def flagged(module: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def turn_off(modules: list[tuple[str, nn.Module]]) -> None:
-    for _, m in modules:
-        if is_checkpoint_wrapper(m):
-            set_checkpoint_wrapper(m, False)
-        else:
-            setattr(m, "gradient_checkpointing", False)  # noqa: B010 (a flag of the user's class, not nn.Module's)
+    _set_own(modules, False)
 
 
 def turn_on(modules: list[tuple[str, nn.Module]]) -> None:
+    _set_own(modules, True)
+
+
+def _set_own(modules: list[tuple[str, nn.Module]], on: bool) -> None:
+    """Each module's own checkpointing on or off: a `checkpoint_wrapper`'s, or a `gradient_checkpointing` flag."""
     for _, m in modules:
         if is_checkpoint_wrapper(m):
-            set_checkpoint_wrapper(m, True)
+            set_checkpoint_wrapper(m, on)
         else:
-            setattr(m, "gradient_checkpointing", True)  # noqa: B010 (a flag of the user's class, not nn.Module's)
+            setattr(m, "gradient_checkpointing", on)  # noqa: B010 (a flag of the user's class, not nn.Module's)
 
 
 @contextlib.contextmanager
