@@ -7,10 +7,10 @@ On the CPU a copy is done when issued, so a wait has nothing to wait for; on CUD
 
 import pytest
 import torch
-from test_offload_saved import CASES, FAST, needs_gpu, runner_for, saved_case, with_saved_offloads
-from training import assert_same_state, grads, uniform_times
+from test_offload_saved import CASES, FAST, needs_gpu, run_measured, runner_for, saved_case, with_saved_offloads
+from training import grads, uniform_times
 
-from lightning_rotor.memory import CudaMemoryProbe, MemoryProbe
+from lightning_rotor.memory import CudaMemoryProbe
 from lightning_rotor.models import MODELS
 from lightning_rotor.ops import Op, OpKind
 from lightning_rotor.planner import min_feasible_budget, plan
@@ -30,30 +30,6 @@ def with_waits(ops):
     return out
 
 
-def run_measured(name, rotor, plain, stages, chain, ops, x, y):
-    """One step of `ops` beside plain training: asserts bitwise equality, returns (probe, simulation)."""
-    loss = MODELS[name].loss
-    torch.manual_seed(7)
-    loss(plain(x), y).backward()
-    rng_after_plain = torch.get_rng_state()
-    runner = runner_for(stages, chain, ops)
-    runner.probe = probe = MemoryProbe(rotor)
-    torch.manual_seed(7)
-    with probe:
-        probe.track(x)
-        loss(runner(x), y).backward()
-    assert torch.equal(torch.get_rng_state(), rng_after_plain)
-    assert_same_state(plain, rotor)
-    sim = simulate(chain, ops)
-    measured = [nbytes for _, _, nbytes in probe.marks]
-    assert [label for label, _, _ in probe.marks] == [op.label for op in ops]
-    assert all(m <= s for m, s in zip(measured, sim.curve, strict=True)), [
-        (op.label, m, s) for op, m, s in zip(ops, measured, sim.curve, strict=True) if m > s
-    ]
-    assert probe.host_peak == sim.host_peak > 0 and probe.host_current == 0
-    return probe, sim
-
-
 @pytest.mark.parametrize(
     "name", [pytest.param(n, marks=pytest.mark.slow) if n == "gpt" else n for n in CASES]
 )  # the GPT case takes 6 s here
@@ -61,7 +37,7 @@ def test_waits_run_bitwise_within_the_simulated_memory(name):
     plain, rotor, stages, chain, ops, _, x, y = saved_case(name)
     waited = with_waits(ops)
     assert any(op.kind is OpKind.WAIT_SAVED for op in waited)
-    probe, sim = run_measured(name, rotor, plain, stages, chain, waited, x, y)
+    probe, sim = run_measured(name, rotor, plain, stages, chain, waited, x, y, seed=7)
     assert probe.peak <= sim.peak
 
 
@@ -79,7 +55,7 @@ def test_the_planners_debt_runs_and_waits_run_bitwise_within_budget():
     assert any(op.kind is OpKind.OFFLOAD_SAVED for op in ops)
     runs = [i for i, op in enumerate(ops) if op.kind is OpKind.OFFLOAD_SAVED and ops[i + 1].kind is OpKind.FE]
     assert runs  # a part moving while later stages run forward
-    probe, sim = run_measured("gpt", rotor, plain, stages, slow, ops, x, y)
+    probe, sim = run_measured("gpt", rotor, plain, stages, slow, ops, x, y, seed=7)
     assert probe.peak <= sim.peak <= budget
 
 

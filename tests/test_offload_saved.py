@@ -147,13 +147,21 @@ def test_the_planners_saved_offload_plans_run_bitwise_within_the_simulated_memor
     chosen = plan(chain, int(low + fraction * (high - low)))
     ops = chosen.ops
     assert any(op.kind is OpKind.OFFLOAD_SAVED for op in ops) and chosen.time < chosen.recompute_only_time
+    probe, sim = run_measured(name, rotor, plain, stages, chain, ops, x, y, seed=9)
+    assert probe.peak <= sim.peak <= chosen.budget
+    assert probe.host_peak == sim.host_peak == chosen.host_peak > 0 and probe.host_current == 0
+
+
+def run_measured(name, rotor, plain, stages, chain, ops, x, y, seed):
+    """One step of `ops` beside plain training at `seed`: asserts bitwise equality, the device bytes never above
+    the simulator's op by op, the host's exactly its peak and back to 0; returns (probe, simulation)."""
     loss = MODELS[name].loss
-    torch.manual_seed(9)
+    torch.manual_seed(seed)
     loss(plain(x), y).backward()
     rng_after_plain = torch.get_rng_state()
     runner = runner_for(stages, chain, ops)
     runner.probe = probe = MemoryProbe(rotor)
-    torch.manual_seed(9)
+    torch.manual_seed(seed)
     with probe:
         probe.track(x)
         loss(runner(x), y).backward()
@@ -161,11 +169,12 @@ def test_the_planners_saved_offload_plans_run_bitwise_within_the_simulated_memor
     assert_same_state(plain, rotor)
     sim = simulate(chain, ops)
     measured = [nbytes for _, _, nbytes in probe.marks]
+    assert [label for label, _, _ in probe.marks] == [op.label for op in ops]
     assert all(m <= s for m, s in zip(measured, sim.curve, strict=True)), [
         (op.label, m, s) for op, m, s in zip(ops, measured, sim.curve, strict=True) if m > s
     ]
-    assert probe.peak <= sim.peak <= chosen.budget
-    assert probe.host_peak == sim.host_peak == chosen.host_peak > 0 and probe.host_current == 0
+    assert probe.host_peak == sim.host_peak > 0 and probe.host_current == 0
+    return probe, sim
 
 
 def test_a_recomputed_stage_with_dropout_offloads_what_its_replay_saved():

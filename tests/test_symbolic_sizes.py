@@ -9,11 +9,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from fitting import KeepRotorModules, quiet_trainer
 from hf_models import tiny_llama
+from test_shapes import LM, batch, small_gpt  # the small GPT, its batches and its LightningModule
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from training import assert_same_state
@@ -125,8 +125,8 @@ def test_a_convnext_at_changing_resolutions_and_a_partial_last_batch_trains_bitw
 
     plain, rotor = build(), Checkpointable(build(), "75%", repeats=1, loss_tmp=0)
     shapes = [(2, 64), (2, 96), (2, 128), (2, 160), (2, 112), (2, 192), (2, 224), (2, 80), (1, 224)]
-    for step, (batch, side) in enumerate(shapes):
-        x = torch.randn(batch, 3, side, side, generator=torch.Generator().manual_seed(step))
+    for step, (images, side) in enumerate(shapes):
+        x = torch.randn(images, 3, side, side, generator=torch.Generator().manual_seed(step))
         plain.zero_grad()
         torch.manual_seed(step)
         plain(x).square().mean().backward()
@@ -260,16 +260,6 @@ def test_hugging_face_chains_derived_at_other_lengths_equal_the_measured_ones(ma
         assert sizes(derived[n]) == sizes(measured[n]), n
 
 
-def batch(length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(length)
-    return torch.randint(0, 64, (2, length), generator=g), torch.randint(0, 64, (2, length), generator=g)
-
-
-def small_gpt():
-    torch.manual_seed(0)
-    return gpt(vocab_size=64, block_size=32, n_layer=4, n_head=2, n_embd=32, dropout=0.1)
-
-
 @pytest.mark.slow
 def test_fitted_shapes_run_no_profile_train_bitwise_and_have_the_measured_sizes():
     """Checkpointable(fit_shapes=True), lengths in random order: a length between measured ones whose every
@@ -334,23 +324,6 @@ class Lengths(Dataset):
 
     def __getitem__(self, i):
         return batch(self.LENGTHS[i])
-
-
-class LM(pl.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.net = small_gpt()
-        self.grads: list[list[torch.Tensor]] = []
-
-    def training_step(self, b, batch_idx):
-        x, y = b
-        return lm_loss(self.net(x), y)
-
-    def on_before_optimizer_step(self, optimizer):
-        self.grads.append([p.grad.detach().clone() for p in self.parameters()])
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
 def test_the_trainer_with_fit_shapes_fits_lengths_between_measured_ones_bitwise(tmp_path):
