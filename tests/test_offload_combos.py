@@ -11,13 +11,16 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from fitting import KeepRotorModules, quiet_trainer
+from lightning.fabric import Fabric
 from test_frozen import frozen_gpt
-from test_lightning_offload import Wide, loader
+from test_lightning_offload import Wide, loader, wide_net
 from test_shapes import batch, small_gpt
 from torch import nn
 
 from lightning_rotor.checkpointable import Checkpointable
+from lightning_rotor.fabric import RotorFabricStrategy
 from lightning_rotor.lightning import RotorDDPStrategy
 from lightning_rotor.memory import MemoryProbe
 from lightning_rotor.models.gpt import lm_loss
@@ -113,4 +116,26 @@ def test_ddp_strategy_offloading_trains_like_plain_ddp(tmp_path):
     (chain,) = keep.modules.values()
     assert any(op.kind in (OpKind.OFFLOAD, OpKind.OFFLOAD_SAVED) for op in chain.plan.ops)
     for a, b in zip(plain.net.state_dict().values(), rotor.net.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+
+
+def _fabric_fit(strategy) -> tuple[nn.Module, object]:
+    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=1)
+    model = wide_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    wrapped, opt = fabric.setup(model, opt)
+    for step, (x, y) in enumerate(loader()):
+        if step == 3:
+            break
+        opt.zero_grad()
+        fabric.backward(F.cross_entropy(wrapped(x), y))
+        opt.step()
+    return model, strategy
+
+
+def test_fabric_offloading_trains_like_plain_fabric():
+    plain, _ = _fabric_fit("auto")
+    rotor, strategy = _fabric_fit(RotorFabricStrategy(mem_limit="60%", offload=FAST, measure_every_n_steps=0))
+    assert any(op.kind.is_transfer for op in strategy.chains["model"].last_entry.plan.ops)
+    for a, b in zip(plain.state_dict().values(), rotor.state_dict().values(), strict=True):
         assert torch.equal(a, b)

@@ -17,13 +17,17 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallelStrategy
 from lightning.pytorch.strategies import ModelParallelStrategy
 from test_sharded import _gpt, _loss, _persistent
+from test_sharded_fabric import _fit as _fabric_fit
+from test_sharded_fabric import _shard
 from test_sharded_lightning import _fit, _free_ports
 from torch.distributed.fsdp import fully_shard
 
 from lightning_rotor.chain import Chain
 from lightning_rotor.checkpointable import Checkpointable
+from lightning_rotor.fabric import RotorFabricModelParallelStrategy
 from lightning_rotor.lightning import RotorModelParallelStrategy
 from lightning_rotor.sharded import ShardedMemoryProbe, same_chain_on_ranks
 
@@ -88,6 +92,24 @@ def _lightning(rank: int, ports: list[int], folder: str) -> list[dict]:
     return seen
 
 
+def _fabric(rank: int, ports: list[int]) -> list[dict]:
+    """Fabric's ModelParallelStrategy, then RotorFabricModelParallelStrategy offloading (tests/test_sharded_fabric.py:
+    a Llama, two micro-batches a step, 3 steps)."""
+    sizes = dict(data_parallel_size=2, tensor_parallel_size=1)
+    seen = []
+    for port, strategy in zip(
+        ports,
+        (
+            FabricModelParallelStrategy(_shard, **sizes),
+            RotorFabricModelParallelStrategy(_shard, 0.5, offload=FAST, **sizes),
+        ),
+        strict=True,
+    ):
+        os.environ["MASTER_PORT"] = str(port)
+        seen.append(_fabric_fit(strategy, rank))
+    return seen
+
+
 def _worker(rank: int, ports: list[int], store: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
@@ -97,14 +119,15 @@ def _worker(rank: int, ports: list[int], store: str) -> None:
     seen["reduced"] = _reduced(rank)
     dist.destroy_process_group()
     with tempfile.TemporaryDirectory() as folder:
-        seen["lightning"] = _lightning(rank, ports, folder)
+        seen["lightning"] = _lightning(rank, ports[:2], folder)
+    seen["fabric"] = _fabric(rank, ports[2:])
     torch.save(seen, f"{store}.rank{rank}")
 
 
 @pytest.fixture(scope="module")
 def ranks():
     store = tempfile.mktemp()
-    mp.spawn(_worker, args=(_free_ports(2), store), nprocs=2)
+    mp.spawn(_worker, args=(_free_ports(4), store), nprocs=2)
     return [torch.load(f"{store}.rank{rank}", weights_only=False) for rank in (0, 1)]
 
 
@@ -142,3 +165,11 @@ def test_rotor_model_parallel_strategy_offloading_is_bitwise_with_model_parallel
         assert _offloads(rotor["ops"])
         assert all(torch.equal(a, b) for a, b in zip(plain["shards"], rotor["shards"], strict=True))
     assert ranks[0]["lightning"][1]["ops"] == ranks[1]["lightning"][1]["ops"]
+
+
+def test_rotor_fabric_model_parallel_offloading_is_bitwise_with_model_parallel(ranks):
+    for seen in ranks:
+        plain, rotor = seen["fabric"]
+        assert _offloads(rotor["ops"])
+        assert all(torch.equal(a, b) for a, b in zip(plain["shards"], rotor["shards"], strict=True))
+    assert ranks[0]["fabric"][1]["ops"] == ranks[1]["fabric"][1]["ops"]
