@@ -23,12 +23,14 @@ from test_sharded import _gpt, _loss, _persistent
 from test_sharded_fabric import _fit as _fabric_fit
 from test_sharded_fabric import _shard
 from test_sharded_lightning import _fit, _free_ports
+from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from lightning_rotor.chain import Chain
 from lightning_rotor.checkpointable import Checkpointable
 from lightning_rotor.fabric import RotorFabricModelParallelStrategy
 from lightning_rotor.lightning import RotorModelParallelStrategy
+from lightning_rotor.ops import OpKind
 from lightning_rotor.sharded import ShardedMemoryProbe, same_chain_on_ranks
 
 pytestmark = pytest.mark.slow  # one spawn of two processes for the whole file's cases
@@ -36,9 +38,33 @@ pytestmark = pytest.mark.slow  # one spawn of two processes for the whole file's
 FAST = "1000GB/s"  # a copy of these activations always hides behind a forward
 
 
-def _train(rank: int, **settings) -> dict:
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(128, 128)
+
+    def forward(self, x):
+        return torch.tanh(self.linear(x))
+
+
+def _blocks():
+    """Sixteen blocks whose inputs are as big as what they save: the plans offload stage inputs (`Offload k`),
+    where the GPT's offload what a stage saved (`OffloadSaved k`)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Block() for _ in range(16)], nn.Linear(128, 5))
+    return model, list(model)[:-1], 5
+
+
+def _batch(vocab: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    if vocab == 5:  # `_blocks`: features and classes
+        return torch.randn(64, 128, generator=g), torch.randint(0, 5, (64,), generator=g)
+    data = torch.randint(vocab, (4, 17), generator=g)
+    return data[:, :-1], data[:, 1:]
+
+
+def _train(rank: int, build=_gpt, **settings) -> dict:
     """3 AdamW steps of FSDP2 alone (no settings) or rotor under FSDP2 with `settings`; steps 2-3 measured."""
-    model, blocks, vocab = _gpt()
+    model, blocks, vocab = build()
     root = Checkpointable(model, **settings) if settings else model
     for block in blocks:
         fully_shard(block)
@@ -47,10 +73,10 @@ def _train(rank: int, **settings) -> dict:
     g = torch.Generator().manual_seed(100 + rank)
     seen: dict = {"peak": 0, "host_left": 0}
     for step in range(3):
-        data = torch.randint(vocab, (4, 17), generator=g)
+        x, y = _batch(vocab, g)
         probe = ShardedMemoryProbe(root, _persistent(root, opt))
         with probe:
-            _loss(root(data[:, :-1]), data[:, 1:]).backward()
+            _loss(root(x), y).backward()
         if step:
             seen["peak"] = max(seen["peak"], probe.peak)
             seen["host_left"] = max(seen["host_left"], probe.host_current)
@@ -116,6 +142,8 @@ def _worker(rank: int, ports: list[int], store: str) -> None:
     seen: dict = {"plain": _train(rank)}
     seen["given"] = _train(rank, mem_limit=0.5, offload=FAST)
     seen["measured"] = _train(rank, mem_limit=0.5, offload=True)
+    seen["plain_blocks"] = _train(rank, _blocks)
+    seen["stage_inputs"] = _train(rank, _blocks, mem_limit=0.6, offload=FAST)
     seen["reduced"] = _reduced(rank)
     dist.destroy_process_group()
     with tempfile.TemporaryDirectory() as folder:
@@ -135,11 +163,12 @@ def _offloads(ops) -> bool:
     return any(op.kind.is_transfer for op in ops)
 
 
-@pytest.mark.parametrize("case", ["given", "measured"])
+@pytest.mark.parametrize("case", ["given", "measured", "stage_inputs"])
 def test_offloading_under_fsdp2_is_bitwise_within_budget_and_frees_its_host_copies(ranks, case):
+    kinds = (OpKind.OFFLOAD,) if case == "stage_inputs" else (OpKind.OFFLOAD_SAVED,)
     for seen in ranks:
-        plain, rotor = seen["plain"], seen[case]
-        assert _offloads(rotor["ops"]), [op.label for op in rotor["ops"]]
+        plain, rotor = seen["plain_blocks" if case == "stage_inputs" else "plain"], seen[case]
+        assert any(op.kind in kinds for op in rotor["ops"]), [op.label for op in rotor["ops"]]
         assert all(torch.equal(a, b) for a, b in zip(plain["shards"], rotor["shards"], strict=True))
         assert 0 < rotor["peak"] <= rotor["budget"]
         assert rotor["host_left"] == 0
