@@ -8,6 +8,8 @@ FSDP2 with offloading: tests/test_offload_combos_sharded.py.
 from __future__ import annotations
 
 import copy
+import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,15 +21,20 @@ from test_lightning_offload import Wide, loader, wide_net
 from test_shapes import batch, small_gpt
 from torch import nn
 
+from lightning_rotor import pipeline
+from lightning_rotor.chain import Chain
 from lightning_rotor.checkpointable import Checkpointable
 from lightning_rotor.fabric import RotorFabricStrategy
 from lightning_rotor.lightning import RotorDDPStrategy
 from lightning_rotor.memory import MemoryProbe
 from lightning_rotor.models.gpt import lm_loss
 from lightning_rotor.ops import OpKind
+from lightning_rotor.planner import min_feasible_budget
 from lightning_rotor.profile import profile_chain
+from lightning_rotor.simulate import no_recompute_peak, simulate
 
 FAST = "1000GB/s"  # a copy of these activations always hides behind a forward
+GPU_CHAINS = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "gpu_chains"
 
 
 def same_grads(plain: nn.Module, rotor: nn.Module) -> bool:
@@ -139,3 +146,26 @@ def test_fabric_offloading_trains_like_plain_fabric():
     assert any(op.kind.is_transfer for op in strategy.chains["model"].last_entry.plan.ops)
     for a, b in zip(plain.state_dict().values(), rotor.state_dict().values(), strict=True):
         assert torch.equal(a, b)
+
+
+def _sped_up(chain: Chain, factor: float) -> Chain:
+    return dataclasses.replace(
+        chain, fwd_time=[t * factor for t in chain.fwd_time], bwd_time=[t * factor for t in chain.bwd_time]
+    )
+
+
+@pytest.mark.parametrize("name", ["resnet101", "gpt2_medium"])
+def test_a_plan_holds_its_peak_when_its_ops_run_faster_or_its_copies_slower_than_planned(name):
+    """An offload frees its bytes when its copy ends: a plan whose ops counted on the times for that ran above its
+    peak, and its budget, when compute ran faster than profiled (under FSDP2, every rank but the slowest: the ranks
+    plan on the largest times) or the link slower (before: GPT-2-medium 10% above at 0.8x its times). The plan
+    rotor runs waits for such a copy where the times alone ended it: the same peak and time as planned."""
+    chain = Chain.load(GPU_CHAINS / f"{name}.json").with_transfer(12e9)
+    low, high = min_feasible_budget(chain), no_recompute_peak(chain)
+    chosen = pipeline.plan_chain(chain, int(low + 0.3 * (high - low)))
+    planned = simulate(chain, chosen.ops)
+    assert planned.peak == chosen.peak and planned.time == pytest.approx(chosen.time, rel=1e-12)
+    assert any(op.kind.is_transfer for op in chosen.ops)
+    for factor in (0.9, 0.8, 0.5):
+        assert simulate(_sped_up(chain, factor), chosen.ops).peak <= chosen.peak, factor
+    assert simulate(chain.with_transfer(0.7 * 12e9), chosen.ops).peak <= chosen.peak
