@@ -549,6 +549,8 @@ class ChainState:
             device = next(t.device for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
             nbytes = min(max(max(chain.sizes[1 : chain.length], default=0), 2**20), 2**28)
             self.bandwidth = measure_bandwidth(device, nbytes)
+            if self.sharded:  # FSDP2: one plan for every rank, on the slowest rank's link (lightning_rotor/sharded.py)
+                self.bandwidth = sharded.slowest_on_ranks(self.bandwidth)
         return self.bandwidth
 
     def _shape_bytes(self, key: str, chain: Chain, rule: Budget, first: int, first_need: int) -> int:

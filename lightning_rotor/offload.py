@@ -46,7 +46,7 @@ from lightning_rotor._torch_compat import (
     tree_leaves,
     tree_unflatten,
 )
-from lightning_rotor.memory import host_allocations, host_buffer_free, host_buffer_used, host_buffers
+from lightning_rotor.memory import host_allocations, host_buffer_free, host_buffer_used, host_buffers, storage_nbytes
 from lightning_rotor.ops import Op, OpKind, parse_ops
 
 __all__ = [
@@ -398,12 +398,14 @@ class SavedPart:
         moving: list[_Saved] = []
         nbytes = 0
         for key, handles in groups.items():
-            storage = handles[0].tensor.untyped_storage()  # type: ignore[union-attr]
+            tensor = handles[0].tensor
+            assert tensor is not None
+            storage = tensor.untyped_storage()
             # one reference per handle, one for `storage` itself: nothing else holds it
             if key in stay or storage.device != device or storage_use_count(storage) != len(handles) + 1:
                 continue
             moving += handles
-            nbytes += storage.nbytes()
+            nbytes += storage_nbytes(storage, tensor)  # a traced profile's: a sum of storage sizes (size_trace.py)
         self.handles = moving
         self.nbytes = nbytes
         return nbytes

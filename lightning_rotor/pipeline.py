@@ -33,6 +33,7 @@ from lightning_rotor.ops import forward_counts
 from lightning_rotor.planner import Plan, plan
 from lightning_rotor.profile import LOSS_HELD, Profile, profile_chain
 from lightning_rotor.stages import SideInputs, side_inputs
+from lightning_rotor.transfer_waits import with_release_waits
 
 if TYPE_CHECKING:
     from lightning_rotor.discovery.modules import ModuleRun
@@ -181,8 +182,11 @@ def charge_outside(chain: Chain, outside: Outside | tuple[int, int], loss_tmp: i
 
 
 def plan_chain(chain: Chain, budget: int, slots: int | None = None) -> Plan:
-    """The fastest schedule of `chain` within `budget` bytes (raises `InfeasibleBudget` below its minimum)."""
-    return plan(chain, budget, slots=slots)
+    """The fastest schedule of `chain` within `budget` bytes (raises `InfeasibleBudget` below its minimum); with
+    offloading, an offload's release waits for its copy wherever the times alone made it (transfer_waits.py), so
+    the plan holds its peak however fast its ops and copies run."""
+    chosen = plan(chain, budget, slots=slots)
+    return dataclasses.replace(chosen, ops=with_release_waits(chain, chosen.ops))
 
 
 def runner(

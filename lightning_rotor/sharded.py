@@ -161,15 +161,23 @@ def outside_fsdp(module: nn.Module, sharded: bool = True) -> Iterator[list[nn.Mo
 
 
 TIME_FIELDS = frozenset({"fwd_time", "bwd_time", "bandwidth"})  # seconds, bytes/s: reduced as doubles
-MIN_FIELDS = frozenset({"out_free", "in_free"})  # bytes a release frees: the smallest is what every rank may count on
+# the smallest is what every rank may count on: the bytes a release frees, the transfer channel's speed
+MIN_FIELDS = frozenset({"out_free", "in_free", "bandwidth"})
+AGREED_FIELDS = frozenset(
+    {"offloadable"}
+)  # per stage: the bytes every rank moves, or 0 (nothing moves) where ranks differ
 
 
 def same_chain_on_ranks(chain: Chain, group: object | None = None) -> Chain:
     """`chain` with every per-stage figure reduced across the process group (max; min for the bytes a
-    release frees): every rank plans on the same numbers, so the deterministic planner gives every rank
+    release frees, and for the transfer bandwidth: the slowest link); where the ranks' offloadable bytes of a
+    stage differ, none (a saved part moved by one count would be charged wrongly on the others, on the device
+    or on the host): every rank plans on the same numbers, so the deterministic planner gives every rank
     the same plan and every rank issues the same collectives in the same order. Sizes are reduced as
     integers (exact), times as doubles."""
-    names = [f.name for f in dataclasses.fields(chain) if _numeric(getattr(chain, f.name))]
+    names = [
+        f.name for f in dataclasses.fields(chain) if f.name not in AGREED_FIELDS and _numeric(getattr(chain, f.name))
+    ]
     changes: dict[str, object] = {}
     for kind in (torch.int64, torch.float64):
         of_kind = [n for n in names if (n in TIME_FIELDS) == (kind is torch.float64)]
@@ -182,7 +190,21 @@ def same_chain_on_ranks(chain: Chain, group: object | None = None) -> Chain:
             new = [(-v if name in MIN_FIELDS else v) for v in reduced[at : at + count]]
             changes[name] = new if isinstance(old, list) else new[0]
             at += count
+    changes["offloadable"] = _agreed_on_ranks(list(chain.offloadable), group)
     return dataclasses.replace(chain, **changes)  # type: ignore[arg-type]
+
+
+def _agreed_on_ranks(values: list[int], group: object | None) -> list[int]:
+    """Each of `values` where every rank has the same, else 0."""
+    reduced = _max_over_ranks([*values, *(-v for v in values)], torch.int64, group)
+    n = len(values)
+    return [int(high) if high == -low else 0 for high, low in zip(reduced[:n], reduced[n:], strict=True)]
+
+
+def slowest_on_ranks(bandwidth: float, group: object | None = None) -> float:
+    """The transfer bandwidth every rank plans with: the slowest rank's (bytes/s), so that no rank's copies take
+    longer than the plan they share gives them (each rank measures its own link, `offload=True`)."""
+    return -float(_max_over_ranks([-float(bandwidth)], torch.float64, group)[0])
 
 
 def _max_over_ranks(values: list, dtype: torch.dtype, group: object | None) -> list:

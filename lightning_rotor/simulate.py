@@ -42,6 +42,7 @@ class Simulation(NamedTuple):
     host_curve: Sequence[int] = ()
     host_peak: int = 0
     wait: float = 0.0
+    timed_releases: Sequence[Sequence[Op]] = ()  # per op: a wait for each offload its start freed by the times
 
 
 def simulate(chain: Chain, ops: Iterable[Any]) -> Simulation:
@@ -63,6 +64,7 @@ def simulate(chain: Chain, ops: Iterable[Any]) -> Simulation:
             host_curve=replay.host_curve,
             host_peak=replay.host_peak,
             wait=math.fsum(replay.waits),
+            timed_releases=[tuple(released) for released in replay.timed_releases],
         )
     check_frozen_prefix(ops, f)
     s = chain.sizes
@@ -80,6 +82,7 @@ def simulate(chain: Chain, ops: Iterable[Any]) -> Simulation:
         host_curve=[0] * f + list(rest.host_curve),
         host_peak=rest.host_peak,
         wait=math.fsum(rest.waits),
+        timed_releases=[()] * f + [tuple(shift_ops(released, f)) for released in rest.timed_releases],
     )
 
 
@@ -158,6 +161,7 @@ class _Memory:
         self.saved = _Moves(chain.offloadable, "the saved part of stage {n}")  # its own key space: stage k
         self.host = self.host_peak = 0
         self.host_curve: list[int] = []
+        self.timed_releases: list[list[Op]] = []  # per op: the offloads its start freed by the times
         self.i = 0  # the op being replayed, and its stage (-1: the loss), for messages
         self.op = Op(OpKind.LOSS)
         self.k = -1
@@ -170,7 +174,7 @@ class _Memory:
         self.k = k = -1 if note.op.stage is None else note.op.stage  # -1: the loss, which has no stage
         if kind is not OpKind.LOSS and not 0 <= k < self.length:
             raise self.fail(f"stage index out of range 0..{self.length + self.first_stage - 1}")
-        self.settle()
+        self.timed_releases.append(self.settle())
         during = self.dispatch(note)
         self.peak = max(self.peak, during)
         self.op_peaks.append(during)
@@ -392,17 +396,21 @@ class _Memory:
             raise self.fail(f"the saved part of stage {n} is on the host (PrefetchSaved {n} first)")
 
     # -- transfers (chain version 6: "Chain version 6", "Transfers across several operations") -----------
-    def settle(self) -> None:
-        """Copies ended by `now` free their source: an offload's device copy, a prefetch's host copy."""
-        for moves in (self.values, self.saved):
+    def settle(self) -> list[Op]:
+        """Copies ended by `now` free their source: an offload's device copy, a prefetch's host copy. Returns
+        the wait that would make each offload's release independent of the times (`Wait j`, `WaitSaved j`)."""
+        released: list[Op] = []
+        for moves, kind in ((self.values, OpKind.WAIT), (self.saved, OpKind.WAIT_SAVED)):
             for j, end in list(moves.leaving.items()):
                 if end <= self.now:
                     self.cur -= moves.sizes[j]
                     del moves.leaving[j]
+                    released.append(Op(kind, j))
             for j, end in list(moves.host_freed.items()):
                 if end <= self.now:
                     self.host -= moves.sizes[j]
                     del moves.host_freed[j]
+        return released
 
     def transfer(self, size: int) -> float:
         """Issue a copy of `size` bytes on the channel now; its end."""
