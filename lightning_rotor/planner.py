@@ -250,11 +250,47 @@ def min_feasible_budget(chain: Chain, *, bandwidth: float | None = None) -> int:
     With a channel (`bandwidth` > 0, or the chain's own when None), kept inputs and the `offloadable`
     parts of recorded stages may move to host memory, waited for where the memory needs it, so the
     floor may be below recompute-only's (docs/planner.md, "Debts"); `bandwidth=0` gives recompute-only's.
+    With a `host_limit` on the chain, the floor is where the exact-byte schedule's host bytes stay within it
+    (`_host_bound_floor`), so that `plan()` at the floor succeeds; recompute-only's floor at most.
     """
     checked = check_bandwidth(bandwidth)
     suffix = chain.suffix()
     offload = suffix.bandwidth > 0 if checked is None else checked > 0
-    return max(1, chain.prefix_peak, _planner.min_budget(*_memory_args(suffix), **_exact_extras(suffix, offload)))
+    floor = _planner.min_budget(*_memory_args(suffix), **_exact_extras(suffix, offload))
+    if offload and suffix.host_limit is not None:
+        floor = _host_bound_floor(suffix, floor)
+    return max(1, chain.prefix_peak, floor)
+
+
+def _exact_offloading_ops(chain: Chain, budget: int) -> list[Op] | None:
+    """The exact-byte schedule within `budget` that moves what it must, None when there is none or its host bytes
+    pass the chain's host limit (the simulator refuses it)."""
+    found = _planner.feasible_schedule(*_memory_args(chain), budget, **_exact_extras(chain, True))
+    if found is None:
+        return None
+    ops = parse_ops(found)
+    try:
+        simulate(chain, ops)
+    except ValueError:
+        return None
+    return ops
+
+
+def _host_bound_floor(chain: Chain, low: int) -> int:
+    """The least budget from `low` (the floor moving freely) at which the exact-byte schedule keeps within the
+    host limit, by bisection up to recompute-only's floor, which needs no host memory. The budget returned is
+    one checked to fit, so planning there succeeds; one below it may still fit where the bisection skipped it."""
+    high = _planner.min_budget(*_memory_args(chain), **_exact_extras(chain, False))
+    if low >= high or _exact_offloading_ops(chain, low) is not None:
+        return min(low, high)
+    below = low  # fails; `high` fits (recomputing only)
+    while high - below > 1:
+        middle = (below + high) // 2
+        if _exact_offloading_ops(chain, middle) is not None:
+            high = middle
+        else:
+            below = middle
+    return high
 
 
 def _exact_extras(chain: Chain, offload: bool) -> dict[str, Any]:
@@ -372,7 +408,7 @@ def plan(
     if chain.offloads:
         scored += _offloading_candidates(chain, budget, slots, threads, exact=not scored)
     if not scored:  # only the exact-byte offloading schedule could fit, and the host limit refused it
-        raise InfeasibleBudget(budget, min_feasible_budget(whole, bandwidth=0.0))
+        raise InfeasibleBudget(budget, min_feasible_budget(whole))
     best, ops = min(scored, key=lambda item: item[0].time)
     peak, time, host_peak = best.peak, best.time, best.host_peak
     alone = recompute_only[0].time if chain.offloads and recompute_only is not None else None
@@ -406,10 +442,12 @@ def _offloading_candidates(
     offloading = solve_discretized(chain, budget, slots, threads)
     if offloading is not None:
         found.append(parse_ops(offloading[1]))
-    if exact:
-        fallback = _planner.feasible_schedule(*_memory_args(chain), budget, **_exact_extras(chain, True))
+    if exact:  # at the budget, or else at the host-bound floor below it (a schedule within the floor fits)
+        fallback = _exact_offloading_ops(chain, budget)
+        if fallback is None and chain.host_limit is not None and (floor := min_feasible_budget(chain)) <= budget:
+            fallback = _exact_offloading_ops(chain, floor)
         if fallback is not None:
-            found.append(parse_ops(fallback))
+            found.append(fallback)
     scored = []
     for ops in found:
         try:
