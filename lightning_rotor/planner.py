@@ -258,7 +258,8 @@ def min_feasible_budget(chain: Chain, *, bandwidth: float | None = None) -> int:
     offload = suffix.bandwidth > 0 if checked is None else checked > 0
     floor = _free_floor(chain, offload)
     if offload and suffix.host_limit is not None:
-        floor = max(floor, _host_bound_floor(suffix, floor))
+        moving = suffix if checked is None else suffix.with_transfer(checked)
+        floor = max(floor, _host_bound_floor(moving, floor))
     return floor
 
 
@@ -426,7 +427,7 @@ def plan(
     recompute_only = min(scored, key=lambda item: item[0].time) if scored else None
     if chain.offloads:
         scored += _offloading_candidates(chain, budget, slots, threads, exact=not scored)
-    if not scored:  # only the exact-byte offloading schedule could fit, and the host limit refused it
+    if not scored:  # below the host-bound floor: what fits the budget passes the host limit
         raise InfeasibleBudget(budget, min_feasible_budget(whole))
     best, ops = min(scored, key=lambda item: item[0].time)
     peak, time, host_peak = best.peak, best.time, best.host_peak
