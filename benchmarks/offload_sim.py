@@ -26,6 +26,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's package, not an installed one
@@ -48,6 +49,12 @@ SLOWDOWN = 1.2  # the paper's mark: the smallest budget whose plan runs within 1
 CHART = ROOT / "docs" / "benchmarks" / "offload_sim.png"
 BANDWIDTHS = [12e9, 25e9, 64e9]  # about PCIe 3 x16, PCIe 4 x16, PCIe 5 x16 (each way, in practice less)
 IDEAL = 1e15  # a link no copy waits on: what the planner's family of offloading schedules could give at best
+LINK_STYLES = {  # per link of the chart: colour and line style, each its own (the ideal link dotted, a reference)
+    12e9: ("tab:blue", "-s"),
+    25e9: ("tab:green", "-^"),
+    64e9: ("tab:purple", "-D"),
+    IDEAL: ("tab:gray", ":"),
+}
 MARKS = [0.5, 0.3]  # budgets, as fractions of the no-recomputation peak, where the share removed is reported
 
 
@@ -340,8 +347,9 @@ def write_csv(results: dict[tuple[str, float], list[Point]], path: Path) -> None
                 )
 
 
-def chart(results: dict[tuple[str, float], list[Point]], names: list[str], path: Path) -> None:
-    """Time (relative to no recomputation) against budget (share of the plain peak), both curves per chain."""
+def chart(results: dict[tuple[str, float], list[Point]], names: list[str], path: Path) -> Any:
+    """Time (relative to no recomputation) against budget (share of the plain peak), both curves per chain, each
+    link in its own style (`LINK_STYLES`); saved to `path`, and the matplotlib figure returned."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -360,12 +368,11 @@ def chart(results: dict[tuple[str, float], list[Point]], names: list[str], path:
             color="black",
             label="recompute only",
         )
-        for bandwidth, color, style in zip(
-            [*BANDWIDTHS, IDEAL], ("tab:blue", "tab:green", "tab:gray"), ("-s", "-s", ":"), strict=False
-        ):
+        for bandwidth in [*BANDWIDTHS, IDEAL]:
             points = results.get((name, bandwidth))
             if points is None:
                 continue
+            color, style = LINK_STYLES[bandwidth]  # a link without a style fails here, not drawn as another
             ax.plot(
                 [100 * p.fraction for p in points],
                 [p.offload / p.no_recompute for p in points],
@@ -386,6 +393,7 @@ def chart(results: dict[tuple[str, float], list[Point]], names: list[str], path:
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
+    return fig
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,6 +12,7 @@ every module wrapper uses (`torch.nn.utils.parametrize` too), not engine interna
 
 from __future__ import annotations
 
+import functools
 import sys
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -461,3 +462,41 @@ def set_checkpoint_wrapper(module: nn.Module, on: bool) -> None:
         vars(module)["checkpoint_fn"] = _plain_call
     elif on and module in _WRAPPER_CHECKPOINT_FN:
         vars(module)["checkpoint_fn"] = _WRAPPER_CHECKPOINT_FN.pop(module)
+
+
+# torch's `offload_wrapper` (same private package) runs its block under `save_on_cpu`: the block's saved tensors go
+# to host memory, by hooks nested inside rotor's plan. Rotor turns it off like a `CheckpointWrapper`: while it holds
+# the model the wrapper's forward is an instance attribute calling the block plainly (a copy of the model keeps it),
+# and back (rotor offloads by its own plan, `offload=`).
+
+
+def _call_wrapped(wrapper: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    block: nn.Module = wrapper.get_submodule("_checkpoint_wrapped_module")
+    return block(*args, **kwargs)
+
+
+def is_offload_wrapper(module: nn.Module) -> bool:
+    """Whether `module` is torch's `OffloadWrapper` (`offload_wrapper`): its block's saved tensors on the host."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import OffloadWrapper
+
+    return isinstance(module, OffloadWrapper)
+
+
+def _offloading_turned_off(module: nn.Module) -> bool:
+    forward = vars(module).get("forward")
+    return isinstance(forward, functools.partial) and forward.func is _call_wrapped
+
+
+def offload_wrapper_on(module: nn.Module) -> bool:
+    """Whether `module` is an `OffloadWrapper` whose offloading rotor has not turned off."""
+    return is_offload_wrapper(module) and not _offloading_turned_off(module)
+
+
+def set_offload_wrapper(module: nn.Module, on: bool) -> None:
+    """Turn an `OffloadWrapper`'s offloading off (its block called plainly, no `save_on_cpu`) or back on."""
+    if not on and offload_wrapper_on(module):
+        vars(module)["forward"] = functools.partial(_call_wrapped, module)
+    elif on and _offloading_turned_off(module):
+        del vars(module)["forward"]

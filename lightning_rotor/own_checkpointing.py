@@ -5,7 +5,9 @@ The ways a model checkpoints itself (docs/checkpointable.md, "The model's own ch
 - a `gradient_checkpointing` flag on its modules: Hugging Face transformers layers after
   `gradient_checkpointing_enable()`, diffusers blocks after `enable_gradient_checkpointing()`; and torch's
   `checkpoint_wrapper` modules (`apply_activation_checkpointing`, torchtitan's recipe, before `fully_shard`),
-  whose checkpointing is turned off the same way (their `checkpoint_fn` swapped for a plain call).
+  whose checkpointing is turned off the same way (their `checkpoint_fn` swapped for a plain call), and torch's
+  `offload_wrapper` modules, whose `save_on_cpu` offloading is turned off the same way (their forward a plain call
+  of the block: rotor offloads by its own plan, `offload=`).
   Left on, rotor would profile blocks that checkpoint themselves and recompute them again on top
   (a block run up to five times for a few percent of memory). Rotor turns the flags off on the module
   it wraps while it holds it (`unwrap`, at the end of a Trainer's fit, turns them back on);
@@ -37,7 +39,10 @@ from torch import nn
 from lightning_rotor._torch_compat import (
     checkpoint_wrapper_on,
     is_checkpoint_wrapper,
+    is_offload_wrapper,
+    offload_wrapper_on,
     set_checkpoint_wrapper,
+    set_offload_wrapper,
     tree_flatten,
     tree_map,
 )
@@ -53,12 +58,15 @@ from lightning_rotor.simulate import simulate
 def _own_on(module: nn.Module) -> bool:
     if is_checkpoint_wrapper(module):  # its attributes read through to the block it wraps: not its own flag
         return checkpoint_wrapper_on(module)
+    if is_offload_wrapper(module):  # the same
+        return offload_wrapper_on(module)
     return getattr(module, "gradient_checkpointing", False) is True
 
 
 def flagged(module: nn.Module) -> list[tuple[str, nn.Module]]:
     """`module`'s submodules (itself included) whose own checkpointing is on: a `gradient_checkpointing=True` flag,
-    or torch's `checkpoint_wrapper` (`CheckpointWrapper`), whose checkpointing rotor turns off the same way."""
+    or torch's `checkpoint_wrapper` (`CheckpointWrapper`), whose checkpointing rotor turns off the same way, or
+    torch's `offload_wrapper` (`OffloadWrapper`, activation offloading), turned off the same way too."""
     return [(n, m) for n, m in module.named_modules() if _own_on(m)]
 
 
@@ -71,10 +79,13 @@ def turn_on(modules: list[tuple[str, nn.Module]]) -> None:
 
 
 def _set_own(modules: list[tuple[str, nn.Module]], on: bool) -> None:
-    """Each module's own checkpointing on or off: a `checkpoint_wrapper`'s, or a `gradient_checkpointing` flag."""
+    """Each module's own checkpointing on or off: a `checkpoint_wrapper`'s, an `offload_wrapper`'s offloading, or a
+    `gradient_checkpointing` flag."""
     for _, m in modules:
         if is_checkpoint_wrapper(m):
             set_checkpoint_wrapper(m, on)
+        elif is_offload_wrapper(m):
+            set_offload_wrapper(m, on)
         else:
             setattr(m, "gradient_checkpointing", on)  # noqa: B010 (a flag of the user's class, not nn.Module's)
 
@@ -113,10 +124,19 @@ def _listed(found: list[tuple[str, nn.Module]]) -> str:
     return f"{len(found)} modules: {names}"
 
 
+def _own_kind(found: list[tuple[str, nn.Module]]) -> str:
+    """What the modules of `found` do themselves: checkpointing, torch's `offload_wrapper`'s offloading, or both."""
+    offloading = sum(is_offload_wrapper(m) for _, m in found)
+    if not offloading:
+        return "gradient checkpointing"
+    kind = f"activation offloading (torch's offload_wrapper, {offloading} modules)"
+    return kind if offloading == len(found) else f"gradient checkpointing and {kind}"
+
+
 def turned_off(owner: str, found: list[tuple[str, nn.Module]]) -> str:
     """What rotor did with the flags of `found` (the modules of one chain), for `warning`."""
     return (
-        f"{owner} had its own gradient checkpointing on ({_listed(found)}); rotor turned it off while it trains "
+        f"{owner} had its own {_own_kind(found)} on ({_listed(found)}); rotor turned it off while it trains "
         "this module (a Trainer's fit turns it back on at its end; `restore_own_checkpointing()` does by hand)"
     )
 
@@ -124,8 +144,9 @@ def turned_off(owner: str, found: list[tuple[str, nn.Module]]) -> str:
 def turned_off_in_chains(owner: str, found: dict[str, list[tuple[str, nn.Module]]]) -> str:
     """The same for several chains of one model (an encoder's and a decoder's stacks): one note naming each."""
     chains = "; ".join(f"{name}: {_listed(modules)}" for name, modules in found.items() if modules)
+    kind = _own_kind([item for modules in found.values() for item in modules])
     return (
-        f"{owner} had its own gradient checkpointing on ({chains}); rotor turned it off while it trains "
+        f"{owner} had its own {kind} on ({chains}); rotor turned it off while it trains "
         "these chains (a Trainer's fit turns it back on at its end)"
     )
 

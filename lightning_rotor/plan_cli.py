@@ -3,7 +3,8 @@
 Plans a saved chain offline: a readable summary by default, the plan JSON of
 docs/memory-model.md with `--json`. With a transfer bandwidth (`--bandwidth 12GB/s`, or
 the chain's own, version 6) the planner may offload stage inputs to host memory; the
-summary then puts the recompute-only plan's time at the same budget beside the plan's, and
+summary then puts the recompute-only plan's time at the same budget beside the plan's (or says that
+none fits, below recompute-only's floor), and
 the JSON carries both. Exit codes: 0 planned, 1 bad input (file, JSON, chain, budget,
 bandwidth, host limit), 2 infeasible budget or bad arguments.
 """
@@ -19,7 +20,7 @@ from typing import Any
 from lightning_rotor.budget import BudgetError, format_bandwidth, format_bytes, parse_bandwidth, parse_host_limit
 from lightning_rotor.chain import Chain, ChainError
 from lightning_rotor.discretize import DEFAULT_SLOTS
-from lightning_rotor.planner import InfeasibleBudget, Plan, PlannerTooLarge, plan
+from lightning_rotor.planner import InfeasibleBudget, Plan, PlannerTooLarge, min_feasible_budget, plan
 
 PROG = "lightning-rotor plan"
 
@@ -76,19 +77,29 @@ def offload_saving(result: Plan) -> dict[str, float] | None:
 
 
 def _offload_lines(chain: Chain, result: Plan) -> list[str]:
-    saving = offload_saving(result)
-    if saving is None:
+    """Two lines on offloading whenever the plan was made with a bandwidth: what moved, and the recompute-only
+    plan beside it (or that none fits this budget: offloading is what made it plannable)."""
+    if not result.bandwidth:
         return []
     moved = sum(1 for op in result.ops if op[0] == "Offload")
+    parts = sum(1 for op in result.ops if op[0] == "OffloadSaved")
+    what = f"{moved} value(s)" + (f" and {parts} saved part(s)" if parts else "")
     host_limit = "" if chain.host_limit is None else f" of {format_bytes(chain.host_limit)} allowed"
+    head = (
+        f"offload: {what} to host memory at {format_bandwidth(result.bandwidth)}; "
+        f"host peak {format_bytes(result.host_peak)}{host_limit}"
+    )
+    saving = offload_saving(result)
+    if saving is None:
+        floor = min_feasible_budget(chain, bandwidth=0)
+        return [head, f"recompute-only: no plan fits this budget (its floor is {format_bytes(floor)}, {floor} bytes)"]
     share = (
         f", {100 * saving['overhead_removed']:.1f}% of its recomputation overhead"
         if saving["recompute_only_time"] > result.no_recompute_time
         else ""
     )
     return [
-        f"offload: {moved} value(s) to host memory at {format_bandwidth(result.bandwidth)}; "
-        f"host peak {format_bytes(result.host_peak)}{host_limit}",
+        head,
         f"recompute-only: {saving['recompute_only_time']:.6g} s at the same budget; offloading saves "
         f"{saving['saved']:.6g} s{share}",
     ]

@@ -250,11 +250,68 @@ def min_feasible_budget(chain: Chain, *, bandwidth: float | None = None) -> int:
     With a channel (`bandwidth` > 0, or the chain's own when None), kept inputs and the `offloadable`
     parts of recorded stages may move to host memory, waited for where the memory needs it, so the
     floor may be below recompute-only's (docs/planner.md, "Debts"); `bandwidth=0` gives recompute-only's.
+    With a `host_limit` on the chain as well, it is the least budget found with a schedule within the host
+    limit (`_host_bound_floor`): `plan()` succeeds there, and refuses a budget only below it, naming it.
     """
     checked = check_bandwidth(bandwidth)
     suffix = chain.suffix()
     offload = suffix.bandwidth > 0 if checked is None else checked > 0
+    floor = _free_floor(chain, offload)
+    if offload and suffix.host_limit is not None:
+        moving = suffix if checked is None else suffix.with_transfer(checked)
+        floor = max(floor, _host_bound_floor(moving, floor))
+    return floor
+
+
+def _free_floor(chain: Chain, offload: bool) -> int:
+    """The floor with offloaded values moving freely (no host limit): the C++ tables' least need."""
+    suffix = chain.suffix()
     return max(1, chain.prefix_peak, _planner.min_budget(*_memory_args(suffix), **_exact_extras(suffix, offload)))
+
+
+def _within_host(chain: Chain, budget: int, found: list[Any] | None) -> list[Op] | None:
+    """`found`'s ops where they replay within `budget` and the chain's host limit (the simulator refuses more)."""
+    if found is None:
+        return None
+    ops = parse_ops(found)
+    try:
+        sim = simulate(chain, ops)
+    except ValueError:
+        return None
+    return ops if sim.peak <= budget else None
+
+
+def _host_witness(chain: Chain, budget: int) -> list[Op] | None:
+    """A schedule of `chain` (no frozen prefix) within `budget` and its host limit: the exact-byte one that moves
+    what it must, else the offloading DP's at automatic slots; None when neither keeps within both."""
+    exact = _planner.feasible_schedule(*_memory_args(chain), budget, **_exact_extras(chain, True))
+    ops = _within_host(chain, budget, exact)
+    if ops is None:
+        found = solve_discretized(chain, budget, resolve_slots(None, chain.length))
+        ops = _within_host(chain, budget, None if found is None else found[1])
+    return ops
+
+
+def _host_bound_floor(chain: Chain, low: int) -> int:
+    """The least budget from `low` (the floor moving freely) with a `_host_witness`, by bisection up to
+    recompute-only's floor, which needs no host memory, to 1/1024 of the gap (each step plans and replays: ~10
+    steps, not ~30 on a chain of gigabytes), after two probes that settle most chains: the free floor itself, and
+    1/1024 below recompute-only's. The budget returned has a witness, so planning there succeeds; one below it
+    may too, where the search skipped it (the exact least under a host limit is not searched)."""
+    high = _free_floor(chain, False)
+    if low >= high or _host_witness(chain, low) is not None:
+        return min(low, high)
+    close = max(1, (high - low) >> 10)
+    if high - close <= low or _host_witness(chain, high - close) is None:  # none just below: recomputing only
+        return high
+    below, high = low, high - close  # `below` has no witness; `high` has one
+    while high - below > close:
+        middle = (below + high) // 2
+        if _host_witness(chain, middle) is not None:
+            high = middle
+        else:
+            below = middle
+    return high
 
 
 def _exact_extras(chain: Chain, offload: bool) -> dict[str, Any]:
@@ -319,9 +376,8 @@ def _planning_problem(
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise ValueError(f"threads must be a positive integer or None, got {threads!r}")
     budget = resolve_budget(mem_limit, no_recompute_peak(whole))
-    smallest = min_feasible_budget(whole)
-    if budget < smallest:
-        raise InfeasibleBudget(budget, smallest)
+    if budget < _free_floor(whole, whole.offloads):  # below it nothing fits; the floor named respects the host limit
+        raise InfeasibleBudget(budget, min_feasible_budget(whole))
     check_planner_memory(chain.length, resolved, chain.offloads)
     return whole, chain, budget, resolved
 
@@ -371,8 +427,8 @@ def plan(
     recompute_only = min(scored, key=lambda item: item[0].time) if scored else None
     if chain.offloads:
         scored += _offloading_candidates(chain, budget, slots, threads, exact=not scored)
-    if not scored:  # only the exact-byte offloading schedule could fit, and the host limit refused it
-        raise InfeasibleBudget(budget, min_feasible_budget(whole, bandwidth=0.0))
+    if not scored:  # below the host-bound floor: what fits the budget passes the host limit
+        raise InfeasibleBudget(budget, min_feasible_budget(whole))
     best, ops = min(scored, key=lambda item: item[0].time)
     peak, time, host_peak = best.peak, best.time, best.host_peak
     alone = recompute_only[0].time if chain.offloads and recompute_only is not None else None
@@ -406,10 +462,14 @@ def _offloading_candidates(
     offloading = solve_discretized(chain, budget, slots, threads)
     if offloading is not None:
         found.append(parse_ops(offloading[1]))
-    if exact:
-        fallback = _planner.feasible_schedule(*_memory_args(chain), budget, **_exact_extras(chain, True))
+    if exact:  # at the budget, or else the witness of the host-bound floor below it (within the floor: fits)
+        fallback = _within_host(
+            chain, budget, _planner.feasible_schedule(*_memory_args(chain), budget, **_exact_extras(chain, True))
+        )
+        if fallback is None and chain.host_limit is not None and (floor := min_feasible_budget(chain)) <= budget:
+            fallback = _host_witness(chain, floor)
         if fallback is not None:
-            found.append(parse_ops(fallback))
+            found.append(fallback)
     scored = []
     for ops in found:
         try:

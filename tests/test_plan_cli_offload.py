@@ -95,3 +95,16 @@ def test_bandwidth_zero_turns_off_the_chains_own(tmp_path, capsys):
     assert main([str(path), "--mem-limit", str(budget), "--bandwidth", "0", "--json"]) == 0
     off = json.loads(capsys.readouterr().out)
     assert "offload_saving" not in off and not any(op[0] == "Offload" for op in off["ops"])
+
+
+def test_below_recompute_onlys_floor_the_summary_still_speaks_of_offloading(tmp_path, capsys):
+    """At 18 B only moving stage 0's saved part fits (recomputing only needs 22 B): the summary says what moved
+    and that no recompute-only plan fits, rather than nothing on offloading."""
+    from test_offload_debts import loss_bound_chain
+
+    path = tmp_path / "loss_bound.json"
+    loss_bound_chain().save(path)
+    assert main([str(path), "--mem-limit", "18"]) == 0
+    out = capsys.readouterr().out
+    assert "offload: 0 value(s) and 1 saved part(s) to host memory at 8e-09 GB/s; host peak 8 B" in out
+    assert "recompute-only: no plan fits this budget (its floor is 22 B, 22 bytes)" in out

@@ -182,7 +182,9 @@ class ModuleRun:
                     f"block {self.names[k]} is the same module as an earlier block of the run; "
                     "a module-level chain cannot tell its calls apart"
                 )
-            block.forward = _Patched(self, k, type(block).forward.__get__(block))
+            # the block's own forward: an instance-level one (accelerate's hooks, rotor's own_checkpointing) first
+            own = originals[k]
+            block.forward = _Patched(self, k, own if own is not None else type(block).forward.__get__(block))
 
     def uninstall(self) -> None:
         for block, original in zip(self.blocks, self._state.get("originals", []), strict=False):

@@ -66,3 +66,16 @@ class RotorFabricModelParallelStrategy(ModelParallelStrategy):
             module = Checkpointable(module, config=self.config)
         self.rotor = module
         return super().setup_module(module)
+
+    def restore_own_checkpointing(self) -> None:
+        """The model's own checkpointing (Hugging Face's flags, `checkpoint_wrapper`s) that rotor turned off, back
+        on. Fabric has no end of training to do it at: call this, or `teardown()`, when done. The module stays
+        wrapped: the `Checkpointable` is the FSDP root, as under the Trainer's strategy."""
+        if self.rotor is not None:
+            self.rotor.restore_own_checkpointing()
+
+    def teardown(self) -> None:
+        """The model's own checkpointing back on, as the Trainer's `RotorModelParallelStrategy` does at the end of
+        a fit; then Fabric's teardown."""
+        self.restore_own_checkpointing()
+        super().teardown()

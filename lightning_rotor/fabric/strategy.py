@@ -192,6 +192,17 @@ class RotorFabricStrategy(ConfigAttributes, SingleDeviceStrategy):
             unique = f"{name}_{i}"
         return unique
 
+    def restore_own_checkpointing(self) -> None:
+        """The model's own checkpointing (Hugging Face's flags, `checkpoint_wrapper`s) that rotor turned off, back
+        on in every chain. Fabric has no end of training to do it at: call this, or `teardown()`, when done."""
+        for rotor in self.chains.values():
+            rotor.restore_own_checkpointing()
+
+    def teardown(self) -> None:
+        """The model's own checkpointing back on, as a Trainer's fit does at its end; then Fabric's teardown."""
+        self.restore_own_checkpointing()
+        super().teardown()
+
     # -- a step: the first training forward ... fabric.backward -------------------------------------------
     def _on_forward(self, module: nn.Module, args: Any) -> None:
         if self._in_step or not module.training or not torch.is_grad_enabled():
