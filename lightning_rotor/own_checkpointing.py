@@ -137,7 +137,8 @@ def turned_off(owner: str, found: list[tuple[str, nn.Module]]) -> str:
     """What rotor did with the flags of `found` (the modules of one chain), for `warning`."""
     return (
         f"{owner} had its own {_own_kind(found)} on ({_listed(found)}); rotor turned it off while it trains "
-        "this module (a Trainer's fit turns it back on at its end; `restore_own_checkpointing()` does by hand)"
+        "this module (a Trainer's fit or a Fabric strategy's teardown() turns it back on; "
+        "`restore_own_checkpointing()` does by hand)"
     )
 
 
@@ -147,7 +148,7 @@ def turned_off_in_chains(owner: str, found: dict[str, list[tuple[str, nn.Module]
     kind = _own_kind([item for modules in found.values() for item in modules])
     return (
         f"{owner} had its own {kind} on ({chains}); rotor turned it off while it trains "
-        "these chains (a Trainer's fit turns it back on at its end)"
+        "these chains (a Trainer's fit or a Fabric strategy's teardown() turns it back on)"
     )
 
 
