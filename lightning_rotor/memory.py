@@ -43,6 +43,7 @@ entered around forward and backward sees both.
 
 from __future__ import annotations
 
+import functools
 import operator
 import sys
 import threading
@@ -50,6 +51,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Set as AbstractSet
 from contextlib import AbstractContextManager, contextmanager
+from itertools import compress
 from types import FrameType
 from typing import Any, Protocol
 
@@ -67,11 +69,43 @@ from lightning_rotor._torch_compat import (
 )
 
 _GRAD = operator.attrgetter("grad")
+_CDATA = operator.attrgetter("_cdata")  # a storage's key (`storage_id`)
+_REF = operator.attrgetter("cdata")  # a storage weak reference's handle (`weak_storage_expired` takes it)
+_FIRST = operator.itemgetter(0)
+_LAYOUT = operator.attrgetter("layout")
+_STORAGE = operator.methodcaller("untyped_storage")
+_NOT_NONE = functools.partial(operator.is_not, None)
+_PLAIN_TENSOR = {torch.Tensor}
+_STRIDED = {torch.strided}
 
 
 def storage_key(tensor: torch.Tensor) -> int:
     """Identity of the storage behind `tensor` (shared by all its views)."""
     return storage_id(tensor.untyped_storage())
+
+
+def gradient_keys(params: list[torch.Tensor]) -> set[int]:
+    """Storages of the `.grad` of `params` (those that have one).
+
+    A probe runs it before every op: the common case (no gradient, or plain strided tensors) is found by C-level
+    iteration (`map`, `filter`), without a Python step per parameter."""
+    grads = list(filter(_NOT_NONE, map(_GRAD, params)))
+    if not grads:
+        return set()
+    if set(map(type, grads)) <= _PLAIN_TENSOR and set(map(_LAYOUT, grads)) == _STRIDED:
+        return set(map(_CDATA, map(_STORAGE, grads)))
+    keys = set()
+    for g in grads:
+        if type(g) is not torch.Tensor and hasattr(g, "to_local"):  # FSDP2: a DTensor gradient, its shard
+            g = g.to_local()
+        if g.layout == torch.strided:
+            keys.add(storage_id(g.untyped_storage()))
+    return keys
+
+
+def _hookable(t: torch.Tensor) -> bool:
+    """A leaf that requires grad: autograd accumulates into its `.grad` (and runs its accumulation hooks)."""
+    return t.requires_grad and t.is_leaf
 
 
 def _strided(t: Any) -> bool:
@@ -237,6 +271,43 @@ def storage_emptied(storage: torch.UntypedStorage) -> None:
             probe._forget(storage_id(storage))
 
 
+class Excluded:
+    """What a probe never counts, found once: the storages of the parameters and buffers of the modules (or the
+    tensors) given, and the parameters whose gradients are parameter memory too.
+
+    Finding them walks every module; a profile makes a probe per measured run, so it finds them once per profile
+    (`MemoryProbe(Excluded(stages))`) rather than once per run.
+
+    NOTE: [gradients stored by autograd] a fresh parameter gradient stops counting once it is stored as `.grad`.
+    By default a probe reads every excluded parameter's `.grad` before every op to find the stored ones (some
+    300 ns a parameter: 0.2 ms an op for a model of 150 parameters with gradients). With `by_autograd`, for a
+    block where only autograd stores gradients (no `p.grad = ...` in it, as in the profiler's measured runs),
+    a hook after each accumulation (`register_post_accumulate_grad_hook`) tells the probe which parameter's
+    `.grad` to read, at the same op boundary: the same figures, at a cost per gradient stored, not per op.
+    """
+
+    def __init__(self, exclude: nn.Module | Iterable[nn.Module | torch.Tensor] = (), *, by_autograd: bool = False):
+        self.by_autograd = by_autograd  # NOTE: [gradients stored by autograd]
+        if isinstance(exclude, nn.Module):
+            exclude = [exclude]
+        self.fixed: set[int] = set()
+        self.params: list[torch.Tensor] = []
+        self.bookkeeping: set[Any] = set()
+        seen: set[int] = set()  # a tensor reachable from two excluded modules (a DDP and its module) once
+        for item in exclude:
+            if isinstance(item, DistributedDataParallel):
+                self.bookkeeping.add(_code(ddp_pre_forward()))
+            tensors = list(item.parameters()) + list(item.buffers()) if isinstance(item, nn.Module) else [item]
+            for t in tensors:
+                if id(t) in seen:
+                    continue
+                seen.add(id(t))
+                if t.layout == torch.strided:
+                    self.fixed.add(storage_key(t))
+                if isinstance(t, nn.Parameter) or t.requires_grad:
+                    self.params.append(t)
+
+
 class MemoryProbe(TorchDispatchMode, _HostAccount):
     """Exact live activation bytes: `with MemoryProbe(exclude=model) as probe: ...`.
 
@@ -249,31 +320,20 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
 
     def __init__(
         self,
-        exclude: nn.Module | Iterable[nn.Module | torch.Tensor] = (),
+        exclude: nn.Module | Iterable[nn.Module | torch.Tensor] | Excluded = (),
         *,
         record_curve: bool = False,
         bookkeeping: Iterable[Callable] = (),
     ):
         super().__init__()
-        if isinstance(exclude, nn.Module):
-            exclude = [exclude]
-        self._fixed: set[int] = set()
-        self._params: list[torch.Tensor] = []
-        self._bookkeeping = {_code(f) for f in bookkeeping}
+        excluded = exclude if isinstance(exclude, Excluded) else Excluded(exclude)
+        self._fixed: set[int] = set(excluded.fixed)
+        self._params: list[torch.Tensor] = excluded.params
+        self._by_autograd = excluded.by_autograd  # NOTE: [gradients stored by autograd]
+        self._stored: list[torch.Tensor] = []  # parameters whose `.grad` autograd stored since the last sweep
+        self._hooks: list[Any] = []
+        self._bookkeeping = {_code(f) for f in bookkeeping} | excluded.bookkeeping
         self._uncounted: dict[int, StorageWeakRef] = {}  # storages made by bookkeeping
-        seen: set[int] = set()  # a tensor reachable from two excluded modules (a DDP and its module) once
-        for item in exclude:
-            if isinstance(item, DistributedDataParallel):
-                self._bookkeeping.add(_code(ddp_pre_forward()))
-            tensors = list(item.parameters()) + list(item.buffers()) if isinstance(item, nn.Module) else [item]
-            for t in tensors:
-                if id(t) in seen:
-                    continue
-                seen.add(id(t))
-                if t.layout == torch.strided:
-                    self._fixed.add(storage_key(t))
-                if isinstance(t, nn.Parameter) or t.requires_grad:
-                    self._params.append(t)
         self._live: dict[int, tuple[StorageWeakRef, int]] = {}
         self._host_live: dict[int, tuple[StorageWeakRef, int]] = {}  # host copies made under host_allocations
         self._host_init()
@@ -288,23 +348,30 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
 
     # -- accounting -------------------------------------------------------------------------
     def _gradients(self) -> set[int]:
-        """Storages of the excluded parameters' gradients (parameter memory, not activations)."""
-        keys = set()
-        for g in [g for g in map(_GRAD, self._params) if g is not None]:  # most are None: no Python loop for them
-            if type(g) is not torch.Tensor and hasattr(g, "to_local"):  # FSDP2: a DTensor gradient, its shard
-                g = g.to_local()
-            if g.layout == torch.strided:
-                keys.add(storage_id(g.untyped_storage()))
+        """Storages of the excluded parameters' gradients (parameter memory, not activations): every parameter's
+        `.grad` read, or with `by_autograd` those autograd stored since the last sweep (NOTE: [gradients stored
+        by autograd])."""
+        if not self._by_autograd:
+            return gradient_keys(self._params)
+        keys = gradient_keys(self._stored)
+        self._stored.clear()  # in place: the hooks append to this list
         return keys
 
     def _sweep(self) -> None:
-        if not self._live and not self._host_live:
-            return
-        fixed, grads = self._fixed, self._gradients() if self._params else ()
-        expired = weak_storage_expired
-        dead = [k for k, (ref, _) in self._live.items() if k in fixed or k in grads or expired(ref.cdata)]
-        for k in dead:
-            self.current -= self._live.pop(k)[1]
+        live = self._live
+        if live:
+            # the expired storages, found without a Python step per live storage (the common case: none beside)
+            dead = list(compress(live.keys(), map(weak_storage_expired, map(_REF, map(_FIRST, live.values())))))
+            gone = self._fixed.intersection(live)
+            if self._params:
+                gone |= self._gradients().intersection(live)
+            if gone:
+                gone.update(dead)
+                dead = [k for k in live if k in gone]  # in the order they were counted, as before
+            for k in dead:
+                self.current -= live.pop(k)[1]
+        elif self._stored:
+            self._stored.clear()  # nothing counted that could be a gradient
         if self._host_live:
             for k in [k for k, (ref, _) in self._host_live.items() if ref.expired()]:
                 self.host_current -= self._host_live.pop(k)[1]
@@ -407,6 +474,9 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
         # a probe entered while a profile is traced counts through its sizer; one entered before (a step's
         # measurement around a step that profiles) counts plain bytes (NOTE: [storage sizes traced])
         self._sizer = _SIZERS[-1] if _SIZERS else PLAIN_BYTES
+        if self._by_autograd:  # NOTE: [gradients stored by autograd]
+            stored = self._stored.append
+            self._hooks = [p.register_post_accumulate_grad_hook(stored) for p in self._params if _hookable(p)]
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
@@ -414,6 +484,9 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
         _ACTIVE.discard(self)
         _ACTIVE_HOST.discard(self)
         self._sweep()  # host copies that died with the block's last op are no longer held
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
         self.close()
 
     def close(self) -> None:

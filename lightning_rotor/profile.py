@@ -47,7 +47,7 @@ from lightning_rotor.engine import (
     value_device,
     versions,
 )
-from lightning_rotor.memory import MemoryProbe, storage_bytes, storage_key, storage_nbytes
+from lightning_rotor.memory import Excluded, MemoryProbe, storage_bytes, storage_key, storage_nbytes
 from lightning_rotor.offload import SavedPart
 from lightning_rotor.selective import EXPENSIVE_OPS, run_selective
 
@@ -515,7 +515,7 @@ class _Context:
     """What every measurement of one profile shares: how it measures, and what it was asked to measure."""
 
     sample: Any  # the chain input a_0, held by the caller throughout
-    exclude: list[nn.Module]  # the stages: their parameters and buffers are not activations
+    exclude: Excluded  # the stages' parameters and buffers, found once: not activations
     watch: _AllocatorWatch
     untouched: Untouched
     device: torch.device
@@ -1002,7 +1002,15 @@ def profile_chain(
     collect_young()  # garbage of what ran before dies now, not inside a measured run
     with collector_paused(), Untouched(stages, [device]) as untouched:
         ctx = _Context(
-            sample, list(stages), _AllocatorWatch(device), untouched, device, needs_grad, options, offload, warmup
+            sample,
+            Excluded(stages, by_autograd=True),
+            _AllocatorWatch(device),
+            untouched,
+            device,
+            needs_grad,
+            options,
+            offload,
+            warmup,
         )
         walk = _walk_chain(stages, names, ctx, progress, start)
         loss = _loss_figures(walk.value, loss_tmp, device)
