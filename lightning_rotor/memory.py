@@ -282,8 +282,10 @@ class Excluded:
     By default a probe reads every excluded parameter's `.grad` before every op to find the stored ones (some
     300 ns a parameter: 0.2 ms an op for a model of 150 parameters with gradients). With `by_autograd`, for a
     block where only autograd stores gradients (no `p.grad = ...` in it, as in the profiler's measured runs),
-    a hook after each accumulation (`register_post_accumulate_grad_hook`) tells the probe which parameter's
-    `.grad` to read, at the same op boundary: the same figures, at a cost per gradient stored, not per op.
+    a hook after each accumulation (`register_post_accumulate_grad_hook`) tells the probes inside which
+    parameter's `.grad` to read, at the same op boundary: the same figures, at a cost per gradient stored, not per
+    op. The hooks are set while the `Excluded` is entered (`with Excluded(stages, by_autograd=True) as exclude:`),
+    once for all the probes made from it inside.
     """
 
     def __init__(self, exclude: nn.Module | Iterable[nn.Module | torch.Tensor] = (), *, by_autograd: bool = False):
@@ -306,6 +308,23 @@ class Excluded:
                     self.fixed.add(storage_key(t))
                 if isinstance(t, nn.Parameter) or t.requires_grad:
                     self.params.append(t)
+        self.probes: list[MemoryProbe] = []  # inside their block, told of stored gradients (`by_autograd`)
+        self._hooks: list[Any] = []
+
+    def __enter__(self) -> Excluded:
+        if self.by_autograd:
+            self._hooks = [p.register_post_accumulate_grad_hook(self._stored) for p in self.params if _hookable(p)]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def _stored(self, param: torch.Tensor) -> None:
+        """Autograd stored (or accumulated into) `param.grad`: the probes inside read it at their next sweep."""
+        for probe in self.probes:
+            probe._stored.append(param)
 
 
 class MemoryProbe(TorchDispatchMode, _HostAccount):
@@ -329,9 +348,9 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
         excluded = exclude if isinstance(exclude, Excluded) else Excluded(exclude)
         self._fixed: set[int] = set(excluded.fixed)
         self._params: list[torch.Tensor] = excluded.params
+        self._excluded = excluded
         self._by_autograd = excluded.by_autograd  # NOTE: [gradients stored by autograd]
         self._stored: list[torch.Tensor] = []  # parameters whose `.grad` autograd stored since the last sweep
-        self._hooks: list[Any] = []
         self._bookkeeping = {_code(f) for f in bookkeeping} | excluded.bookkeeping
         self._uncounted: dict[int, StorageWeakRef] = {}  # storages made by bookkeeping
         self._live: dict[int, tuple[StorageWeakRef, int]] = {}
@@ -353,9 +372,8 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
         by autograd])."""
         if not self._by_autograd:
             return gradient_keys(self._params)
-        keys = gradient_keys(self._stored)
-        self._stored.clear()  # in place: the hooks append to this list
-        return keys
+        stored, self._stored = self._stored, []
+        return gradient_keys(stored)
 
     def _sweep(self) -> None:
         live = self._live
@@ -371,7 +389,7 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
             for k in dead:
                 self.current -= live.pop(k)[1]
         elif self._stored:
-            self._stored.clear()  # nothing counted that could be a gradient
+            self._stored = []  # nothing counted that could be a gradient
         if self._host_live:
             for k in [k for k, (ref, _) in self._host_live.items() if ref.expired()]:
                 self.host_current -= self._host_live.pop(k)[1]
@@ -475,8 +493,9 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
         # measurement around a step that profiles) counts plain bytes (NOTE: [storage sizes traced])
         self._sizer = _SIZERS[-1] if _SIZERS else PLAIN_BYTES
         if self._by_autograd:  # NOTE: [gradients stored by autograd]
-            stored = self._stored.append
-            self._hooks = [p.register_post_accumulate_grad_hook(stored) for p in self._params if _hookable(p)]
+            if not self._excluded._hooks and any(map(_hookable, self._params)):
+                raise RuntimeError("a MemoryProbe of Excluded(..., by_autograd=True) runs inside `with excluded:`")
+            self._excluded.probes.append(self)
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
@@ -484,9 +503,8 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
         _ACTIVE.discard(self)
         _ACTIVE_HOST.discard(self)
         self._sweep()  # host copies that died with the block's last op are no longer held
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
+        if self._by_autograd:
+            self._excluded.probes.remove(self)
         self.close()
 
     def close(self) -> None:

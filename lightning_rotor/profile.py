@@ -1001,18 +1001,12 @@ def profile_chain(
     needs_grad = any(t.requires_grad for t in inputs)
     collect_young()  # garbage of what ran before dies now, not inside a measured run
     with collector_paused(), Untouched(stages, [device]) as untouched:
-        ctx = _Context(
-            sample,
-            Excluded(stages, by_autograd=True),
-            _AllocatorWatch(device),
-            untouched,
-            device,
-            needs_grad,
-            options,
-            offload,
-            warmup,
-        )
-        walk = _walk_chain(stages, names, ctx, progress, start)
+        # NOTE: [gradients stored by autograd]: no measured run sets a `.grad`; the hooks only while they run
+        with Excluded(stages, by_autograd=True) as exclude:
+            ctx = _Context(
+                sample, exclude, _AllocatorWatch(device), untouched, device, needs_grad, options, offload, warmup
+            )
+            walk = _walk_chain(stages, names, ctx, progress, start)
         loss = _loss_figures(walk.value, loss_tmp, device)
         walk.value = None  # a_L: the timing rounds hold no more than B k does
         selective: dict[int, list[float]] = {k: [] for k, record in enumerate(walk.records) if record.options}

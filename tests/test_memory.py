@@ -159,13 +159,14 @@ def test_gradients_stored_by_autograd_give_the_same_figures(accumulate):
     model = gpt(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.1)
     x = torch.randint(0, 64, (2, 16))
     curves = []
-    for exclude in (model, Excluded(model, by_autograd=True)):
-        for p in model.parameters():
-            p.grad = torch.zeros_like(p) if accumulate else None
-        torch.manual_seed(1)
-        with MemoryProbe(exclude, record_curve=True) as probe:
-            lm_loss(model(x), x).backward()
-            probe.mark("after")
-        curves.append((probe.curve, probe.peak, probe.marks))
+    with Excluded(model, by_autograd=True) as excluded:
+        for exclude in (model, excluded):
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p) if accumulate else None
+            torch.manual_seed(1)
+            with MemoryProbe(exclude, record_curve=True) as probe:
+                lm_loss(model(x), x).backward()
+                probe.mark("after")
+            curves.append((probe.curve, probe.peak, probe.marks))
     assert curves[0] == curves[1]
     assert max(curves[0][0]) > curves[0][2][0][2]  # the backward's gradients were counted before being stored
