@@ -715,17 +715,22 @@ class _OpKinds(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _measure_option(run: _StageRun, ctx: _Context, s_k: int, out_size: int) -> StageOption | None:
-    """Option "sac" of a stage (chain version 5), measured as its `Fe` is (`_measure_recorded`), times 0 (the
-    timing rounds fill them); None where it cannot help: the stage runs no op the policy saves, or none it
-    recomputes."""
+def _option_runs(run: _StageRun, ctx: _Context) -> list[_Recorded] | None:
+    """Option "sac" of a stage (chain version 5), measured as its `Fe` is (`_measure_recorded`); None where it
+    cannot help: the stage runs no op the policy saves, or none it recomputes (`_option` makes its figures)."""
     kinds = _OpKinds()
     with torch.no_grad(), no_cast_cache(), kinds:
         run.stage(run.value)
     ctx.untouched.restore_buffers()
     if not (kinds.saved and kinds.recomputed):
         return None
-    recorded = [_measure_recorded(run, ctx, accumulate, selective=True) for accumulate in (False, True)]
+    return [_measure_recorded(run, ctx, accumulate, selective=True) for accumulate in (False, True)]
+
+
+def _option(recorded: list[_Recorded] | None, s_k: int, out_size: int) -> StageOption | None:
+    """Option "sac" from its measured runs (`_option_runs`), times 0 (the timing rounds fill them)."""
+    if recorded is None:
+        return None
     fwd_tmp, saved_size, out_free, bwd_tmp = _stage_figures(recorded, out_size, s_k)
     return StageOption(saved_size, 0.0, 0.0, fwd_tmp, bwd_tmp, out_free, name="sac")
 
@@ -834,25 +839,28 @@ def _profile_stage(stage: nn.Module, k: int, name: str, walk: _Walk, ctx: _Conte
             return
     # the first stage after the frozen prefix gets its input as plain autograd does: without grad
     run = _StageRun(stage, k, name, walk.value, ctx.needs_grad if k <= walk.frozen else True)
-    record, output_kept = _measure_stage(run, walk, ctx)
-    for _ in range(ctx.warmup):  # untimed (the memory runs above warm up too)
-        _timed_run(run.forward, ctx.device, ctx.untouched)
-    with torch.no_grad(), no_cast_cache():
-        out = stage(walk.value)  # the next stage's sample input
+    record, output_kept, out = _measure_stage(run, walk, ctx)
     walk.advance(record, out, output_kept)
-    ctx.untouched.restore_buffers()
 
 
-def _measure_stage(run: _StageRun, walk: _Walk, ctx: _Context) -> tuple[StageProfile, list[bool]]:
-    """Stage k's record, times 0 (the timing rounds fill them), and per tensor of a_{k+1}: kept by its graph."""
-    out_size, fwd_tmp_nograd = _measure_nograd(run, ctx)
-    in_free = _in_free(run, walk, ctx)  # measured after the in-place check of the run above
+def _measure_stage(run: _StageRun, walk: _Walk, ctx: _Context) -> tuple[StageProfile, list[bool], Any]:
+    """Stage k's record, times 0 (the timing rounds fill them), per tensor of a_{k+1}: kept by its graph, and
+    a_{k+1}, the next stage's sample input.
+
+    NOTE: [the no-grad run comes last] its output is the next stage's input, made without grad as before, one
+    forward fewer per stage; it runs after as many runs as the separate forward that made it did (the RNG
+    stream at the same place: the same input, dropout and all), and holds no more than that forward did."""
     recorded = _measure_recorded_runs(run, ctx)
     if run.k == 0:
         walk.input_uses = recorded[0].input_uses
+    in_free = _in_free(run, walk, ctx)  # measured after the in-place check of the runs above
+    option_runs = _option_runs(run, ctx) if ctx.options else None
+    for _ in range(ctx.warmup):  # untimed (the memory runs above warm up too)
+        _timed_run(run.forward, ctx.device, ctx.untouched)
+    out_size, fwd_tmp_nograd, out = _measure_nograd(run, ctx)
     s_k = walk.records[run.k - 1].out_size if 0 < run.k <= walk.frozen else storage_bytes(run.value)  # a_F: beside a_0
     fwd_tmp, saved_size, out_free, bwd_tmp = _stage_figures(recorded, out_size, s_k)
-    option = _measure_option(run, ctx, s_k, out_size) if ctx.options else None
+    option = _option(option_runs, s_k, out_size)
     record = StageProfile(
         out_size=out_size,
         saved_size=saved_size,
@@ -867,11 +875,11 @@ def _measure_stage(run: _StageRun, walk: _Walk, ctx: _Context) -> tuple[StagePro
         offloadable=recorded[0].offloadable,
         name=run.name,
     )
-    return record, [any(kept) for kept in zip(*(r.out_kept for r in recorded), strict=True)]
+    return record, [any(kept) for kept in zip(*(r.out_kept for r in recorded), strict=True)], out
 
 
-def _measure_nograd(run: _StageRun, ctx: _Context) -> tuple[int, int]:
-    """(out_size, fwd_tmp_nograd): the stage run without grad recording (`Fn`, `Fc`)."""
+def _measure_nograd(run: _StageRun, ctx: _Context) -> tuple[int, int, Any]:
+    """(out_size, fwd_tmp_nograd, output): the stage run without grad recording (`Fn`, `Fc`)."""
     with MemoryProbe(ctx.exclude) as probe:
         probe.track(run.value)  # a_k is held before the stage runs; only what comes after counts
         ctx.watch.start()
@@ -879,10 +887,8 @@ def _measure_nograd(run: _StageRun, ctx: _Context) -> tuple[int, int]:
         peak, end = ctx.watch.stop()
         collect_young()
         probe.mark("after")
-    out_size = storage_bytes(out)
-    del out  # not held through the recorded runs: profiling stays within what B k needs
     ctx.untouched.restore_buffers()
-    return out_size, max(probe.peak - probe.current, peak - end)
+    return storage_bytes(out), max(probe.peak - probe.current, peak - end), out
 
 
 def _in_free(run: _StageRun, walk: _Walk, ctx: _Context) -> int:
@@ -981,7 +987,7 @@ def profile_chain(
 ) -> Profile:
     """Measure `stages` on `sample` (the chain input `a_0`); see NOTE: [what each field measures].
 
-    `options`: also measure each stage's option "sac" (chain version 5, `_measure_option`) and keep
+    `options`: also measure each stage's option "sac" (chain version 5, `_option_runs`) and keep
     it where it saves fewer bytes than recording all; its times come from the same timing rounds.
 
     `offload`: also measure each stage's `offloadable` bytes (chain version 6), what `OffloadSaved k` moves.
