@@ -326,8 +326,10 @@ def _spread(samples: list[float]) -> float:
     return (max(samples) - min(samples)) / med if med > 0 else 0.0
 
 
-PROFILE_STEPS = 10  # profiling stops adding timing rounds once it has taken this many plain steps
-MIN_ROUNDS = 3  # timing rounds run whatever the time: a stage's fastest of three is rarely a stalled run
+PROFILE_STEPS = 6  # profiling stops adding timing rounds once it has taken this many plain steps
+MIN_ROUNDS = 2  # timing rounds run whatever the time: two, to tell a stalled run from a steady one
+AGREE = 0.1  # a stage's two fastest runs agree within this fraction of the faster (NOTE: [settled timing])
+AGREE_ROUND = 0.01  # or within this fraction of the median round (a stage too short to time that finely)
 
 
 def _stage_forward(
@@ -407,7 +409,8 @@ def _timed_rounds(
     A round times every stage's `Fe` and `B` once, in chain order, each on its input made
     anew without grad: a burst of load then slows one run of every stage of a round, not
     every run of one stage (which would make that stage look dear and change the plan). Rounds stop early, after
-    `MIN_ROUNDS`, once profiling has taken `PROFILE_STEPS` plain steps (the median round) in all.
+    `MIN_ROUNDS`, once the times are settled (`_settled`) or profiling has taken `PROFILE_STEPS` plain steps (the
+    median round) in all.
     """
     fwd: list[list[float]] = [[] for _ in stages]
     bwd: list[list[float]] = [[] for _ in stages]
@@ -430,9 +433,28 @@ def _timed_rounds(
                 untouched.restore_buffers()
         del value, forward
         totals.append(sum(f[-1] + b[-1] for f, b in zip(fwd, bwd, strict=True)))
-        if len(totals) >= MIN_ROUNDS and time.perf_counter() - start > (PROFILE_STEPS - 1) * statistics.median(totals):
+        if len(totals) >= MIN_ROUNDS and (
+            _settled(fwd, bwd, statistics.median(totals))
+            or time.perf_counter() - start > (PROFILE_STEPS - 1) * statistics.median(totals)
+        ):
             break
     return fwd, bwd
+
+
+def _settled(fwd: list[list[float]], bwd: list[list[float]], round_seconds: float) -> bool:
+    """Whether another timing round is unlikely to change a stage's time: every stage's two fastest forward runs,
+    and two fastest backward runs, agree within `AGREE` of the faster or `AGREE_ROUND` of a round.
+
+    NOTE: [settled timing] a stage's time is its fastest run (`stage_times`), wrong only where every run of it
+    was stalled; two runs, in two rounds, that agree are either both steady or stalled alike, which a burst of
+    load on a shared machine rarely does. Profiling ran three rounds whatever they showed, and went on up to
+    `repeats` while it had taken fewer than ten plain steps (`PROFILE_STEPS`, now six): ten plain steps on a quiet
+    machine too, where two rounds agree; on a loaded one the rounds go on, within the six."""
+    for runs in fwd + bwd:
+        faster, slower = sorted(runs)[:2]
+        if slower - faster > max(AGREE * faster, AGREE_ROUND * round_seconds):
+            return False
+    return True
 
 
 def stage_times(fwd: list[list[float]], bwd: list[list[float]]) -> tuple[list[float], list[float]]:
