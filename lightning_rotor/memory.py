@@ -48,8 +48,7 @@ import operator
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator
-from collections.abc import Set as AbstractSet
+from collections.abc import Callable, Container, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from itertools import compress
 from types import FrameType
@@ -403,7 +402,7 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
             frame = frame.f_back
         return False
 
-    def _add(self, tensors: list[Any], inputs: AbstractSet[int] = frozenset(), bookkeeping: bool | None = None) -> None:
+    def _add(self, tensors: list[Any], inputs: Container[int] = frozenset(), bookkeeping: bool | None = None) -> None:
         """Count the new storages behind `tensors` (flattened); `bookkeeping` None: look up (once) whether a
         bookkeeping function made them."""
         making = _making_host()
@@ -418,17 +417,19 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
                 continue
             storage = t.untyped_storage()
             key = storage_id(storage)
-            if key in self._fixed or key in inputs:
+            if key in self._fixed:
+                continue
+            old = self._live.get(key)
+            if old is not None and not old[0].expired():
+                continue  # counted already (a view, an in-place op): the op's inputs need not be looked at
+            if key in inputs:
                 continue
             host = self._host_live.get(key)
             if host is not None:
                 if not host[0].expired():
                     continue  # a host copy, counted as host memory
                 self.host_current -= self._host_live.pop(key)[1]
-            old = self._live.get(key)
             if old is not None:
-                if not old[0].expired():
-                    continue
                 self.current -= self._live.pop(key)[1]
             if self._bookkeeping:
                 ref = self._uncounted.get(key)
@@ -444,7 +445,7 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
             self.current += nbytes
         self.peak = self._sizer.higher(self.peak, self.current)
 
-    def _add_host(self, tensors: Any, inputs: AbstractSet[int]) -> None:
+    def _add_host(self, tensors: Any, inputs: Container[int]) -> None:
         """Count new storages as host copies (made inside `host_allocations`)."""
         for t in tree_leaves(tensors):
             if not _strided(t) or t.device.type == "meta":
@@ -526,12 +527,27 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         # an output on an input's storage (a view, an in-place op) is no new allocation
-        inputs = {storage_key(t) for t in _op_tensors((args, kwargs)) if t.layout == torch.strided}
-        self._add(_op_tensors(out), inputs)
+        self._add(_op_tensors(out), _InputStorages((args, kwargs)))
         self.ops += 1
         if self.record_curve:
             self.curve.append(self.current)
         return out
+
+
+class _InputStorages:
+    """The storages of an op's inputs, found when first asked: an output on a storage already counted (a view, an
+    in-place op) needs no look at them."""
+
+    __slots__ = ("_args", "_keys")
+
+    def __init__(self, args: Any):
+        self._args = args
+        self._keys: set[int] | None = None
+
+    def __contains__(self, key: object) -> bool:
+        if self._keys is None:
+            self._keys = {storage_key(t) for t in _op_tensors(self._args) if t.layout == torch.strided}
+        return key in self._keys
 
 
 class CudaMemoryProbe(_HostAccount):
