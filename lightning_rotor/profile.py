@@ -869,9 +869,11 @@ def _measure_stage(run: _StageRun, walk: _Walk, ctx: _Context) -> tuple[StagePro
     """Stage k's record, times 0 (the timing rounds fill them), per tensor of a_{k+1}: kept by its graph, and
     a_{k+1}, the next stage's sample input.
 
-    NOTE: [the no-grad run comes last] its output is the next stage's input, made without grad as before, one
-    forward fewer per stage; it runs after as many runs as the separate forward that made it did (the RNG
-    stream at the same place: the same input, dropout and all), and holds no more than that forward did."""
+    NOTE: [the no-grad run comes last] its output is the next stage's input, made without grad as before by a
+    separate forward after the stage's other runs: one forward fewer per stage, and no more held. That forward
+    drew from the RNG stream one run later, so a stage with dropout hands on other values than before: the
+    same sizes (`benchmarks/plan_dump.py` unchanged); a stage whose sizes follow its input's values (routing)
+    is measured on another sample, as valid as the one before."""
     recorded = _measure_recorded_runs(run, ctx)
     if run.k == 0:
         walk.input_uses = recorded[0].input_uses
