@@ -14,7 +14,9 @@ Per run: a fresh `Checkpointable` takes its first step on shape A, then its firs
 plain steps of the same model on the same shape (interleaved, so that a burst of load meets both). The cost of a
 step is its time minus the median plain step's of its shape, in plain steps; printed as the median over `--runs`
 (with min-max). One untimed profile runs first: what a process pays once (importing `torch._dynamo`, which the
-first dispatch mode triggers) is no part of any figure.
+first dispatch mode triggers) is no part of any figure. `--clock cpu` (the default) times the main thread's CPU
+time, which other processes' load on a shared machine does not inflate (with one torch thread, CPU autograd runs
+every op there); `--clock wall` the wall time.
 """
 
 from __future__ import annotations
@@ -108,12 +110,16 @@ CASES: dict[str, Callable[[], Case]] = {
 }
 
 
+CLOCK = {"cpu": time.thread_time, "wall": time.perf_counter}
+clock = time.thread_time  # `--clock`
+
+
 def timed_step(model: nn.Module, loss: Step, x: Any, opt: torch.optim.Optimizer) -> float:
-    start = time.perf_counter()
+    start = clock()
     opt.zero_grad(set_to_none=True)
     loss(model, x).backward()
     opt.step()
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def plain_steps(model: nn.Module, loss: Step, x: Any, n: int) -> list[float]:
@@ -144,12 +150,17 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--budget", default="50%")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--clock", choices=list(CLOCK), default="cpu", help="cpu: the thread's CPU time (with 1 thread, all of a step)"
+    )
     args = parser.parse_args()
+    global clock
+    clock = CLOCK[args.clock]
     torch.set_num_threads(args.threads)
     models = os.environ.get("LIGHTNING_ROTOR_TEST_MODELS", str(Path(__file__).resolve().parents[1] / ".models"))
     sys.path.append(models)  # litgpt, where the tests find it
     warnings.filterwarnings("ignore")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.clock} clock")
     for name in args.models:
         plain, loss, a, b = CASES[name]()
         one_run(plain, loss, a, b, args.budget)  # untimed: what a process pays once, and warm caches
