@@ -326,6 +326,9 @@ class Excluded:
             probe._stored.append(param)
 
 
+_NOTHING = Excluded()
+
+
 class MemoryProbe(TorchDispatchMode, _HostAccount):
     """Exact live activation bytes: `with MemoryProbe(exclude=model) as probe: ...`.
 
@@ -521,6 +524,7 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
         self._uncounted = {}
         self._fixed = set()
         self._params = []
+        self._excluded, self._stored = _NOTHING, []  # the excluded parameters not held by a closed probe
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self._sweep()

@@ -170,3 +170,22 @@ def test_gradients_stored_by_autograd_give_the_same_figures(accumulate):
             curves.append((probe.curve, probe.peak, probe.marks))
     assert curves[0] == curves[1]
     assert max(curves[0][0]) > curves[0][2][0][2]  # the backward's gradients were counted before being stored
+
+
+def test_a_closed_probe_holds_no_parameter():
+    """What a probe excluded is dropped with its storage handles when its block ends: a copy of it (a module that
+    keeps one, copied) copies figures, not the model's parameters."""
+    import copy
+    import weakref
+
+    from lightning_rotor.memory import Excluded
+
+    model = nn.Linear(8, 8)
+    with Excluded(model, by_autograd=True) as excluded:
+        with MemoryProbe(excluded) as probe:
+            model(torch.randn(2, 8)).sum().backward()
+    assert probe.peak > 0
+    weight = weakref.ref(model.weight)
+    del model, excluded
+    assert weight() is None
+    assert copy.deepcopy(probe).peak == probe.peak
