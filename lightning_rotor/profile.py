@@ -47,7 +47,7 @@ from lightning_rotor.engine import (
     value_device,
     versions,
 )
-from lightning_rotor.memory import MemoryProbe, storage_bytes, storage_key, storage_nbytes
+from lightning_rotor.memory import Excluded, MemoryProbe, storage_bytes, storage_key, storage_nbytes
 from lightning_rotor.offload import SavedPart
 from lightning_rotor.selective import EXPENSIVE_OPS, run_selective
 
@@ -326,8 +326,10 @@ def _spread(samples: list[float]) -> float:
     return (max(samples) - min(samples)) / med if med > 0 else 0.0
 
 
-PROFILE_STEPS = 10  # profiling stops adding timing rounds once it has taken this many plain steps
-MIN_ROUNDS = 3  # timing rounds run whatever the time: a stage's fastest of three is rarely a stalled run
+PROFILE_STEPS = 6  # profiling stops adding timing rounds once it has taken this many plain steps
+MIN_ROUNDS = 2  # timing rounds run whatever the time: two, to tell a stalled run from a steady one
+AGREE = 0.1  # a stage's two fastest runs agree within this fraction of the faster (NOTE: [settled timing])
+AGREE_ROUND = 0.01  # or within this fraction of the median round (a stage too short to time that finely)
 
 
 def _stage_forward(
@@ -407,7 +409,8 @@ def _timed_rounds(
     A round times every stage's `Fe` and `B` once, in chain order, each on its input made
     anew without grad: a burst of load then slows one run of every stage of a round, not
     every run of one stage (which would make that stage look dear and change the plan). Rounds stop early, after
-    `MIN_ROUNDS`, once profiling has taken `PROFILE_STEPS` plain steps (the median round) in all.
+    `MIN_ROUNDS`, once the times are settled (`_settled`) or profiling has taken `PROFILE_STEPS` plain steps (the
+    median round) in all.
     """
     fwd: list[list[float]] = [[] for _ in stages]
     bwd: list[list[float]] = [[] for _ in stages]
@@ -430,9 +433,28 @@ def _timed_rounds(
                 untouched.restore_buffers()
         del value, forward
         totals.append(sum(f[-1] + b[-1] for f, b in zip(fwd, bwd, strict=True)))
-        if len(totals) >= MIN_ROUNDS and time.perf_counter() - start > (PROFILE_STEPS - 1) * statistics.median(totals):
+        if len(totals) >= MIN_ROUNDS and (
+            _settled(fwd, bwd, statistics.median(totals))
+            or time.perf_counter() - start > (PROFILE_STEPS - 1) * statistics.median(totals)
+        ):
             break
     return fwd, bwd
+
+
+def _settled(fwd: list[list[float]], bwd: list[list[float]], round_seconds: float) -> bool:
+    """Whether another timing round is unlikely to change a stage's time: every stage's two fastest forward runs,
+    and two fastest backward runs, agree within `AGREE` of the faster or `AGREE_ROUND` of a round.
+
+    NOTE: [settled timing] a stage's time is its fastest run (`stage_times`), wrong only where every run of it
+    was stalled; two runs, in two rounds, that agree are either both steady or stalled alike, which a burst of
+    load on a shared machine rarely does. Profiling ran three rounds whatever they showed, and went on up to
+    `repeats` while it had taken fewer than ten plain steps (`PROFILE_STEPS`, now six): ten plain steps on a quiet
+    machine too, where two rounds agree; on a loaded one the rounds go on, within the six."""
+    for runs in fwd + bwd:
+        faster, slower = sorted(runs)[:2]
+        if slower - faster > max(AGREE * faster, AGREE_ROUND * round_seconds):
+            return False
+    return True
 
 
 def stage_times(fwd: list[list[float]], bwd: list[list[float]]) -> tuple[list[float], list[float]]:
@@ -515,7 +537,7 @@ class _Context:
     """What every measurement of one profile shares: how it measures, and what it was asked to measure."""
 
     sample: Any  # the chain input a_0, held by the caller throughout
-    exclude: list[nn.Module]  # the stages: their parameters and buffers are not activations
+    exclude: Excluded  # the stages' parameters and buffers, found once: not activations
     watch: _AllocatorWatch
     untouched: Untouched
     device: torch.device
@@ -715,17 +737,22 @@ class _OpKinds(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _measure_option(run: _StageRun, ctx: _Context, s_k: int, out_size: int) -> StageOption | None:
-    """Option "sac" of a stage (chain version 5), measured as its `Fe` is (`_measure_recorded`), times 0 (the
-    timing rounds fill them); None where it cannot help: the stage runs no op the policy saves, or none it
-    recomputes."""
+def _option_runs(run: _StageRun, ctx: _Context) -> list[_Recorded] | None:
+    """Option "sac" of a stage (chain version 5), measured as its `Fe` is (`_measure_recorded`); None where it
+    cannot help: the stage runs no op the policy saves, or none it recomputes (`_option` makes its figures)."""
     kinds = _OpKinds()
     with torch.no_grad(), no_cast_cache(), kinds:
         run.stage(run.value)
     ctx.untouched.restore_buffers()
     if not (kinds.saved and kinds.recomputed):
         return None
-    recorded = [_measure_recorded(run, ctx, accumulate, selective=True) for accumulate in (False, True)]
+    return [_measure_recorded(run, ctx, accumulate, selective=True) for accumulate in (False, True)]
+
+
+def _option(recorded: list[_Recorded] | None, s_k: int, out_size: int) -> StageOption | None:
+    """Option "sac" from its measured runs (`_option_runs`), times 0 (the timing rounds fill them)."""
+    if recorded is None:
+        return None
     fwd_tmp, saved_size, out_free, bwd_tmp = _stage_figures(recorded, out_size, s_k)
     return StageOption(saved_size, 0.0, 0.0, fwd_tmp, bwd_tmp, out_free, name="sac")
 
@@ -834,25 +861,30 @@ def _profile_stage(stage: nn.Module, k: int, name: str, walk: _Walk, ctx: _Conte
             return
     # the first stage after the frozen prefix gets its input as plain autograd does: without grad
     run = _StageRun(stage, k, name, walk.value, ctx.needs_grad if k <= walk.frozen else True)
-    record, output_kept = _measure_stage(run, walk, ctx)
-    for _ in range(ctx.warmup):  # untimed (the memory runs above warm up too)
-        _timed_run(run.forward, ctx.device, ctx.untouched)
-    with torch.no_grad(), no_cast_cache():
-        out = stage(walk.value)  # the next stage's sample input
+    record, output_kept, out = _measure_stage(run, walk, ctx)
     walk.advance(record, out, output_kept)
-    ctx.untouched.restore_buffers()
 
 
-def _measure_stage(run: _StageRun, walk: _Walk, ctx: _Context) -> tuple[StageProfile, list[bool]]:
-    """Stage k's record, times 0 (the timing rounds fill them), and per tensor of a_{k+1}: kept by its graph."""
-    out_size, fwd_tmp_nograd = _measure_nograd(run, ctx)
-    in_free = _in_free(run, walk, ctx)  # measured after the in-place check of the run above
+def _measure_stage(run: _StageRun, walk: _Walk, ctx: _Context) -> tuple[StageProfile, list[bool], Any]:
+    """Stage k's record, times 0 (the timing rounds fill them), per tensor of a_{k+1}: kept by its graph, and
+    a_{k+1}, the next stage's sample input.
+
+    NOTE: [the no-grad run comes last] its output is the next stage's input, made without grad as before by a
+    separate forward after the stage's other runs: one forward fewer per stage, and no more held. That forward
+    drew from the RNG stream one run later, so a stage with dropout hands on other values than before: the
+    same sizes (`benchmarks/plan_dump.py` unchanged); a stage whose sizes follow its input's values (routing)
+    is measured on another sample, as valid as the one before."""
     recorded = _measure_recorded_runs(run, ctx)
     if run.k == 0:
         walk.input_uses = recorded[0].input_uses
+    in_free = _in_free(run, walk, ctx)  # measured after the in-place check of the runs above
+    option_runs = _option_runs(run, ctx) if ctx.options else None
+    for _ in range(ctx.warmup):  # untimed (the memory runs above warm up too)
+        _timed_run(run.forward, ctx.device, ctx.untouched)
+    out_size, fwd_tmp_nograd, out = _measure_nograd(run, ctx)
     s_k = walk.records[run.k - 1].out_size if 0 < run.k <= walk.frozen else storage_bytes(run.value)  # a_F: beside a_0
     fwd_tmp, saved_size, out_free, bwd_tmp = _stage_figures(recorded, out_size, s_k)
-    option = _measure_option(run, ctx, s_k, out_size) if ctx.options else None
+    option = _option(option_runs, s_k, out_size)
     record = StageProfile(
         out_size=out_size,
         saved_size=saved_size,
@@ -867,11 +899,11 @@ def _measure_stage(run: _StageRun, walk: _Walk, ctx: _Context) -> tuple[StagePro
         offloadable=recorded[0].offloadable,
         name=run.name,
     )
-    return record, [any(kept) for kept in zip(*(r.out_kept for r in recorded), strict=True)]
+    return record, [any(kept) for kept in zip(*(r.out_kept for r in recorded), strict=True)], out
 
 
-def _measure_nograd(run: _StageRun, ctx: _Context) -> tuple[int, int]:
-    """(out_size, fwd_tmp_nograd): the stage run without grad recording (`Fn`, `Fc`)."""
+def _measure_nograd(run: _StageRun, ctx: _Context) -> tuple[int, int, Any]:
+    """(out_size, fwd_tmp_nograd, output): the stage run without grad recording (`Fn`, `Fc`)."""
     with MemoryProbe(ctx.exclude) as probe:
         probe.track(run.value)  # a_k is held before the stage runs; only what comes after counts
         ctx.watch.start()
@@ -879,10 +911,8 @@ def _measure_nograd(run: _StageRun, ctx: _Context) -> tuple[int, int]:
         peak, end = ctx.watch.stop()
         collect_young()
         probe.mark("after")
-    out_size = storage_bytes(out)
-    del out  # not held through the recorded runs: profiling stays within what B k needs
     ctx.untouched.restore_buffers()
-    return out_size, max(probe.peak - probe.current, peak - end)
+    return storage_bytes(out), max(probe.peak - probe.current, peak - end), out
 
 
 def _in_free(run: _StageRun, walk: _Walk, ctx: _Context) -> int:
@@ -981,7 +1011,7 @@ def profile_chain(
 ) -> Profile:
     """Measure `stages` on `sample` (the chain input `a_0`); see NOTE: [what each field measures].
 
-    `options`: also measure each stage's option "sac" (chain version 5, `_measure_option`) and keep
+    `options`: also measure each stage's option "sac" (chain version 5, `_option_runs`) and keep
     it where it saves fewer bytes than recording all; its times come from the same timing rounds.
 
     `offload`: also measure each stage's `offloadable` bytes (chain version 6), what `OffloadSaved k` moves.
@@ -1001,10 +1031,12 @@ def profile_chain(
     needs_grad = any(t.requires_grad for t in inputs)
     collect_young()  # garbage of what ran before dies now, not inside a measured run
     with collector_paused(), Untouched(stages, [device]) as untouched:
-        ctx = _Context(
-            sample, list(stages), _AllocatorWatch(device), untouched, device, needs_grad, options, offload, warmup
-        )
-        walk = _walk_chain(stages, names, ctx, progress, start)
+        # NOTE: [gradients stored by autograd]: no measured run sets a `.grad`; the hooks only while they run
+        with Excluded(stages, by_autograd=True) as exclude:
+            ctx = _Context(
+                sample, exclude, _AllocatorWatch(device), untouched, device, needs_grad, options, offload, warmup
+            )
+            walk = _walk_chain(stages, names, ctx, progress, start)
         loss = _loss_figures(walk.value, loss_tmp, device)
         walk.value = None  # a_L: the timing rounds hold no more than B k does
         selective: dict[int, list[float]] = {k: [] for k, record in enumerate(walk.records) if record.options}

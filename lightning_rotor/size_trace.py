@@ -168,6 +168,18 @@ def _raw(value: int) -> Terms:
     return terms_of(value) or {}
 
 
+def holds_everywhere(terms: Terms, constant: int, op: str, result: bool) -> bool:
+    """Whether `sum(terms) + constant op 0` comes out `result` at every shape: a storage's size is never negative
+    (lightning_rotor/symbolic_sizes.py refuses a shape where one would be), so a sum whose coefficients and
+    constant are all at most 0 stays at most 0 (`<=` holds, `>` fails), and one whose are all at least 0 stays at
+    least 0 (`>=` holds, `<` fails). A peak's guards (every level at most the top) are often of the first kind."""
+    if op in ("<=", ">") and constant <= 0 and max(terms.values()) <= 0:
+        return result == (op == "<=")
+    if op in (">=", "<") and constant >= 0 and min(terms.values()) >= 0:
+        return result == (op == ">=")
+    return False
+
+
 _DUNDER = {"<": "__lt__", "<=": "__le__", ">": "__gt__", ">=": "__ge__", "==": "__eq__", "!=": "__ne__"}
 
 
@@ -192,6 +204,7 @@ class SizeTrace:
         self._seen: dict[int, tuple[StorageWeakRef, Sym]] = {}
         self._dominated: dict[tuple[int, int], int] = {}
         self._kept: list[tuple[list[Terms], Terms]] = []
+        self._recorded: set[tuple[frozenset[tuple[int, int]], int, str, bool]] = set()  # the guards, once each
 
     def size(self, storage: torch.UntypedStorage, tensor: torch.Tensor) -> int:
         """The bytes of `storage` as a `Sym` of its own index (numbered when first counted)."""
@@ -228,16 +241,23 @@ class SizeTrace:
         self._kept.append((levels, top))  # alive while recorded: ids are not reused
 
     def guard(self, terms: Terms, op: str, result: bool) -> None:
+        """Record that `sum(terms) op 0` came out `result`, unless it comes out so at every shape (a comparison of
+        constants, or one whose sign no size changes: `holds_everywhere`) or is recorded already."""
         constant = terms.pop(CONST, 0)
-        if terms and not self.abandoned:  # a comparison of constants holds at every shape
-            self.guards.append((terms, constant, op, result))
-            self.terms += len(terms)
-            if self.terms > MAX_TERMS:
-                self.abandoned, self.guards = True, []
+        if not terms or self.abandoned or holds_everywhere(terms, constant, op, result):
+            return
+        key = (frozenset(terms.items()), constant, op, result)
+        if key in self._recorded:
+            return
+        self._recorded.add(key)
+        self.guards.append((terms, constant, op, result))
+        self.terms += len(terms)
+        if self.terms > MAX_TERMS:
+            self.abandoned, self.guards, self._recorded = True, [], set()
 
     def close(self) -> None:
         self._seen = {}  # storage handles must not outlive the block (MemoryProbe.close)
-        self._dominated, self._kept = {}, []
+        self._dominated, self._kept, self._recorded = {}, [], set()
 
 
 @contextmanager

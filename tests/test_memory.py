@@ -145,3 +145,47 @@ def test_ddp_gradient_buckets_are_not_counted(tmp_path, bucket_view):
         assert _steps(ddp, x, [net, ddp]) == plain  # the buckets (as many bytes as the parameters) are left out
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_gradients_stored_by_autograd_give_the_same_figures(accumulate):
+    """NOTE: [gradients stored by autograd]: a probe told of stored gradients by hooks (`Excluded(by_autograd=True)`,
+    as the profiler makes them) counts what one reading every `.grad` before every op counts, op by op: fresh
+    gradients stored (the first step) and gradients added into stored ones, a tied weight among them."""
+    from lightning_rotor.memory import Excluded
+    from lightning_rotor.models.gpt import gpt, lm_loss
+
+    torch.manual_seed(0)
+    model = gpt(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.1)
+    x = torch.randint(0, 64, (2, 16))
+    curves = []
+    with Excluded(model, by_autograd=True) as excluded:
+        for exclude in (model, excluded):
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p) if accumulate else None
+            torch.manual_seed(1)
+            with MemoryProbe(exclude, record_curve=True) as probe:
+                lm_loss(model(x), x).backward()
+                probe.mark("after")
+            curves.append((probe.curve, probe.peak, probe.marks))
+    assert curves[0] == curves[1]
+    assert max(curves[0][0]) > curves[0][2][0][2]  # the backward's gradients were counted before being stored
+
+
+def test_a_closed_probe_holds_no_parameter():
+    """What a probe excluded is dropped with its storage handles when its block ends: a copy of it (a module that
+    keeps one, copied) copies figures, not the model's parameters."""
+    import copy
+    import weakref
+
+    from lightning_rotor.memory import Excluded
+
+    model = nn.Linear(8, 8)
+    with Excluded(model, by_autograd=True) as excluded:
+        with MemoryProbe(excluded) as probe:
+            model(torch.randn(2, 8)).sum().backward()
+    assert probe.peak > 0
+    weight = weakref.ref(model.weight)
+    del model, excluded
+    assert weight() is None
+    assert copy.deepcopy(probe).peak == probe.peak

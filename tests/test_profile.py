@@ -182,3 +182,29 @@ def test_a_measured_loss_with_parameters_of_its_own_leaves_their_grad_alone():
     )
     for p, g in zip(head.parameters(), held, strict=True):
         assert p.grad is g and torch.equal(g, torch.full_like(g, 5.0))
+
+
+def test_a_sizes_only_profile_runs_each_stage_four_times():
+    """NOTE: [the no-grad run comes last]: a stage's sizes take its two recorded runs (`Fe` then `B`, with and
+    without stored gradients), the run that finds whether its graph keeps its input, and the no-grad run whose
+    output is the next stage's input: four forwards, not five (a separate forward made the next input)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Dropout(0.1), nn.Linear(32, 8))
+    calls = [0] * len(model)
+    for k, layer in enumerate(model):
+        layer.register_forward_pre_hook(lambda *_, k=k: calls.__setitem__(k, calls[k] + 1))
+    profile_chain(sequential_stages(model), torch.randn(4, 32), timed=False)
+    assert calls == [3, 4, 4, 4]  # stage 0's input is a_0, the caller's: never released, no run to tell
+
+
+def test_timing_rounds_stop_once_every_stage_is_settled():
+    """NOTE: [settled timing]: another round is run only while some stage's two fastest runs disagree by more than
+    10% of the faster (and 1% of a round): a stalled run is then possibly its fastest."""
+    from lightning_rotor.profile import _settled
+
+    steady = [[1.00, 1.05], [2.00, 2.10]]  # forward runs of two stages, two rounds
+    assert _settled(steady, [[2.0, 2.1], [4.0, 3.9]], 9.0)
+    assert not _settled(steady, [[2.0, 2.1], [4.0, 6.0]], 9.0)  # a stage's backward stalled in one round
+    third = [[1.00, 1.05, 1.02], [2.00, 2.10, 2.05]]
+    assert _settled(third, [[2.0, 2.1, 2.0], [4.0, 6.0, 3.9]], 9.0)  # a third round: its two fastest agree
+    assert _settled([[0.010, 0.018]], [[0.01, 0.01]], 9.0)  # a tiny stage: 8 ms apart is within 1% of a round

@@ -1,0 +1,36 @@
+"""The size trace records each guard a figure rests on once, and none that holds at every shape."""
+
+import torch
+
+from lightning_rotor.memory import MemoryProbe
+from lightning_rotor.size_trace import Sym, holds_everywhere, traced
+
+
+def test_a_comparison_whose_sign_no_size_changes_is_no_guard():
+    # sizes are never negative: -a - 2b + 0 <= 0 holds at every shape, a + b - 1 <= 0 does not
+    assert holds_everywhere({0: -1, 1: -2}, 0, "<=", True)
+    assert holds_everywhere({0: 1, 1: 2}, 3, "<", False)
+    assert not holds_everywhere({0: 1, 1: 2}, -1, "<=", True)
+    assert not holds_everywhere({0: -1, 1: 1}, 0, "<=", True)  # a - b: either sign
+    assert not holds_everywhere({0: -1}, 0, "==", False)
+    with traced() as trace:
+        a, b = Sym(8, {0: 1}), Sym(4, {1: 1})
+        assert b <= a + b  # -a <= 0: everywhere
+        assert a + b > b  # a > 0: not at a shape where storage 0 is empty
+        assert a > b and a > b  # a - b > 0, recorded once
+    assert [(g[0], g[1], g[2], g[3]) for g in trace.guards] == [({0: 1}, 0, ">", True), ({0: 1, 1: -1}, 0, ">", True)]
+
+
+def test_a_probe_peak_records_each_of_its_guards_once():
+    """A peak settles as `every level <= the top`: levels below it by storages alone hold everywhere."""
+    with traced() as trace:
+        with MemoryProbe() as probe:
+            x = torch.zeros(100)
+            y = x * 2  # the top: x and y
+            del y
+            z = x + 1
+            del x, z
+        _ = probe.peak + 0  # its terms used: its guards recorded
+    keys = [(frozenset(t.items()), c, op, r) for t, c, op, r in trace.guards]
+    assert len(keys) == len(set(keys))
+    assert all(not holds_everywhere(t, c, op, r) for t, c, op, r in trace.guards)
