@@ -441,3 +441,13 @@ def test_every_length_holds_its_budget_from_its_first_step(predict):
         with rotor.measure_step() as m:
             lm_loss(rotor(x), y).backward()
         assert m.peak <= rotor.last_entry.plan.budget, (length, m.peak, rotor.last_entry.plan.budget)
+
+
+def test_a_small_chain_is_planned_on_one_thread_and_a_long_one_on_the_planners_default():
+    """A changing shape's chain is planned on every new shape: one thread where starting another costs what it
+    saves (the plan does not depend on it: test_planner_threads.py)."""
+    from lightning_rotor.discretize import auto_slots
+    from lightning_rotor.planner import _threads_for
+
+    assert _threads_for(7, auto_slots(7)) == 1  # the small GPT's chain
+    assert _threads_for(150, auto_slots(150)) == 0

@@ -340,3 +340,14 @@ def test_the_trainer_with_fit_shapes_fits_lengths_between_measured_ones_bitwise(
     assert len(rotor.fitted) == 5  # 12, 10, 6, 9, 11: after the measured 4, 14, 8
     for a_step, b_step in zip(runs["rotor"].grads, runs["plain"].grads, strict=True):
         assert all(torch.equal(a, b) for a, b in zip(a_step, b_step, strict=True))
+
+
+@pytest.mark.parametrize("op", ["<", "<=", ">", ">=", "==", "!="])
+def test_a_guard_holds_exactly_where_its_comparison_has_the_outcome_it_had(op):
+    from lightning_rotor.symbolic_sizes import _allowed
+
+    compare = {"<": int.__lt__, "<=": int.__le__, ">": int.__gt__, ">=": int.__ge__, "==": int.__eq__, "!=": int.__ne__}
+    for outcome in (True, False):
+        held = _allowed(op, outcome)
+        for sign, value in enumerate((-3, 0, 3)):
+            assert held[sign] == (compare[op](value, 0) == outcome), (op, outcome, value)
