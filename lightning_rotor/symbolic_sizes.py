@@ -367,10 +367,12 @@ class ShapeLaws:
         self.refused: str | None = None  # the first reason a law was refused (warned once)
 
     def add(self, family: str, dims: Dims, trace: SizeTrace | None, chain: Chain, flops: list[int] | None) -> Chain:
-        """A measured shape (`trace`: its traced profile, None where it was not traced); its chain in plain ints."""
+        """A measured shape (`trace`: its traced profile, None where it was not traced); its chain in plain ints.
+        A shape measured again (timed after its derived times proved wrong) replaces its earlier measurement."""
         traced = traced_shape(0, trace, chain, flops) if trace is not None and not trace.abandoned else None
         family, dims = self._keyed or (family, dims)
         self._keyed = None
+        self.measured = [m for m in self.measured if (m[0], m[1]) != (family, dims)]
         self.measured.append((family, dims, traced, chain, flops))
         self._laws.clear()
         return traced.chain if traced is not None else plain_sizes(chain)

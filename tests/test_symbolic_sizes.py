@@ -351,3 +351,12 @@ def test_a_guard_holds_exactly_where_its_comparison_has_the_outcome_it_had(op):
         held = _allowed(op, outcome)
         for sign, value in enumerate((-3, 0, 3)):
             assert held[sign] == (compare[op](value, 0) == outcome), (op, outcome, value)
+
+
+def test_a_shape_measured_again_replaces_its_measurement_and_the_law_stands():
+    """A shape profiled again (timed once its derived times proved wrong, shapes.ShapeTimes) is no second shape
+    at its size: the law still derives the others to the byte."""
+    stages = gpt_stages()
+    laws = laws_of(stages, [tokens(2, n) for n in (40, 16, 24, 16)])
+    assert len(laws.measured) == 3
+    assert derived_against_measured(laws, stages, [tokens(2, 30)]) == [True]
