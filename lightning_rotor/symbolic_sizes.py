@@ -364,6 +364,9 @@ class ShapeLaws:
         self._keyed: Call | None = None  # the key the next measured shape is recorded under (a call's)
         self.measured: list[tuple[str, Dims, TracedShape | None, Chain, list[int] | None]] = []
         self._laws: dict[tuple[Any, ...], list[ShapeLaw | str]] = {}
+        # per (family, shapes): what `_found` gave, until a shape is measured (every step of a module-level chain
+        # asks at its call, its plan key not known yet: a shape seen before is not derived again)
+        self._found_at: dict[tuple[str, Dims], Found | str] = {}
         self.refused: str | None = None  # the first reason a law was refused (warned once)
 
     def add(self, family: str, dims: Dims, trace: SizeTrace | None, chain: Chain, flops: list[int] | None) -> Chain:
@@ -375,6 +378,7 @@ class ShapeLaws:
         self.measured = [m for m in self.measured if (m[0], m[1]) != (family, dims)]
         self.measured.append((family, dims, traced, chain, flops))
         self._laws.clear()
+        self._found_at.clear()
         return traced.chain if traced is not None else plain_sizes(chain)
 
     @contextlib.contextmanager
@@ -435,6 +439,12 @@ class ShapeLaws:
         return self._found(family, dims)
 
     def _found(self, family: str, dims: Dims) -> Found | str:
+        found = self._found_at.get((family, dims))
+        if found is None:
+            found = self._found_at[(family, dims)] = self._derived(family, dims)
+        return found
+
+    def _derived(self, family: str, dims: Dims) -> Found | str:
         axes: dict[tuple[tuple[int, int], ...], list[tuple[int, int]]] = {}
         for i, (their_family, their_dims, trace, _, _) in enumerate(self.measured):
             found = size_axis(their_dims, dims) if their_family == family and trace is not None else None

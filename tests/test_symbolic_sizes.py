@@ -360,3 +360,17 @@ def test_a_shape_measured_again_replaces_its_measurement_and_the_law_stands():
     laws = laws_of(stages, [tokens(2, n) for n in (40, 16, 24, 16)])
     assert len(laws.measured) == 3
     assert derived_against_measured(laws, stages, [tokens(2, 30)]) == [True]
+
+
+def test_a_shape_derived_once_is_not_derived_again_until_another_is_measured():
+    """A module-level chain asks for its call's chain on every step (its plan key is not known before the run):
+    a shape seen before gets what it got, without evaluating the traces again; a new measurement starts over."""
+    stages = gpt_stages()
+    laws = laws_of(stages, [tokens(2, n) for n in (40, 16, 24)])
+    first = laws.chain_for("family", ((2, 30),))
+    assert not isinstance(first, str) and laws.chain_for("family", ((2, 30),)) is first
+    with traced() as trace:
+        chain = profile_chain(stages, tokens(2, 33), repeats=1, timed=False).chain
+    laws.add("family", ((2, 33),), trace, chain, None)
+    again = laws.chain_for("family", ((2, 30),))
+    assert again is not first and sizes(again[0]) == sizes(first[0])
