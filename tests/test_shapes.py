@@ -503,3 +503,6 @@ def test_derived_times_are_timed_after_two_steps_in_a_row_far_from_the_timed_sha
     assert times.step("small", 0.5, 0.1) is None
     assert times.step("small", 0.5, 0.1) == pytest.approx(5 / 1.1)
     assert times.retime == {"small": pytest.approx(5 / 1.1)} and "small" not in times.derived
+    first, small = (object(), [1000, 2000]), (object(), [10, 20])
+    times.timed = [first, small]  # once timed, a small shape's times are what the next small ones derive from
+    assert times.nearest([12, 30], first) is small and times.nearest([900, 900], first) is first
