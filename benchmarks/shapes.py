@@ -128,6 +128,15 @@ def on_new_shape(model: nn.Module, kinds: list[str]) -> Callable[[int], None]:
     return note
 
 
+def derivation_seconds(model: nn.Module) -> list[float]:
+    """Per shape derived without a run: the seconds its chain and plan took (its profile's `seconds`)."""
+    entries, derived = (
+        getattr(model, "entries", {}),
+        {**getattr(model, "fitted", {}), **getattr(model, "predicted", {})},
+    )
+    return [entries[key].profile.seconds for key in derived if key in entries]
+
+
 def overheads(runs: list[list[float]], plain: list[list[float]], kinds: list[str]) -> str:
     """Per kind of step, its mean overhead over plain's same step, in plain steps (medians over runs)."""
     step = statistics.median(t for r in plain for t in r[1:])
@@ -169,11 +178,13 @@ def main() -> None:
     ratios: dict[str, list[float]] = {v: [] for v in args.variants}
     steps: dict[str, list[list[float]]] = {v: [] for v in totals}
     kinds: dict[str, list[str]] = {}
+    derivations: dict[str, list[float]] = {v: [] for v in totals}
     for _ in range(args.runs):
         for variant in totals:
             model = make(args, variant)
             steps[variant].append(train(model, data, on_new_shape(model, kinds.setdefault(variant, []))))
             totals[variant].append(sum(steps[variant][-1][1:]))
+            derivations[variant] += derivation_seconds(model)
         for variant in args.variants:
             ratios[variant].append(totals[variant][-1] / totals["plain"][-1])
     for variant, runs in totals.items():
@@ -184,7 +195,9 @@ def main() -> None:
             line += f"; x plain: median {statistics.median(r):.2f} (min {min(r):.2f}, max {max(r):.2f})"
         print(line, flush=True)
         if variant in ratios:
-            print("    " + overheads(steps[variant], steps["plain"], kinds[variant]), flush=True)
+            derived = derivations[variant]
+            told = f"; a derivation {statistics.median(derived) * 1e3:.1f} ms (median)" if derived else ""
+            print("    " + overheads(steps[variant], steps["plain"], kinds[variant]) + told, flush=True)
     if not args.no_check:
         for variant in args.variants:
             print(check(args, variant, copy.copy(data)), flush=True)

@@ -87,10 +87,15 @@ def main() -> None:
     data = batches(args.lengths, args.steps)
     runs: dict[str, list[list[float]]] = {v: [] for v in ["plain", *args.variants]}
     kinds: dict[str, list[str]] = {}
+    derivations: dict[str, list[float]] = {v: [] for v in runs}
     for _ in range(args.runs):
         for variant in runs:
-            seconds, kinds[variant] = train(make(variant, args.model), data)
+            model = make(variant, args.model)
+            seconds, kinds[variant] = train(model, data)
             runs[variant].append(seconds)
+            entries = getattr(model, "entries", {})  # shapes derived without a run: their chain and plan's seconds
+            derived = {**getattr(model, "fitted", {}), **getattr(model, "predicted", {})}
+            derivations[variant] += [entries[k].profile.seconds for k in derived if k in entries]
     plain = runs["plain"]
     step = statistics.median(t for r in plain for t in r[1:])
     for variant, rounds in runs.items():
@@ -104,6 +109,8 @@ def main() -> None:
                     statistics.mean(r[i] - p[i] for i in idx) for r, p in zip(rounds, plain, strict=True)
                 )
                 line += f"; {len(idx)} {kind} +{extra / step:.2f} plain steps each"
+        if derivations[variant]:
+            line += f"; a derivation {statistics.median(derivations[variant]) * 1e3:.1f} ms (median)"
         print(line + (f" (a plain step {step * 1e3:.0f} ms)" if variant == "plain" else ""), flush=True)
 
 

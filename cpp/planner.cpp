@@ -21,9 +21,6 @@ namespace rotor {
 namespace {
 
 constexpr int kEndBlock = 8;
-// Below this many stages the tables fill on the calling thread: one thread fills them in 16-50 us, less than a
-// second thread's start and row hand-offs cost (2026-11-28: 1.6-2.1x slower with 2 threads at 4-16 stages).
-constexpr int kParallelMinStages = 16;
 constexpr int64_t kBlock = 32;
 constexpr double INF = std::numeric_limits<double>::infinity();
 
@@ -229,7 +226,7 @@ class Solver {
     Solution run(int threads) {
         Solution out;
         if (top_ < needs_.pending[0]) return out;
-        threads = L_ < kParallelMinStages ? 1 : std::max(1, std::min(threads, kEndBlock));
+        threads = std::max(1, std::min(threads, kEndBlock));
         if (threads == 1) {
             for_each_given([&](int s, int t) { fill(s, t, true, need_); });
         } else {

@@ -48,6 +48,7 @@ from lightning_rotor.planner import InfeasibleBudget, Plan, min_feasible_budget
 from lightning_rotor.profile import Profile
 from lightning_rotor.shapes import (
     Buckets,
+    ShapeTimes,
     bucketed,
     derived_times,
     feasible_for_shape,
@@ -131,6 +132,8 @@ class ChainState:
         self._first: tuple[int, int] | None = None  # the first shape's (bytes, no-recomputation peak)
         self._shapes: dict[str, str] = {}  # per plan key: its input's shapes, for messages
         self._timed: tuple[Chain, list[int]] | None = None  # a timed shape's chain and stage FLOPs (derive_shapes)
+        self._times = ShapeTimes()  # shapes whose times were derived, checked on timed steps (`step_timed`)
+        self._calls = 0  # this chain's calls in the step so far
         self.predicted: dict[str, tuple[int, ...]] = {}  # plan key -> the measured sizes its chain came from
         # measured shapes, as (family, input shapes, chain, its no-recomputation peak)
         self._measured_shapes: list[tuple[str, tuple[tuple[int, ...], ...], Chain, int]] = []
@@ -230,6 +233,7 @@ class ChainState:
             self.set_stages(None)
         self._new_plans()
         self.last_entry, self.outside, self._timed, self._measured_shapes = None, {}, None, []
+        self._times = ShapeTimes()
         self._laws = ShapeLaws()
 
     def converted(self) -> None:
@@ -270,6 +274,7 @@ class ChainState:
         key, call_args = signature((args, kwargs)), (args, kwargs)
         traced = self.fit_shapes and not self.sharded  # FSDP2: each rank's figures max-reduced, not traced
         derive = key not in self.outside and traced and self._timed is not None and self._first is not None
+        derive = derive and not self._times.retime  # a shape to time runs whole: what is around it measured too
         family = plan_key(call_args, [p.requires_grad for p in self.stage_parameters()], False, self.side_outputs())
         derived = self._laws.call(family, input_dims(call_args), derive)
         if key not in self.outside and not derived:
@@ -364,6 +369,7 @@ class ChainState:
         alone = not self.step.calls.alive()
         if alone:  # the step's bytes: its first call's shape's (docs/checkpointable.md, "Changing shapes")
             self.budget = primary.plan.budget
+        self._calls = 1 if alone else self._calls + 1
         entry, pending, peak = self.step.call_entry(self, call.key, primary, value)
         self.last_entry = entry
         return entry, pending, peak, alone
@@ -389,11 +395,12 @@ class ChainState:
         return entry
 
     def _prepare(self, call: CallInput) -> Entry:
-        if self.fit_shapes and self._timed is not None and self._first is not None:  # exact: before a bound
+        retime = self._times.retime.pop(call.key, False)  # its times derived before proved wrong: time it
+        if not retime and self.fit_shapes and self._timed is not None and self._first is not None:  # exact: first
             fitted = self._fitted_entry(call)
             if fitted is not None:
                 return fitted
-        if self.predict_shapes and self._first is not None:
+        if not retime and self.predict_shapes and self._first is not None:
             predicted = self._predicted_entry(call)
             if predicted is not None:
                 return predicted
@@ -401,7 +408,7 @@ class ChainState:
         assert stages is not None
         # compiled stages are timed at every shape: an eval-mode count would compile graphs of its own
         flops = stage_flops(_seq(stages), value) if self.derive_shapes and self.compiler is None else None
-        derive = flops is not None and self._timed is not None
+        derive = flops is not None and self._timed is not None and not retime
         traced = self.fit_shapes and not self.sharded  # sizes as sums of storages' (lightning_rotor/size_trace.py)
         with self._laws.tracing(traced, value, self._outside()) as trace:
             return pipeline.prepare(
@@ -425,10 +432,12 @@ class ChainState:
             measured.chain = sharded.rank_chain(measured.chain, list(self.stages), self.stage_names, self.module)
         if derive:
             assert self._timed is not None and flops is not None
-            measured.chain = derived_times(*self._timed, measured.chain, flops)
+            measured.chain = derived_times(*self._times.nearest(flops, self._timed), measured.chain, flops)
             measured.repeats, measured.round_seconds = 0, []
-        elif flops is not None and self._timed is None:
-            self._timed = (measured.chain, flops)
+            self._times.derived.add(call.key)
+        elif flops is not None:
+            self._timed = self._timed or (measured.chain, flops)
+            self._times.timed.append((measured.chain, flops))
         if self._offload_setting is not None:
             measured.chain = measured.chain.with_transfer(self._bandwidth_for(measured.chain, value), self.host_limit)
         return measured
@@ -470,6 +479,7 @@ class ChainState:
             return None  # the bound is too loose here for this budget: measure the shape
         chosen = pipeline.plan_chain(chain, nbytes, self.slots)
         self.predicted[call.key] = tuple(sorted(size for size, _, _ in points))
+        self._times.derived.add(call.key)
         self._peak_floors[call.key] = floor
         return self.plans.build(Profile(chain, seconds=time.perf_counter() - start), chosen)
 
@@ -482,13 +492,44 @@ class ChainState:
             return None
         # FLOPs only scale times: counted where the law has none, else the timed shape's (times as its)
         flops = found[2] or stage_flops(_seq(self.stages), call.sample) or list(self._timed[1])
-        chain = derived_times(*self._timed, found[0], flops)
+        chain = derived_times(*self._times.nearest(flops, self._timed), found[0], flops)
+        self._times.derived.add(call.key)
         if self._offload_setting is not None:
             chain = chain.with_transfer(self._bandwidth_for(chain, call.sample), self.host_limit)
         nbytes = self._shape_bytes(call.key, chain, self.budget_rule(), *self._first)
         self.fitted[call.key] = found[1]
         chosen = pipeline.plan_chain(chain, nbytes, self.slots)
         return self.plans.build(Profile(chain, seconds=time.perf_counter() - start), chosen)
+
+    def step_timed(self, seconds: float) -> None:
+        """A training step took `seconds` of wall time, neither profiling nor measured (`RotorCallback`): where
+        this chain ran once in it, a shape whose times were derived by FLOPs and whose steps prove them wrong
+        (`shapes.ShapeTimes.step`) is forgotten, to be profiled with timing rounds when next met; one warning
+        says so. Not in a distributed run: each rank would decide on its own clock."""
+        entry = self.last_entry
+        if entry is None or self._calls != 1 or torch.distributed.is_available() and torch.distributed.is_initialized():
+            return
+        key = next((k for k, e in self.entries.items() if e is entry), None)
+        off = self._times.step(key, seconds, entry.plan.time) if key is not None else None
+        if key is None or off is None:
+            return
+        self.plans.entries.pop(key, None)
+        self.plans.forget_call_plans()
+        self.fitted.pop(key, None)
+        self.predicted.pop(key, None)
+        self._peak_floors.pop(key, None)
+        if len(self._times.retimed) == 1:
+            warnings.warn(
+                f"rotor: input shape {self._shapes.get(key, key)} took {off:.1f}x the time its plan predicts (its "
+                "times derived from another shape's by FLOPs) on several steps: it is timed when next met "
+                "(lightning_rotor/shapes.py, ShapeTimes)",
+                stacklevel=2,
+            )
+
+    @property
+    def retimed(self) -> dict[str, float]:
+        """Plan keys of shapes whose derived times training steps proved wrong, with how far off they were."""
+        return self._times.retimed
 
     def call_done(self) -> None:
         """A module-level chain's call ended (`measure_outside`)."""

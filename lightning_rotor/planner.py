@@ -20,11 +20,12 @@ import os
 import sys
 import warnings
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from lightning_rotor.budget import BudgetSpec, format_bytes, resolve_budget
+from lightning_rotor.budget import BudgetSpec, format_bytes, parse_budget, resolve_budget
 from lightning_rotor.chain import Chain
 from lightning_rotor.discretize import DEFAULT_SLOTS, discretize, resolve_slots
 from lightning_rotor.ops import Op, frozen_prefix_ops, parse_ops, recomputed_stages, shift_ops
@@ -327,6 +328,16 @@ def _exact_extras(chain: Chain, offload: bool) -> dict[str, Any]:
     return extras
 
 
+SMALL_FILL = 10**8  # stages^3 x slots below which one thread fills the tables (about 0.2 ms of work)
+
+
+def _threads_for(length: int, slots: int) -> int:
+    """The threads of a solve left to the planner (0: its default), one for a small fill: starting a thread and
+    handing rows over cost about what it saves there, and much more when the cores are shared (a thread waiting
+    on another that is descheduled); a changing shape's chain is planned on every new shape."""
+    return 1 if length**3 * slots < SMALL_FILL else 0
+
+
 def solve_discretized(
     chain: Chain, budget: int, slots: int, threads: int | None = None
 ) -> tuple[int, list[Any]] | None:
@@ -346,7 +357,7 @@ def solve_discretized(
         d.fwd_cost,
         d.bwd_cost,
         d.slots,
-        threads=threads or 0,
+        threads=threads or _threads_for(chain.length, slots),
         loss_tmp_graph=d.loss_tmp_graph,
         in_free=d.in_free,
         loss_value=d.loss_value,
@@ -375,7 +386,8 @@ def _planning_problem(
     resolved = resolve_slots(slots, chain.length)
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise ValueError(f"threads must be a positive integer or None, got {threads!r}")
-    budget = resolve_budget(mem_limit, no_recompute_peak(whole))
+    spec = parse_budget(mem_limit)  # bytes need no replay of the no-recomputation schedule
+    budget = resolve_budget(spec, no_recompute_peak(whole)) if isinstance(spec, Fraction) else spec
     if budget < _free_floor(whole, whole.offloads):  # below it nothing fits; the floor named respects the host limit
         raise InfeasibleBudget(budget, min_feasible_budget(whole))
     check_planner_memory(chain.length, resolved, chain.offloads)

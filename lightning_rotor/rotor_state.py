@@ -40,6 +40,7 @@ CHAIN_ATTRIBUTES = """
     compiler distributed sharded discovery stages stage_names outside shared_parameters plan_cache entries budget
     predicted fitted calls last_entry last_measurement _measurement entry chain plan profile profile_seconds step_limit
     summary automatic_budget_note replan plan_state load_plan_state restore_plans budget_for_call prepare_for
+    step_timed retimed
 """.split()
 
 

@@ -22,7 +22,8 @@ or guessed from another shape could be wrong by the one tensor that breaks it. T
 rounds are skipped either way: each stage's times are the timed shape's, scaled by the ratio of the stage's
 forward FLOPs at the two shapes (`torch.utils.flop_counter.FlopCounterMode`, one forward without
 grad), or, for a stage without matmuls or convolutions, by the ratio of its output sizes.
-A wrong time only makes a plan slower, never above its budget.
+A wrong time only makes a plan slower, never above its budget; where training steps prove it wrong, the
+shape is timed (`ShapeTimes`).
 
 Fewer profiles (`Checkpointable(predict_shapes=True)`): a later shape of the same family (its
 input differs from measured ones only in one size, along one or more dimensions) gets no run at
@@ -58,6 +59,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 import warnings
 from collections.abc import Sequence
 from fractions import Fraction
@@ -77,6 +79,7 @@ __all__ = [
     "Buckets",
     "SizeAxis",
     "InfeasibleShape",
+    "ShapeTimes",
     "bucketed",
     "check_buckets",
     "derived_times",
@@ -174,6 +177,61 @@ def derived_times(timed: Chain, timed_flops: Sequence[int], sized: Chain, flops:
         bwd_time=[t * r for t, r in zip(timed.bwd_time, scale, strict=True)],
         options=options,
     )
+
+
+RETIME_FACTOR = 2.0  # a shape's step this many times slower or faster than its plan predicts is off
+RETIME_STEPS = 2  # steps of a shape off in a row before it is timed (one slow step proves nothing)
+PACES_KEPT = 8  # the latest: the pace follows the machine's load
+
+
+class ShapeTimes:
+    """Times of shapes derived by FLOPs from timed shapes' (`derived_times`), checked on training steps.
+
+    Rule (`step`): the wall time of a whole training step over its plan's predicted time is the step's pace; the
+    timed shapes' steps give the expected pace (the median of their latest `PACES_KEPT`). A shape whose times
+    were derived and whose pace is more than `RETIME_FACTOR` times the expected one, or less than its inverse,
+    on `RETIME_STEPS` steps in a row is timed when next met (the chain state profiles it with timing rounds);
+    a step within the factor starts the count again. Per-op overhead the FLOPs do not see (a small batch, a
+    short sequence on CPU) is what usually makes the prediction wrong. Later shapes take their times from
+    the timed shape nearest in FLOPs (`nearest`), so that one shape timed corrects its neighbours too.
+    """
+
+    def __init__(self) -> None:
+        self.timed: list[tuple[Chain, list[int]]] = []  # timed shapes' chains and stage FLOPs, the first first
+        self.derived: set[str] = set()  # plan keys of shapes whose times are derived
+        self.paces: list[float] = []  # timed shapes' steps: wall seconds per predicted second
+        self.off: dict[str, int] = {}  # plan key -> its steps off the expected pace in a row
+        self.retime: dict[str, float] = {}  # plan keys to time when next met -> how far off their steps were
+        self.retimed: dict[str, float] = {}  # every plan key found off, with its pace over the expected one
+
+    def nearest(self, flops: Sequence[int], first: tuple[Chain, list[int]]) -> tuple[Chain, list[int]]:
+        """The timed shape (chain, FLOPs) whose total FLOPs are nearest `flops`' in ratio (`first` if none)."""
+        total = max(1, sum(flops))
+        return min(self.timed or [first], key=lambda timed: abs(math.log(total / max(1, sum(timed[1])))))
+
+    def step(self, key: str, seconds: float, predicted: float) -> float | None:
+        """A training step of shape `key` alone took `seconds`, its plan predicting `predicted` seconds: the
+        shape's pace over the expected one where this step proves its derived times wrong (then timed when next
+        met, `retime`), else None."""
+        if seconds <= 0 or predicted <= 0:
+            return None
+        pace = seconds / predicted
+        if key not in self.derived:
+            self.paces = [*self.paces[-PACES_KEPT + 1 :], pace]
+            return None
+        if not self.paces:
+            return None
+        off = pace / statistics.median(self.paces)
+        if 1 / RETIME_FACTOR <= off <= RETIME_FACTOR:
+            self.off.pop(key, None)
+            return None
+        self.off[key] = self.off.get(key, 0) + 1
+        if self.off[key] < RETIME_STEPS:
+            return None
+        self.derived.discard(key)
+        del self.off[key]
+        self.retime[key] = self.retimed[key] = off
+        return off
 
 
 def check_buckets(buckets: Any) -> Buckets | None:

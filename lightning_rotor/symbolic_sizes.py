@@ -46,7 +46,7 @@ import torch
 
 from lightning_rotor._torch_compat import tree_flatten
 from lightning_rotor.chain import TIME_FIELDS, Chain, ChainError, StageOption
-from lightning_rotor.size_trace import CONST, OPS, SizeTrace, Terms, terms_of, traced
+from lightning_rotor.size_trace import CONST, SizeTrace, Terms, terms_of, traced
 
 __all__ = [
     "ShapeLaw",
@@ -162,28 +162,19 @@ class TracedShape:
     itemsizes: np.ndarray
     ranks: tuple[int, ...]
     guards: Rows
-    ops: np.ndarray  # per guard, its comparison's index in OPS
-    outcomes: np.ndarray  # per guard, its outcome
+    allowed: np.ndarray  # per guard, whether its outcome holds where `a - b` is below, at or above zero
     sizes: Rows
     constant: np.ndarray  # per size of the chain: a constant to the trace (no storage's size in it)
 
     def guards_hold(self, sizes: np.ndarray) -> bool:
-        values = self.guards.at(sizes)
-        held = np.empty(len(values), dtype=bool)
-        for i, op in enumerate(OPS):
-            mask = self.ops == i
-            held[mask] = _COMPARE[op](values[mask])
-        return bool(np.array_equal(held, self.outcomes))
+        signs = np.sign(self.guards.at(sizes)) + 1
+        return bool(self.allowed[np.arange(len(signs)), signs].all())
 
 
-_COMPARE = {
-    "<": lambda v: v < 0,
-    "<=": lambda v: v <= 0,
-    ">": lambda v: v > 0,
-    ">=": lambda v: v >= 0,
-    "==": lambda v: v == 0,
-    "!=": lambda v: v != 0,
-}
+def _allowed(op: str, outcome: bool) -> tuple[bool, bool, bool]:
+    """Where a guard `a - b <op> 0` that came out `outcome` holds: at `a - b` below, at and above zero."""
+    holds = (op in ("<", "<=", "!="), op in ("<=", ">=", "=="), op in (">", ">=", "!="))
+    return holds if outcome else (not holds[0], not holds[1], not holds[2])
 
 
 def traced_shape(size: int, trace: SizeTrace, chain: Chain, flops: list[int] | None) -> TracedShape:
@@ -203,8 +194,7 @@ def traced_shape(size: int, trace: SizeTrace, chain: Chain, flops: list[int] | N
         itemsizes=itemsizes,
         ranks=tuple(len(s.factors) for s in trace.storages),
         guards=Rows([g[0] | {CONST: g[1]} for g in trace.guards], n),
-        ops=np.asarray([OPS.index(g[2]) for g in trace.guards], dtype=np.int64),
-        outcomes=np.asarray([g[3] for g in trace.guards], dtype=bool),
+        allowed=np.asarray([_allowed(g[2], g[3]) for g in trace.guards], dtype=bool).reshape(-1, 3),
         sizes=Rows([t if t is not None else {} for t in sizes], n),
         constant=np.asarray([t is None or not any(k != CONST for k in t) for t in sizes], dtype=bool),
     )
@@ -374,15 +364,21 @@ class ShapeLaws:
         self._keyed: Call | None = None  # the key the next measured shape is recorded under (a call's)
         self.measured: list[tuple[str, Dims, TracedShape | None, Chain, list[int] | None]] = []
         self._laws: dict[tuple[Any, ...], list[ShapeLaw | str]] = {}
+        # per (family, shapes): what `_found` gave, until a shape is measured (every step of a module-level chain
+        # asks at its call, its plan key not known yet: a shape seen before is not derived again)
+        self._found_at: dict[tuple[str, Dims], Found | str] = {}
         self.refused: str | None = None  # the first reason a law was refused (warned once)
 
     def add(self, family: str, dims: Dims, trace: SizeTrace | None, chain: Chain, flops: list[int] | None) -> Chain:
-        """A measured shape (`trace`: its traced profile, None where it was not traced); its chain in plain ints."""
+        """A measured shape (`trace`: its traced profile, None where it was not traced); its chain in plain ints.
+        A shape measured again (timed after its derived times proved wrong) replaces its earlier measurement."""
         traced = traced_shape(0, trace, chain, flops) if trace is not None and not trace.abandoned else None
         family, dims = self._keyed or (family, dims)
         self._keyed = None
+        self.measured = [m for m in self.measured if (m[0], m[1]) != (family, dims)]
         self.measured.append((family, dims, traced, chain, flops))
         self._laws.clear()
+        self._found_at.clear()
         return traced.chain if traced is not None else plain_sizes(chain)
 
     @contextlib.contextmanager
@@ -443,6 +439,12 @@ class ShapeLaws:
         return self._found(family, dims)
 
     def _found(self, family: str, dims: Dims) -> Found | str:
+        found = self._found_at.get((family, dims))
+        if found is None:
+            found = self._found_at[(family, dims)] = self._derived(family, dims)
+        return found
+
+    def _derived(self, family: str, dims: Dims) -> Found | str:
         axes: dict[tuple[tuple[int, int], ...], list[tuple[int, int]]] = {}
         for i, (their_family, their_dims, trace, _, _) in enumerate(self.measured):
             found = size_axis(their_dims, dims) if their_family == family and trace is not None else None

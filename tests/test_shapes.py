@@ -441,3 +441,68 @@ def test_every_length_holds_its_budget_from_its_first_step(predict):
         with rotor.measure_step() as m:
             lm_loss(rotor(x), y).backward()
         assert m.peak <= rotor.last_entry.plan.budget, (length, m.peak, rotor.last_entry.plan.budget)
+
+
+def test_a_small_chain_is_planned_on_one_thread_and_a_long_one_on_the_planners_default():
+    """A changing shape's chain is planned on every new shape: one thread where starting another costs what it
+    saves (the plan does not depend on it: test_planner_threads.py)."""
+    from lightning_rotor.discretize import auto_slots
+    from lightning_rotor.planner import _threads_for
+
+    assert _threads_for(7, auto_slots(7)) == 1  # the small GPT's chain
+    assert _threads_for(150, auto_slots(150)) == 0
+
+
+class LastPartial(Dataset):
+    """Epochs of three full batches and a last partial one of a short sequence: the partial one's times, derived
+    from the full one's by FLOPs, are far too small (per-op overhead dominates there)."""
+
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        rows, length = (8, 32) if i % 4 != 3 else (1, 2)
+        return torch.randint(0, 64, (rows, length), generator=g), torch.randint(0, 64, (rows, length), generator=g)
+
+
+def test_a_shape_whose_steps_prove_its_derived_times_wrong_is_timed_and_trains_bitwise_within_budget(tmp_path):
+    loader = DataLoader(LastPartial(), batch_size=None)
+    runs, keep = {}, KeepRotorModules()
+    for name, strategy in (("plain", "auto"), ("rotor", RotorStrategy(mem_limit="60%", repeats=1))):
+        model = LM()
+        torch.manual_seed(7)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            trainer = quiet_trainer(tmp_path / name, strategy, max_steps=len(LastPartial()), callbacks=[keep])
+            trainer.fit(model, loader)
+        runs[name] = model
+    rotor = keep.modules["net"]
+    full, partial = (next(k for k in rotor.entries if f"({rows}, {n})" in k) for rows, n in ((8, 32), (1, 2)))
+    assert list(rotor.retimed) == [partial] and rotor.retimed[partial] > 2  # the full batch's times were measured
+    assert rotor.entries[partial].profile.repeats > 0  # timed when met again, no longer derived
+    assert rotor.entries[full].profile.repeats > 0
+    assert len([w for w in seen if "the time its plan predicts" in str(w.message)]) == 1
+    assert not [w for w in seen if "above the budget" in str(w.message)]  # the callback's samples
+    for a_step, b_step in zip(runs["rotor"].grads, runs["plain"].grads, strict=True):
+        for a, b in zip(a_step, b_step, strict=True):
+            assert torch.equal(a, b)
+    assert len(runs["rotor"].grads) == len(LastPartial())
+
+
+def test_derived_times_are_timed_after_two_steps_in_a_row_far_from_the_timed_shapes_pace():
+    from lightning_rotor.shapes import ShapeTimes
+
+    times = ShapeTimes()
+    times.derived.add("small")
+    assert times.step("small", 1.0, 0.1) is None  # no timed shape's pace yet: nothing to compare with
+    times.step("timed", 1.0, 1.0)
+    times.step("timed", 1.2, 1.0)
+    assert times.step("small", 0.5, 0.1) is None  # 4.5x the expected pace, once
+    assert times.step("small", 0.15, 0.1) is None  # within 2x: the count starts again
+    assert times.step("small", 0.5, 0.1) is None
+    assert times.step("small", 0.5, 0.1) == pytest.approx(5 / 1.1)
+    assert times.retime == {"small": pytest.approx(5 / 1.1)} and "small" not in times.derived
+    first, small = (object(), [1000, 2000]), (object(), [10, 20])
+    times.timed = [first, small]  # once timed, a small shape's times are what the next small ones derive from
+    assert times.nearest([12, 30], first) is small and times.nearest([900, 900], first) is first

@@ -340,3 +340,37 @@ def test_the_trainer_with_fit_shapes_fits_lengths_between_measured_ones_bitwise(
     assert len(rotor.fitted) == 5  # 12, 10, 6, 9, 11: after the measured 4, 14, 8
     for a_step, b_step in zip(runs["rotor"].grads, runs["plain"].grads, strict=True):
         assert all(torch.equal(a, b) for a, b in zip(a_step, b_step, strict=True))
+
+
+@pytest.mark.parametrize("op", ["<", "<=", ">", ">=", "==", "!="])
+def test_a_guard_holds_exactly_where_its_comparison_has_the_outcome_it_had(op):
+    from lightning_rotor.symbolic_sizes import _allowed
+
+    compare = {"<": int.__lt__, "<=": int.__le__, ">": int.__gt__, ">=": int.__ge__, "==": int.__eq__, "!=": int.__ne__}
+    for outcome in (True, False):
+        held = _allowed(op, outcome)
+        for sign, value in enumerate((-3, 0, 3)):
+            assert held[sign] == (compare[op](value, 0) == outcome), (op, outcome, value)
+
+
+def test_a_shape_measured_again_replaces_its_measurement_and_the_law_stands():
+    """A shape profiled again (timed once its derived times proved wrong, shapes.ShapeTimes) is no second shape
+    at its size: the law still derives the others to the byte."""
+    stages = gpt_stages()
+    laws = laws_of(stages, [tokens(2, n) for n in (40, 16, 24, 16)])
+    assert len(laws.measured) == 3
+    assert derived_against_measured(laws, stages, [tokens(2, 30)]) == [True]
+
+
+def test_a_shape_derived_once_is_not_derived_again_until_another_is_measured():
+    """A module-level chain asks for its call's chain on every step (its plan key is not known before the run):
+    a shape seen before gets what it got, without evaluating the traces again; a new measurement starts over."""
+    stages = gpt_stages()
+    laws = laws_of(stages, [tokens(2, n) for n in (40, 16, 24)])
+    first = laws.chain_for("family", ((2, 30),))
+    assert not isinstance(first, str) and laws.chain_for("family", ((2, 30),)) is first
+    with traced() as trace:
+        chain = profile_chain(stages, tokens(2, 33), repeats=1, timed=False).chain
+    laws.add("family", ((2, 33),), trace, chain, None)
+    again = laws.chain_for("family", ((2, 30),))
+    assert again is not first and sizes(again[0]) == sizes(first[0])

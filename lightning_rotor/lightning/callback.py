@@ -21,7 +21,9 @@ share a schedule share the sample, so changing input shapes do not each cost a
 measured step), then every `measure_every_n_steps` steps. A sampled step that met a
 new shape is no clean sample (it profiled); the next try waits for a step of known
 shapes, so that dynamic padding does not run profile after profile under the probe.
-The value logged is the latest sample; steps that were measured do not update `rotor/step_seconds`. A sample above the
+The value logged is the latest sample; steps that were measured do not update `rotor/step_seconds`. With one
+chain, each step neither profiled nor measured also checks the times of a shape derived by FLOPs against the
+step's wall time (`ChainState.step_timed`, lightning_rotor/shapes.py `ShapeTimes`). A sample above the
 budget is warned about (rank zero, one line per plan). On CPU the sample is
 exact tensor accounting of the whole training step up to the end of the
 backward (docs/memory-model.md, section 5): the chain input, every activation,
@@ -370,6 +372,8 @@ class RotorCallback(Callback):
         self._measurements = []
         if not measured and not profiled:
             self._step_seconds = seconds
+            if len(chains) == 1:  # a shape whose times were derived, checked against its steps' (ShapeTimes)
+                next(iter(chains.values())).step_timed(seconds)
         if not profiled:
             self._retry_after_known = False
         for name, rotor, m, before in measured:
