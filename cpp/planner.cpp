@@ -22,7 +22,7 @@ namespace {
 
 constexpr int kEndBlock = 8;
 constexpr int64_t kBlock = 32;
-constexpr int kWideRun = 6;  // the longest debt run (j - s) whose later stages move their parts too
+constexpr int kWideRun = 12;  // the longest debt run (j - s) whose later stages move their parts too
 constexpr double INF = std::numeric_limits<double>::infinity();
 
 // Memory needs of the subproblems, in the chain's units. With offloading (docs/planner.md, "Debts") each

@@ -202,7 +202,7 @@ def saved_need(p: Problem, s: int, t: int, given: bool) -> int:
 
 # Debt runs (docs/planner.md, "Debts"; cpp/planner.cpp's `runs` and the free functions it reads).
 
-WIDE_RUN = 6  # the longest run (j - s) whose stages after s move their parts too (cpp/planner.cpp's kWideRun)
+WIDE_RUN = 12  # the longest run (j - s) whose stages after s move their parts too (cpp/planner.cpp's kWideRun)
 
 
 def before_b(p: Problem, k: int, given: bool) -> int:
