@@ -47,6 +47,10 @@ B s+1, B s`. `(s+1, t)` gets the part's slots; its first op (a forward of stage 
 surely ends) and its last (`B s+1`, after the prefetch) must fit without them; `B s` waits for what of the
 prefetch `B s+1` does not hide. Allowed when `s + 1 < t` and stage `s+1` has no options. The variant comes
 right after `Fe s` in the order of choices.
+
+Debt runs and wide runs (issue 28; docs/planner.md, "Debts" and "Wide runs"): `Fe s`, the parts of stages s … e
+moved while `Fe s+1 … Fe j-1` run (copies queued), `(j, t)`, the backwards with each part prefetched d backwards
+ahead of its own (`runs`). They come after the records and before the splits in the order of choices.
 """
 
 from __future__ import annotations
