@@ -22,6 +22,7 @@ namespace {
 
 constexpr int kEndBlock = 8;
 constexpr int64_t kBlock = 32;
+constexpr int kWideRun = 12;  // the longest debt run (j - s) whose later stages move their parts too
 constexpr double INF = std::numeric_limits<double>::infinity();
 
 // Memory needs of the subproblems, in the chain's units. With offloading (docs/planner.md, "Debts") each
@@ -344,59 +345,126 @@ class Solver {
         return std::max(fe_need(c_, s, t, given, 0), fe_shift(c_, s, 0) + std::max(first, last));
     }
 
-    // A debt run of (s, t) (docs/planner.md, "Debts"): `Fe s, OffloadSaved s, Fe s+1 … Fe j-1, [WaitSaved s], (j, t),
-    // B j-1 … B s`, `PrefetchSaved s` before `B i` (i = j: before (j, t)'s last op). `need`: its least m but (j, t),
-    // read at m - shift; `cost`: its ops and stalls but (j, t).
+    // A debt run of (s, t) (docs/planner.md, "Debts"): `Fe s, OffloadSaved s, Fe s+1, [OffloadSaved s+1], …, Fe j-1,
+    // [WaitSaved e], (j, t), B j-1 … B s`: the parts of stages s … e move, queued on the channel in that order, and
+    // `PrefetchSaved k` of each comes right before `B min(k + d, top)` (top: j when (j, t)'s last op is a plain B j,
+    // else j-1). `need`: its least m but (j, t), read at m - shift; `cost`: its ops and stalls but (j, t).
     struct Run {
-        int j, i;
+        int j, e, d;
         int64_t need, shift;
         double cost;
         bool wait;
     };
 
-    // The runs of (s, t) in the reference planner's order (j, then i ascending), into `out`; none when the part
-    // cannot move. The offload debt is paid by the forwards s+1 … j-1 (the part held during one that may start
-    // before the copy ends) and a wait; the prefetch debt by the backwards i … s+1, B s waiting for the rest.
-    // Runs stop at the first j whose forwards and backwards both hide the copy.
+    int run_top(int t, int j) const { return j < t && c_.options_of(j) == 0 ? j : j - 1; }
+
+    // Whether the forwards s+1 … j-1 surely hide stage s's copy and the backwards j-1 … s+1 hide its prefetch.
+    bool run_hidden(int s, int j) const {
+        int64_t hidden = 0;
+        for (int k = s + 1; k < j; ++k) hidden += bci_[k];
+        return done_after(stc_[s], s + 1, j) && hidden >= stc_[s];
+    }
+
+    // (need, nominal stall ticks, wait) of the forwards Fe s … Fe j-1 moving the parts s … e, queued on the channel.
+    // `left[n]`: ticks until part s+n's copy surely ends (rounded up, each forward counted one tick short); `lag`: the
+    // nominal ticks until the channel is free. A part leaves the device at the first forward starting after its end.
+    void run_front(int s, int t, bool given, int j, int e, const std::vector<int64_t>& base, int64_t& need,
+                   int64_t& lag, bool& wait) const {
+        const int64_t held = given ? c_.size[t] : 0;
+        need = run_head(c_, s, t, given);
+        std::vector<int64_t> left{ticks(stc_[s])};
+        lag = ticks(stc_[s]);
+        for (int k = s + 1; k < j; ++k) {
+            int64_t gone = 0;
+            for (size_t n = 0; n < left.size(); ++n)
+                if (left[n] <= 0) gone += c_.offloadable[s + static_cast<int>(n)];
+            need = std::max(need, held + base[k] - gone + c_.saved[k] + c_.fwd_tmp[k]);
+            const int64_t f = ticks(fci_[k]);
+            for (int64_t& x : left) x -= f - 1;
+            lag = std::max<int64_t>(0, lag - f);
+            if (k <= e) {
+                left.push_back(std::max<int64_t>(0, left.back()) + ticks(stc_[k]));
+                lag += ticks(stc_[k]);
+            }
+        }
+        int64_t moved = 0;
+        for (int k = s; k <= e; ++k) moved += c_.offloadable[k];
+        if (j == t && !given) need = std::max(need, base[t] + c_.size[t] + c_.loss_tmp_graph - moved);
+        wait = left.back() > 0;
+    }
+
+    // (need, nominal stall ticks) of the backwards B top … B s with the parts s … e prefetched before
+    // B min(k + d, top): a part not yet issued is away; each B k (k <= e) waits for its part; the channel is free
+    // at B top's start (the run's offloads were waited for, (j, t)'s prefetches consumed by then).
+    void run_back(int s, bool given, int j, int e, int d, int top, const std::vector<int64_t>& base, int64_t& need,
+                  int64_t& stall) const {
+        need = 0;
+        stall = 0;
+        int64_t now = 0, channel = 0;
+        std::vector<int64_t> arrive(e - s + 1, -1);
+        for (int i = top; i >= s; --i) {
+            bool issued = false;
+            for (int k = e; k >= s; --k) {
+                if (std::min(k + d, top) != i) continue;
+                channel = std::max(channel, now) + ticks(stc_[k]);
+                arrive[k - s] = channel;
+                issued = true;
+            }
+            int64_t away = 0;
+            for (int k = s; k <= std::min(e, i - d - 1); ++k) away += c_.offloadable[k];
+            if (i > s) {
+                need = std::max(need, base[i] - away + b_peak(c_, i, given));
+                if (issued) need = std::max(need, base[i] - away + before_b(c_, i, given));
+            }
+            if (i < j && i <= e && arrive[i - s] >= 0) {
+                stall += std::max<int64_t>(0, arrive[i - s] - now);
+                now = std::max(now, arrive[i - s]);
+            }
+            now += ticks(bci_[i]);
+        }
+    }
+
+    // The runs (j, e, d) of (s, t) for d ascending into `out`, less those an earlier one of the same (j, e) matches
+    // or beats in both need and cost (they can never be the first of least cost).
+    void runs_of(int s, int t, bool given, int j, int e, const std::vector<int64_t>& base,
+                 std::vector<Run>& out) const {
+        int64_t front, lag, back, stall;
+        bool wait;
+        run_front(s, t, given, j, e, base, front, lag, wait);
+        const int top = run_top(t, j);
+        int64_t moved = 0, ops = 0;
+        for (int k = s; k <= e; ++k) moved += c_.offloadable[k];
+        for (int k = s; k < j; ++k) ops += fci_[k] + bci_[k];
+        const int64_t shift = j < t ? base[j] - moved : 0;
+        const size_t first = out.size();
+        for (int d = 0; d <= top - s; ++d) {
+            run_back(s, given, j, e, d, top, base, back, stall);
+            const int64_t need = std::max(front, back);
+            const double cost = static_cast<double>(ops + ((lag + stall) << count_bits_));
+            bool beaten = false;
+            for (size_t n = first; n < out.size() && !beaten; ++n) beaten = out[n].need <= need && out[n].cost <= cost;
+            if (!beaten) out.push_back({j, e, d, need, shift, cost, wait});
+        }
+    }
+
+    // The runs of (s, t) in the reference planner's order (j ascending, then e, then d), into `out`; none when
+    // stage s's part cannot move. Runs moving stage s's part only stop at the first j whose forwards and backwards
+    // both hide its copy; wider ones (e > s) are at most kWideRun stages long.
     void runs(int s, int t, bool given, std::vector<Run>& out) const {
         out.clear();
         if (stc_.empty() || c_.offloadable[s] <= 0) return;
-        const int64_t part = c_.offloadable[s], copy = stc_[s], held = given ? c_.size[t] : 0;
-        const int64_t head = run_head(c_, s, t, given);
-        std::vector<int64_t> base(t + 1, 0);  // (s, t)'s frame to (k, t)'s, the part included
+        std::vector<int64_t> base(t + 1, 0);  // (s, t)'s frame to (k, t)'s, the parts included
         base[s + 1] = fe_shift(c_, s, 0);
         for (int k = s + 1; k < t; ++k) base[k + 1] = base[k] + fe_shift(c_, k, 0);
-        int64_t front = head, ops = fci_[s] + bci_[s];
+        bool narrow = true;  // runs moving stage s's part only still go on
         for (int j = s + 1; j <= t; ++j) {
-            if (j > s + 1) {  // Fe j-1, the part still there unless the copy surely ended before it started
-                const int k = j - 1;
-                const bool gone = done_after(copy, s + 1, k);
-                front = std::max(front, held + base[k] - (gone ? part : 0) + c_.saved[k] + c_.fwd_tmp[k]);
-                ops += fci_[k] + bci_[k];
+            const int last_e = j - s > kWideRun ? s : j - 1;
+            if (!narrow && last_e == s) break;
+            for (int e = narrow ? s : s + 1; e <= last_e; ++e) {
+                if (c_.offloadable[e] <= 0) break;
+                runs_of(s, t, given, j, e, base, out);
             }
-            const bool wait = !done_after(copy, s + 1, j);
-            int64_t need_j = front;
-            if (j == t && !given)  // the loss, the part away
-                need_j = std::max(need_j, base[t - 1] + c_.saved[t - 1] + c_.size[t] + c_.loss_tmp_graph -
-                                              c_.in_free[t - 1] - part);
-            const int last = (j < t && c_.options_of(j) == 0) ? j : j - 1;
-            const double fixed = static_cast<double>(ops + front_stall(copy, s + 1, j));
-            for (int i = s; i <= last; ++i) {
-                int64_t need = need_j, window = 0;
-                for (int k = s + 1; k <= std::min(i, j - 1); ++k) need = std::max(need, base[k] + b_peak(c_, k, given));
-                for (int k = std::max(i, s) + 1; k < j; ++k) need = std::max(need, base[k] - part + b_peak(c_, k, given));
-                if (i == j) {
-                    need = std::max({need, base[j] + before_b(c_, j, given), base[j] + b_peak(c_, j, given)});
-                } else if (i > s) {
-                    need = std::max(need, base[i] + before_b(c_, i, given));
-                }
-                for (int k = s + 1; k <= i; ++k) window += bci_[k];
-                const double cost = fixed + static_cast<double>(std::max<int64_t>(0, copy - window));
-                out.push_back({j, i, need, j < t ? base[j] - part : 0, cost, wait});
-            }
-            int64_t hidden = 0;
-            for (int k = s + 1; k < j; ++k) hidden += bci_[k];
-            if (!wait && hidden >= copy) break;
+            if (narrow && run_hidden(s, j)) narrow = false;
         }
     }
 
@@ -633,22 +701,30 @@ class Solver {
             if (m < r.need) continue;
             const double cand = r.cost + (r.j < t ? value(T(r.j, t, given), m - r.shift) : 0.0);
             if (cand != target) continue;
+            const int top = run_top(t, r.j);
+            auto prefetches = [&](int i) {
+                for (int k = r.e; k >= s; --k)
+                    if (std::min(k + r.d, top) == i) ops.push_back({OpKind::PrefetchSaved, k});
+            };
             ops.push_back({OpKind::Fe, s});
             ops.push_back({OpKind::OffloadSaved, s});
-            for (int k = s + 1; k < r.j; ++k) ops.push_back({OpKind::Fe, k});
-            if (r.wait) ops.push_back({OpKind::WaitSaved, s});
+            for (int k = s + 1; k < r.j; ++k) {
+                ops.push_back({OpKind::Fe, k});
+                if (k <= r.e) ops.push_back({OpKind::OffloadSaved, k});
+            }
+            if (r.wait) ops.push_back({OpKind::WaitSaved, r.e});
             if (r.j < t) {
                 emit(r.j, t, given, false, m - r.shift, ops);
-                if (r.i == r.j) {  // (j, t) ends with B j: the part comes back just before it
+                if (top == r.j) {  // (j, t) ends with B j: the parts issued there come back just before it
                     ops.pop_back();
-                    ops.push_back({OpKind::PrefetchSaved, s});
+                    prefetches(r.j);
                     ops.push_back({OpKind::B, r.j});
                 }
             } else if (!given) {
                 ops.push_back({OpKind::Loss, -1});
             }
             for (int k = r.j - 1; k >= s; --k) {
-                if (k == r.i) ops.push_back({OpKind::PrefetchSaved, s});
+                prefetches(k);
                 ops.push_back({OpKind::B, k});
             }
             return true;

@@ -47,6 +47,10 @@ B s+1, B s`. `(s+1, t)` gets the part's slots; its first op (a forward of stage 
 surely ends) and its last (`B s+1`, after the prefetch) must fit without them; `B s` waits for what of the
 prefetch `B s+1` does not hide. Allowed when `s + 1 < t` and stage `s+1` has no options. The variant comes
 right after `Fe s` in the order of choices.
+
+Debt runs and wide runs (issue 28; docs/planner.md, "Debts" and "Wide runs"): `Fe s`, the parts of stages s … e
+moved while `Fe s+1 … Fe j-1` run (copies queued), `(j, t)`, the backwards with each part prefetched d backwards
+ahead of its own (`runs`). They come after the records and before the splits in the order of choices.
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ Flavour = Literal["today", "any", "plain"]
 Choice = tuple[
     int, tuple
 ]  # (cost, choice): ('Fe', o) (o >= 1: Fs s:o), ('Fe-saved', 0), ('run', n), ('ck' | 'off', s2)
-Run = tuple[int, int, int, int, int, bool]  # (j, i, need, cost, base_j, wait): see `runs`
+Run = tuple[int, int, int, int, int, int, bool]  # (j, e, d, need, cost, shift, wait): see `runs`
 
 # The code reads like cpp/planner.cpp's `Solver`: `best` is its `fill` (one function per family of choices:
 # `best_record`, `best_saved`, `best_run`, `best_split` with `best_checkpoint` and `best_offload`), `emit` its
@@ -202,6 +206,8 @@ def saved_need(p: Problem, s: int, t: int, given: bool) -> int:
 
 # Debt runs (docs/planner.md, "Debts"; cpp/planner.cpp's `runs` and the free functions it reads).
 
+WIDE_RUN = 12  # the longest run (j - s) whose stages after s move their parts too (cpp/planner.cpp's kWideRun)
+
 
 def before_b(p: Problem, k: int, given: bool) -> int:
     """Held in (k, t)'s frame just before B k: its graph, δ_{k+1}, the loss value after the loss."""
@@ -221,7 +227,7 @@ def run_head(p: Problem, s: int, t: int, given: bool) -> int:
 
 
 def run_frames(p: Problem, s: int, t: int) -> list[int]:
-    """base[k]: (s, t)'s frame to (k, t)'s, the part included (recording s … k-1)."""
+    """base[k]: (s, t)'s frame to (k, t)'s, the parts included (recording s … k-1)."""
     base = [0] * (t + 1)
     base[s + 1] = p.saved[s] - p.inf[s]
     for k in range(s + 1, t):
@@ -229,28 +235,17 @@ def run_frames(p: Problem, s: int, t: int) -> list[int]:
     return base
 
 
-def run_need(p: Problem, s: int, given: bool, j: int, i: int, need_j: int, base: list[int]) -> int:
-    """Least m of the run (j, i) but (j, t): the forwards' `need_j`, and the backwards with the part away or back."""
-    need = need_j
-    for k in range(s + 1, min(i, j - 1) + 1):  # B k with the part back
-        need = max(need, base[k] + b_peak(p, k, given))
-    for k in range(max(i, s) + 1, j):  # B k before the prefetch
-        need = max(need, base[k] - p.off[s] + b_peak(p, k, given))
-    if i == j:
-        need = max(need, base[j] + before_b(p, j, given), base[j] + b_peak(p, j, given))
-    elif i > s:
-        need = max(need, base[i] + before_b(p, i, given))
-    return need
-
-
 def runs(p: Problem, s: int, t: int, given: bool) -> tuple[Run, ...]:
-    """The debt runs of (s, t): (j, i, need, cost, base_j, wait) per run `Fe s, OffloadSaved s, Fe s+1 … Fe j-1,
-    [WaitSaved s], (j, t), B j-1 … B s+1, B s` with `PrefetchSaved s` before `B i` (i = j: before (j, t)'s last op).
+    """The debt runs of (s, t): (j, e, d, need, cost, shift, wait) per run `Fe s, OffloadSaved s, Fe s+1,
+    [OffloadSaved s+1], …, Fe j-1, [WaitSaved e], (j, t), B j-1 … B s`: the parts of stages s … e move (queued on
+    the channel in that order), `PrefetchSaved k` of each right before `B min(k + d, top)` (top: j when (j, t)'s
+    last op is a plain `B j`, else j-1; several at one place in descending k).
 
-    The offload debt is paid by the forwards s+1 … j-1 (the part still on the device while one may run before
-    the copy ends) and by the wait; the prefetch debt by the backwards i … s+1, and `B s` waits for the rest.
-    `need`: the least m of the run but (j, t) itself, read at `m - base_j + off[s]`; `cost`: the run's ops and
-    stalls but (j, t). Runs stop at the first j whose forwards and backwards both hide the copy.
+    The offload debts are paid by the forwards s+1 … j-1 (a part held during one that may start before its copy
+    ends) and by the wait; the prefetch debts by the backwards, each `B k` waiting for the rest of its part.
+    `need`: the least m of the run but (j, t) itself, read at `m - shift`; `cost`: the run's ops and stalls but
+    (j, t). Runs moving stage s's part only (e = s) stop at the first j whose forwards and backwards both hide the
+    copy; wider ones (e > s) are at most `WIDE_RUN` stages long. Per j: e ascending, then d ascending.
     """
     key = (s, t, given)
     if key not in p.runs_memo:
@@ -259,33 +254,102 @@ def runs(p: Problem, s: int, t: int, given: bool) -> tuple[Run, ...]:
 
 
 def find_runs(p: Problem, s: int, t: int, given: bool) -> list[Run]:
-    """The runs of `runs`, stage s's part movable: for each j ascending, each i ascending."""
-    part, copy = p.off[s], p.stc[s]
-    held = p.size[t] if given else 0
+    """The runs of `runs`, stage s's part movable: for each j ascending, each e, each d ascending."""
     base = run_frames(p, s, t)
     found: list[Run] = []
-    forwards = p.fwd[s] + p.bwd[s]
-    front = run_head(p, s, t, given)
+    narrow = True  # runs moving stage s's part only still go on
     for j in range(s + 1, t + 1):
-        if j > s + 1:  # Fe j-1, the part still there unless the copy surely ended before it started
-            k = j - 1
-            gone = done_after(p, copy, s + 1, k)
-            front = max(front, held + base[k] - (part if gone else 0) + p.saved[k] + p.ft[k])
-            forwards += p.fwd[k] + p.bwd[k]
-        wait = not done_after(p, copy, s + 1, j)
-        need_j = front
-        if j == t and not given:  # the loss, the part away
-            need_j = max(need_j, base[t - 1] + p.saved[t - 1] + p.size[t] + p.ltg - p.inf[t - 1] - part)
-        last = j if (j < t and not p.options[j]) else j - 1
-        for i in range(s, last + 1):
-            need = run_need(p, s, given, j, i, need_j, base)
-            window = sum(p.bwd[s + 1 : i + 1])
-            cost = forwards + front_stall(p, copy, s + 1, j) + max(0, copy - window)
-            found.append((j, i, need, cost, base[j] if j < t else 0, wait))
-        hidden = sum(p.bwd[s + 1 : j]) >= copy
-        if not wait and hidden:
+        last_e = s if j - s > WIDE_RUN else j - 1
+        if not narrow and last_e == s:
             break
+        for e in range(s if narrow else s + 1, last_e + 1):
+            if any(p.off[k] <= 0 for k in range(s, e + 1)):
+                break
+            found += runs_of(p, s, t, given, j, e, base)
+        if narrow and run_hidden(p, s, j):
+            narrow = False
     return found
+
+
+def run_hidden(p: Problem, s: int, j: int) -> bool:
+    """Whether the forwards s+1 … j-1 surely hide stage s's copy and the backwards j-1 … s+1 hide its prefetch."""
+    return done_after(p, p.stc[s], s + 1, j) and sum(p.bwd[s + 1 : j]) >= p.stc[s]
+
+
+def run_front(p: Problem, s: int, t: int, given: bool, j: int, e: int, base: list[int]) -> tuple[int, int, bool]:
+    """(need, stall ticks, wait) of the forwards `Fe s … Fe j-1` moving the parts s … e, queued on the channel.
+
+    `left[k]`: ticks until part k's copy surely ends (rounded up, forwards counted one tick short each); `lag`: the
+    nominal ticks until the channel is free. A part leaves the device at the first forward starting after its end.
+    """
+    held = p.size[t] if given else 0
+    need = run_head(p, s, t, given)
+    left: list[int] = [ticks(p, p.stc[s])]
+    lag = ticks(p, p.stc[s])
+    for k in range(s + 1, j):
+        gone = sum(p.off[s + n] for n, x in enumerate(left) if x <= 0)
+        need = max(need, held + base[k] - gone + p.saved[k] + p.ft[k])
+        f = ticks(p, p.fwd[k])
+        left = [x - (f - 1) for x in left]
+        lag = max(0, lag - f)
+        if k <= e:
+            left.append(max(0, left[-1]) + ticks(p, p.stc[k]))
+            lag += ticks(p, p.stc[k])
+    moved = sum(p.off[s : e + 1])
+    if j == t and not given:  # the loss, the parts away
+        need = max(need, base[t] + p.size[t] + p.ltg - moved)
+    return need, lag, left[-1] > 0
+
+
+def run_top(p: Problem, t: int, j: int) -> int:
+    """Where the run's prefetches go at the latest: before (j, t)'s last op `B j`, or before `B j-1`."""
+    return j if j < t and not p.options[j] else j - 1
+
+
+def run_back(p: Problem, s: int, given: bool, j: int, e: int, d: int, top: int, base: list[int]) -> tuple[int, int]:
+    """(need, stall ticks) of the backwards `B top … B s` with the parts s … e prefetched before `B min(k + d, top)`.
+
+    Part k is away during the backwards after `B min(k + d, top)`'s start only if not yet issued; each `B k`
+    (k <= e) waits for its part; the channel is free at `B top`'s start (the run's copies were waited for).
+    """
+    need, now, channel, stall = 0, 0, 0, 0
+    arrive: dict[int, int] = {}
+    for i in range(top, s - 1, -1):
+        issued = [k for k in range(e, s - 1, -1) if min(k + d, top) == i]
+        for k in issued:
+            channel = max(channel, now) + ticks(p, p.stc[k])
+            arrive[k] = channel
+        away = sum(p.off[s : max(s, min(e, i - d - 1) + 1)])
+        if i > s:
+            need = max(need, base[i] - away + b_peak(p, i, given))
+            if issued:
+                need = max(need, base[i] - away + before_b(p, i, given))
+        if i < j:
+            if i in arrive:
+                stall += max(0, arrive[i] - now)
+                now = max(now, arrive[i])
+            now += ticks(p, p.bwd[i])
+        else:
+            now += ticks(p, p.bwd[i])
+    return need, stall
+
+
+def runs_of(p: Problem, s: int, t: int, given: bool, j: int, e: int, base: list[int]) -> list[Run]:
+    """The runs (j, e, d) for d ascending, less those an earlier one of the same (j, e) matches or beats in both
+    need and cost (they can never be the first of least cost)."""
+    front, lag, wait = run_front(p, s, t, given, j, e, base)
+    top = run_top(p, t, j)
+    moved = sum(p.off[s : e + 1])
+    ops = sum(p.fwd[s:j]) + sum(p.bwd[s:j])
+    shift = base[j] - moved if j < t else 0
+    kept: list[Run] = []
+    for d in range(top - s + 1):
+        back, stall = run_back(p, s, given, j, e, d, top, base)
+        need, cost = max(front, back), ops + ((lag + stall) << p.cb)
+        if any(r[3] <= need and r[4] <= cost for r in kept):
+            continue
+        kept.append((j, e, d, need, cost, shift, wait))
+    return kept
 
 
 # The recursion: the best choice of (s, t, given, m) in each flavour (cpp/planner.cpp's `fill`).
@@ -340,10 +404,10 @@ def best_saved(p: Problem, s: int, t: int, given: bool, m: int) -> Choice | None
 def best_run(p: Problem, s: int, t: int, given: bool, m: int) -> Choice | None:
     """The debt runs of (s, t) (`runs`), each with its (j, t) solved in what the run leaves."""
     found: Choice | None = None
-    for n, (j, _, need, extra, base_j, _) in enumerate(runs(p, s, t, given)):
+    for n, (j, _, _, need, extra, shift, _) in enumerate(runs(p, s, t, given)):
         if m < need:
             continue
-        sub = (0, ()) if j == t else best(p, j, t, given, m - base_j + p.off[s], "any")
+        sub = (0, ()) if j == t else best(p, j, t, given, m - shift, "any")
         found = first_least(found, None if sub is None else (extra + sub[0], ("run", n)))
     return found
 
@@ -430,21 +494,27 @@ def emit_saved(p: Problem, s: int, t: int, given: bool, m: int) -> list[tuple]:
 
 def emit_run(p: Problem, s: int, t: int, given: bool, m: int, n: int) -> list[tuple]:
     """The ops of the n-th debt run of (s, t) (`runs`), its (j, t) in what the run leaves."""
-    j, i, _, _, base_j, wait = runs(p, s, t, given)[n]
-    middle = [("Fe", k) for k in range(s + 1, j)] + ([("WaitSaved", s)] if wait else [])
+    j, e, d, _, _, shift, wait = runs(p, s, t, given)[n]
+    top = run_top(p, t, j)
+
+    def prefetches(i: int) -> list[tuple]:
+        return [("PrefetchSaved", k) for k in range(e, s - 1, -1) if min(k + d, top) == i]
+
+    ops: list[tuple] = [("Fe", s), ("OffloadSaved", s)]
+    for k in range(s + 1, j):
+        ops += [("Fe", k)] + ([("OffloadSaved", k)] if k <= e else [])
+    ops += [("WaitSaved", e)] if wait else []
     if j < t:
-        inside = emit(p, j, t, given, m - base_j + p.off[s], "any")
-        if i == j:
+        inside = emit(p, j, t, given, m - shift, "any")
+        if top == j:
             assert inside[-1] == ("B", j)
-            inside = [*inside[:-1], ("PrefetchSaved", s), ("B", j)]
-        middle += inside
+            inside = [*inside[:-1], *prefetches(j), ("B", j)]
+        ops += inside
     elif not given:
-        middle.append(("Loss",))
-    tail = []
-    for k in range(min(j - 1, t - 1), s - 1, -1):
-        tail += [("PrefetchSaved", s)] if k == i else []
-        tail.append(("B", k))
-    return [("Fe", s), ("OffloadSaved", s), *middle, *tail]
+        ops.append(("Loss",))
+    for k in range(j - 1, s - 1, -1):
+        ops += [*prefetches(k), ("B", k)]
+    return ops
 
 
 def emit_split(

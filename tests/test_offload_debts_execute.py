@@ -82,3 +82,64 @@ def test_cuda_waits_train_bitwise_like_plain(monkeypatch):
         for a, b in zip(grads(plain), grads(rotor), strict=True):
             assert torch.equal(a, b)
         assert probe.host_peak == simulate(chain, waited).host_peak > 0 and probe.host_current == 0
+
+
+def wide_run_at(ops) -> int | None:
+    """Where a run moves two parts at once: `Fe k, OffloadSaved k, Fe k+1, OffloadSaved k+1` with no wait between."""
+    for i in range(len(ops) - 3):
+        a, b, c, d = ops[i : i + 4]
+        k = a.stage
+        if (a.kind, b, c, d) == (
+            OpKind.FE,
+            Op(OpKind.OFFLOAD_SAVED, k),
+            Op(OpKind.FE, k + 1),
+            Op(OpKind.OFFLOAD_SAVED, k + 1),
+        ):
+            return i
+    return None
+
+
+def test_wide_runs_run_bitwise_within_budget():
+    """ResNet-18 (BatchNorm) at a link where its largest saved part takes three forwards to copy: the plan's run
+    moves the parts of several consecutive stages, queued on the channel, and brings them back ahead of their
+    backwards; the step is bitwise plain training's, within the simulator op by op, the host back to 0."""
+    plain, rotor, stages, chain, _, _, x, y = saved_case("resnet18")
+    slow = chain.with_transfer(max(chain.offloadable) / 3.0)
+    low, high = min_feasible_budget(slow), no_recompute_peak(slow)
+    budget = int(low + 0.6 * (high - low))
+    chosen = plan(slow, budget)
+    ops = chosen.ops
+    assert wide_run_at(ops) is not None
+    assert chosen.recompute_only_time is not None and chosen.time < chosen.recompute_only_time
+    probe, sim = run_measured("resnet18", rotor, plain, stages, slow, ops, x, y, seed=7)
+    assert probe.peak <= sim.peak <= budget
+    on_host = [k for k, part in enumerate(slow.offloadable) if part]
+    assert sim.host_peak > max(slow.offloadable[k] for k in on_host)  # several parts on the host at once
+
+
+@needs_gpu
+def test_cuda_wide_runs_train_bitwise_like_plain(monkeypatch):
+    """On CUDA the run's copies queue on the copy stream, `WaitSaved e` waits for the last of them, each backward
+    for its own part's prefetch event: gradients stay bitwise over two steps, the host memory goes back to 0. The
+    ops are the CPU-profiled chain's plan (the op sequence is valid whatever the device's sizes)."""
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)  # plain and rotor pick the same kernels
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    plain, rotor, stages, chain, _, _, x, y = saved_case("resnet18")
+    slow = chain.with_transfer(max(chain.offloadable) / 3.0)
+    low, high = min_feasible_budget(slow), no_recompute_peak(slow)
+    ops = plan(slow, int(low + 0.6 * (high - low))).ops
+    assert wide_run_at(ops) is not None
+    plain, rotor, x, y = plain.cuda(), rotor.cuda(), x.cuda(), y.cuda()
+    loss = MODELS["resnet18"].loss
+    runner = runner_for(stages, slow, ops)
+    for step in range(2):
+        for model in (plain, rotor):
+            model.zero_grad(set_to_none=False)
+        torch.manual_seed(5 + step)
+        loss(plain(x), y).backward()
+        torch.manual_seed(5 + step)
+        with CudaMemoryProbe() as probe:
+            loss(runner(x), y).backward()
+        for a, b in zip(grads(plain), grads(rotor), strict=True):
+            assert torch.equal(a, b)
+        assert probe.host_peak > 0 and probe.host_current == 0
