@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import warnings
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from fitting import KeepRotorModules, quiet_trainer
 from torch import nn
+from torch.utils.data import DataLoader, Dataset
 from training import assert_same_state
 
 from lightning_rotor import Checkpointable
 from lightning_rotor.discovery import GuardFailed, discover_chain
+from lightning_rotor.lightning import RotorCallback, RotorStrategy
 from lightning_rotor.profile import profile_chain
 
 diffusers = pytest.importorskip("diffusers")
@@ -97,6 +101,53 @@ def test_a_unet_at_other_resolutions_is_measured_its_attention_sizes_quadratic_i
         "rotor: the sizes of new input shapes cannot be derived from measured ones (a tensor's size at size 8 is "
         "not on the line through sizes 12 and 16); such shapes are measured (lightning_rotor/symbolic_sizes.py)"
     ]
+
+
+class Epoch(Dataset):
+    """Ready batches (images, side): two resolutions, each ending on a partial batch, then shapes seen before."""
+
+    SHAPES = ((4, 16), (3, 16), (4, 24), (3, 24), (4, 16), (3, 24))
+
+    def __len__(self):
+        return len(self.SHAPES)
+
+    def __getitem__(self, i):
+        return noisy(*self.SHAPES[i], seed=i)
+
+
+class Denoiser(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.unet = unet()
+
+    def training_step(self, batch, batch_idx):
+        x, t, noise = batch
+        return F.mse_loss(self.unet(x, t).sample, noise)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+@pytest.mark.slow  # about 6 s here
+def test_the_trainer_trains_a_unet_over_resolutions_and_partial_batches_bitwise_within_budget(tmp_path):
+    """Through a real Trainer and `RotorStrategy` (the defaults, "60%"): every step sampled, none above its
+    budget (a sample above warns), the weights after the epoch bitwise plain training's."""
+    loader = DataLoader(Epoch(), batch_size=None)
+    plain, rotor, keep = Denoiser(), Denoiser(), KeepRotorModules()
+    torch.manual_seed(7)
+    quiet_trainer(tmp_path / "plain", max_steps=len(Epoch())).fit(plain, loader)
+    measure = RotorCallback(measure_every_n_steps=1, log_curves=False, print_summary=False)
+    torch.manual_seed(7)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = quiet_trainer(tmp_path / "rotor", RotorStrategy(mem_limit="60%"), max_steps=len(Epoch()))
+        trainer.callbacks.extend([keep, measure])
+        trainer.fit(rotor, loader)
+    assert not [str(w.message) for w in caught if "is above the budget" in str(w.message)]
+    wrapped = keep.modules["unet"]
+    assert len(wrapped.entries) == 4 and wrapped.last_measurement.peak <= wrapped.last_entry.plan.budget
+    for (key, a), b in zip(rotor.state_dict().items(), plain.state_dict().values(), strict=True):
+        assert torch.equal(a, b), key
 
 
 class LoopOverBatch(nn.Module):
