@@ -5,7 +5,8 @@ symbolic trace, so Python control flow on shapes (`assert T <= block_size`,
 `if x.dim() == 4`, `B, T = idx.size()`) is answered from the sample. Each answer
 becomes a guard node in the graph, checked on every call: a later input that
 would take the other branch raises `GuardFailed` instead of running the wrong
-code. `torch.is_tensor` on a traced value is answered from the sample too (diffusers' timestep
+code (a size handed straight to an op, `torch.ones(x.shape[0])`, is recorded as the size
+and needs no guard). `torch.is_tensor` on a traced value is answered from the sample too (diffusers' timestep
 handling). A branch on tensor values inside a submodule makes that submodule one
 opaque stage part (a leaf, run as the user's module); one in the top-level
 forward raises `ValueBranch` with the file and line.
@@ -130,7 +131,11 @@ class ShapeProxy(fx.Proxy):
 
     def __index__(self) -> int:
         answer = operator.index(self._shape_only("a Python integer"))
-        self.tracer.create_proxy("call_function", _guard_eq, (self, answer, _user_frame()), {})
+        guard = self.tracer.create_proxy("call_function", _guard_eq, (self, answer, _user_frame()), {})
+        asker = inspect.currentframe()
+        asker = asker.f_back if asker is not None else None  # the Python code whose instruction asked
+        if asker is not None:
+            self.tracer.asked.append((guard.node, (id(asker), asker.f_code, asker.f_lasti)))
         return answer
 
     def __int__(self) -> int:
@@ -241,6 +246,7 @@ class ShapeTracer(fx.Tracer):
         self.data: dict[fx.Node, bool] = {}
         self.writes: dict[fx.Node, list[fx.Node]] = {}  # node -> inputs it wrote into in place, on the sample
         self.branch_stack: list[str] = []
+        self.asked: list[tuple[fx.Node, tuple[int, Any, int]]] = []  # integer guards, the instruction that asked each
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return ShapeProxy(node, self)
@@ -289,6 +295,21 @@ class ShapeTracer(fx.Tracer):
                 value = getattr(value, part)
         self.values[node], self.data[node] = value, isinstance(value, torch.Tensor)
 
+    def _drop_guards_of_argument_parsing(self, node: fx.Node) -> None:
+        """torch's argument parser asks a size argument for its integer (`torch.ones(x.shape[0])`) before the op
+        is recorded with the size itself: the op then computes with each input's own size, so that answer needs
+        no guard. Only an answer asked by the instruction that is recording `node`, of one of `node`'s inputs:
+        one asked by earlier code (`range(T)`, `[0] * n`) shaped the trace, and keeps its guard."""
+        asked, self.asked = self.asked, []
+        running: set[tuple[int, Any, int]] = set()
+        frame = inspect.currentframe()
+        while frame is not None:
+            running.add((id(frame), frame.f_code, frame.f_lasti))
+            frame = frame.f_back
+        for guard, instruction in asked:
+            if instruction in running and guard.args[0] in node.all_input_nodes:
+                self.graph.erase_node(guard)
+
     def create_proxy(
         self,
         kind: str,
@@ -301,6 +322,8 @@ class ShapeTracer(fx.Tracer):
     ) -> fx.Proxy:
         proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
         node = proxy.node
+        if target not in _GUARDS:
+            self._drop_guards_of_argument_parsing(node)
         if kind == "placeholder":
             if isinstance(target, str) and target in self.sample:  # concrete (non-tensor) arguments: no sample value
                 value = self.sample[target]
