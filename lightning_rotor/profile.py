@@ -346,10 +346,23 @@ def _stage_forward(
     if k > 0 and grad_in and record:
         compact_gradients(inp)
     before = versions(value)
-    with torch.set_grad_enabled(record), no_cast_cache():
-        out = run_selective(stage, inp) if selective else stage(inp)
+    try:
+        with torch.set_grad_enabled(record), no_cast_cache():
+            out = run_selective(stage, inp) if selective else stage(inp)
+    except RuntimeError:
+        if record and grad_in:  # torch refuses an in-place write into a leaf: name the stage as the executor would
+            _refuse_write_into_input(stage, value, before, k, name)
+        raise
     check_inplace(before, value, k, name)
     return inp, out
+
+
+def _refuse_write_into_input(stage: nn.Module, value: Any, before: list[int], k: int, name: str) -> None:
+    """Raise `InplaceError` where a stage writes into its input: run without a graph on a view of `value`, whose
+    version counter it shares, so the write shows (the run then fails anyway, so its side effects do not matter)."""
+    with contextlib.suppress(RuntimeError), torch.no_grad():
+        stage(detach_value(value, False))
+    check_inplace(before, value, k, name)
 
 
 def _timed_run(
