@@ -435,8 +435,9 @@ def fsdp_unit_bytes(unit: nn.Module) -> int:
 # (use_reentrant=True) or `_checkpoint_without_reentrant_generator` (use_reentrant=False), both private. While
 # discovery runs, rotor puts stand-ins for both there that tell it of each call, however the caller imported
 # `checkpoint` (its callers hold the function itself: `checkpoint_sequential`, `checkpoint_wrapper` too), then run
-# the originals. A Python hook on every call instead (`sys.setprofile`) cost ConvNeXt-Atto's discovery 16-17 plain
-# steps. The stand-ins are in place while any thread watches (counted), each thread told of its own calls only.
+# the originals. A Python hook on every call instead (`sys.setprofile`) cost ConvNeXt-Atto's discovery 3-3.5 plain
+# steps of its 11 (docs/benchmarks.md). The stand-ins are in place while any thread watches (counted), each thread
+# told of its own calls only.
 
 _CHECKPOINT_ENTRIES = ("CheckpointFunction", "_checkpoint_without_reentrant_generator")
 _checkpoint_watch = threading.local()  # `.told`: this thread's callbacks, innermost last
