@@ -12,13 +12,16 @@ every module wrapper uses (`torch.nn.utils.parametrize` too), not engine interna
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
+import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from torch.autograd.graph import GradientEdge, _engine_run_backward
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -42,6 +45,7 @@ __all__ = [
     "backward_is_full",
     "ddp_pre_forward",
     "fx_unpatched_module",
+    "checkpoint_calls_watched",
     "fsdp_hooks_passing",
     "fsdp_hooks_restore",
     "fsdp_in_forward",
@@ -424,6 +428,82 @@ def fsdp_unit_bytes(unit: nn.Module) -> int:
             dtype = fsdp_param.param_dtype or fsdp_param.orig_dtype
             total += fsdp_param._orig_size.numel() * dtype.itemsize
     return total
+
+
+# -- torch.utils.checkpoint's calls, for own_checkpointing.py --------------------------------------------------
+# `torch.utils.checkpoint.checkpoint` reads from its module's globals, at each call, `CheckpointFunction`
+# (use_reentrant=True) or `_checkpoint_without_reentrant_generator` (use_reentrant=False), both private. While
+# discovery runs, rotor puts stand-ins for both there that tell it of each call, however the caller imported
+# `checkpoint` (its callers hold the function itself: `checkpoint_sequential`, `checkpoint_wrapper` too), then run
+# the originals. A Python hook on every call instead (`sys.setprofile`) cost ConvNeXt-Atto's discovery 3-3.5 plain
+# steps of its 11 (docs/benchmarks.md). The stand-ins are in place while any thread watches (counted), each thread
+# told of its own calls only.
+
+_CHECKPOINT_ENTRIES = ("CheckpointFunction", "_checkpoint_without_reentrant_generator")
+_checkpoint_watch = threading.local()  # `.told`: this thread's callbacks, innermost last
+_checkpoint_lock = threading.Lock()
+_checkpoint_originals: dict[str, Any] = {}  # while watched: what the stand-ins replaced
+_checkpoint_watchers = [0]  # how many `checkpoint_calls_watched` are open, all threads together
+
+
+def _tell_checkpoint_call() -> None:
+    for told in list(getattr(_checkpoint_watch, "told", ())):
+        told()
+
+
+class _WatchedCheckpointFunction:
+    """`CheckpointFunction` as `checkpoint` uses it (`.apply`), telling of the call first."""
+
+    def __init__(self, function: Any) -> None:
+        self._function = function
+
+    def apply(self, *args: Any) -> Any:
+        _tell_checkpoint_call()
+        return self._function.apply(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._function, name)
+
+
+def _watched_generator(generator: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(generator)
+    def entered(*args: Any, **kwargs: Any) -> Any:
+        _tell_checkpoint_call()
+        return generator(*args, **kwargs)
+
+    return entered
+
+
+def _set_checkpoint_entries(watched: bool) -> None:
+    module = vars(torch.utils.checkpoint)
+    if watched:
+        _checkpoint_originals.update({name: module[name] for name in _CHECKPOINT_ENTRIES})
+        module["CheckpointFunction"] = _WatchedCheckpointFunction(_checkpoint_originals["CheckpointFunction"])
+        generator = _checkpoint_originals["_checkpoint_without_reentrant_generator"]
+        module["_checkpoint_without_reentrant_generator"] = _watched_generator(generator)
+    else:
+        module.update(_checkpoint_originals)
+        _checkpoint_originals.clear()
+
+
+@contextlib.contextmanager
+def checkpoint_calls_watched(told: Callable[[], None]) -> Iterator[None]:
+    """While open, `told()` runs inside each `torch.utils.checkpoint.checkpoint` call this thread makes (its
+    caller's frames on the stack), before the call runs its function."""
+    with _checkpoint_lock:
+        if not _checkpoint_watchers[0]:
+            _set_checkpoint_entries(True)
+        _checkpoint_watchers[0] += 1
+    stack: list[Callable[[], None]] = vars(_checkpoint_watch).setdefault("told", [])
+    stack.append(told)
+    try:
+        yield
+    finally:
+        stack.remove(told)
+        with _checkpoint_lock:
+            _checkpoint_watchers[0] -= 1
+            if not _checkpoint_watchers[0]:
+                _set_checkpoint_entries(False)
 
 
 # -- torch's checkpoint_wrapper (torch.distributed.algorithms._checkpoint), for own_checkpointing.py ----------

@@ -24,19 +24,18 @@ once (`every_stage_peak`).
 from __future__ import annotations
 
 import contextlib
-import inspect
 import os
 import sys
 import warnings
 from collections.abc import Iterator
-from types import CodeType, FrameType
+from types import FrameType
 from typing import Any
 
 import torch
-import torch.utils.checkpoint
 from torch import nn
 
 from lightning_rotor._torch_compat import (
+    checkpoint_calls_watched,
     checkpoint_wrapper_on,
     is_checkpoint_wrapper,
     is_offload_wrapper,
@@ -152,34 +151,24 @@ def turned_off_in_chains(owner: str, found: dict[str, list[tuple[str, nn.Module]
     )
 
 
-def _checkpoint_code() -> frozenset[CodeType]:
-    """The code of `torch.utils.checkpoint.checkpoint`, every way it is called (undecorated)."""
-    return frozenset({inspect.unwrap(torch.utils.checkpoint.checkpoint).__code__})
-
-
 @contextlib.contextmanager
 def checkpoint_calls() -> Iterator[list[str]]:
-    """Records, while open, where `torch.utils.checkpoint.checkpoint` is called from (`file:line` of the first
-    caller outside torch and rotor), however the caller imported it (a `checkpoint_wrapper` module too). A profiler set
-    before is put back."""
-    codes, seen = _checkpoint_code(), []
-    before = sys.getprofile()
+    """Records, while open, where `torch.utils.checkpoint.checkpoint` is called from on this thread (`file:line` of
+    the first caller outside torch and rotor), however the caller imported it (a `checkpoint_wrapper` module too).
+
+    Told by torch's checkpoint itself (`checkpoint_calls_watched`), not by a hook on every Python call: the
+    discovering forward runs at its own speed, under whatever profiler the user set."""
+    seen: list[str] = []
     skipped = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
 
-    def watch(frame: FrameType, event: Any, arg: Any) -> None:
-        if event == "call" and frame.f_code in codes:
-            caller = frame.f_back
-            while caller is not None and caller.f_code.co_filename.startswith(skipped):
-                caller = caller.f_back
-            seen.append(f"{caller.f_code.co_filename}:{caller.f_lineno}" if caller else "torch")
-        if before is not None:
-            before(frame, event, arg)
+    def told() -> None:
+        caller: FrameType | None = sys._getframe(1)
+        while caller is not None and caller.f_code.co_filename.startswith(skipped):
+            caller = caller.f_back
+        seen.append(f"{caller.f_code.co_filename}:{caller.f_lineno}" if caller else "torch")
 
-    sys.setprofile(watch)
-    try:
+    with checkpoint_calls_watched(told):
         yield seen
-    finally:
-        sys.setprofile(before)
 
 
 def every_stage_ops(length: int) -> list[Op]:
