@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import sys
 import threading
 import weakref
@@ -580,3 +581,20 @@ def set_offload_wrapper(module: nn.Module, on: bool) -> None:
         vars(module)["forward"] = functools.partial(_call_wrapped, module)
     elif on and _offloading_turned_off(module):
         del vars(module)["forward"]
+
+
+@functools.cache
+def _checkpoint_code() -> Any:
+    """The code of `torch.utils.checkpoint.checkpoint` itself, under its decorators (theirs is shared)."""
+    return inspect.unwrap(torch.utils.checkpoint.checkpoint).__code__
+
+
+def inside_checkpoint() -> bool:
+    """Whether the calling code runs inside `torch.utils.checkpoint.checkpoint` (reentrant or not: its frame is on
+    the stack while it runs the function it was given)."""
+    code, frame = _checkpoint_code(), sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False

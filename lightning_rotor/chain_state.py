@@ -195,14 +195,12 @@ class ChainState:
 
         Raises `DiscoveryError` (or `ValueBranch`, naming file and line) when no chain is found.
         """
-        from lightning_rotor.discovery import discover_chain
-
         self.own.take(self.module)
         if self.sharded:  # FSDP2: "auto" finds stages that call the fully_shard'ed blocks
             method = sharded.discovery_method(self.module, method)
         try:
             with checkpoint_calls() as calls:
-                found = discover_chain(self.module, args, method, types, sample_kwargs=kwargs)
+                found = self._discover_chain(args, kwargs, method, types, calls)
             if self.sharded:  # FSDP2: a chain its hooks cannot run under, refused in one line
                 sharded.check_discovered(self.module, found.kind, calls)
         except BaseException:
@@ -214,6 +212,20 @@ class ChainState:
         self.discovery = found
         self.set_stages(found.stages)
         return found
+
+    def _discover_chain(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], method: str, types: Any, calls: list[str]
+    ) -> Discovery:
+        """`discovery.discover_chain`; under FSDP2 a forward calling torch.utils.checkpoint is refused in FSDP2's
+        one line (discover='graph', the way out elsewhere, is none there)."""
+        from lightning_rotor.discovery import discover_chain
+
+        try:
+            return discover_chain(self.module, args, method, types, sample_kwargs=kwargs)
+        except NotImplementedError:
+            if self.sharded and calls:
+                sharded.check_discovered(self.module, "modules", calls)
+            raise
 
     def check_modes(self) -> None:
         """A module's `training` flag changed since the chain was found and profiled (a frozen block unfrozen):

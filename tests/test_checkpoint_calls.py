@@ -99,3 +99,44 @@ def test_calls_of_another_thread_are_not_this_discoverys():
         torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
     assert len(calls) == 1 and calls[0].startswith(f"{__file__}:"), calls
     assert torch.utils.checkpoint.CheckpointFunction is reentrant  # torch as it was
+
+
+class Looped(nn.Module):
+    """Every block called through `torch.utils.checkpoint` in the forward's loop (per-block checkpointing)."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.reentrant = reentrant
+        self.blocks = nn.ModuleList(Block() for _ in range(4))
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = ckpt(block, x, use_reentrant=self.reentrant)
+        return self.head(x).sum()
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_blocks_called_through_checkpoint_are_refused_by_module_discovery_in_one_line(reentrant):
+    """Module-level discovery would call the blocks outside the user's checkpoint: the non-reentrant one then saves
+    other tensors than it recorded (CheckpointError), the reentrant one hides the blocks (ChainDiverged)."""
+    x = torch.randn(8, 16, requires_grad=True)
+    rotor = Checkpointable(Looped(reentrant), mem_limit="100%", discover="modules")
+    with pytest.raises(NotImplementedError) as caught:
+        rotor(x)
+    said = str(caught.value)
+    assert "\n" not in said
+    assert said.startswith("Looped's forward calls blocks.0 and 3 more through torch.utils.checkpoint")
+    assert "discover='graph'" in said
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_blocks_called_through_checkpoint_train_bitwise_under_auto(reentrant):
+    x = torch.randn(8, 16, requires_grad=True)
+    plain, model = Looped(reentrant), Looped(reentrant)
+    plain(x).backward()
+    with pytest.warns(UserWarning, match="torch.utils.checkpoint"):
+        Checkpointable(model, mem_limit="60%")(x).backward()
+    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)

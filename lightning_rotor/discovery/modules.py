@@ -36,7 +36,14 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_rotor import side_outputs
-from lightning_rotor._torch_compat import forward_hooks, make_subclass, tensor_version, tree_flatten, tree_unflatten
+from lightning_rotor._torch_compat import (
+    forward_hooks,
+    inside_checkpoint,
+    make_subclass,
+    tensor_version,
+    tree_flatten,
+    tree_unflatten,
+)
 from lightning_rotor.sharded import passes_outer_calls
 from lightning_rotor.stages import Stages
 
@@ -87,6 +94,7 @@ class _Call:
     output: Any = None
     index: int = 0
     writes_input: bool = False  # wrote into its first argument in place (seen on the sample)
+    checkpointed: bool = False  # called inside torch.utils.checkpoint: a block rotor cannot call on its own
 
 
 class _Uses(TorchFunctionMode):
@@ -347,7 +355,9 @@ def find_runs(
     def pre(mod: nn.Module, a: tuple, kw: dict) -> None:
         name = names.get(id(mod), "?")
         parent = calls[open_calls[-1]].name if open_calls else ""
-        calls.append(_Call(name, mod, parent, len(open_calls), a, kw, index=len(calls)))
+        calls.append(
+            _Call(name, mod, parent, len(open_calls), a, kw, index=len(calls), checkpointed=inside_checkpoint())
+        )
         open_calls.append(len(calls) - 1)
         versions.append(tensor_version(a[0]) if a and isinstance(a[0], torch.Tensor) else None)
 
@@ -379,7 +389,23 @@ def find_runs(
             for n, b in module.named_buffers():
                 if n in saved:
                     b.copy_(saved[n])
-    return _runs(calls, uses.uses, checkpoint_modules, min_blocks)
+    runs = _runs(calls, uses.uses, checkpoint_modules, min_blocks)
+    if not runs:
+        _refuse_checkpointed_blocks(module, calls)
+    return runs
+
+
+def _refuse_checkpointed_blocks(module: nn.Module, calls: list[_Call]) -> None:
+    """Blocks the forward calls through `torch.utils.checkpoint` (`checkpoint(block, x)` in a loop): rotor's run
+    would call them outside the checkpoint, which then saves and recomputes other tensors than it recorded."""
+    wrapped = [c.name for c in calls if c.checkpointed and c.depth == min(d.depth for d in calls if d.checkpointed)]
+    if wrapped:
+        more = f" and {len(wrapped) - 1} more" if len(wrapped) > 1 else ""
+        raise NotImplementedError(
+            f"{type(module).__name__}'s forward calls {wrapped[0]}{more} through torch.utils.checkpoint, which "
+            "module-level discovery cannot run in rotor's plan: give discover='graph' (or 'auto'), which traces "
+            "through the call, or remove it and let rotor plan the recomputation"
+        )
 
 
 def _runs(
@@ -416,6 +442,7 @@ def _usable(c: _Call, alone: Callable[[_Call], bool], types: Sequence[type] | No
         and isinstance(c.args[0], torch.Tensor)
         and _hidden(c.output) is not None
         and _passed(c) is not _NOT_PASSED
+        and not c.checkpointed
     )
 
 
