@@ -36,6 +36,16 @@ def offload_chains(draw, max_length=7):
     return chain.with_transfer(draw(st.sampled_from([6.0, 20.0, 60.0, 500.0])))
 
 
+def assert_cpp_is_reference(chain: Chain, budget: int, got, expected) -> None:
+    """The C++ planner's cost and ops are the reference planner's, except below the C++ floor
+    (`min_feasible_budget`), where C++ plans nothing: there the reference may find a plan (the floor recursion is
+    conservative with saved parts moved, docs/planner.md "The floor"), which must still replay within the budget."""
+    if got is None and expected is not None and budget < min_feasible_budget(chain):
+        assert simulate(chain, list(expected[1])).peak <= budget
+        return
+    assert got == (None if expected is None else (expected[0], expected[1]))
+
+
 @pytest.mark.slow
 @settings(max_examples=800, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(chain=offload_chains(), where=st.floats(0, 1.2), slots=st.sampled_from([3, 8, 40, 500]))
@@ -47,11 +57,7 @@ def test_cpp_equals_reference_with_offloading(chain, where, slots):
     assert d.transfer_cost and len(d.transfer_cost) == chain.length + 1
     expected = solve(d)
     got = solve_discretized(chain, budget, slots)
-    if expected is None:
-        assert got is None
-        return
-    assert got is not None and got[0] == expected[0]
-    assert got[1] == expected[1]
+    assert_cpp_is_reference(chain, budget, got, expected)
 
 
 @pytest.mark.slow
@@ -284,7 +290,7 @@ def test_cpp_equals_reference_with_options_and_offloading(chain, bandwidth, wher
     budget = max(1, int(low - 3 + where * (high - low + 6)))
     expected = solve(discretize(chain, budget, slots=slots))
     got = solve_discretized(chain, budget, slots)
-    assert got == (None if expected is None else (expected[0], expected[1]))
+    assert_cpp_is_reference(chain, budget, got, expected)
     if got is not None:
         ops = list(got[1])
         for i, op in enumerate(ops):
@@ -388,7 +394,7 @@ def test_cpp_equals_reference_with_saved_parts(chain, where, slots):
     assert bool(d.saved_transfer_cost) == any(chain.offloadable)
     expected = solve(d)
     got = solve_discretized(chain, budget, slots)
-    assert got == (None if expected is None else (expected[0], expected[1]))
+    assert_cpp_is_reference(chain, budget, got, expected)
 
 
 @pytest.mark.slow
