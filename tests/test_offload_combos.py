@@ -117,9 +117,13 @@ def test_ddp_strategy_offloading_trains_like_plain_ddp(tmp_path):
     """A real DistributedDataParallel (Lightning's, one process: its reducer and accumulator hooks run as with
     several) around a chain whose plan offloads."""
     plain, rotor, keep = Wide(), Wide(), KeepRotorModules()
-    quiet_trainer(tmp_path / "plain", "ddp", devices=1, max_steps=3).fit(plain, loader())
-    strategy = RotorDDPStrategy(mem_limit="60%", offload=FAST)
-    quiet_trainer(tmp_path / "rotor", strategy, devices=1, max_steps=3, callbacks=[keep]).fit(rotor, loader())
+    try:
+        quiet_trainer(tmp_path / "plain", "ddp", devices=1, max_steps=3).fit(plain, loader())
+        strategy = RotorDDPStrategy(mem_limit="60%", offload=FAST)
+        quiet_trainer(tmp_path / "rotor", strategy, devices=1, max_steps=3, callbacks=[keep]).fit(rotor, loader())
+    finally:  # Lightning leaves its one-process group up: later tests of this process would run "distributed"
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     (chain,) = keep.modules.values()
     assert any(op.kind in (OpKind.OFFLOAD, OpKind.OFFLOAD_SAVED) for op in chain.plan.ops)
     for a, b in zip(plain.net.state_dict().values(), rotor.net.state_dict().values(), strict=True):
