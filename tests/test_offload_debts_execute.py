@@ -69,8 +69,14 @@ def test_cuda_waits_train_bitwise_like_plain(monkeypatch):
     recompute = plan(chain, int(low + CASES["gpt"][1] * (high - low)), bandwidth=0)
     waited = with_waits(with_saved_offloads(chain, recompute.ops))
     assert any(op.kind is OpKind.WAIT_SAVED for op in waited)
-    loss = MODELS["gpt"].loss
-    runner = runner_for(stages, chain, waited)
+    for probe in cuda_steps_bitwise(plain, rotor, runner_for(stages, chain, waited), MODELS["gpt"].loss, x, y):
+        assert probe.host_peak == simulate(chain, waited).host_peak > 0 and probe.host_current == 0
+
+
+def cuda_steps_bitwise(plain, rotor, runner, loss, x, y) -> list[CudaMemoryProbe]:
+    """Two CUDA steps of plain training and of `runner` (rotor's ops) on the same seeds, gradients torch.equal
+    after each; the probe of each rotor step."""
+    probes = []
     for step in range(2):
         for model in (plain, rotor):
             model.zero_grad(set_to_none=False)
@@ -81,7 +87,8 @@ def test_cuda_waits_train_bitwise_like_plain(monkeypatch):
             loss(runner(x), y).backward()
         for a, b in zip(grads(plain), grads(rotor), strict=True):
             assert torch.equal(a, b)
-        assert probe.host_peak == simulate(chain, waited).host_peak > 0 and probe.host_current == 0
+        probes.append(probe)
+    return probes
 
 
 def wide_run_at(ops) -> int | None:
@@ -130,16 +137,5 @@ def test_cuda_wide_runs_train_bitwise_like_plain(monkeypatch):
     ops = plan(slow, int(low + 0.6 * (high - low))).ops
     assert wide_run_at(ops) is not None
     plain, rotor, x, y = plain.cuda(), rotor.cuda(), x.cuda(), y.cuda()
-    loss = MODELS["resnet18"].loss
-    runner = runner_for(stages, slow, ops)
-    for step in range(2):
-        for model in (plain, rotor):
-            model.zero_grad(set_to_none=False)
-        torch.manual_seed(5 + step)
-        loss(plain(x), y).backward()
-        torch.manual_seed(5 + step)
-        with CudaMemoryProbe() as probe:
-            loss(runner(x), y).backward()
-        for a, b in zip(grads(plain), grads(rotor), strict=True):
-            assert torch.equal(a, b)
+    for probe in cuda_steps_bitwise(plain, rotor, runner_for(stages, slow, ops), MODELS["resnet18"].loss, x, y):
         assert probe.host_peak > 0 and probe.host_current == 0
