@@ -7,10 +7,18 @@ On the CPU a copy is done when issued, so a wait has nothing to wait for; on CUD
 
 import pytest
 import torch
-from test_offload_saved import CASES, FAST, needs_gpu, run_measured, runner_for, saved_case, with_saved_offloads
-from training import grads, uniform_times
+from test_offload_saved import (
+    CASES,
+    FAST,
+    cuda_steps_bitwise,
+    needs_gpu,
+    run_measured,
+    runner_for,
+    saved_case,
+    with_saved_offloads,
+)
+from training import uniform_times
 
-from lightning_rotor.memory import CudaMemoryProbe
 from lightning_rotor.models import MODELS
 from lightning_rotor.ops import Op, OpKind
 from lightning_rotor.planner import min_feasible_budget, plan
@@ -71,24 +79,6 @@ def test_cuda_waits_train_bitwise_like_plain(monkeypatch):
     assert any(op.kind is OpKind.WAIT_SAVED for op in waited)
     for probe in cuda_steps_bitwise(plain, rotor, runner_for(stages, chain, waited), MODELS["gpt"].loss, x, y):
         assert probe.host_peak == simulate(chain, waited).host_peak > 0 and probe.host_current == 0
-
-
-def cuda_steps_bitwise(plain, rotor, runner, loss, x, y) -> list[CudaMemoryProbe]:
-    """Two CUDA steps of plain training and of `runner` (rotor's ops) on the same seeds, gradients torch.equal
-    after each; the probe of each rotor step."""
-    probes = []
-    for step in range(2):
-        for model in (plain, rotor):
-            model.zero_grad(set_to_none=False)
-        torch.manual_seed(5 + step)
-        loss(plain(x), y).backward()
-        torch.manual_seed(5 + step)
-        with CudaMemoryProbe() as probe:
-            loss(runner(x), y).backward()
-        for a, b in zip(grads(plain), grads(rotor), strict=True):
-            assert torch.equal(a, b)
-        probes.append(probe)
-    return probes
 
 
 def wide_run_at(ops) -> int | None:

@@ -85,6 +85,24 @@ def runner_for(stages, chain, ops):
     )
 
 
+def cuda_steps_bitwise(plain, rotor, runner, loss, x, y) -> list[CudaMemoryProbe]:
+    """Two CUDA steps of plain training and of `runner` (rotor's ops) on the same seeds, gradients torch.equal
+    after each; the probe of each rotor step."""
+    probes = []
+    for step in range(2):
+        for model in (plain, rotor):
+            model.zero_grad(set_to_none=False)
+        torch.manual_seed(5 + step)
+        loss(plain(x), y).backward()
+        torch.manual_seed(5 + step)
+        with CudaMemoryProbe() as probe:
+            loss(runner(x), y).backward()
+        for a, b in zip(grads(plain), grads(rotor), strict=True):
+            assert torch.equal(a, b)
+        probes.append(probe)
+    return probes
+
+
 def test_offloadable_is_profiled_only_with_offloading_and_within_the_saved_bytes():
     _, _, stages, chain, _, _, x, _ = saved_case("gpt")
     assert all(0 <= o <= s for o, s in zip(chain.offloadable, chain.saved_size, strict=True))
@@ -427,20 +445,9 @@ def test_cuda_saved_offload_trains_bitwise_like_plain(name, monkeypatch):
     recompute = plan(chain, int(low + CASES[name][1] * (high - low)), bandwidth=0)
     ops = with_saved_offloads(chain, recompute.ops)
     assert any(op.kind is OpKind.OFFLOAD_SAVED for op in ops)
-    loss = MODELS[name].loss
     runner = runner_for(stages, chain, ops)
-    for step in range(2):  # the second step reuses the pinned buffers
-        for model in (plain, rotor):
-            model.zero_grad(set_to_none=False)
-        torch.manual_seed(5 + step)
-        loss(plain(x), y).backward()
-        torch.manual_seed(5 + step)
-        with CudaMemoryProbe() as probe:
-            loss(runner(x), y).backward()
-        for a, b in zip(grads(plain), grads(rotor), strict=True):
-            assert torch.equal(a, b)
-        sim = simulate(chain, ops)
-        assert probe.host_peak == sim.host_peak > 0 and probe.host_current == 0
+    for probe in cuda_steps_bitwise(plain, rotor, runner, MODELS[name].loss, x, y):  # the second reuses the buffers
+        assert probe.host_peak == simulate(chain, ops).host_peak > 0 and probe.host_current == 0
     assert runner.channel is not None and runner.channel.pool is not None
     assert runner.channel.pool.allocations == len(buffer_sizes(ops, chain.sizes, chain.offloadable))
     assert all(b.is_pinned() for b in runner.channel.pool.buffers)
