@@ -238,3 +238,13 @@ def test_bad_offload_arguments_fail_as_on_the_trainer(kwargs, message):
     assert str(fabric_err.value) == str(trainer_err.value) and "\n" not in str(fabric_err.value)
     kept = RotorFabricStrategy(offload="500MiB/s", host_limit="1GiB")
     assert (kept.offload, kept.host_limit) == ("500MiB/s", "1GiB")
+
+
+@pytest.mark.parametrize("bad", [-1, True, "5", 2.0])
+def test_a_bad_measure_every_n_steps_is_refused_in_one_line_by_the_callback_and_the_fabric_strategy(bad):
+    from lightning_rotor.fabric import RotorFabricStrategy
+    from lightning_rotor.lightning.callback import RotorCallback
+
+    for make in (RotorCallback, RotorFabricStrategy):
+        with pytest.raises(ValueError, match=r"^measure_every_n_steps must be an integer >= 0, got "):
+            make(measure_every_n_steps=bad)

@@ -398,8 +398,10 @@ def find_runs(
 def _refuse_checkpointed_blocks(module: nn.Module, calls: list[_Call]) -> None:
     """Blocks the forward calls through `torch.utils.checkpoint` (`checkpoint(block, x)` in a loop): rotor's run
     would call them outside the checkpoint, which then saves and recomputes other tensors than it recorded."""
-    wrapped = [c.name for c in calls if c.checkpointed and c.depth == min(d.depth for d in calls if d.checkpointed)]
-    if wrapped:
+    checkpointed = [c for c in calls if c.checkpointed]
+    if checkpointed:
+        outermost = min(c.depth for c in checkpointed)
+        wrapped = [c.name for c in checkpointed if c.depth == outermost]
         more = f" and {len(wrapped) - 1} more" if len(wrapped) > 1 else ""
         raise NotImplementedError(
             f"{type(module).__name__}'s forward calls {wrapped[0]}{more} through torch.utils.checkpoint, which "

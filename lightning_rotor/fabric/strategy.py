@@ -30,7 +30,13 @@ from torch import nn
 
 from lightning_rotor.checkpointable import Checkpointable
 from lightning_rotor.config import RotorConfig
-from lightning_rotor.lightning.callback import schedule_key, step_metrics, summary_text, warn_if_over_budget
+from lightning_rotor.lightning.callback import (
+    checked_measure_every,
+    schedule_key,
+    step_metrics,
+    summary_text,
+    warn_if_over_budget,
+)
 from lightning_rotor.lightning.strategy import ConfigAttributes, ProfileProgress, budget_words
 from lightning_rotor.lightning.wrap import is_candidate, is_user_model, wrap
 from lightning_rotor.measure import StepMeasurement
@@ -90,15 +96,10 @@ class RotorFabricStrategy(ConfigAttributes, SingleDeviceStrategy):
         precision: Precision | None = None,
     ):
         settings = RotorConfig.of(config, locals())  # bad settings fail here, in one line, before setup
-        if (
-            isinstance(measure_every_n_steps, bool)
-            or not isinstance(measure_every_n_steps, int)
-            or measure_every_n_steps < 0
-        ):
-            raise ValueError(f"measure_every_n_steps must be an integer >= 0, got {measure_every_n_steps!r}")
+        every = checked_measure_every(measure_every_n_steps)
         super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision=precision)
         self.config = settings
-        self.measure_every_n_steps = measure_every_n_steps
+        self.measure_every_n_steps = every
         self.print_summary = print_summary
         self.chains: dict[str, Checkpointable] = {}  # every set-up module's rotor modules, by name
         self.metrics: dict[str, float] = {}  # the latest step's `rotor/...` scalars

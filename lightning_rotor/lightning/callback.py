@@ -85,6 +85,13 @@ def _lightning_bookkeeping() -> tuple[Callable, ...]:
 LIGHTNING_BOOKKEEPING = _lightning_bookkeeping()
 
 
+def checked_measure_every(n: Any) -> int:
+    """`measure_every_n_steps` (the callback's, the Fabric strategy's), or one clear error."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"measure_every_n_steps must be an integer >= 0, got {n!r}")
+    return n
+
+
 def schedule_key(entry: Entry | None) -> tuple[str, ...]:
     """What the probe samples by: the plan's schedule, whatever the input shape it was made for."""
     return () if entry is None else tuple(repr(op) for op in entry.plan.ops)
@@ -246,13 +253,7 @@ class RotorCallback(Callback):
     """
 
     def __init__(self, measure_every_n_steps: int = 50, log_curves: bool = True, print_summary: bool = True):
-        if (
-            isinstance(measure_every_n_steps, bool)
-            or not isinstance(measure_every_n_steps, int)
-            or measure_every_n_steps < 0
-        ):
-            raise ValueError(f"measure_every_n_steps must be an integer >= 0, got {measure_every_n_steps!r}")
-        self.measure_every_n_steps = measure_every_n_steps
+        self.measure_every_n_steps = checked_measure_every(measure_every_n_steps)
         self.log_curves = log_curves
         self.print_summary = print_summary
         self._pending: dict[str, Any] | None = None
