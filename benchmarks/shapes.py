@@ -137,17 +137,28 @@ def derivation_seconds(model: nn.Module) -> list[float]:
     return [entries[key].profile.seconds for key in derived if key in entries]
 
 
-def overheads(runs: list[list[float]], plain: list[list[float]], kinds: list[str]) -> str:
-    """Per kind of step, its mean overhead over plain's same step, in plain steps (medians over runs)."""
-    step = statistics.median(t for r in plain for t in r[1:])
-    parts = []
+def overhead_by_kind(
+    runs: list[list[float]], plain: list[list[float]], kinds: list[str], step: float
+) -> list[tuple[str, int, float]]:
+    """Per kind of step (the first, a measured shape, a derived one): how many, and their mean time above plain's
+    same steps in plain steps of `step` seconds (median over rounds)."""
+    found = []
     for kind in ("first", "measured", "derived"):
         idx = [i for i, k in enumerate(kinds) if k == kind]
         if idx:
             extra = statistics.median(
                 statistics.mean(r[i] - p[i] for i in idx) for r, p in zip(runs, plain, strict=True)
             )
-            parts.append(f"{len(idx)} {kind}: +{extra / step:.2f} plain steps each")
+            found.append((kind, len(idx), extra / step))
+    return found
+
+
+def overheads(runs: list[list[float]], plain: list[list[float]], kinds: list[str]) -> str:
+    """Per kind of step, its mean overhead over plain's same step, in plain steps (medians over runs)."""
+    step = statistics.median(t for r in plain for t in r[1:])
+    parts = [
+        f"{n} {kind}: +{extra:.2f} plain steps each" for kind, n, extra in overhead_by_kind(runs, plain, kinds, step)
+    ]
     return "; ".join(parts) + f" (a plain step {step * 1e3:.0f} ms)"
 
 

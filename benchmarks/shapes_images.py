@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks.shapes import overhead_by_kind
 from lightning_rotor import Checkpointable, MemoryProbe
 from lightning_rotor.models.convnext import convnext_atto
 
@@ -159,15 +160,8 @@ def check(args: argparse.Namespace, variant: str, data: list[Batch]) -> str:
 
 def overheads(runs: list[list[float]], plain: list[list[float]], kinds: list[str], step: float) -> str:
     """Per kind of step, its mean time above plain's same step, in plain steps (median over rounds)."""
-    parts = []
-    for kind in ("first", "measured", "derived"):
-        idx = [i for i, k in enumerate(kinds) if k == kind]
-        if idx:
-            extra = statistics.median(
-                statistics.mean(r[i] - p[i] for i in idx) for r, p in zip(runs, plain, strict=True)
-            )
-            parts.append(f"{len(idx)} {kind} +{extra / step:.2f}")
-    return ", ".join(parts) or "-"
+    found = overhead_by_kind(runs, plain, kinds, step)
+    return ", ".join(f"{n} {kind} +{extra:.2f}" for kind, n, extra in found) or "-"
 
 
 def report(args: argparse.Namespace, steps: dict[str, list[list[float]]], kinds: dict[str, list[str]]) -> None:
