@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -112,22 +114,40 @@ def test_compiled_stages_offload_and_train_bitwise():
     assert offloads(rotor)
 
 
-@pytest.mark.slow  # two fits, each starting a process group
-def test_ddp_strategy_offloading_trains_like_plain_ddp(tmp_path):
-    """A real DistributedDataParallel (Lightning's, one process: its reducer and accumulator hooks run as with
-    several) around a chain whose plan offloads."""
+def ddp_offloading_case(folder: str) -> None:
+    """Plain DDP and RotorDDPStrategy with offloading, 3 steps each, parameters torch.equal (run in a child)."""
     plain, rotor, keep = Wide(), Wide(), KeepRotorModules()
-    try:
-        quiet_trainer(tmp_path / "plain", "ddp", devices=1, max_steps=3).fit(plain, loader())
-        strategy = RotorDDPStrategy(mem_limit="60%", offload=FAST)
-        quiet_trainer(tmp_path / "rotor", strategy, devices=1, max_steps=3, callbacks=[keep]).fit(rotor, loader())
-    finally:  # Lightning leaves its one-process group up: later tests of this process would run "distributed"
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+    quiet_trainer(Path(folder) / "plain", "ddp", devices=1, max_steps=3).fit(plain, loader())
+    strategy = RotorDDPStrategy(mem_limit="60%", offload=FAST)
+    quiet_trainer(Path(folder) / "rotor", strategy, devices=1, max_steps=3, callbacks=[keep]).fit(rotor, loader())
     (chain,) = keep.modules.values()
     assert any(op.kind in (OpKind.OFFLOAD, OpKind.OFFLOAD_SAVED) for op in chain.plan.ops)
     for a, b in zip(plain.net.state_dict().values(), rotor.net.state_dict().values(), strict=True):
         assert torch.equal(a, b)
+
+
+CHILD = """
+import os, sys, traceback
+sys.path[:0] = [{tests!r}]
+import conftest, test_offload_combos
+try:
+    test_offload_combos.ddp_offloading_case({folder!r})
+except BaseException:
+    traceback.print_exc()
+    os._exit(1)
+os._exit(0)
+"""
+
+
+@pytest.mark.slow  # a child interpreter, two fits each starting a process group
+def test_ddp_strategy_offloading_trains_like_plain_ddp(tmp_path):
+    """A real DistributedDataParallel (Lightning's, one process: its reducer and accumulator hooks run as with
+    several) around a chain whose plan offloads. In a child that leaves by `os._exit`: freeing a DDP reducer
+    joins its gloo group's threads, which hung the whole suite at times (torch 2.13), and the group Lightning
+    leaves up would make later tests of this process run as distributed."""
+    code = CHILD.format(tests=str(Path(__file__).resolve().parent), folder=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
 def _fabric_fit(strategy) -> tuple[nn.Module, object]:
