@@ -33,10 +33,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
+import json
 import math
+import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -245,6 +249,38 @@ def profiled_raw(w: Workload) -> tuple[Times, Chain, Times | None]:
         first, chain = profiled(w, "profile as now (first in the process)", "")
     raw = unscaled("as now, fastest runs unscaled", "median-round scale of 2 rounds", calls[-1]) if calls else None
     return first, chain, raw
+
+
+def workload(name: str, device: torch.device) -> Workload:
+    """gpu_check's model `name` at its sizes for `device` (CUDA: sections 4 and 5; CPU: tiny)."""
+    sizes = CUDA_SIZES if device.type == "cuda" else CPU_SIZES
+    kwargs, batch = getattr(sizes, name), getattr(sizes, f"{name}_batch")
+    return load_workload(name, batch_size=batch, size="full", overrides=dict(kwargs), device=device)
+
+
+def fresh_profile(name: str, device: torch.device, warm: int, label: str, suspect: str, timeout: float) -> Times:
+    """The first profile of a child process (`--child`): nothing warmed by what this process ran before, as the
+    profile on a training's first batch."""
+    root = str(Path(profile_mod.__file__).resolve().parents[1])  # the child imports this very package
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    command = [sys.executable, str(Path(__file__).resolve()), "--child", name, "--device", device.type,
+               "--warm", str(warm)]  # fmt: skip
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=timeout, env=dict(os.environ, PYTHONPATH=path)
+    )
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1][:300]
+        raise RuntimeError(f"the child process exited with {done.returncode}: {last}")
+    fields = json.loads(done.stdout.strip().splitlines()[-1])
+    fields.update(label=label, suspect=suspect, note="fresh process; " + fields["note"])
+    return Times(**fields)
+
+
+def child(name: str, device: torch.device, warm: int) -> int:
+    """`--child`: profile the model once, as the process's first work, and print its times as one JSON line."""
+    times, _ = profiled(workload(name, device), "", "", warm=warm)
+    print(json.dumps(dataclasses.asdict(times)))
+    return 0
 
 
 # -- steady state ---------------------------------------------------------------------------------------------
@@ -534,7 +570,7 @@ def ratio(a: float | None, b: float | None) -> str:
     return "-" if a is None or b is None or b <= 0 else f"{a / b:.2f}"
 
 
-COLUMNS = {"first": "P", "fix": "P fix", "sync": "S", "alone": "L", "in-step": "E"}  # the per-stage table's
+COLUMNS = {"first": "P", "fresh-fix": "P fix", "sync": "S", "alone": "L", "in-step": "E"}  # the per-stage table's
 
 
 def stage_table(names: list[str], columns: list[tuple[str, Times]], ref: Times) -> str:
@@ -578,7 +614,7 @@ def suspects(t: dict[str, Times]) -> list[tuple[str, float]]:
     if ref is None or ref.total <= 0:
         return []
     out = []
-    for key in ("fix", "fix3", "second", "more", "unscaled", "busy"):
+    for key in ("fix", "fix3", "fresh-fix", "second", "more", "unscaled", "busy"):
         if key in t:
             out.append((t[key].suspect, t[key].total / ref.total))
     if "bench" in t and "bench-in-step" in t and t["bench-in-step"].total > 0:
@@ -614,6 +650,13 @@ def factors(t: dict[str, Times], plain: float | None) -> list[str]:
             f"{ratio(s, a)} (a sync before and after each F and B) x L/E {ratio(a, e)} (a stage alone against its "
             f"share of a step); E against the plain step's wall time: {ratio(e, plain)}"
         )
+    ref = t.get("in-step")
+    pairs = (("first", "fix", "the first profile against the third"), ("fresh", "fresh-fix", "each in a fresh process"),
+             ("idle", "idle-fix", "each after idle"))  # fmt: skip
+    for off, on, where in pairs:
+        if off in t and on in t and ref is not None:
+            lines.append(f"- the fix, {where}: {ratio(t[off].total, ref.total)}x the in-step time without it, "
+                         f"{ratio(t[on].total, ref.total)}x with it")  # fmt: skip
     if "op-sync" in t and "op-nosync" in t:
         ops = t["op-sync"].ops
         cost = (t["op-sync"].total - t["op-nosync"].total) / max(ops, 1)
@@ -673,7 +716,7 @@ def profiles(rep: ModelReport, w: Workload, budget: Budget, c: Counts) -> dict[s
     )
     keep(rep, "second", second[0] if second else None)
     fixed = budget.part(rep, "profile with the fix", lambda: profiled(w, "profile with the fix (1 warm-up round)",
-                        "cold timing rounds: 1 warm-up round before them (the fix)", warm=1), 10)  # fmt: skip
+                        "cold timing rounds: 1 warm-up round (the fix), the third profile", warm=1), 10)  # fmt: skip
     if fixed is not None:
         keep(rep, "fix", fixed[0])
         chains["with the fix"] = fixed[1]
@@ -753,8 +796,7 @@ def plans(rep: ModelReport, w: Workload, budget: Budget, c: Counts, chains: dict
 def study(label: str, name: str, batch: int, kwargs: dict[str, Any], device: torch.device, c: Counts,
           budget: Budget, fraction: float) -> ModelReport:  # fmt: skip
     rep = ModelReport(label)
-    w = budget.part(rep, "build", lambda: load_workload(name, batch_size=batch, size="full",
-                    overrides=dict(kwargs), device=device), 5)  # fmt: skip
+    w = budget.part(rep, "build", lambda: workload(name, device), 5)
     if w is None:
         return rep
     rep.blocks.append(f"{name}, batch {batch}, input {tuple(w.x.shape)}, {len(w.stages)} stages, {kwargs}")
@@ -762,6 +804,11 @@ def study(label: str, name: str, batch: int, kwargs: dict[str, Any], device: tor
     plain = steady(rep, w, budget, c)
     conditions(rep, w, budget, c)
     plans(rep, w, budget, c, chains, fraction)
+    for warm, key, what in ((0, "fresh", "as now"), (1, "fresh-fix", "with the fix (1 warm-up round)")):
+        suspect = "cold timing rounds: the fix, each in a fresh process" if warm else ""
+        keep(rep, key, budget.part(rep, f"fresh process {what}", lambda warm=warm, what=what, suspect=suspect:
+             fresh_profile(name, device, warm, f"fresh process, {what}", suspect,
+                           budget.deadline - time.perf_counter()), 30))  # fmt: skip
     render_model(rep, w, plain)
     del w
     if device.type == "cuda":
@@ -771,9 +818,10 @@ def study(label: str, name: str, batch: int, kwargs: dict[str, Any], device: tor
 
 def render_model(rep: ModelReport, w: Workload, plain: float | None) -> None:
     t, ref = rep.times, rep.times.get("in-step")
-    columns = [(short, t[k]) for k, short in COLUMNS.items() if k in t]
+    shown = {k if k in t or k != "fresh-fix" else "fix": short for k, short in COLUMNS.items()}  # a fix: fresh first
+    columns = [(short, t[k]) for k, short in shown.items() if k in t]
     if len(columns) > 2 and ref is not None:
-        legend = "; ".join(f"{short}: {t[k].label}" for k, short in COLUMNS.items() if k in t)
+        legend = "; ".join(f"{short}: {t[k].label}" for k, short in shown.items() if k in t)
         rep.blocks.append(
             f"Per stage, milliseconds (F: forward, B: backward; {legend}):\n\n"
             + stage_table(w.stage_names, columns, ref)
@@ -830,6 +878,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", default=[m for _, m in MODELS], choices=[m for _, m in MODELS])
     parser.add_argument("--fraction", type=float, default=0.5, help="budget of the plans: a share of the plain peak")
     parser.add_argument("--limit", type=float, default=None, help="seconds for the whole run (210 on CUDA)")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # a fresh process's first profile
+    parser.add_argument("--warm", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("cuda_stage_times.py: CUDA is not available here; --device cpu runs the same code at tiny sizes",
@@ -839,6 +889,8 @@ def main(argv: list[str] | None = None) -> int:
     if not cuda:
         torch.set_num_threads(1)  # a smoke run on a shared machine
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    if args.child:
+        return child(args.child, device, args.warm)
     sizes, counts = (CUDA_SIZES, CUDA_COUNTS) if cuda else (CPU_SIZES, CPU_COUNTS)
     budget = Budget(args.limit if args.limit is not None else counts.limit)
     header = describe(device)

@@ -30,7 +30,12 @@ def test_cuda_stage_times_runs_on_cpu(tmp_path, monkeypatch, capsys):
         "| profile, 6 timing rounds",
         "| in-step |",
     ]
-    rows += ["| sync per op", "| profile, cudnn.benchmark on", "| with the fix: offloading allowed"]
+    rows += [
+        "| sync per op",
+        "| profile, cudnn.benchmark on",
+        "| fresh process, with the fix",
+        "| with the fix: offloading",
+    ]
     for row in rows:
         assert row in report, row
     assert re.search(r"\| profile, 6 timing rounds \|[^\n]*\| 6 \|", report)  # every round run, none settled
