@@ -17,8 +17,10 @@ stage (forward, backward), it compares:
   same with a synchronisation after every op (and, to tell the dispatch mode's own cost, without it);
 - variations of the profile that isolate each suspect: a second profile in the same process, more timing rounds
   (not two scaled to their mean), the GPU kept busy right before the profile (clocks) or idle two seconds,
-  the caching allocator emptied first, `torch.backends.cudnn.benchmark` on (against in-step times also with it on);
-  and the cudaMalloc calls and SM clock around the timing rounds;
+  the caching allocator emptied first; the first profile of a fresh child process, without and with the fix, and
+  with `torch.backends.cudnn.benchmark` on from its start (against in-step times in that process: cuDNN caches
+  the algorithm it found for a shape either way, so only a fresh process shows what the flag changes); and the
+  cudaMalloc calls and SM clock around the timing rounds;
 - the whole step: predicted (simulator) against measured for the plain step, recompute-only and offloading plans
   at `--fraction` of the no-recomputation peak, on the chain profiled as now and with the warm-up.
 
@@ -86,7 +88,7 @@ class Counts:
     limit: float  # seconds for the whole run
 
 
-CUDA_COUNTS = Counts(iters=20, warm=3, sync_rounds=7, op_rounds=3, plan_steps=10, many_repeats=10, idle_s=2.0,
+CUDA_COUNTS = Counts(iters=20, warm=3, sync_rounds=7, op_rounds=3, plan_steps=10, many_repeats=10, idle_s=1.0,
                      busy_s=0.5, limit=180.0)  # fmt: skip
 CPU_COUNTS = Counts(iters=2, warm=1, sync_rounds=2, op_rounds=1, plan_steps=2, many_repeats=6, idle_s=0.01,
                     busy_s=0.01, limit=900.0)  # fmt: skip
@@ -258,28 +260,49 @@ def workload(name: str, device: torch.device) -> Workload:
     return load_workload(name, batch_size=batch, size="full", overrides=dict(kwargs), device=device)
 
 
-def fresh_profile(name: str, device: torch.device, warm: int, label: str, suspect: str, timeout: float) -> Times:
-    """The first profile of a child process (`--child`): nothing warmed by what this process ran before, as the
-    profile on a training's first batch."""
+def fresh_run(name: str, device: torch.device, options: list[str], timeout: float) -> list[dict[str, Any]]:
+    """The JSON lines of a child process (`--child`) that profiles the model as its first work: nothing warmed by
+    what this process ran before, as the profile on a training's first batch."""
     root = str(Path(profile_mod.__file__).resolve().parents[1])  # the child imports this very package
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
-    command = [sys.executable, str(Path(__file__).resolve()), "--child", name, "--device", device.type,
-               "--warm", str(warm)]  # fmt: skip
-    done = subprocess.run(
-        command, capture_output=True, text=True, timeout=timeout, env=dict(os.environ, PYTHONPATH=path)
-    )
+    command = [sys.executable, str(Path(__file__).resolve()), "--child", name, "--device", device.type, *options]
+    env = dict(os.environ, PYTHONPATH=path)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1][:300]
         raise RuntimeError(f"the child process exited with {done.returncode}: {last}")
-    fields = json.loads(done.stdout.strip().splitlines()[-1])
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+def fresh_profile(name: str, device: torch.device, warm: int, label: str, suspect: str, timeout: float) -> Times:
+    """A fresh process's first profile, with `warm` CUDA warm-up rounds."""
+    fields = fresh_run(name, device, ["--warm", str(warm)], timeout)[0]
     fields.update(label=label, suspect=suspect, note="fresh process; " + fields["note"])
     return Times(**fields)
 
 
-def child(name: str, device: torch.device, warm: int) -> int:
-    """`--child`: profile the model once, as the process's first work, and print its times as one JSON line."""
-    times, _ = profiled(workload(name, device), "", "", warm=warm)
+def fresh_benchmark(name: str, device: torch.device, timeout: float) -> tuple[Times, Times]:
+    """(profile, in-step times) of a fresh process with `torch.backends.cudnn.benchmark` on from its start: cuDNN
+    caches the algorithm it found for a shape, by benchmark or by heuristics alike, so only a process that has run
+    nothing before shows what the flag changes."""
+    profile, steady = fresh_run(name, device, ["--cudnn-benchmark"], timeout)
+    profile.update(label="fresh process, cudnn.benchmark on",
+                   suspect="cuDNN algorithm choice (cudnn.benchmark on, against in-step also on)",
+                   note="fresh process; " + profile["note"])  # fmt: skip
+    steady.update(label="in-step, cudnn.benchmark on (the same fresh process)")
+    return Times(**profile), Times(**steady)
+
+
+def child(name: str, device: torch.device, warm: int, benchmark: bool) -> int:
+    """`--child`: profile the model once, as the process's first work, and print its times as one JSON line; with
+    `benchmark`, cudnn.benchmark on from the start, and the in-step times after as a second line."""
+    torch.backends.cudnn.benchmark = benchmark
+    w = workload(name, device)
+    times, _ = profiled(w, "", "", warm=warm)
     print(json.dumps(dataclasses.asdict(times)))
+    if benchmark:
+        c = CUDA_COUNTS if device.type == "cuda" else CPU_COUNTS
+        print(json.dumps(dataclasses.asdict(in_step_times(w, c.iters, c.warm, ""))))
     return 0
 
 
@@ -475,16 +498,6 @@ def keep_busy(device: torch.device, seconds: float) -> None:
             a = torch.tanh(a @ a)
         sync(device)
     del a
-
-
-@contextlib.contextmanager
-def cudnn_benchmark(on: bool) -> Iterator[None]:
-    before = torch.backends.cudnn.benchmark
-    torch.backends.cudnn.benchmark = on
-    try:
-        yield
-    finally:
-        torch.backends.cudnn.benchmark = before
 
 
 # -- whole steps: predicted against measured --------------------------------------------------------------------
@@ -761,12 +774,6 @@ def conditions(rep: ModelReport, w: Workload, budget: Budget, c: Counts) -> None
     empty = torch.cuda.empty_cache if device.type == "cuda" else (lambda: None)
     cold = budget.part(rep, "profile after empty_cache", lambda: after(empty, "profile after empty_cache()", ""), 10)
     keep(rep, "cold-alloc", cold)
-    with cudnn_benchmark(True):
-        bench = budget.part(rep, "profile with cudnn.benchmark", lambda: profiled(w, "profile, cudnn.benchmark on",
-                            "cuDNN algorithm choice (cudnn.benchmark on, against in-step also on)"), 15)  # fmt: skip
-        keep(rep, "bench", bench[0] if bench else None)
-        keep(rep, "bench-in-step", budget.part(rep, "in-step with cudnn.benchmark", lambda: in_step_times(
-            w, c.iters, c.warm, "in-step, cudnn.benchmark on"), 10))  # fmt: skip
 
 
 def steady(rep: ModelReport, w: Workload, budget: Budget, c: Counts) -> float | None:
@@ -819,6 +826,11 @@ def study(label: str, name: str, batch: int, kwargs: dict[str, Any], device: tor
         keep(rep, key, budget.part(rep, f"fresh process {what}", lambda warm=warm, what=what, suspect=suspect:
              fresh_profile(name, device, warm, f"fresh process, {what}", suspect,
                            budget.deadline - time.perf_counter()), 30))  # fmt: skip
+    bench = budget.part(rep, "fresh process with cudnn.benchmark", lambda: fresh_benchmark(
+        name, device, budget.deadline - time.perf_counter()), 40)  # fmt: skip
+    if bench is not None:
+        keep(rep, "bench", bench[0])
+        keep(rep, "bench-in-step", bench[1])
     render_model(rep, w, plain)
     del w
     if device.type == "cuda":
@@ -890,6 +902,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=float, default=None, help="seconds for the parts of the run (180 on CUDA)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # a fresh process's first profile
     parser.add_argument("--warm", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--cudnn-benchmark", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("cuda_stage_times.py: CUDA is not available here; --device cpu runs the same code at tiny sizes",
@@ -900,7 +913,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)  # a smoke run on a shared machine
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     if args.child:
-        return child(args.child, device, args.warm)
+        return child(args.child, device, args.warm, args.cudnn_benchmark)
     sizes, counts = (CUDA_SIZES, CUDA_COUNTS) if cuda else (CPU_SIZES, CPU_COUNTS)
     budget = Budget(args.limit if args.limit is not None else counts.limit)
     header = describe(device)
