@@ -810,17 +810,8 @@ def plans(rep: ModelReport, w: Workload, budget: Budget, c: Counts, chains: dict
         budget.part(rep, "plans", run, 15)
 
 
-def study(label: str, name: str, batch: int, kwargs: dict[str, Any], device: torch.device, c: Counts,
-          budget: Budget, fraction: float) -> ModelReport:  # fmt: skip
-    rep = ModelReport(label)
-    w = budget.part(rep, "build", lambda: workload(name, device), 5)
-    if w is None:
-        return rep
-    rep.blocks.append(f"{name}, batch {batch}, input {tuple(w.x.shape)}, {len(w.stages)} stages, {kwargs}")
-    chains = profiles(rep, w, budget, c)
-    plain = steady(rep, w, budget, c)
-    conditions(rep, w, budget, c)
-    plans(rep, w, budget, c, chains, fraction)
+def fresh_parts(rep: ModelReport, name: str, device: torch.device, budget: Budget) -> None:
+    """The profiles of fresh child processes: as now, with the fix, and with cudnn.benchmark on."""
     for warm, key, what in ((0, "fresh", "as now"), (1, "fresh-fix", "with the fix (1 warm-up round)")):
         suspect = "cold timing rounds: the fix, each in a fresh process" if warm else ""
         keep(rep, key, budget.part(rep, f"fresh process {what}", lambda warm=warm, what=what, suspect=suspect:
@@ -831,6 +822,21 @@ def study(label: str, name: str, batch: int, kwargs: dict[str, Any], device: tor
     if bench is not None:
         keep(rep, "bench", bench[0])
         keep(rep, "bench-in-step", bench[1])
+
+
+def study(label: str, name: str, batch: int, kwargs: dict[str, Any], device: torch.device, c: Counts,
+          budget: Budget, fraction: float, fresh: bool = True) -> ModelReport:  # fmt: skip
+    rep = ModelReport(label)
+    w = budget.part(rep, "build", lambda: workload(name, device), 5)
+    if w is None:
+        return rep
+    rep.blocks.append(f"{name}, batch {batch}, input {tuple(w.x.shape)}, {len(w.stages)} stages, {kwargs}")
+    chains = profiles(rep, w, budget, c)
+    plain = steady(rep, w, budget, c)
+    conditions(rep, w, budget, c)
+    plans(rep, w, budget, c, chains, fraction)
+    if fresh:
+        fresh_parts(rep, name, device, budget)
     render_model(rep, w, plain)
     del w
     if device.type == "cuda":
@@ -900,6 +906,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", default=[m for _, m in MODELS], choices=[m for _, m in MODELS])
     parser.add_argument("--fraction", type=float, default=0.5, help="budget of the plans: a share of the plain peak")
     parser.add_argument("--limit", type=float, default=None, help="seconds for the parts of the run (180 on CUDA)")
+    parser.add_argument("--no-fresh", action="store_true", help="leave out the fresh child processes' profiles")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # a fresh process's first profile
     parser.add_argument("--warm", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--cudnn-benchmark", action="store_true", help=argparse.SUPPRESS)
@@ -921,7 +928,7 @@ def main(argv: list[str] | None = None) -> int:
     for label, name in MODELS:
         if name in args.models:
             kwargs, batch = getattr(sizes, name), getattr(sizes, f"{name}_batch")
-            reports.append(study(label, name, batch, kwargs, device, counts, budget, args.fraction))
+            reports.append(study(label, name, batch, kwargs, device, counts, budget, args.fraction, not args.no_fresh))
     report = render(reports, header, time.perf_counter() - started)
     print(report)
     if args.out:
