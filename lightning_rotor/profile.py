@@ -454,6 +454,36 @@ def _timed_rounds(
     return fwd, bwd
 
 
+CUDA_WARMUP_ROUNDS = 1  # untimed rounds before the timing rounds, on CUDA only (NOTE: [warm timing rounds on CUDA])
+
+
+def _warm_up_rounds(
+    stages: Sequence[nn.Module],
+    sample: Any,
+    needs_grad: bool,
+    names: Sequence[str],
+    device: torch.device,
+    untouched: Untouched,
+    rounds: int,
+    start: float,
+    frozen: int,
+    selective: dict[int, list[float]],
+) -> None:
+    """On CUDA, `CUDA_WARMUP_ROUNDS` rounds run as the timing rounds run them, their times dropped.
+
+    NOTE: [warm timing rounds on CUDA] on a GPU the memory runs take longer than `PROFILE_STEPS` rounds, so
+    profiling stops after `MIN_ROUNDS` (two) timing rounds, and each stage's fastest run is scaled to their
+    median: their mean. The memory runs before them run each stage alone, under tensor accounting, the device
+    mostly idle; whatever is still cold in the first full round (cuDNN's first calls, the caching allocator's
+    blocks for a round, clocks ramped down) is charged to every stage. ResNet conv stages profiled about 1.5x
+    their steady time on an H200 (docs/gpu_check_h200.md): `benchmarks/cuda_stage_times.py` measures them with
+    and without these rounds, beside the other suspects. Elsewhere nothing runs: CPU figures are as they were."""
+    if device.type != "cuda" or rounds == 0 or CUDA_WARMUP_ROUNDS == 0:
+        return
+    spare: dict[int, list[float]] = {k: [] for k in selective}  # the options' kernels warmed too
+    _timed_rounds(stages, sample, needs_grad, names, device, untouched, CUDA_WARMUP_ROUNDS, start, frozen, spare)
+
+
 def _settled(fwd: list[list[float]], bwd: list[list[float]], round_seconds: float) -> bool:
     """Whether another timing round is unlikely to change a stage's time: every stage's two fastest forward runs,
     and two fastest backward runs, agree within `AGREE` of the faster or `AGREE_ROUND` of a round.
@@ -1054,6 +1084,7 @@ def profile_chain(
         walk.value = None  # a_L: the timing rounds hold no more than B k does
         selective: dict[int, list[float]] = {k: [] for k, record in enumerate(walk.records) if record.options}
         rounds = repeats if timed else 0
+        _warm_up_rounds(stages, sample, needs_grad, names, device, untouched, rounds, start, walk.frozen, selective)
         fwd, bwd = _timed_rounds(
             stages, sample, needs_grad, names, device, untouched, rounds, start, walk.frozen, selective
         )
