@@ -38,6 +38,7 @@ from torch.fx.node import Target, map_aggregate, map_arg
 from torch.utils.hooks import RemovableHandle
 
 from lightning_rotor._torch_compat import fx_unpatched_module, tensor_version, tree_flatten
+from lightning_rotor.frames import first_outside
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
@@ -63,13 +64,8 @@ class _SubmoduleBranch(Exception):  # internal: retry with `qualname` as a leaf
 
 def _user_frame() -> str:
     """file:line of the innermost frame outside torch and this package (the user's code)."""
-    frame = inspect.currentframe()
-    while frame is not None:
-        path = os.path.abspath(frame.f_code.co_filename)
-        if not path.startswith(_HERE) and not path.startswith(_TORCH):
-            return f"{frame.f_code.co_filename}:{frame.f_lineno}"
-        frame = frame.f_back
-    return "<unknown>"
+    frame = first_outside(inspect.currentframe(), (_HERE, _TORCH))
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else "<unknown>"
 
 
 def _guard_bool(value: Any, expected: bool, where: str) -> None:
