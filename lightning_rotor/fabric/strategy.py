@@ -31,15 +31,16 @@ from torch import nn
 from lightning_rotor.checkpointable import Checkpointable
 from lightning_rotor.config import RotorConfig
 from lightning_rotor.lightning.callback import (
+    Measured,
+    StepSampler,
+    batch_key,
     checked_measure_every,
-    schedule_key,
     step_metrics,
     summary_text,
     warn_if_over_budget,
 )
 from lightning_rotor.lightning.strategy import ConfigAttributes, ProfileProgress, budget_words
 from lightning_rotor.lightning.wrap import is_candidate, is_user_model, wrap
-from lightning_rotor.measure import StepMeasurement
 from lightning_rotor.memory import MemoryProbe
 
 ROOT = "model"  # the chain's name when the whole set-up module is wrapped
@@ -110,10 +111,9 @@ class RotorFabricStrategy(ConfigAttributes, SingleDeviceStrategy):
         self._t0 = 0.0
         self._step_seconds: float | None = None
         self._measured_peak: int | None = None
-        self._measurements: list[tuple[Checkpointable, StepMeasurement, int]] = []
-        self._measured_once: set[tuple[str, ...]] = set()  # schedules measured (`schedule_key`), not shapes
-        self._steps_since_measure = 0
-        self._retry_after_known = False  # a sample was spoilt by a new shape: wait for a step of known shapes
+        self._measurements: list[Measured] = []
+        self.sampler = StepSampler(every)  # which steps run under the probe (as RotorCallback's)
+        self._batch_key: tuple[Any, ...] = ()
         self._entries_before: dict[str, int] = {}
         self._printed = False
         self._warned_unused = False
@@ -210,31 +210,20 @@ class RotorFabricStrategy(ConfigAttributes, SingleDeviceStrategy):
             return
         self._in_step = True
         self._measurements = []
-        if self._wants_measure():
-            for rotor in self.chains.values():
+        self._batch_key = batch_key(args)  # the step's batch: the first training forward's arguments
+        if self.sampler.wants(self.chains, self._batch_key):
+            for name, rotor in self.chains.items():
                 # on CPU the whole step, parameters excluded (as the Trainer's callback); the allocator on CUDA
                 probe = MemoryProbe(self._modules, record_curve=True) if self.root_device.type != "cuda" else None
                 m = rotor.measure_step(probe=probe)
                 m.__enter__()
-                self._measurements.append((rotor, m, len(rotor.entries)))
-            self._steps_since_measure = 0
-        else:
-            self._steps_since_measure += 1
+                self._measurements.append((name, rotor, m, len(rotor.entries)))
         self._entries_before = {name: len(rotor.entries) for name, rotor in self.chains.items()}
         self._synchronize()
         self._t0 = time.perf_counter()
 
-    def _wants_measure(self) -> bool:
-        if any(not rotor.entries for rotor in self.chains.values()):
-            return False  # the first batch profiles; a probe would slow and pollute it
-        unmeasured = any(schedule_key(rotor.last_entry) not in self._measured_once for rotor in self.chains.values())
-        if unmeasured and not self._retry_after_known:
-            return True  # the schedule in use has not been measured yet
-        n = self.measure_every_n_steps
-        return n > 0 and self._steps_since_measure >= n
-
     def _close_measurements(self) -> None:
-        for _, m, _ in reversed(self._measurements):
+        for _, _, m, _ in reversed(self._measurements):
             if m.is_open:
                 m.__exit__(None, None, None)
 
@@ -263,15 +252,8 @@ class RotorFabricStrategy(ConfigAttributes, SingleDeviceStrategy):
                 )
             return
         profiled = any(len(r.entries) != self._entries_before.get(n, 0) for n, r in self.chains.items())
-        if not profiled:
-            self._retry_after_known = False
-        peaks = []
-        for rotor, m, before in self._measurements:
-            if len(rotor.entries) != before or m.entry is None:
-                self._retry_after_known = True  # a new signature was profiled inside: no clean sample
-                continue
-            self._measured_once.add(schedule_key(m.entry))
-            peaks.append(m.peak)
+        clean = self.sampler.ran(self._batch_key, planned, self._entries_before, self._measurements)
+        peaks = [m.peak for _, _, m, _ in clean]
         self._measurements = []
         if peaks:
             self._measured_peak = max(peaks)
