@@ -27,6 +27,7 @@ from lightning.fabric.strategies import SingleDeviceStrategy
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from lightning_rotor.checkpointable import Checkpointable
 from lightning_rotor.config import RotorConfig
@@ -40,7 +41,7 @@ from lightning_rotor.lightning.callback import (
     warn_if_over_budget,
 )
 from lightning_rotor.lightning.strategy import ConfigAttributes, ProfileProgress, budget_words
-from lightning_rotor.lightning.wrap import is_candidate, is_user_model, wrap
+from lightning_rotor.lightning.wrap import Wrapped, is_candidate, is_user_model, unwrap, wrap
 from lightning_rotor.memory import MemoryProbe
 
 ROOT = "model"  # the chain's name when the whole set-up module is wrapped
@@ -105,6 +106,8 @@ class RotorFabricStrategy(ConfigAttributes, SingleDeviceStrategy):
         self.chains: dict[str, Checkpointable] = {}  # every set-up module's rotor modules, by name
         self.metrics: dict[str, float] = {}  # the latest step's `rotor/...` scalars
         self._modules: list[nn.Module] = []  # the set-up modules that hold chains
+        self._swapped: list[tuple[nn.Module, list[Wrapped]]] = []  # per set-up module: where `wrap` swapped rotor in
+        self._hooks: list[RemovableHandle] = []  # `_on_forward` on each set-up module
         self._device = None if device is None else torch.device(device)
         self._parallel_devices: list[torch.device] = []
         self._in_step = False
@@ -158,9 +161,11 @@ class RotorFabricStrategy(ConfigAttributes, SingleDeviceStrategy):
         if whole:  # the module is the chain: wrap it as the only child of a holder, named ROOT
             holder = nn.ModuleDict({ROOT: module})
             wrapped, why = wrap(holder, config=self.config.replace(exclude=None))
+            self._swapped.append((holder, wrapped))
             module = holder[ROOT]
         else:
             wrapped, why = wrap(module, config=self.config)
+            self._swapped.append((module, wrapped))
         found = {w.name: w.rotor for w in wrapped}
         found.update({name or ROOT: m for name, m in _outermost_rotor(module).items() if m not in found.values()})
         if not found:
@@ -174,7 +179,7 @@ class RotorFabricStrategy(ConfigAttributes, SingleDeviceStrategy):
             rotor.on_profile_progress = ProfileProgress(name)
         self.chains.update(found)
         self._modules.append(module)
-        module.register_forward_pre_hook(self._on_forward)
+        self._hooks.append(module.register_forward_pre_hook(self._on_forward))
         parts = ", ".join(
             f"{name} ({len(r.stages)} stages)"
             if r.stages is not None
@@ -200,8 +205,15 @@ class RotorFabricStrategy(ConfigAttributes, SingleDeviceStrategy):
             rotor.restore_own_checkpointing()
 
     def teardown(self) -> None:
-        """The model's own checkpointing back on, as a Trainer's fit does at its end; then Fabric's teardown."""
-        self.restore_own_checkpointing()
+        """As a Trainer's fit does at its end: the user's modules back where rotor swapped its own in (a module set
+        up whole is the user's object throughout), their own checkpointing on again, no hook of rotor's left on
+        them; then Fabric's teardown. A second call changes nothing."""
+        self.restore_own_checkpointing()  # chains the user wrapped too
+        for parent, wrapped in reversed(self._swapped):
+            unwrap(parent, wrapped)
+        for hook in self._hooks:
+            hook.remove()
+        self._swapped, self._hooks = [], []
         super().teardown()
 
     # -- a step: the first training forward ... fabric.backward -------------------------------------------
