@@ -5,6 +5,7 @@ real Trainer with `RotorCallback` and through Fabric with `RotorFabricStrategy`.
 from __future__ import annotations
 
 import lightning.pytorch as pl
+import pytest
 import torch
 import torch.nn.functional as F
 from fitting import quiet_trainer
@@ -26,6 +27,17 @@ ROWS = (32, 32, 8) * 3  # three epochs of two full batches and a partial one
 def net() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(64, 64), nn.Tanh())])
+
+
+class ByKeyword(nn.Module):
+    """The same layers, called as Hugging Face models are: `model(features=x)`."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = net()
+
+    def forward(self, features):
+        return self.body(features)
 
 
 def batch(rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,15 +117,18 @@ class SampledFabric(RotorFabricStrategy):
         super()._end_step(seconds)
 
 
-def test_fabric_samples_the_full_and_the_partial_batch_s_plans_once_each():
+@pytest.mark.parametrize("by_keyword", [False, True], ids=["model(x)", "model(features=x)"])
+def test_fabric_samples_the_full_and_the_partial_batch_s_plans_once_each(by_keyword):
+    """The step's batch is what its first training forward is given, by position or by keyword (Hugging Face
+    models are called with `input_ids=...`), as the Trainer's is its batch."""
     strategy = SampledFabric(**TIMED, print_summary=False)
     fabric = Fabric(strategy=strategy, accelerator="cpu", devices=1)
-    model = net()
+    model = ByKeyword() if by_keyword else net()
     model, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.05))
     for i, rows in enumerate(ROWS):
         x, y = batch(rows, seed=i)
         opt.zero_grad()
-        fabric.backward(F.cross_entropy(model(x), y))
+        fabric.backward(F.cross_entropy(model(features=x) if by_keyword else model(x), y))
         opt.step()
     assert len(strategy.ran) == 2
     assert sorted(strategy.samples) == sorted(strategy.ran), strategy.samples

@@ -179,7 +179,7 @@ class RotorFabricStrategy(ConfigAttributes, SingleDeviceStrategy):
             rotor.on_profile_progress = ProfileProgress(name)
         self.chains.update(found)
         self._modules.append(module)
-        self._hooks.append(module.register_forward_pre_hook(self._on_forward))
+        self._hooks.append(module.register_forward_pre_hook(self._on_forward, with_kwargs=True))
         parts = ", ".join(
             f"{name} ({len(r.stages)} stages)"
             if r.stages is not None
@@ -217,12 +217,12 @@ class RotorFabricStrategy(ConfigAttributes, SingleDeviceStrategy):
         super().teardown()
 
     # -- a step: the first training forward ... fabric.backward -------------------------------------------
-    def _on_forward(self, module: nn.Module, args: Any) -> None:
+    def _on_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self._in_step or not module.training or not torch.is_grad_enabled():
             return
         self._in_step = True
         self._measurements = []
-        self._batch_key = batch_key(args)  # the step's batch: the first training forward's arguments
+        self._batch_key = batch_key((args, kwargs))  # the step's batch: its first training forward's arguments
         if self.sampler.wants(self.chains, self._batch_key):
             for name, rotor in self.chains.items():
                 # on CPU the whole step, parameters excluded (as the Trainer's callback); the allocator on CUDA
