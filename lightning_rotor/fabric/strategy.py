@@ -31,15 +31,8 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_rotor.checkpointable import Checkpointable
 from lightning_rotor.config import RotorConfig
-from lightning_rotor.lightning.callback import (
-    Measured,
-    StepSampler,
-    batch_key,
-    checked_measure_every,
-    step_metrics,
-    summary_text,
-    warn_if_over_budget,
-)
+from lightning_rotor.lightning.callback import checked_measure_every, step_metrics, summary_text, warn_if_over_budget
+from lightning_rotor.lightning.sampling import Measured, StepSampler, batch_key
 from lightning_rotor.lightning.strategy import ConfigAttributes, ProfileProgress, budget_words
 from lightning_rotor.lightning.wrap import Wrapped, is_candidate, is_user_model, unwrap, wrap
 from lightning_rotor.memory import MemoryProbe
