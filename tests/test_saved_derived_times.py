@@ -104,3 +104,13 @@ def test_a_resumed_trainer_knows_the_partial_batch_s_times_were_derived(tmp_path
     trainer = quiet_trainer(tmp_path / "b", strategy, max_steps=4, callbacks=[resumed])
     trainer.fit(LM(), loader, ckpt_path=path)
     assert resumed.modules["net"].chain_state.plans.times_derived == derived
+
+
+def test_a_loaded_state_s_derived_shapes_are_checked_on_training_steps_again():
+    """The flag reaches `ShapeTimes`, which re-times a derived shape its steps prove wrong: loaded, the partial batch
+    is among the shapes it checks, as it was before the save; a timed one is not."""
+    state = saved(trained_on_two_shapes())
+    fresh = Checkpointable(small_gpt(), "60%", repeats=1)
+    fresh.load_plan_state(state)
+    full, partial = fresh.entries
+    assert fresh.chain_state._times.derived == {partial}
