@@ -44,3 +44,18 @@ def test_a_checkpoint_call_from_a_package_named_like_torch_names_that_package_s_
     with checkpoint_calls() as seen:
         prints.rank_zero_only(checkpoint)(block, x, use_reentrant=False)
     assert len(seen) == 1 and seen[0].startswith(prints.__file__ + ":"), seen
+
+
+def test_a_deprecation_from_a_package_named_like_rotor_s_names_that_package_s_line():
+    """A warning names the user's line (`config._caller_level`): code in a folder beside rotor's whose name starts
+    like it (`lightning_rotor_ext/`) is the user's, not rotor's own. The code object carries that file name."""
+    import os
+
+    import lightning_rotor
+    from lightning_rotor.config import RotorConfig
+
+    path = os.path.join(os.path.dirname(lightning_rotor.__file__) + "_ext", "user.py")
+    code = compile("\n\nRotorConfig(loss_tmp=len)\n", path, "exec")
+    with pytest.warns(DeprecationWarning, match="loss_tmp") as seen:
+        exec(code, {"RotorConfig": RotorConfig})
+    assert (seen[0].filename, seen[0].lineno) == (path, 3)
