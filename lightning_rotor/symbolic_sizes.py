@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from fractions import Fraction
@@ -63,6 +64,9 @@ Call = tuple[str, "Dims"]  # a module-level chain's call: its arguments' family 
 NOT_SIZES = ("names", "frozen", "bandwidth", "host_limit", "options", *TIME_FIELDS)  # no size of the input's
 OPTION_NOT_SIZES = ("name", *TIME_FIELDS)
 Dims = tuple[tuple[int, ...], ...]  # the chain input's tensors' shapes, in order
+NO_AXIS = "no measured shapes along one axis of this one"
+TOO_FEW = "fewer than 3 traced shapes along this axis"
+FEW_ALIKE = "fewer than 2 traced shapes that ran the same ops"
 
 
 def chain_sizes(chain: Chain) -> list[int]:
@@ -239,20 +243,7 @@ class ShapeLaw:
         degree 2: matmuls over `B*L` or a side squared, attention's `L*L`); None where not counted at three or
         negative. They only scale times (`shapes.derived_times`): a wrong one makes a plan slower, never larger."""
         counted = sorted((s for s in self.shapes if s.flops is not None), key=lambda s: abs(s.size - x))[:3]
-        if len(counted) < 3:
-            return None
-        weights = []
-        for i, si in enumerate(counted):
-            w = Fraction(1)
-            for j, sj in enumerate(counted):
-                if j != i:
-                    w *= Fraction(x - sj.size, si.size - sj.size)
-            weights.append(w)
-        flops = [
-            round(sum(w * f for w, f in zip(weights, column, strict=True)))
-            for column in zip(*(s.flops or [] for s in counted), strict=True)
-        ]
-        return flops if all(f >= 0 for f in flops) else None
+        return _quadratic([(s.size, s.flops or []) for s in counted], x) if len(counted) == 3 else None
 
 
 PAIRS_FROM = 8  # the lines tried: through two of the first shapes measured
@@ -337,6 +328,212 @@ def _checked(law: ShapeLaw) -> ShapeLaw | str:
     return law
 
 
+POWERS = (0, 1, 2)  # a dimension's exponent in one axis: a length, `L*L` in attention, a side's `H*W` flattened
+Point = tuple[int, ...]  # a shape's size along each axis of its family
+Axes = tuple[tuple[tuple[int, int], ...], ...]  # per axis, its coordinates (tensor, dimension) in the input
+
+
+def family_axes(shapes: Sequence[Dims]) -> Axes | None:
+    """The axes of `shapes` (one family): the coordinates whose size varies among them, grouped where they have one
+    size in every shape (the batch in the images and the timesteps, a side in height and width); None where the
+    shapes differ in structure (number of tensors, ranks)."""
+    first = shapes[0]
+    if any(len(s) != len(first) or any(len(a) != len(b) for a, b in zip(s, first, strict=True)) for s in shapes):
+        return None
+    groups: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+    for i, tensor in enumerate(first):
+        for d in range(len(tensor)):
+            column = tuple(s[i][d] for s in shapes)
+            if len(set(column)) > 1:
+                groups.setdefault(column, []).append((i, d))
+    return tuple(tuple(coords) for coords in groups.values())
+
+
+def point_of(dims: Dims, axes: Axes) -> Point:
+    """The sizes of the shape `dims` along `axes`."""
+    return tuple(dims[i][d] for (i, d), *_ in axes)
+
+
+def _powers(d1: np.ndarray, s1: int, d2: np.ndarray, s2: int) -> np.ndarray | None:
+    """Per dimension, the one `k` in `POWERS` with `d2 * s1**k == d1 * s2**k` (sizes `s1 != s2` along one axis),
+    0 where the dimension is 0 at both (an empty tensor; zero at two sizes, a padding's amount at multiples of its
+    step, is what the divisors leave out); None where a dimension has no such `k` (`x + 1`, a padded size)."""
+    a, b = d1.astype(object), d2.astype(object)
+    fits = np.stack([b * s1**k == a * s2**k for k in POWERS]).astype(bool)
+    fits[1:] &= (d1 != 0) | (d2 != 0)
+    if not np.all(fits.sum(axis=0) == 1):
+        return None
+    return np.asarray(POWERS, dtype=object)[np.argmax(fits, axis=0)]
+
+
+def _distance(a: Point, b: Point) -> tuple[int, float]:
+    """How far the shape at `b` is from `a`: the axes they differ in, then the sum of their size ratios' logs."""
+    logs = sum(abs(math.log((x + 1) / (y + 1))) for x, y in zip(a, b, strict=True))
+    return sum(x != y for x, y in zip(a, b, strict=True)), logs
+
+
+@dataclasses.dataclass
+class MonomialLaw:
+    """Each storage's every dimension as `c * prod_a s_a ** k_a` over a family's axes: the exponents of an axis
+    from two measured shapes that differ in it only, checked to the byte on every other measured shape; the
+    measured shapes (`points`, `shapes`) whose traces give a chain where their guards hold; per axis, the gcd of
+    the sizes that confirmed it (a size not its multiple is measured: padding or a stride there went unseen)."""
+
+    points: list[Point]
+    shapes: list[TracedShape]
+    powers: dict[int, np.ndarray]  # axis -> per (storage, dimension) its exponent (object: Python ints)
+    divisors: dict[int, int]
+    bases: list[int]  # the measured shapes the law holds at (derived from)
+
+    def dims_at(self, point: Point, base: int) -> np.ndarray | None:
+        """Every storage's dimensions at `point` from the measured shape `base`; None where `point` differs from it
+        in an axis without exponents, or a dimension is no whole number there."""
+        at = self.points[base]
+        differ = [a for a in range(len(point)) if point[a] != at[a]]
+        if any(a not in self.powers for a in differ):
+            return None
+        num: Any = self.shapes[base].dims.astype(object)
+        den: Any = np.ones_like(num)
+        for a in differ:
+            num, den = num * point[a] ** self.powers[a], den * at[a] ** self.powers[a]
+        if np.any(num % den):
+            return None
+        return np.asarray(num // den, dtype=np.int64)
+
+    def nearest(self, point: Point) -> list[int]:
+        """The measured shapes, nearest `point` first."""
+        return sorted(range(len(self.points)), key=lambda i: _distance(point, self.points[i]))
+
+    def chain(self, point: Point) -> tuple[int, Chain] | str:
+        """The chain at `point` (times the trace's own) and the measured shape it was evaluated from, or why not."""
+        order = self.nearest(point)
+        dims, unseen = None, ""
+        for i in (i for i in order if i in self.bases):
+            differ = [a for a in range(len(point)) if point[a] != self.points[i][a]]
+            odd = [(point[a], self.divisors[a]) for a in differ if a in self.divisors and point[a] % self.divisors[a]]
+            if odd:  # every measured size along the axis a multiple: what padding or a stride does here went unseen
+                unseen = f"size {odd[0][0]} is not a multiple of {odd[0][1]}, as every measured size along its axis is"
+                continue
+            dims = self.dims_at(point, i)
+            if dims is not None:
+                break
+        if dims is None:
+            return unseen or f"no exponents for an axis that {point} differs in, or a size there no whole number"
+        sizes = self.shapes[0].itemsizes * np.prod(dims, axis=1)
+        for i in order:
+            if self.shapes[i].guards_hold(sizes):
+                try:
+                    return i, with_sizes(self.shapes[i].chain, [int(v) for v in self.shapes[i].sizes.at(sizes)])
+                except ChainError:
+                    break
+        return f"no traced shape's branches hold at {point}"
+
+    def flops(self, point: Point) -> list[int] | None:
+        """Each stage's forward FLOPs at `point`: through the three measured shapes nearest it along its one differing
+        axis (`_quadratic`), else a power law per axis through two (`f1 * (s / s1) ** p`), multiplied over the axes;
+        None where not counted so. They only scale times: a wrong one makes a plan slower, never larger."""
+        counted = [i for i in self.nearest(point) if self.shapes[i].flops is not None]
+        for i in counted:
+            differ = [a for a in range(len(point)) if point[a] != self.points[i][a]]
+            line = [j for j in counted if _on_line(self.points[j], point, differ)]
+            if len(differ) == 1 and len(line) >= 3:
+                a = differ[0]
+                return _quadratic([(self.points[j][a], self.shapes[j].flops or []) for j in line[:3]], point[a])
+        for i in counted:
+            flops = self._power_flops(point, i, counted)
+            if flops is not None:
+                return flops
+        return None
+
+    def _power_flops(self, point: Point, base: int, counted: list[int]) -> list[int] | None:
+        """FLOPs at `point` from the counted shape `base`, a power law per differing axis through a counted pair."""
+        at = self.points[base]
+        flops = np.asarray(self.shapes[base].flops, dtype=float)
+        for a in (a for a in range(len(point)) if point[a] != at[a]):
+            pair = next(
+                ((i, j) for i in counted for j in counted if i < j and _on_line(self.points[i], self.points[j], [a])),
+                None,
+            )
+            if pair is None:
+                return None
+            (s1, f1), (s2, f2) = ((self.points[k][a], np.asarray(self.shapes[k].flops, dtype=float)) for k in pair)
+            if np.any((f1 > 0) != (f2 > 0)):
+                return None
+            exponent = np.log(np.where(f1 > 0, f2, 1) / np.where(f1 > 0, f1, 1)) / math.log(s2 / s1)
+            flops = flops * (point[a] / at[a]) ** exponent
+        return [round(f) for f in flops]
+
+
+def _on_line(a: Point, b: Point, axes: Sequence[int]) -> bool:
+    """Whether the shapes at `a` and `b` differ in `axes` only (in each of them)."""
+    return all((x != y) == (k in axes) for k, (x, y) in enumerate(zip(a, b, strict=True)))
+
+
+def _quadratic(points: Sequence[tuple[int, list[int]]], x: int) -> list[int] | None:
+    """Per column, the polynomial of degree 2 through three (size, values) at `x`; None where one is negative."""
+    weights = []
+    for i, (si, _) in enumerate(points):
+        w = Fraction(1)
+        for j, (sj, _) in enumerate(points):
+            if j != i:
+                w *= Fraction(x - sj, si - sj)
+        weights.append(w)
+    values = [
+        round(sum(w * f for w, f in zip(weights, column, strict=True)))
+        for column in zip(*(f for _, f in points), strict=True)
+    ]
+    return values if all(v >= 0 for v in values) else None
+
+
+def monomial_law(points: Sequence[Point], shapes: Sequence[TracedShape]) -> MonomialLaw | str:
+    """The monomial law of traced shapes that ran the same ops, at distinct `points` of their axes, or why none."""
+    if len(set(points)) != len(points):
+        return "two shapes measured at one size"
+    powers: dict[int, np.ndarray] = {}
+    seeds: list[int] = []  # the shapes the exponents came from
+    for a in range(len(points[0])):
+        pairs = [
+            (i, j) for i in range(len(points)) for j in range(i + 1, len(points)) if _on_line(points[i], points[j], [a])
+        ]
+        found = [(i, j, _powers(shapes[i].dims, points[i][a], shapes[j].dims, points[j][a])) for i, j in pairs]
+        if pairs and all(k is None for _, _, k in found):
+            return f"a tensor's size at {points[pairs[0][0]]} and {points[pairs[0][1]]} is no monomial of their sizes"
+        i, j, k = next((f for f in found if f[2] is not None), (0, 0, None))
+        if k is not None:
+            powers[a], seeds = k, [*seeds, i, j]
+    return _confirmed(MonomialLaw(list(points), list(shapes), powers, {}, []), seeds)
+
+
+def _confirmed(law: MonomialLaw, seeds: Sequence[int]) -> MonomialLaw | str:
+    """`law` with the shapes it holds at, or why not: each measured shape where it makes a claim (from the first
+    shape the exponents came from, measured at its sizes along the axes without exponents) has every dimension it
+    gives, to the byte; one where it makes none (a dimension no whole number there: a stride's floor at an odd
+    size) is no base to derive from. A trace whose guards hold at another measured shape's sizes gives its chain."""
+    free = [a for a in range(len(law.points[0])) if a not in law.powers]
+    firsts: dict[Point, int] = {}
+    for i in seeds:
+        firsts.setdefault(tuple(law.points[i][a] for a in free), i)
+    for i, point in enumerate(law.points):
+        base = firsts.get(tuple(point[a] for a in free))
+        dims = law.dims_at(point, base) if base is not None else None
+        if dims is None:
+            continue  # no claim of the law's here
+        if not np.array_equal(dims, law.shapes[i].dims):
+            return f"a tensor's size at {point} is not the monomial through {law.points[base or 0]}"
+        law.bases.append(i)
+    law.divisors = {a: math.gcd(*(law.points[i][a] for i in law.bases)) for a in law.powers}
+    for i, shape in enumerate(law.shapes):
+        sizes = shape.itemsizes * np.prod(shape.dims, axis=1)
+        for j, other in enumerate(law.shapes):
+            if j != i and other.guards_hold(sizes):
+                derived = [int(v) for v in other.sizes.at(sizes)]
+                if derived != chain_sizes(shape.chain):
+                    name = next(n for (n, m), v in zip(_slots(shape.chain), derived, strict=True) if m != v)
+                    return f"{name} at {law.points[i]} differs from the one traced at {law.points[j]}"
+    moved = _moved_constants(law.shapes)
+    return f"{moved} is not a sum of storage sizes: its constant part differs between measured shapes" if moved else law
+
+
 def size_axis(measured: Dims, new: Dims) -> tuple[tuple[tuple[int, int], ...], int, int] | None:
     """(the coordinates (tensor, dimension) where `new` differs from `measured`, the size there in `measured`, in
     `new`); None when they are equal, differ in rank, or the differing coordinates do not share one size in each."""
@@ -363,7 +560,7 @@ class ShapeLaws:
         self._call_derived: Found | None = None  # the chain of the call running now, derived from its arguments
         self._keyed: Call | None = None  # the key the next measured shape is recorded under (a call's)
         self.measured: list[tuple[str, Dims, TracedShape | None, Chain, list[int] | None]] = []
-        self._laws: dict[tuple[Any, ...], list[ShapeLaw | str]] = {}
+        self._laws: dict[tuple[Any, ...], list[Any]] = {}
         # per (family, shapes): what `_found` gave, until a shape is measured (every step of a module-level chain
         # asks at its call, its plan key not known yet: a shape seen before is not derived again)
         self._found_at: dict[tuple[str, Dims], Found | str] = {}
@@ -445,17 +642,72 @@ class ShapeLaws:
         return found
 
     def _derived(self, family: str, dims: Dims) -> Found | str:
+        """A new shape's chain: by the monomial law where it gives one, else by the affine law along one axis; a
+        refused monomial law is warned of where no affine law can follow (another 3rd shape along one axis)."""
+        monomial, refused = self._by_monomials(family, dims)
+        if not isinstance(monomial, str):
+            return monomial
+        affine = self._by_line(family, dims, warn=refused is not None or monomial in (NO_AXIS, FEW_ALIKE))
+        if affine == NO_AXIS and refused is not None:
+            self._refuse(refused)
+        return monomial if affine in (NO_AXIS, TOO_FEW) else affine
+
+    def _by_monomials(self, family: str, dims: Dims) -> tuple[Found | str, str | None]:
+        """The chain of `dims` by the monomial law of measured shapes of its family, or why not; and why a law was
+        refused, if one was."""
+        measured = [(d, t) for f, d, t, _, _ in self.measured if f == family and t is not None and _alike(d, dims)]
+        axes = family_axes([d for d, _ in measured] + [dims]) if measured else None
+        if axes is None:
+            return NO_AXIS, None
+        key = (family, axes, tuple(d for d, _ in measured))
+        if key not in self._laws:
+            groups: dict[Any, list[tuple[Point, TracedShape]]] = {}
+            for d, traced in measured:
+                groups.setdefault(_ops_of(traced), []).append((point_of(d, axes), traced))
+            ordered = sorted(groups.values(), key=len, reverse=True)
+            self._laws[key] = [monomial_law(*zip(*g, strict=True)) for g in ordered if len(g) >= 2]
+        point, reason, refused = point_of(dims, axes), FEW_ALIKE, None
+        for law in self._laws[key]:
+            if isinstance(law, str):
+                refused = refused or law
+                continue
+            found = law.chain(point)
+            if isinstance(found, str):
+                reason = found
+                continue
+            i, chain = found
+            differ = [a for a in range(len(point)) if point[a] != law.points[i][a]]
+            return (
+                chain,
+                tuple(sorted({law.points[j][a] for j in law.bases for a in differ})),
+                law.flops(point),
+            ), refused
+        return refused or reason, refused
+
+    def _refuse(self, reason: str) -> None:
+        """Say once why sizes of new shapes are not derived."""
+        if self.refused is None:
+            self.refused = reason
+            warnings.warn(
+                f"rotor: the sizes of new input shapes cannot be derived from measured ones ({reason}); "
+                "such shapes are measured (lightning_rotor/symbolic_sizes.py)",
+                stacklevel=6,
+            )
+
+    def _by_line(self, family: str, dims: Dims, warn: bool) -> Found | str:
+        """The chain of `dims` by the affine law along the one axis where it differs from measured shapes; `warn`:
+        say once why a law is refused (not where a monomial law of these shapes stands)."""
         axes: dict[tuple[tuple[int, int], ...], list[tuple[int, int]]] = {}
         for i, (their_family, their_dims, trace, _, _) in enumerate(self.measured):
             found = size_axis(their_dims, dims) if their_family == family and trace is not None else None
             if found is not None:
                 axes.setdefault(found[0], []).append((found[1], i))
         if len(axes) != 1:
-            return "no measured shapes along one axis of this one"
+            return NO_AXIS
         ((coords, points),) = axes.items()
         x = dims[coords[0][0]][coords[0][1]]
-        reason = "fewer than 3 traced shapes along this axis"
-        for law in self._laws_along(coords, points):
+        reason = TOO_FEW
+        for law in self._laws_along(coords, points, warn):
             if isinstance(law, str):
                 reason = law
                 continue
@@ -465,7 +717,7 @@ class ShapeLaws:
             reason = f"no traced shape's branches hold at size {x}"
         return reason
 
-    def _laws_along(self, coords: Any, points: list[tuple[int, int]]) -> list[ShapeLaw | str]:
+    def _laws_along(self, coords: Any, points: list[tuple[int, int]], warn: bool) -> list[ShapeLaw | str]:
         """The laws of the traced shapes along one axis, one per group of shapes that ran the same ops (a small
         image whose last stage is 1x1 runs other ops than larger ones), largest group first."""
         key = (coords, tuple(i for _, i in points))
@@ -475,17 +727,16 @@ class ShapeLaws:
                 traced = self.measured[i][2]
                 if traced is not None:
                     groups.setdefault(_ops_of(traced), []).append(dataclasses.replace(traced, size=size))
-            laws = [shape_law(g) for g in sorted(groups.values(), key=len, reverse=True) if len(g) >= 3]
-            self._laws[key] = laws
-            refused = next((law for law in laws if isinstance(law, str)), None)
-            if refused is not None and self.refused is None:
-                self.refused = refused
-                warnings.warn(
-                    f"rotor: the sizes of new input shapes cannot be derived from measured ones ({refused}); "
-                    "such shapes are measured (lightning_rotor/symbolic_sizes.py)",
-                    stacklevel=5,
-                )
+            self._laws[key] = [shape_law(g) for g in sorted(groups.values(), key=len, reverse=True) if len(g) >= 3]
+        refused = next((law for law in self._laws[key] if isinstance(law, str)), None)
+        if refused is not None and warn:
+            self._refuse(refused)
         return self._laws[key]
+
+
+def _alike(a: Dims, b: Dims) -> bool:
+    """Whether two input shapes have the same structure: as many tensors, each of one rank."""
+    return len(a) == len(b) and all(len(x) == len(y) for x, y in zip(a, b, strict=True))
 
 
 def _ops_of(shape: TracedShape) -> tuple[Any, ...]:
