@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from fractions import Fraction
@@ -215,6 +216,7 @@ class ShapeLaw:
     d2: np.ndarray
     itemsizes: np.ndarray
     shapes: list[TracedShape]
+    divisor: int = 1  # the gcd of the sizes on the line: a size not its multiple is measured (`MonomialLaw._unseen`)
 
     def storage_sizes(self, x: int) -> np.ndarray | None:
         """Each storage's bytes at size `x`; None where a dimension is not a non-negative whole number there."""
@@ -297,10 +299,18 @@ def shape_law(shapes: Sequence[TracedShape]) -> ShapeLaw | str:
     if isinstance(line, str):
         return line
     law = ShapeLaw(line[0].size, line[1].size, line[0].dims, line[1].dims, first.itemsizes, list(shapes))
+    law.divisor = math.gcd(*(s.size for s in shapes if _on_the_line(law, s)))
     moved = _moved_constants(shapes)
     if moved is not None:
         return f"{moved} is not a sum of storage sizes: its constant part differs between measured shapes"
     return _checked(law)
+
+
+def _on_the_line(law: ShapeLaw, shape: TracedShape) -> bool:
+    """Whether every storage's dimensions at `shape` are the law's there (whole numbers, to the byte)."""
+    span = law.x2 - law.x1
+    scaled = law.d1 * span + (law.d2 - law.d1) * (shape.size - law.x1)
+    return not np.any(scaled % span) and np.array_equal(scaled // span, shape.dims)
 
 
 def _moved_constants(shapes: Sequence[TracedShape]) -> str | None:
@@ -328,6 +338,7 @@ def _checked(law: ShapeLaw) -> ShapeLaw | str:
     return law
 
 
+CONFIRMED = 3  # sizes along an axis (its exponents' two and one more) before its law derives beyond them
 POWERS = (0, 1, 2)  # a dimension's exponent in one axis: a length, `L*L` in attention, a side's `H*W` flattened
 Point = tuple[int, ...]  # a shape's size along each axis of its family
 Axes = tuple[tuple[tuple[int, int], ...], ...]  # per axis, its coordinates (tensor, dimension) in the input
@@ -377,13 +388,15 @@ class MonomialLaw:
     """Each storage's every dimension as `c * prod_a s_a ** k_a` over a family's axes: the exponents of an axis
     from two measured shapes that differ in it only, checked to the byte on every other measured shape; the
     measured shapes (`points`, `shapes`) whose traces give a chain where their guards hold; per axis, the gcd of
-    the sizes that confirmed it (a size not its multiple is measured: padding or a stride there went unseen)."""
+    the sizes that confirmed it (a size not its multiple is measured: padding or a stride there went unseen) and
+    the span it derives in: between its two sizes until a third confirms it (`_confirmed`), then any size."""
 
     points: list[Point]
     shapes: list[TracedShape]
     powers: dict[int, np.ndarray]  # axis -> per (storage, dimension) its exponent (object: Python ints)
     divisors: dict[int, int]
     bases: list[int]  # the measured shapes the law holds at (derived from)
+    spans: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
 
     def dims_at(self, point: Point, base: int) -> np.ndarray | None:
         """Every storage's dimensions at `point` from the measured shape `base`; None where `point` differs from it
@@ -409,14 +422,11 @@ class MonomialLaw:
         order = self.nearest(point)
         dims, unseen = None, ""
         for i in (i for i in order if i in self.bases):
-            differ = [a for a in range(len(point)) if point[a] != self.points[i][a]]
-            odd = [(point[a], self.divisors[a]) for a in differ if a in self.divisors and point[a] % self.divisors[a]]
-            if odd:  # every measured size along the axis a multiple: what padding or a stride does here went unseen
-                unseen = f"size {odd[0][0]} is not a multiple of {odd[0][1]}, as every measured size along its axis is"
-                continue
-            dims = self.dims_at(point, i)
+            out_of_reach = self._unseen(point, [a for a in range(len(point)) if point[a] != self.points[i][a]])
+            dims = self.dims_at(point, i) if not out_of_reach else None
             if dims is not None:
                 break
+            unseen = unseen or out_of_reach
         if dims is None:
             return unseen or f"no exponents for an axis that {point} differs in, or a size there no whole number"
         sizes = self.shapes[0].itemsizes * np.prod(dims, axis=1)
@@ -427,6 +437,20 @@ class MonomialLaw:
                 except ChainError:
                     break
         return f"no traced shape's branches hold at {point}"
+
+    def _unseen(self, point: Point, axes: Sequence[int]) -> str:
+        """Why `point` is out of the law's reach along `axes`, or "": a size not a multiple of every confirming size
+        along its axis (a padding to a multiple or a stride's floor there went unseen), or beyond the two sizes
+        of an axis no third has confirmed (a floor equal at both, `k = 0`, may grow beyond them)."""
+        for a in axes:
+            if a in self.divisors and point[a] % self.divisors[a]:
+                return (
+                    f"size {point[a]} is not a multiple of {self.divisors[a]}, as every measured size along its axis is"
+                )
+            low, high = self.spans.get(a, (0, sys.maxsize))
+            if not low <= point[a] <= high:
+                return f"size {point[a]} is beyond {low} and {high}, and no third measured size confirms their law"
+        return ""
 
     def flops(self, point: Point) -> list[int] | None:
         """Each stage's forward FLOPs at `point`: through the three measured shapes nearest it along its one differing
@@ -489,6 +513,8 @@ def monomial_law(points: Sequence[Point], shapes: Sequence[TracedShape]) -> Mono
     """The monomial law of traced shapes that ran the same ops, at distinct `points` of their axes, or why none."""
     if len(set(points)) != len(points):
         return "two shapes measured at one size"
+    if len({_ops_of(s) for s in shapes}) != 1:
+        return "the stages ran other ops at the measured shapes"
     powers: dict[int, np.ndarray] = {}
     seeds: list[int] = []  # the shapes the exponents came from
     for a in range(len(points[0])):
@@ -522,6 +548,9 @@ def _confirmed(law: MonomialLaw, seeds: Sequence[int]) -> MonomialLaw | str:
             return f"a tensor's size at {point} is not the monomial through {law.points[base or 0]}"
         law.bases.append(i)
     law.divisors = {a: math.gcd(*(law.points[i][a] for i in law.bases)) for a in law.powers}
+    for a in law.powers:
+        seen = {law.points[i][a] for i in law.bases}
+        law.spans[a] = (min(seen), max(seen)) if len(seen) < CONFIRMED else (0, sys.maxsize)
     for i, shape in enumerate(law.shapes):
         sizes = shape.itemsizes * np.prod(shape.dims, axis=1)
         for j, other in enumerate(law.shapes):
@@ -710,6 +739,9 @@ class ShapeLaws:
         for law in self._laws_along(coords, points, warn):
             if isinstance(law, str):
                 reason = law
+                continue
+            if x % law.divisor:
+                reason = f"size {x} is not a multiple of {law.divisor}, as every measured size along its axis is"
                 continue
             found_chain = law.chain(x)
             if found_chain is not None:

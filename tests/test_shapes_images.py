@@ -85,29 +85,29 @@ def derived(rotor: Checkpointable) -> set[str]:
 def test_a_unet_s_last_partial_batch_trains_bitwise_within_its_budget_and_batch_sizes_are_derived():
     """`UNet2DModel` broadcasts the timesteps with `torch.ones(sample.shape[0])`: the traced graph computes with
     each call's own batch size (torch's argument parser asks the size for its integer, and the op is recorded
-    with the size itself: no guard), so a last batch of 3 after batches of 4 runs the same graph. After two
-    measured batch sizes, 5 is derived: the batch size is one axis (the images' and the timesteps' first
-    dimension), every dimension a monomial of it. At 2 another op is a stage's largest than at 3, 4 or 5: no
-    trace's guards hold there, so it is measured."""
-    rotor, _ = train_shapes([(4, 16), (3, 16), (5, 16), (2, 16)])
-    assert derived(rotor) == {"(5, 3, 16, 16), (5,)"} and len(rotor.entries) == 4
+    with the size itself: no guard), so a last batch of 3 after batches of 5, 2 and 4 runs the same graph. After
+    two measured batch sizes, the ones between them are derived: the batch size is one axis (the images' and the
+    timesteps' first dimension), every dimension a monomial of it."""
+    rotor, _ = train_shapes([(5, 16), (2, 16), (4, 16), (3, 16)])
+    assert derived(rotor) == {"(4, 3, 16, 16), (4,)", "(3, 3, 16, 16), (3,)"} and len(rotor.entries) == 4
 
 
 @pytest.mark.slow  # about 8 s here
 def test_a_unet_at_new_sides_partial_batches_and_both_gets_measured_sizes_from_three_shapes():
-    """3 sides x {a full batch, a last partial one}: (4, 16), (4, 24) and (3, 16) measured, the other three
-    derived, each chain equal to a profile's to the byte, each step bitwise plain training's and within its
-    budget. The attention blocks flatten the feature map (`B, H*W/4, C`): a dimension quadratic in the side
-    (exponent 2), which no affine law fits; a partial batch at a new side differs in two axes."""
+    """3 sides x {a full batch, a last partial one}: (4, 16), (4, 24), (3, 16) and (4, 32) (beyond the first two
+    sides: a third confirms their law) measured, the partial batches at 24 and 32 derived (two axes new), each
+    chain equal to a profile's to the byte, each step bitwise plain training's and within its budget. The
+    attention blocks flatten the feature map (`B, H*W/4, C`): a dimension quadratic in the side (exponent 2),
+    which no affine law fits."""
     rotor, said = train_shapes([(4, 16), (4, 24), (3, 16), (4, 32), (3, 24), (3, 32)])
     assert len(rotor.entries) == 6 and not said
-    assert derived(rotor) == {"(4, 3, 32, 32), (4,)", "(3, 3, 24, 24), (3,)", "(3, 3, 32, 32), (3,)"}
+    assert derived(rotor) == {"(3, 3, 24, 24), (3,)", "(3, 3, 32, 32), (3,)"}
 
 
 @pytest.mark.slow  # about 6 s here
 def test_a_unet_side_off_the_measured_multiples_is_measured():
     """Measured sides 16 and 24 are multiples of 8: at 20 what the downsampling's floor or a padding does went
-    unseen by both, so it is measured, never derived; 32 is derived."""
+    unseen by both, so it is measured, never derived; it confirms their law, and 32 is derived."""
     rotor, _ = train_shapes([(2, 16), (2, 24), (2, 20), (2, 32)])
     assert derived(rotor) == {"(2, 3, 32, 32), (2,)"}
 
