@@ -4,32 +4,52 @@ A traced profile (lightning_rotor/size_trace.py) gives every size of a measured 
 sizes, valid wherever its guards hold (each comparison the probe and the profile made has the same outcome: the
 same op is a stage's largest, the same run the smaller). What is left is each storage's size at the new shape.
 
-A storage's bytes are its element size times the dimensions of the tensor that made it. Along one size axis
-(the chain input's varying dimensions, all of one size `x`: a sequence length, an image side, a batch size) a
-dimension of a stage's tensor is `a x + b` (`B*L`, `L`, `H/4`, `3*d`): found from two measured shapes, checked
-to the byte on every further one (at least one), per dimension of every storage. Then, at `x`:
+A storage's bytes are its element size times the dimensions of the tensor that made it. A family of input
+shapes has axes: groups of input coordinates that share one size in every shape seen (the batch in the images
+and the timesteps, a side in height and width, a sequence length in tokens and mask). Two laws give each
+storage's dimensions at a new shape, tried in this order:
 
-- each storage's dimensions are evaluated (whole numbers only: `H/2` at an odd side has no law there);
-- the traced shapes are tried nearest first: the first whose every guard holds at `x` gives every size of the
-  chain, exactly, as the profile run at `x` would have computed it, taking the same branches;
-- no trace whose guards hold (the largest op of a stage changes between measured shapes, say): the shape is
-  measured, and its trace covers the sizes around it from then on.
+- the monomial law (`MonomialLaw`): every dimension is `c * prod_a s_a ** k_a` (`B`, `L`, `H/4`, `B*H*W/16`,
+  `L*L`), `k_a` in 0..2, `c` rational. Each axis's exponents come from two measured shapes that differ in it
+  only (`d2 * s1**k == d1 * s2**k` for exactly one `k`, per dimension; none: the law is refused); every other
+  measured shape checks them to the byte. A new shape may differ from its base (the nearest measured shape the
+  law holds at) in several axes: a partial batch at a new side;
+- the affine law (`ShapeLaw`), where the monomial one is refused (`L + 1`: a class token, labels padded by
+  one as transformers' causal-LM loss does): along one axis each dimension is `a x + b`, through two measured
+  shapes and checked on a third.
+
+Then the traced shapes are tried nearest first: the first whose every guard holds at the evaluated storage
+sizes gives every size of the chain, exactly, as the profile run there would have computed it; none (the
+largest op of a stage changes), or a dimension no whole number there (`H/32` at a side not a multiple of 32):
+the shape is measured, and its trace covers the sizes around it from then on. Checked on the measured shapes
+themselves: a trace whose guards hold at another measured shape must give its measured chain to the byte (a
+size that left the sums, a constant to the trace, fails here). Shapes that ran other ops (another number of
+storages: a 1x1 last stage, MoE routing) are kept apart, each group its own law.
+
+What this rests on: the stages run the same ops at the new shape as at the measured ones (no size-dependent
+branch, no data-dependent op), and each dimension follows its law beyond the measured sizes. Where it does
+not, dimensions are *quasi-polynomial*: a stride's floor (`H // 32`) or a padding to a multiple (`8 *
+ceil(L / 8)`) is a law per residue class, and a few sizes can fit a wrong law exactly:
+
+- sizes that are all multiples of the period (16 and 24 padded to 8: `L` at both) fit `k = 1` and miss the
+  padding at 20. So a law derives only at multiples of the gcd of the sizes it holds at along each axis it
+  extrapolates (`divisors`; the affine law too): a size whose residues differ from theirs is measured;
+- two sizes in one bucket of the period (a ConvNeXt at sides 48 and 56: its last stage's side is 1 at both)
+  fit `k = 0`, a constant, wrong at 64 and beyond (checked: `benchmarks/shapes_monomial.py` derived 266 wrong
+  chains from 33 such pairs). Between the two sizes a monotone floor is that constant, and a dimension
+  `c * s` there is exact at multiples of their gcd; beyond them, not. So a law from two sizes of an axis
+  derives between them only (`spans`), and a third measured size along the axis that it holds at lets it
+  derive beyond: what the affine law's third point did. In that benchmark's sweep no derivation was wrong
+  with these rules on the GPT, the ConvNeXt and a padding model from two sizes; from three sizes in one
+  bucket of a padding (9, 10 and 11 padded to 16) the law is a wrong constant, as the affine law's was before.
+
+The memory probe's samples (`RotorCallback`, `measure_step`) check the rest, as for any plan; on CUDA, where a
+profile also keeps the caching allocator's figures (workspaces, rounding), every shape is measured.
 
 A module-level chain (a run of blocks, the code around it measured apart and charged to the chain) is traced
 with the code around it, and its shapes are keyed by the call's arguments (the tokens, the labels) rather than
 the run's input, which only exists once the code before the run has run: so a call is known to be derived
 before anything of it is measured (`ShapeLaws.call`), and the code around its run is not measured either.
-
-Checked on the measured shapes themselves: a trace whose guards hold at another measured shape must give that
-shape's measured chain to the byte (a size that left the sums, a constant to the trace, fails here). A law is
-refused, and every shape of its axis measured, where shapes differ in structure (another number of storages:
-ops that depend on the sizes or the data, MoE routing), a dimension is not affine in `x` at a measured shape,
-or a trace disagrees with a measured chain.
-
-What this rests on: the stages run the same ops at `x` as at the measured shapes (no size-dependent branch, no
-data-dependent op), and each dimension is affine in `x` between and beyond them. The check on measured shapes
-catches the usual ways this fails (padding to a multiple, stride parity, data-dependent counts); the memory
-probe's samples (`RotorCallback`, `measure_step`) check the rest, as for any plan.
 """
 
 from __future__ import annotations
