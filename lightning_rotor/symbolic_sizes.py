@@ -541,10 +541,10 @@ def monomial_law(points: Sequence[Point], shapes: Sequence[TracedShape]) -> Mono
         pairs = [
             (i, j) for i in range(len(points)) for j in range(i + 1, len(points)) if _on_line(points[i], points[j], [a])
         ]
-        found = [(i, j, _powers(shapes[i].dims, points[i][a], shapes[j].dims, points[j][a])) for i, j in pairs]
-        if pairs and all(k is None for _, _, k in found):
+        found = ((i, j, _powers(shapes[i].dims, points[i][a], shapes[j].dims, points[j][a])) for i, j in pairs)
+        i, j, k = next((f for f in found if f[2] is not None), (0, 0, None))  # the first pair that has exponents
+        if pairs and k is None:
             return f"a tensor's size at {points[pairs[0][0]]} and {points[pairs[0][1]]} is no monomial of their sizes"
-        i, j, k = next((f for f in found if f[2] is not None), (0, 0, None))
         if k is not None:
             powers[a], seeds = k, [*seeds, i, j]
     return _confirmed(MonomialLaw(list(points), list(shapes), powers, {}, []), seeds)
@@ -599,7 +599,8 @@ def size_axis(measured: Dims, new: Dims) -> tuple[tuple[tuple[int, int], ...], i
 
 class ShapeLaws:
     """The traced shapes of one chain, per family (plan key without shapes) and input shapes; a new shape's chain
-    from those along one axis of it (`chain_for`). Says once why a law is refused."""
+    from those by the monomial law over the family's axes, else the affine law along one (`chain_for`). Says once
+    why a law is refused."""
 
     def __init__(self) -> None:
         # a module-level chain (a run of blocks, the code around it measured apart): its shapes are keyed by the
