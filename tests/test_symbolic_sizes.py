@@ -123,6 +123,25 @@ def test_a_gpt_chain_at_a_new_length_and_batch_size_together_from_three_measured
     assert found == [True, True, False]
 
 
+def test_a_derived_shape_s_flops_come_from_two_measured_ones_without_a_count():
+    """FLOPs only scale a derived shape's times: from two counted shapes per axis, a power law per axis through
+    them (`f1 * (s / s1) ** p`, multiplied over the axes), so no forward is run to count them. On the GPT (linear
+    in the batch, between linear and quadratic in the length) within 5% of a count, per stage."""
+    from lightning_rotor.shapes import stage_flops
+
+    stages, laws = gpt_stages(), ShapeLaws()
+    for b, n in ((2, 16), (2, 40), (3, 16)):
+        x = tokens(b, n)
+        with traced() as trace:
+            chain = profile_chain(stages, x, repeats=1, timed=False).chain
+        laws.add("family", ((b, n),), trace, chain, stage_flops(stages, x))
+    for b, n in ((2, 24), (3, 24)):
+        found = laws.chain_for("family", ((b, n),))
+        assert not isinstance(found, str) and found[2] is not None
+        counted = stage_flops(stages, tokens(b, n))
+        assert all(abs(f - c) <= 0.05 * c for f, c in zip(found[2], counted, strict=True)), (found[2], counted)
+
+
 def convnext_stages():
     torch.manual_seed(0)
     model = ConvNeXt(depths=(1, 1, 1, 1), dims=(8, 16, 32, 64), num_classes=10)
