@@ -937,10 +937,10 @@ def _measure_stage(run: _StageRun, walk: _Walk, ctx: _Context) -> tuple[StagePro
     recorded = _measure_recorded_runs(run, ctx)
     if run.k == 0:
         walk.input_uses = recorded[0].input_uses
-    in_free = _in_free(run, walk, ctx)  # measured after the in-place check of the runs above
-    option_runs = _option_runs(run, ctx) if ctx.options else None
-    for _ in range(ctx.warmup):  # untimed (the memory runs above warm up too)
+    for _ in range(ctx.warmup):  # untimed, before the stage's first timing sample (the memory runs warm up too)
         _timed_run(run.forward, ctx.device, ctx.untouched)
+    in_free = _in_free(run, walk, ctx)  # measured after the in-place check of the runs above; timed, a first sample
+    option_runs = _option_runs(run, ctx) if ctx.options else None
     out_size, fwd_tmp_nograd, out = _measure_nograd(run, ctx)
     s_k = walk.records[run.k - 1].out_size if 0 < run.k <= walk.frozen else storage_bytes(run.value)  # a_F: beside a_0
     fwd_tmp, saved_size, out_free, bwd_tmp = _stage_figures(recorded, out_size, s_k)

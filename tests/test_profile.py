@@ -241,3 +241,25 @@ def test_a_timed_profile_takes_each_stage_first_sample_in_the_walk(repeats):
     assert all(t > 0 for t in timed.chain.fwd_time + timed.chain.bwd_time)
     as_sizes = {"fwd_time": [0.0] * 4, "bwd_time": [0.0] * 4}
     assert {**timed.chain.to_dict(), **as_sizes} == {**sizes.chain.to_dict(), **as_sizes}
+
+
+class Entries(nn.Module):
+    """A Linear that notes how each forward got its input: a leaf, entered through a node, or without grad."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear, self.seen = nn.Linear(8, 8), []
+
+    def forward(self, x):
+        self.seen.append("nograd" if not torch.is_grad_enabled() else ("leaf" if x.is_leaf else "entered"))
+        return self.linear(x)
+
+
+def test_warmup_runs_come_before_the_first_timing_sample():
+    """`warmup` untimed runs of a stage come before any timed run of it, the first timing sample in the walk (the
+    run entered through `EnterStage`, NOTE: [the first timing sample in the walk]) included: after the two
+    recorded runs, then the next input made without grad; the round after the walk times it once more."""
+    stage = Entries()
+    stages = sequential_stages(nn.Sequential(nn.Linear(8, 8), stage, nn.Tanh()))
+    profile_chain(stages, torch.randn(4, 8), repeats=2, warmup=2)
+    assert stage.seen == ["leaf"] * 2 + ["leaf"] * 2 + ["entered", "nograd"] + ["leaf", "nograd"]
