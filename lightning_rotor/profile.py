@@ -784,17 +784,6 @@ def _option(recorded: list[_Recorded] | None, s_k: int, out_size: int) -> StageO
     return StageOption(saved_size, 0.0, 0.0, fwd_tmp, bwd_tmp, out_free, name="sac")
 
 
-def _input_kept(stage: nn.Module, value: Any, grad_in: bool = True) -> list[bool]:
-    """Per tensor of `a_k`: does the graph of `Fe k` keep its storage (or the output share it)?
-
-    The stage gets `a_k` through `EnterStage`, as from the executor after its last forward
-    (`grad_in=False`: detached, as `a_F` after a frozen prefix, which needs no gradient);
-    the storage's reference count with the graph alive tells whether anything beyond our
-    own `a_k` holds it. No copy is made, so profiling holds no more than one stage's run.
-    """
-    return _entered_run(stage, value, grad_in, None)[0]
-
-
 def _use_counts(tensors: list[torch.Tensor]) -> list[int]:
     return [storage_use_count(t.untyped_storage()) if t.layout == torch.strided else 0 for t in tensors]
 
@@ -802,8 +791,14 @@ def _use_counts(tensors: list[torch.Tensor]) -> list[int]:
 def _entered_run(
     stage: nn.Module, value: Any, grad_in: bool, timing: tuple[torch.device, Untouched] | None
 ) -> tuple[list[bool], float, float]:
-    """(`_input_kept`, seconds of `Fe k`, seconds of `B k`): the stage run entered as the executor enters it; with
-    `timing`, also timed as a timing round times it (`_timed_run`, its backward too), else no backward, times 0.
+    """(per tensor of `a_k`: does the graph of `Fe k` keep its storage (or the output share it)?, seconds of
+    `Fe k`, seconds of `B k`); with `timing`, the run timed as a timing round times it (`_timed_run`, its backward
+    too), else no backward, times 0.
+
+    The stage gets `a_k` through `EnterStage`, as from the executor after its last forward
+    (`grad_in=False`: detached, as `a_F` after a frozen prefix, which needs no gradient);
+    the storage's reference count with the graph alive tells whether anything beyond our
+    own `a_k` holds it. No copy is made, so profiling holds no more than one stage's run.
 
     NOTE: [the first timing sample in the walk] a timed profile's first sample of each stage is taken in the walk,
     on the walk's `a_k`, by the run that tells whether the graph keeps `a_k` (the figures as before: the same run,
@@ -1002,8 +997,8 @@ def _in_free(run: _StageRun, walk: _Walk, ctx: _Context) -> int:
 
 
 def _kept_timed(run: _StageRun, walk: _Walk, ctx: _Context, grad_in: bool) -> list[bool]:
-    """`_input_kept` of the stage on `a_k`; in a timed profile, the run timed too, the stage's first sample
-    (NOTE: [the first timing sample in the walk])."""
+    """What the graph of `Fe k` keeps of `a_k` (`_entered_run`); in a timed profile, the run timed too, the stage's
+    first sample (NOTE: [the first timing sample in the walk])."""
     kept, fwd, bwd = _entered_run(run.stage, run.value, grad_in, (ctx.device, ctx.untouched) if ctx.timed else None)
     if ctx.timed:
         walk.timed((fwd, bwd))
