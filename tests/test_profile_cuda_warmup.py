@@ -25,12 +25,16 @@ def first_stage_calls(stages: list[nn.Module], x: torch.Tensor, timed: bool) -> 
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_warm_up_rounds_run_on_cuda_only(device):
+def test_warm_up_rounds_run_on_cuda_only(device, monkeypatch):
+    """The same timed profile with 0 and 3 warm-up rounds: on CUDA 3 rounds more of stage 0's two forwards, on CPU
+    the same calls (the walk's first timing sample stands there; on CUDA the rounds take every sample)."""
     torch.manual_seed(0)
     stages = [nn.Sequential(nn.Linear(16, 16), nn.ReLU()).to(device) for _ in range(3)]
     x = torch.randn(4, 16, device=device)
-    untimed, _ = first_stage_calls(stages, x, timed=False)
-    timed, rounds = first_stage_calls(stages, x, timed=True)
-    assert rounds >= profile.MIN_ROUNDS
-    warm = profile.CUDA_WARMUP_ROUNDS if device == "cuda" else 0
-    assert timed - untimed == 2 * (rounds + warm)
+    counts = []
+    for warm in (0, 3):
+        monkeypatch.setattr(profile, "CUDA_WARMUP_ROUNDS", warm)
+        calls, rounds = first_stage_calls(stages, x, timed=True)
+        assert rounds >= profile.MIN_ROUNDS
+        counts.append(calls - 2 * rounds)  # what is not a timing round: the walk, the warm-up
+    assert counts[1] - counts[0] == (2 * 3 if device == "cuda" else 0)
