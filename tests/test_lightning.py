@@ -440,12 +440,26 @@ def test_slow_profiling_shows_progress(tmp_path, caplog):
     assert float(lines[-1].split(", ")[1][:-2]) >= 1.0
 
 
-def test_fast_profiling_prints_no_progress(tmp_path, caplog):
+def test_fast_profiling_prints_no_progress(caplog):
+    """A profile under a second prints nothing; past it one line a second and always the last (the times given, not
+    taken: a loaded machine makes any real profile slow, as `test_slow_profiling_shows_progress` makes one)."""
     import logging
 
+    from lightning_rotor.lightning.strategy import ProfileProgress
+
+    progress = ProfileProgress("net")
     with caplog.at_level(logging.INFO):
-        quiet_trainer(tmp_path, RotorStrategy(mem_limit=1.0), max_steps=1).fit(Net(), classes_loader())
-    assert not [r for r in caplog.records if "rotor: profiling net:" in r.getMessage()]
+        for done, seconds in [(1, 0.1), (6, 0.5), (11, 0.9)]:
+            progress(done, 11, seconds)
+        assert not [r for r in caplog.records if "rotor: profiling net:" in r.getMessage()]
+        for done, seconds in [(1, 0.2), (4, 1.1), (5, 1.5), (8, 2.2), (11, 2.4)]:
+            progress(done, 11, seconds)
+    lines = [r.getMessage() for r in caplog.records if "rotor: profiling net:" in r.getMessage()]
+    assert lines == [
+        "rotor: profiling net: 4/11 stages, 1.1 s",
+        "rotor: profiling net: 8/11 stages, 2.2 s",
+        "rotor: profiling net: 11/11 stages, 2.4 s",
+    ]
 
 
 @pytest.mark.parametrize(
