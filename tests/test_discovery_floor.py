@@ -66,6 +66,17 @@ def test_the_split_builds_only_the_chain_it_keeps(monkeypatch):
     assert len(built) == len(found.stages)
 
 
+def test_the_split_runs_a_block_left_whole_once_per_purpose():
+    """Each trace of the floor split runs every op on the sample; a block it leaves whole (the lightest
+    level) ran again in every trace and every weighing. Now: once in the first trace, once weighed."""
+    model, x, _ = convnext()
+    calls = []
+    model.stages[3].register_forward_hook(lambda *_: calls.append(1))
+    found = discover_chain(model, x)
+    assert "stages.3" in found.stages.names
+    assert len(calls) == 2
+
+
 def test_split_reaches_inside_the_heaviest_blocks_only():
     model, x, _ = convnext()
     found = discover_chain(model, x)

@@ -226,8 +226,10 @@ class ShapeTracer(fx.Tracer):
         leaves: set[str],
         leaf_types: tuple[type, ...],
         through: AbstractSet[str] = frozenset(),
+        reused: _LeafRuns | None = None,
     ):
         super().__init__(autowrap_functions=())
+        self.reused = reused  # submodule calls of an earlier trace of the same module (NOTE: [leaf runs reused])
         self.sample = sample
         self.leaves = leaves
         self.leaf_types = leaf_types
@@ -375,11 +377,101 @@ class ShapeTracer(fx.Tracer):
         return proxy
 
     def _run_op(self, kind: str, target: Target, args: Any, kwargs: Any) -> Any:
-        """A new node's op run on the sample values of its arguments (a submodule as outside tracing)."""
-        if kind == "call_module":
-            with self._running_real():
-                return _run_node(self.root, kind, target, args, kwargs)
-        return _run_node(self.root, kind, target, args, kwargs)
+        """A new node's op run on the sample values of its arguments (a submodule as outside tracing, or
+        an earlier trace's run of it reused: NOTE: [leaf runs reused])."""
+        if kind != "call_module":
+            return _run_node(self.root, kind, target, args, kwargs)
+        inputs = _leaves((args, kwargs))
+        earlier = self.reused.find(str(target), inputs) if self.reused is not None else None
+        if earlier is not None:
+            return earlier[0]
+        versions = [tensor_version(t) for t in _tensors(inputs)]
+        with self._running_real():
+            value = _run_node(self.root, kind, target, args, kwargs)
+        if self.reused is not None and versions == [tensor_version(t) for t in _tensors(inputs)]:
+            self.reused.keep(str(target), inputs, value)
+        return value
+
+
+class _LeafRuns:
+    """Submodule calls run on the sample by one trace, for the next trace of the same module to reuse.
+
+    NOTE: [leaf runs reused] The floor split (NOTE: [floor split]) traces the model again for each
+    level it goes into, and a trace runs every op on the sample: the blocks left whole (every other
+    resolution level, the stem, the head) would run again on the same inputs. A call is reused when
+    its module gets inputs equal to an earlier call's (each tensor of the same layout and values, the
+    earlier one unchanged since) and the earlier output is unchanged since; only calls that wrote into
+    none of their inputs, gave a tensor or a tuple of them (nothing a later op could change unseen),
+    and whose output shares no storage with their inputs (it would be a view of the earlier trace's
+    input) are kept. The reused output has the sizes, layout and aliasing a run would give, which is
+    all discovery reads of values; user forward hooks of a reused call do not run again.
+    """
+
+    def __init__(self) -> None:
+        self.runs: dict[str, list[tuple[list[Any], list[int], Any, list[int]]]] = {}
+
+    def find(self, qualname: str, inputs: list[Any]) -> tuple[Any] | None:
+        """The output of an earlier call of `qualname` on inputs equal to `inputs` (in a 1-tuple), if any."""
+        for old, versions, out, out_versions in self.runs.get(qualname, ()):
+            unchanged = out_versions == [tensor_version(t) for t in _tensors(out)]
+            if unchanged and _same_inputs(old, versions, inputs):
+                return (out,)
+        return None
+
+    def keep(self, qualname: str, inputs: list[Any], out: Any) -> None:
+        """Keep a call that wrote into none of `inputs`, if its output can be reused (see the note)."""
+        if not _immutable_tensors(out):
+            return
+        taken = {_storage(t) for t in _tensors(inputs)}
+        if any(_storage(t) in taken for t in _tensors(out)):
+            return
+        versions = [tensor_version(t) for t in _tensors(inputs)]
+        self.runs.setdefault(qualname, []).append((inputs, versions, out, [tensor_version(t) for t in _tensors(out)]))
+
+
+def _immutable_tensors(value: Any) -> bool:
+    """A tensor, a number, a string, None, or a tuple of these (a list or dict could be changed by a later op)."""
+    if isinstance(value, tuple):
+        return all(_immutable_tensors(v) for v in value)
+    return isinstance(value, (torch.Tensor, int, float, bool, str, type(None)))
+
+
+def _same_inputs(old: list[Any], versions: list[int], new: list[Any]) -> bool:
+    """`new` equal to `old` (leaves of a call's arguments): tensors of the same layout and values, `old`'s
+    unchanged since (`versions`), anything else the same object or equal and of the same type."""
+    if len(old) != len(new):
+        return False
+    version = iter(versions)
+    for a, b in zip(old, new, strict=True):
+        if isinstance(a, torch.Tensor):
+            if not (isinstance(b, torch.Tensor) and tensor_version(a) == next(version) and _same_tensor(a, b)):
+                return False
+        elif not (a is b or (type(a) is type(b) and _equal(a, b))):
+            return False
+    return True
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a is b:
+        return True
+    if a.layout != torch.strided or b.layout != torch.strided:
+        return False
+    same_layout = (a.dtype, a.device, a.shape, a.stride(), a.storage_offset(), a.requires_grad) == (
+        b.dtype,
+        b.device,
+        b.shape,
+        b.stride(),
+        b.storage_offset(),
+        b.requires_grad,
+    )
+    return same_layout and a.untyped_storage().nbytes() == b.untyped_storage().nbytes() and torch.equal(a, b)
+
+
+def _equal(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 (an object whose == fails or is no bool: not reused)
+        return False
 
 
 def _run_node(root: nn.Module, kind: str, target: Target, args: Any, kwargs: Any) -> Any:
@@ -519,8 +611,9 @@ def trace_chain(
     constants = {n: v for n, v in bound.items() if not isinstance(v, torch.Tensor)}
     leaves: set[str] = set()
     through: set[str] = set()
+    reused = _LeafRuns() if split_floor else None  # the floor split traces again (NOTE: [leaf runs reused])
     graph, tracer = _trace(
-        module, bound, tensor_args, constants, leaf_types, leaves, through, max_retries, trace_into_writers
+        module, bound, tensor_args, constants, leaf_types, leaves, through, max_retries, trace_into_writers, reused
     )
     cut = _cut(module, graph, tracer, max_carry)
     if split_floor:
@@ -536,6 +629,7 @@ def trace_chain(
             _leaf_sizes(tracer),
             max_carry,
             max_retries,
+            reused,
         )
     chain = cut.chain(module)
     chain.leaves = sorted(leaves)
@@ -554,12 +648,14 @@ def _trace(
     through: set[str],
     max_retries: int,
     trace_into_writers: bool,
+    reused: _LeafRuns | None = None,
 ) -> tuple[fx.Graph, ShapeTracer]:
-    """One trace; `leaves` (value branches found) and `through` (writers traced into) grow in place."""
+    """One trace; `leaves` (value branches found) and `through` (writers traced into) grow in place;
+    `reused`: submodule calls of earlier traces (NOTE: [leaf runs reused]), and this one's added."""
     rng = [torch.device("cuda", i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
     saved = {n: b.detach().clone() for n, b in module.named_buffers()}
     for _ in range(max_retries):
-        tracer = ShapeTracer({n: bound[n] for n in tensor_args}, leaves, tuple(leaf_types), through)
+        tracer = ShapeTracer({n: bound[n] for n in tensor_args}, leaves, tuple(leaf_types), through, reused)
         try:
             with torch.random.fork_rng(devices=rng):
                 graph = tracer.trace(module, concrete_args=constants or None)
@@ -587,6 +683,7 @@ def _split_floor(
     leaf_sizes: dict[str, int],
     max_carry: int,
     max_retries: int,
+    reused: _LeafRuns | None = None,
 ) -> _Cut:
     """`chain` with the blocks kept whole in its heaviest stages traced into, while that lowers the floor.
 
@@ -616,7 +713,7 @@ def _split_floor(
             break
         finer = {q for b in blocks for q in b}
         graph, tracer = _trace(
-            module, bound, tensor_args, constants, leaf_types, leaves, through | finer, max_retries, True
+            module, bound, tensor_args, constants, leaf_types, leaves, through | finer, max_retries, True, reused
         )
         split = _cut(module, graph, tracer, max_carry, through | finer)
         split_costs = _stage_costs(module, split, known)
