@@ -56,7 +56,7 @@ def _load(path: str) -> dict[str, list[dict[str, Any]]]:
     by_test: dict[str, list[dict[str, Any]]] = defaultdict(list)
     with open(path) as f:
         for line in f:
-            line = re.sub(r"/[^'\"]*?/lightning_rotor/", "<checkout>/lightning_rotor/", line)
+            line = re.sub(r"/[^'\" ]*?/(lightning_rotor|tests|benchmarks)/", r"<checkout>/\1/", line)
             record = json.loads(line)
             by_test[record["test"]].append(record)
     return by_test

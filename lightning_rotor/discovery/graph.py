@@ -404,14 +404,22 @@ class _LeafRuns:
     none of their inputs, gave a tensor or a tuple of them (nothing a later op could change unseen),
     and whose output shares no storage with their inputs (it would be a view of the earlier trace's
     input) are kept. The reused output has the sizes, layout and aliasing a run would give, which is
-    all discovery reads of values; user forward hooks of a reused call do not run again.
+    all discovery reads of values; user forward hooks of a reused call do not run again. Only earlier
+    traces' calls are looked up: a model whose floor is not split (one trace) compares no inputs.
     """
 
     def __init__(self) -> None:
-        self.runs: dict[str, list[tuple[list[Any], list[int], Any, list[int]]]] = {}
+        self.runs: dict[str, list[tuple[list[Any], list[int], Any, list[int]]]] = {}  # earlier traces'
+        self.latest: dict[str, list[tuple[list[Any], list[int], Any, list[int]]]] = {}  # this trace's
+
+    def next_trace(self) -> None:
+        """A new trace begins: the calls of the one before can be reused from now on."""
+        for qualname, runs in self.latest.items():
+            self.runs.setdefault(qualname, []).extend(runs)
+        self.latest = {}
 
     def find(self, qualname: str, inputs: list[Any]) -> tuple[Any] | None:
-        """The output of an earlier call of `qualname` on inputs equal to `inputs` (in a 1-tuple), if any."""
+        """The output of an earlier trace's call of `qualname` on inputs equal to `inputs` (in a 1-tuple), if any."""
         for old, versions, out, out_versions in self.runs.get(qualname, ()):
             unchanged = out_versions == [tensor_version(t) for t in _tensors(out)]
             if unchanged and _same_inputs(old, versions, inputs):
@@ -426,7 +434,7 @@ class _LeafRuns:
         if any(_storage(t) in taken for t in _tensors(out)):
             return
         versions = [tensor_version(t) for t in _tensors(inputs)]
-        self.runs.setdefault(qualname, []).append((inputs, versions, out, [tensor_version(t) for t in _tensors(out)]))
+        self.latest.setdefault(qualname, []).append((inputs, versions, out, [tensor_version(t) for t in _tensors(out)]))
 
 
 def _immutable_tensors(value: Any) -> bool:
@@ -655,6 +663,8 @@ def _trace(
     rng = [torch.device("cuda", i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
     saved = {n: b.detach().clone() for n, b in module.named_buffers()}
     for _ in range(max_retries):
+        if reused is not None:
+            reused.next_trace()
         tracer = ShapeTracer({n: bound[n] for n in tensor_args}, leaves, tuple(leaf_types), through, reused)
         try:
             with torch.random.fork_rng(devices=rng):
