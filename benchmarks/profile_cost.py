@@ -17,12 +17,21 @@ step is its time minus the median plain step's of its shape, in plain steps; pri
 first dispatch mode triggers) is no part of any figure. `--clock cpu` (the default) times the main thread's CPU
 time, which other processes' load on a shared machine does not inflate (with one torch thread, CPU autograd runs
 every op there); `--clock wall` the wall time.
+
+`--parts` also times the parts of both steps (timers wrapped around the profiler's functions, the same clock) and
+prints their medians in plain steps: the walk (the memory runs: the two recorded runs per stage, the `in_free` run,
+which in a timed profile is also each stage's first timing sample, and the no-grad run), the timing rounds, the FLOP
+count, the code around a module-level chain's run (`measure_outside`), discovery, and Python's cyclic collector.
+
+    PYTHONPATH=. python benchmarks/profile_cost.py --models gpt gpt2 --runs 5 --parts
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import gc
+import importlib
 import os
 import statistics
 import sys
@@ -114,6 +123,59 @@ CLOCK = {"cpu": time.thread_time, "wall": time.perf_counter}
 clock = time.thread_time  # `--clock`
 
 
+# (module, attribute of it, function, label) of the parts `--parts` times; nested parts are timed each on its own
+PARTS = [
+    ("lightning_rotor.profile", None, "_walk_chain", "walk"),
+    ("lightning_rotor.profile", None, "_measure_recorded_runs", "recorded"),
+    ("lightning_rotor.profile", None, "_in_free", "in_free"),
+    ("lightning_rotor.profile", None, "_measure_nograd", "no-grad"),
+    ("lightning_rotor.profile", None, "_timed_rounds", "rounds"),
+    ("lightning_rotor.chain_state", None, "stage_flops", "FLOPs"),
+    ("lightning_rotor.pipeline", None, "measure_outside", "outside"),
+    ("lightning_rotor.chain_state", "ChainState", "_discover_chain", "discovery"),
+]
+
+
+class Parts:
+    """Seconds spent in each part of `PARTS`, and in Python's cyclic collector ("GC"), since the last `take`."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._gc_start = 0.0
+        for module, attribute, name, label in PARTS:
+            owner = importlib.import_module(module)
+            owner = getattr(owner, attribute) if attribute else owner
+            setattr(owner, name, self._timed(getattr(owner, name), label))
+        gc.callbacks.append(self._collector)
+
+    def _timed(self, function: Callable[..., Any], label: str) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = clock()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.seconds[label] = self.seconds.get(label, 0.0) + clock() - start
+
+        return timed
+
+    def _collector(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_start = clock()
+        else:
+            self.seconds["GC"] = self.seconds.get("GC", 0.0) + clock() - self._gc_start
+
+    def take(self) -> dict[str, float]:
+        taken, self.seconds = self.seconds, {}
+        return taken
+
+
+def parts_line(kind: str, parts: list[dict[str, float]]) -> str:
+    """Median seconds of each part over the runs (already in plain steps), in `PARTS` order, GC last."""
+    labels = [label for *_, label in PARTS] + ["GC"]
+    found = [(label, statistics.median(p.get(label, 0.0) for p in parts)) for label in labels]
+    return f"    {kind}: " + ", ".join(f"{label} {value:.2f}" for label, value in found if value >= 0.005)
+
+
 def timed_step(model: nn.Module, loss: Step, x: Any, opt: torch.optim.Optimizer) -> float:
     start = clock()
     opt.zero_grad(set_to_none=True)
@@ -127,17 +189,31 @@ def plain_steps(model: nn.Module, loss: Step, x: Any, n: int) -> list[float]:
     return [timed_step(model, loss, x, opt) for _ in range(n)]
 
 
-def one_run(plain: nn.Module, loss: Step, a: Any, b: Any, budget: str) -> tuple[float, float]:
-    """(first step's cost, a measured shape's cost) in plain steps of their shapes, plain steps interleaved."""
+def one_run(
+    plain: nn.Module, loss: Step, a: Any, b: Any, budget: str, parts: Parts | None = None
+) -> tuple[float, float, dict[str, float], dict[str, float]]:
+    """(first step's cost, a measured shape's cost) in plain steps of their shapes, plain steps interleaved; with
+    `parts`, each step's parts too, in the same plain steps."""
     rotor = Checkpointable(copy.deepcopy(plain), budget)
     opt = torch.optim.SGD(rotor.parameters(), lr=0.0)
     before = plain_steps(plain, loss, a, 3)
+    if parts is not None:
+        parts.take()
     first = timed_step(rotor, loss, a, opt)
+    first_parts = parts.take() if parts is not None else {}
     step_a = statistics.median(before + plain_steps(plain, loss, a, 3))
     before = plain_steps(plain, loss, b, 3)
+    if parts is not None:
+        parts.take()
     measured = timed_step(rotor, loss, b, opt)
+    measured_parts = parts.take() if parts is not None else {}
     step_b = statistics.median(before + plain_steps(plain, loss, b, 3))
-    return (first - step_a) / step_a, (measured - step_b) / step_b
+    return (
+        (first - step_a) / step_a,
+        (measured - step_b) / step_b,
+        {k: v / step_a for k, v in first_parts.items()},
+        {k: v / step_b for k, v in measured_parts.items()},
+    )
 
 
 def summary(values: list[float]) -> str:
@@ -153,6 +229,7 @@ def main() -> None:
     parser.add_argument(
         "--clock", choices=list(CLOCK), default="cpu", help="cpu: the thread's CPU time (with 1 thread, all of a step)"
     )
+    parser.add_argument("--parts", action="store_true", help="also time the parts of each step (see above)")
     args = parser.parse_args()
     global clock
     clock = CLOCK[args.clock]
@@ -161,17 +238,21 @@ def main() -> None:
     sys.path.append(models)  # litgpt, where the tests find it
     warnings.filterwarnings("ignore")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.clock} clock")
+    parts = Parts() if args.parts else None
     for name in args.models:
         plain, loss, a, b = CASES[name]()
         one_run(plain, loss, a, b, args.budget)  # untimed: what a process pays once, and warm caches
         plain_ms = statistics.median(plain_steps(plain, loss, a, 10)) * 1e3
-        runs = [one_run(plain, loss, a, b, args.budget) for _ in range(args.runs)]
+        runs = [one_run(plain, loss, a, b, args.budget, parts) for _ in range(args.runs)]
         first, measured = summary([r[0] for r in runs]), summary([r[1] for r in runs])
         print(
             f"{name:9s} plain step {plain_ms:5.1f} ms; first profile {first} plain steps; "
             f"a measured shape {measured} (median, min-max of {args.runs})",
             flush=True,
         )
+        if parts is not None:
+            print(parts_line("first profile", [r[2] for r in runs]), flush=True)
+            print(parts_line("a measured shape", [r[3] for r in runs]), flush=True)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,10 @@ same chain at a smaller budget (lightning_rotor/calls.py); those are kept here t
 
 `state_dict()` is plain data (lists, dicts, strings, numbers) so checkpoints load with
 `weights_only=True`; stage fingerprints tell a saved plan of these very stages from one of
-another model whose stage names happen to match.
+another model whose stage names happen to match. Each saved entry says whether its times were
+derived (by FLOPs from another shape's, `times_derived`) rather than measured, so that after a
+load such a shape is still checked against its training steps (lightning_rotor/shapes.py,
+`ShapeTimes`); a state saved before the flag existed loads as timed.
 """
 
 from __future__ import annotations
@@ -98,6 +101,7 @@ class PlanCache:
         self.names = list(names)
         self.slots = slots
         self.entries: dict[str, Entry] = {}  # per key: the plan for the chain's whole budget
+        self.times_derived: set[str] = set()  # keys whose times were derived, not measured (`add`, a load)
         self.input_uses: list[int] = []  # as measured last (`Profile.input_uses`), for entries planned on a bound
         self.forget_call_plans()
 
@@ -111,7 +115,13 @@ class PlanCache:
         return self.entries[key]
 
     def add(self, key: str, entry: Entry) -> Entry:
+        """`entry` for `key`; a profile with no timing rounds has its times derived (the profiler times every
+        shape it times with one round at least)."""
         self.entries[key] = entry
+        if entry.profile.repeats == 0:
+            self.times_derived.add(key)
+        else:
+            self.times_derived.discard(key)
         return entry
 
     def build(self, measured: Profile, chosen: Plan) -> Entry:
@@ -214,6 +224,7 @@ class PlanCache:
                     "round_seconds": e.profile.round_seconds,
                     "input_uses": e.profile.input_uses,
                     "threads": e.profile.threads,
+                    "times_derived": key in self.times_derived,
                 }
                 for key, e in self.entries.items()
             ],
@@ -228,8 +239,8 @@ class PlanCache:
         a one-line ValueError says why.
         """
         self._check_saved_stages(state)
-        entries = {}
-        for item in state.get("entries", []):
+        entries, derived = {}, set()
+        for i, item in enumerate(state.get("entries", [])):
             chain = Chain.from_dict(item["chain"])
             if chain.length != len(self.stages) or list(chain.names) != self.names:
                 raise ValueError(
@@ -246,8 +257,12 @@ class PlanCache:
                 threads=int(item.get("threads", 0)),
                 input_uses=[int(n) for n in item.get("input_uses", [])],
             )
-            entries[str(item["signature"])] = self.build(measured, Plan.from_dict(item["plan"]))
+            key = str(item["signature"])
+            entries[key] = self.build(measured, Plan.from_dict(item["plan"]))
+            if _times_derived(item, i):
+                derived.add(key)
         self.entries.update(entries)
+        self.times_derived = (self.times_derived - entries.keys()) | derived
         self.forget_call_plans()
 
     def _check_saved_stages(self, state: dict[str, Any]) -> None:
@@ -266,3 +281,14 @@ class PlanCache:
                 f"saved plan is for other stages: {', '.join(differ[:4])} differ in module types or "
                 "parameter/buffer shapes or dtypes; nothing loaded"
             )
+
+
+def _times_derived(item: dict[str, Any], i: int) -> bool:
+    """A saved entry's `times_derived` flag: absent (a state saved before it existed) means timed."""
+    flag = item.get("times_derived", False)
+    if not isinstance(flag, bool):
+        raise ValueError(
+            f"saved plan state: entries[{i}].times_derived is {flag!r}, not true or false "
+            f"(for input {item.get('signature')!r}); nothing loaded"
+        )
+    return flag

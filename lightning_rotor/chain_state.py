@@ -766,6 +766,8 @@ class ChainState:
         if self.plan_cache is None:
             raise ValueError("saved plan state cannot load before the chain is found (no stages yet); nothing loaded")
         self.plan_cache.load_state_dict(state)
+        # shapes whose saved times were derived are checked on training steps again, as before the save
+        self._times.derived = (self._times.derived - self.entries.keys()) | self.plan_cache.times_derived
         if state.get("budget") is not None:
             self.budget = int(state["budget"])
             first = next(iter(self.entries.values()), None)

@@ -24,6 +24,7 @@ from torch import nn
 from lightning_rotor.budget import BudgetError, MemLimit, Offload, parse_budget, parse_host_limit, parse_offload
 from lightning_rotor.compile import stage_compiler
 from lightning_rotor.discretize import check_slots
+from lightning_rotor.frames import in_folder
 from lightning_rotor.shapes import check_buckets
 from lightning_rotor.stages import Stages
 
@@ -295,6 +296,8 @@ def _caller_level() -> int:
     """The `stacklevel` of the first frame outside this package (a warning names the user's line)."""
     package = os.path.dirname(__file__)
     frame, level = sys._getframe(1), 1
-    while frame.f_back is not None and (frame.f_code.co_filename.startswith((package, "<string>"))):
+    while frame.f_back is not None and (
+        frame.f_code.co_filename.startswith("<string>") or in_folder(frame.f_code.co_filename, package)
+    ):
         frame, level = frame.f_back, level + 1
     return level

@@ -69,8 +69,6 @@ from lightning_rotor._torch_compat import (
 
 _GRAD = operator.attrgetter("grad")
 _CDATA = operator.attrgetter("_cdata")  # a storage's key (`storage_id`)
-_REF = operator.attrgetter("cdata")  # a storage weak reference's handle (`weak_storage_expired` takes it)
-_FIRST = operator.itemgetter(0)
 _LAYOUT = operator.attrgetter("layout")
 _STORAGE = operator.methodcaller("untyped_storage")
 _NOT_NONE = functools.partial(operator.is_not, None)
@@ -356,6 +354,10 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
         self._bookkeeping = {_code(f) for f in bookkeeping} | excluded.bookkeeping
         self._uncounted: dict[int, StorageWeakRef] = {}  # storages made by bookkeeping
         self._live: dict[int, tuple[StorageWeakRef, int]] = {}
+        # NOTE: [live handles] per counted storage, in `_live`'s order, its weak reference's handle: what the sweep
+        # before every op asks expiry of, without two lookups per live storage
+        self._handles: dict[int, int] = {}
+        self._fixed_grew = False  # a storage counted before was made fixed since the last sweep (`_add`, buffers)
         self._host_live: dict[int, tuple[StorageWeakRef, int]] = {}  # host copies made under host_allocations
         self._host_init()
         self.current = 0
@@ -381,14 +383,18 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
         live = self._live
         if live:
             # the expired storages, found without a Python step per live storage (the common case: none beside)
-            dead = list(compress(live.keys(), map(weak_storage_expired, map(_REF, map(_FIRST, live.values())))))
-            gone = self._fixed.intersection(live)
+            handles = self._handles
+            dead = list(compress(handles.keys(), map(weak_storage_expired, handles.values())))
+            # a fixed storage is never counted (`_add`), unless made fixed after it was: only then look for one
+            gone = self._fixed.intersection(live) if self._fixed_grew else set()
+            self._fixed_grew = False
             if self._params:
                 gone |= self._gradients().intersection(live)
             if gone:
                 gone.update(dead)
                 dead = [k for k in live if k in gone]  # in the order they were counted, as before
             for k in dead:
+                del handles[k]
                 self.current -= live.pop(k)[1]
         elif self._stored:
             self._stored = []  # nothing counted that could be a gradient
@@ -414,6 +420,7 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
             return
         if making == "buffers":
             self._fixed.update(storage_key(t) for t in tree_leaves(tensors) if _strided(t))
+            self._fixed_grew = True
             return
         for t in tensors:
             if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.device.type == "meta":
@@ -433,6 +440,7 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
                     continue  # a host copy, counted as host memory
                 self.host_current -= self._host_live.pop(key)[1]
             if old is not None:
+                del self._handles[key]
                 self.current -= self._live.pop(key)[1]
             if self._bookkeeping:
                 ref = self._uncounted.get(key)
@@ -444,7 +452,9 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
                     self._uncounted[key] = StorageWeakRef(storage)
                     continue
             nbytes = self._sizer.size(storage, t)
-            self._live[key] = (StorageWeakRef(storage), nbytes)
+            ref = StorageWeakRef(storage)
+            self._live[key] = (ref, nbytes)
+            self._handles[key] = ref.cdata
             self.current += nbytes
         self.peak = self._sizer.higher(self.peak, self.current)
 
@@ -486,6 +496,7 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
 
     def _forget(self, key: int) -> None:
         if key in self._live:
+            del self._handles[key]
             self.current -= self._live.pop(key)[1]
 
     def __enter__(self) -> MemoryProbe:
@@ -519,7 +530,7 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
         free the same weak reference twice and corrupt the heap.
         """
         self._closed = True
-        self._live = {}
+        self._live, self._handles = {}, {}
         self._host_live = {}
         self._uncounted = {}
         self._fixed = set()

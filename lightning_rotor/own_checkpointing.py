@@ -28,7 +28,6 @@ import os
 import sys
 import warnings
 from collections.abc import Iterator
-from types import FrameType
 from typing import Any
 
 import torch
@@ -47,6 +46,7 @@ from lightning_rotor._torch_compat import (
 )
 from lightning_rotor.budget import format_bytes
 from lightning_rotor.chain import Chain
+from lightning_rotor.frames import first_outside
 from lightning_rotor.memory import MemoryProbe
 from lightning_rotor.ops import Op
 from lightning_rotor.pipeline import LossFn, own_leaf
@@ -162,9 +162,7 @@ def checkpoint_calls() -> Iterator[list[str]]:
     skipped = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
 
     def told() -> None:
-        caller: FrameType | None = sys._getframe(1)
-        while caller is not None and caller.f_code.co_filename.startswith(skipped):
-            caller = caller.f_back
+        caller = first_outside(sys._getframe(1), skipped)
         seen.append(f"{caller.f_code.co_filename}:{caller.f_lineno}" if caller else "torch")
 
     with checkpoint_calls_watched(told):

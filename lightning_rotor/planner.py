@@ -398,15 +398,23 @@ def _recompute_only_candidates(
     chain: Chain, budget: int, slots: int, threads: int | None
 ) -> list[tuple[Simulation, list[Op]]]:
     """The plans without offloading, scored by the referee: the DP's (on the chain without transfers: exactly
-    the plan without offloading), then the exact-byte fallback's; `simulate` also refuses an invalid plan."""
+    the plan without offloading), then the exact-byte fallback's; `simulate` also refuses an invalid plan.
+
+    A fallback that is the DP's very schedule (as often where the budget leaves room) is not replayed again: the
+    same ops on the same chain replay alike, and the DP's comes first, so it wins the tie either way (a changing
+    shape's chain is planned at every new shape: each replay is about a tenth of a millisecond on a short chain).
+    """
     found = solve_discretized(chain.with_transfer(0.0) if chain.offloads else chain, budget, slots, threads)
-    candidates = []
+    scored: list[tuple[Simulation, list[Op]]] = []
     if found is not None:
-        candidates.append(parse_ops(found[1]))
+        ops = parse_ops(found[1])
+        scored.append((simulate(chain, ops), ops))
     fallback = _planner.feasible_schedule(*_memory_args(chain), budget, **_exact_extras(chain, False))
     if fallback is not None:
-        candidates.append(parse_ops(fallback))
-    return [(simulate(chain, ops), ops) for ops in candidates]
+        ops = parse_ops(fallback)
+        if not scored or ops != scored[0][1]:
+            scored.append((simulate(chain, ops), ops))
+    return scored
 
 
 def plan(

@@ -374,21 +374,32 @@ def _timed_run(
     inp, out = forward(True)
     synchronize(device)
     t1 = time.perf_counter()
-    outs, gs = backward_pairs(out, [torch.ones_like(t) for t in tensors_of(out)])
+    held = [out]
+    del out
+    bwd = _timed_backward(held, device, untouched)
+    del inp
+    return t1 - t0, bwd
+
+
+def _timed_backward(held: list[Any], device: torch.device, untouched: Untouched) -> float:
+    """Seconds of `B k` from the output in `held` (emptied here: the output values go first, as the executor runs
+    `B k`, so profiling stays within it), then the stages' gradients and buffers put back."""
+    outs, gs = backward_pairs(held[0], [torch.ones_like(t) for t in tensors_of(held[0])])
     edges = output_edges(outs)
-    del out, outs  # as the executor runs B k: the output values go first (profiling stays within B k)
+    held.clear()
+    del outs
     bwd = 0.0
     if edges:
         synchronize(device)
-        t2 = time.perf_counter()
+        t0 = time.perf_counter()
         with torch.autocast(device.type, enabled=False):
             backward_from_edges(edges, gs, free_grads=True)
         synchronize(device)
-        bwd = time.perf_counter() - t2
-    del inp, edges, gs
+        bwd = time.perf_counter() - t0
+    del edges, gs
     untouched.clear_grads()
     untouched.restore_buffers()
-    return t1 - t0, bwd
+    return bwd
 
 
 def _timed_run_frozen(forward: Callable[[bool], tuple[Any, Any]], device: torch.device, untouched: Untouched) -> float:
@@ -413,11 +424,13 @@ def _timed_rounds(
     start: float,
     frozen: int,
     selective: dict[int, list[float]] | None = None,
+    first: tuple[list[float], list[float]] | None = None,
 ) -> tuple[list[list[float]], list[list[float]]]:
     """Per stage, the forward and backward seconds of each round (`repeats` at most).
 
     `selective`: stages whose option "sac" is timed too, in the same round after their `Fe`;
-    each gets its runs appended as (forward, backward) pairs, flat.
+    each gets its runs appended as (forward, backward) pairs, flat. `first`: each stage's first sample, taken in
+    the walk (NOTE: [the first timing sample in the walk]): it counts as the first round.
 
     A round times every stage's `Fe` and `B` once, in chain order, each on its input made
     anew without grad: a burst of load then slows one run of every stage of a round, not
@@ -425,10 +438,10 @@ def _timed_rounds(
     `MIN_ROUNDS`, once the times are settled (`_settled`) or profiling has taken `PROFILE_STEPS` plain steps (the
     median round) in all.
     """
-    fwd: list[list[float]] = [[] for _ in stages]
-    bwd: list[list[float]] = [[] for _ in stages]
-    totals: list[float] = []
-    for _ in range(repeats):
+    fwd: list[list[float]] = [[] for _ in stages] if first is None else [[f] for f in first[0]]
+    bwd: list[list[float]] = [[] for _ in stages] if first is None else [[b] for b in first[1]]
+    totals: list[float] = [] if first is None else [sum(f + b for f, b in zip(*first, strict=True))]
+    for _ in range(repeats - len(totals)):
         value = sample
         for k, stage in enumerate(stages):
             forward = functools.partial(_stage_forward, stage, value, needs_grad if k <= frozen else True, k, names[k])
@@ -452,6 +465,36 @@ def _timed_rounds(
         ):
             break
     return fwd, bwd
+
+
+CUDA_WARMUP_ROUNDS = 1  # untimed rounds before the timing rounds, on CUDA only (NOTE: [warm timing rounds on CUDA])
+
+
+def _warm_up_rounds(
+    stages: Sequence[nn.Module],
+    sample: Any,
+    needs_grad: bool,
+    names: Sequence[str],
+    device: torch.device,
+    untouched: Untouched,
+    rounds: int,
+    start: float,
+    frozen: int,
+    selective: dict[int, list[float]],
+) -> None:
+    """On CUDA, `CUDA_WARMUP_ROUNDS` rounds run as the timing rounds run them, their times dropped.
+
+    NOTE: [warm timing rounds on CUDA] on a GPU the memory runs take longer than `PROFILE_STEPS` rounds, so
+    profiling stops after `MIN_ROUNDS` (two) timing rounds, and each stage's fastest run is scaled to their
+    median: their mean. The memory runs before them run each stage alone, under tensor accounting, the device
+    mostly idle; whatever is still cold in the first full round (cuDNN's first calls, the caching allocator's
+    blocks for a round, clocks ramped down) is charged to every stage. ResNet conv stages profiled about 1.5x
+    their steady time on an H200 (docs/gpu_check_h200.md): `benchmarks/cuda_stage_times.py` measures them with
+    and without these rounds, beside the other suspects. Elsewhere nothing runs: CPU figures are as they were."""
+    if device.type != "cuda" or rounds == 0 or CUDA_WARMUP_ROUNDS == 0:
+        return
+    spare: dict[int, list[float]] = {k: [] for k in selective}  # the options' kernels warmed too
+    _timed_rounds(stages, sample, needs_grad, names, device, untouched, CUDA_WARMUP_ROUNDS, start, frozen, spare)
 
 
 def _settled(fwd: list[list[float]], bwd: list[list[float]], round_seconds: float) -> bool:
@@ -558,6 +601,7 @@ class _Context:
     options: bool = False  # measure option "sac" of each stage (chain version 5)
     offload: bool = False  # measure each stage's offloadable bytes (chain version 6)
     warmup: int = 0  # untimed runs of each stage after its memory runs
+    timed: bool = False  # the first timing sample of each stage taken in the walk (NOTE: [the first timing sample...])
 
 
 @dataclass(frozen=True, eq=False)
@@ -770,27 +814,44 @@ def _option(recorded: list[_Recorded] | None, s_k: int, out_size: int) -> StageO
     return StageOption(saved_size, 0.0, 0.0, fwd_tmp, bwd_tmp, out_free, name="sac")
 
 
-def _input_kept(stage: nn.Module, value: Any, grad_in: bool = True) -> list[bool]:
-    """Per tensor of `a_k`: does the graph of `Fe k` keep its storage (or the output share it)?
+def _use_counts(tensors: list[torch.Tensor]) -> list[int]:
+    return [storage_use_count(t.untyped_storage()) if t.layout == torch.strided else 0 for t in tensors]
+
+
+def _entered_run(
+    stage: nn.Module, value: Any, grad_in: bool, timing: tuple[torch.device, Untouched] | None
+) -> tuple[list[bool], float, float]:
+    """(per tensor of `a_k`: does the graph of `Fe k` keep its storage (or the output share it)?, seconds of
+    `Fe k`, seconds of `B k`); with `timing`, the run timed as a timing round times it (`_timed_run`, its backward
+    too), else no backward, times 0.
 
     The stage gets `a_k` through `EnterStage`, as from the executor after its last forward
     (`grad_in=False`: detached, as `a_F` after a frozen prefix, which needs no gradient);
     the storage's reference count with the graph alive tells whether anything beyond our
     own `a_k` holds it. No copy is made, so profiling holds no more than one stage's run.
-    """
+
+    NOTE: [the first timing sample in the walk] a timed profile's first sample of each stage is taken in the walk,
+    on the walk's `a_k`, by the run that tells whether the graph keeps `a_k` (the figures as before: the same run,
+    timed, then its backward); the timing rounds after the walk add the other samples. That run's forward and
+    the next input's forward of one round are saved. It is timed through `EnterStage`, as the executor runs it."""
     tensors = tensors_of(value)
-
-    def counts() -> list[int]:
-        return [storage_use_count(t.untyped_storage()) if t.layout == torch.strided else 0 for t in tensors]
-
-    before = counts()
+    before = _use_counts(tensors)
     dummy = torch.empty(0, device=value_device(value), requires_grad=True)
+    if timing is not None:
+        synchronize(timing[0])
+    t0 = time.perf_counter()
     with torch.enable_grad(), no_cast_cache():
         out = stage(enter_stage(value, [], dummy, None if grad_in else [False] * len(tensors)))
+    if timing is not None:
+        synchronize(timing[0])
+    fwd = time.perf_counter() - t0
     collect_young()
-    after = counts()
+    kept = [a > b for a, b in zip(_use_counts(tensors), before, strict=True)]
+    held = [out]
     del out
-    return [a > b for a, b in zip(after, before, strict=True)]
+    if timing is None:
+        return kept, 0.0, 0.0
+    return kept, fwd, _timed_backward(held, *timing)
 
 
 def _released_whole(value: Any, new: list[bool], kept_before: list[bool], kept_after: list[bool]) -> int:
@@ -854,6 +915,14 @@ class _Walk:
     frozen: int = 0  # stages so far that need no backward (chain version 4): a prefix
     records: list[StageProfile] = field(default_factory=list)
     input_uses: list[int] = field(default_factory=list)  # per tensor of a_0: the edges of stage 0's graph that take it
+    # a timed profile's first sample per stage (NOTE: [the first timing sample in the walk]): forward, backward
+    fwd: list[float] = field(default_factory=list)
+    bwd: list[float] = field(default_factory=list)
+    options: dict[int, list[float]] = field(default_factory=dict)  # per stage with option "sac": its (Fs, B) sample
+
+    def timed(self, seconds: tuple[float, float]) -> None:
+        self.fwd.append(seconds[0])
+        self.bwd.append(seconds[1])
 
     def advance(self, record: StageProfile, out: Any, output_kept: list[bool] | None) -> None:
         """Stage k measured (`record`): its output `out` is the next stage's input (`output_kept` None: none kept)."""
@@ -867,8 +936,11 @@ class _Walk:
 def _profile_stage(stage: nn.Module, k: int, name: str, walk: _Walk, ctx: _Context) -> None:
     """Measure stage `k` on `walk.value` and walk on to its output (NOTE: [what each field measures])."""
     if walk.frozen == k and not ctx.needs_grad and not any(p.requires_grad for p in stage.parameters()):
-        found = _measure_frozen(_StageRun(stage, k, name, walk.value, False), ctx)
+        frozen_run = _StageRun(stage, k, name, walk.value, False)
+        found = _measure_frozen(frozen_run, ctx)
         if found is not None:  # nothing of it requires grad: a frozen stage, its output the next input
+            if ctx.timed:
+                walk.timed((_timed_run_frozen(frozen_run.forward, ctx.device, ctx.untouched), 0.0))
             walk.advance(*found, None)
             walk.frozen += 1
             return
@@ -890,10 +962,10 @@ def _measure_stage(run: _StageRun, walk: _Walk, ctx: _Context) -> tuple[StagePro
     recorded = _measure_recorded_runs(run, ctx)
     if run.k == 0:
         walk.input_uses = recorded[0].input_uses
-    in_free = _in_free(run, walk, ctx)  # measured after the in-place check of the runs above
-    option_runs = _option_runs(run, ctx) if ctx.options else None
-    for _ in range(ctx.warmup):  # untimed (the memory runs above warm up too)
+    for _ in range(ctx.warmup):  # untimed, before the stage's first timing sample (the memory runs warm up too)
         _timed_run(run.forward, ctx.device, ctx.untouched)
+    in_free = _in_free(run, walk, ctx)  # measured after the in-place check of the runs above; timed, a first sample
+    option_runs = _option_runs(run, ctx) if ctx.options else None
     out_size, fwd_tmp_nograd, out = _measure_nograd(run, ctx)
     s_k = walk.records[run.k - 1].out_size if 0 < run.k <= walk.frozen else storage_bytes(run.value)  # a_F: beside a_0
     fwd_tmp, saved_size, out_free, bwd_tmp = _stage_figures(recorded, out_size, s_k)
@@ -912,6 +984,10 @@ def _measure_stage(run: _StageRun, walk: _Walk, ctx: _Context) -> tuple[StagePro
         offloadable=recorded[0].offloadable,
         name=run.name,
     )
+    if ctx.timed and record.options:  # its option's first sample too, as a round times it after `Fe k`
+        walk.options[run.k] = list(
+            _timed_run(functools.partial(run.forward, selective=True), ctx.device, ctx.untouched)
+        )
     return record, [any(kept) for kept in zip(*(r.out_kept for r in recorded), strict=True)], out
 
 
@@ -934,18 +1010,29 @@ def _in_free(run: _StageRun, walk: _Walk, ctx: _Context) -> int:
     if k > walk.frozen:
         # at most what every way of recording stage k-1 lets go of (options' out_free too)
         before = walk.records[k - 1]
-        kept = _input_kept(run.stage, value)
+        kept = _kept_timed(run, walk, ctx, grad_in=True)
         in_free = min(
             before.out_free,
             *(o.out_free for o in before.options),
             _released_whole(value, walk.own, walk.output_kept, kept),
         )
     elif k == walk.frozen > 0:  # a_F: no graph made it; it goes after Fe F unless stage F's graph keeps it
-        in_free = _released_whole(value, walk.own, walk.output_kept, _input_kept(run.stage, value, grad_in=False))
+        in_free = _released_whole(value, walk.own, walk.output_kept, _kept_timed(run, walk, ctx, grad_in=False))
     else:
+        if ctx.timed:  # no run tells what a_k's graph keeps: the first timing sample on its own
+            walk.timed(_timed_run(run.forward, ctx.device, ctx.untouched))
         return 0
     ctx.untouched.restore_buffers()
     return in_free
+
+
+def _kept_timed(run: _StageRun, walk: _Walk, ctx: _Context, grad_in: bool) -> list[bool]:
+    """What the graph of `Fe k` keeps of `a_k` (`_entered_run`); in a timed profile, the run timed too, the stage's
+    first sample (NOTE: [the first timing sample in the walk])."""
+    kept, fwd, bwd = _entered_run(run.stage, run.value, grad_in, (ctx.device, ctx.untouched) if ctx.timed else None)
+    if ctx.timed:
+        walk.timed((fwd, bwd))
+    return kept
 
 
 def _measure_recorded_runs(run: _StageRun, ctx: _Context) -> list[_Recorded]:
@@ -1047,15 +1134,19 @@ def profile_chain(
         # NOTE: [gradients stored by autograd]: no measured run sets a `.grad`; the hooks only while they run
         with Excluded(stages, by_autograd=True) as exclude:
             ctx = _Context(
-                sample, exclude, _AllocatorWatch(device), untouched, device, needs_grad, options, offload, warmup
+                sample, exclude, _AllocatorWatch(device), untouched, device, needs_grad, options, offload, warmup, timed
             )
             walk = _walk_chain(stages, names, ctx, progress, start)
         loss = _loss_figures(walk.value, loss_tmp, device)
         walk.value = None  # a_L: the timing rounds hold no more than B k does
-        selective: dict[int, list[float]] = {k: [] for k, record in enumerate(walk.records) if record.options}
+        selective = {k: walk.options.get(k, []) for k, record in enumerate(walk.records) if record.options}
         rounds = repeats if timed else 0
+        # NOTE: [the first timing sample in the walk]; on CUDA that run is cold, so the rounds take all samples after
+        # the warm-up round instead (NOTE: [warm timing rounds on CUDA])
+        first = (walk.fwd, walk.bwd) if timed and device.type != "cuda" else None
+        _warm_up_rounds(stages, sample, needs_grad, names, device, untouched, rounds, start, walk.frozen, selective)
         fwd, bwd = _timed_rounds(
-            stages, sample, needs_grad, names, device, untouched, rounds, start, walk.frozen, selective
+            stages, sample, needs_grad, names, device, untouched, rounds, start, walk.frozen, selective, first
         )
         if not timed:
             fwd, bwd = [[0.0] for _ in stages], [[0.0] for _ in stages]

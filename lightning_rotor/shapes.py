@@ -14,9 +14,10 @@ A fraction or the automatic budget never stops training at a later shape: where 
 less than that shape's smallest feasible budget, the shape is planned at its smallest and one
 warning says so.
 
-A later shape costs no full profile. Along one size axis of three measured shapes its sizes are
-derived exactly from their traced profiles, with no run (`fit_shapes`, on by default:
-lightning_rotor/symbolic_sizes.py); otherwise they are measured exactly, as on the first shape (the
+A later shape costs no full profile. Where measured shapes' traced profiles give it a law (each
+storage's dimensions a monomial of the input's sizes over one or more axes: batch, length, side;
+else affine along one axis of three), its sizes are derived exactly, with no run (`fit_shapes`, on by
+default: lightning_rotor/symbolic_sizes.py); otherwise they are measured exactly, as on the first shape (the
 memory runs of `profile_chain`, `timed=False`): the budget promise rests on them, and a size bounded
 or guessed from another shape could be wrong by the one tensor that breaks it. The timing
 rounds are skipped either way: each stage's times are the timed shape's, scaled by the ratio of the stage's

@@ -226,6 +226,8 @@ class SizeTrace:
         level = _raw(current)
         if levels[-1] is not level:  # an op that allocated nothing leaves the level as it was
             levels.append(level)
+        elif isinstance(peak, Peak) and not int.__gt__(current, peak):
+            return peak  # nothing new: the same peak (its value, top and levels), not a copy of it per op
         if int.__gt__(current, peak):
             return Peak(int(current), level, levels)
         return Peak(int(peak), _raw(peak), levels)

@@ -4,38 +4,60 @@ A traced profile (lightning_rotor/size_trace.py) gives every size of a measured 
 sizes, valid wherever its guards hold (each comparison the probe and the profile made has the same outcome: the
 same op is a stage's largest, the same run the smaller). What is left is each storage's size at the new shape.
 
-A storage's bytes are its element size times the dimensions of the tensor that made it. Along one size axis
-(the chain input's varying dimensions, all of one size `x`: a sequence length, an image side, a batch size) a
-dimension of a stage's tensor is `a x + b` (`B*L`, `L`, `H/4`, `3*d`): found from two measured shapes, checked
-to the byte on every further one (at least one), per dimension of every storage. Then, at `x`:
+A storage's bytes are its element size times the dimensions of the tensor that made it. A family of input
+shapes has axes: groups of input coordinates that share one size in every shape seen (the batch in the images
+and the timesteps, a side in height and width, a sequence length in tokens and mask). Two laws give each
+storage's dimensions at a new shape, tried in this order:
 
-- each storage's dimensions are evaluated (whole numbers only: `H/2` at an odd side has no law there);
-- the traced shapes are tried nearest first: the first whose every guard holds at `x` gives every size of the
-  chain, exactly, as the profile run at `x` would have computed it, taking the same branches;
-- no trace whose guards hold (the largest op of a stage changes between measured shapes, say): the shape is
-  measured, and its trace covers the sizes around it from then on.
+- the monomial law (`MonomialLaw`): every dimension is `c * prod_a s_a ** k_a` (`B`, `L`, `H/4`, `B*H*W/16`,
+  `L*L`), `k_a` in 0..2, `c` rational. Each axis's exponents come from two measured shapes that differ in it
+  only (`d2 * s1**k == d1 * s2**k` for exactly one `k`, per dimension; none: the law is refused); every other
+  measured shape checks them to the byte. A new shape may differ from its base (the nearest measured shape the
+  law holds at) in several axes: a partial batch at a new side;
+- the affine law (`ShapeLaw`), where the monomial one is refused (`L + 1`: a class token, labels padded by
+  one as transformers' causal-LM loss does): along one axis each dimension is `a x + b`, through two measured
+  shapes and checked on a third.
+
+Then the traced shapes are tried nearest first: the first whose every guard holds at the evaluated storage
+sizes gives every size of the chain, exactly, as the profile run there would have computed it; none (the
+largest op of a stage changes), or a dimension no whole number there (`H/32` at a side not a multiple of 32):
+the shape is measured, and its trace covers the sizes around it from then on. Checked on the measured shapes
+themselves: a trace whose guards hold at another measured shape must give its measured chain to the byte (a
+size that left the sums, a constant to the trace, fails here). Shapes that ran other ops (another number of
+storages: a 1x1 last stage, MoE routing) are kept apart, each group its own law.
+
+What this rests on: the stages run the same ops at the new shape as at the measured ones (no size-dependent
+branch, no data-dependent op), and each dimension follows its law beyond the measured sizes. Where it does
+not, dimensions are *quasi-polynomial*: a stride's floor (`H // 32`) or a padding to a multiple (`8 *
+ceil(L / 8)`) is a law per residue class, and a few sizes can fit a wrong law exactly:
+
+- sizes that are all multiples of the period (16 and 24 padded to 8: `L` at both) fit `k = 1` and miss the
+  padding at 20. So a law derives only at multiples of the gcd of the sizes it holds at along each axis it
+  extrapolates (`divisors`; the affine law too): a size whose residues differ from theirs is measured;
+- two sizes in one bucket of the period (a ConvNeXt at sides 48 and 56: its last stage's side is 1 at both)
+  fit `k = 0`, a constant, wrong at 64 and beyond (checked: `benchmarks/shapes_monomial.py` derived 266 wrong
+  chains from 33 such pairs). Between the two sizes a monotone floor is that constant, and a dimension
+  `c * s` there is exact at multiples of their gcd; beyond them, not. So a law from two sizes of an axis
+  derives between them only (`spans`), and a third measured size along the axis that it holds at lets it
+  derive beyond: what the affine law's third point did. In that benchmark's sweep no derivation was wrong
+  with these rules on the GPT, the ConvNeXt and a padding model from two sizes; from three sizes in one
+  bucket of a padding (9, 10 and 11 padded to 16) the law is a wrong constant, as the affine law's was before.
+
+The memory probe's samples (`RotorCallback`, `measure_step`) check the rest, as for any plan; on CUDA, where a
+profile also keeps the caching allocator's figures (workspaces, rounding), every shape is measured.
 
 A module-level chain (a run of blocks, the code around it measured apart and charged to the chain) is traced
 with the code around it, and its shapes are keyed by the call's arguments (the tokens, the labels) rather than
 the run's input, which only exists once the code before the run has run: so a call is known to be derived
 before anything of it is measured (`ShapeLaws.call`), and the code around its run is not measured either.
-
-Checked on the measured shapes themselves: a trace whose guards hold at another measured shape must give that
-shape's measured chain to the byte (a size that left the sums, a constant to the trace, fails here). A law is
-refused, and every shape of its axis measured, where shapes differ in structure (another number of storages:
-ops that depend on the sizes or the data, MoE routing), a dimension is not affine in `x` at a measured shape,
-or a trace disagrees with a measured chain.
-
-What this rests on: the stages run the same ops at `x` as at the measured shapes (no size-dependent branch, no
-data-dependent op), and each dimension is affine in `x` between and beyond them. The check on measured shapes
-catches the usual ways this fails (padding to a multiple, stride parity, data-dependent counts); the memory
-probe's samples (`RotorCallback`, `measure_step`) check the rest, as for any plan.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
+import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from fractions import Fraction
@@ -63,6 +85,9 @@ Call = tuple[str, "Dims"]  # a module-level chain's call: its arguments' family 
 NOT_SIZES = ("names", "frozen", "bandwidth", "host_limit", "options", *TIME_FIELDS)  # no size of the input's
 OPTION_NOT_SIZES = ("name", *TIME_FIELDS)
 Dims = tuple[tuple[int, ...], ...]  # the chain input's tensors' shapes, in order
+NO_AXIS = "no measured shapes along one axis of this one"
+TOO_FEW = "fewer than 3 traced shapes along this axis"
+FEW_ALIKE = "fewer than 2 traced shapes that ran the same ops"
 
 
 def chain_sizes(chain: Chain) -> list[int]:
@@ -211,6 +236,7 @@ class ShapeLaw:
     d2: np.ndarray
     itemsizes: np.ndarray
     shapes: list[TracedShape]
+    divisor: int = 1  # the gcd of the sizes on the line: a size not its multiple is measured (`MonomialLaw._unseen`)
 
     def storage_sizes(self, x: int) -> np.ndarray | None:
         """Each storage's bytes at size `x`; None where a dimension is not a non-negative whole number there."""
@@ -239,20 +265,7 @@ class ShapeLaw:
         degree 2: matmuls over `B*L` or a side squared, attention's `L*L`); None where not counted at three or
         negative. They only scale times (`shapes.derived_times`): a wrong one makes a plan slower, never larger."""
         counted = sorted((s for s in self.shapes if s.flops is not None), key=lambda s: abs(s.size - x))[:3]
-        if len(counted) < 3:
-            return None
-        weights = []
-        for i, si in enumerate(counted):
-            w = Fraction(1)
-            for j, sj in enumerate(counted):
-                if j != i:
-                    w *= Fraction(x - sj.size, si.size - sj.size)
-            weights.append(w)
-        flops = [
-            round(sum(w * f for w, f in zip(weights, column, strict=True)))
-            for column in zip(*(s.flops or [] for s in counted), strict=True)
-        ]
-        return flops if all(f >= 0 for f in flops) else None
+        return _quadratic([(s.size, s.flops or []) for s in counted], x) if len(counted) == 3 else None
 
 
 PAIRS_FROM = 8  # the lines tried: through two of the first shapes measured
@@ -306,10 +319,18 @@ def shape_law(shapes: Sequence[TracedShape]) -> ShapeLaw | str:
     if isinstance(line, str):
         return line
     law = ShapeLaw(line[0].size, line[1].size, line[0].dims, line[1].dims, first.itemsizes, list(shapes))
+    law.divisor = math.gcd(*(s.size for s in shapes if _on_the_line(law, s)))
     moved = _moved_constants(shapes)
     if moved is not None:
         return f"{moved} is not a sum of storage sizes: its constant part differs between measured shapes"
     return _checked(law)
+
+
+def _on_the_line(law: ShapeLaw, shape: TracedShape) -> bool:
+    """Whether every storage's dimensions at `shape` are the law's there (whole numbers, to the byte)."""
+    span = law.x2 - law.x1
+    scaled = law.d1 * span + (law.d2 - law.d1) * (shape.size - law.x1)
+    return not np.any(scaled % span) and np.array_equal(scaled // span, shape.dims)
 
 
 def _moved_constants(shapes: Sequence[TracedShape]) -> str | None:
@@ -337,6 +358,231 @@ def _checked(law: ShapeLaw) -> ShapeLaw | str:
     return law
 
 
+CONFIRMED = 3  # sizes along an axis (its exponents' two and one more) before its law derives beyond them
+POWERS = (0, 1, 2)  # a dimension's exponent in one axis: a length, `L*L` in attention, a side's `H*W` flattened
+Point = tuple[int, ...]  # a shape's size along each axis of its family
+Axes = tuple[tuple[tuple[int, int], ...], ...]  # per axis, its coordinates (tensor, dimension) in the input
+
+
+def family_axes(shapes: Sequence[Dims]) -> Axes | None:
+    """The axes of `shapes` (one family): the coordinates whose size varies among them, grouped where they have one
+    size in every shape (the batch in the images and the timesteps, a side in height and width); None where the
+    shapes differ in structure (number of tensors, ranks)."""
+    first = shapes[0]
+    if any(len(s) != len(first) or any(len(a) != len(b) for a, b in zip(s, first, strict=True)) for s in shapes):
+        return None
+    groups: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+    for i, tensor in enumerate(first):
+        for d in range(len(tensor)):
+            column = tuple(s[i][d] for s in shapes)
+            if len(set(column)) > 1:
+                groups.setdefault(column, []).append((i, d))
+    return tuple(tuple(coords) for coords in groups.values())
+
+
+def point_of(dims: Dims, axes: Axes) -> Point:
+    """The sizes of the shape `dims` along `axes`."""
+    return tuple(dims[i][d] for (i, d), *_ in axes)
+
+
+def _powers(d1: np.ndarray, s1: int, d2: np.ndarray, s2: int) -> np.ndarray | None:
+    """Per dimension, the one `k` in `POWERS` with `d2 * s1**k == d1 * s2**k` (sizes `s1 != s2` along one axis),
+    0 where the dimension is 0 at both (an empty tensor; zero at two sizes, a padding's amount at multiples of its
+    step, is what the divisors leave out); None where a dimension has no such `k` (`x + 1`, a padded size)."""
+    a, b = d1.astype(object), d2.astype(object)
+    fits = np.stack([b * s1**k == a * s2**k for k in POWERS]).astype(bool)
+    fits[1:] &= (d1 != 0) | (d2 != 0)
+    if not np.all(fits.sum(axis=0) == 1):
+        return None
+    return np.asarray(POWERS, dtype=object)[np.argmax(fits, axis=0)]
+
+
+def _distance(a: Point, b: Point) -> tuple[int, float]:
+    """How far the shape at `b` is from `a`: the axes they differ in, then the sum of their size ratios' logs."""
+    logs = sum(abs(math.log((x + 1) / (y + 1))) for x, y in zip(a, b, strict=True))
+    return sum(x != y for x, y in zip(a, b, strict=True)), logs
+
+
+@dataclasses.dataclass
+class MonomialLaw:
+    """Each storage's every dimension as `c * prod_a s_a ** k_a` over a family's axes: the exponents of an axis
+    from two measured shapes that differ in it only, checked to the byte on every other measured shape; the
+    measured shapes (`points`, `shapes`) whose traces give a chain where their guards hold; per axis, the gcd of
+    the sizes that confirmed it (a size not its multiple is measured: padding or a stride there went unseen) and
+    the span it derives in: between its two sizes until a third confirms it (`_confirmed`), then any size."""
+
+    points: list[Point]
+    shapes: list[TracedShape]
+    powers: dict[int, np.ndarray]  # axis -> per (storage, dimension) its exponent (object: Python ints)
+    divisors: dict[int, int]
+    bases: list[int]  # the measured shapes the law holds at (derived from)
+    spans: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
+
+    def dims_at(self, point: Point, base: int) -> np.ndarray | None:
+        """Every storage's dimensions at `point` from the measured shape `base`; None where `point` differs from it
+        in an axis without exponents, or a dimension is no whole number there."""
+        at = self.points[base]
+        differ = [a for a in range(len(point)) if point[a] != at[a]]
+        if any(a not in self.powers for a in differ):
+            return None
+        num: Any = self.shapes[base].dims.astype(object)
+        den: Any = np.ones_like(num)
+        for a in differ:
+            num, den = num * point[a] ** self.powers[a], den * at[a] ** self.powers[a]
+        if np.any(num % den):
+            return None
+        return np.asarray(num // den, dtype=np.int64)
+
+    def nearest(self, point: Point) -> list[int]:
+        """The measured shapes, nearest `point` first."""
+        return sorted(range(len(self.points)), key=lambda i: _distance(point, self.points[i]))
+
+    def chain(self, point: Point) -> tuple[int, Chain] | str:
+        """The chain at `point` (times the trace's own) and the measured shape it was evaluated from, or why not."""
+        order = self.nearest(point)
+        dims, unseen = None, ""
+        for i in (i for i in order if i in self.bases):
+            out_of_reach = self._unseen(point, [a for a in range(len(point)) if point[a] != self.points[i][a]])
+            dims = self.dims_at(point, i) if not out_of_reach else None
+            if dims is not None:
+                break
+            unseen = unseen or out_of_reach
+        if dims is None:
+            return unseen or f"no exponents for an axis that {point} differs in, or a size there no whole number"
+        sizes = self.shapes[0].itemsizes * np.prod(dims, axis=1)
+        for i in order:
+            if self.shapes[i].guards_hold(sizes):
+                try:
+                    return i, with_sizes(self.shapes[i].chain, [int(v) for v in self.shapes[i].sizes.at(sizes)])
+                except ChainError:
+                    break
+        return f"no traced shape's branches hold at {point}"
+
+    def _unseen(self, point: Point, axes: Sequence[int]) -> str:
+        """Why `point` is out of the law's reach along `axes`, or "": a size not a multiple of every confirming size
+        along its axis (a padding to a multiple or a stride's floor there went unseen), or beyond the two sizes
+        of an axis no third has confirmed (a floor equal at both, `k = 0`, may grow beyond them)."""
+        for a in axes:
+            if a in self.divisors and point[a] % self.divisors[a]:
+                return (
+                    f"size {point[a]} is not a multiple of {self.divisors[a]}, as every measured size along its axis is"
+                )
+            low, high = self.spans.get(a, (0, sys.maxsize))
+            if not low <= point[a] <= high:
+                return f"size {point[a]} is beyond {low} and {high}, and no third measured size confirms their law"
+        return ""
+
+    def flops(self, point: Point) -> list[int] | None:
+        """Each stage's forward FLOPs at `point`: through the three measured shapes nearest it along its one differing
+        axis (`_quadratic`), else a power law per axis through two (`f1 * (s / s1) ** p`), multiplied over the axes;
+        None where not counted so. They only scale times: a wrong one makes a plan slower, never larger."""
+        counted = [i for i in self.nearest(point) if self.shapes[i].flops is not None]
+        for i in counted:
+            differ = [a for a in range(len(point)) if point[a] != self.points[i][a]]
+            line = [j for j in counted if _on_line(self.points[j], point, differ)]
+            if len(differ) == 1 and len(line) >= 3:
+                a = differ[0]
+                return _quadratic([(self.points[j][a], self.shapes[j].flops or []) for j in line[:3]], point[a])
+        for i in counted:
+            flops = self._power_flops(point, i, counted)
+            if flops is not None:
+                return flops
+        return None
+
+    def _power_flops(self, point: Point, base: int, counted: list[int]) -> list[int] | None:
+        """FLOPs at `point` from the counted shape `base`, a power law per differing axis through a counted pair."""
+        at = self.points[base]
+        flops = np.asarray(self.shapes[base].flops, dtype=float)
+        for a in (a for a in range(len(point)) if point[a] != at[a]):
+            pair = next(
+                ((i, j) for i in counted for j in counted if i < j and _on_line(self.points[i], self.points[j], [a])),
+                None,
+            )
+            if pair is None:
+                return None
+            (s1, f1), (s2, f2) = ((self.points[k][a], np.asarray(self.shapes[k].flops, dtype=float)) for k in pair)
+            if np.any((f1 > 0) != (f2 > 0)):
+                return None
+            exponent = np.log(np.where(f1 > 0, f2, 1) / np.where(f1 > 0, f1, 1)) / math.log(s2 / s1)
+            flops = flops * (point[a] / at[a]) ** exponent
+        return [round(f) for f in flops]
+
+
+def _on_line(a: Point, b: Point, axes: Sequence[int]) -> bool:
+    """Whether the shapes at `a` and `b` differ in `axes` only (in each of them)."""
+    return all((x != y) == (k in axes) for k, (x, y) in enumerate(zip(a, b, strict=True)))
+
+
+def _quadratic(points: Sequence[tuple[int, list[int]]], x: int) -> list[int] | None:
+    """Per column, the polynomial of degree 2 through three (size, values) at `x`; None where one is negative."""
+    weights = []
+    for i, (si, _) in enumerate(points):
+        w = Fraction(1)
+        for j, (sj, _) in enumerate(points):
+            if j != i:
+                w *= Fraction(x - sj, si - sj)
+        weights.append(w)
+    values = [
+        round(sum(w * f for w, f in zip(weights, column, strict=True)))
+        for column in zip(*(f for _, f in points), strict=True)
+    ]
+    return values if all(v >= 0 for v in values) else None
+
+
+def monomial_law(points: Sequence[Point], shapes: Sequence[TracedShape]) -> MonomialLaw | str:
+    """The monomial law of traced shapes that ran the same ops, at distinct `points` of their axes, or why none."""
+    if len(set(points)) != len(points):
+        return "two shapes measured at one size"
+    if len({_ops_of(s) for s in shapes}) != 1:
+        return "the stages ran other ops at the measured shapes"
+    powers: dict[int, np.ndarray] = {}
+    seeds: list[int] = []  # the shapes the exponents came from
+    for a in range(len(points[0])):
+        pairs = [
+            (i, j) for i in range(len(points)) for j in range(i + 1, len(points)) if _on_line(points[i], points[j], [a])
+        ]
+        found = ((i, j, _powers(shapes[i].dims, points[i][a], shapes[j].dims, points[j][a])) for i, j in pairs)
+        i, j, k = next((f for f in found if f[2] is not None), (0, 0, None))  # the first pair that has exponents
+        if pairs and k is None:
+            return f"a tensor's size at {points[pairs[0][0]]} and {points[pairs[0][1]]} is no monomial of their sizes"
+        if k is not None:
+            powers[a], seeds = k, [*seeds, i, j]
+    return _confirmed(MonomialLaw(list(points), list(shapes), powers, {}, []), seeds)
+
+
+def _confirmed(law: MonomialLaw, seeds: Sequence[int]) -> MonomialLaw | str:
+    """`law` with the shapes it holds at, or why not: each measured shape where it makes a claim (from the first
+    shape the exponents came from, measured at its sizes along the axes without exponents) has every dimension it
+    gives, to the byte; one where it makes none (a dimension no whole number there: a stride's floor at an odd
+    size) is no base to derive from. A trace whose guards hold at another measured shape's sizes gives its chain."""
+    free = [a for a in range(len(law.points[0])) if a not in law.powers]
+    firsts: dict[Point, int] = {}
+    for i in seeds:
+        firsts.setdefault(tuple(law.points[i][a] for a in free), i)
+    for i, point in enumerate(law.points):
+        base = firsts.get(tuple(point[a] for a in free))
+        dims = law.dims_at(point, base) if base is not None else None
+        if dims is None:
+            continue  # no claim of the law's here
+        if not np.array_equal(dims, law.shapes[i].dims):
+            return f"a tensor's size at {point} is not the monomial through {law.points[base or 0]}"
+        law.bases.append(i)
+    law.divisors = {a: math.gcd(*(law.points[i][a] for i in law.bases)) for a in law.powers}
+    for a in law.powers:
+        seen = {law.points[i][a] for i in law.bases}
+        law.spans[a] = (min(seen), max(seen)) if len(seen) < CONFIRMED else (0, sys.maxsize)
+    for i, shape in enumerate(law.shapes):
+        sizes = shape.itemsizes * np.prod(shape.dims, axis=1)
+        for j, other in enumerate(law.shapes):
+            if j != i and other.guards_hold(sizes):
+                derived = [int(v) for v in other.sizes.at(sizes)]
+                if derived != chain_sizes(shape.chain):
+                    name = next(n for (n, m), v in zip(_slots(shape.chain), derived, strict=True) if m != v)
+                    return f"{name} at {law.points[i]} differs from the one traced at {law.points[j]}"
+    moved = _moved_constants(law.shapes)
+    return f"{moved} is not a sum of storage sizes: its constant part differs between measured shapes" if moved else law
+
+
 def size_axis(measured: Dims, new: Dims) -> tuple[tuple[tuple[int, int], ...], int, int] | None:
     """(the coordinates (tensor, dimension) where `new` differs from `measured`, the size there in `measured`, in
     `new`); None when they are equal, differ in rank, or the differing coordinates do not share one size in each."""
@@ -353,7 +599,8 @@ def size_axis(measured: Dims, new: Dims) -> tuple[tuple[tuple[int, int], ...], i
 
 class ShapeLaws:
     """The traced shapes of one chain, per family (plan key without shapes) and input shapes; a new shape's chain
-    from those along one axis of it (`chain_for`). Says once why a law is refused."""
+    from those by the monomial law over the family's axes, else the affine law along one (`chain_for`). Says once
+    why a law is refused."""
 
     def __init__(self) -> None:
         # a module-level chain (a run of blocks, the code around it measured apart): its shapes are keyed by the
@@ -363,7 +610,7 @@ class ShapeLaws:
         self._call_derived: Found | None = None  # the chain of the call running now, derived from its arguments
         self._keyed: Call | None = None  # the key the next measured shape is recorded under (a call's)
         self.measured: list[tuple[str, Dims, TracedShape | None, Chain, list[int] | None]] = []
-        self._laws: dict[tuple[Any, ...], list[ShapeLaw | str]] = {}
+        self._laws: dict[tuple[Any, ...], list[Any]] = {}
         # per (family, shapes): what `_found` gave, until a shape is measured (every step of a module-level chain
         # asks at its call, its plan key not known yet: a shape seen before is not derived again)
         self._found_at: dict[tuple[str, Dims], Found | str] = {}
@@ -445,19 +692,77 @@ class ShapeLaws:
         return found
 
     def _derived(self, family: str, dims: Dims) -> Found | str:
+        """A new shape's chain: by the monomial law where it gives one, else by the affine law along one axis; a
+        refused monomial law is warned of where no affine law can follow (another 3rd shape along one axis)."""
+        monomial, refused = self._by_monomials(family, dims)
+        if not isinstance(monomial, str):
+            return monomial
+        affine = self._by_line(family, dims, warn=refused is not None or monomial in (NO_AXIS, FEW_ALIKE))
+        if affine == NO_AXIS and refused is not None:
+            self._refuse(refused)
+        return monomial if affine in (NO_AXIS, TOO_FEW) else affine
+
+    def _by_monomials(self, family: str, dims: Dims) -> tuple[Found | str, str | None]:
+        """The chain of `dims` by the monomial law of measured shapes of its family, or why not; and why a law was
+        refused, if one was."""
+        measured = [(d, t) for f, d, t, _, _ in self.measured if f == family and t is not None and _alike(d, dims)]
+        axes = family_axes([d for d, _ in measured] + [dims]) if measured else None
+        if axes is None:
+            return NO_AXIS, None
+        key = (family, axes, tuple(d for d, _ in measured))
+        if key not in self._laws:
+            groups: dict[Any, list[tuple[Point, TracedShape]]] = {}
+            for d, traced in measured:
+                groups.setdefault(_ops_of(traced), []).append((point_of(d, axes), traced))
+            ordered = sorted(groups.values(), key=len, reverse=True)
+            self._laws[key] = [monomial_law(*zip(*g, strict=True)) for g in ordered if len(g) >= 2]
+        point, reason, refused = point_of(dims, axes), FEW_ALIKE, None
+        for law in self._laws[key]:
+            if isinstance(law, str):
+                refused = refused or law
+                continue
+            found = law.chain(point)
+            if isinstance(found, str):
+                reason = found
+                continue
+            i, chain = found
+            differ = [a for a in range(len(point)) if point[a] != law.points[i][a]]
+            return (
+                chain,
+                tuple(sorted({law.points[j][a] for j in law.bases for a in differ})),
+                law.flops(point),
+            ), refused
+        return refused or reason, refused
+
+    def _refuse(self, reason: str) -> None:
+        """Say once why sizes of new shapes are not derived."""
+        if self.refused is None:
+            self.refused = reason
+            warnings.warn(
+                f"rotor: the sizes of new input shapes cannot be derived from measured ones ({reason}); "
+                "such shapes are measured (lightning_rotor/symbolic_sizes.py)",
+                stacklevel=6,
+            )
+
+    def _by_line(self, family: str, dims: Dims, warn: bool) -> Found | str:
+        """The chain of `dims` by the affine law along the one axis where it differs from measured shapes; `warn`:
+        say once why a law is refused (not where a monomial law of these shapes stands)."""
         axes: dict[tuple[tuple[int, int], ...], list[tuple[int, int]]] = {}
         for i, (their_family, their_dims, trace, _, _) in enumerate(self.measured):
             found = size_axis(their_dims, dims) if their_family == family and trace is not None else None
             if found is not None:
                 axes.setdefault(found[0], []).append((found[1], i))
         if len(axes) != 1:
-            return "no measured shapes along one axis of this one"
+            return NO_AXIS
         ((coords, points),) = axes.items()
         x = dims[coords[0][0]][coords[0][1]]
-        reason = "fewer than 3 traced shapes along this axis"
-        for law in self._laws_along(coords, points):
+        reason = TOO_FEW
+        for law in self._laws_along(coords, points, warn):
             if isinstance(law, str):
                 reason = law
+                continue
+            if x % law.divisor:
+                reason = f"size {x} is not a multiple of {law.divisor}, as every measured size along its axis is"
                 continue
             found_chain = law.chain(x)
             if found_chain is not None:
@@ -465,7 +770,7 @@ class ShapeLaws:
             reason = f"no traced shape's branches hold at size {x}"
         return reason
 
-    def _laws_along(self, coords: Any, points: list[tuple[int, int]]) -> list[ShapeLaw | str]:
+    def _laws_along(self, coords: Any, points: list[tuple[int, int]], warn: bool) -> list[ShapeLaw | str]:
         """The laws of the traced shapes along one axis, one per group of shapes that ran the same ops (a small
         image whose last stage is 1x1 runs other ops than larger ones), largest group first."""
         key = (coords, tuple(i for _, i in points))
@@ -475,17 +780,16 @@ class ShapeLaws:
                 traced = self.measured[i][2]
                 if traced is not None:
                     groups.setdefault(_ops_of(traced), []).append(dataclasses.replace(traced, size=size))
-            laws = [shape_law(g) for g in sorted(groups.values(), key=len, reverse=True) if len(g) >= 3]
-            self._laws[key] = laws
-            refused = next((law for law in laws if isinstance(law, str)), None)
-            if refused is not None and self.refused is None:
-                self.refused = refused
-                warnings.warn(
-                    f"rotor: the sizes of new input shapes cannot be derived from measured ones ({refused}); "
-                    "such shapes are measured (lightning_rotor/symbolic_sizes.py)",
-                    stacklevel=5,
-                )
+            self._laws[key] = [shape_law(g) for g in sorted(groups.values(), key=len, reverse=True) if len(g) >= 3]
+        refused = next((law for law in self._laws[key] if isinstance(law, str)), None)
+        if refused is not None and warn:
+            self._refuse(refused)
         return self._laws[key]
+
+
+def _alike(a: Dims, b: Dims) -> bool:
+    """Whether two input shapes have the same structure: as many tensors, each of one rank."""
+    return len(a) == len(b) and all(len(x) == len(y) for x, y in zip(a, b, strict=True))
 
 
 def _ops_of(shape: TracedShape) -> tuple[Any, ...]:

@@ -215,10 +215,10 @@ def test_the_probe_samples_each_schedule_once_not_each_shape():
     rotor = strategy.chains["model"]
     schedules = {schedule_key(e) for e in rotor.entries.values()}
     assert len(rotor.entries) == 4 and len(schedules) == 1  # four shapes, one schedule
-    assert strategy._measured_once == schedules
+    assert strategy.sampler.measured_once == schedules
     # step 2 is probed but profiles a new shape (no clean sample); as RotorCallback, the next try waits for a
     # step of known shapes (step 6, after step 5 ran one), not one after each new shape: steps 7 and 8 ran without
-    assert strategy._steps_since_measure == 2
+    assert strategy.sampler.since == dict.fromkeys(schedules, 2)
 
 
 @pytest.mark.parametrize(

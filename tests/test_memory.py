@@ -189,3 +189,24 @@ def test_a_closed_probe_holds_no_parameter():
     del model, excluded
     assert weight() is None
     assert copy.deepcopy(probe).peak == probe.peak
+
+
+def test_a_counted_storage_made_a_host_buffer_stops_counting():
+    """A storage counted as an activation, then written in place while host buffers are made (`host_buffers`), is a
+    host buffer from then on: it stops counting at the next op (the sweep looks for such storages only after one was
+    made, NOTE: [live handles]); one made fresh there is never counted, and the others still die when freed."""
+    from lightning_rotor.memory import host_buffers
+
+    with MemoryProbe() as probe:
+        a = torch.zeros(100)  # 400 bytes, counted
+        b = torch.zeros(50)  # 200 bytes, counted
+        probe.mark("both")
+        with host_buffers():
+            a.add_(1)  # now a host buffer
+            c = torch.zeros(25)  # a host buffer from the start
+        probe.mark("a is a buffer")
+        del b
+        probe.mark("b freed")
+    assert [m[2] for m in probe.marks] == [600, 200, 0]
+    assert probe.peak == 600
+    del a, c

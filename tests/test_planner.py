@@ -428,3 +428,24 @@ def test_automatic_precision_is_finer_for_short_chains_and_never_plans_slower():
     automatic = plan(chain, "50%")
     assert automatic.slots == auto_slots(chain.length) > 500
     assert automatic.time < plan(chain, "50%", slots=500).time
+
+
+@pytest.mark.parametrize(("length", "seed", "fraction", "same"), [(6, 2, 0.6, True), (14, 3, 0.5, False)])
+def test_a_fallback_equal_to_the_dp_plan_is_replayed_once(length, seed, fraction, same, monkeypatch):
+    """`plan` replays each distinct candidate once: where the exact-byte fallback is the DP's very schedule (room
+    to spare), one replay scores both (a changing shape's chain is planned at every new shape); the plan is the
+    fastest, the DP's on a tie, as before."""
+    import lightning_rotor.planner as planner_module
+
+    chain = medium_chain(length, seed)
+    budget = int(fraction * no_recompute_peak(chain))
+    dp = [tuple(op) for op in cpp_solve(chain, budget, 500)[1]]
+    fallback = _planner.feasible_schedule(*planner_module._memory_args(chain), budget)
+    replayed = []
+    monkeypatch.setattr(planner_module, "simulate", lambda c, ops: replayed.append(list(ops)) or simulate(c, ops))
+    result = plan(chain, budget, slots=500)
+    assert ([tuple(op) for op in fallback] == dp) is same
+    distinct = [dp] if same else [dp, [tuple(op) for op in fallback]]
+    assert [[tuple(op) for op in ops] for ops in replayed] == distinct
+    fastest = min(distinct, key=lambda ops: simulate(chain, ops).time)  # the first of equals
+    assert [tuple(op) for op in result.ops] == fastest and result.time == simulate(chain, fastest).time

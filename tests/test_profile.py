@@ -152,11 +152,12 @@ class Burst(nn.Module):
 
 
 @pytest.mark.parametrize("calls", [1, 2])
-@pytest.mark.parametrize("at", [5, 6, 7])
+@pytest.mark.parametrize("at", [3, 4, 5])
 def test_stalled_runs_of_one_stage_do_not_decide_the_plan(at, calls):
-    # calls 1-4 measure memory; from there on the stage is timed. Stalled runs of it, one or a burst of
-    # two one after the other, must not make it look dearer than its twin stage 0 (the plan would change);
-    # a single one must not decide the predicted step either
+    # calls 1, 2 and 4 measure memory; call 3, the run that tells what the stage's graph keeps, is its first
+    # timing sample (NOTE: [the first timing sample in the walk]), call 5 on are the timing rounds'. Stalled runs
+    # of it, one or a burst of two one after the other, must not make it look dearer than its twin stage 0 (the
+    # plan would change); a single one must not decide the predicted step either
     stall = 0.25
     burst = Burst(at, calls, stall)
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), burst, nn.Tanh(), nn.Linear(8, 2))
@@ -208,3 +209,57 @@ def test_timing_rounds_stop_once_every_stage_is_settled():
     third = [[1.00, 1.05, 1.02], [2.00, 2.10, 2.05]]
     assert _settled(third, [[2.0, 2.1, 2.0], [4.0, 6.0, 3.9]], 9.0)  # a third round: its two fastest agree
     assert _settled([[0.010, 0.018]], [[0.01, 0.01]], 9.0)  # a tiny stage: 8 ms apart is within 1% of a round
+
+
+class Counted(nn.Module):
+    """A module that counts its forward calls."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module, self.calls = module, 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.module(x)
+
+
+@pytest.mark.parametrize("repeats", [1, 2])
+def test_a_timed_profile_takes_each_stage_first_sample_in_the_walk(repeats):
+    """NOTE: [the first timing sample in the walk]: the run that tells what a stage's graph keeps of its input is
+    timed, with its backward, as the stage's first sample, so that a timed profile runs one timing round fewer
+    (its forward and the next input's): the middle stage runs 4 forwards for its figures and 2 per round after the
+    first (its `Fe` and the next input). Figures as a sizes-only profile's; every stage has `repeats` samples."""
+    stages = sequential_stages(nn.Sequential(nn.Linear(8, 8), Counted(nn.Linear(8, 8)), nn.Tanh(), nn.Linear(8, 2)))
+    middle = stages[1]
+    x = torch.randn(4, 8)
+    sizes = profile_chain(stages, x, timed=False)
+    assert middle.calls == 4
+    middle.calls = 0
+    timed = profile_chain(stages, x, repeats=repeats)
+    assert timed.repeats == len(timed.round_seconds) == repeats
+    assert middle.calls == 4 + 2 * (repeats - 1)
+    assert all(t > 0 for t in timed.chain.fwd_time + timed.chain.bwd_time)
+    as_sizes = {"fwd_time": [0.0] * 4, "bwd_time": [0.0] * 4}
+    assert {**timed.chain.to_dict(), **as_sizes} == {**sizes.chain.to_dict(), **as_sizes}
+
+
+class Entries(nn.Module):
+    """A Linear that notes how each forward got its input: a leaf, entered through a node, or without grad."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear, self.seen = nn.Linear(8, 8), []
+
+    def forward(self, x):
+        self.seen.append("nograd" if not torch.is_grad_enabled() else ("leaf" if x.is_leaf else "entered"))
+        return self.linear(x)
+
+
+def test_warmup_runs_come_before_the_first_timing_sample():
+    """`warmup` untimed runs of a stage come before any timed run of it, the first timing sample in the walk (the
+    run entered through `EnterStage`, NOTE: [the first timing sample in the walk]) included: after the two
+    recorded runs, then the next input made without grad; the round after the walk times it once more."""
+    stage = Entries()
+    stages = sequential_stages(nn.Sequential(nn.Linear(8, 8), stage, nn.Tanh()))
+    profile_chain(stages, torch.randn(4, 8), repeats=2, warmup=2)
+    assert stage.seen == ["leaf"] * 2 + ["leaf"] * 2 + ["entered", "nograd"] + ["leaf", "nograd"]

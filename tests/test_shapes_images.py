@@ -1,6 +1,7 @@
 """Variable image sizes on a diffusion U-Net (diffusers' `UNet2DModel` from a tiny config): a last partial
 batch and other resolutions train bitwise like plain training, every step within its budget; what is derived
-and what is measured (benchmarks/shapes_images.py times it; tests/test_symbolic_sizes.py pins a ConvNeXt)."""
+(a new side, a partial batch, both: sizes monomials of the batch and the side) and what is measured
+(benchmarks/shapes_images.py times it; tests/test_symbolic_sizes.py pins a ConvNeXt)."""
 
 from __future__ import annotations
 
@@ -80,27 +81,35 @@ def derived(rotor: Checkpointable) -> set[str]:
     return {rotor.chain_state._shapes[k] for k in rotor.fitted}
 
 
-@pytest.mark.slow  # 6-8 s here: four profiles of a U-Net
+@pytest.mark.slow  # 6-8 s here: U-Net profiles
 def test_a_unet_s_last_partial_batch_trains_bitwise_within_its_budget_and_batch_sizes_are_derived():
     """`UNet2DModel` broadcasts the timesteps with `torch.ones(sample.shape[0])`: the traced graph computes with
     each call's own batch size (torch's argument parser asks the size for its integer, and the op is recorded
-    with the size itself: no guard), so a last batch of 3 after batches of 4 runs the same graph. After three
-    measured batch sizes, another is derived: the batch size is one axis, every size affine in it."""
-    rotor, _ = train_shapes([(4, 16), (3, 16), (2, 16), (5, 16)])
-    assert derived(rotor) == {"(5, 3, 16, 16), (5,)"}
+    with the size itself: no guard), so a last batch of 3 after batches of 5, 2 and 4 runs the same graph. After
+    two measured batch sizes, the ones between them are derived: the batch size is one axis (the images' and the
+    timesteps' first dimension), every dimension a monomial of it."""
+    rotor, _ = train_shapes([(5, 16), (2, 16), (4, 16), (3, 16)])
+    assert derived(rotor) == {"(4, 3, 16, 16), (4,)", "(3, 3, 16, 16), (3,)"} and len(rotor.entries) == 4
+
+
+@pytest.mark.slow  # about 8 s here
+def test_a_unet_at_new_sides_partial_batches_and_both_gets_measured_sizes_from_three_shapes():
+    """3 sides x {a full batch, a last partial one}: (4, 16), (4, 24), (3, 16) and (4, 32) (beyond the first two
+    sides: a third confirms their law) measured, the partial batches at 24 and 32 derived (two axes new), each
+    chain equal to a profile's to the byte, each step bitwise plain training's and within its budget. The
+    attention blocks flatten the feature map (`B, H*W/4, C`): a dimension quadratic in the side (exponent 2),
+    which no affine law fits."""
+    rotor, said = train_shapes([(4, 16), (4, 24), (3, 16), (4, 32), (3, 24), (3, 32)])
+    assert len(rotor.entries) == 6 and not said
+    assert derived(rotor) == {"(3, 3, 24, 24), (3,)", "(3, 3, 32, 32), (3,)"}
 
 
 @pytest.mark.slow  # about 6 s here
-def test_a_unet_at_other_resolutions_is_measured_its_attention_sizes_quadratic_in_the_side():
-    """The attention blocks flatten the feature map (`B, H*W/4, C`): a dimension quadratic in the side, which
-    no affine law along the side fits. So every resolution is measured, one warning says why, and each trains
-    bitwise within its budget."""
-    rotor, said = train_shapes([(2, 8), (2, 12), (2, 16), (2, 20)])
-    assert len(rotor.entries) == 4 and not rotor.fitted
-    assert said == [
-        "rotor: the sizes of new input shapes cannot be derived from measured ones (a tensor's size at size 8 is "
-        "not on the line through sizes 12 and 16); such shapes are measured (lightning_rotor/symbolic_sizes.py)"
-    ]
+def test_a_unet_side_off_the_measured_multiples_is_measured():
+    """Measured sides 16 and 24 are multiples of 8: at 20 what the downsampling's floor or a padding does went
+    unseen by both, so it is measured, never derived; it confirms their law, and 32 is derived."""
+    rotor, _ = train_shapes([(2, 16), (2, 24), (2, 20), (2, 32)])
+    assert derived(rotor) == {"(2, 3, 32, 32), (2,)"}
 
 
 class Epoch(Dataset):
@@ -146,6 +155,7 @@ def test_the_trainer_trains_a_unet_over_resolutions_and_partial_batches_bitwise_
     assert not [str(w.message) for w in caught if "is above the budget" in str(w.message)]
     wrapped = keep.modules["unet"]
     assert len(wrapped.entries) == 4 and wrapped.last_measurement.peak <= wrapped.last_entry.plan.budget
+    assert len(wrapped.fitted) == 1  # (3, 24): from (4, 16), (3, 16) and (4, 24), no profile
     for (key, a), b in zip(rotor.state_dict().items(), plain.state_dict().values(), strict=True):
         assert torch.equal(a, b), key
 

@@ -34,3 +34,19 @@ def test_a_probe_peak_records_each_of_its_guards_once():
     keys = [(frozenset(t.items()), c, op, r) for t, c, op, r in trace.guards]
     assert len(keys) == len(set(keys))
     assert all(not holds_everywhere(t, c, op, r) for t, c, op, r in trace.guards)
+
+
+def test_an_op_that_changes_nothing_leaves_the_peak_as_it_was():
+    """Views and in-place ops allocate nothing: the traced peak after them is the very peak before (no copy per op),
+    with the same levels; an op that allocates adds one level and a higher peak."""
+    with traced():
+        with MemoryProbe() as probe:
+            x = torch.zeros(100)
+            before = probe.peak
+            levels = len(before.levels)
+            v = x.view(10, 10)
+            x.add_(1)
+            assert probe.peak is before and len(before.levels) == levels
+            y = x * 2
+            assert probe.peak is not before and probe.peak == 800 and len(probe.peak.levels) == levels + 1
+            del v, x, y

@@ -40,6 +40,7 @@ from torch.fx.node import Target, map_aggregate, map_arg
 from torch.utils.hooks import RemovableHandle
 
 from lightning_rotor._torch_compat import tensor_version, tree_flatten
+from lightning_rotor.frames import first_outside
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
@@ -65,13 +66,8 @@ class _SubmoduleBranch(Exception):  # internal: retry with `qualname` as a leaf
 
 def _user_frame() -> str:
     """file:line of the innermost frame outside torch and this package (the user's code)."""
-    frame = inspect.currentframe()
-    while frame is not None:
-        path = os.path.abspath(frame.f_code.co_filename)
-        if not path.startswith(_HERE) and not path.startswith(_TORCH):
-            return f"{frame.f_code.co_filename}:{frame.f_lineno}"
-        frame = frame.f_back
-    return "<unknown>"
+    frame = first_outside(inspect.currentframe(), (_HERE, _TORCH))
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else "<unknown>"
 
 
 def _guard_bool(value: Any, expected: bool, where: str) -> None:
@@ -217,6 +213,38 @@ class _answer_is_tensor:
         torch.is_tensor = self.original
 
 
+# torch's factories that also take their size as separate arguments (`torch.ones(b, 1)`, as `torch.ones((b, 1))`)
+_SIZE_AS_ARGUMENTS = ("empty", "ones", "rand", "randn", "zeros")
+
+
+class _sizes_as_one_argument:
+    """`torch.ones(x.shape[0], 1)` while tracing: the sizes handed to the factory as one tuple.
+
+    torch's argument parser takes a first argument that dispatches `__torch_function__` (a proxy) as the
+    whole size, and then refuses the others ("ones() takes 1 positional argument but 2 were given"); given
+    as one tuple, the sizes are parsed as a size, and the op is recorded with the proxy inside it, so it
+    computes with each call's own batch size. Calls without a proxy among their sizes run as written.
+    """
+
+    def __enter__(self) -> None:
+        self.originals = {name: getattr(torch, name) for name in _SIZE_AS_ARGUMENTS}
+        for name, original in self.originals.items():
+            setattr(torch, name, _sizes_in_one_tuple(original))
+
+    def __exit__(self, *exc: Any) -> None:
+        for name, original in self.originals.items():
+            setattr(torch, name, original)
+
+
+def _sizes_in_one_tuple(factory: Callable[..., Any]) -> Callable[..., Any]:
+    def sized(*sizes: Any, **kwargs: Any) -> Any:
+        if len(sizes) > 1 and any(isinstance(s, fx.Proxy) for s in sizes):
+            return factory(sizes, **kwargs)
+        return factory(*sizes, **kwargs)
+
+    return sized
+
+
 class ShapeTracer(fx.Tracer):
     """torch.fx tracer that runs each op on the sample (see the module docstring)."""
 
@@ -245,7 +273,7 @@ class ShapeTracer(fx.Tracer):
         return ShapeProxy(node, self)
 
     def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
-        with _answer_is_tensor():
+        with _answer_is_tensor(), _sizes_as_one_argument():
             return super().trace(root, concrete_args)
 
     def create_arg(self, a: Any) -> Any:

@@ -27,19 +27,14 @@ from lightning.fabric.strategies import SingleDeviceStrategy
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from lightning_rotor.checkpointable import Checkpointable
 from lightning_rotor.config import RotorConfig
-from lightning_rotor.lightning.callback import (
-    checked_measure_every,
-    schedule_key,
-    step_metrics,
-    summary_text,
-    warn_if_over_budget,
-)
+from lightning_rotor.lightning.callback import checked_measure_every, step_metrics, summary_text, warn_if_over_budget
+from lightning_rotor.lightning.sampling import Measured, StepSampler, batch_key
 from lightning_rotor.lightning.strategy import ConfigAttributes, ProfileProgress, budget_words
-from lightning_rotor.lightning.wrap import is_candidate, is_user_model, wrap
-from lightning_rotor.measure import StepMeasurement
+from lightning_rotor.lightning.wrap import Wrapped, is_candidate, is_user_model, unwrap, wrap
 from lightning_rotor.memory import MemoryProbe
 
 ROOT = "model"  # the chain's name when the whole set-up module is wrapped
@@ -104,16 +99,17 @@ class RotorFabricStrategy(ConfigAttributes, SingleDeviceStrategy):
         self.chains: dict[str, Checkpointable] = {}  # every set-up module's rotor modules, by name
         self.metrics: dict[str, float] = {}  # the latest step's `rotor/...` scalars
         self._modules: list[nn.Module] = []  # the set-up modules that hold chains
+        self._swapped: list[tuple[nn.Module, list[Wrapped]]] = []  # per set-up module: where `wrap` swapped rotor in
+        self._hooks: list[RemovableHandle] = []  # `_on_forward` on each set-up module
         self._device = None if device is None else torch.device(device)
         self._parallel_devices: list[torch.device] = []
         self._in_step = False
         self._t0 = 0.0
         self._step_seconds: float | None = None
         self._measured_peak: int | None = None
-        self._measurements: list[tuple[Checkpointable, StepMeasurement, int]] = []
-        self._measured_once: set[tuple[str, ...]] = set()  # schedules measured (`schedule_key`), not shapes
-        self._steps_since_measure = 0
-        self._retry_after_known = False  # a sample was spoilt by a new shape: wait for a step of known shapes
+        self._measurements: list[Measured] = []
+        self.sampler = StepSampler(every)  # which steps run under the probe (as RotorCallback's)
+        self._batch_key: tuple[Any, ...] = ()
         self._entries_before: dict[str, int] = {}
         self._printed = False
         self._warned_unused = False
@@ -158,9 +154,11 @@ class RotorFabricStrategy(ConfigAttributes, SingleDeviceStrategy):
         if whole:  # the module is the chain: wrap it as the only child of a holder, named ROOT
             holder = nn.ModuleDict({ROOT: module})
             wrapped, why = wrap(holder, config=self.config.replace(exclude=None))
+            self._swapped.append((holder, wrapped))
             module = holder[ROOT]
         else:
             wrapped, why = wrap(module, config=self.config)
+            self._swapped.append((module, wrapped))
         found = {w.name: w.rotor for w in wrapped}
         found.update({name or ROOT: m for name, m in _outermost_rotor(module).items() if m not in found.values()})
         if not found:
@@ -174,7 +172,7 @@ class RotorFabricStrategy(ConfigAttributes, SingleDeviceStrategy):
             rotor.on_profile_progress = ProfileProgress(name)
         self.chains.update(found)
         self._modules.append(module)
-        module.register_forward_pre_hook(self._on_forward)
+        self._hooks.append(module.register_forward_pre_hook(self._on_forward, with_kwargs=True))
         parts = ", ".join(
             f"{name} ({len(r.stages)} stages)"
             if r.stages is not None
@@ -200,41 +198,37 @@ class RotorFabricStrategy(ConfigAttributes, SingleDeviceStrategy):
             rotor.restore_own_checkpointing()
 
     def teardown(self) -> None:
-        """The model's own checkpointing back on, as a Trainer's fit does at its end; then Fabric's teardown."""
-        self.restore_own_checkpointing()
+        """As a Trainer's fit does at its end: the user's modules back where rotor swapped its own in (a module set
+        up whole is the user's object throughout), their own checkpointing on again, no hook of rotor's left on
+        them; then Fabric's teardown. A second call changes nothing."""
+        self.restore_own_checkpointing()  # chains the user wrapped too
+        for parent, wrapped in reversed(self._swapped):
+            unwrap(parent, wrapped)
+        for hook in self._hooks:
+            hook.remove()
+        self._swapped, self._hooks = [], []
         super().teardown()
 
     # -- a step: the first training forward ... fabric.backward -------------------------------------------
-    def _on_forward(self, module: nn.Module, args: Any) -> None:
+    def _on_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self._in_step or not module.training or not torch.is_grad_enabled():
             return
         self._in_step = True
         self._measurements = []
-        if self._wants_measure():
-            for rotor in self.chains.values():
+        self._batch_key = batch_key((args, kwargs))  # the step's batch: its first training forward's arguments
+        if self.sampler.wants(self.chains, self._batch_key):
+            for name, rotor in self.chains.items():
                 # on CPU the whole step, parameters excluded (as the Trainer's callback); the allocator on CUDA
                 probe = MemoryProbe(self._modules, record_curve=True) if self.root_device.type != "cuda" else None
                 m = rotor.measure_step(probe=probe)
                 m.__enter__()
-                self._measurements.append((rotor, m, len(rotor.entries)))
-            self._steps_since_measure = 0
-        else:
-            self._steps_since_measure += 1
+                self._measurements.append((name, rotor, m, len(rotor.entries)))
         self._entries_before = {name: len(rotor.entries) for name, rotor in self.chains.items()}
         self._synchronize()
         self._t0 = time.perf_counter()
 
-    def _wants_measure(self) -> bool:
-        if any(not rotor.entries for rotor in self.chains.values()):
-            return False  # the first batch profiles; a probe would slow and pollute it
-        unmeasured = any(schedule_key(rotor.last_entry) not in self._measured_once for rotor in self.chains.values())
-        if unmeasured and not self._retry_after_known:
-            return True  # the schedule in use has not been measured yet
-        n = self.measure_every_n_steps
-        return n > 0 and self._steps_since_measure >= n
-
     def _close_measurements(self) -> None:
-        for _, m, _ in reversed(self._measurements):
+        for _, _, m, _ in reversed(self._measurements):
             if m.is_open:
                 m.__exit__(None, None, None)
 
@@ -263,15 +257,8 @@ class RotorFabricStrategy(ConfigAttributes, SingleDeviceStrategy):
                 )
             return
         profiled = any(len(r.entries) != self._entries_before.get(n, 0) for n, r in self.chains.items())
-        if not profiled:
-            self._retry_after_known = False
-        peaks = []
-        for rotor, m, before in self._measurements:
-            if len(rotor.entries) != before or m.entry is None:
-                self._retry_after_known = True  # a new signature was profiled inside: no clean sample
-                continue
-            self._measured_once.add(schedule_key(m.entry))
-            peaks.append(m.peak)
+        clean = self.sampler.ran(self._batch_key, planned, self._entries_before, self._measurements)
+        peaks = [m.peak for _, _, m, _ in clean]
         self._measurements = []
         if peaks:
             self._measured_peak = max(peaks)

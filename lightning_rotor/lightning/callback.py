@@ -18,7 +18,9 @@ apply; rank zero only):
 Measuring memory costs time (tensor accounting sees every op), so it is a
 sample: the first step that runs each new schedule (the plan's ops; shapes that
 share a schedule share the sample, so changing input shapes do not each cost a
-measured step), then every `measure_every_n_steps` steps. A sampled step that met a
+measured step), then each schedule again once it has run `measure_every_n_steps` steps
+since its sample. Which plans a step runs is told by its batch (`StepSampler`): a last
+partial batch's plan is sampled too. A sampled step that met a
 new shape is no clean sample (it profiled); the next try waits for a step of known
 shapes, so that dynamic padding does not run profile after profile under the probe.
 The value logged is the latest sample; steps that were measured do not update `rotor/step_seconds`. With one
@@ -60,6 +62,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_rotor.budget import format_bytes
 from lightning_rotor.checkpointable import Checkpointable
+from lightning_rotor.lightning.sampling import Measured, StepSampler, batch_key
+from lightning_rotor.lightning.sampling import schedule_key as schedule_key  # where tests and scripts took it
 from lightning_rotor.lightning.state import STATE_KEY, export_state, import_state, rotor_modules
 from lightning_rotor.measure import StepMeasurement
 from lightning_rotor.memory import MemoryProbe
@@ -90,11 +94,6 @@ def checked_measure_every(n: Any) -> int:
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"measure_every_n_steps must be an integer >= 0, got {n!r}")
     return n
-
-
-def schedule_key(entry: Entry | None) -> tuple[str, ...]:
-    """What the probe samples by: the plan's schedule, whatever the input shape it was made for."""
-    return () if entry is None else tuple(repr(op) for op in entry.plan.ops)
 
 
 def summary_text(chains: dict[str, Checkpointable]) -> str:
@@ -259,10 +258,9 @@ class RotorCallback(Callback):
         self._pending: dict[str, Any] | None = None
         self._plans: dict[int, int] = {}  # id(entry) -> plan index, per chain order
         self._curves_done: set[int] = set()
-        self._measured_once: set[tuple[str, ...]] = set()  # schedules measured (`schedule_key`)
-        self._measurements: list[tuple[str, Checkpointable, StepMeasurement, int]] = []
-        self._steps_since_measure = 0
-        self._retry_after_known = False  # a sample was spoilt by a new shape: wait for a step of known shapes
+        self.sampler = StepSampler(self.measure_every_n_steps)  # which steps run under the probe
+        self._batch_key: tuple[Any, ...] = ()
+        self._measurements: list[Measured] = []
         self._t0 = 0.0
         self._step_seconds: float | None = None
         self._measured_peak: int | None = None
@@ -297,21 +295,13 @@ class RotorCallback(Callback):
             self._restore(pl_module)
 
     # -- measuring a step -------------------------------------------------------------------------------
-    def _wants_measure(self, chains: dict[str, Checkpointable]) -> bool:
-        if not chains or any(not rotor.entries for rotor in chains.values()):
-            return False  # the first batch profiles; a probe would slow and pollute it
-        unmeasured = any(schedule_key(rotor.last_entry) not in self._measured_once for rotor in chains.values())
-        if unmeasured and not self._retry_after_known:
-            return True  # the schedule in use has not been measured yet
-        n = self.measure_every_n_steps
-        return n > 0 and self._steps_since_measure >= n
-
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         chains = rotor_modules(pl_module)
         self._measurements = []
-        if self._wants_measure(chains):
+        self._batch_key = batch_key(batch)
+        if self.sampler.wants(chains, self._batch_key):
             for name, rotor in chains.items():
                 # on CPU count the whole step, excluding every parameter of the LightningModule and what the
                 # strategy's wrapper (DDP) keeps; the chain input is tracked by the chain, the rest of the batch
@@ -325,9 +315,6 @@ class RotorCallback(Callback):
                 m = rotor.measure_step(probe=wide)
                 m.__enter__()
                 self._measurements.append((name, rotor, m, len(rotor.entries)))
-            self._steps_since_measure = 0
-        else:
-            self._steps_since_measure += 1
         self._entries_before = {name: len(rotor.entries) for name, rotor in chains.items()}
         if pl_module.device.type == "cuda":
             torch.cuda.synchronize(pl_module.device)
@@ -375,19 +362,15 @@ class RotorCallback(Callback):
             self._step_seconds = seconds
             if len(chains) == 1:  # a shape whose times were derived, checked against its steps' (ShapeTimes)
                 next(iter(chains.values())).step_timed(seconds)
-        if not profiled:
-            self._retry_after_known = False
-        for name, rotor, m, before in measured:
-            if len(rotor.entries) != before or m.entry is None:
-                self._retry_after_known = True
-                continue  # a new signature was profiled inside the measured step: not a clean sample
-            self._measured_once.add(schedule_key(m.entry))
+        # a step that profiled a new signature under the probe gives no clean sample
+        clean = self.sampler.ran(self._batch_key, planned, self._entries_before, measured)
+        for name, _, m, entry in clean:
             self._measured_peak = m.peak
-            if trainer.is_global_zero and self.log_curves and id(m.entry) not in self._curves_done:
-                self._curves_done.add(id(m.entry))
-                self._log_plan(trainer, name, m.entry, m)
-        clean = [m.peak for _, rotor, m, before in measured if len(rotor.entries) == before and m.entry is not None]
-        warn_if_over_budget(planned, max(clean, default=0), self._warned_over, "see rotor/<chain>/memory_curve")
+            if trainer.is_global_zero and self.log_curves and id(entry) not in self._curves_done:
+                self._curves_done.add(id(entry))
+                self._log_plan(trainer, name, entry, m)
+        peak = max((m.peak for _, _, m, _ in clean), default=0)
+        warn_if_over_budget(planned, peak, self._warned_over, "see rotor/<chain>/memory_curve")
         if trainer.is_global_zero:
             for (name, rotor), entry in zip(planned.items(), last_entries(planned), strict=True):
                 if id(entry) not in self._plans:
