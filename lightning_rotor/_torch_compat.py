@@ -45,7 +45,6 @@ __all__ = [
     "allocation_bytes",
     "backward_is_full",
     "ddp_pre_forward",
-    "fx_unpatched_module",
     "checkpoint_calls_watched",
     "fsdp_hooks_passing",
     "fsdp_hooks_restore",
@@ -219,17 +218,6 @@ def active_ddp_reduced() -> tuple[int, list[torch.Tensor]] | None:
         return None
     reduced = getattr(ddp, "_module_parameters", None)
     return id(ddp), reduced if isinstance(reduced, list) else list(ddp.parameters())
-
-
-def fx_unpatched_module() -> tuple[Callable, Callable]:
-    """`nn.Module.__call__` and `__getattr__` as they are outside torch.fx tracing.
-
-    `fx.Tracer` patches both while it traces, keeping the originals in `fx._symbolic_trace`; graph
-    discovery puts them back for a moment to run real module calls on the sample.
-    """
-    from torch.fx import _symbolic_trace  # only graph discovery needs fx: not imported before
-
-    return _symbolic_trace._orig_module_call, _symbolic_trace._orig_module_getattr
 
 
 # -- dispatch -----------------------------------------------------------------------------------

@@ -49,6 +49,34 @@ def test_default_minimum_is_below_the_models_own_checkpointing():
     assert smallest_budget(model, x, y) <= 0.8 * own
 
 
+def test_the_split_builds_only_the_chain_it_keeps(monkeypatch):
+    """The floor split weighs each candidate chain on the trace's own values: only the chain it keeps is
+    built into GraphModules (it built every candidate's stages, 120 on ConvNeXt-Atto, to run them)."""
+    model, x, _ = convnext()
+    built = []
+    init = torch.fx.GraphModule.__init__
+
+    def counted(self, *args, **kwargs):
+        built.append(type(self).__name__)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.fx.GraphModule, "__init__", counted)
+    found = discover_chain(model, x)
+    assert any(n.startswith("traced into to lower the floor") for n in found.notes)
+    assert len(built) == len(found.stages)
+
+
+def test_the_split_runs_a_block_left_whole_once_per_purpose():
+    """Each trace of the floor split runs every op on the sample; a block it leaves whole (the lightest
+    level) ran again in every trace and every weighing. Now: once in the first trace, once weighed."""
+    model, x, _ = convnext()
+    calls = []
+    model.stages[3].register_forward_hook(lambda *_: calls.append(1))
+    found = discover_chain(model, x)
+    assert "stages.3" in found.stages.names
+    assert len(calls) == 2
+
+
 def test_split_reaches_inside_the_heaviest_blocks_only():
     model, x, _ = convnext()
     found = discover_chain(model, x)

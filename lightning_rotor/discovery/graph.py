@@ -23,6 +23,7 @@ executor's recomputation guard.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import dataclasses
 import inspect
 import operator
@@ -30,6 +31,7 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -37,7 +39,7 @@ from torch import fx, nn
 from torch.fx.node import Target, map_aggregate, map_arg
 from torch.utils.hooks import RemovableHandle
 
-from lightning_rotor._torch_compat import fx_unpatched_module, tensor_version, tree_flatten
+from lightning_rotor._torch_compat import tensor_version, tree_flatten
 from lightning_rotor.frames import first_outside
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -188,18 +190,6 @@ def _leaves(value: Any) -> list[Any]:
     return out
 
 
-class _real_modules:
-    """Run real module calls while tracing: fx patches `nn.Module.__call__`, this restores it for a moment."""
-
-    # the ignores: swapping the class's methods is the point (mypy refuses any assignment to a method)
-    def __enter__(self) -> None:
-        self.patched = nn.Module.__call__, nn.Module.__getattr__
-        nn.Module.__call__, nn.Module.__getattr__ = fx_unpatched_module()  # type: ignore[method-assign]
-
-    def __exit__(self, *exc: Any) -> None:
-        nn.Module.__call__, nn.Module.__getattr__ = self.patched  # type: ignore[method-assign]
-
-
 class _answer_is_tensor:
     """`torch.is_tensor(proxy)` answered from the sample while tracing (a proxy is no `torch.Tensor`).
 
@@ -264,8 +254,10 @@ class ShapeTracer(fx.Tracer):
         leaves: set[str],
         leaf_types: tuple[type, ...],
         through: AbstractSet[str] = frozenset(),
+        reused: _LeafRuns | None = None,
     ):
         super().__init__(autowrap_functions=())
+        self.reused = reused  # submodule calls of an earlier trace of the same module (NOTE: [leaf runs reused])
         self.sample = sample
         self.leaves = leaves
         self.leaf_types = leaf_types
@@ -275,6 +267,7 @@ class ShapeTracer(fx.Tracer):
         self.writes: dict[fx.Node, list[fx.Node]] = {}  # node -> inputs it wrote into in place, on the sample
         self.branch_stack: list[str] = []
         self.asked: list[tuple[fx.Node, tuple[int, Any, int]]] = []  # integer guards, the instruction that asked each
+        self.running = 0  # > 0 while a real module call runs on the sample (`_running_real`)
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return ShapeProxy(node, self)
@@ -303,7 +296,29 @@ class ShapeTracer(fx.Tracer):
             return True
         return super().is_leaf_module(m, qualname)
 
+    @contextlib.contextmanager
+    def _running_real(self) -> Iterator[None]:
+        """Module calls and attributes as outside tracing, for a real run on the sample (a leaf's call).
+
+        fx patches `nn.Module.__call__` and `__getattr__` while it traces, and both come here (`call_module`,
+        `getattr`); answering them as the originals would is what putting the originals back would do,
+        without assigning `nn.Module`'s methods: each assignment makes Python update every subclass of
+        `nn.Module` loaded (0.2-0.35 ms a call with timm's or litgpt's classes loaded, several per leaf).
+        """
+        self.running += 1
+        try:
+            yield
+        finally:
+            self.running -= 1
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, fx.Proxy]) -> Any:
+        if self.running:
+            return attr_val
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
+
     def call_module(self, m: nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        if self.running:  # `forward` is the original `nn.Module.__call__` of `m`
+            return forward(*args, **kwargs)
         try:
             qualname = self.path_of_module(m)
         except NameError:  # made inside the forward, not a submodule (litgpt's `clamp_head = nn.Identity()`):
@@ -318,7 +333,7 @@ class ShapeTracer(fx.Tracer):
 
     def _attr_value(self, node: fx.Node) -> None:
         value = self.root
-        with _real_modules():  # fx patches Module.__getattr__ to make proxies of parameters while tracing
+        with self._running_real():  # fx patches Module.__getattr__ to make proxies of parameters while tracing
             for part in str(node.target).split("."):
                 value = getattr(value, part)
         self.values[node], self.data[node] = value, isinstance(value, torch.Tensor)
@@ -390,19 +405,124 @@ class ShapeTracer(fx.Tracer):
         return proxy
 
     def _run_op(self, kind: str, target: Target, args: Any, kwargs: Any) -> Any:
-        """A new node's op run on the sample values of its arguments (fx's targets: a callable for
-        call_function, a name for call_method and call_module)."""
-        if kind == "call_function":
-            assert callable(target)
-            return target(*args, **kwargs)
-        if kind == "call_method":
-            assert isinstance(target, str)
-            return getattr(args[0], target)(*args[1:], **kwargs)
-        if kind == "call_module":
-            assert isinstance(target, str)
-            with _real_modules():
-                return self.root.get_submodule(target)(*args, **kwargs)
+        """A new node's op run on the sample values of its arguments (a submodule as outside tracing, or
+        an earlier trace's run of it reused: NOTE: [leaf runs reused])."""
+        if kind != "call_module":
+            return _run_node(self.root, kind, target, args, kwargs)
+        inputs = _leaves((args, kwargs))
+        earlier = self.reused.find(str(target), inputs) if self.reused is not None else None
+        if earlier is not None:
+            return earlier[0]
+        versions = [tensor_version(t) for t in _tensors(inputs)]
+        with self._running_real():
+            value = _run_node(self.root, kind, target, args, kwargs)
+        if self.reused is not None and versions == [tensor_version(t) for t in _tensors(inputs)]:
+            self.reused.keep(str(target), inputs, value)
+        return value
+
+
+class _LeafRuns:
+    """Submodule calls run on the sample by one trace, for the next trace of the same module to reuse.
+
+    NOTE: [leaf runs reused] The floor split (NOTE: [floor split]) traces the model again for each
+    level it goes into, and a trace runs every op on the sample: the blocks left whole (every other
+    resolution level, the stem, the head) would run again on the same inputs. A call is reused when
+    its module gets inputs equal to an earlier call's (each tensor of the same layout and values, the
+    earlier one unchanged since) and the earlier output is unchanged since; only calls that wrote into
+    none of their inputs, gave a tensor or a tuple of them (nothing a later op could change unseen),
+    and whose output shares no storage with their inputs (it would be a view of the earlier trace's
+    input) are kept. The reused output has the sizes, layout and aliasing a run would give, which is
+    all discovery reads of values; user forward hooks of a reused call do not run again. Only earlier
+    traces' calls are looked up: a model whose floor is not split (one trace) compares no inputs.
+    """
+
+    def __init__(self) -> None:
+        self.runs: dict[str, list[tuple[list[Any], list[int], Any, list[int]]]] = {}  # earlier traces'
+        self.latest: dict[str, list[tuple[list[Any], list[int], Any, list[int]]]] = {}  # this trace's
+
+    def next_trace(self) -> None:
+        """A new trace begins: the calls of the one before can be reused from now on."""
+        for qualname, runs in self.latest.items():
+            self.runs.setdefault(qualname, []).extend(runs)
+        self.latest = {}
+
+    def find(self, qualname: str, inputs: list[Any]) -> tuple[Any] | None:
+        """The output of an earlier trace's call of `qualname` on inputs equal to `inputs` (in a 1-tuple), if any."""
+        for old, versions, out, out_versions in self.runs.get(qualname, ()):
+            unchanged = out_versions == [tensor_version(t) for t in _tensors(out)]
+            if unchanged and _same_inputs(old, versions, inputs):
+                return (out,)
         return None
+
+    def keep(self, qualname: str, inputs: list[Any], out: Any) -> None:
+        """Keep a call that wrote into none of `inputs`, if its output can be reused (see the note)."""
+        if not _immutable_tensors(out):
+            return
+        taken = {_storage(t) for t in _tensors(inputs)}
+        if any(_storage(t) in taken for t in _tensors(out)):
+            return
+        versions = [tensor_version(t) for t in _tensors(inputs)]
+        self.latest.setdefault(qualname, []).append((inputs, versions, out, [tensor_version(t) for t in _tensors(out)]))
+
+
+def _immutable_tensors(value: Any) -> bool:
+    """A tensor, a number, a string, None, or a tuple of these (a list or dict could be changed by a later op)."""
+    if isinstance(value, tuple):
+        return all(_immutable_tensors(v) for v in value)
+    return isinstance(value, (torch.Tensor, int, float, bool, str, type(None)))
+
+
+def _same_inputs(old: list[Any], versions: list[int], new: list[Any]) -> bool:
+    """`new` equal to `old` (leaves of a call's arguments): tensors of the same layout and values, `old`'s
+    unchanged since (`versions`), anything else the same object or equal and of the same type."""
+    if len(old) != len(new):
+        return False
+    version = iter(versions)
+    for a, b in zip(old, new, strict=True):
+        if isinstance(a, torch.Tensor):
+            if not (isinstance(b, torch.Tensor) and tensor_version(a) == next(version) and _same_tensor(a, b)):
+                return False
+        elif not (a is b or (type(a) is type(b) and _equal(a, b))):
+            return False
+    return True
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a is b:
+        return True
+    if a.layout != torch.strided or b.layout != torch.strided:
+        return False
+    same_layout = (a.dtype, a.device, a.shape, a.stride(), a.storage_offset(), a.requires_grad) == (
+        b.dtype,
+        b.device,
+        b.shape,
+        b.stride(),
+        b.storage_offset(),
+        b.requires_grad,
+    )
+    return same_layout and a.untyped_storage().nbytes() == b.untyped_storage().nbytes() and torch.equal(a, b)
+
+
+def _equal(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 (an object whose == fails or is no bool: not reused)
+        return False
+
+
+def _run_node(root: nn.Module, kind: str, target: Target, args: Any, kwargs: Any) -> Any:
+    """A node's op run on values (fx's targets: a callable for call_function, a name for call_method and
+    call_module), as its `GraphModule`'s code runs it."""
+    if kind == "call_function":
+        assert callable(target)
+        return target(*args, **kwargs)
+    if kind == "call_method":
+        assert isinstance(target, str)
+        return getattr(args[0], target)(*args[1:], **kwargs)
+    if kind == "call_module":
+        assert isinstance(target, str)
+        return root.get_submodule(target)(*args, **kwargs)
+    return None
 
 
 # -- cutting ---------------------------------------------------------------------------------
@@ -527,12 +647,13 @@ def trace_chain(
     constants = {n: v for n, v in bound.items() if not isinstance(v, torch.Tensor)}
     leaves: set[str] = set()
     through: set[str] = set()
+    reused = _LeafRuns() if split_floor else None  # the floor split traces again (NOTE: [leaf runs reused])
     graph, tracer = _trace(
-        module, bound, tensor_args, constants, leaf_types, leaves, through, max_retries, trace_into_writers
+        module, bound, tensor_args, constants, leaf_types, leaves, through, max_retries, trace_into_writers, reused
     )
-    chain = _cut(module, graph, tracer, max_carry)
+    cut = _cut(module, graph, tracer, max_carry)
     if split_floor:
-        chain = _split_floor(
+        cut = _split_floor(
             module,
             bound,
             tensor_args,
@@ -540,11 +661,13 @@ def trace_chain(
             leaf_types,
             leaves,
             through,
-            chain,
+            cut,
             _leaf_sizes(tracer),
             max_carry,
             max_retries,
+            reused,
         )
+    chain = cut.chain(module)
     chain.leaves = sorted(leaves)
     chain.tensor_args = tensor_args
     chain.constants = constants
@@ -561,12 +684,16 @@ def _trace(
     through: set[str],
     max_retries: int,
     trace_into_writers: bool,
+    reused: _LeafRuns | None = None,
 ) -> tuple[fx.Graph, ShapeTracer]:
-    """One trace; `leaves` (value branches found) and `through` (writers traced into) grow in place."""
+    """One trace; `leaves` (value branches found) and `through` (writers traced into) grow in place;
+    `reused`: submodule calls of earlier traces (NOTE: [leaf runs reused]), and this one's added."""
     rng = [torch.device("cuda", i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
     saved = {n: b.detach().clone() for n, b in module.named_buffers()}
     for _ in range(max_retries):
-        tracer = ShapeTracer({n: bound[n] for n in tensor_args}, leaves, tuple(leaf_types), through)
+        if reused is not None:
+            reused.next_trace()
+        tracer = ShapeTracer({n: bound[n] for n in tensor_args}, leaves, tuple(leaf_types), through, reused)
         try:
             with torch.random.fork_rng(devices=rng):
                 graph = tracer.trace(module, concrete_args=constants or None)
@@ -590,11 +717,12 @@ def _split_floor(
     leaf_types: Sequence[type],
     leaves: set[str],
     through: set[str],
-    chain: GraphChain,
+    chain: _Cut,
     leaf_sizes: dict[str, int],
     max_carry: int,
     max_retries: int,
-) -> GraphChain:
+    reused: _LeafRuns | None = None,
+) -> _Cut:
     """`chain` with the blocks kept whole in its heaviest stages traced into, while that lowers the floor.
 
     NOTE: [floor split] The heaviest stage sets the floor of every schedule: even recomputing
@@ -607,29 +735,26 @@ def _split_floor(
     heaviest stage without such a block (a ResNet stem convolution, a GPT head's logits) ends the
     search: no cut inside the blocks can lower the floor there.
     """
-    values = [bound[n] for n in tensor_args]
-    sample = values[0] if len(values) == 1 else tuple(values)
     types = tuple(leaf_types)
     sizes = dict(leaf_sizes)  # output bytes of submodule calls on the sample; the runs below add the inner ones
-    if not any(_unbalanced(module, q, types, sizes) for called in chain.stage_modules for q in called):
+    if not any(_unbalanced(module, q, types, sizes) for called in chain.called for q in called):
         return chain  # blocks alike (a transformer's layers): nothing to split, nothing to measure
     known: dict[tuple[str, ...], int] = {}  # cost by the submodules a stage calls: the stages a split leaves alone
-    costs = _stage_costs(module, chain, sample, known, types, sizes)
+    costs = _stage_costs(module, chain, known, types, sizes)
     for _ in range(max_retries):
         top = max(costs)
         heavy = [k for k, c in enumerate(costs) if c == top]
         blocks = [
-            [q for q in chain.stage_modules[k] if q not in leaves and _unbalanced(module, q, types, sizes)]
-            for k in heavy
+            [q for q in chain.called[k] if q not in leaves and _unbalanced(module, q, types, sizes)] for k in heavy
         ]
         if not all(blocks):
             break
         finer = {q for b in blocks for q in b}
         graph, tracer = _trace(
-            module, bound, tensor_args, constants, leaf_types, leaves, through | finer, max_retries, True
+            module, bound, tensor_args, constants, leaf_types, leaves, through | finer, max_retries, True, reused
         )
         split = _cut(module, graph, tracer, max_carry, through | finer)
-        split_costs = _stage_costs(module, split, sample, known)
+        split_costs = _stage_costs(module, split, known)
         kept = {chain.names[k] for k in range(len(costs)) if k not in heavy}  # stages the split left as they were
         pieces = [c for n, c in zip(split.names, split_costs, strict=True) if n not in kept]
         if max(split_costs) > top or max(pieces, default=top) >= top:
@@ -671,8 +796,7 @@ def _unbalanced(module: nn.Module, qualname: str, types: tuple[type, ...], sizes
 
 def _stage_costs(
     module: nn.Module,
-    chain: GraphChain,
-    sample: Any,
+    cut: _Cut,
     known: dict[tuple[str, ...], int],
     types: tuple[type, ...] = (),
     sizes: dict[str, int] | None = None,
@@ -680,30 +804,27 @@ def _stage_costs(
     """Per stage, about the bytes its backward holds on the sample: its input, what it saves, its output's
     gradient, and the input's gradient or the largest gradient inside (whichever is larger).
 
-    One forward with grad on copies, a stage at a time (buffers and the RNG stream put back); a
-    stage calling the same submodules as one measured before (`known`) runs without grad.
-    `sizes`, when given, gets the output bytes of every call of a submodule of class `types`.
+    One forward with grad of each stage's ops on a copy of its input as the trace found it (buffers and
+    the RNG stream put back); a stage calling the same submodules as one measured before (`known`) is
+    not run. `sizes`, when given, gets the output bytes of every call of a submodule of class `types`.
     """
     own = {_storage(t) for t in [*module.parameters(), *module.buffers()]}
     saved_buffers = {n: b.detach().clone() for n, b in module.named_buffers()}
     rng = [torch.device("cuda", i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
     costs: list[int] = []
     hooks = _record_output_sizes(module, types, sizes) if sizes is not None else []
-    value = map_aggregate(sample, _fresh)
     try:
         with torch.random.fork_rng(devices=rng), torch.enable_grad():
-            for stage, called in zip(chain.stages, chain.stage_modules, strict=True):
+            for k, called in enumerate(cut.called):
                 key = tuple(called)
                 if key and key in known:
-                    with torch.no_grad():
-                        out = stage(value)
                     costs.append(known[key])
-                else:
-                    out, cost = _backward_bytes(stage, value, own)
-                    costs.append(cost)
-                    if key:
-                        known[key] = cost
-                value = map_aggregate(out, _fresh)
+                    continue
+                value = map_aggregate(cut.stage_input(k), _fresh)
+                _, cost = _backward_bytes(partial(cut.run_stage, module, k), value, own)
+                costs.append(cost)
+                if key:
+                    known[key] = cost
     finally:
         for h in hooks:
             h.remove()
@@ -729,7 +850,7 @@ def _storage_bytes(tensors: list[torch.Tensor], skip: set[int | None]) -> tuple[
     return sum(seen.values()), set(seen)
 
 
-def _backward_bytes(stage: nn.Module, value: Any, own: set[int | None]) -> tuple[Any, int]:
+def _backward_bytes(stage: Callable[[Any], Any], value: Any, own: set[int | None]) -> tuple[Any, int]:
     """`stage` run on `value` with grad: its output, and about the bytes its backward holds (`_stage_costs`);
     `own`: the storages of the module's parameters and buffers, left out."""
     kept: list[torch.Tensor] = []
@@ -803,11 +924,11 @@ class _Body:
 
 def _cut(
     root: nn.Module, graph: fx.Graph, tracer: ShapeTracer, max_carry: int, ends: AbstractSet[str] = frozenset()
-) -> GraphChain:
+) -> _Cut:
     """Cut after weighty ops where few tensors cross; also at the end of each block in `ends` (traced into)."""
     body = _Body.of(graph, tracer)
     blocked = _blocked_cuts(root, tracer, body)
-    return _stages_between(root, tracer, body, _cut_points(tracer, body, blocked, max_carry, ends))
+    return _stages_between(tracer, body, _cut_points(tracer, body, blocked, max_carry, ends))
 
 
 def _blocked_cuts(root: nn.Module, tracer: ShapeTracer, body: _Body) -> list[bool]:
@@ -858,10 +979,74 @@ def _cut_points(
     return cuts
 
 
-def _stages_between(root: nn.Module, tracer: ShapeTracer, body: _Body, cuts: list[int]) -> GraphChain:
-    """The chain of stages between the cuts, named by the submodules they call."""
+@dataclass
+class _StageSpec:
+    """A stage as cut from the traced graph: its ops, the values crossing into it and out (None: the last)."""
+
+    nodes: list[fx.Node]
+    inputs: list[fx.Node]
+    outputs: list[fx.Node] | None
+
+
+@dataclass
+class _Cut:
+    """The traced graph cut into stages, not yet built into modules: the floor split weighs several cuts
+    (NOTE: [floor split]) and builds only the one it keeps."""
+
+    body: _Body
+    tracer: ShapeTracer
+    specs: list[_StageSpec]
+    names: list[str]
+    crossing: list[str]  # per boundary: what crosses it
+    called: list[list[str]]  # per stage, the submodules it calls
+    guards: int
+    floor_split: list[str] = field(default_factory=list)
+
+    def chain(self, root: nn.Module) -> GraphChain:
+        """The chain of `GraphModule`s on `root`, one per stage."""
+        stages: list[nn.Module] = [
+            _stage_module(root, s.nodes, s.inputs, s.outputs, self.body.output, self.body.dead, k)
+            for k, s in enumerate(self.specs)
+        ]
+        chain = GraphChain(stages, self.names, self.crossing, self.guards, stage_modules=self.called)
+        chain.floor_split = self.floor_split
+        return chain
+
+    def stage_input(self, k: int) -> Any:
+        """Stage `k`'s input on the sample, as the stage before gives it (one value or a tuple)."""
+        values = [self.tracer.values[n] for n in self.specs[k].inputs]
+        return values[0] if len(values) == 1 else tuple(values)
+
+    def run_stage(self, root: nn.Module, k: int, value: Any) -> Any:
+        """Stage `k`'s ops run on `value`, as its `GraphModule` would run them (without building it)."""
+        spec = self.specs[k]
+        env: dict[fx.Node, Any] = dict(zip(spec.inputs, [value] if len(spec.inputs) == 1 else value, strict=True))
+
+        def lookup(n: fx.Node) -> Any:
+            if n not in env and n.op == "get_attr":
+                env[n] = _fetch(root, str(n.target))
+            return env[n]
+
+        for n in spec.nodes:
+            args, kwargs = map_arg((n.args, n.kwargs), lookup)
+            env[n] = _run_node(root, n.op, n.target, args, kwargs)
+        if spec.outputs is None:
+            return map_arg(self.body.output.args[0], lookup)
+        return lookup(spec.outputs[0]) if len(spec.outputs) == 1 else tuple(lookup(n) for n in spec.outputs)
+
+
+def _fetch(root: nn.Module, target: str) -> Any:
+    """The attribute `target` (a dotted path) of `root`: a parameter, buffer or constant a `get_attr` reads."""
+    value: Any = root
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _stages_between(tracer: ShapeTracer, body: _Body, cuts: list[int]) -> _Cut:
+    """The stages between the cuts, named by the submodules they call."""
     bounds = [-1, *cuts, len(body.ops) - 1]
-    stages: list[nn.Module] = []
+    specs: list[_StageSpec] = []
     names: list[str] = []
     crossing: list[str] = []
     called: list[list[str]] = []
@@ -869,7 +1054,8 @@ def _stages_between(root: nn.Module, tracer: ShapeTracer, body: _Body, cuts: lis
         lo, hi = bounds[k] + 1, bounds[k + 1]
         inputs = body.placeholders if k == 0 else body.live_after(bounds[k])
         outputs = None if k == len(bounds) - 2 else body.live_after(hi)  # None: the last stage
-        stages.append(_stage_module(root, body.ops[lo : hi + 1], inputs, outputs, body.output, body.dead, k))
+        specs.append(_StageSpec(body.ops[lo : hi + 1], inputs, outputs))
+        _check_crossing(specs[-1], body, k)
         mods = [str(n.target) for n in body.ops[lo : hi + 1] if n.op == "call_module"]
         names.append(_stage_name(mods, body.ops[lo : hi + 1], k))
         called.append(mods)
@@ -878,7 +1064,27 @@ def _stages_between(root: nn.Module, tracer: ShapeTracer, body: _Body, cuts: lis
                 f"after {names[-1]}: " + ", ".join(f"{v.name}{_shape_str(tracer.values.get(v))}" for v in outputs)
             )
     guards = sum(1 for n in body.ops if n.op == "call_function" and n.target in _GUARDS)
-    return GraphChain(stages, _unique(names), crossing, guards, stage_modules=called)
+    return _Cut(body, tracer, specs, _unique(names), crossing, called, guards)
+
+
+def _check_crossing(spec: _StageSpec, body: _Body, k: int) -> None:
+    """Every value stage `k` reads is made in it, crosses into it or is a parameter or buffer (else the
+    error `_stage_module` would raise building it)."""
+    made = set(spec.inputs)
+    for n in spec.nodes:
+        for a in n.all_input_nodes:
+            _check_reads(a, made, body, k)
+        made.add(n)
+    for a in body.output.all_input_nodes if spec.outputs is None else spec.outputs:
+        _check_reads(a, made, body, k)
+
+
+def _check_reads(n: fx.Node, made: set[fx.Node], body: _Body, k: int) -> None:
+    if n in made or n.op == "get_attr":
+        return
+    if n in body.dead:
+        raise DiscoveryError(f"stage {k} needs concrete argument {n.name}")
+    raise DiscoveryError(f"stage {k} uses {n.name}, which does not cross into it (discovery bug)")
 
 
 def _ends_block(node: fx.Node, after: fx.Node, ends: AbstractSet[str]) -> bool:
