@@ -220,10 +220,17 @@ def b_peak(p: Problem, k: int, given: bool) -> int:
 
 
 def run_head(p: Problem, s: int, t: int, given: bool) -> int:
-    """What every run of (s, t) needs besides the rest: Fe s with its part, B s, and the prefetch before it."""
+    """What every run of (s, t) needs besides the rest: Fe s with its part, and B s."""
     held = p.size[t] if given else 0
+    return max(held + p.saved[s] + p.ft[s], b_peak(p, s, given))
+
+
+def prefetch_at_b(p: Problem, s: int, t: int, given: bool) -> int:
+    """The state just before B s with stage s's part back (`PrefetchSaved s` there): the whole graph of s, its
+    free part of a_{s+1} not yet let go (B s lets it go first), δ_{s+1}, the loss value. A run prefetching the part
+    earlier never holds it at an op: after `B s+1` and before `B s`, so it is no op's peak."""
     gone = p.inf[s + 1] if s + 1 < t and not p.options[s + 1] else 0  # a_{s+1}'s part Fe s+1 let go before B s
-    return max(held + p.saved[s] + p.ft[s], b_peak(p, s, given), before_b(p, s, given) - gone)
+    return before_b(p, s, given) - gone
 
 
 def run_frames(p: Problem, s: int, t: int) -> list[int]:
@@ -306,7 +313,9 @@ def run_top(p: Problem, t: int, j: int) -> int:
     return j if j < t and not p.options[j] else j - 1
 
 
-def run_back(p: Problem, s: int, given: bool, j: int, e: int, d: int, top: int, base: list[int]) -> tuple[int, int]:
+def run_back(
+    p: Problem, s: int, t: int, given: bool, j: int, e: int, d: int, top: int, base: list[int]
+) -> tuple[int, int]:
     """(need, stall ticks) of the backwards `B top … B s` with the parts s … e prefetched before `B min(k + d, top)`.
 
     Part k is away during the backwards after `B min(k + d, top)`'s start only if not yet issued; each `B k`
@@ -324,6 +333,8 @@ def run_back(p: Problem, s: int, given: bool, j: int, e: int, d: int, top: int, 
             need = max(need, base[i] - away + b_peak(p, i, given))
             if issued:
                 need = max(need, base[i] - away + before_b(p, i, given))
+        elif issued:  # d = 0: stage s's part comes back just before B s
+            need = max(need, prefetch_at_b(p, s, t, given))
         if i < j:
             if i in arrive:
                 stall += max(0, arrive[i] - now)
@@ -344,7 +355,7 @@ def runs_of(p: Problem, s: int, t: int, given: bool, j: int, e: int, base: list[
     shift = base[j] - moved if j < t else 0
     kept: list[Run] = []
     for d in range(top - s + 1):
-        back, stall = run_back(p, s, given, j, e, d, top, base)
+        back, stall = run_back(p, s, t, given, j, e, d, top, base)
         need, cost = max(front, back), ops + ((lag + stall) << p.cb)
         if any(r[3] <= need and r[4] <= cost for r in kept):
             continue
@@ -600,9 +611,15 @@ def reference_min_budget(chain: Chain, offload: bool = False) -> int:
         if off[s] > 0:  # Fe s, OffloadSaved s, WaitSaved s, (s+1, t) without the part, PrefetchSaved s, B s
             before = saved[s] - inf[s] + size[s + 1] + after
             gone = inf[s + 1] if s + 1 < t and not chain.options[s + 1] else 0  # let go by Fe s+1 before B s
-            moved = max(held + saved[s] + ft[s], before - gone, before + size[s] + bt[s])
+            head = max(held + saved[s] + ft[s], before + size[s] + bt[s])
+            moved = max(head, before - gone)
             if s + 1 < t:
-                moved = max(moved, saved[s] - inf[s] - off[s] + need(s + 1, t, given))
+                rest = saved[s] - inf[s] - off[s] + need(s + 1, t, given)
+                moved = max(moved, rest)
+                if not chain.options[s + 1]:  # or PrefetchSaved s before (s+1, t)'s last op B s+1: B s+1 with it
+                    early = saved[s + 1] - inf[s + 1] + size[s + 2] + after  # held just before B s+1
+                    back = saved[s] - inf[s] + max(early, early + size[s + 1] + bt[s + 1])
+                    moved = min(moved, max(head, rest, back))
             if not given and s + 1 == length:
                 moved = max(moved, saved[s] + size[length] + ltg - inf[s] - off[s])
             fes.append(moved)
