@@ -112,11 +112,29 @@ inline int64_t prefetch_at_b(const MemChain& c, int s, int t, bool given) {
     return before_b(c, s, given) - gone;
 }
 
-// Least m of (s, t) for stage s's part moved and waited for at once, prefetched before (s+1, t)'s last op B s+1
-// (s+1 < t, stage s+1 without options): B s+1 and the state before it with the part, (s+1, t) without it.
-inline int64_t early_prefetch_need(const MemChain& c, int s, bool given, int64_t sub) {
-    const int64_t shift = fe_shift(c, s, 0);
-    return std::max({shift - c.offloadable[s] + sub, shift + before_b(c, s + 1, given), shift + b_peak(c, s + 1, given)});
+// Least m of (s, t) for stage s's part moved and back before B i for some i in s+1 … t-1 (stage i without options):
+// Fe s+1 … Fe i-1 recorded with the part still charged (a copy they do not hide, waited for before (i, t)), (i, t)
+// without it but its last op, PrefetchSaved s, B i … B s+1 with it, B s (`head`). The state just before B s is then
+// held at no op's peak. `at`: the i of least need (0 when none).
+int64_t part_back_early(const MemChain& c, const Needs& n, int s, int t, bool given, int64_t head, int& at) {
+    const int64_t held = given ? c.size[t] : 0;
+    int64_t least = std::numeric_limits<int64_t>::max(), base = fe_shift(c, s, 0), charged = head;
+    at = 0;
+    for (int i = s + 1; i < t; ++i) {
+        if (i > s + 1) {  // stage i-1 recorded inside the run: Fe i-1 and B i-1 with the part
+            const int k = i - 1;
+            charged = std::max({charged, held + base + c.saved[k] + c.fwd_tmp[k], base + b_peak(c, k, given)});
+            base += fe_shift(c, k, 0);
+        }
+        if (c.options_of(i) != 0) continue;
+        const int64_t back = base + std::max(before_b(c, i, given), b_peak(c, i, given));
+        const int64_t x = std::max({charged, base - c.offloadable[s] + n.sub(i, t, given), back});
+        if (x < least) {
+            least = x;
+            at = i;
+        }
+    }
+    return least;
 }
 
 // `fastest[s]`: the option of least fwd + bwd cost (0 on ties): the all-record schedule records each stage
@@ -148,9 +166,8 @@ Needs compute_needs(const MemChain& c, const std::vector<int>& fastest, Moves mo
             int64_t run = std::max(head, prefetch_at_b(c, s, t, given));
             if (s + 1 < t) run = std::max(run, fe_shift(c, s, 0) - part + n.sub(s + 1, t, given));
             if (!given && s + 1 == L) run = std::max(run, c.saved[s] + size[L] + c.loss_tmp_graph - c.in_free[s] - part);
-            if (s + 1 < t && c.options_of(s + 1) == 0)  // or PrefetchSaved s before B s+1
-                run = std::min(run, std::max(head, early_prefetch_need(c, s, given, n.sub(s + 1, t, given))));
-            best = std::min(best, run);
+            int at;
+            best = std::min({best, run, part_back_early(c, n, s, t, given, head, at)});
         }
         int64_t run = 0;
         const int last = given ? t - 1 : t;
@@ -833,32 +850,37 @@ class Solver {
 void emit_feasible(const MemChain& c, const Needs& n, Moves moves, int s, int t, bool given, bool plain, int64_t m,
                    std::vector<Op>& ops);
 
-// Stage s recorded, its part moved and waited for at once (the shortest debt run), back before B s, else before
-// (s+1, t)'s last op B s+1 (compute_needs' two shapes); false when neither fits in m.
+// Stage s recorded, its part moved and waited for at once (the shortest debt run), back before B s, else before B i
+// (compute_needs' shapes, `part_back_early`); false when none fits in m.
 bool emit_moved_part(const MemChain& c, const Needs& n, Moves moves, int s, int t, bool given, int64_t m,
                      std::vector<Op>& ops) {
     const int L = c.length();
     const int64_t part = c.offloadable[s], head = run_head(c, s, t, given);
-    const int64_t sub = s + 1 < t ? n.sub(s + 1, t, given) : 0;
     int64_t late = std::max(head, prefetch_at_b(c, s, t, given));
-    if (s + 1 < t) late = std::max(late, fe_shift(c, s, 0) - part + sub);
+    if (s + 1 < t) late = std::max(late, fe_shift(c, s, 0) - part + n.sub(s + 1, t, given));
     if (!given && s + 1 == L) late = std::max(late, c.saved[s] + c.size[L] + c.loss_tmp_graph - c.in_free[s] - part);
-    const bool early = m < late && s + 1 < t && c.options_of(s + 1) == 0 &&
-                       std::max(head, early_prefetch_need(c, s, given, sub)) <= m;
-    if (m < late && !early) return false;
-    ops.insert(ops.end(), {{OpKind::Fe, s}, {OpKind::OffloadSaved, s}, {OpKind::WaitSaved, s}});
-    if (s + 1 < t) {
-        emit_feasible(c, n, moves, s + 1, t, given, false, m - fe_shift(c, s, 0) + part, ops);
+    int at = 0;
+    if (m < late && part_back_early(c, n, s, t, given, head, at) > m) return false;
+    const int i = m < late ? at : s + 1;  // the first stage recorded after the wait
+    int64_t base = fe_shift(c, s, 0);
+    ops.insert(ops.end(), {{OpKind::Fe, s}, {OpKind::OffloadSaved, s}});
+    for (int k = s + 1; k < i; ++k) {
+        ops.push_back({OpKind::Fe, k});
+        base += fe_shift(c, k, 0);
+    }
+    ops.push_back({OpKind::WaitSaved, s});
+    if (i < t) {
+        emit_feasible(c, n, moves, i, t, given, false, m - base + part, ops);
     } else if (!given) {
         ops.push_back({OpKind::Loss, -1});
     }
-    if (early) {  // (s+1, t) ends with B s+1: the part comes back just before it
+    if (m < late) {  // (i, t) ends with B i: the part comes back just before it
         ops.back() = {OpKind::PrefetchSaved, s};
-        ops.push_back({OpKind::B, s + 1});
+        ops.push_back({OpKind::B, i});
     } else {
         ops.push_back({OpKind::PrefetchSaved, s});
     }
-    ops.push_back({OpKind::B, s});
+    for (int k = i - 1; k >= s; --k) ops.push_back({OpKind::B, k});
     return true;
 }
 

@@ -56,6 +56,7 @@ ahead of its own (`runs`). They come after the records and before the splits in 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from functools import cache
 from typing import Literal
 
@@ -574,6 +575,48 @@ def reference_plan(chain: Chain, budget: int, slots: int | None = DEFAULT_SLOTS)
     ]
 
 
+def moved_part_need(
+    chain: Chain, off: list[int], need: Callable[[int, int, bool], int], s: int, t: int, given: bool
+) -> int:
+    """Least need of (s, t) recording s with its part moved and waited for at once (`reference_min_budget`'s `need`
+    for the subproblems): back before `B s`, else before `B i` for some i in s+1 … t-1 (`part_back_early`)."""
+    size, saved, inf = chain.sizes, chain.saved_size, chain.in_free
+    held, after = (size[t], 0) if given else (0, chain.loss_value)
+    before = saved[s] - inf[s] + size[s + 1] + after
+    gone = inf[s + 1] if s + 1 < t and not chain.options[s + 1] else 0  # let go by Fe s+1 before B s
+    head = max(held + saved[s] + chain.fwd_tmp[s], before + size[s] + chain.bwd_net[s])
+    moved = max(head, before - gone)  # Fe s, OffloadSaved s, WaitSaved s, (s+1, t), PrefetchSaved s, B s
+    if s + 1 < t:
+        moved = max(moved, saved[s] - inf[s] - off[s] + need(s + 1, t, given))
+    if not given and s + 1 == chain.length:
+        moved = max(moved, saved[s] + size[s + 1] + chain.loss_tmp_graph - inf[s] - off[s])
+    return min(moved, part_back_early(chain, off, need, s, t, given, head))
+
+
+def part_back_early(
+    chain: Chain, off: list[int], need: Callable[[int, int, bool], int], s: int, t: int, given: bool, head: int
+) -> int:
+    """Least need of stage s's part moved and back before `B i` for some i in s+1 … t-1 (stage i without options):
+    `Fe s+1 … Fe i-1` recorded with the part still charged (a copy they do not hide, waited for before `(i, t)`),
+    `(i, t)` without it but its last op, `PrefetchSaved s`, `B i … B s+1` with it, `B s` (`head`). The state just
+    before `B s` is then held at no op's peak (it is when the part comes back there: `moved_part_need`)."""
+    size, saved, inf, ft, bt = chain.sizes, chain.saved_size, chain.in_free, chain.fwd_tmp, chain.bwd_net
+    held, after = (size[t], 0) if given else (0, chain.loss_value)
+    least, base, charged = sys.maxsize, saved[s] - inf[s], head
+    for i in range(s + 1, t):
+        if i > s + 1:  # stage i-1 recorded inside the run: Fe i-1 and B i-1 with the part
+            k = i - 1
+            b_k = base + saved[k] - inf[k] + size[i] + after + size[k] + bt[k]
+            charged = max(charged, held + base + saved[k] + ft[k], b_k)
+            base += saved[k] - inf[k]
+        if chain.options[i]:
+            continue
+        before = saved[i] - inf[i] + size[i + 1] + after  # held just before B i
+        back = base + before + max(0, size[i] + bt[i])
+        least = min(least, max(charged, base - off[s] + need(i, t, given), back))
+    return least
+
+
 def reference_min_budget(chain: Chain, offload: bool = False) -> int:
     """Smallest budget in bytes for which some persistent schedule exists (exact, no rounding).
 
@@ -608,21 +651,8 @@ def reference_min_budget(chain: Chain, offload: bool = False) -> int:
             if s + 1 < t:
                 fe = max(fe, sb - free + need(s + 1, t, given))
             fes.append(fe)
-        if off[s] > 0:  # Fe s, OffloadSaved s, WaitSaved s, (s+1, t) without the part, PrefetchSaved s, B s
-            before = saved[s] - inf[s] + size[s + 1] + after
-            gone = inf[s + 1] if s + 1 < t and not chain.options[s + 1] else 0  # let go by Fe s+1 before B s
-            head = max(held + saved[s] + ft[s], before + size[s] + bt[s])
-            moved = max(head, before - gone)
-            if s + 1 < t:
-                rest = saved[s] - inf[s] - off[s] + need(s + 1, t, given)
-                moved = max(moved, rest)
-                if not chain.options[s + 1]:  # or PrefetchSaved s before (s+1, t)'s last op B s+1: B s+1 with it
-                    early = saved[s + 1] - inf[s + 1] + size[s + 2] + after  # held just before B s+1
-                    back = saved[s] - inf[s] + max(early, early + size[s + 1] + bt[s + 1])
-                    moved = min(moved, max(head, rest, back))
-            if not given and s + 1 == length:
-                moved = max(moved, saved[s] + size[length] + ltg - inf[s] - off[s])
-            fes.append(moved)
+        if off[s] > 0:
+            fes.append(moved_part_need(chain, off, need, s, t, given))
         result = min(fes)
         run = size[s + 1] + ft_ng[s]
         last = t if not given else t - 1

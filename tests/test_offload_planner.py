@@ -549,6 +549,34 @@ def test_the_floor_counts_a_part_back_before_the_next_backward():
     assert simulate(chain, walk).peak == 42
 
 
+def test_the_floor_counts_a_part_back_two_backwards_later():
+    """Hypothesis's chain where the part of stage 0 comes back before `B 2` (a run with d = 2): `B 1` ends 16 B above
+    its own peak, so neither the state before `B 0` nor the one before `B 1` is an op's peak. 55 B, not 56."""
+    from lightning_rotor import _planner
+    from lightning_rotor.planner import _exact_extras, _memory_args, parse_ops
+
+    chain = Chain(
+        input_size=0,
+        out_size=[31, 20, 5, 6, 0],
+        saved_size=[31, 20, 5, 6, 0],
+        fwd_time=[0.0] * 5,
+        bwd_time=[0.0] * 5,
+        fwd_tmp=[0] * 5,
+        bwd_tmp=[0, -31, -10, 0, 0],
+        out_free=[15, 10, 0, 0, 0],
+        in_free=[0, 6, 10, 0, 0],
+        bandwidth=6.0,
+        offloadable=[15, 0, 0, 0, 0],
+    )
+    assert min_feasible_budget(chain) == reference_min_budget(chain, offload=True) == 55
+    ops = "Fe 0, OffloadSaved 0, Fe 1, WaitSaved 0, Fe 2, Fe 3, Fe 4, Loss, B 4, B 3, PrefetchSaved 0, B 2, B 1, B 0"
+    walk = parse_ops(_planner.feasible_schedule(*_memory_args(chain), 55, **_exact_extras(chain, True)))
+    assert ", ".join(op.label for op in walk) == ops and simulate(chain, walk).peak == 55
+    got = solve_discretized(chain, 55, 55)
+    assert got == solve(discretize(chain, 55, slots=55)) and simulate(chain, got[1]).peak <= 55
+    assert solve_discretized(chain, 54, 54) is None and solve(discretize(chain, 54, slots=54)) is None
+
+
 def least_planned_budget(chain: Chain) -> int:
     """The least budget at which the reference DP plans (exact bytes), by bisection up to the no-recompute peak."""
     low, high = 1, max(1, no_recompute_peak(chain))
