@@ -112,10 +112,11 @@ inline int64_t prefetch_at_b(const MemChain& c, int s, int t, bool given) {
     return before_b(c, s, given) - gone;
 }
 
-// Least m of (s, t) for stage s's part moved and back before B i for some i in s+1 … t-1 (stage i without options):
-// Fe s+1 … Fe i-1 recorded with the part still charged (a copy they do not hide, waited for before (i, t)), (i, t)
-// without it but its last op, PrefetchSaved s, B i … B s+1 with it, B s (`head`). The state just before B s is then
-// held at no op's peak. `at`: the i of least need (0 when none).
+// Least m of (s, t) for stage s's part moved and back before B i for some i in s+1 … t-1: Fe s+1 … Fe i-1 recorded
+// with the part still charged (a copy they do not hide, waited for before (i, t)), (i, t) without it but its last op,
+// PrefetchSaved s, B i … B s+1 with it, B s (`head`); where stage i has options, Fe i inside the run too and (i+1, t)
+// after the wait (the debt run j = i+1, d = i - s). The state just before B s is then held at no op's peak. `at`: the
+// i of least need (0 when none).
 int64_t part_back_early(const MemChain& c, const Needs& n, int s, int t, bool given, int64_t head, int& at) {
     const int64_t held = given ? c.size[t] : 0;
     int64_t least = std::numeric_limits<int64_t>::max(), base = fe_shift(c, s, 0), charged = head;
@@ -126,9 +127,13 @@ int64_t part_back_early(const MemChain& c, const Needs& n, int s, int t, bool gi
             charged = std::max({charged, held + base + c.saved[k] + c.fwd_tmp[k], base + b_peak(c, k, given)});
             base += fe_shift(c, k, 0);
         }
-        if (c.options_of(i) != 0) continue;
-        const int64_t back = base + std::max(before_b(c, i, given), b_peak(c, i, given));
-        const int64_t x = std::max({charged, base - c.offloadable[s] + n.sub(i, t, given), back});
+        int64_t rest = base - c.offloadable[s] + n.sub(i, t, given);  // (i, t) any schedule, its last op B i
+        if (c.options_of(i) != 0) {  // Fe i inside the run too, then (i+1, t) or the loss without the part
+            const int64_t inside = base + fe_shift(c, i, 0) - c.offloadable[s];
+            const int64_t after = i + 1 < t ? n.sub(i + 1, t, given) : given ? 0 : c.size[t] + c.loss_tmp_graph;
+            rest = std::max(held + base + c.saved[i] + c.fwd_tmp[i], inside + after);
+        }
+        const int64_t x = std::max({charged, rest, base + std::max(before_b(c, i, given), b_peak(c, i, given))});
         if (x < least) {
             least = x;
             at = i;
@@ -861,24 +866,27 @@ bool emit_moved_part(const MemChain& c, const Needs& n, Moves moves, int s, int 
     if (!given && s + 1 == L) late = std::max(late, c.saved[s] + c.size[L] + c.loss_tmp_graph - c.in_free[s] - part);
     int at = 0;
     if (m < late && part_back_early(c, n, s, t, given, head, at) > m) return false;
-    const int i = m < late ? at : s + 1;  // the first stage recorded after the wait
+    const bool early = m < late;
+    const int i = early ? at : s + 1;  // the part comes back before B i
+    const int j = early && c.options_of(i) != 0 ? i + 1 : i;  // the first stage after the wait
     int64_t base = fe_shift(c, s, 0);
     ops.insert(ops.end(), {{OpKind::Fe, s}, {OpKind::OffloadSaved, s}});
-    for (int k = s + 1; k < i; ++k) {
+    for (int k = s + 1; k < j; ++k) {
         ops.push_back({OpKind::Fe, k});
         base += fe_shift(c, k, 0);
     }
     ops.push_back({OpKind::WaitSaved, s});
-    if (i < t) {
-        emit_feasible(c, n, moves, i, t, given, false, m - base + part, ops);
+    if (j < t) {
+        emit_feasible(c, n, moves, j, t, given, false, m - base + part, ops);
     } else if (!given) {
         ops.push_back({OpKind::Loss, -1});
     }
-    if (m < late) {  // (i, t) ends with B i: the part comes back just before it
+    if (j == i && early) {  // (i, t) ends with B i: the part comes back just before it
         ops.back() = {OpKind::PrefetchSaved, s};
         ops.push_back({OpKind::B, i});
     } else {
         ops.push_back({OpKind::PrefetchSaved, s});
+        if (j > i) ops.push_back({OpKind::B, i});
     }
     for (int k = i - 1; k >= s; --k) ops.push_back({OpKind::B, k});
     return true;

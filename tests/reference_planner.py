@@ -596,10 +596,11 @@ def moved_part_need(
 def part_back_early(
     chain: Chain, off: list[int], need: Callable[[int, int, bool], int], s: int, t: int, given: bool, head: int
 ) -> int:
-    """Least need of stage s's part moved and back before `B i` for some i in s+1 … t-1 (stage i without options):
-    `Fe s+1 … Fe i-1` recorded with the part still charged (a copy they do not hide, waited for before `(i, t)`),
-    `(i, t)` without it but its last op, `PrefetchSaved s`, `B i … B s+1` with it, `B s` (`head`). The state just
-    before `B s` is then held at no op's peak (it is when the part comes back there: `moved_part_need`)."""
+    """Least need of stage s's part moved and back before `B i` for some i in s+1 … t-1: `Fe s+1 … Fe i-1` recorded
+    with the part still charged (a copy they do not hide, waited for before `(i, t)`), `(i, t)` without it but its
+    last op, `PrefetchSaved s`, `B i … B s+1` with it, `B s` (`head`); where stage i has options, `Fe i` inside the
+    run too and `(i+1, t)` after the wait (the debt run `(j = i+1, d = i - s)`). The state just before `B s` is
+    then held at no op's peak (it is when the part comes back there: `moved_part_need`)."""
     size, saved, inf, ft, bt = chain.sizes, chain.saved_size, chain.in_free, chain.fwd_tmp, chain.bwd_net
     held, after = (size[t], 0) if given else (0, chain.loss_value)
     least, base, charged = sys.maxsize, saved[s] - inf[s], head
@@ -609,11 +610,15 @@ def part_back_early(
             b_k = base + saved[k] - inf[k] + size[i] + after + size[k] + bt[k]
             charged = max(charged, held + base + saved[k] + ft[k], b_k)
             base += saved[k] - inf[k]
-        if chain.options[i]:
-            continue
         before = saved[i] - inf[i] + size[i + 1] + after  # held just before B i
         back = base + before + max(0, size[i] + bt[i])
-        least = min(least, max(charged, base - off[s] + need(i, t, given), back))
+        if not chain.options[i]:  # (i, t) any schedule, its last op B i
+            rest = base - off[s] + need(i, t, given)
+        else:  # Fe i inside the run too (with the part), then (i+1, t) or the loss without it
+            inside = base + saved[i] - inf[i] - off[s]
+            after_i = need(i + 1, t, given) if i + 1 < t else 0 if given else size[t] + chain.loss_tmp_graph
+            rest = max(held + base + saved[i] + ft[i], inside + after_i)
+        least = min(least, max(charged, rest, back))
     return least
 
 

@@ -577,6 +577,32 @@ def test_the_floor_counts_a_part_back_two_backwards_later():
     assert solve_discretized(chain, 54, 54) is None and solve(discretize(chain, 54, slots=54)) is None
 
 
+def test_the_floor_counts_a_part_back_before_a_stage_with_options():
+    """Stage 3 has an option, so the run records it with `Fe 3` before waiting, and stage 2's part comes back before
+    `B 3` (the run j = 4, d = 1): `B 3` ends 1 B above its peak. Both planners plan at 6 B, recomputing only at 7."""
+    option = StageOption(saved_size=0, fwd_time=0.0, bwd_time=0.0, fwd_tmp=0, bwd_tmp=0)
+    chain = Chain(
+        input_size=0,
+        out_size=[0, 0, 3, 0, 2],
+        saved_size=[0, 0, 3, 0, 2],
+        fwd_time=[0.0] * 5,
+        bwd_time=[0.0] * 5,
+        fwd_tmp=[0, 0, 0, 3, 0],
+        bwd_tmp=[0, 0, 0, -1, 0],
+        fwd_tmp_nograd=[0, 0, 0, 3, 0],
+        out_free=[0, 0, 1, 0, 0],
+        loss_value=1,
+        options=[[], [], [], [option], []],
+        bandwidth=6.0,
+        offloadable=[0, 0, 3, 0, 0],
+    )
+    assert min_feasible_budget(chain) == reference_min_budget(chain, offload=True) == 6
+    assert min_feasible_budget(chain, bandwidth=0) == 7
+    got = solve_discretized(chain, 6, 6)
+    assert got == solve(discretize(chain, 6, slots=6)) and simulate(chain, got[1]).peak <= 6
+    assert ("PrefetchSaved", 2) in got[1] and solve_discretized(chain, 5, 5) is None
+
+
 def least_planned_budget(chain: Chain) -> int:
     """The least budget at which the reference DP plans (exact bytes), by bisection up to the no-recompute peak."""
     low, high = 1, max(1, no_recompute_peak(chain))
