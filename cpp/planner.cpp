@@ -410,6 +410,8 @@ class Solver {
                    int64_t& lag, bool& wait) const {
         const int64_t held = given ? c_.size[t] : 0;
         need = run_head(c_, s, t, given);
+        // a wide run is charged the state before B s whatever d (the floor models narrow runs only)
+        if (e > s) need = std::max(need, prefetch_at_b(c_, s, t, given));
         std::vector<int64_t> left{ticks(stc_[s])};
         lag = ticks(stc_[s]);
         for (int k = s + 1; k < j; ++k) {

@@ -292,6 +292,8 @@ def run_front(p: Problem, s: int, t: int, given: bool, j: int, e: int, base: lis
     """
     held = p.size[t] if given else 0
     need = run_head(p, s, t, given)
+    if e > s:  # a wide run is charged the state before B s whatever d (the floor models narrow runs only)
+        need = max(need, prefetch_at_b(p, s, t, given))
     left: list[int] = [ticks(p, p.stc[s])]
     lag = ticks(p, p.stc[s])
     for k in range(s + 1, j):
