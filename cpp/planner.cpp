@@ -97,13 +97,49 @@ inline int64_t prefetch_need(const MemChain& c, int s2, bool given) {
     return c.size[s2] + std::max(held, held + c.size[s2] + c.bwd_tmp[s2]);
 }
 
-// What every debt run of (s, t) needs besides the rest: Fe s with its part, B s, and the state just before B s with
-// the part back (where the shortest run prefetches it). By then Fe s+1 has let go in_free[s+1] of a_{s+1} when
-// s+1 < t and stage s+1 has no options (an option lets nothing go).
+// What every debt run of (s, t) needs besides the rest: Fe s with its part, and B s.
 inline int64_t run_head(const MemChain& c, int s, int t, bool given) {
     const int64_t held = given ? c.size[t] : 0;
+    return std::max(held + c.saved[s] + c.fwd_tmp[s], b_peak(c, s, given));
+}
+
+// The state just before B s with stage s's part back (PrefetchSaved s there): the whole graph of s with the free part
+// of a_{s+1} that B s lets go first, δ_{s+1}, the loss value; Fe s+1 has let go in_free[s+1] of a_{s+1} when s+1 < t
+// and stage s+1 has no options. A part prefetched earlier is never charged this: it is held between B s+1 and B s,
+// at no op's peak.
+inline int64_t prefetch_at_b(const MemChain& c, int s, int t, bool given) {
     const int64_t gone = s + 1 < t && c.options_of(s + 1) == 0 ? c.in_free[s + 1] : 0;
-    return std::max({held + c.saved[s] + c.fwd_tmp[s], b_peak(c, s, given), before_b(c, s, given) - gone});
+    return before_b(c, s, given) - gone;
+}
+
+// Least m of (s, t) for stage s's part moved and back before B i for some i in s+1 … t-1: Fe s+1 … Fe i-1 recorded
+// with the part still charged (a copy they do not hide, waited for before (i, t)), (i, t) without it but its last op,
+// PrefetchSaved s, B i … B s+1 with it, B s (`head`); where stage i has options, Fe i inside the run too and (i+1, t)
+// after the wait (the debt run j = i+1, d = i - s). The state just before B s is then held at no op's peak. `at`: the
+// i of least need (0 when none).
+int64_t part_back_early(const MemChain& c, const Needs& n, int s, int t, bool given, int64_t head, int& at) {
+    const int64_t held = given ? c.size[t] : 0;
+    int64_t least = std::numeric_limits<int64_t>::max(), base = fe_shift(c, s, 0), charged = head;
+    at = 0;
+    for (int i = s + 1; i < t; ++i) {
+        if (i > s + 1) {  // stage i-1 recorded inside the run: Fe i-1 and B i-1 with the part
+            const int k = i - 1;
+            charged = std::max({charged, held + base + c.saved[k] + c.fwd_tmp[k], base + b_peak(c, k, given)});
+            base += fe_shift(c, k, 0);
+        }
+        int64_t rest = base - c.offloadable[s] + n.sub(i, t, given);  // (i, t) any schedule, its last op B i
+        if (c.options_of(i) != 0) {  // Fe i inside the run too, then (i+1, t) or the loss without the part
+            const int64_t inside = base + fe_shift(c, i, 0) - c.offloadable[s];
+            const int64_t after = i + 1 < t ? n.sub(i + 1, t, given) : given ? 0 : c.size[t] + c.loss_tmp_graph;
+            rest = std::max(held + base + c.saved[i] + c.fwd_tmp[i], inside + after);
+        }
+        const int64_t x = std::max({charged, rest, base + std::max(before_b(c, i, given), b_peak(c, i, given))});
+        if (x < least) {
+            least = x;
+            at = i;
+        }
+    }
+    return least;
 }
 
 // `fastest[s]`: the option of least fwd + bwd cost (0 on ties): the all-record schedule records each stage
@@ -131,10 +167,12 @@ Needs compute_needs(const MemChain& c, const std::vector<int>& fastest, Moves mo
         }
         const int64_t part = moves.saved ? c.offloadable[s] : 0;
         if (part > 0) {  // Fe s, OffloadSaved s, WaitSaved s, (s+1, t) without the part, PrefetchSaved s, B s
-            int64_t run = run_head(c, s, t, given);
+            const int64_t head = run_head(c, s, t, given);
+            int64_t run = std::max(head, prefetch_at_b(c, s, t, given));
             if (s + 1 < t) run = std::max(run, fe_shift(c, s, 0) - part + n.sub(s + 1, t, given));
             if (!given && s + 1 == L) run = std::max(run, c.saved[s] + size[L] + c.loss_tmp_graph - c.in_free[s] - part);
-            best = std::min(best, run);
+            int at;
+            best = std::min({best, run, part_back_early(c, n, s, t, given, head, at)});
         }
         int64_t run = 0;
         const int last = given ? t - 1 : t;
@@ -372,6 +410,8 @@ class Solver {
                    int64_t& lag, bool& wait) const {
         const int64_t held = given ? c_.size[t] : 0;
         need = run_head(c_, s, t, given);
+        // a wide run is charged the state before B s whatever d (the floor models narrow runs only)
+        if (e > s) need = std::max(need, prefetch_at_b(c_, s, t, given));
         std::vector<int64_t> left{ticks(stc_[s])};
         lag = ticks(stc_[s]);
         for (int k = s + 1; k < j; ++k) {
@@ -396,8 +436,8 @@ class Solver {
     // (need, nominal stall ticks) of the backwards B top … B s with the parts s … e prefetched before
     // B min(k + d, top): a part not yet issued is away; each B k (k <= e) waits for its part; the channel is free
     // at B top's start (the run's offloads were waited for, (j, t)'s prefetches consumed by then).
-    void run_back(int s, bool given, int j, int e, int d, int top, const std::vector<int64_t>& base, int64_t& need,
-                  int64_t& stall) const {
+    void run_back(int s, int t, bool given, int j, int e, int d, int top, const std::vector<int64_t>& base,
+                  int64_t& need, int64_t& stall) const {
         need = 0;
         stall = 0;
         int64_t now = 0, channel = 0;
@@ -415,6 +455,8 @@ class Solver {
             if (i > s) {
                 need = std::max(need, base[i] - away + b_peak(c_, i, given));
                 if (issued) need = std::max(need, base[i] - away + before_b(c_, i, given));
+            } else if (issued) {  // d = 0: stage s's part comes back just before B s
+                need = std::max(need, prefetch_at_b(c_, s, t, given));
             }
             if (i < j && i <= e && arrive[i - s] >= 0) {
                 stall += std::max<int64_t>(0, arrive[i - s] - now);
@@ -438,7 +480,7 @@ class Solver {
         const int64_t shift = j < t ? base[j] - moved : 0;
         const size_t first = out.size();
         for (int d = 0; d <= top - s; ++d) {
-            run_back(s, given, j, e, d, top, base, back, stall);
+            run_back(s, t, given, j, e, d, top, base, back, stall);
             const int64_t need = std::max(front, back);
             const double cost = static_cast<double>(ops + ((lag + stall) << count_bits_));
             bool beaten = false;
@@ -812,6 +854,46 @@ class Solver {
     }
 };
 
+void emit_feasible(const MemChain& c, const Needs& n, Moves moves, int s, int t, bool given, bool plain, int64_t m,
+                   std::vector<Op>& ops);
+
+// Stage s recorded, its part moved and waited for at once (the shortest debt run), back before B s, else before B i
+// (compute_needs' shapes, `part_back_early`); false when none fits in m.
+bool emit_moved_part(const MemChain& c, const Needs& n, Moves moves, int s, int t, bool given, int64_t m,
+                     std::vector<Op>& ops) {
+    const int L = c.length();
+    const int64_t part = c.offloadable[s], head = run_head(c, s, t, given);
+    int64_t late = std::max(head, prefetch_at_b(c, s, t, given));
+    if (s + 1 < t) late = std::max(late, fe_shift(c, s, 0) - part + n.sub(s + 1, t, given));
+    if (!given && s + 1 == L) late = std::max(late, c.saved[s] + c.size[L] + c.loss_tmp_graph - c.in_free[s] - part);
+    int at = 0;
+    if (m < late && part_back_early(c, n, s, t, given, head, at) > m) return false;
+    const bool early = m < late;
+    const int i = early ? at : s + 1;  // the part comes back before B i
+    const int j = early && c.options_of(i) != 0 ? i + 1 : i;  // the first stage after the wait
+    int64_t base = fe_shift(c, s, 0);
+    ops.insert(ops.end(), {{OpKind::Fe, s}, {OpKind::OffloadSaved, s}});
+    for (int k = s + 1; k < j; ++k) {
+        ops.push_back({OpKind::Fe, k});
+        base += fe_shift(c, k, 0);
+    }
+    ops.push_back({OpKind::WaitSaved, s});
+    if (j < t) {
+        emit_feasible(c, n, moves, j, t, given, false, m - base + part, ops);
+    } else if (!given) {
+        ops.push_back({OpKind::Loss, -1});
+    }
+    if (j == i && early) {  // (i, t) ends with B i: the part comes back just before it
+        ops.back() = {OpKind::PrefetchSaved, s};
+        ops.push_back({OpKind::B, i});
+    } else {
+        ops.push_back({OpKind::PrefetchSaved, s});
+        if (j > i) ops.push_back({OpKind::B, i});
+    }
+    for (int k = i - 1; k >= s; --k) ops.push_back({OpKind::B, k});
+    return true;
+}
+
 // A schedule of (s, t) within m exact units, walking the needs' tables: record if the memory allows, then move
 // stage s's saved part and wait for it, then the first split that fits (offloading a_s and waiting for it where
 // only that fits). `moves` must be the needs' own; `plain`: the caller holds a_s plain.
@@ -831,22 +913,7 @@ void emit_feasible(const MemChain& c, const Needs& n, Moves moves, int s, int t,
         ops.push_back({OpKind::B, s});
         return;
     }
-    const int64_t part = moves.saved ? c.offloadable[s] : 0;
-    if (part > 0) {  // the shortest debt run: the part waited for at once, back before B s
-        int64_t need = run_head(c, s, t, given);
-        if (s + 1 < t) need = std::max(need, fe_shift(c, s, 0) - part + n.sub(s + 1, t, given));
-        if (!given && s + 1 == L) need = std::max(need, c.saved[s] + c.size[L] + c.loss_tmp_graph - c.in_free[s] - part);
-        if (m >= need) {
-            ops.insert(ops.end(), {{OpKind::Fe, s}, {OpKind::OffloadSaved, s}, {OpKind::WaitSaved, s}});
-            if (s + 1 < t) {
-                emit_feasible(c, n, moves, s + 1, t, given, false, m - fe_shift(c, s, 0) + part, ops);
-            } else if (!given) {
-                ops.push_back({OpKind::Loss, -1});
-            }
-            ops.insert(ops.end(), {{OpKind::PrefetchSaved, s}, {OpKind::B, s}});
-            return;
-        }
-    }
+    if (moves.saved && c.offloadable[s] > 0 && emit_moved_part(c, n, moves, s, t, given, m, ops)) return;
     const int64_t held = given ? c.size[t] : 0;
     const int last = given ? t - 1 : t;
     int64_t run = 0;

@@ -56,6 +56,7 @@ ahead of its own (`runs`). They come after the records and before the splits in 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from functools import cache
 from typing import Literal
 
@@ -220,10 +221,17 @@ def b_peak(p: Problem, k: int, given: bool) -> int:
 
 
 def run_head(p: Problem, s: int, t: int, given: bool) -> int:
-    """What every run of (s, t) needs besides the rest: Fe s with its part, B s, and the prefetch before it."""
+    """What every run of (s, t) needs besides the rest: Fe s with its part, and B s."""
     held = p.size[t] if given else 0
+    return max(held + p.saved[s] + p.ft[s], b_peak(p, s, given))
+
+
+def prefetch_at_b(p: Problem, s: int, t: int, given: bool) -> int:
+    """The state just before B s with stage s's part back (`PrefetchSaved s` there): the whole graph of s, its
+    free part of a_{s+1} not yet let go (B s lets it go first), δ_{s+1}, the loss value. A run prefetching the part
+    earlier never holds it at an op: after `B s+1` and before `B s`, so it is no op's peak."""
     gone = p.inf[s + 1] if s + 1 < t and not p.options[s + 1] else 0  # a_{s+1}'s part Fe s+1 let go before B s
-    return max(held + p.saved[s] + p.ft[s], b_peak(p, s, given), before_b(p, s, given) - gone)
+    return before_b(p, s, given) - gone
 
 
 def run_frames(p: Problem, s: int, t: int) -> list[int]:
@@ -284,6 +292,8 @@ def run_front(p: Problem, s: int, t: int, given: bool, j: int, e: int, base: lis
     """
     held = p.size[t] if given else 0
     need = run_head(p, s, t, given)
+    if e > s:  # a wide run is charged the state before B s whatever d (the floor models narrow runs only)
+        need = max(need, prefetch_at_b(p, s, t, given))
     left: list[int] = [ticks(p, p.stc[s])]
     lag = ticks(p, p.stc[s])
     for k in range(s + 1, j):
@@ -306,7 +316,9 @@ def run_top(p: Problem, t: int, j: int) -> int:
     return j if j < t and not p.options[j] else j - 1
 
 
-def run_back(p: Problem, s: int, given: bool, j: int, e: int, d: int, top: int, base: list[int]) -> tuple[int, int]:
+def run_back(
+    p: Problem, s: int, t: int, given: bool, j: int, e: int, d: int, top: int, base: list[int]
+) -> tuple[int, int]:
     """(need, stall ticks) of the backwards `B top … B s` with the parts s … e prefetched before `B min(k + d, top)`.
 
     Part k is away during the backwards after `B min(k + d, top)`'s start only if not yet issued; each `B k`
@@ -324,6 +336,8 @@ def run_back(p: Problem, s: int, given: bool, j: int, e: int, d: int, top: int, 
             need = max(need, base[i] - away + b_peak(p, i, given))
             if issued:
                 need = max(need, base[i] - away + before_b(p, i, given))
+        elif issued:  # d = 0: stage s's part comes back just before B s
+            need = max(need, prefetch_at_b(p, s, t, given))
         if i < j:
             if i in arrive:
                 stall += max(0, arrive[i] - now)
@@ -344,7 +358,7 @@ def runs_of(p: Problem, s: int, t: int, given: bool, j: int, e: int, base: list[
     shift = base[j] - moved if j < t else 0
     kept: list[Run] = []
     for d in range(top - s + 1):
-        back, stall = run_back(p, s, given, j, e, d, top, base)
+        back, stall = run_back(p, s, t, given, j, e, d, top, base)
         need, cost = max(front, back), ops + ((lag + stall) << p.cb)
         if any(r[3] <= need and r[4] <= cost for r in kept):
             continue
@@ -563,6 +577,53 @@ def reference_plan(chain: Chain, budget: int, slots: int | None = DEFAULT_SLOTS)
     ]
 
 
+def moved_part_need(
+    chain: Chain, off: list[int], need: Callable[[int, int, bool], int], s: int, t: int, given: bool
+) -> int:
+    """Least need of (s, t) recording s with its part moved and waited for at once (`reference_min_budget`'s `need`
+    for the subproblems): back before `B s`, else before `B i` for some i in s+1 … t-1 (`part_back_early`)."""
+    size, saved, inf = chain.sizes, chain.saved_size, chain.in_free
+    held, after = (size[t], 0) if given else (0, chain.loss_value)
+    before = saved[s] - inf[s] + size[s + 1] + after
+    gone = inf[s + 1] if s + 1 < t and not chain.options[s + 1] else 0  # let go by Fe s+1 before B s
+    head = max(held + saved[s] + chain.fwd_tmp[s], before + size[s] + chain.bwd_net[s])
+    moved = max(head, before - gone)  # Fe s, OffloadSaved s, WaitSaved s, (s+1, t), PrefetchSaved s, B s
+    if s + 1 < t:
+        moved = max(moved, saved[s] - inf[s] - off[s] + need(s + 1, t, given))
+    if not given and s + 1 == chain.length:
+        moved = max(moved, saved[s] + size[s + 1] + chain.loss_tmp_graph - inf[s] - off[s])
+    return min(moved, part_back_early(chain, off, need, s, t, given, head))
+
+
+def part_back_early(
+    chain: Chain, off: list[int], need: Callable[[int, int, bool], int], s: int, t: int, given: bool, head: int
+) -> int:
+    """Least need of stage s's part moved and back before `B i` for some i in s+1 … t-1: `Fe s+1 … Fe i-1` recorded
+    with the part still charged (a copy they do not hide, waited for before `(i, t)`), `(i, t)` without it but its
+    last op, `PrefetchSaved s`, `B i … B s+1` with it, `B s` (`head`); where stage i has options, `Fe i` inside the
+    run too and `(i+1, t)` after the wait (the debt run `(j = i+1, d = i - s)`). The state just before `B s` is
+    then held at no op's peak (it is when the part comes back there: `moved_part_need`)."""
+    size, saved, inf, ft, bt = chain.sizes, chain.saved_size, chain.in_free, chain.fwd_tmp, chain.bwd_net
+    held, after = (size[t], 0) if given else (0, chain.loss_value)
+    least, base, charged = sys.maxsize, saved[s] - inf[s], head
+    for i in range(s + 1, t):
+        if i > s + 1:  # stage i-1 recorded inside the run: Fe i-1 and B i-1 with the part
+            k = i - 1
+            b_k = base + saved[k] - inf[k] + size[i] + after + size[k] + bt[k]
+            charged = max(charged, held + base + saved[k] + ft[k], b_k)
+            base += saved[k] - inf[k]
+        before = saved[i] - inf[i] + size[i + 1] + after  # held just before B i
+        back = base + before + max(0, size[i] + bt[i])
+        if not chain.options[i]:  # (i, t) any schedule, its last op B i
+            rest = base - off[s] + need(i, t, given)
+        else:  # Fe i inside the run too (with the part), then (i+1, t) or the loss without it
+            inside = base + saved[i] - inf[i] - off[s]
+            after_i = need(i + 1, t, given) if i + 1 < t else 0 if given else size[t] + chain.loss_tmp_graph
+            rest = max(held + base + saved[i] + ft[i], inside + after_i)
+        least = min(least, max(charged, rest, back))
+    return least
+
+
 def reference_min_budget(chain: Chain, offload: bool = False) -> int:
     """Smallest budget in bytes for which some persistent schedule exists (exact, no rounding).
 
@@ -597,15 +658,8 @@ def reference_min_budget(chain: Chain, offload: bool = False) -> int:
             if s + 1 < t:
                 fe = max(fe, sb - free + need(s + 1, t, given))
             fes.append(fe)
-        if off[s] > 0:  # Fe s, OffloadSaved s, WaitSaved s, (s+1, t) without the part, PrefetchSaved s, B s
-            before = saved[s] - inf[s] + size[s + 1] + after
-            gone = inf[s + 1] if s + 1 < t and not chain.options[s + 1] else 0  # let go by Fe s+1 before B s
-            moved = max(held + saved[s] + ft[s], before - gone, before + size[s] + bt[s])
-            if s + 1 < t:
-                moved = max(moved, saved[s] - inf[s] - off[s] + need(s + 1, t, given))
-            if not given and s + 1 == length:
-                moved = max(moved, saved[s] + size[length] + ltg - inf[s] - off[s])
-            fes.append(moved)
+        if off[s] > 0:
+            fes.append(moved_part_need(chain, off, need, s, t, given))
         result = min(fes)
         run = size[s + 1] + ft_ng[s]
         last = t if not given else t - 1

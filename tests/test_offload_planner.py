@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from reference_planner import reference_min_budget, solve
+from reference_planner import reference_min_budget, reference_plan, solve
 from test_options import chains_with_options
 from test_planner import chains, medium_chain
 
@@ -37,12 +37,8 @@ def offload_chains(draw, max_length=7):
 
 
 def assert_cpp_is_reference(chain: Chain, budget: int, got, expected) -> None:
-    """The C++ planner's cost and ops are the reference planner's, except below the C++ floor
-    (`min_feasible_budget`), where C++ plans nothing: there the reference may find a plan (the floor recursion is
-    conservative with saved parts moved, docs/planner.md "The floor"), which must still replay within the budget."""
-    if got is None and expected is not None and budget < min_feasible_budget(chain):
-        assert simulate(chain, list(expected[1])).peak <= budget
-        return
+    """The C++ planner's cost and ops are the reference planner's at every budget, below the floor included (both
+    plan nothing there: the floors agree, `test_the_floor_is_the_least_budget_the_reference_plans`)."""
     assert got == (None if expected is None else (expected[0], expected[1]))
 
 
@@ -509,3 +505,129 @@ def test_saved_parts_after_a_frozen_prefix():
     assert [op.label for op in result.ops] == ["Fn 0", *shifted]
     assert result.time == 13.0 and result.recompute_only_time == 14.0
     assert simulate(chain, result.ops).peak == result.peak == 28
+
+
+def part_back_before_the_next_backward_chain() -> Chain:
+    """Hypothesis's chain (shrunk) where moving stage 1's part pays only if it comes back before `B 2`: `B 2` ends
+    2 B above its own peak (`bwd_tmp[2] = -2`, nothing saved), so the state just before `B 1` (ā_2 whole, δ_2 and the
+    35 B loss value: 43 B) is held between two ops and is no op's peak; a `PrefetchSaved 1` there peaks at it."""
+    return Chain(
+        input_size=0,
+        out_size=[0, 4, 0, 0],
+        saved_size=[0, 4, 0, 5],
+        fwd_time=[0.0, 0.0, 0.25, 0.0],
+        bwd_time=[0.0] * 4,
+        fwd_tmp=[0, 0, 20, 0],
+        bwd_tmp=[0, 0, -2, 0],
+        fwd_tmp_nograd=[0, 0, 20, 0],
+        out_free=[0, 2, 0, 0],
+        loss_value=35,
+        bandwidth=20.0,
+        offloadable=[0, 2, 0, 0],
+    )
+
+
+PART_BACK_EARLY = "Fe 0, Fe 1, OffloadSaved 1, Fe 2, Fe 3, Loss, B 3, PrefetchSaved 1, B 2, B 1, B 0".split(", ")
+
+
+def test_the_floor_counts_a_part_back_before_the_next_backward():
+    """The floor's moved part was charged `PrefetchSaved 1` just before `B 1` (43 B); brought back before `B 2` it
+    is not (42 B: `B 3` with the 35 B loss value). Both planners and the exact-byte walk now plan at 42 B, within it
+    by the simulator, and nothing below."""
+    from lightning_rotor import _planner
+    from lightning_rotor.planner import _exact_extras, _memory_args, parse_ops
+
+    chain = part_back_before_the_next_backward_chain()
+    assert min_feasible_budget(chain) == reference_min_budget(chain, offload=True) == 42
+    assert min_feasible_budget(chain, bandwidth=0) == 44
+    result = plan(chain, 42)
+    assert [op.label for op in result.ops] == PART_BACK_EARLY and simulate(chain, result.ops).peak == 42
+    assert solve_discretized(chain, 42, 42) == solve(discretize(chain, 42, slots=42))
+    assert solve_discretized(chain, 41, 41) is None and solve(discretize(chain, 41, slots=41)) is None
+    walk = parse_ops(_planner.feasible_schedule(*_memory_args(chain), 42, **_exact_extras(chain, True)))
+    assert [op.label for op in walk] == [*PART_BACK_EARLY[:3], "WaitSaved 1", *PART_BACK_EARLY[3:]]
+    assert simulate(chain, walk).peak == 42
+
+
+def test_the_floor_counts_a_part_back_two_backwards_later():
+    """Hypothesis's chain where the part of stage 0 comes back before `B 2` (a run with d = 2): `B 1` ends 16 B above
+    its own peak, so neither the state before `B 0` nor the one before `B 1` is an op's peak. 55 B, not 56."""
+    from lightning_rotor import _planner
+    from lightning_rotor.planner import _exact_extras, _memory_args, parse_ops
+
+    chain = Chain(
+        input_size=0,
+        out_size=[31, 20, 5, 6, 0],
+        saved_size=[31, 20, 5, 6, 0],
+        fwd_time=[0.0] * 5,
+        bwd_time=[0.0] * 5,
+        fwd_tmp=[0] * 5,
+        bwd_tmp=[0, -31, -10, 0, 0],
+        out_free=[15, 10, 0, 0, 0],
+        in_free=[0, 6, 10, 0, 0],
+        bandwidth=6.0,
+        offloadable=[15, 0, 0, 0, 0],
+    )
+    assert min_feasible_budget(chain) == reference_min_budget(chain, offload=True) == 55
+    ops = "Fe 0, OffloadSaved 0, Fe 1, WaitSaved 0, Fe 2, Fe 3, Fe 4, Loss, B 4, B 3, PrefetchSaved 0, B 2, B 1, B 0"
+    walk = parse_ops(_planner.feasible_schedule(*_memory_args(chain), 55, **_exact_extras(chain, True)))
+    assert ", ".join(op.label for op in walk) == ops and simulate(chain, walk).peak == 55
+    got = solve_discretized(chain, 55, 55)
+    assert got == solve(discretize(chain, 55, slots=55)) and simulate(chain, got[1]).peak <= 55
+    assert solve_discretized(chain, 54, 54) is None and solve(discretize(chain, 54, slots=54)) is None
+
+
+def test_the_floor_counts_a_part_back_before_a_stage_with_options():
+    """Stage 3 has an option, so the run records it with `Fe 3` before waiting, and stage 2's part comes back before
+    `B 3` (the run j = 4, d = 1): `B 3` ends 1 B above its peak. Both planners plan at 6 B, recomputing only at 7."""
+    option = StageOption(saved_size=0, fwd_time=0.0, bwd_time=0.0, fwd_tmp=0, bwd_tmp=0)
+    chain = Chain(
+        input_size=0,
+        out_size=[0, 0, 3, 0, 2],
+        saved_size=[0, 0, 3, 0, 2],
+        fwd_time=[0.0] * 5,
+        bwd_time=[0.0] * 5,
+        fwd_tmp=[0, 0, 0, 3, 0],
+        bwd_tmp=[0, 0, 0, -1, 0],
+        fwd_tmp_nograd=[0, 0, 0, 3, 0],
+        out_free=[0, 0, 1, 0, 0],
+        loss_value=1,
+        options=[[], [], [], [option], []],
+        bandwidth=6.0,
+        offloadable=[0, 0, 3, 0, 0],
+    )
+    assert min_feasible_budget(chain) == reference_min_budget(chain, offload=True) == 6
+    assert min_feasible_budget(chain, bandwidth=0) == 7
+    got = solve_discretized(chain, 6, 6)
+    assert got == solve(discretize(chain, 6, slots=6)) and simulate(chain, got[1]).peak <= 6
+    assert ("PrefetchSaved", 2) in got[1] and solve_discretized(chain, 5, 5) is None
+
+
+def least_planned_budget(chain: Chain) -> int:
+    """The least budget at which the reference DP plans (exact bytes), by bisection up to the no-recompute peak."""
+    low, high = 1, max(1, no_recompute_peak(chain))
+    while low < high:
+        mid = (low + high) // 2
+        if reference_plan(chain, mid, slots=None) is None:
+            low = mid + 1
+        else:
+            high = mid
+    return low
+
+
+@pytest.mark.slow
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chain=saved_chains(max_length=6))
+def test_the_floor_is_the_least_budget_the_reference_plans(chain):
+    """With values and saved parts moving: the floor of both planners is the least budget the reference DP plans, and
+    the plans there (the reference's, the C++ program's, the exact-byte walk's) replay within it."""
+    from lightning_rotor import _planner
+    from lightning_rotor.planner import _exact_extras, _memory_args, parse_ops
+
+    floor = min_feasible_budget(chain)
+    assert floor == max(1, reference_min_budget(chain, offload=True)) == least_planned_budget(chain)
+    expected = reference_plan(chain, floor, slots=None)
+    assert expected is not None and solve_discretized(chain, floor, floor) == expected
+    walk = parse_ops(_planner.feasible_schedule(*_memory_args(chain), floor, **_exact_extras(chain, True)))
+    for ops in (expected[1], walk):
+        assert simulate(chain, list(ops)).peak <= floor
