@@ -1131,19 +1131,18 @@ def profile_chain(
     needs_grad = any(t.requires_grad for t in inputs)
     collect_young()  # garbage of what ran before dies now, not inside a measured run
     with collector_paused(), Untouched(stages, [device]) as untouched:
+        walks = timed and device.type != "cuda"  # the walk times a first sample, not on CUDA (NOTE: [the first ...])
         # NOTE: [gradients stored by autograd]: no measured run sets a `.grad`; the hooks only while they run
         with Excluded(stages, by_autograd=True) as exclude:
             ctx = _Context(
-                sample, exclude, _AllocatorWatch(device), untouched, device, needs_grad, options, offload, warmup, timed
+                sample, exclude, _AllocatorWatch(device), untouched, device, needs_grad, options, offload, warmup, walks
             )
             walk = _walk_chain(stages, names, ctx, progress, start)
         loss = _loss_figures(walk.value, loss_tmp, device)
         walk.value = None  # a_L: the timing rounds hold no more than B k does
         selective = {k: walk.options.get(k, []) for k, record in enumerate(walk.records) if record.options}
         rounds = repeats if timed else 0
-        # NOTE: [the first timing sample in the walk]; on CUDA that run is cold, so the rounds take all samples after
-        # the warm-up round instead (NOTE: [warm timing rounds on CUDA])
-        first = (walk.fwd, walk.bwd) if timed and device.type != "cuda" else None
+        first = (walk.fwd, walk.bwd) if walks else None
         _warm_up_rounds(stages, sample, needs_grad, names, device, untouched, rounds, start, walk.frozen, selective)
         fwd, bwd = _timed_rounds(
             stages, sample, needs_grad, names, device, untouched, rounds, start, walk.frozen, selective, first
