@@ -346,16 +346,28 @@ def _moved_constants(shapes: Sequence[TracedShape]) -> str | None:
 
 def _checked(law: ShapeLaw) -> ShapeLaw | str:
     """`law`, or why not: a trace whose guards hold at another measured shape must give its chain to the byte."""
-    for s in law.shapes:
-        sizes = law.storage_sizes(s.size)
-        measured = chain_sizes(s.chain)
-        for other in law.shapes:
-            if sizes is not None and other.guards_hold(sizes):
-                derived = [int(v) for v in other.sizes.at(sizes)]
+    found = _disagreement(law.shapes, [law.storage_sizes(s.size) for s in law.shapes])
+    if found is None:
+        return law
+    name, i, j = found
+    return f"{name} at size {law.shapes[i].size} differs from the one traced at size {law.shapes[j].size}"
+
+
+def _disagreement(shapes: Sequence[TracedShape], sizes: Sequence[np.ndarray | None]) -> tuple[str, int, int] | None:
+    """The first size of a chain, measured shape `i` and traced shape `j` where `j`'s trace, its guards holding at
+    `i`'s storage sizes (`sizes[i]`; None: no claim there), does not give `i`'s measured chain to the byte; None
+    where every such trace agrees (a size that left a trace's sums, a branch its guards miss, fails here)."""
+    for i, (shape, at) in enumerate(zip(shapes, sizes, strict=True)):
+        if at is None:
+            continue
+        measured = chain_sizes(shape.chain)
+        for j, other in enumerate(shapes):
+            if other.guards_hold(at):
+                derived = [int(v) for v in other.sizes.at(at)]
                 if derived != measured:
-                    name = next(n for (n, m), v in zip(_slots(s.chain), derived, strict=True) if m != v)
-                    return f"{name} at size {s.size} differs from the one traced at size {other.size}"
-    return law
+                    name = next(n for (n, m), v in zip(_slots(shape.chain), derived, strict=True) if m != v)
+                    return name, i, j
+    return None
 
 
 CONFIRMED = 3  # sizes along an axis (its exponents' two and one more) before its law derives beyond them
@@ -571,14 +583,10 @@ def _confirmed(law: MonomialLaw, seeds: Sequence[int]) -> MonomialLaw | str:
     for a in law.powers:
         seen = {law.points[i][a] for i in law.bases}
         law.spans[a] = (min(seen), max(seen)) if len(seen) < CONFIRMED else (0, sys.maxsize)
-    for i, shape in enumerate(law.shapes):
-        sizes = shape.itemsizes * np.prod(shape.dims, axis=1)
-        for j, other in enumerate(law.shapes):
-            if j != i and other.guards_hold(sizes):
-                derived = [int(v) for v in other.sizes.at(sizes)]
-                if derived != chain_sizes(shape.chain):
-                    name = next(n for (n, m), v in zip(_slots(shape.chain), derived, strict=True) if m != v)
-                    return f"{name} at {law.points[i]} differs from the one traced at {law.points[j]}"
+    found = _disagreement(law.shapes, [s.itemsizes * np.prod(s.dims, axis=1) for s in law.shapes])
+    if found is not None:
+        name, i, j = found
+        return f"{name} at {law.points[i]} differs from the one traced at {law.points[j]}"
     moved = _moved_constants(law.shapes)
     return f"{moved} is not a sum of storage sizes: its constant part differs between measured shapes" if moved else law
 
