@@ -417,7 +417,7 @@ class ShapeTracer(fx.Tracer):
         with self._running_real():
             value = _run_node(self.root, kind, target, args, kwargs)
         if self.reused is not None and versions == [tensor_version(t) for t in _tensors(inputs)]:
-            self.reused.keep(str(target), inputs, value)
+            self.reused.keep(str(target), inputs, versions, value)
         return value
 
 
@@ -454,14 +454,14 @@ class _LeafRuns:
                 return (out,)
         return None
 
-    def keep(self, qualname: str, inputs: list[Any], out: Any) -> None:
-        """Keep a call that wrote into none of `inputs`, if its output can be reused (see the note)."""
+    def keep(self, qualname: str, inputs: list[Any], versions: list[int], out: Any) -> None:
+        """Keep a call that wrote into none of `inputs` (their tensors' `versions` as before it), if its output can
+        be reused (see the note)."""
         if not _immutable_tensors(out):
             return
         taken = {_storage(t) for t in _tensors(inputs)}
         if any(_storage(t) in taken for t in _tensors(out)):
             return
-        versions = [tensor_version(t) for t in _tensors(inputs)]
         self.latest.setdefault(qualname, []).append((inputs, versions, out, [tensor_version(t) for t in _tensors(out)]))
 
 
