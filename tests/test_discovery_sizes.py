@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from fitting import quiet_trainer
 from torch import nn, ones
 from torch.utils.data import DataLoader
-from training import assert_same_state, check_measured_peak
+from test_discovery_models import litgpt_case
+from training import assert_same_state, check_measured_peak, tokens_loss
 
 from lightning_rotor import Checkpointable
 from lightning_rotor.discovery import discover_chain
@@ -134,6 +135,64 @@ def test_the_trainer_trains_over_partial_batches_and_new_lengths_bitwise_and_wit
     sample = RotorCallback(measure_every_n_steps=1, log_curves=False, print_summary=False)
     strategy = RotorStrategy(mem_limit="60%", discover="graph")
     trainer = quiet_trainer(tmp_path / "rotor", strategy, max_steps=len(batches), callbacks=[sample])
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        trainer.fit(rotor, DataLoader(batches, batch_size=None))
+    assert not [str(w.message) for w in record if "above the budget" in str(w.message)]
+    for (key, a), b in zip(rotor.state_dict().items(), plain.state_dict().values(), strict=True):
+        assert torch.equal(a, b), key
+
+
+# -- litgpt's GPT (a tiny Llama config): its rotary tables are plain attributes, sliced as `self.cos[:T]` -------------
+LENGTHS = ((2, 64), (2, 64), (1, 64), (2, 48), (2, 33))  # a partial batch, then shorter sequences
+
+
+def token_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randint(256, (b, t), generator=g), torch.randint(256, (b * t,), generator=g)) for b, t in LENGTHS]
+
+
+def test_litgpt_trains_over_a_partial_batch_and_shorter_sequences_bitwise_within_budget():
+    """One graph chain for every length (before: `GuardFailed` at litgpt's `self.cos[:T]` on the first shorter
+    batch); each step bitwise plain training's gradients, measured within its plan's budget."""
+    plain = litgpt_case()[0]
+    rotor = Checkpointable(copy.deepcopy(plain), "50%", repeats=1, warmup=0)
+    for step, (idx, targets) in enumerate(token_batches()):
+        plain.zero_grad()
+        tokens_loss(plain(idx), targets).backward()
+        rotor.zero_grad()
+        if step:
+            rotor.prepare_for(idx)
+        with rotor.measure_step() as m:
+            tokens_loss(rotor(idx), targets).backward()
+        assert_same_state(plain, rotor)
+        assert not step or m.peak <= rotor.plan.budget
+    assert rotor.discovery.kind == "graph" and len(rotor.entries) == 4
+    assert sum(r > 1 for r in rotor.last_entry.runs) > 0
+
+
+class LitTask(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.model = litgpt_case()[0]
+
+    def training_step(self, batch, batch_idx):
+        idx, targets = batch
+        return tokens_loss(self.model(idx), targets)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def test_litgpt_in_a_trainer_over_changing_lengths_bitwise_within_budget(tmp_path):
+    """A fit over batches of other lengths and a partial batch: the weights after it are plain training's, and no
+    sampled step measured above its budget."""
+    batches = token_batches()
+    plain, rotor = LitTask(), LitTask()
+    quiet_trainer(tmp_path / "plain", max_steps=len(batches)).fit(plain, DataLoader(batches, batch_size=None))
+    sample = RotorCallback(measure_every_n_steps=1, log_curves=False, print_summary=False)
+    trainer = quiet_trainer(tmp_path / "rotor", RotorStrategy(mem_limit="50%"), max_steps=len(batches))
+    trainer.callbacks.append(sample)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         trainer.fit(rotor, DataLoader(batches, batch_size=None))
