@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from fitting import quiet_trainer
+from test_discovery_models import litgpt_case
 from torch import nn, ones
 from torch.utils.data import DataLoader
-from test_discovery_models import litgpt_case
 from training import assert_same_state, check_measured_peak, tokens_loss
 
 from lightning_rotor import Checkpointable
