@@ -267,13 +267,30 @@ class _TracedCalls(TorchFunctionMode):
         if self.tracer.running:
             return func(*args, **kwargs)
         if not _has_proxy((args, kwargs)):
+            made = [t for t in _tensors((args, kwargs)) if _storage(t) in self.tracer.made]
+            before = [tensor_version(t) for t in made]
             with _DrawsRandom() as watch:
                 value = func(*args, **kwargs)
+            if before != [tensor_version(t) for t in made]:
+                raise _constant_written(func)
             if not watch.drew:
                 return value
         if torch.overrides.is_tensor_method_or_property(func):
             return self.tracer.create_proxy("call_method", func.__name__, args, kwargs)
         return self.tracer.create_proxy("call_function", func, args, kwargs)
+
+
+def _constant_written(op: Any) -> DiscoveryError:
+    """NOTE: [constants written in place] A tensor the forward makes from constants alone (`torch.ones(16, 16)`)
+    is one constant of the traced graph, shared by every call; an in-place write into it after the graph read it
+    (`mask[t:] = 0`, `mask.masked_fill_(x > 0, 0)`) would carry over from one call to the next, and a constant
+    computed from it would keep the sample's write. Refused, so no call computes what another call wrote."""
+    name = getattr(op, "__name__", None) or str(getattr(op, "target", op))
+    return DiscoveryError(
+        f"{_user_frame()}: the forward writes in place ({name}) into a tensor it made from constants, which the traced "
+        "graph keeps as one constant for every call; make it from the input's sizes (torch.ones(t, t)) or write out of "
+        "place, or use discover='modules'"
+    )
 
 
 class _DrawsRandom(TorchDispatchMode):
@@ -312,6 +329,7 @@ class ShapeTracer(fx.Tracer):
         self.writes: dict[fx.Node, list[fx.Node]] = {}  # node -> inputs it wrote into in place, on the sample
         self.branch_stack: list[str] = []
         self.running = 0  # > 0 while a real module call runs on the sample (`_running_real`)
+        self.made: set[int | None] = set()  # storages of tensors the forward made from constants (graph constants)
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return ShapeProxy(node, self)
@@ -331,6 +349,13 @@ class ShapeTracer(fx.Tracer):
         """
         if isinstance(a, torch.Size) and _has_proxy(a):
             return super().create_arg(tuple(a))
+        if isinstance(a, torch.Tensor) and not isinstance(a, nn.Parameter) and a not in self.tensor_attrs:
+            node = super().create_arg(a)
+            if (
+                a in self.tensor_attrs and a.numel()
+            ):  # fx stowed it away as a constant of the graph: the forward made it
+                self.made.add(_storage(a))
+            return node
         if isinstance(a, dict) and type(a) is not dict and dataclasses.is_dataclass(a) and _has_proxy(a):
             leaves = tree_flatten(a)[0]
             if not (len(leaves) == 1 and leaves[0] is a):
@@ -432,11 +457,14 @@ class ShapeTracer(fx.Tracer):
             before = [[tensor_version(t) for t in _tensors(self.values[a])] for a in inputs]
             with torch.no_grad():
                 value = self._run_op(node.op, node.target, vals[0], vals[1])
-            written = [
+            changed = [
                 a
                 for a, v in zip(inputs, before, strict=True)
-                if a.op != "get_attr" and v != [tensor_version(t) for t in _tensors(self.values[a])]
+                if v != [tensor_version(t) for t in _tensors(self.values[a])]
             ]
+        written = [a for a in changed if a.op != "get_attr"]
+        if any(_storage(self.values[a]) in self.made for a in changed if a.op == "get_attr"):
+            raise _constant_written(node)
         self.values[node] = value
         if written:  # seen on the sample: any op, a whole submodule too (`x.add_(1)` inside a leaf block)
             self.writes[node] = written
