@@ -8,7 +8,8 @@ would take the other branch raises `GuardFailed` instead of running the wrong
 code. A size handed to any torch function (`torch.ones(b, 1)`, `torch.eye(t)`, `mask.expand(b, -1)`)
 is recorded as the size, with no guard: traced integers are `torch.SymInt`s to torch's argument
 parser, and a torch-function mode records every call holding a traced value (`_TracedCalls`), and
-every random draw, even from constants. `torch.is_tensor` on a traced value is answered from the
+every random draw, even from constants; a recorded write into a tensor the forward made from
+constants is refused (NOTE: [constants written in place]). `torch.is_tensor` on a traced value is answered from the
 sample too (diffusers' timestep handling). A branch on tensor values inside a submodule makes that submodule one
 opaque stage part (a leaf, run as the user's module); one in the top-level
 forward raises `ValueBranch` with the file and line.
@@ -329,7 +330,7 @@ class ShapeTracer(fx.Tracer):
         self.writes: dict[fx.Node, list[fx.Node]] = {}  # node -> inputs it wrote into in place, on the sample
         self.branch_stack: list[str] = []
         self.running = 0  # > 0 while a real module call runs on the sample (`_running_real`)
-        self.made: set[int | None] = set()  # storages of tensors the forward made from constants (graph constants)
+        self.made: set[int] = set()  # storages of tensors the forward made from constants (graph constants)
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return ShapeProxy(node, self)
@@ -351,10 +352,9 @@ class ShapeTracer(fx.Tracer):
             return super().create_arg(tuple(a))
         if isinstance(a, torch.Tensor) and not isinstance(a, nn.Parameter) and a not in self.tensor_attrs:
             node = super().create_arg(a)
-            if (
-                a in self.tensor_attrs and a.numel()
-            ):  # fx stowed it away as a constant of the graph: the forward made it
-                self.made.add(_storage(a))
+            made = _storage(a) if a in self.tensor_attrs and a.numel() else None  # fx stowed it away: a constant
+            if made is not None:  # of the graph, which the forward made (NOTE: [constants written in place])
+                self.made.add(made)
             return node
         if isinstance(a, dict) and type(a) is not dict and dataclasses.is_dataclass(a) and _has_proxy(a):
             leaves = tree_flatten(a)[0]
