@@ -36,6 +36,7 @@ FORMS = {
     "ones imported by name": lambda m, h, b, t: h * ones(b, t, 1),
     "new_zeros of a torch.Size": lambda m, h, b, t: h + h.new_zeros(torch.Size([b, t, W])),
     "a tensor of the sizes": lambda m, h, b, t: h * torch.tensor([b, t]).sum(),
+    "a share of the length, rounded": lambda m, h, b, t: h * (torch.arange(t) < round(t * 0.75))[:, None],
 }
 
 

@@ -164,6 +164,10 @@ class ShapeProxy(fx.Proxy):
     def __itruediv__(self, other: Any) -> fx.Proxy:
         return self.tracer.create_proxy("call_function", operator.itruediv, (self, other), {})
 
+    # `round(t * 0.75)`: recorded (Python hands back what `__round__` gives), so each call rounds its own size
+    def __round__(self, ndigits: int | None = None) -> fx.Proxy:
+        return self.tracer.create_proxy("call_method", "__round__", (self,) if ndigits is None else (self, ndigits), {})
+
     def __getattr__(self, attr: str) -> Any:
         if attr in _SHAPE_ATTRS:
             return self.tracer.create_proxy("call_function", builtins.getattr, (self, attr), {})
@@ -228,20 +232,20 @@ class _SizeProxy(ShapeProxy, torch.SymInt):  # fx's operators first, then SymInt
     __hash__ = object.__hash__  # by identity, as any proxy (SymInt's would ask a symbolic node)
 
 
-def _answered_from_sample(name: str) -> Callable[..., Any]:
+def _recorded_method(name: str) -> Callable[..., Any]:
     def method(self: _SizeProxy, *args: Any) -> Any:
-        return getattr(operator.index(self), name)(*args)  # the sample's integer, under a guard
+        return self.tracer.create_proxy("call_method", name, (self, *args), {})  # run on each call's integer
 
     method.__name__ = name
     return method
 
 
-# what SymInt alone defines (`round(n)`, `n.bit_length()`, its symbolic hooks): answered by the sample's integer
+# what SymInt alone defines (`math.ceil(n)`, `n.bit_length()`, its symbolic hooks) is the integer's method, recorded
 for _name in [
     n for n in vars(torch.SymInt) if n not in ("__init__", "__dict__", "__weakref__", "__doc__", "__module__")
 ]:
     if getattr(_SizeProxy, _name) is getattr(torch.SymInt, _name) and _name != "__hash__":
-        setattr(_SizeProxy, _name, _answered_from_sample(_name))
+        setattr(_SizeProxy, _name, _recorded_method(_name))
 
 
 class _TracedCalls(TorchFunctionMode):
