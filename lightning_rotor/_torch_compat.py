@@ -41,6 +41,7 @@ __all__ = [
     "compiled_parts",
     "disable_dynamo",
     "dispatch_modes_active",
+    "disabled_torch_function",
     "optimized_module_type",
     "allocation_bytes",
     "backward_is_full",
@@ -225,6 +226,13 @@ def active_ddp_reduced() -> tuple[int, list[torch.Tensor]] | None:
 # its outputs and schema. MemoryProbe counts storages with it; the RNG replay reroutes random ops.
 # torch has no public dispatch-mode class in 2.13.0 (torch.overrides.TorchFunctionMode sits above
 # autograd and never sees the backward's ops).
+
+
+# `__torch_function__ = disabled_torch_function` on a class says "none": torch's argument parser then never
+# takes an instance for a tensor-like object (which it would let stand for a whole argument list), and
+# dispatches on it only through a mode. Graph discovery's traced integers use it
+# (lightning_rotor/discovery/graph.py, `_SizeProxy`); `torch._C._disabled_torch_function_impl` has no public name.
+disabled_torch_function: Callable[..., Any] = torch._C._disabled_torch_function_impl
 
 
 def op_arguments(op: Any) -> Sequence[Any]:

@@ -101,7 +101,8 @@ class PlanCache:
         self.names = list(names)
         self.slots = slots
         self.entries: dict[str, Entry] = {}  # per key: the plan for the chain's whole budget
-        self.times_derived: set[str] = set()  # keys whose times were derived, not measured (`add`, a load)
+        # keys whose times were derived, not measured (`add`, a load): the one record, which `ShapeTimes` reads
+        self.times_derived: set[str] = set()
         self.input_uses: list[int] = []  # as measured last (`Profile.input_uses`), for entries planned on a bound
         self.forget_call_plans()
 
@@ -123,6 +124,11 @@ class PlanCache:
         else:
             self.times_derived.discard(key)
         return entry
+
+    def forget(self, key: str) -> None:
+        """`key`'s entry dropped (profiled again when next met); call `forget_call_plans` after."""
+        self.entries.pop(key, None)
+        self.times_derived.discard(key)
 
     def build(self, measured: Profile, chosen: Plan) -> Entry:
         """An entry of these stages running `chosen`; a profile that did not measure stage 0's input uses (a

@@ -132,7 +132,7 @@ class ChainState:
         self._first: tuple[int, int] | None = None  # the first shape's (bytes, no-recomputation peak)
         self._shapes: dict[str, str] = {}  # per plan key: its input's shapes, for messages
         self._timed: tuple[Chain, list[int]] | None = None  # a timed shape's chain and stage FLOPs (derive_shapes)
-        self._times = ShapeTimes()  # shapes whose times were derived, checked on timed steps (`step_timed`)
+        self._times = ShapeTimes()  # derived times checked on timed steps (`step_timed`; which: the plan cache's)
         self._calls = 0  # this chain's calls in the step so far
         self.predicted: dict[str, tuple[int, ...]] = {}  # plan key -> the measured sizes its chain came from
         # measured shapes, as (family, input shapes, chain, its no-recomputation peak)
@@ -445,8 +445,7 @@ class ChainState:
         if derive:
             assert self._timed is not None and flops is not None
             measured.chain = derived_times(*self._times.nearest(flops, self._timed), measured.chain, flops)
-            measured.repeats, measured.round_seconds = 0, []
-            self._times.derived.add(call.key)
+            measured.repeats, measured.round_seconds = 0, []  # derived: `PlanCache.add` records it
         elif flops is not None:
             self._timed = self._timed or (measured.chain, flops)
             self._times.timed.append((measured.chain, flops))
@@ -491,7 +490,6 @@ class ChainState:
             return None  # the bound is too loose here for this budget: measure the shape
         chosen = pipeline.plan_chain(chain, nbytes, self.slots)
         self.predicted[call.key] = tuple(sorted(size for size, _, _ in points))
-        self._times.derived.add(call.key)
         self._peak_floors[call.key] = floor
         return self.plans.build(Profile(chain, seconds=time.perf_counter() - start), chosen)
 
@@ -505,7 +503,6 @@ class ChainState:
         # FLOPs only scale times: counted where the law has none, else the timed shape's (times as its)
         flops = found[2] or stage_flops(_seq(self.stages), call.sample) or list(self._timed[1])
         chain = derived_times(*self._times.nearest(flops, self._timed), found[0], flops)
-        self._times.derived.add(call.key)
         if self._offload_setting is not None:
             chain = chain.with_transfer(self._bandwidth_for(chain, call.sample), self.host_limit)
         nbytes = self._shape_bytes(call.key, chain, self.budget_rule(), *self._first)
@@ -522,10 +519,11 @@ class ChainState:
         if entry is None or self._calls != 1 or torch.distributed.is_available() and torch.distributed.is_initialized():
             return
         key = next((k for k, e in self.entries.items() if e is entry), None)
-        off = self._times.step(key, seconds, entry.plan.time) if key is not None else None
+        derived = key in self.plans.times_derived
+        off = self._times.step(key, derived, seconds, entry.plan.time) if key is not None else None
         if key is None or off is None:
             return
-        self.plans.entries.pop(key, None)
+        self.plans.forget(key)
         self.plans.forget_call_plans()
         self.fitted.pop(key, None)
         self.predicted.pop(key, None)
@@ -765,9 +763,7 @@ class ChainState:
         """
         if self.plan_cache is None:
             raise ValueError("saved plan state cannot load before the chain is found (no stages yet); nothing loaded")
-        self.plan_cache.load_state_dict(state)
-        # shapes whose saved times were derived are checked on training steps again, as before the save
-        self._times.derived = (self._times.derived - self.entries.keys()) | self.plan_cache.times_derived
+        self.plan_cache.load_state_dict(state)  # shapes saved with derived times are checked on steps again
         if state.get("budget") is not None:
             self.budget = int(state["budget"])
             first = next(iter(self.entries.values()), None)

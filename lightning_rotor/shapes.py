@@ -199,7 +199,6 @@ class ShapeTimes:
 
     def __init__(self) -> None:
         self.timed: list[tuple[Chain, list[int]]] = []  # timed shapes' chains and stage FLOPs, the first first
-        self.derived: set[str] = set()  # plan keys of shapes whose times are derived
         self.paces: list[float] = []  # timed shapes' steps: wall seconds per predicted second
         self.off: dict[str, int] = {}  # plan key -> its steps off the expected pace in a row
         self.retime: dict[str, float] = {}  # plan keys to time when next met -> how far off their steps were
@@ -210,14 +209,15 @@ class ShapeTimes:
         total = max(1, sum(flops))
         return min(self.timed or [first], key=lambda timed: abs(math.log(total / max(1, sum(timed[1])))))
 
-    def step(self, key: str, seconds: float, predicted: float) -> float | None:
-        """A training step of shape `key` alone took `seconds`, its plan predicting `predicted` seconds: the
-        shape's pace over the expected one where this step proves its derived times wrong (then timed when next
-        met, `retime`), else None."""
+    def step(self, key: str, derived: bool, seconds: float, predicted: float) -> float | None:
+        """A training step of shape `key` alone took `seconds`, its plan predicting `predicted` seconds, its times
+        `derived` or timed (the plan cache's word: `PlanCache.times_derived`): the shape's pace over the expected
+        one where this step proves its derived times wrong (then timed when next met, `retime`; the caller
+        forgets its entry), else None."""
         if seconds <= 0 or predicted <= 0:
             return None
         pace = seconds / predicted
-        if key not in self.derived:
+        if not derived:
             self.paces = [*self.paces[-PACES_KEPT + 1 :], pace]
             return None
         if not self.paces:
@@ -229,7 +229,6 @@ class ShapeTimes:
         self.off[key] = self.off.get(key, 0) + 1
         if self.off[key] < RETIME_STEPS:
             return None
-        self.derived.discard(key)
         del self.off[key]
         self.retime[key] = self.retimed[key] = off
         return off

@@ -113,4 +113,10 @@ def test_a_loaded_state_s_derived_shapes_are_checked_on_training_steps_again():
     fresh = Checkpointable(small_gpt(), "60%", repeats=1)
     fresh.load_plan_state(state)
     full, partial = fresh.entries
-    assert fresh.chain_state._times.derived == {partial}
+    with pytest.warns(UserWarning, match=r"took 10\.0x the time its plan predicts"):
+        for rows, pace in ((4, 1.0), (4, 1.0), (1, 10.0), (1, 10.0), (4, 10.0), (4, 10.0)):  # timed by the callback
+            x, y = batch(rows, 16)
+            lm_loss(fresh(x), y).backward()
+            fresh.chain_state.step_timed(pace * fresh.last_entry.plan.time)
+    assert fresh.chain_state.retimed == {partial: pytest.approx(10.0)}  # the full batch's times are its own
+    assert partial not in fresh.entries and not fresh.chain_state.plans.times_derived

@@ -496,15 +496,14 @@ def test_derived_times_are_timed_after_two_steps_in_a_row_far_from_the_timed_sha
     from lightning_rotor.shapes import ShapeTimes
 
     times = ShapeTimes()
-    times.derived.add("small")
-    assert times.step("small", 1.0, 0.1) is None  # no timed shape's pace yet: nothing to compare with
-    times.step("timed", 1.0, 1.0)
-    times.step("timed", 1.2, 1.0)
-    assert times.step("small", 0.5, 0.1) is None  # 4.5x the expected pace, once
-    assert times.step("small", 0.15, 0.1) is None  # within 2x: the count starts again
-    assert times.step("small", 0.5, 0.1) is None
-    assert times.step("small", 0.5, 0.1) == pytest.approx(5 / 1.1)
-    assert times.retime == {"small": pytest.approx(5 / 1.1)} and "small" not in times.derived
+    assert times.step("small", True, 1.0, 0.1) is None  # no timed shape's pace yet: nothing to compare with
+    times.step("timed", False, 1.0, 1.0)
+    times.step("timed", False, 1.2, 1.0)
+    assert times.step("small", True, 0.5, 0.1) is None  # 4.5x the expected pace, once
+    assert times.step("small", True, 0.15, 0.1) is None  # within 2x: the count starts again
+    assert times.step("small", True, 0.5, 0.1) is None
+    assert times.step("small", True, 0.5, 0.1) == pytest.approx(5 / 1.1)
+    assert times.retime == {"small": pytest.approx(5 / 1.1)} and "small" not in times.off
     first, small = (object(), [1000, 2000]), (object(), [10, 20])
     times.timed = [first, small]  # once timed, a small shape's times are what the next small ones derive from
     assert times.nearest([12, 30], first) is small and times.nearest([900, 900], first) is first

@@ -5,9 +5,12 @@ symbolic trace, so Python control flow on shapes (`assert T <= block_size`,
 `if x.dim() == 4`, `B, T = idx.size()`) is answered from the sample. Each answer
 becomes a guard node in the graph, checked on every call: a later input that
 would take the other branch raises `GuardFailed` instead of running the wrong
-code (a size handed straight to an op, `torch.ones(x.shape[0])`, is recorded as the size
-and needs no guard). `torch.is_tensor` on a traced value is answered from the sample too (diffusers' timestep
-handling). A branch on tensor values inside a submodule makes that submodule one
+code. A size handed to any torch function (`torch.ones(b, 1)`, `torch.eye(t)`, `mask.expand(b, -1)`)
+is recorded as the size, with no guard: traced integers are `torch.SymInt`s to torch's argument
+parser, and a torch-function mode records every call holding a traced value (`_TracedCalls`), and
+every random draw, even from constants; a recorded write into a tensor the forward made from
+constants is refused (NOTE: [constants written in place]). `torch.is_tensor` on a traced value is answered from the
+sample too (diffusers' timestep handling). A branch on tensor values inside a submodule makes that submodule one
 opaque stage part (a leaf, run as the user's module); one in the top-level
 forward raises `ValueBranch` with the file and line.
 
@@ -37,9 +40,10 @@ from typing import Any
 import torch
 from torch import fx, nn
 from torch.fx.node import Target, map_aggregate, map_arg
+from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from lightning_rotor._torch_compat import tensor_version, tree_flatten
+from lightning_rotor._torch_compat import TorchDispatchMode, disabled_torch_function, tensor_version, tree_flatten
 from lightning_rotor.frames import first_outside
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -129,11 +133,7 @@ class ShapeProxy(fx.Proxy):
 
     def __index__(self) -> int:
         answer = operator.index(self._shape_only("a Python integer"))
-        guard = self.tracer.create_proxy("call_function", _guard_eq, (self, answer, _user_frame()), {})
-        asker = inspect.currentframe()
-        asker = asker.f_back if asker is not None else None  # the Python code whose instruction asked
-        if asker is not None:
-            self.tracer.asked.append((guard.node, (id(asker), asker.f_code, asker.f_lasti)))
+        self.tracer.create_proxy("call_function", _guard_eq, (self, answer, _user_frame()), {})
         return answer
 
     def __int__(self) -> int:
@@ -163,6 +163,10 @@ class ShapeProxy(fx.Proxy):
 
     def __itruediv__(self, other: Any) -> fx.Proxy:
         return self.tracer.create_proxy("call_function", operator.itruediv, (self, other), {})
+
+    # `round(t * 0.75)`: recorded (Python hands back what `__round__` gives), so each call rounds its own size
+    def __round__(self, ndigits: int | None = None) -> fx.Proxy:
+        return self.tracer.create_proxy("call_method", "__round__", (self,) if ndigits is None else (self, ndigits), {})
 
     def __getattr__(self, attr: str) -> Any:
         if attr in _SHAPE_ATTRS:
@@ -213,36 +217,99 @@ class _answer_is_tensor:
         torch.is_tensor = self.original
 
 
-# torch's factories that also take their size as separate arguments (`torch.ones(b, 1)`, as `torch.ones((b, 1))`)
-_SIZE_AS_ARGUMENTS = ("empty", "ones", "rand", "randn", "zeros")
+class _SizeProxy(ShapeProxy, torch.SymInt):  # fx's operators first, then SymInt's (see below)
+    """A traced integer (`x.shape[0]`, `T // 2`): a `torch.SymInt` to torch's argument parser.
 
-
-class _sizes_as_one_argument:
-    """`torch.ones(x.shape[0], 1)` while tracing: the sizes handed to the factory as one tuple.
-
-    torch's argument parser takes a first argument that dispatches `__torch_function__` (a proxy) as the
-    whole size, and then refuses the others ("ones() takes 1 positional argument but 2 were given"); given
-    as one tuple, the sizes are parsed as a size, and the op is recorded with the proxy inside it, so it
-    computes with each call's own batch size. Calls without a proxy among their sizes run as written.
+    The parser then takes it wherever it takes an integer: a size among sizes given one by one
+    (`torch.ones(b, 1)`, `t.expand(b, -1)`), a count (`torch.eye(n)`), a scalar (`torch.arange(t)`),
+    without asking its value; and, having no `__torch_function__`, it never stands for a whole
+    argument list (which made `torch.ones(b, 1)` refuse its second size). The call then reaches
+    `_TracedCalls`, which records it with the integer's node. Python's own uses of it as a number
+    (`range(n)`, `if T > 8`) ask the sample and leave a guard, as every `ShapeProxy` does.
     """
 
-    def __enter__(self) -> None:
-        self.originals = {name: getattr(torch, name) for name in _SIZE_AS_ARGUMENTS}
-        for name, original in self.originals.items():
-            setattr(torch, name, _sizes_in_one_tuple(original))
-
-    def __exit__(self, *exc: Any) -> None:
-        for name, original in self.originals.items():
-            setattr(torch, name, original)
+    __torch_function__ = disabled_torch_function
+    __hash__ = object.__hash__  # by identity, as any proxy (SymInt's would ask a symbolic node)
 
 
-def _sizes_in_one_tuple(factory: Callable[..., Any]) -> Callable[..., Any]:
-    def sized(*sizes: Any, **kwargs: Any) -> Any:
-        if len(sizes) > 1 and any(isinstance(s, fx.Proxy) for s in sizes):
-            return factory(sizes, **kwargs)
-        return factory(*sizes, **kwargs)
+def _recorded_method(name: str) -> Callable[..., Any]:
+    def method(self: _SizeProxy, *args: Any) -> Any:
+        return self.tracer.create_proxy("call_method", name, (self, *args), {})  # run on each call's integer
 
-    return sized
+    method.__name__ = name
+    return method
+
+
+# what SymInt alone defines (`math.ceil(n)`, `n.bit_length()`, its symbolic hooks) is the integer's method, recorded
+for _name in [
+    n for n in vars(torch.SymInt) if n not in ("__init__", "__dict__", "__weakref__", "__doc__", "__module__")
+]:
+    if getattr(_SizeProxy, _name) is getattr(torch.SymInt, _name) and _name != "__hash__":
+        setattr(_SizeProxy, _name, _recorded_method(_name))
+
+
+class _TracedCalls(TorchFunctionMode):
+    """While tracing, a torch function called with a traced value among its arguments, or drawing random
+    numbers, is recorded as an op of the graph; any other call (on constants) runs once, its result a constant.
+
+    A traced integer (`_SizeProxy`) is no tensor-like argument, so the parser dispatches such a call
+    only to a mode: `torch.eye(n)`, `torch.ones(b, t)`, `mask.expand(b, -1)`, `pe[:t]` on a plain tensor,
+    `from torch import ones; ones(b)`, each then computes with each call's own sizes. One rule for every
+    function, as fx's `Proxy` records calls on traced tensors (which this records the same way). A random
+    tensor made from constants (`torch.randn(16)`, `torch.rand(1) < p`) would be one draw frozen into the
+    graph: recorded, it is drawn anew at every call, as in plain training. Real runs on the sample (a leaf
+    block, an op's sample value: `ShapeTracer.running`) run as they are.
+    """
+
+    def __init__(self, tracer: ShapeTracer):
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_function__(
+        self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if self.tracer.running:
+            return func(*args, **kwargs)
+        if not _has_proxy((args, kwargs)):
+            made = [t for t in _tensors((args, kwargs)) if _storage(t) in self.tracer.made]
+            before = [tensor_version(t) for t in made]
+            with _DrawsRandom() as watch:
+                value = func(*args, **kwargs)
+            if before != [tensor_version(t) for t in made]:
+                raise _constant_written(func)
+            if not watch.drew:
+                return value
+        if torch.overrides.is_tensor_method_or_property(func):
+            return self.tracer.create_proxy("call_method", func.__name__, args, kwargs)
+        return self.tracer.create_proxy("call_function", func, args, kwargs)
+
+
+def _constant_written(op: Any) -> DiscoveryError:
+    """NOTE: [constants written in place] A tensor the forward makes from constants alone (`torch.ones(16, 16)`)
+    is one constant of the traced graph, shared by every call; an in-place write into it after the graph read it
+    (`mask[t:] = 0`, `mask.masked_fill_(x > 0, 0)`) would carry over from one call to the next, and a constant
+    computed from it would keep the sample's write. Refused, so no call computes what another call wrote."""
+    name = getattr(op, "__name__", None) or str(getattr(op, "target", op))
+    return DiscoveryError(
+        f"{_user_frame()}: the forward writes in place ({name}) into a tensor it made from constants, which the traced "
+        "graph keeps as one constant for every call; make it from the input's sizes (torch.ones(t, t)) or write out of "
+        "place, or use discover='modules'"
+    )
+
+
+class _DrawsRandom(TorchDispatchMode):
+    """Notes whether an op run under it draws random numbers (aten's tag `nondeterministic_seeded`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drew = False
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        self.drew = self.drew or torch.Tag.nondeterministic_seeded in func.tags
+        return func(*args, **(kwargs or {}))
 
 
 class ShapeTracer(fx.Tracer):
@@ -266,14 +333,14 @@ class ShapeTracer(fx.Tracer):
         self.data: dict[fx.Node, bool] = {}
         self.writes: dict[fx.Node, list[fx.Node]] = {}  # node -> inputs it wrote into in place, on the sample
         self.branch_stack: list[str] = []
-        self.asked: list[tuple[fx.Node, tuple[int, Any, int]]] = []  # integer guards, the instruction that asked each
         self.running = 0  # > 0 while a real module call runs on the sample (`_running_real`)
+        self.made: set[int] = set()  # storages of tensors the forward made from constants (graph constants)
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return ShapeProxy(node, self)
 
     def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
-        with _answer_is_tensor(), _sizes_as_one_argument():
+        with _answer_is_tensor(), _TracedCalls(self):
             return super().trace(root, concrete_args)
 
     def create_arg(self, a: Any) -> Any:
@@ -281,8 +348,18 @@ class ShapeTracer(fx.Tracer):
         `ModelOutput`: dataclasses that are dicts) is rebuilt as such, so `model(x).sample` still works.
 
         Only classes registered as pytree nodes (both libraries register theirs): the executor finds the
-        tensors of a stage's output by flattening it. Others stay plain dicts, as fx makes them.
+        tensors of a stage's output by flattening it. Others stay plain dicts, as fx makes them. A
+        `torch.Size` holding traced integers (`x.new_zeros(torch.Size([b, t]))`) becomes a tuple: a
+        `torch.Size` holds no graph node, and every op takes sizes as a tuple alike.
         """
+        if isinstance(a, torch.Size) and _has_proxy(a):
+            return super().create_arg(tuple(a))
+        if isinstance(a, torch.Tensor) and not isinstance(a, nn.Parameter) and a not in self.tensor_attrs:
+            node = super().create_arg(a)
+            made = _storage(a) if a in self.tensor_attrs and a.numel() else None  # fx stowed it away: a constant
+            if made is not None:  # of the graph, which the forward made (NOTE: [constants written in place])
+                self.made.add(made)
+            return node
         if isinstance(a, dict) and type(a) is not dict and dataclasses.is_dataclass(a) and _has_proxy(a):
             leaves = tree_flatten(a)[0]
             if not (len(leaves) == 1 and leaves[0] is a):
@@ -338,21 +415,6 @@ class ShapeTracer(fx.Tracer):
                 value = getattr(value, part)
         self.values[node], self.data[node] = value, isinstance(value, torch.Tensor)
 
-    def _drop_guards_of_argument_parsing(self, node: fx.Node) -> None:
-        """torch's argument parser asks a size argument for its integer (`torch.ones(x.shape[0])`) before the op
-        is recorded with the size itself: the op then computes with each input's own size, so that answer needs
-        no guard. Only an answer asked by the instruction that is recording `node`, of one of `node`'s inputs:
-        one asked by earlier code (`range(T)`, `[0] * n`) shaped the trace, and keeps its guard."""
-        asked, self.asked = self.asked, []
-        running: set[tuple[int, Any, int]] = set()
-        frame = inspect.currentframe()
-        while frame is not None:
-            running.add((id(frame), frame.f_code, frame.f_lasti))
-            frame = frame.f_back
-        for guard, instruction in asked:
-            if instruction in running and guard.args[0] in node.all_input_nodes:
-                self.graph.erase_node(guard)
-
     def create_proxy(
         self,
         kind: str,
@@ -365,8 +427,6 @@ class ShapeTracer(fx.Tracer):
     ) -> fx.Proxy:
         proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
         node = proxy.node
-        if target not in _GUARDS:
-            self._drop_guards_of_argument_parsing(node)
         if kind == "placeholder":
             if isinstance(target, str) and target in self.sample:  # concrete (non-tensor) arguments: no sample value
                 value = self.sample[target]
@@ -380,20 +440,7 @@ class ShapeTracer(fx.Tracer):
                 self._attr_value(a)
         if any(a not in self.values for a in node.all_input_nodes):  # fx's own checks on concrete args
             return proxy  # no value: `_cut` drops these (`GraphChain.chain_input` checks the constants)
-        vals = map_arg((node.args, node.kwargs), self.values.__getitem__)
-        inputs: list[fx.Node] = []
-        map_arg((node.args, node.kwargs), inputs.append)
-        before = [[tensor_version(t) for t in _tensors(self.values[a])] for a in inputs]
-        with torch.no_grad():
-            value = self._run_op(kind, target, vals[0], vals[1])
-        self.values[node] = value
-        written = [
-            a
-            for a, v in zip(inputs, before, strict=True)
-            if a.op != "get_attr" and v != [tensor_version(t) for t in _tensors(self.values[a])]
-        ]
-        if written:  # seen on the sample: any op, a whole submodule too (`x.add_(1)` inside a leaf block)
-            self.writes[node] = written
+        value = self._sample_value(node)
         if kind == "call_function" and target is builtins.getattr and node.args[1] in _SHAPE_ATTRS:
             self.data[node] = False
         elif kind == "call_method" and target in _SHAPE_METHODS:
@@ -401,8 +448,31 @@ class ShapeTracer(fx.Tracer):
         elif _is_data(value):
             self.data[node] = True
         else:
-            self.data[node] = any(self.data.get(n, False) for n in inputs)
-        return proxy
+            self.data[node] = any(self.data.get(n, False) for n in node.all_input_nodes)
+        return _SizeProxy(node, self) if type(value) is int else proxy
+
+    def _sample_value(self, node: fx.Node) -> Any:
+        """`node`'s op run on the sample values of its inputs, as a real run (nothing it calls is traced);
+        the inputs it wrote into in place are noted in `writes`."""
+        vals = map_arg((node.args, node.kwargs), self.values.__getitem__)
+        inputs: list[fx.Node] = []
+        map_arg((node.args, node.kwargs), inputs.append)
+        with self._running_real():
+            before = [[tensor_version(t) for t in _tensors(self.values[a])] for a in inputs]
+            with torch.no_grad():
+                value = self._run_op(node.op, node.target, vals[0], vals[1])
+            changed = [
+                a
+                for a, v in zip(inputs, before, strict=True)
+                if v != [tensor_version(t) for t in _tensors(self.values[a])]
+            ]
+        written = [a for a in changed if a.op != "get_attr"]
+        if any(_storage(self.values[a]) in self.made for a in changed if a.op == "get_attr"):
+            raise _constant_written(node)
+        self.values[node] = value
+        if written:  # seen on the sample: any op, a whole submodule too (`x.add_(1)` inside a leaf block)
+            self.writes[node] = written
+        return value
 
     def _run_op(self, kind: str, target: Target, args: Any, kwargs: Any) -> Any:
         """A new node's op run on the sample values of its arguments (a submodule as outside tracing, or
