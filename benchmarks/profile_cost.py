@@ -133,6 +133,11 @@ PARTS = [
     ("lightning_rotor.chain_state", None, "stage_flops", "FLOPs"),
     ("lightning_rotor.pipeline", None, "measure_outside", "outside"),
     ("lightning_rotor.chain_state", "ChainState", "_discover_chain", "discovery"),
+    ("lightning_rotor.profile", None, "_loss_figures", "loss"),
+    ("lightning_rotor.symbolic_sizes", "ShapeLaws", "add", "laws"),
+    ("lightning_rotor.pipeline", None, "plan_chain", "plan"),
+    ("lightning_rotor.pipeline", None, "profile", "profile"),
+    ("lightning_rotor.chain_state", "ChainState", "_prepare", "prepare"),
 ]
 
 
