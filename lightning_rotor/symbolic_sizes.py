@@ -235,11 +235,12 @@ def traced_shape(size: int, trace: SizeTrace, chain: Chain, flops: list[int] | N
 def numbered_shape(
     numbers: StorageNumbers, chain: Chain, flops: list[int] | None, traced: Sequence[TracedShape]
 ) -> TracedShape | None:
-    """The measured shape of `chain`, profiled with its storages numbered only (`size_trace.StorageNumbers`), as a
-    traced profile of it would give it, from the first of `traced` (nearest first) that ran the same ops and whose
-    trace holds there: its guards hold at the numbered storages' sizes and its rows give `chain` to the byte. A
-    traced profile there would have taken the same branches, recorded the same guards and summed the same storages:
-    that trace with these storages' dimensions. None where none does (another op is a stage's largest here)."""
+    """The measured shape of `chain`, profiled with its storages numbered only (`size_trace.StorageNumbers`): the
+    trace of the first of `traced` (nearest first) that ran the same ops and holds here (its guards hold at the
+    numbered storages' sizes, its rows give `chain` to the byte), with these storages' dimensions. That trace is
+    exact wherever its guards hold, here as at its own shape; a trace taken here is the same but where two levels
+    of a peak have equal bytes here (it keeps the first as the peak: same bytes, other terms). None where no trace
+    holds (another op is a stage's largest here): the shape is untraced."""
     dims, itemsizes, ranks = _storage_dims(numbers.storages)
     sizes = itemsizes * np.prod(dims, axis=1)
     measured = chain_sizes(chain)
