@@ -43,6 +43,11 @@ ceil(L / 8)`) is a law per residue class, and a few sizes can fit a wrong law ex
   with these rules on the GPT, the ConvNeXt and a padding model from two sizes; from three sizes in one
   bucket of a padding (9, 10 and 11 padded to 16) the law is a wrong constant, as the affine law's was before.
 
+A later shape whose regime is likely a traced shape's (that shape's guards hold at the storage sizes it likely
+has: `likely_sizes`) is measured with its storages numbered only, untraced (`ShapeLaws._numbers`): its chain is
+the untraced profile's, and its trace the traced shape's, checked to hold there and give its chain to the byte
+(`numbered_shape`); where none holds it stays untraced, and its family's later shapes are traced.
+
 The memory probe's samples (`RotorCallback`, `measure_step`) check the rest, as for any plan; on CUDA, where a
 profile also keeps the caching allocator's figures (workspaces, rounding), every shape is measured.
 
@@ -653,7 +658,7 @@ class ShapeLaws:
         self._found_at: dict[tuple[str, Dims], Found | str] = {}
         self.refused: str | None = None  # the first reason a law was refused (warned once)
         # shapes measured with their storages numbered only, their traces a traced shape's (`numbered_shape`), and
-        # those no traced shape's trace held at: a shape near one of these is traced (`_numbers`)
+        # those no traced shape's trace held at (untraced; their family's later shapes are traced: `_numbers`)
         self.numbered: list[Call] = []
         self.missed: list[Call] = []
 
