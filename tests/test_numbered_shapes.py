@@ -9,10 +9,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_shapes import batch, small_gpt
-from test_symbolic_sizes import gpt_stages, sizes, tiny_gpt2, tokens
+from fitting import KeepRotorModules, quiet_trainer
+from test_shapes import LM, batch, small_gpt
+from test_symbolic_sizes import StepPeaks, gpt_stages, sizes, tiny_gpt2, tokens
+from torch.utils.data import DataLoader, Dataset
 
 from lightning_rotor.checkpointable import Checkpointable
+from lightning_rotor.lightning import RotorCallback, RotorStrategy
 from lightning_rotor.models.convnext import ConvNeXt
 from lightning_rotor.models.gpt import lm_loss
 from lightning_rotor.profile import profile_chain
@@ -146,3 +149,41 @@ def test_hugging_face_gpt2_numbers_a_later_length_with_the_code_around_its_run_a
     assert got[:2] == want[:2] and sizes(got[3]) == sizes(want[3])
     assert got[2] is not None and want[2] is not None
     assert_derives_right(got[2], want[2], [m[2] for m in numbered.measured if m[2] is not None])
+
+
+class NearLengths(Dataset):
+    """Dynamic padding's lengths: 22, 18 and 21 (odd: off the even sizes measured) in 20's regime, numbered; 8 and
+    30 traced (another op a stage's largest); 12 and 26 derived."""
+
+    LENGTHS = (20, 22, 18, 21, 8, 30, 12, 26)
+
+    def __len__(self):
+        return len(self.LENGTHS)
+
+    def __getitem__(self, i):
+        return batch(self.LENGTHS[i])
+
+
+def test_the_trainer_numbers_near_lengths_and_trains_bitwise_within_budget(tmp_path):
+    """A real Trainer and `RotorStrategy` (the defaults): the later lengths near the first's regime are measured
+    numbered; every step bitwise equal to plain training's and measured within its budget, at most its plan's
+    predicted peak."""
+    keep, loader, peaks = KeepRotorModules(), DataLoader(NearLengths(), batch_size=None), StepPeaks()
+    runs = {}
+    for name, strategy in (("plain", "auto"), ("rotor", RotorStrategy(mem_limit="60%"))):
+        model = LM()
+        torch.manual_seed(7)
+        trainer = quiet_trainer(tmp_path / name, strategy, max_steps=len(NearLengths()))
+        if name == "rotor":
+            measure = RotorCallback(measure_every_n_steps=1, log_curves=False, print_summary=False)
+            trainer.callbacks.extend([keep, measure, peaks])
+        trainer.fit(model, loader)
+        runs[name] = model
+    rotor = keep.modules["net"]
+    laws = rotor.chain_state._laws
+    assert peaks.checked == len(NearLengths()) - 1 and len(rotor.entries) == len(NearLengths())
+    assert [d[0][1] for _, d in laws.numbered] == [22, 18, 21] and not laws.missed
+    assert [d[0][1] for _, d, shape, _, _ in laws.measured if shape is not None] == [20, 22, 18, 21, 8, 30]
+    assert sorted(rotor.chain_state._shapes[k] for k in rotor.fitted) == ["(2, 12)", "(2, 26)"]
+    for a_step, b_step in zip(runs["rotor"].grads, runs["plain"].grads, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(a_step, b_step, strict=True))
