@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import math
 import sys
 import warnings
@@ -879,17 +880,30 @@ class ShapeLaws:
         return self._laws[key]
 
 
+SMALL = 4  # an input size up to this is taken for a batch by a guess (`likely_sizes`)
+
+
 def likely_sizes(shape: TracedShape, at: Dims, dims: Dims, fixed: np.ndarray) -> np.ndarray:
     """The storage sizes a traced shape measured at input shapes `at` likely has at `dims`, a guess only (whether
-    to trace a shape, `ShapeLaws._numbers`): for each input size `x` that becomes `y`, a dimension not `fixed` (the
-    same at another traced shape along these sizes) that is a multiple of `x * x` scales by `(y / x) ** 2`
-    (attention's `L * L`, a side's `H * W`), else one that scales to a whole number by `y / x` does (`B * L`,
-    `H / 4`), else it stays (a width, `L + 1`)."""
+    to trace a shape, `ShapeLaws._numbers`). For each input size `x` that becomes `y`, a dimension above 1 and not
+    `fixed` (the same at another traced shape along these sizes) scales: for a length or a side, by `(y / x) ** 2`
+    where a multiple of `x * x` (attention's `L * L`), else by `y / x` where that makes a whole number (`B * L`,
+    `H / 4`); for a batch (`x` up to `SMALL`), by `y / x` where it is `x` times one or two of the input's other
+    sizes (`B`, `B * L`; an even width is no multiple of a batch of 2). Else it stays (a width, `L + 1`)."""
     now = shape.dims.astype(object)
-    moves = {(x, y) for p, q in zip(at, dims, strict=True) for x, y in zip(p, q, strict=True) if x != y and x > 0}
-    for x, y in moves:
-        square = ~fixed & (now % (x * x) == 0) & (x > 1)
-        linear = ~fixed & ~square & (now * y % x == 0)
+    flat = [n for t in at for n in t]
+    for x, y in {(x, y) for p, q in zip(at, dims, strict=True) for x, y in zip(p, q, strict=True) if x != y}:
+        if x < 1:
+            continue
+        free = ~fixed & (now > 1)
+        if x > SMALL:
+            square = free & (now % (x * x) == 0)
+            linear = free & ~square & (now * y % x == 0)
+        else:
+            others = sorted({n for n in flat if n != x})
+            products = [math.prod(c) for r in range(3) for c in itertools.combinations(others, r)]
+            square = np.zeros(now.shape, dtype=bool)
+            linear = free & (now % x == 0) & np.isin(now // x, products)
         now = np.where(square, now * y * y // (x * x), np.where(linear, now * y // x, now))
     return (shape.itemsizes * np.prod(now.astype(np.int64), axis=1)).astype(np.int64)
 

@@ -187,3 +187,18 @@ def test_the_trainer_numbers_near_lengths_and_trains_bitwise_within_budget(tmp_p
     assert sorted(rotor.chain_state._shapes[k] for k in rotor.fitted) == ["(2, 12)", "(2, 26)"]
     for a_step, b_step in zip(runs["rotor"].grads, runs["plain"].grads, strict=True):
         assert all(torch.equal(a, b) for a, b in zip(a_step, b_step, strict=True))
+
+
+def test_a_partial_batch_of_a_small_batch_is_numbered_and_keeps_its_sizes():
+    """Batch 2, then a last batch of 3: a guess that scaled every even dimension by 3/2 (a width of 32 is a multiple
+    of a batch of 2) took the shape for another regime and traced it; the batch scales only what it multiplies."""
+    rotor = Checkpointable(small_gpt(), "60%", repeats=1)
+    for step, rows in enumerate((2, 3)):
+        x = torch.randint(0, 64, (rows, 24), generator=torch.Generator().manual_seed(rows))
+        rotor.zero_grad()
+        torch.manual_seed(step)
+        lm_loss(rotor(x), x).backward()
+    laws = rotor.chain_state._laws
+    assert [d for _, d in laws.numbered] == [((3, 24),)] and not laws.missed
+    want, _ = traced_at(list(rotor.stages), x, rotor.stage_names)
+    assert sizes(laws.measured[-1][3]) == sizes(want.chain)
