@@ -715,7 +715,9 @@ class ShapeLaws:
         for d, other in others:
             if other.dims.shape == base.dims.shape and _moved(at, d) == _moved(at, dims):
                 fixed |= base.dims == other.dims
-        return StorageNumbers() if base.guards_hold(likely_sizes(base, at, dims, fixed)) else None
+        guesses = (True, False) if any(0 < x <= SMALL for x in _moved_sizes(at, dims)) else (False,)
+        holds = any(base.guards_hold(likely_sizes(base, at, dims, fixed, strict)) for strict in guesses)
+        return StorageNumbers() if holds else None
 
     @contextlib.contextmanager
     def tracing(
@@ -883,21 +885,22 @@ class ShapeLaws:
 SMALL = 4  # an input size up to this is taken for a batch by a guess (`likely_sizes`)
 
 
-def likely_sizes(shape: TracedShape, at: Dims, dims: Dims, fixed: np.ndarray) -> np.ndarray:
+def likely_sizes(shape: TracedShape, at: Dims, dims: Dims, fixed: np.ndarray, strict: bool) -> np.ndarray:
     """The storage sizes a traced shape measured at input shapes `at` likely has at `dims`, a guess only (whether
     to trace a shape, `ShapeLaws._numbers`). For each input size `x` that becomes `y`, a dimension above 1 and not
     `fixed` (the same at another traced shape along these sizes) scales: for a length or a side, by `(y / x) ** 2`
     where a multiple of `x * x` (attention's `L * L`), else by `y / x` where that makes a whole number (`B * L`,
-    `H / 4`); for a batch (`x` up to `SMALL`), by `y / x` where it is `x` times one or two of the input's other
-    sizes (`B`, `B * L`; an even width is no multiple of a batch of 2). Else it stays (a width, `L + 1`)."""
+    `H / 4`); for a batch (`x` up to `SMALL`) so too, or with `strict` by `y / x` only where it is `x` times one
+    or two of the input's other sizes (`B`, `B * L`: an even width is no multiple of a batch of 2, a batch times a
+    group count is). Else it stays (a width, `L + 1`)."""
     now = shape.dims.astype(object)
     flat = [n for t in at for n in t]
     for x, y in {(x, y) for p, q in zip(at, dims, strict=True) for x, y in zip(p, q, strict=True) if x != y}:
         if x < 1:
             continue
         free = ~fixed & (now > 1)
-        if x > SMALL:
-            square = free & (now % (x * x) == 0)
+        if x > SMALL or not strict:
+            square = free & (now % (x * x) == 0) & (x > SMALL)
             linear = free & ~square & (now * y % x == 0)
         else:
             others = sorted({n for n in flat if n != x})
@@ -906,6 +909,11 @@ def likely_sizes(shape: TracedShape, at: Dims, dims: Dims, fixed: np.ndarray) ->
             linear = free & (now % x == 0) & np.isin(now // x, products)
         now = np.where(square, now * y * y // (x * x), np.where(linear, now * y // x, now))
     return (shape.itemsizes * np.prod(now.astype(np.int64), axis=1)).astype(np.int64)
+
+
+def _moved_sizes(a: Dims, b: Dims) -> set[int]:
+    """The sizes of `a` that differ in `b`."""
+    return {x for p, q in zip(a, b, strict=True) for x, y in zip(p, q, strict=True) if x != y}
 
 
 def _moved(a: Dims, b: Dims) -> set[tuple[int, int]]:
