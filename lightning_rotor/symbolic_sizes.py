@@ -686,14 +686,14 @@ class ShapeLaws:
             return traced_shape(0, trace, chain, flops) if not trace.abandoned else None
         if trace is None:
             return None
-        chain = plain_sizes(chain)
-        near = sorted(
-            (m for m in self.measured if m[0] == family and m[2] is not None and _alike(m[1], dims)),
-            key=lambda m: _ratio(m[1], dims),
-        )
-        found = numbered_shape(trace, chain, flops, [m[2] for m in near if m[2] is not None])
+        found = numbered_shape(trace, plain_sizes(chain), flops, [t for _, t in self._traced_near(family, dims)])
         (self.numbered if found is not None else self.missed).append((family, dims))
         return found
+
+    def _traced_near(self, family: str, dims: Dims) -> list[tuple[Dims, TracedShape]]:
+        """The traced shapes of `family` alike `dims` (input shapes, trace), nearest first."""
+        near = [(d, t) for f, d, t, _, _ in self.measured if f == family and t is not None and _alike(d, dims)]
+        return sorted(near, key=lambda m: _ratio(m[0], dims))
 
     def _numbers(self, key: Call | None) -> StorageNumbers | None:
         """Numbering only (no trace) for a later shape of `key` where the guards of the nearest traced shape of its
@@ -704,10 +704,7 @@ class ShapeLaws:
         if key is None or any(f == key[0] for f, _ in self.missed):
             return None
         family, dims = key
-        near = sorted(
-            ((d, t) for f, d, t, _, _ in self.measured if f == family and t is not None and _alike(d, dims)),
-            key=lambda m: _ratio(m[0], dims),
-        )
+        near = self._traced_near(family, dims)
         if not near:
             return None
         (at, base), others = near[0], near[1:]
