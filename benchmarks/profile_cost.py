@@ -21,7 +21,11 @@ every op there); `--clock wall` the wall time.
 `--parts` also times the parts of both steps (timers wrapped around the profiler's functions, the same clock) and
 prints their medians in plain steps: the walk (the memory runs: the two recorded runs per stage, the `in_free` run,
 which in a timed profile is also each stage's first timing sample, and the no-grad run), the timing rounds, the FLOP
-count, the code around a module-level chain's run (`measure_outside`), discovery, and Python's cyclic collector.
+count, the code around a module-level chain's run (`measure_outside`), discovery, the loss's measurement, the traced
+sizes recorded (`ShapeLaws.add`: the trace's arrays, or a numbered shape's check against a traced one's), the
+planner, the whole profile (`pipeline.profile`: the walk, the rounds, the loss), the whole new shape
+(`ChainState._prepare`: the profile, the FLOPs, the laws, the plan; the rest of the step is its own forward and
+backward), and Python's cyclic collector.
 
     PYTHONPATH=. python benchmarks/profile_cost.py --models gpt gpt2 --runs 5 --parts
 """
@@ -133,6 +137,11 @@ PARTS = [
     ("lightning_rotor.chain_state", None, "stage_flops", "FLOPs"),
     ("lightning_rotor.pipeline", None, "measure_outside", "outside"),
     ("lightning_rotor.chain_state", "ChainState", "_discover_chain", "discovery"),
+    ("lightning_rotor.profile", None, "_loss_figures", "loss"),
+    ("lightning_rotor.symbolic_sizes", "ShapeLaws", "add", "laws"),
+    ("lightning_rotor.pipeline", None, "plan_chain", "plan"),
+    ("lightning_rotor.pipeline", None, "profile", "profile"),
+    ("lightning_rotor.chain_state", "ChainState", "_prepare", "prepare"),
 ]
 
 

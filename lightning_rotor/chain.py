@@ -403,7 +403,7 @@ class Chain:
             )
             + sum(o.saved_size + o.fwd_tmp + abs(o.bwd_tmp) + o.out_free for opts in self.options for o in opts)
         )
-        if total > MAX_BYTES:
+        if int(total) > MAX_BYTES:  # a bound, not a branch of the figures: no guard of a traced profile's
             raise ChainError(
                 f"the chain's sizes add up to {total} bytes, more than the 2**62 bytes (4 EiB) the "
                 "planner adds up exactly"

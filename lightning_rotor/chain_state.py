@@ -59,7 +59,7 @@ from lightning_rotor.shapes import (
 )
 from lightning_rotor.shared_budget import AUTO_MARGIN, Budget
 from lightning_rotor.simulate import no_recompute_peak
-from lightning_rotor.size_trace import SizeTrace
+from lightning_rotor.size_trace import StorageNumbers
 from lightning_rotor.stages import Stages
 from lightning_rotor.symbolic_sizes import ShapeLaws
 from lightning_rotor.tables import stage_text
@@ -422,7 +422,7 @@ class ChainState:
         flops = stage_flops(_seq(stages), value) if self.derive_shapes and self.compiler is None else None
         derive = flops is not None and self._timed is not None and not retime
         traced = self.fit_shapes and not self.sharded  # sizes as sums of storages' (lightning_rotor/size_trace.py)
-        with self._laws.tracing(traced, value, self._outside()) as trace:
+        with self._laws.tracing(traced, value, self._outside(), (call.family(), input_dims(value))) as trace:
             return pipeline.prepare(
                 _seq(stages), value, partial(self._new_shape_bytes, call, flops), names=self.stage_names,
                 slots=self.slots, adjust=partial(self._adjusted, call, trace, flops, derive), build=self.plans.build,
@@ -432,7 +432,7 @@ class ChainState:
             )  # fmt: skip
 
     def _adjusted(
-        self, call: CallInput, trace: SizeTrace | None, flops: list[int] | None, derive: bool, measured: Profile
+        self, call: CallInput, trace: StorageNumbers | None, flops: list[int] | None, derive: bool, measured: Profile
     ) -> Profile:
         """A new shape's profile as planned: its traced sizes recorded (`ShapeLaws.add`, the trace ended: the rest
         is planning), under FSDP2 the same figures on every rank, times derived from the timed shape's by FLOPs

@@ -12,7 +12,9 @@ storages. lightning_rotor/symbolic_sizes.py finds each storage's size at another
 
 Storages are numbered in the order the profile first counts them: two runs of the same ops at two shapes number
 them alike. Where a figure leaves the sums (a product of two sizes, a division), it becomes a plain int, a
-constant to the trace; lightning_rotor/symbolic_sizes.py refuses a constant that differs between shapes.
+constant to the trace; lightning_rotor/symbolic_sizes.py refuses a constant that differs between shapes. A profile
+may number its storages without tracing them (`StorageNumbers`): its figures plain ints, its storages numbered as
+a trace would number them.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 from lightning_rotor._torch_compat import StorageWeakRef, storage_id
 from lightning_rotor.memory import storages_sized_by
 
-__all__ = ["CONST", "Peak", "SizeTrace", "Sym", "Terms", "terms_of", "traced"]
+__all__ = ["CONST", "Peak", "SizeTrace", "StorageNumbers", "Sym", "Terms", "terms_of", "traced"]
 
 CONST = -1  # the key of a figure's constant term
 Terms = dict[int, int]  # storage index (CONST: the constant) -> coefficient
@@ -192,22 +194,19 @@ class Storage:
     factors: tuple[int, ...]
 
 
-class SizeTrace:
-    """One traced profile: the storages it counted (in order) and the guards its figures rest on, each as
-    (terms of `a - b` without the constant, the constant, the comparison, its outcome)."""
+class StorageNumbers:
+    """The storages a profile counts, numbered in the order it first counts them, with their dimensions; the bytes
+    as they are (plain ints, `higher` a plain `max`). A profile run so (`traced(StorageNumbers())`) computes every
+    figure as an untraced one does, and numbers its storages as a traced one (`SizeTrace`) of the same ops does:
+    the sizer is asked at the same points. A later shape numbered so gets its trace from a traced shape's
+    (symbolic_sizes.py `numbered_shape`), at a fifth to a third less than tracing it."""
 
     def __init__(self) -> None:
         self.storages: list[Storage] = []
-        self.guards: list[tuple[Terms, int, str, bool]] = []
-        self.terms = 0  # in all guards
-        self.abandoned = False  # too many guards to keep: no sizes are derived from this trace
-        self._seen: dict[int, tuple[StorageWeakRef, Sym]] = {}
-        self._dominated: dict[tuple[int, int], int] = {}
-        self._kept: list[tuple[list[Terms], Terms]] = []
-        self._recorded: set[tuple[frozenset[tuple[int, int]], int, str, bool]] = set()  # the guards, once each
+        self._seen: dict[int, tuple[StorageWeakRef, int]] = {}
 
     def size(self, storage: torch.UntypedStorage, tensor: torch.Tensor) -> int:
-        """The bytes of `storage` as a `Sym` of its own index (numbered when first counted)."""
+        """The bytes of `storage` (numbered when first counted, while it lives)."""
         key = storage_id(storage)
         seen = self._seen.get(key)
         if seen is not None and not seen[0].expired():
@@ -216,9 +215,36 @@ class SizeTrace:
         itemsize = tensor.element_size()
         whole = tensor.storage_offset() == 0 and nbytes == math.prod(tensor.shape) * itemsize and nbytes > 0
         self.storages.append(Storage(itemsize, tuple(tensor.shape)) if whole else Storage(1, (nbytes,)))
-        sym = Sym(nbytes, {len(self.storages) - 1: 1})
-        self._seen[key] = (StorageWeakRef(storage), sym)
-        return sym
+        size = self._sized(nbytes, len(self.storages) - 1)
+        self._seen[key] = (StorageWeakRef(storage), size)
+        return size
+
+    def _sized(self, nbytes: int, index: int) -> int:
+        return nbytes
+
+    def higher(self, peak: int, current: int) -> int:
+        return current if current > peak else peak
+
+    def close(self) -> None:
+        self._seen = {}  # storage handles must not outlive the block (MemoryProbe.close)
+
+
+class SizeTrace(StorageNumbers):
+    """One traced profile: the storages it counted (in order) and the guards its figures rest on, each as
+    (terms of `a - b` without the constant, the constant, the comparison, its outcome)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.guards: list[tuple[Terms, int, str, bool]] = []
+        self.terms = 0  # in all guards
+        self.abandoned = False  # too many guards to keep: no sizes are derived from this trace
+        self._dominated: dict[tuple[int, int], int] = {}
+        self._kept: list[tuple[list[Terms], Terms]] = []
+        self._recorded: set[tuple[frozenset[tuple[int, int]], int, str, bool]] = set()  # the guards, once each
+
+    def _sized(self, nbytes: int, index: int) -> int:
+        """The bytes of a storage as a `Sym` of its own index."""
+        return Sym(nbytes, {index: 1})
 
     def higher(self, peak: int, current: int) -> int:
         """`max(peak, current)` as a `Peak` that remembers `current` among its levels."""
@@ -258,20 +284,23 @@ class SizeTrace:
             self.abandoned, self.guards, self._recorded = True, [], set()
 
     def close(self) -> None:
-        self._seen = {}  # storage handles must not outlive the block (MemoryProbe.close)
+        super().close()
         self._dominated, self._kept, self._recorded = {}, [], set()
 
 
 @contextmanager
-def traced(trace: SizeTrace | None = None, close: bool = True) -> Iterator[SizeTrace]:
+def traced(trace: StorageNumbers | None = None, close: bool = True) -> Iterator[StorageNumbers]:
     """Trace the profiles run inside: every storage size the probes and the profile count is a `Sym`. `trace`: go
-    on with one begun before (its storages keep their numbers); `close=False`: leave it open to go on with."""
+    on with one begun before (its storages keep their numbers), a `SizeTrace` or, numbering only, `StorageNumbers`;
+    `close=False`: leave it open to go on with."""
     trace = trace if trace is not None else SizeTrace()
-    _TRACES.append(trace)
+    if isinstance(trace, SizeTrace):  # comparisons are recorded in a trace, not while numbering only
+        _TRACES.append(trace)
     try:
         with storages_sized_by(trace):
             yield trace
     finally:
-        _TRACES.remove(trace)
+        if isinstance(trace, SizeTrace):
+            _TRACES.remove(trace)
         if close:
             trace.close()

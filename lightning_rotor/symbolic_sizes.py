@@ -43,6 +43,11 @@ ceil(L / 8)`) is a law per residue class, and a few sizes can fit a wrong law ex
   with these rules on the GPT, the ConvNeXt and a padding model from two sizes; from three sizes in one
   bucket of a padding (9, 10 and 11 padded to 16) the law is a wrong constant, as the affine law's was before.
 
+A later shape whose regime is likely a traced shape's (that shape's guards hold at the storage sizes it likely
+has: `likely_sizes`) is measured with its storages numbered only, untraced (`ShapeLaws._numbers`): its chain is
+the untraced profile's, and its trace the traced shape's, checked to hold there and give its chain to the byte
+(`numbered_shape`); where none holds it stays untraced, and its family's later shapes are traced.
+
 The memory probe's samples (`RotorCallback`, `measure_step`) check the rest, as for any plan; on CUDA, where a
 profile also keeps the caching allocator's figures (workspaces, rounding), every shape is measured.
 
@@ -56,6 +61,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import math
 import sys
 import warnings
@@ -68,7 +74,7 @@ import torch
 
 from lightning_rotor._torch_compat import tree_flatten
 from lightning_rotor.chain import TIME_FIELDS, Chain, ChainError, StageOption
-from lightning_rotor.size_trace import CONST, SizeTrace, Terms, terms_of, traced
+from lightning_rotor.size_trace import CONST, SizeTrace, Storage, StorageNumbers, Terms, terms_of, traced
 
 __all__ = [
     "ShapeLaw",
@@ -202,14 +208,21 @@ def _allowed(op: str, outcome: bool) -> tuple[bool, bool, bool]:
     return holds if outcome else (not holds[0], not holds[1], not holds[2])
 
 
+def _storage_dims(storages: Sequence[Storage]) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
+    """(dims, itemsizes, ranks) of a profile's storages, as `TracedShape` holds them (a sentinel last)."""
+    n = len(storages)
+    widest = max((len(s.factors) for s in storages), default=0)
+    dims = np.ones((n + 1, max(widest, 1)), dtype=np.int64)  # the last: the sentinel, size 0 (itemsize 0)
+    for i, s in enumerate(storages):
+        dims[i, : len(s.factors)] = s.factors
+    itemsizes = np.asarray([s.itemsize for s in storages] + [0], dtype=np.int64)
+    return dims, itemsizes, tuple(len(s.factors) for s in storages)
+
+
 def traced_shape(size: int, trace: SizeTrace, chain: Chain, flops: list[int] | None) -> TracedShape:
     """The measured shape of `chain`, profiled under `trace`, at `size` along its axis."""
     n = len(trace.storages)
-    widest = max((len(s.factors) for s in trace.storages), default=0)
-    dims = np.ones((n + 1, max(widest, 1)), dtype=np.int64)  # the last: the sentinel, size 0 (itemsize 0)
-    for i, s in enumerate(trace.storages):
-        dims[i, : len(s.factors)] = s.factors
-    itemsizes = np.asarray([s.itemsize for s in trace.storages] + [0], dtype=np.int64)
+    dims, itemsizes, ranks = _storage_dims(trace.storages)
     sizes = [terms_of(v) for v in chain_sizes(chain)]
     return TracedShape(
         size=size,
@@ -217,12 +230,34 @@ def traced_shape(size: int, trace: SizeTrace, chain: Chain, flops: list[int] | N
         flops=flops,
         dims=dims,
         itemsizes=itemsizes,
-        ranks=tuple(len(s.factors) for s in trace.storages),
+        ranks=ranks,
         guards=Rows([g[0] | {CONST: g[1]} for g in trace.guards], n),
         allowed=np.asarray([_allowed(g[2], g[3]) for g in trace.guards], dtype=bool).reshape(-1, 3),
         sizes=Rows([t if t is not None else {} for t in sizes], n),
         constant=np.asarray([t is None or not any(k != CONST for k in t) for t in sizes], dtype=bool),
     )
+
+
+def numbered_shape(
+    numbers: StorageNumbers, chain: Chain, flops: list[int] | None, traced: Sequence[TracedShape]
+) -> TracedShape | None:
+    """The measured shape of `chain`, profiled with its storages numbered only (`size_trace.StorageNumbers`): the
+    trace of the first of `traced` (nearest first) that ran the same ops and holds here (its guards hold at the
+    numbered storages' sizes, its rows give `chain` to the byte), with these storages' dimensions. That trace is
+    exact wherever its guards hold, here as at its own shape; a trace taken here is the same but where two levels
+    of a peak have equal bytes here (it keeps the first as the peak: same bytes, other terms). None where no trace
+    holds (another op is a stage's largest here): the shape is untraced."""
+    dims, itemsizes, ranks = _storage_dims(numbers.storages)
+    sizes = itemsizes * np.prod(dims, axis=1)
+    measured = chain_sizes(chain)
+    for base in traced:
+        if base.ranks != ranks or not np.array_equal(base.itemsizes, itemsizes):
+            continue
+        if _structure(base.chain) != _structure(chain) or not base.guards_hold(sizes):
+            continue
+        if [int(v) for v in base.sizes.at(sizes)] == measured:
+            return dataclasses.replace(base, size=0, chain=chain, flops=flops, dims=dims, itemsizes=itemsizes)
+    return None
 
 
 @dataclasses.dataclass
@@ -613,7 +648,7 @@ class ShapeLaws:
     def __init__(self) -> None:
         # a module-level chain (a run of blocks, the code around it measured apart): its shapes are keyed by the
         # call's arguments (family, shapes), whose sizes decide the run's input's; `call` says which call runs now
-        self._outside: tuple[Any, SizeTrace, Call | None] | None = None  # the code around it, measured in a trace
+        self._outside: tuple[Any, StorageNumbers, Call | None] | None = None  # the code around it, measured in a trace
         self._call: Call | None = None
         self._call_derived: Found | None = None  # the chain of the call running now, derived from its arguments
         self._keyed: Call | None = None  # the key the next measured shape is recorded under (a call's)
@@ -623,23 +658,72 @@ class ShapeLaws:
         # asks at its call, its plan key not known yet: a shape seen before is not derived again)
         self._found_at: dict[tuple[str, Dims], Found | str] = {}
         self.refused: str | None = None  # the first reason a law was refused (warned once)
+        # shapes measured with their storages numbered only, their traces a traced shape's (`numbered_shape`), and
+        # those no traced shape's trace held at (untraced; their family's later shapes are traced: `_numbers`)
+        self.numbered: list[Call] = []
+        self.missed: list[Call] = []
 
-    def add(self, family: str, dims: Dims, trace: SizeTrace | None, chain: Chain, flops: list[int] | None) -> Chain:
-        """A measured shape (`trace`: its traced profile, None where it was not traced); its chain in plain ints.
-        A shape measured again (timed after its derived times proved wrong) replaces its earlier measurement."""
-        traced = traced_shape(0, trace, chain, flops) if trace is not None and not trace.abandoned else None
+    def add(
+        self, family: str, dims: Dims, trace: StorageNumbers | None, chain: Chain, flops: list[int] | None
+    ) -> Chain:
+        """A measured shape (`trace`: its traced profile, or its storages numbered only; None where it was neither);
+        its chain in plain ints. A shape measured again (timed after its derived times proved wrong) replaces its
+        earlier measurement."""
         family, dims = self._keyed or (family, dims)
         self._keyed = None
+        traced = self._traced_shape(family, dims, trace, chain, flops)
         self.measured = [m for m in self.measured if (m[0], m[1]) != (family, dims)]
         self.measured.append((family, dims, traced, chain, flops))
         self._laws.clear()
         self._found_at.clear()
         return traced.chain if traced is not None else plain_sizes(chain)
 
+    def _traced_shape(
+        self, family: str, dims: Dims, trace: StorageNumbers | None, chain: Chain, flops: list[int] | None
+    ) -> TracedShape | None:
+        """A measured shape's trace: its own, or for a shape numbered only a traced shape's (`numbered_shape`)."""
+        if isinstance(trace, SizeTrace):
+            return traced_shape(0, trace, chain, flops) if not trace.abandoned else None
+        if trace is None:
+            return None
+        found = numbered_shape(trace, plain_sizes(chain), flops, [t for _, t in self._traced_near(family, dims)])
+        (self.numbered if found is not None else self.missed).append((family, dims))
+        return found
+
+    def _traced_near(self, family: str, dims: Dims) -> list[tuple[Dims, TracedShape]]:
+        """The traced shapes of `family` alike `dims` (input shapes, trace), nearest first."""
+        near = [(d, t) for f, d, t, _, _ in self.measured if f == family and t is not None and _alike(d, dims)]
+        return sorted(near, key=lambda m: _ratio(m[0], dims))
+
+    def _numbers(self, key: Call | None) -> StorageNumbers | None:
+        """Numbering only (no trace) for a later shape of `key` where the guards of the nearest traced shape of its
+        family hold at the sizes its storages likely have there (`likely_sizes`): its trace is then that shape's
+        (`numbered_shape`), and tracing costs a fifth to a third of a sizes-only profile. Else None: trace it. A
+        wrong guess costs, never a wrong size: a shape no trace holds at keeps its measured chain, untraced, and
+        its family is traced from then on (`missed`)."""
+        if key is None or any(f == key[0] for f, _ in self.missed):
+            return None
+        family, dims = key
+        near = self._traced_near(family, dims)
+        if not near:
+            return None
+        (at, base), others = near[0], near[1:]
+        fixed = np.zeros(base.dims.shape, dtype=bool)  # dimensions another traced shape had along the same sizes
+        for d, other in others:
+            if other.dims.shape == base.dims.shape and _moved(at, d) == _moved(at, dims):
+                fixed |= base.dims == other.dims
+        guesses = (True, False) if any(0 < x <= SMALL for x in _moved_sizes(at, dims)) else (False,)
+        holds = any(base.guards_hold(likely_sizes(base, at, dims, fixed, strict)) for strict in guesses)
+        return StorageNumbers() if holds else None
+
     @contextlib.contextmanager
-    def tracing(self, on: bool, value: Any, outside: Any = None) -> Iterator[SizeTrace | None]:
-        """A trace of the profile run inside (None: not traced). With `outside` (what the code around a run of
-        blocks costs), the profile goes on with the trace that measured it (`tracing_outside`), or is not traced."""
+    def tracing(
+        self, on: bool, value: Any, outside: Any = None, key: Call | None = None
+    ) -> Iterator[StorageNumbers | None]:
+        """A trace of the profile run inside (None: not traced), or its storages numbered only where `key` (the new
+        shape's family and input shapes) is near a traced shape (`_numbers`). With `outside` (what the code around a
+        run of blocks costs), the profile goes on with the trace that measured it (`tracing_outside`), or is not
+        traced."""
         pending, self._outside = self._outside, None
         if outside is not None and (pending is None or pending[0] is not outside):
             yield None
@@ -648,7 +732,7 @@ class ShapeLaws:
             yield None
             return
         self._keyed = pending[2] if pending is not None else None
-        with traced(pending[1] if pending is not None else None) as trace:
+        with traced(pending[1] if pending is not None else self._numbers(key)) as trace:
             yield trace
 
     @contextlib.contextmanager
@@ -661,10 +745,10 @@ class ShapeLaws:
         if not _traceable(on, value):
             yield lambda outside: outside
             return
-        with traced(close=False) as trace:
+        with traced(self._numbers(self._call), close=False) as trace:
             yield lambda outside: self._noted(outside, trace)
 
-    def _noted(self, outside: Any, trace: SizeTrace) -> Any:
+    def _noted(self, outside: Any, trace: StorageNumbers) -> Any:
         self._outside = (outside, trace, self._call)
         return outside
 
@@ -793,6 +877,55 @@ class ShapeLaws:
         if refused is not None and warn:
             self._refuse(refused)
         return self._laws[key]
+
+
+SMALL = 4  # an input size up to this is taken for a batch by a guess (`likely_sizes`)
+
+
+def likely_sizes(shape: TracedShape, at: Dims, dims: Dims, fixed: np.ndarray, strict: bool) -> np.ndarray:
+    """The storage sizes a traced shape measured at input shapes `at` likely has at `dims`, a guess only (whether
+    to trace a shape, `ShapeLaws._numbers`). For each input size `x` that becomes `y`, a dimension above 1 and not
+    `fixed` (the same at another traced shape along these sizes) scales: for a length or a side, by `(y / x) ** 2`
+    where a multiple of `x * x` (attention's `L * L`), else by `y / x` where that makes a whole number (`B * L`,
+    `H / 4`); for a batch (`x` up to `SMALL`) so too, or with `strict` by `y / x` only where it is `x` times one
+    or two of the input's other sizes (`B`, `B * L`: an even width is no multiple of a batch of 2, a batch times a
+    group count is). Else it stays (a width, `L + 1`)."""
+    now = shape.dims.astype(object)
+    flat = [n for t in at for n in t]
+    for x, y in {(x, y) for p, q in zip(at, dims, strict=True) for x, y in zip(p, q, strict=True) if x != y}:
+        if x < 1:
+            continue
+        free = ~fixed & (now > 1)
+        if x > SMALL or not strict:
+            square = free & (now % (x * x) == 0) & (x > SMALL)
+            linear = free & ~square & (now * y % x == 0)
+        else:
+            others = sorted({n for n in flat if n != x})
+            products = [math.prod(c) for r in range(3) for c in itertools.combinations(others, r)]
+            square = np.zeros(now.shape, dtype=bool)
+            linear = free & (now % x == 0) & np.isin(now // x, products)
+        now = np.where(square, now * y * y // (x * x), np.where(linear, now * y // x, now))
+    return (shape.itemsizes * np.prod(now.astype(np.int64), axis=1)).astype(np.int64)
+
+
+def _moved_sizes(a: Dims, b: Dims) -> set[int]:
+    """The sizes of `a` that differ in `b`."""
+    return {x for p, q in zip(a, b, strict=True) for x, y in zip(p, q, strict=True) if x != y}
+
+
+def _moved(a: Dims, b: Dims) -> set[tuple[int, int]]:
+    """The coordinates (tensor, dimension) where two alike input shapes differ."""
+    return {(i, d) for i, (p, q) in enumerate(zip(a, b, strict=True)) for d in range(len(p)) if p[d] != q[d]}
+
+
+def _ratio(a: Dims, b: Dims) -> float:
+    """How far apart two alike input shapes are: the largest ratio of one's size to the other's."""
+    ratios = [
+        max(x, y) / min(x, y) if min(x, y) else (1.0 if x == y else math.inf)
+        for p, q in zip(a, b, strict=True)
+        for x, y in zip(p, q, strict=True)
+    ]
+    return max(ratios, default=1.0)
 
 
 def _alike(a: Dims, b: Dims) -> bool:

@@ -1,0 +1,215 @@
+"""A later shape measured with its storages numbered only (lightning_rotor/size_trace.py `StorageNumbers`), not
+traced: its chain is the one a traced profile measures there, to the byte, and its trace (`numbered_shape`: a traced
+shape's guards and rows with its own storages) is the one a traced profile there records, array for array; a shape
+whose regime differs (another op a stage's largest) is traced; one numbered where no trace holds keeps its measured
+chain, untraced, and its family is traced from then on (lightning_rotor/symbolic_sizes.py `ShapeLaws`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from fitting import KeepRotorModules, quiet_trainer
+from test_shapes import LM, batch, small_gpt
+from test_symbolic_sizes import StepPeaks, gpt_stages, sizes, tiny_gpt2, tokens
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_rotor.checkpointable import Checkpointable
+from lightning_rotor.lightning import RotorCallback, RotorStrategy
+from lightning_rotor.models.convnext import ConvNeXt
+from lightning_rotor.models.gpt import lm_loss
+from lightning_rotor.profile import profile_chain
+from lightning_rotor.size_trace import SizeTrace, StorageNumbers, traced
+from lightning_rotor.symbolic_sizes import ShapeLaws, TracedShape, chain_sizes, numbered_shape, traced_shape
+
+
+def convnext_stages():
+    torch.manual_seed(0)
+    model = ConvNeXt(depths=(1, 1, 1, 1), dims=(8, 16, 32, 64), num_classes=10)
+    return [model.stem, *model.stages]
+
+
+def images(batch_size, side):
+    return torch.randn(batch_size, 3, side, side, generator=torch.Generator().manual_seed(side))
+
+
+def traced_at(stages, x, names=None):
+    with traced() as trace:
+        chain = profile_chain(stages, x, names=names, repeats=1, timed=False).chain
+        shape = traced_shape(0, trace, chain, None)  # inside: a peak's guards are recorded as its terms are read
+    return shape, trace
+
+
+def numbered_at(stages, x):
+    with traced(StorageNumbers()) as numbers:
+        chain = profile_chain(stages, x, repeats=1, timed=False).chain
+    return chain, numbers
+
+
+def storage_sizes(shape: TracedShape) -> np.ndarray:
+    return shape.itemsizes * np.prod(shape.dims, axis=1)
+
+
+def assert_derives_right(got: TracedShape, want: TracedShape, others: list[TracedShape]) -> None:
+    """`got` (a numbered shape's trace) has `want`'s (a traced profile's there) storages and chain, and at every
+    other traced shape where its guards hold, its rows give that shape's measured chain to the byte (held at one at
+    least). Its guards need not be `want`'s: where two levels of a peak are equal here, a trace taken here keeps the
+    first as the peak, the traced shape it came from the other, the same bytes here."""
+    assert np.array_equal(got.dims, want.dims) and np.array_equal(got.itemsizes, want.itemsizes)
+    assert got.ranks == want.ranks and sizes(got.chain) == sizes(want.chain)
+    assert got.guards_hold(storage_sizes(want))
+    assert [int(v) for v in got.sizes.at(storage_sizes(want))] == chain_sizes(want.chain)
+    held = 0
+    for other in others:
+        at = storage_sizes(other)
+        if got.ranks == other.ranks and got.guards_hold(at):
+            assert [int(v) for v in got.sizes.at(at)] == chain_sizes(other.chain)
+            held += 1
+    assert held >= 1
+
+
+@pytest.mark.parametrize(
+    "make, shapes",
+    [
+        (gpt_stages, [tokens(2, n) for n in (24, 28, 20, 26, 32)]),
+        (convnext_stages, [images(2, n) for n in (64, 72, 56, 80)]),
+        (convnext_stages, [images(n, 64) for n in (4, 3, 2, 5)]),  # a partial last batch
+    ],
+    ids=["gpt-length", "convnext-side", "convnext-batch"],
+)
+def test_a_numbered_shape_has_the_chain_a_traced_profile_measures_and_a_trace_that_derives_right(make, shapes):
+    stages = make()
+    base, _ = traced_at(stages, shapes[0])
+    chain, numbers = numbered_at(stages, shapes[1])
+    want, trace = traced_at(stages, shapes[1])
+    assert chain.to_dict() == want.chain.to_dict()  # every field: a numbered profile is an untraced one
+    assert numbers.storages == trace.storages and not isinstance(numbers, SizeTrace)
+    got = numbered_shape(numbers, chain, None, [base])
+    assert got is not None
+    assert_derives_right(got, want, [traced_at(stages, x)[0] for x in shapes[2:]])
+
+
+def test_a_numbered_shape_in_another_regime_has_no_trace_and_its_family_is_traced_from_then_on():
+    """The small GPT at length 8 after 20: another op is the largest of some stages, so 20's guards fail at 8's
+    storage sizes; numbered anyway, it keeps its measured chain, untraced, and the next shape is traced."""
+    stages, laws = list(small_gpt()), ShapeLaws()
+    key = ("family", ((2, 20),))
+    with laws.tracing(True, tokens(2, 20), key=key) as trace:
+        assert isinstance(trace, SizeTrace)  # the first shape: traced
+        laws.add(*key, trace, profile_chain(stages, tokens(2, 20), repeats=1, timed=False).chain, None)
+    chain, numbers = numbered_at(stages, tokens(2, 8))
+    assert laws.add("family", ((2, 8),), numbers, chain, None).to_dict() == chain.to_dict()
+    assert laws.missed == [("family", ((2, 8),))] and laws.measured[-1][2] is None
+    with laws.tracing(True, tokens(2, 21), key=("family", ((2, 21),))) as trace:
+        assert isinstance(trace, SizeTrace)  # near 20, but its family missed once: traced
+
+
+def steps(rotor, lengths):
+    for step, n in enumerate(lengths):
+        x, y = batch(n)
+        rotor.zero_grad()
+        torch.manual_seed(step)
+        lm_loss(rotor(x), y).backward()
+
+
+def test_a_later_shape_is_numbered_where_its_regime_is_a_traced_one_s_and_traced_where_not():
+    """The small GPT: 24 is in 20's regime (numbered); 8 is not (traced, though its storages' sizes would follow
+    the first two exactly: a width equal to a measured length is not taken for one); every measured shape's chain
+    and trace are those of the small GPT traced at that length first."""
+    rotor = Checkpointable(small_gpt(), "60%", repeats=1)
+    steps(rotor, (20, 24, 8))
+    laws = rotor.chain_state._laws
+    assert [d for _, d in laws.numbered] == [((2, 24),)] and not laws.missed
+    for _, dims, shape, chain, _ in laws.measured:
+        first = Checkpointable(small_gpt(), "60%", repeats=1)
+        steps(first, (dims[0][1],))
+        (want,) = first.chain_state._laws.measured
+        assert shape is not None and want[2] is not None and sizes(chain) == sizes(want[3])
+        assert_derives_right(shape, want[2], [m[2] for m in laws.measured if m[2] is not None])
+
+
+def test_hugging_face_gpt2_numbers_a_later_length_with_the_code_around_its_run_and_keeps_its_sizes():
+    """GPT-2 from its config, a module-level chain (the code around the run measured in the numbering its profile
+    goes on with): a later length is numbered, and its chain (the code around the run charged to it) and its trace
+    are those of GPT-2 traced at that length first."""
+    pytest.importorskip("transformers")
+
+    def measured(lengths):
+        rotor = Checkpointable(tiny_gpt2(), "70%", repeats=1)
+        for step, n in enumerate(lengths):
+            x = tokens(2, n)
+            rotor.zero_grad()
+            torch.manual_seed(step)
+            rotor(input_ids=x, labels=x).loss.backward()
+        return rotor.chain_state._laws
+
+    numbered, first = measured((32, 36)), measured((36,))
+    assert [d for _, d in numbered.numbered] == [((2, 36), (2, 36))]
+    got, want = numbered.measured[-1], first.measured[-1]
+    assert got[:2] == want[:2] and sizes(got[3]) == sizes(want[3])
+    assert got[2] is not None and want[2] is not None
+    assert_derives_right(got[2], want[2], [m[2] for m in numbered.measured if m[2] is not None])
+
+
+class NearLengths(Dataset):
+    """Dynamic padding's lengths: 22, 18 and 21 (odd: off the even sizes measured) in 20's regime, numbered; 8 and
+    30 traced (another op a stage's largest); 12 and 26 derived."""
+
+    LENGTHS = (20, 22, 18, 21, 8, 30, 12, 26)
+
+    def __len__(self):
+        return len(self.LENGTHS)
+
+    def __getitem__(self, i):
+        return batch(self.LENGTHS[i])
+
+
+def test_the_trainer_numbers_near_lengths_and_trains_bitwise_within_budget(tmp_path):
+    """A real Trainer and `RotorStrategy` (the defaults): the later lengths near the first's regime are measured
+    numbered; every step bitwise equal to plain training's and measured within its budget, at most its plan's
+    predicted peak."""
+    keep, loader, peaks = KeepRotorModules(), DataLoader(NearLengths(), batch_size=None), StepPeaks()
+    runs = {}
+    for name, strategy in (("plain", "auto"), ("rotor", RotorStrategy(mem_limit="60%"))):
+        model = LM()
+        torch.manual_seed(7)
+        trainer = quiet_trainer(tmp_path / name, strategy, max_steps=len(NearLengths()))
+        if name == "rotor":
+            measure = RotorCallback(measure_every_n_steps=1, log_curves=False, print_summary=False)
+            trainer.callbacks.extend([keep, measure, peaks])
+        trainer.fit(model, loader)
+        runs[name] = model
+    rotor = keep.modules["net"]
+    laws = rotor.chain_state._laws
+    assert peaks.checked == len(NearLengths()) - 1 and len(rotor.entries) == len(NearLengths())
+    assert [d[0][1] for _, d in laws.numbered] == [22, 18, 21] and not laws.missed
+    assert [d[0][1] for _, d, shape, _, _ in laws.measured if shape is not None] == [20, 22, 18, 21, 8, 30]
+    assert sorted(rotor.chain_state._shapes[k] for k in rotor.fitted) == ["(2, 12)", "(2, 26)"]
+    for a_step, b_step in zip(runs["rotor"].grads, runs["plain"].grads, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(a_step, b_step, strict=True))
+
+
+def test_a_partial_batch_of_a_small_batch_is_numbered_and_keeps_its_sizes():
+    """Batch 2, then a last batch of 3: a guess that scaled every even dimension by 3/2 (a width of 32 is a multiple
+    of a batch of 2) took the shape for another regime and traced it; the batch scales only what it multiplies."""
+    rotor = Checkpointable(small_gpt(), "60%", repeats=1)
+    for step, rows in enumerate((2, 3)):
+        x = torch.randint(0, 64, (rows, 24), generator=torch.Generator().manual_seed(rows))
+        rotor.zero_grad()
+        torch.manual_seed(step)
+        lm_loss(rotor(x), x).backward()
+    laws = rotor.chain_state._laws
+    assert [d for _, d in laws.numbered] == [((3, 24),)] and not laws.missed
+    want, _ = traced_at(list(rotor.stages), x, rotor.stage_names)
+    assert sizes(laws.measured[-1][3]) == sizes(want.chain)
+
+
+def test_two_traced_lengths_of_one_regime_record_the_same_guards_constants_too():
+    """The small GPT traced at lengths 24 and 28 (one regime) records the same guards, their constants too. The
+    bound on a chain's total bytes (a sum with `abs` of signed sizes, which leaves the sums: a constant that moves
+    with the shape) was a guard before, the one guard whose constant differed between the two."""
+    stages = gpt_stages()
+    _, a = traced_at(stages, tokens(2, 24))
+    _, b = traced_at(stages, tokens(2, 28))
+    assert len(a.guards) > 100
+    assert [(g[0], g[1], g[2], g[3]) for g in a.guards] == [(g[0], g[1], g[2], g[3]) for g in b.guards]
