@@ -58,6 +58,7 @@ __all__ = [
     "fsdp_unit_gathered",
     "fsdp_unit_unsharded",
     "forward_hooks",
+    "free_weak_storage",
     "has_post_accumulate_grad_hooks",
     "is_accumulate_grad",
     "is_norm",
@@ -73,6 +74,7 @@ __all__ = [
     "tree_leaves",
     "tree_map",
     "tree_unflatten",
+    "weak_storage",
     "weak_storage_expired",
     "view_base",
 ]
@@ -93,6 +95,17 @@ TORCH_CHECKED = "2.13.0"  # the torch version every entry below was checked agai
 # `StorageWeakRef(...).expired()` is a Python method around this C call, taking the reference's `cdata`;
 # MemoryProbe asks it for every live storage before every op, so it calls it directly.
 weak_storage_expired: Callable[[int], bool] = torch.UntypedStorage._expired  # type: ignore[assignment]
+
+
+# A weak reference's handle without its Python object (what `StorageWeakRef` holds as `cdata`): MemoryProbe makes one
+# per counted storage, for every op's new output, and frees it itself (`free_weak_storage`, once per handle) when
+# the storage is seen dead or the probe closes: making and dropping a `StorageWeakRef` costs 10x the C calls.
+def weak_storage(storage: torch.UntypedStorage) -> int:
+    """A new weak reference to `storage`'s C++ storage, as a handle; free it with `free_weak_storage`, once."""
+    return storage._weak_ref()  # type: ignore[return-value]  # an int: the stubs say a storage
+
+
+free_weak_storage: Callable[[int], None] = torch.UntypedStorage._free_weak_ref
 
 
 def storage_id(storage: torch.UntypedStorage) -> int:
