@@ -556,7 +556,7 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         # an output on an input's storage (a view, an in-place op) is no new allocation
-        self._add(_op_tensors(out), _InputStorages((args, kwargs)))
+        self._add(_op_tensors(out), _InputStorages(args, kwargs))
         self.ops += 1
         if self.record_curve:
             self.curve.append(self.current)
@@ -567,15 +567,18 @@ class _InputStorages:
     """The storages of an op's inputs, found when first asked: an output on a storage already counted (a view, an
     in-place op) needs no look at them."""
 
-    __slots__ = ("_args", "_keys")
+    __slots__ = ("_args", "_keys", "_kwargs")
 
-    def __init__(self, args: Any):
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]):
         self._args = args
+        self._kwargs = kwargs
         self._keys: set[int] | None = None
 
     def __contains__(self, key: object) -> bool:
         if self._keys is None:
-            self._keys = {storage_key(t) for t in _op_tensors(self._args) if t.layout == torch.strided}
+            tensors = _op_tensors(self._args) + _op_tensors(self._kwargs) if self._kwargs else _op_tensors(self._args)
+            strided = [t for t in tensors if t.layout == torch.strided]
+            self._keys = set(map(_CDATA, map(_STORAGE, strided)))  # `storage_key` of each, by C-level iteration
         return key in self._keys
 
 
