@@ -60,7 +60,7 @@ class Recorder:
         def law_add(laws: ShapeLaws, family: str, dims: Any, trace: Any, chain: Any, flops: Any) -> Any:
             if trace is not None:
                 storages = [[s.itemsize, list(s.factors)] for s in trace.storages]
-                guards = [[sorted(t.items()), c, op, r] for t, c, op, r in trace.guards]
+                guards = [[list(t.items()), c, op, r] for t, c, op, r in trace.guards]  # in order
                 self.traces.append({"storages": storages, "guards": guards, "abandoned": trace.abandoned})
             return add(laws, family, dims, trace, chain, flops)
 
