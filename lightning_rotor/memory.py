@@ -62,8 +62,10 @@ from lightning_rotor._torch_compat import (
     StorageWeakRef,
     TorchDispatchMode,
     ddp_pre_forward,
+    free_weak_storage,
     storage_id,
     tree_leaves,
+    weak_storage,
     weak_storage_expired,
 )
 
@@ -179,20 +181,28 @@ def storage_bytes(tensors: Any) -> int:
 
 _ACTIVE: weakref.WeakSet = weakref.WeakSet()  # probes inside their block
 _HOST = threading.local()  # `making`: what storages made now are ("copies", "buffers"), or None
+# how many `_making` blocks are open, in any thread: while none is, no thread makes host storages, and a probe's op
+# need not read the thread-local (a probe asks at every op; reading a `threading.local` costs some 0.3 us)
+_MAKING_OPEN = [0]
+_MAKING_LOCK = threading.Lock()
 
 
 def _making_host() -> str | None:
-    return getattr(_HOST, "making", None)
+    return getattr(_HOST, "making", None) if _MAKING_OPEN[0] else None
 
 
 @contextmanager
 def _making(what: str) -> Iterator[None]:
-    before = _making_host()
+    with _MAKING_LOCK:
+        _MAKING_OPEN[0] += 1
+    before = getattr(_HOST, "making", None)
     _HOST.making = what
     try:
         yield
     finally:
         _HOST.making = before
+        with _MAKING_LOCK:
+            _MAKING_OPEN[0] -= 1
 
 
 def host_allocations() -> AbstractContextManager[None]:
@@ -353,9 +363,10 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
         self._stored: list[torch.Tensor] = []  # parameters whose `.grad` autograd stored since the last sweep
         self._bookkeeping = {_code(f) for f in bookkeeping} | excluded.bookkeeping
         self._uncounted: dict[int, StorageWeakRef] = {}  # storages made by bookkeeping
-        self._live: dict[int, tuple[StorageWeakRef, int]] = {}
-        # NOTE: [live handles] per counted storage, in `_live`'s order, its weak reference's handle: what the sweep
-        # before every op asks expiry of, without two lookups per live storage
+        self._live: dict[int, int] = {}  # counted storage -> its bytes
+        # NOTE: [live handles] per counted storage, in `_live`'s order, a weak reference to it as a bare handle
+        # (`weak_storage`): what the sweep before every op asks expiry of, without two lookups per live storage. The
+        # probe frees each handle itself, once: when it drops the storage (`_drop`) or closes
         self._handles: dict[int, int] = {}
         self._fixed_grew = False  # a storage counted before was made fixed since the last sweep (`_add`, buffers)
         self._host_live: dict[int, tuple[StorageWeakRef, int]] = {}  # host copies made under host_allocations
@@ -388,14 +399,13 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
             # a fixed storage is never counted (`_add`), unless made fixed after it was: only then look for one
             gone = self._fixed.intersection(live) if self._fixed_grew else set()
             self._fixed_grew = False
-            if self._params:
+            if self._params and (self._stored or not self._by_autograd):  # by autograd: only once one was stored
                 gone |= self._gradients().intersection(live)
             if gone:
                 gone.update(dead)
                 dead = [k for k in live if k in gone]  # in the order they were counted, as before
             for k in dead:
-                del handles[k]
-                self.current -= live.pop(k)[1]
+                self._drop(k)
         elif self._stored:
             self._stored = []  # nothing counted that could be a gradient
         if self._host_live:
@@ -411,6 +421,11 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
             frame = frame.f_back
         return False
 
+    def _drop(self, key: int) -> None:
+        """Stop counting the storage `key` (dead, emptied, or a gradient now), its handle freed."""
+        free_weak_storage(self._handles.pop(key))
+        self.current -= self._live.pop(key)
+
     def _add(self, tensors: list[Any], inputs: Container[int] = frozenset(), bookkeeping: bool | None = None) -> None:
         """Count the new storages behind `tensors` (flattened); `bookkeeping` None: look up (once) whether a
         bookkeeping function made them."""
@@ -423,14 +438,14 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
             self._fixed_grew = True
             return
         for t in tensors:
-            if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.device.type == "meta":
+            if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.is_meta:
                 continue
             storage = t.untyped_storage()
             key = storage_id(storage)
             if key in self._fixed:
                 continue
-            old = self._live.get(key)
-            if old is not None and not old[0].expired():
+            old = self._handles.get(key)
+            if old is not None and not weak_storage_expired(old):
                 continue  # counted already (a view, an in-place op): the op's inputs need not be looked at
             if key in inputs:
                 continue
@@ -440,8 +455,7 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
                     continue  # a host copy, counted as host memory
                 self.host_current -= self._host_live.pop(key)[1]
             if old is not None:
-                del self._handles[key]
-                self.current -= self._live.pop(key)[1]
+                self._drop(key)
             if self._bookkeeping:
                 ref = self._uncounted.get(key)
                 if ref is not None and not ref.expired():
@@ -452,9 +466,8 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
                     self._uncounted[key] = StorageWeakRef(storage)
                     continue
             nbytes = self._sizer.size(storage, t)
-            ref = StorageWeakRef(storage)
-            self._live[key] = (ref, nbytes)
-            self._handles[key] = ref.cdata
+            self._live[key] = nbytes
+            self._handles[key] = weak_storage(storage)
             self.current += nbytes
         self.peak = self._sizer.higher(self.peak, self.current)
 
@@ -496,8 +509,7 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
 
     def _forget(self, key: int) -> None:
         if key in self._live:
-            del self._handles[key]
-            self.current -= self._live.pop(key)[1]
+            self._drop(key)
 
     def __enter__(self) -> MemoryProbe:
         if self._closed:
@@ -530,7 +542,9 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
         free the same weak reference twice and corrupt the heap.
         """
         self._closed = True
-        self._live, self._handles = {}, {}
+        handles, self._live, self._handles = self._handles, {}, {}
+        for handle in handles.values():
+            free_weak_storage(handle)
         self._host_live = {}
         self._uncounted = {}
         self._fixed = set()
@@ -542,7 +556,7 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         # an output on an input's storage (a view, an in-place op) is no new allocation
-        self._add(_op_tensors(out), _InputStorages((args, kwargs)))
+        self._add(_op_tensors(out), _InputStorages(args, kwargs))
         self.ops += 1
         if self.record_curve:
             self.curve.append(self.current)
@@ -553,15 +567,18 @@ class _InputStorages:
     """The storages of an op's inputs, found when first asked: an output on a storage already counted (a view, an
     in-place op) needs no look at them."""
 
-    __slots__ = ("_args", "_keys")
+    __slots__ = ("_args", "_keys", "_kwargs")
 
-    def __init__(self, args: Any):
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]):
         self._args = args
+        self._kwargs = kwargs
         self._keys: set[int] | None = None
 
     def __contains__(self, key: object) -> bool:
         if self._keys is None:
-            self._keys = {storage_key(t) for t in _op_tensors(self._args) if t.layout == torch.strided}
+            tensors = _op_tensors(self._args) + _op_tensors(self._kwargs) if self._kwargs else _op_tensors(self._args)
+            strided = [t for t in tensors if t.layout == torch.strided]
+            self._keys = set(map(_CDATA, map(_STORAGE, strided)))  # `storage_key` of each, by C-level iteration
         return key in self._keys
 
 
