@@ -1,0 +1,111 @@
+"""The caller's real loss, measured on the first step a plan runs, and the chain raised to it.
+
+Where the caller's loss is unknown (no `loss_fn=`, no `loss_tmp=`, no outside measured), the
+profiler charges a cross-entropy stand-in (`profile.proxy_loss`). A loss that holds more (an MSE
+keeps `a_L` and its loss value shares a buffer of `a_L`'s size; a contrastive loss saves a B x B
+similarity) put the step over its budget with nothing said. So the first step each plan key runs
+measures the real loss between the hand-over of `a_L` and the arrival of `δ_L`, in the stand-in's
+terms (`profile.measure_loss_tmp`), and where it holds more the chain is raised and every shape
+planned again, before the backward goes on (docs/memory-model.md, section 2, "The real loss").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import torch
+
+from lightning_rotor._torch_compat import StorageWeakRef, storage_id
+from lightning_rotor.chain import Chain
+from lightning_rotor.memory import MemoryProbe, storage_bytes
+from lightning_rotor.planner import InfeasibleBudget
+
+
+class LossBytes(NamedTuple):
+    """The real loss's figures, as `profile.measure_loss_tmp` gives the stand-in's."""
+
+    tmp: int  # peak above `a_L` and `δ_L` with a plain `a_L` (a bound where the step kept it)
+    tmp_kept: int  # the same with `a_L` alive throughout (a bound where the step dropped it)
+    value: int  # bytes the loss left alive for the rest of the step (its value, the seed gradient)
+
+
+class LossOverBudget(InfeasibleBudget):
+    """The caller's loss holds more than the stand-in charged, and with it no plan meets the budget."""
+
+    def __init__(self, budget: int, min_feasible: int) -> None:
+        super().__init__(budget, min_feasible)
+        self.args = (
+            f"the training step's loss holds more than the cross-entropy stand-in the budget was planned with, and "
+            f"with it {self.args[0]}, or pass Checkpointable(..., loss_fn=...) to plan with the real loss",
+        )
+
+
+class LossWatch:
+    """Counts what is made between the hand-over of `a_L` (`start`) and the arrival of `δ_L` (`finish`).
+
+    A `MemoryProbe` is entered at `start` and left at `finish`: on the CPU the autograd engine runs
+    the backward in the thread of the forward, so the probe sees the loss's forward and backward.
+    Other devices run the backward in threads of their own: nothing is measured there.
+    """
+
+    def __init__(self, done: Callable[[LossBytes], None]):
+        self.done = done
+        self.probe: MemoryProbe | None = None
+        self.refs: list[tuple[StorageWeakRef, int]] = []
+        self.size = 0
+        self.spoiled = False  # another chain call ran inside the window: its bytes are no loss's
+
+    def start(self, tensors: Sequence[torch.Tensor]) -> None:
+        if any(t.device.type != "cpu" for t in tensors):
+            return
+        storages = {storage_id(t.untyped_storage()): t for t in tensors}
+        self.refs = [(StorageWeakRef(t.untyped_storage()), storage_bytes(t)) for t in storages.values()]
+        self.size = storage_bytes(list(tensors))
+        self.probe = MemoryProbe()
+        self.probe.__enter__()
+        self.probe.track(list(tensors))
+
+    @property
+    def open(self) -> bool:
+        return self.probe is not None
+
+    def _leave(self) -> None:
+        probe, self.probe, self.refs = self.probe, None, []
+        if probe is not None:
+            probe.__exit__(None, None, None)
+
+    def finish(self, grads: Sequence[torch.Tensor | None]) -> None:
+        """`δ_L` came: the loss's figures to `done` (which may replan, or refuse in one line)."""
+        probe = self.probe
+        if probe is None:
+            return
+        probe.mark("δ_L")  # sweeps what died
+        peak, current = probe.peak, probe.current
+        alive = sum(n for ref, n in self.refs if not ref.expired())
+        self._leave()
+        if self.spoiled:
+            return
+        figures = loss_bytes(peak, current, alive, self.size, storage_bytes([g for g in grads if g is not None]))
+        self.done(figures)
+
+
+def loss_bytes(peak: int, current: int, alive: int, size: int, grad: int) -> LossBytes:
+    """The figures of a window that peaked at `peak` and holds `current` bytes when `δ_L` (`grad` bytes) comes,
+    `alive` of `a_L`'s `size` bytes still alive then (the step kept it: the graph of `B L-1`, or the caller)."""
+    above = max(-size, peak - 2 * size)  # as the stand-in's: above `a_L` and `δ_L`
+    kept = alive > 0
+    # keeping `a_L` adds at most its bytes to any moment; dropping it takes nothing away
+    plain, with_kept = (above, above) if kept else (above, above + size)
+    return LossBytes(plain, max(plain, with_kept), max(0, current - grad - alive))
+
+
+def raised_chain(chain: Chain, real: LossBytes) -> Chain | None:
+    """`chain` charged at least the real loss's figures; None where it already was."""
+    tmp = max(chain.loss_tmp, real.tmp)
+    kept = max(chain.loss_tmp_kept, real.tmp_kept, tmp)
+    value = max(chain.loss_value, real.value)
+    if (tmp, kept, value) == (chain.loss_tmp, chain.loss_tmp_kept, chain.loss_value):
+        return None
+    return dataclasses.replace(chain, loss_tmp=tmp, loss_tmp_kept=kept, loss_value=value)
