@@ -12,6 +12,7 @@ planned again, before the backward goes on (docs/memory-model.md, section 2, "Th
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -21,6 +22,16 @@ from lightning_rotor._torch_compat import StorageWeakRef, storage_id
 from lightning_rotor.chain import Chain
 from lightning_rotor.memory import MemoryProbe, storage_bytes
 from lightning_rotor.planner import InfeasibleBudget
+
+
+def _bookkeeping() -> tuple[Callable, ...]:
+    """Lightning's copies of logged values and of the loss (for its progress bar): no activations for the step's
+    probe (docs/memory-model.md, section 5), so no loss bytes either."""
+    if "lightning.pytorch" not in sys.modules:
+        return ()
+    from lightning_rotor.lightning.callback import LIGHTNING_BOOKKEEPING
+
+    return LIGHTNING_BOOKKEEPING
 
 
 class LossBytes(NamedTuple):
@@ -63,7 +74,7 @@ class LossWatch:
         storages = {storage_id(t.untyped_storage()): t for t in tensors}
         self.refs = [(StorageWeakRef(t.untyped_storage()), storage_bytes(t)) for t in storages.values()]
         self.size = storage_bytes(list(tensors))
-        self.probe = MemoryProbe()
+        self.probe = MemoryProbe(bookkeeping=_bookkeeping())
         self.probe.__enter__()
         self.probe.track(list(tensors))
 

@@ -17,8 +17,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from training import assert_same_state, train
 
-from lightning_rotor import Checkpointable
+from lightning_rotor import Checkpointable, MemoryProbe
 from lightning_rotor.lightning import RotorStrategy
+from lightning_rotor.lightning.callback import LIGHTNING_BOOKKEEPING
 from lightning_rotor.lightning.state import rotor_modules
 from lightning_rotor.loss_watch import LossBytes, LossOverBudget, loss_bytes
 
@@ -115,7 +116,8 @@ class MeasureSteps(pl.Callback):
         rotors = rotor_modules(pl_module)
         if batch_idx > 0 and rotors:
             self._open = next(iter(rotors.values()))
-            self._measuring = self._open.measure_step()
+            probe = MemoryProbe(self._open, record_curve=True, bookkeeping=LIGHTNING_BOOKKEEPING)  # as RotorCallback's
+            self._measuring = self._open.measure_step(probe)
             self._measuring.__enter__()
 
     def on_after_backward(self, trainer, pl_module):
