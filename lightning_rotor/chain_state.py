@@ -40,7 +40,7 @@ from lightning_rotor.calls import Call, StepBudget, StepCalls, describe, step_mi
 from lightning_rotor.chain import Chain
 from lightning_rotor.compile import compile_stages
 from lightning_rotor.ddp_checks import DdpWatch, refuse_tied, shared_parameters
-from lightning_rotor.loss_watch import LossBytes, LossOverBudget, LossWatch, raised_chain
+from lightning_rotor.loss_watch import LossBytes, LossOverBudget, LossWatch, raised_chain, spoil_open_watches
 from lightning_rotor.measure import StepMeasurement
 from lightning_rotor.ops import is_no_recompute
 from lightning_rotor.own_checkpointing import OwnCheckpointing, checkpoint_calls
@@ -103,7 +103,6 @@ class ChainState:
         self.loss_fn: LossFn | None = None
         self.loss_tmp: int | None = None
         self._loss_watched: set[str] = set()  # plan keys whose first step measured the caller's real loss
-        self._open_watch: LossWatch | None = None
         self.options = False
         self.offload: bool | int | float | str = False  # as given; `bandwidth` is what it resolves to
         self._offload_setting: str | float | None = None  # None: off, "measure", or bytes/s
@@ -381,14 +380,13 @@ class ChainState:
 
     def _loss_watch(self, key: str) -> LossWatch | None:
         """A watch of the caller's real loss for the first step of `key`, where the stand-in was charged
-        (lightning_rotor/loss_watch.py); a window still open is another call of the step, not the loss."""
-        if self._open_watch is not None and self._open_watch.open:
-            self._open_watch.spoiled = True
-        if key in self._loss_watched or self.loss_fn is not None or self.loss_tmp is not None or self._outside():
+        (lightning_rotor/loss_watch.py); a window still open sees a chain call, which is no loss."""
+        spoil_open_watches()
+        given = self.loss_fn is not None or self.loss_tmp is not None or self._outside() is not None
+        if key in self._loss_watched or given or self.sharded:  # FSDP2: one plan on every rank, as profiled
             return None
         self._loss_watched.add(key)
-        self._open_watch = LossWatch(partial(self._real_loss, key))
-        return self._open_watch
+        return LossWatch(partial(self._real_loss, key))
 
     def _real_loss(self, key: str, real: LossBytes) -> None:
         """The real loss of `key`'s first step measured: where it holds more than charged, its chain charges it

@@ -7,6 +7,11 @@ similarity) put the step over its budget with nothing said. So the first step ea
 measures the real loss between the hand-over of `a_L` and the arrival of `δ_L`, in the stand-in's
 terms (`profile.measure_loss_tmp`), and where it holds more the chain is raised and every shape
 planned again, before the backward goes on (docs/memory-model.md, section 2, "The real loss").
+
+NOTE: [the real loss] the window is one `MemoryProbe` entered in `HandOver`'s forward and left in its
+backward, so it is measured only where both run in one thread (the CPU), and only when no chain is called
+inside it (`spoiled`: a GAN's generator output fed to its discriminator); not under FSDP2, whose ranks
+keep one plan. Elsewhere the stand-in stays charged and `loss_fn=` is the way out.
 """
 
 from __future__ import annotations
@@ -53,6 +58,15 @@ class LossOverBudget(InfeasibleBudget):
         )
 
 
+_OPEN: list[LossWatch] = []  # windows between a hand-over and its gradient, in every chain
+
+
+def spoil_open_watches() -> None:
+    """A chain is called: what it makes inside an open window is its own (its share of the budget), no loss's."""
+    for watch in _OPEN:
+        watch.spoiled = True
+
+
 class LossWatch:
     """Counts what is made between the hand-over of `a_L` (`start`) and the arrival of `δ_L` (`finish`).
 
@@ -66,7 +80,7 @@ class LossWatch:
         self.probe: MemoryProbe | None = None
         self.refs: list[tuple[StorageWeakRef, int]] = []
         self.size = 0
-        self.spoiled = False  # another chain call ran inside the window: its bytes are no loss's
+        self.spoiled = False  # a chain was called inside the window: its bytes are no loss's
 
     def start(self, tensors: Sequence[torch.Tensor]) -> None:
         if any(t.device.type != "cpu" for t in tensors):
@@ -77,15 +91,13 @@ class LossWatch:
         self.probe = MemoryProbe(bookkeeping=_bookkeeping())
         self.probe.__enter__()
         self.probe.track(list(tensors))
-
-    @property
-    def open(self) -> bool:
-        return self.probe is not None
+        _OPEN.append(self)
 
     def _leave(self) -> None:
         probe, self.probe, self.refs = self.probe, None, []
         if probe is not None:
             probe.__exit__(None, None, None)
+            _OPEN.remove(self)
 
     def finish(self, grads: Sequence[torch.Tensor | None]) -> None:
         """`δ_L` came: the loss's figures to `done` (which may replan, or refuse in one line)."""
