@@ -75,6 +75,7 @@ __all__ = [
     "tree_map",
     "tree_unflatten",
     "weak_storage_expired",
+    "innermost_dispatch_mode",
     "view_base",
 ]
 
@@ -284,6 +285,14 @@ def dispatch_modes_active() -> bool:
     """Whether a TorchDispatchMode is active (`torch._C._len_torch_dispatch_stack`): dynamo does not
     compile under one, and a frame it skipped so stays skipped (compile.py, `CompiledStage`)."""
     return bool(torch._C._len_torch_dispatch_stack())
+
+
+def innermost_dispatch_mode() -> Any:
+    """The dispatch mode on top of the stack (`torch.utils._python_dispatch._get_current_dispatch_mode`), None
+    where none is: a mode left outside its `with` block (loss_watch.py) is left only from the top."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return _get_current_dispatch_mode()
 
 
 def allow_recompiles(needed: int) -> None:

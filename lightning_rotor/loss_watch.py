@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from lightning_rotor._torch_compat import StorageWeakRef, storage_id
+from lightning_rotor._torch_compat import StorageWeakRef, innermost_dispatch_mode, storage_id
 from lightning_rotor.chain import Chain
 from lightning_rotor.memory import MemoryProbe, storage_bytes
 from lightning_rotor.planner import InfeasibleBudget
@@ -62,9 +62,11 @@ _OPEN: list[LossWatch] = []  # windows between a hand-over and its gradient, in 
 
 
 def spoil_open_watches() -> None:
-    """A chain is called: what it makes inside an open window is its own (its share of the budget), no loss's."""
-    for watch in _OPEN:
+    """A chain is called: what it makes inside an open window is its own (its share of the budget), no loss's.
+    The window is left now (a forward whose output never gets a gradient leaves none open for long)."""
+    for watch in list(_OPEN):
         watch.spoiled = True
+        watch._leave()
 
 
 class LossWatch:
@@ -94,10 +96,12 @@ class LossWatch:
         _OPEN.append(self)
 
     def _leave(self) -> None:
-        probe, self.probe, self.refs = self.probe, None, []
-        if probe is not None:
-            probe.__exit__(None, None, None)
-            _OPEN.remove(self)
+        probe = self.probe
+        if probe is None or innermost_dispatch_mode() is not probe:  # a mode entered after it: left at `finish`
+            return
+        self.probe, self.refs = None, []
+        probe.__exit__(None, None, None)
+        _OPEN.remove(self)
 
     def finish(self, grads: Sequence[torch.Tensor | None]) -> None:
         """`δ_L` came: the loss's figures to `done` (which may replan, or refuse in one line)."""
@@ -108,7 +112,7 @@ class LossWatch:
         peak, current = probe.peak, probe.current
         alive = sum(n for ref, n in self.refs if not ref.expired())
         self._leave()
-        if self.spoiled:
+        if self.spoiled or self.probe is not None:  # a chain ran inside, or a mode above it is still entered
             return
         figures = loss_bytes(peak, current, alive, self.size, storage_bytes([g for g in grads if g is not None]))
         self.done(figures)
