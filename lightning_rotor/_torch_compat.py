@@ -75,6 +75,8 @@ __all__ = [
     "tree_map",
     "tree_unflatten",
     "weak_storage_expired",
+    "dispatch_mode_stack",
+    "drop_dispatch_mode",
     "innermost_dispatch_mode",
     "view_base",
 ]
@@ -287,12 +289,34 @@ def dispatch_modes_active() -> bool:
     return bool(torch._C._len_torch_dispatch_stack())
 
 
+def dispatch_mode_stack() -> list[Any]:
+    """This thread's dispatch modes, innermost last (`_python_dispatch._get_current_dispatch_mode_stack`)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return list(_get_current_dispatch_mode_stack())
+
+
 def innermost_dispatch_mode() -> Any:
-    """The dispatch mode on top of the stack (`torch.utils._python_dispatch._get_current_dispatch_mode`), None
-    where none is: a mode left outside its `with` block (loss_watch.py) is left only from the top."""
+    """The dispatch mode on top of this thread's stack (`_get_current_dispatch_mode`), None where there is none."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
     return _get_current_dispatch_mode()
+
+
+def drop_dispatch_mode(mode: Any) -> None:
+    """Take `mode` off this thread's dispatch-mode stack wherever it sits, the modes above it kept in order
+    (`_pop_mode`, `_push_mode`). For a mode left in a backward node (loss_watch.py): the autograd engine puts
+    back the stack a node started with, so the mode is back on the caller's stack after the backward. Its
+    `with` flags were restored when it was left, so only the stack entry goes."""
+    from torch.utils._python_dispatch import _pop_mode, _push_mode
+
+    if not any(m is mode for m in dispatch_mode_stack()):
+        return
+    above = []
+    while (top := _pop_mode()) is not mode:
+        above.append(top)
+    for m in reversed(above):
+        _push_mode(m)
 
 
 def allow_recompiles(needed: int) -> None:

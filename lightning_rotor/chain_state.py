@@ -40,7 +40,7 @@ from lightning_rotor.calls import Call, StepBudget, StepCalls, describe, step_mi
 from lightning_rotor.chain import Chain
 from lightning_rotor.compile import compile_stages
 from lightning_rotor.ddp_checks import DdpWatch, refuse_tied, shared_parameters
-from lightning_rotor.loss_watch import LossBytes, LossOverBudget, LossWatch, raised_chain, spoil_open_watches
+from lightning_rotor.loss_watch import LossBytes, LossOverBudget, LossWatch, raised_chain, settle_watches
 from lightning_rotor.measure import StepMeasurement
 from lightning_rotor.ops import is_no_recompute
 from lightning_rotor.own_checkpointing import OwnCheckpointing, checkpoint_calls
@@ -381,7 +381,7 @@ class ChainState:
     def _loss_watch(self, key: str) -> LossWatch | None:
         """A watch of the caller's real loss for the first step of `key`, where the stand-in was charged
         (lightning_rotor/loss_watch.py); a window still open sees a chain call, which is no loss."""
-        spoil_open_watches()
+        settle_watches()
         given = self.loss_fn is not None or self.loss_tmp is not None or self._outside() is not None
         if key in self._loss_watched or given or self.sharded:  # FSDP2: one plan on every rank, as profiled
             return None

@@ -18,12 +18,19 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
 
-from lightning_rotor._torch_compat import StorageWeakRef, innermost_dispatch_mode, storage_id
+from lightning_rotor._torch_compat import (
+    StorageWeakRef,
+    dispatch_mode_stack,
+    drop_dispatch_mode,
+    innermost_dispatch_mode,
+    storage_id,
+)
 from lightning_rotor.chain import Chain
 from lightning_rotor.memory import MemoryProbe, storage_bytes
 from lightning_rotor.planner import InfeasibleBudget
@@ -59,22 +66,42 @@ class LossOverBudget(InfeasibleBudget):
 
 
 _OPEN: list[LossWatch] = []  # windows between a hand-over and its gradient, in every chain
+_ENDED: list[MemoryProbe] = []  # probes of windows left in a backward node: back on the caller's stack after it
+_WARNED: set[str] = set()  # why a window could not open, said once
 
 
-def spoil_open_watches() -> None:
-    """A chain is called: what it makes inside an open window is its own (its share of the budget), no loss's.
-    The window is left now (a forward whose output never gets a gradient leaves none open for long)."""
+def settle_watches() -> None:
+    """Outside any backward (a chain is called, a step's backward is over, a probe around the step is left): a
+    window still open saw a chain call, or no `δ_L`, so what it counted is no loss's: it is left unmeasured. A
+    window left in a backward node is taken off the dispatch-mode stack, where the engine put it back."""
     for watch in list(_OPEN):
         watch.spoiled = True
-        watch._leave()
+        watch.leave()
+        if watch.probe is not None:
+            drop_dispatch_mode(watch.probe)
+            watch.probe = None
+    while _ENDED:
+        drop_dispatch_mode(_ENDED.pop())
+
+
+def _refused(tensors: Sequence[torch.Tensor]) -> str | None:
+    """Why a window cannot open at this hand-over, if it cannot."""
+    device = next((t.device for t in tensors if t.device.type != "cpu"), None)
+    if device is not None:  # the engine runs a device's backward in threads of its own
+        return f"on {device.type}"
+    outer = [m for m in dispatch_mode_stack() if not isinstance(m, MemoryProbe)]
+    if outer:  # it would leave the stack before the window does, taking the window with it
+        return f"under {type(outer[-1]).__name__}"
+    return None
 
 
 class LossWatch:
     """Counts what is made between the hand-over of `a_L` (`start`) and the arrival of `δ_L` (`finish`).
 
-    A `MemoryProbe` is entered at `start` and left at `finish`: on the CPU the autograd engine runs
-    the backward in the thread of the forward, so the probe sees the loss's forward and backward.
-    Other devices run the backward in threads of their own: nothing is measured there.
+    A `MemoryProbe` is entered at `start`, in the forward, and left at `finish`, in `HandOver`'s backward:
+    the engine runs that backward under the dispatch modes of the thread that called `backward()`, so
+    the probe sees the loss's forward and backward. Leaving it there holds for the rest of that node only
+    (the engine then puts back the stack the node started with): `settle_watches` takes it off for good.
     """
 
     def __init__(self, done: Callable[[LossBytes], None]):
@@ -85,7 +112,9 @@ class LossWatch:
         self.spoiled = False  # a chain was called inside the window: its bytes are no loss's
 
     def start(self, tensors: Sequence[torch.Tensor]) -> None:
-        if any(t.device.type != "cpu" for t in tensors):
+        refused = _refused(tensors)
+        if refused is not None:
+            _warn_once(refused)
             return
         storages = {storage_id(t.untyped_storage()): t for t in tensors}
         self.refs = [(StorageWeakRef(t.untyped_storage()), storage_bytes(t)) for t in storages.values()]
@@ -95,13 +124,17 @@ class LossWatch:
         self.probe.track(list(tensors))
         _OPEN.append(self)
 
-    def _leave(self) -> None:
+    def leave(self) -> None:
+        """Stop counting; off the stack where the probe is on top (its `with` flags restored), else later."""
         probe = self.probe
-        if probe is None or innermost_dispatch_mode() is not probe:  # a mode entered after it: left at `finish`
+        if probe is None:
             return
-        self.probe, self.refs = None, []
-        probe.__exit__(None, None, None)
         _OPEN.remove(self)
+        if innermost_dispatch_mode() is probe:
+            probe.__exit__(None, None, None)
+            self.probe = None
+        else:
+            probe.end()
 
     def finish(self, grads: Sequence[torch.Tensor | None]) -> None:
         """`δ_L` came: the loss's figures to `done` (which may replan, or refuse in one line)."""
@@ -111,11 +144,26 @@ class LossWatch:
         probe.mark("δ_L")  # sweeps what died
         peak, current = probe.peak, probe.current
         alive = sum(n for ref, n in self.refs if not ref.expired())
-        self._leave()
-        if self.spoiled or self.probe is not None:  # a chain ran inside, or a mode above it is still entered
+        self.refs = []
+        self.leave()  # in this backward node: the plan's backward runs with no mode
+        _ENDED.append(probe)
+        self.probe = None
+        if self.spoiled:
             return
         figures = loss_bytes(peak, current, alive, self.size, storage_bytes([g for g in grads if g is not None]))
         self.done(figures)
+
+
+def _warn_once(why: str) -> None:
+    if why in _WARNED:
+        return
+    _WARNED.add(why)
+    warnings.warn(
+        f"rotor: the training step's loss is not measured {why}: it is charged as a cross-entropy stand-in, and a "
+        "loss that holds more (MSE, L1, a B x B similarity) can go over the budget; pass "
+        "Checkpointable(..., loss_fn=...) to plan with the real loss",
+        stacklevel=2,
+    )
 
 
 def loss_bytes(peak: int, current: int, alive: int, size: int, grad: int) -> LossBytes:
