@@ -9,9 +9,11 @@ terms (`profile.measure_loss_tmp`), and where it holds more the chain is raised 
 planned again, before the backward goes on (docs/memory-model.md, section 2, "The real loss").
 
 NOTE: [the real loss] the window is one `MemoryProbe` entered in `HandOver`'s forward and left in its
-backward, so it is measured only where both run in one thread (the CPU), and only when no chain is called
-inside it (`spoiled`: a GAN's generator output fed to its discriminator); not under FSDP2, whose ranks
-keep one plan. Elsewhere the stand-in stays charged and `loss_fn=` is the way out.
+backward, which the engine runs under the modes of the thread that called `backward()`; after that node the
+engine puts the probe back on that thread's stack, and `settle_watches` takes it off outside any backward.
+Measured on the CPU only, with no other dispatch mode entered before the forward, no chain called inside the
+window (`spoiled`: a GAN's generator output fed to its discriminator), not under FSDP2 (its ranks keep one
+plan). Elsewhere the stand-in stays charged and `loss_fn=` is the way out (one warning says so).
 """
 
 from __future__ import annotations

@@ -15,9 +15,11 @@ import torch.nn.functional as F
 from fitting import KeepRotorModules, quiet_trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.flop_counter import FlopCounterMode
 from training import assert_same_state, train
 
-from lightning_rotor import Checkpointable, MemoryProbe
+from lightning_rotor import Checkpointable, MemoryProbe, loss_watch
+from lightning_rotor._torch_compat import dispatch_mode_stack
 from lightning_rotor.lightning import RotorStrategy
 from lightning_rotor.lightning.callback import LIGHTNING_BOOKKEEPING
 from lightning_rotor.lightning.state import rotor_modules
@@ -145,3 +147,47 @@ def test_trainer_holds_the_budget_with_any_loss(name, tmp_path):
         assert torch.equal(a, b)
     assert len(measure.steps) == 3 and keep.modules["net"].plan.recomputed_stages > 0
     assert all(peak <= predicted <= budget for peak, predicted, budget in measure.steps), measure.steps
+
+
+def test_the_dispatch_mode_stack_is_left_as_found_with_a_probe_around_each_step():
+    """The window's probe is left in `HandOver`'s backward, where the engine puts the stack back after the node:
+    a probe of the caller's own around the step is left, as entered, with nothing above it, and the next shape's
+    first step opens a window of its own (the stack stayed with a counting probe on it, every later op slowed)."""
+    torch.manual_seed(0)
+    rotor = Checkpointable(TanhMLP(), "70%", discover="graph", repeats=1)
+    for batch in (16, 16, 8, 12):  # three plan keys, each with a first step that watches the loss
+        x, y = data(batch=batch)
+        rotor.zero_grad()
+        with MemoryProbe(rotor) as probe:
+            F.mse_loss(rotor(x), y).backward()
+        assert dispatch_mode_stack() == []
+        if batch != 16:  # the profiling step is bound by no budget
+            assert probe.peak <= rotor.plan.budget, (batch, probe.peak, rotor.plan.budget)
+
+
+def test_a_trainer_with_changing_shapes_leaves_no_dispatch_mode_behind(tmp_path):
+    x, y = data(batch=40)
+    loader = DataLoader(TensorDataset(x, y), batch_size=16)  # 16, 16, then a partial batch of 8
+    torch.manual_seed(0)
+    model = Regression(TanhMLP(), F.mse_loss)
+    strategy = RotorStrategy("70%", discover="graph", repeats=1)
+    quiet_trainer(tmp_path, strategy, max_epochs=2).fit(model, loader)
+    assert dispatch_mode_stack() == []
+
+
+def test_under_another_dispatch_mode_the_loss_is_not_measured_and_that_is_said_once():
+    """A mode entered before the forward leaves the stack before the window would: no window, one warning."""
+    x, y = data()
+    torch.manual_seed(0)
+    rotor = Checkpointable(TanhMLP(), "70%", discover="graph", repeats=1)
+    F.mse_loss(rotor(x), y).backward()  # profiles
+    loss_watch._WARNED.clear()
+    rotor.zero_grad()
+    with pytest.warns(UserWarning, match=r"not measured under _?FlopCounterMode.*loss_fn=") as seen:
+        for batch in (8, 12):  # two new plan keys
+            x, y = data(batch=batch)
+            with FlopCounterMode(display=False) as flops:
+                F.mse_loss(rotor(x), y).backward()
+            assert flops.get_total_flops() > 0
+    assert len([w for w in seen if "not measured" in str(w.message)]) == 1
+    assert dispatch_mode_stack() == []
