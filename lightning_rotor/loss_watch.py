@@ -30,6 +30,7 @@ from lightning_rotor._torch_compat import (
     StorageWeakRef,
     dispatch_mode_stack,
     drop_dispatch_mode,
+    in_backward,
     innermost_dispatch_mode,
     storage_id,
 )
@@ -97,6 +98,40 @@ def _refused(tensors: Sequence[torch.Tensor]) -> str | None:
     return None
 
 
+class _WindowProbe(MemoryProbe):
+    """A `MemoryProbe` that notes which storages the backward made (`in_backward`), at which op.
+
+    Those still alive when `δ_L` comes are gradients of leaves (the parameters of a head after the chain,
+    DDP's or not): parameter memory, which the step's probe leaves out too, so the window's figures do.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(bookkeeping=_bookkeeping(), record_curve=True)
+        self.start = 0  # bytes alive when the window opened (`a_L`)
+        self.made_in_backward: dict[int, int] = {}  # storage key -> the op (its curve index) that made it
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self._closed or not in_backward():
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        before = set(self._live)  # a loss's window holds few storages
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        self.made_in_backward.update(dict.fromkeys(self._live.keys() - before, self.ops - 1))
+        return out
+
+    def figures(self, grads: Sequence[torch.Tensor]) -> tuple[int, int]:
+        """The peak and the bytes alive now, less the storages the backward made that are still alive, bar
+        `δ_L`'s (`grads`): from the op that made each on."""
+        self.mark("δ_L")  # sweeps what died
+        skip = {storage_id(g.untyped_storage()) for g in grads}
+        leaves = [
+            (op, self._live[k][1]) for k, op in self.made_in_backward.items() if k in self._live and k not in skip
+        ]
+        peak = self.start
+        for i, nbytes in enumerate(self.curve):
+            peak = max(peak, nbytes - sum(n for op, n in leaves if op <= i))
+        return peak, self.current - sum(n for _, n in leaves)
+
+
 class LossWatch:
     """Counts what is made between the hand-over of `a_L` (`start`) and the arrival of `δ_L` (`finish`).
 
@@ -108,7 +143,7 @@ class LossWatch:
 
     def __init__(self, done: Callable[[LossBytes], None]):
         self.done = done
-        self.probe: MemoryProbe | None = None
+        self.probe: _WindowProbe | None = None
         self.refs: list[tuple[StorageWeakRef, int]] = []
         self.size = 0
         self.spoiled = False  # a chain was called inside the window: its bytes are no loss's
@@ -121,9 +156,10 @@ class LossWatch:
         storages = {storage_id(t.untyped_storage()): t for t in tensors}
         self.refs = [(StorageWeakRef(t.untyped_storage()), storage_bytes(t)) for t in storages.values()]
         self.size = storage_bytes(list(tensors))
-        self.probe = MemoryProbe(bookkeeping=_bookkeeping())
+        self.probe = _WindowProbe()
         self.probe.__enter__()
         self.probe.track(list(tensors))
+        self.probe.start = self.probe.current
         _OPEN.append(self)
 
     def leave(self) -> None:
@@ -143,8 +179,8 @@ class LossWatch:
         probe = self.probe
         if probe is None:
             return
-        probe.mark("δ_L")  # sweeps what died
-        peak, current = probe.peak, probe.current
+        present = [g for g in grads if g is not None]
+        peak, current = probe.figures(present)
         alive = sum(n for ref, n in self.refs if not ref.expired())
         self.refs = []
         self.leave()  # in this backward node: the plan's backward runs with no mode
@@ -152,7 +188,7 @@ class LossWatch:
         self.probe = None
         if self.spoiled:
             return
-        figures = loss_bytes(peak, current, alive, self.size, storage_bytes([g for g in grads if g is not None]))
+        figures = loss_bytes(peak, current, alive, self.size, storage_bytes(present))
         self.done(figures)
 
 
