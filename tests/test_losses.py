@@ -191,3 +191,23 @@ def test_under_another_dispatch_mode_the_loss_is_not_measured_and_that_is_said_o
             assert flops.get_total_flops() > 0
     assert len([w for w in seen if "not measured" in str(w.message)]) == 1
     assert dispatch_mode_stack() == []
+
+
+def test_a_head_after_the_chain_is_part_of_the_loss_and_its_gradients_are_not():
+    """The window sees the head's activations (what the budget's probe counts) and the head's parameter
+    gradients (parameter memory, which it does not): the first raise the chain, the second do not."""
+    x, y = data()
+    torch.manual_seed(0)
+    plain = nn.Sequential(TanhMLP(), nn.Linear(32, 32))
+    model = copy.deepcopy(plain)
+    model[0] = Checkpointable(model[0], "70%", discover="graph", repeats=1)
+    assert torch.equal(train(plain, x, y, F.mse_loss), train(model, x, y, F.mse_loss))
+    assert_same_state(plain, model)
+    model.zero_grad()
+    with MemoryProbe(model) as probe:
+        F.mse_loss(model(x), y).backward()
+    rotor = model[0]
+    assert rotor.plan.recomputed_stages > 0
+    assert probe.peak <= rotor.plan.budget, (probe.peak, rotor.plan.budget)
+    head_grads = sum(p.numel() * 4 for p in model[1].parameters())
+    assert rotor.chain.loss_value < head_grads  # the value and its seed only
