@@ -390,14 +390,18 @@ class ChainState:
 
     def _real_loss(self, key: str, real: LossBytes) -> None:
         """The real loss of `key`'s first step measured: where it holds more than charged, its chain charges it
-        and every shape is planned again at the same bytes, or the step is refused in one line."""
+        and every shape is planned again, or the step is refused in one line. A budget of the first shape's own
+        peak (a fraction, or none on the CPU) is of the peak with the real loss; bytes stay bytes."""
         entry = self.entries.get(key)
         chain = None if entry is None or self._first is None else raised_chain(entry.chain, real)
         if chain is None or entry is None or self._first is None:
             return
         entry.profile.chain = chain
+        first = self._first[0]
+        if key == next(iter(self.entries)):
+            first = self._budget_of(chain, entry.runner.token_device)
         try:
-            self._replan_shapes(self._first[0], self.budget_rule())
+            self._replan_shapes(first, self.budget_rule())
         except InfeasibleBudget as err:
             raise LossOverBudget(err.budget, err.min_feasible) from None
 

@@ -53,7 +53,7 @@ from lightning_rotor.engine import (
     tensors_of,
     versions,
 )
-from lightning_rotor.loss_watch import LossWatch
+from lightning_rotor.loss_watch import LossWatch, off_this_node
 from lightning_rotor.offload import SavedPart, TransferChannel, Transfers, buffer_sizes
 from lightning_rotor.ops import Op, OpKind, OpNote, annotate, check_frozen_prefix, parse_ops, recomputed_stage_set
 from lightning_rotor.rng import GeneratorWatch, RecordRandom, ReplayFrom, ReplayRandom, Rewind, alone
@@ -823,6 +823,7 @@ class _Tail(torch.autograd.Function):
     @staticmethod
     def backward(ctx, token_grad: torch.Tensor) -> tuple:
         step: _Step = ctx.step
+        off_this_node()  # the plan's backward runs under no loss window (compiled stages as compiled)
         stashed = _stash_grads(step.runner.shared_parameters())
         try:
             runner = step.runner

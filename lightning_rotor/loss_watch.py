@@ -35,6 +35,7 @@ from lightning_rotor._torch_compat import (
     storage_id,
 )
 from lightning_rotor.chain import Chain
+from lightning_rotor.compile import in_compiled_caller
 from lightning_rotor.memory import MemoryProbe, storage_bytes
 from lightning_rotor.planner import InfeasibleBudget
 
@@ -87,8 +88,17 @@ def settle_watches() -> None:
         drop_dispatch_mode(_ENDED.pop())
 
 
+def off_this_node() -> None:
+    """In a backward node: windows left in an earlier node are back on this node's dispatch-mode stack (the
+    engine runs every node under the modes of the `backward()` call): off it for this node."""
+    for probe in _ENDED:
+        drop_dispatch_mode(probe)
+
+
 def _refused(tensors: Sequence[torch.Tensor]) -> str | None:
     """Why a window cannot open at this hand-over, if it cannot."""
+    if in_compiled_caller():  # a mode over compiled code leaves it eager for good (docs/compile.md)
+        return "under torch.compile"
     device = next((t.device for t in tensors if t.device.type != "cpu"), None)
     if device is not None:  # the engine runs a device's backward in threads of its own
         return f"on {device.type}"

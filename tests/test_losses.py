@@ -75,10 +75,14 @@ def test_checkpointable_holds_the_budget_with_any_loss(name, budget):
 
 
 def test_a_loss_that_no_plan_fits_is_refused_in_one_line_before_any_optimizer_step():
-    """A B x B similarity of a large batch outweighs the chain: the first backward says so, naming loss_fn=."""
+    """A B x B similarity of a large batch outweighs the chain: the first backward says so, naming loss_fn=.
+    (A budget in bytes: a fraction is taken of the peak with the real loss, which it always meets.)"""
     x, y = data(batch=128, width=8)
     torch.manual_seed(0)
-    rotor = Checkpointable(TanhMLP(width=8, depth=4), "100%", discover="graph", repeats=1)
+    probe = Checkpointable(TanhMLP(width=8, depth=4), "100%", discover="graph", repeats=1)
+    probe.discover_on(x)
+    probe.prepare_for(x)
+    rotor = Checkpointable(TanhMLP(width=8, depth=4), probe.plan.budget, discover="graph", repeats=1)
     with pytest.raises(LossOverBudget, match="loss_fn=") as err:
         contrastive(rotor(x), y).backward()
     assert "\n" not in str(err.value) and all(p.grad is None for p in rotor.parameters())
