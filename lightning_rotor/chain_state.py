@@ -40,7 +40,7 @@ from lightning_rotor.calls import Call, StepBudget, StepCalls, describe, step_mi
 from lightning_rotor.chain import Chain
 from lightning_rotor.compile import compile_stages
 from lightning_rotor.ddp_checks import DdpWatch, refuse_tied, shared_parameters
-from lightning_rotor.loss_watch import LossBytes, LossOverBudget, LossWatch, raised_chain, settle_watches
+from lightning_rotor.loss_watch import LossBytes, LossOverBudget, LossWatch, raised_chain, settle_watches, watched
 from lightning_rotor.measure import StepMeasurement
 from lightning_rotor.ops import is_no_recompute
 from lightning_rotor.own_checkpointing import OwnCheckpointing, checkpoint_calls
@@ -364,8 +364,9 @@ class ChainState:
         # after another call of the step, plain autograd would hold this call's parameter gradients until the
         # earlier call's backward (one accumulator per parameter waits for both): run the plan instead
         plain = alone and is_no_recompute(entry.plan.ops) and self.compiler is None  # compiled: stages as planned
-        if plain and measurement is None and watch is None:
+        if plain and measurement is None:
             output = plain_call()  # no recomputation: plain autograd frees exactly as the plan does
+            output = output if watch is None else watched(output, watch)  # autograd.grad etc. stay plain
         else:
             entry.runner.parameter_edges = not distributed
             entry.runner.loss_watch = watch

@@ -22,9 +22,11 @@ import dataclasses
 import sys
 import warnings
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
 
 from lightning_rotor._torch_compat import (
     StorageWeakRef,
@@ -33,6 +35,8 @@ from lightning_rotor._torch_compat import (
     in_backward,
     innermost_dispatch_mode,
     storage_id,
+    tree_flatten,
+    tree_unflatten,
 )
 from lightning_rotor.chain import Chain
 from lightning_rotor.compile import in_compiled_caller
@@ -72,6 +76,7 @@ class LossOverBudget(InfeasibleBudget):
 _OPEN: list[LossWatch] = []  # windows between a hand-over and its gradient, in every chain
 _ENDED: list[MemoryProbe] = []  # probes of windows left in a backward node: back on the caller's stack after it
 _WARNED: set[str] = set()  # why a window could not open, said once
+_settle_hook: RemovableHandle | None = None  # while a window is `_ENDED`: settles before any optimizer step
 
 
 def settle_watches() -> None:
@@ -86,6 +91,19 @@ def settle_watches() -> None:
             watch.probe = None
     while _ENDED:
         drop_dispatch_mode(_ENDED.pop())
+    global _settle_hook
+    if _settle_hook is not None:
+        _settle_hook.remove()
+        _settle_hook = None
+
+
+def _ended(probe: MemoryProbe) -> None:
+    """`probe`'s window was left in a backward node: settled at the next optimizer step at the latest (a loop
+    without a Trainer calls no chain between its backward and its step; one hook, on every optimizer)."""
+    global _settle_hook
+    _ENDED.append(probe)
+    if _settle_hook is None:
+        _settle_hook = register_optimizer_step_pre_hook(lambda *_: settle_watches())
 
 
 def off_this_node() -> None:
@@ -194,12 +212,40 @@ class LossWatch:
         alive = sum(n for ref, n in self.refs if not ref.expired())
         self.refs = []
         self.leave()  # in this backward node: the plan's backward runs with no mode
-        _ENDED.append(probe)
+        _ended(probe)
         self.probe = None
         if self.spoiled:
             return
         figures = loss_bytes(peak, current, alive, self.size, storage_bytes(present))
         self.done(figures)
+
+
+class _Window(torch.autograd.Function):
+    """An identity over a plain run's output: its forward hands `a_L` over, its backward receives `δ_L`, as
+    the plan's `HandOver` does, so the same window opens where plain autograd runs the chain."""
+
+    @staticmethod
+    def forward(ctx: Any, watch: LossWatch, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.watch = watch
+        outputs = tuple(t.view_as(t) for t in tensors)
+        watch.start(outputs)
+        return outputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        ctx.watch.finish(grads)
+        return (None, *grads)
+
+
+def watched(output: Any, watch: LossWatch) -> Any:
+    """A plain run's `output` through a window of `watch` (its tensors that require grad)."""
+    flat, spec = tree_flatten(output)
+    at = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not at:
+        return output
+    for i, t in zip(at, _Window.apply(watch, *(flat[i] for i in at)), strict=True):
+        flat[i] = t
+    return tree_unflatten(flat, spec)
 
 
 def _warn_once(why: str) -> None:

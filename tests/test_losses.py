@@ -215,3 +215,18 @@ def test_a_head_after_the_chain_is_part_of_the_loss_and_its_gradients_are_not():
     assert probe.peak <= rotor.plan.budget, (probe.peak, rotor.plan.budget)
     head_grads = sum(p.numel() * 4 for p in model[1].parameters())
     assert rotor.chain.loss_value < head_grads  # the value and its seed only
+
+
+def test_a_loop_without_a_trainer_is_settled_by_its_optimizer_step():
+    """Between a backward and the next chain call a loop may run anything (compiled code, which a mode left
+    on the stack would leave eager for good): the optimizer step takes the ended window off first."""
+    x, y = data()
+    torch.manual_seed(0)
+    rotor = Checkpointable(TanhMLP(), "70%", discover="graph", repeats=1)
+    opt = torch.optim.SGD(rotor.parameters(), lr=0.1)
+    for batch in (16, 8):  # the profiling step, then a new shape's first step
+        x, y = data(batch=batch)
+        F.mse_loss(rotor(x), y).backward()
+        assert dispatch_mode_stack() != []  # the window's probe, put back by the engine
+        opt.step()
+        assert dispatch_mode_stack() == []
