@@ -79,6 +79,9 @@ __all__ = [
     "tree_unflatten",
     "weak_storage",
     "weak_storage_expired",
+    "dispatch_mode_stack",
+    "drop_dispatch_mode",
+    "innermost_dispatch_mode",
     "view_base",
 ]
 
@@ -299,6 +302,36 @@ def dispatch_modes_active() -> bool:
     """Whether a TorchDispatchMode is active (`torch._C._len_torch_dispatch_stack`): dynamo does not
     compile under one, and a frame it skipped so stays skipped (compile.py, `CompiledStage`)."""
     return bool(torch._C._len_torch_dispatch_stack())
+
+
+def dispatch_mode_stack() -> list[Any]:
+    """This thread's dispatch modes, innermost last (`_python_dispatch._get_current_dispatch_mode_stack`)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return list(_get_current_dispatch_mode_stack())
+
+
+def innermost_dispatch_mode() -> Any:
+    """The dispatch mode on top of this thread's stack (`_get_current_dispatch_mode`), None where there is none."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return _get_current_dispatch_mode()
+
+
+def drop_dispatch_mode(mode: Any) -> None:
+    """Take `mode` off this thread's dispatch-mode stack wherever it sits, the modes above it kept in order
+    (`_pop_mode`, `_push_mode`). For a mode left in a backward node (loss_watch.py): the autograd engine puts
+    back the stack a node started with, so the mode is back on the caller's stack after the backward. Its
+    `with` flags were restored when it was left, so only the stack entry goes."""
+    from torch.utils._python_dispatch import _pop_mode, _push_mode
+
+    if not any(m is mode for m in dispatch_mode_stack()):
+        return
+    above = []
+    while (top := _pop_mode()) is not mode:
+        above.append(top)
+    for m in reversed(above):
+        _push_mode(m)
 
 
 def allow_recompiles(needed: int) -> None:

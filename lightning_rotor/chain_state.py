@@ -40,6 +40,7 @@ from lightning_rotor.calls import Call, StepBudget, StepCalls, describe, step_mi
 from lightning_rotor.chain import Chain
 from lightning_rotor.compile import compile_stages
 from lightning_rotor.ddp_checks import DdpWatch, refuse_tied, shared_parameters
+from lightning_rotor.loss_watch import LossBytes, LossOverBudget, LossWatch, raised_chain, settle_watches, watched
 from lightning_rotor.measure import StepMeasurement
 from lightning_rotor.ops import is_no_recompute
 from lightning_rotor.own_checkpointing import OwnCheckpointing, checkpoint_calls
@@ -101,6 +102,7 @@ class ChainState:
         self.repeats, self.warmup = 5, 0
         self.loss_fn: LossFn | None = None
         self.loss_tmp: int | None = None
+        self._loss_watched: set[str] = set()  # plan keys whose first step measured the caller's real loss
         self.options = False
         self.offload: bool | int | float | str = False  # as given; `bandwidth` is what it resolves to
         self._offload_setting: str | float | None = None  # None: off, "measure", or bytes/s
@@ -355,15 +357,19 @@ class ChainState:
         if distributed and self._ddp.untied is not self.stages:  # before any profile or optimizer step
             refuse_tied(self.shared_parameters())
             self._ddp.untied = self.stages
-        entry, call, peak, alone = self.call_entry(self.call_input(value, trainable), value)
+        called = self.call_input(value, trainable)
+        entry, call, peak, alone = self.call_entry(called, value)
         measurement = self._measurement
+        watch = self._loss_watch(called.key)
         # after another call of the step, plain autograd would hold this call's parameter gradients until the
         # earlier call's backward (one accumulator per parameter waits for both): run the plan instead
         plain = alone and is_no_recompute(entry.plan.ops) and self.compiler is None  # compiled: stages as planned
         if plain and measurement is None:
             output = plain_call()  # no recomputation: plain autograd frees exactly as the plan does
+            output = output if watch is None else watched(output, watch)  # autograd.grad etc. stay plain
         else:
             entry.runner.parameter_edges = not distributed
+            entry.runner.loss_watch = watch
             if measurement is not None:
                 entry.runner.probe = measurement.started(entry)
             try:
@@ -372,6 +378,33 @@ class ChainState:
                 entry.runner.probe = None
         self.step.calls.add(call, peak, output)
         return output
+
+    def _loss_watch(self, key: str) -> LossWatch | None:
+        """A watch of the caller's real loss for the first step of `key`, where the stand-in was charged
+        (lightning_rotor/loss_watch.py); a window still open sees a chain call, which is no loss."""
+        settle_watches()
+        given = self.loss_fn is not None or self.loss_tmp is not None or self._outside() is not None
+        if key in self._loss_watched or given or self.sharded:  # FSDP2: one plan on every rank, as profiled
+            return None
+        self._loss_watched.add(key)
+        return LossWatch(partial(self._real_loss, key))
+
+    def _real_loss(self, key: str, real: LossBytes) -> None:
+        """The real loss of `key`'s first step measured: where it holds more than charged, its chain charges it
+        and every shape is planned again, or the step is refused in one line. A budget of the first shape's own
+        peak (a fraction, or none on the CPU) is of the peak with the real loss; bytes stay bytes."""
+        entry = self.entries.get(key)
+        chain = None if entry is None or self._first is None else raised_chain(entry.chain, real)
+        if chain is None or entry is None or self._first is None:
+            return
+        entry.profile.chain = chain
+        first = self._first[0]
+        if key == next(iter(self.entries)):
+            first = self._budget_of(chain, entry.runner.token_device)
+        try:
+            self._replan_shapes(first, self.budget_rule())
+        except InfeasibleBudget as err:
+            raise LossOverBudget(err.budget, err.min_feasible) from None
 
     def call_entry(self, call: CallInput, value: Any) -> tuple[Entry, Call, int, bool]:
         """The entry a training call on `value` runs, its `Call` (pending until its backward), its plan's peak and

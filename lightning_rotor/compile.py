@@ -55,6 +55,7 @@ __all__ = [
     "rewinds",
     "stage_compiler",
     "train_eagerly",
+    "in_compiled_caller",
     "unwrap_compiled",
 ]
 
@@ -219,6 +220,9 @@ def rewinds(stage: nn.Module) -> bool:
     return isinstance(stage, CompiledStage)
 
 
+_eager_steps = 0  # rotor steps running now from a compiled caller (`train_eagerly`)
+
+
 @disable_dynamo  # torch.compiler.disable, importing dynamo on the first call only
 def train_eagerly(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """`module.forward` run eagerly under torch.compile: a graph break around rotor's training step.
@@ -226,4 +230,15 @@ def train_eagerly(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     Dynamo cannot trace rotor's step (profiling, a custom autograd Function holding Python
     state, dispatch modes); outside dynamo the step runs as in eager training.
     """
-    return module.forward(*args, **kwargs)
+    global _eager_steps
+    _eager_steps += 1
+    try:
+        return module.forward(*args, **kwargs)
+    finally:
+        _eager_steps -= 1
+
+
+def in_compiled_caller() -> bool:
+    """Whether rotor's step runs for a compiled caller: what follows the chain is compiled code, which a
+    dispatch mode would leave eager for good (NOTE: [the real loss], loss_watch.py)."""
+    return _eager_steps > 0

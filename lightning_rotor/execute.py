@@ -53,6 +53,7 @@ from lightning_rotor.engine import (
     tensors_of,
     versions,
 )
+from lightning_rotor.loss_watch import LossWatch, off_this_node
 from lightning_rotor.offload import SavedPart, TransferChannel, Transfers, buffer_sizes
 from lightning_rotor.ops import Op, OpKind, OpNote, annotate, check_frozen_prefix, parse_ops, recomputed_stage_set
 from lightning_rotor.rng import GeneratorWatch, RecordRandom, ReplayFrom, ReplayRandom, Rewind, alone
@@ -822,6 +823,7 @@ class _Tail(torch.autograd.Function):
     @staticmethod
     def backward(ctx, token_grad: torch.Tensor) -> tuple:
         step: _Step = ctx.step
+        off_this_node()  # the plan's backward runs under no loss window (compiled stages as compiled)
         stashed = _stash_grads(step.runner.shared_parameters())
         try:
             runner = step.runner
@@ -848,6 +850,7 @@ class _Output:
     def __init__(self, step: _Step):
         self.step: _Step | None = step  # None once δ_L came: the plan's backward runs once per forward
         self.spec: Any = None
+        self.watch: LossWatch | None = None  # the caller's real loss, measured on a plan's first step
 
     def hand_over(self) -> list[torch.Tensor]:
         assert self.step is not None  # handed over once, before any backward
@@ -855,11 +858,17 @@ class _Output:
         tensors = [t for t in flat if isinstance(t, torch.Tensor)]
         if len(tensors) != len(flat):
             raise TypeError("the chain output must be a tensor or a (nested) tuple of tensors")
+        self.watch, self.step.runner.loss_watch = self.step.runner.loss_watch, None
+        if self.watch is not None:
+            self.watch.start(tensors)
         return tensors
 
     def receive(self, grads: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
         step = _check_backward_call(self.step)
         self.step = None
+        watch, self.watch = self.watch, None
+        if watch is not None:  # before the plan's backward: a replan or a refusal comes first
+            watch.finish(grads)
         # a tensor of our own on each gradient's storage: the engine may hand the very same tensor to another
         # node too (an add of two calls' outputs), which then counts as a second owner and keeps it from being freed
         step.grads[step.runner.length] = [own_alias(g) for g in grads]
@@ -921,6 +930,7 @@ class PlanRunner:
         self.input_uses = list(input_uses)
         self.quiet: set[int] = set()  # recomputed stages whose last recorded first run drew no random number
         self.probe: OpMarks | None = None
+        self.loss_watch: LossWatch | None = None  # set for one call: its hand-over measures the caller's loss
         self.token_device = torch.device("cpu")
         self._norms: dict[int, list[Any]] = {}
         self._all_params: list[torch.Tensor] | None = None

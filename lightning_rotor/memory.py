@@ -63,6 +63,7 @@ from lightning_rotor._torch_compat import (
     TorchDispatchMode,
     ddp_pre_forward,
     free_weak_storage,
+    innermost_dispatch_mode,
     storage_id,
     tree_leaves,
     weak_storage,
@@ -526,7 +527,16 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
+        if innermost_dispatch_mode() is not self:  # a loss window opened inside this block, still on the stack
+            from lightning_rotor.loss_watch import settle_watches  # which imports this module
+
+            settle_watches()
         super().__exit__(*exc)
+        self.end()
+
+    def end(self) -> None:
+        """Stop counting, keeping the figures, as leaving the block does. Alone, for a probe left on a dispatch-mode
+        stack that is not its block's own (loss_watch.py: a backward node's, which the autograd engine restores)."""
         _ACTIVE.discard(self)
         _ACTIVE_HOST.discard(self)
         self._sweep()  # host copies that died with the block's last op are no longer held
@@ -552,6 +562,8 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
         self._excluded, self._stored = _NOTHING, []  # the excluded parameters not held by a closed probe
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self._closed:  # ended, yet on a stack the autograd engine put back (`end`)
+            return func(*args, **(kwargs or {}))
         self._sweep()
         kwargs = kwargs or {}
         out = func(*args, **kwargs)

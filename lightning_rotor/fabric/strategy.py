@@ -35,6 +35,7 @@ from lightning_rotor.lightning.callback import checked_measure_every, step_metri
 from lightning_rotor.lightning.sampling import Measured, StepSampler, batch_key
 from lightning_rotor.lightning.strategy import ConfigAttributes, ProfileProgress, budget_words
 from lightning_rotor.lightning.wrap import Wrapped, is_candidate, is_user_model, unwrap, wrap
+from lightning_rotor.loss_watch import settle_watches
 from lightning_rotor.memory import MemoryProbe
 
 ROOT = "model"  # the chain's name when the whole set-up module is wrapped
@@ -236,6 +237,7 @@ class RotorFabricStrategy(ConfigAttributes, SingleDeviceStrategy):
         try:
             super().backward(tensor, module, *args, **kwargs)
         finally:
+            settle_watches()  # loss windows off the dispatch-mode stack before the optimizer step
             self._close_measurements()
         if self._in_step:
             self._synchronize()

@@ -65,6 +65,7 @@ from lightning_rotor.checkpointable import Checkpointable
 from lightning_rotor.lightning.sampling import Measured, StepSampler, batch_key
 from lightning_rotor.lightning.sampling import schedule_key as schedule_key  # where tests and scripts took it
 from lightning_rotor.lightning.state import STATE_KEY, export_state, import_state, rotor_modules
+from lightning_rotor.loss_watch import settle_watches
 from lightning_rotor.measure import StepMeasurement
 from lightning_rotor.memory import MemoryProbe
 from lightning_rotor.pipeline import Entry
@@ -326,6 +327,7 @@ class RotorCallback(Callback):
                 m.__exit__(None, None, None)
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        settle_watches()  # loss windows off the dispatch-mode stack before the optimizer step
         self._close_measurements()
         shared = {id(r.shared): r.shared for r in rotor_modules(pl_module).values() if r.shared is not None}
         for budget in shared.values():  # a total too small for the chains that ran: before any optimizer step
