@@ -383,7 +383,8 @@ class ChainState:
         """A watch of the caller's real loss for the first step of `key`, where the stand-in was charged
         (lightning_rotor/loss_watch.py); a window still open sees a chain call, which is no loss."""
         settle_watches()
-        given = self.loss_fn is not None or self.loss_tmp is not None or self._outside() is not None
+        module_level = self.discovery is not None and self.discovery.run is not None  # its loss is the outside code
+        given = self.loss_fn is not None or self.loss_tmp is not None or module_level
         if key in self._loss_watched or given or self.sharded:  # FSDP2: one plan on every rank, as profiled
             return None
         self._loss_watched.add(key)
@@ -397,13 +398,15 @@ class ChainState:
         chain = None if entry is None or self._first is None else raised_chain(entry.chain, real)
         if chain is None or entry is None or self._first is None:
             return
-        entry.profile.chain = chain
+        before, entry.profile.chain = entry.profile.chain, chain
         first = self._first[0]
         if key == next(iter(self.entries)):
             first = self._budget_of(chain, entry.runner.token_device)
         try:
             self._replan_shapes(first, self.budget_rule())
-        except InfeasibleBudget as err:
+        except InfeasibleBudget as err:  # as it was, and this key's next step measured and refused again
+            entry.profile.chain = before
+            self._loss_watched.discard(key)
             raise LossOverBudget(err.budget, err.min_feasible) from None
 
     def call_entry(self, call: CallInput, value: Any) -> tuple[Entry, Call, int, bool]:

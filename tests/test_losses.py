@@ -86,6 +86,8 @@ def test_a_loss_that_no_plan_fits_is_refused_in_one_line_before_any_optimizer_st
     with pytest.raises(LossOverBudget, match="loss_fn=") as err:
         contrastive(rotor(x), y).backward()
     assert "\n" not in str(err.value) and all(p.grad is None for p in rotor.parameters())
+    with pytest.raises(LossOverBudget):  # caught and trained on: the next step is measured and refused again
+        contrastive(rotor(x), y).backward()
 
 
 def test_loss_bytes_bound_the_figure_the_step_did_not_show():
