@@ -381,9 +381,12 @@ class ChainState:
 
     def _loss_watch(self, key: str) -> LossWatch | None:
         """A watch of the caller's real loss for the first step of `key`, where the stand-in was charged
-        (lightning_rotor/loss_watch.py); a window still open sees a chain call, which is no loss."""
+        (lightning_rotor/loss_watch.py); a window still open sees a chain call, which is no loss. A module-level
+        chain charges what its code around the run measured (`pipeline.charge_outside`), or what a derived call's
+        chain follows from measured calls' (symbolic_sizes.py), the stand-in never: no window there."""
         settle_watches()
-        given = self.loss_fn is not None or self.loss_tmp is not None or self._outside() is not None
+        module_level = self.discovery is not None and self.discovery.run is not None
+        given = self.loss_fn is not None or self.loss_tmp is not None or module_level
         if key in self._loss_watched or given or self.sharded:  # FSDP2: one plan on every rank, as profiled
             return None
         self._loss_watched.add(key)
