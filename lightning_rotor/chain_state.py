@@ -598,12 +598,13 @@ class ChainState:
 
     def measured(self, measurement: StepMeasurement) -> None:
         """A measured step ended (`StepMeasurement`): a shape planned without a run that measured above its
-        budget is forgotten with every other such shape."""
+        budget is forgotten with every other such shape. Its key is found by its profile, which a plan made again
+        in the step (its real loss charged: `_real_loss`) keeps."""
         self.last_measurement = measurement
         entry = measurement.entry
         if entry is None or measurement.chain_peak <= entry.plan.budget:
             return
-        key = next((k for k, e in self.entries.items() if e is entry), None)
+        key = next((k for k, e in self.entries.items() if e.profile is entry.profile), None)
         if key in self.predicted:
             self._unplanned(key, measurement.chain_peak, entry.plan.budget, predicted=True)
         if key in self.fitted:
