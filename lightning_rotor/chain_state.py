@@ -381,9 +381,11 @@ class ChainState:
 
     def _loss_watch(self, key: str) -> LossWatch | None:
         """A watch of the caller's real loss for the first step of `key`, where the stand-in was charged
-        (lightning_rotor/loss_watch.py); a window still open sees a chain call, which is no loss."""
+        (lightning_rotor/loss_watch.py); a window still open sees a chain call, which is no loss. A module-level
+        chain charges what its code around the run measured (`pipeline.charge_outside`), or what a derived call's
+        chain follows from measured calls' (symbolic_sizes.py), the stand-in never: no window there."""
         settle_watches()
-        module_level = self.discovery is not None and self.discovery.run is not None  # its loss is the outside code
+        module_level = self.discovery is not None and self.discovery.run is not None
         given = self.loss_fn is not None or self.loss_tmp is not None or module_level
         if key in self._loss_watched or given or self.sharded:  # FSDP2: one plan on every rank, as profiled
             return None
@@ -392,22 +394,37 @@ class ChainState:
 
     def _real_loss(self, key: str, real: LossBytes) -> None:
         """The real loss of `key`'s first step measured: where it holds more than charged, its chain charges it
-        and every shape is planned again, or the step is refused in one line. A budget of the first shape's own
-        peak (a fraction, or none on the CPU) is of the peak with the real loss; bytes stay bytes."""
+        and it is planned again (every shape, where it is the first), or the step is refused in one line. A budget
+        of the first shape's own peak (a fraction, or none on the CPU) is of the peak with the real loss; bytes
+        stay bytes."""
         entry = self.entries.get(key)
         chain = None if entry is None or self._first is None else raised_chain(entry.chain, real)
         if chain is None or entry is None or self._first is None:
             return
         before, entry.profile.chain = entry.profile.chain, chain
-        first = self._first[0]
-        if key == next(iter(self.entries)):
-            first = self._budget_of(chain, entry.runner.token_device)
         try:
-            self._replan_shapes(first, self.budget_rule())
+            if key == next(iter(self.entries)):  # the first shape: the others' bytes follow its own
+                self._replan_shapes(self._budget_of(chain, entry.runner.token_device), self.budget_rule())
+            else:
+                self._replan_shape(key, entry)
         except InfeasibleBudget as err:  # as it was, and this key's next step measured and refused again
             entry.profile.chain = before
             self._loss_watched.discard(key)
             raise LossOverBudget(err.budget, err.min_feasible) from None
+
+    def _replan_shape(self, key: str, entry: Entry) -> None:
+        """A later shape's chain changed: it alone is planned again, at its bytes (`_shape_bytes`); the other shapes'
+        bytes follow the first shape's, not this one's, so their plans stand. Raises `InfeasibleBudget` before
+        anything changes when it cannot meet them."""
+        assert self._first is not None
+        nbytes = self._shape_bytes(key, entry.chain, self.budget_rule(), *self._first)
+        replanned = self.plans.build(entry.profile, pipeline.plan_chain(entry.chain, nbytes, self.slots))
+        self.entries[key] = replanned
+        self.plans.forget_call_plans()
+        if self.last_entry is entry:
+            self.last_entry = replanned
+            if self._calls == 1:  # the step's bytes are its first call's shape's (`call_entry`)
+                self.budget = replanned.plan.budget
 
     def call_entry(self, call: CallInput, value: Any) -> tuple[Entry, Call, int, bool]:
         """The entry a training call on `value` runs, its `Call` (pending until its backward), its plan's peak and
@@ -583,12 +600,13 @@ class ChainState:
 
     def measured(self, measurement: StepMeasurement) -> None:
         """A measured step ended (`StepMeasurement`): a shape planned without a run that measured above its
-        budget is forgotten with every other such shape."""
+        budget is forgotten with every other such shape. Its key is found by its profile, which a plan made again
+        in the step (its real loss charged: `_real_loss`) keeps."""
         self.last_measurement = measurement
         entry = measurement.entry
         if entry is None or measurement.chain_peak <= entry.plan.budget:
             return
-        key = next((k for k, e in self.entries.items() if e is entry), None)
+        key = next((k for k, e in self.entries.items() if e.profile is entry.profile), None)
         if key in self.predicted:
             self._unplanned(key, measurement.chain_peak, entry.plan.budget, predicted=True)
         if key in self.fitted:

@@ -45,13 +45,18 @@ def noisy(images: int, side: int, seed: int) -> tuple[torch.Tensor, torch.Tensor
     return x, torch.randint(0, 1000, (images,), generator=g), torch.randn(x.shape, generator=g)
 
 
+LOSS = ("loss_tmp", "loss_tmp_kept", "loss_value")  # raised on a plan's first step to the real loss's (loss_watch.py)
+
+
 def sizes(chain):
-    """What a law derives: every field but the times and the loss's, which a plan's first step raises to the
-    caller's real loss (here an MSE: lightning_rotor/loss_watch.py) and a fresh profile charges as the stand-in."""
-    return {k: v for k, v in chain.to_dict().items() if k not in ("fwd_time", "bwd_time", *LOSS_FIGURES)}
+    return {k: v for k, v in chain.to_dict().items() if k not in ("fwd_time", "bwd_time", *LOSS)}
 
 
-LOSS_FIGURES = ("loss_tmp", "loss_tmp_kept", "loss_value")
+def same_sizes_loss_raised(derived, measured) -> None:
+    """A derived chain has a profile's sizes; its loss figures, the stand-in's a profile measures, raised by its
+    first step's window to MSE's (which keeps `a_L`, its value a buffer of `a_L`'s size), never lowered."""
+    assert sizes(derived) == sizes(measured)
+    assert all(getattr(derived, f) >= getattr(measured, f) for f in LOSS)
 
 
 def train_shapes(shapes: list[tuple[int, int]]) -> tuple[Checkpointable, list[str]]:
@@ -78,8 +83,7 @@ def train_shapes(shapes: list[tuple[int, int]]) -> tuple[Checkpointable, list[st
             key = next((k for k, e in rotor.entries.items() if e is entry), None)
             if key in rotor.fitted:
                 measured = profile_chain(list(rotor.stages), (x, t), names=rotor.stage_names, repeats=1, timed=False)
-                assert sizes(entry.chain) == sizes(measured.chain)
-                assert all(getattr(entry.chain, f) >= getattr(measured.chain, f) for f in LOSS_FIGURES)
+                same_sizes_loss_raised(entry.chain, measured.chain)
     return rotor, [str(w.message) for w in caught if "rotor" in str(w.message)]
 
 
