@@ -60,8 +60,10 @@ class Recorder:
         def law_add(laws: ShapeLaws, family: str, dims: Any, trace: Any, chain: Any, flops: Any) -> Any:
             if trace is not None:
                 storages = [[s.itemsize, list(s.factors)] for s in trace.storages]
-                guards = [[list(t.items()), c, op, r] for t, c, op, r in trace.guards]  # in order
-                self.traces.append({"storages": storages, "guards": guards, "abandoned": trace.abandoned})
+                # in order; a shape numbered only (`size_trace.StorageNumbers`, near a traced one) has no guards
+                guards = [[list(t.items()), c, op, r] for t, c, op, r in getattr(trace, "guards", [])]
+                abandoned = getattr(trace, "abandoned", None)
+                self.traces.append({"storages": storages, "guards": guards, "abandoned": abandoned})
             return add(laws, family, dims, trace, chain, flops)
 
         chain_state.stage_flops = stage_flops  # type: ignore[assignment]

@@ -28,7 +28,7 @@ from lightning_rotor._torch_compat import tree_flatten, tree_map, tree_unflatten
 from lightning_rotor.chain import Chain
 from lightning_rotor.engine import HandOver, tensors_of
 from lightning_rotor.execute import PlanRunner
-from lightning_rotor.memory import MemoryProbe, storage_bytes
+from lightning_rotor.memory import Excluded, MemoryProbe, storage_bytes
 from lightning_rotor.ops import forward_counts
 from lightning_rotor.planner import Plan, plan
 from lightning_rotor.profile import LOSS_HELD, Profile, profile_chain
@@ -271,7 +271,11 @@ def measure_outside(
     """
     from lightning_rotor.profile import LossInput, Untouched, caller_loss, grads_aside, leaves_reached
 
-    probe = MemoryProbe(module, record_curve=True)
+    # NOTE: [gradients stored by autograd]: only the measuring backward stores a gradient of `module`'s here
+    # (`Untouched` and `grads_aside` set `.grad` outside the probe or to what it was, None), so hooks tell the
+    # probe which `.grad` to read instead of every parameter's before every op
+    exclude = Excluded(module, by_autograd=True)
+    probe = MemoryProbe(exclude, record_curve=True)
     seen: dict[str, int] = {}
     held: list[Any] = []  # a_0 and a_L, held to the end
     # what the graph before the run (and the side inputs') accumulates into, and the stages' parameters
@@ -305,7 +309,7 @@ def measure_outside(
     devices = [t.device for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
     run.install(blocks_without_grad)
     try:
-        with Untouched([module], devices), probe:
+        with Untouched([module], devices), exclude, probe:
             output = module(*args, **kwargs)
             loss = caller_loss(output, loss_fn)
             del output  # the caller holds the loss into the backward, not the output
