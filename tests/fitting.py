@@ -50,3 +50,40 @@ class SaveAtEnd(pl.Callback):
 
     def on_train_end(self, trainer, pl_module):
         trainer.save_checkpoint(self.path)
+
+
+def fit_like_plain(root, plain: pl.LightningModule, rotor: pl.LightningModule, strategy, batches, seed=None):
+    """`plain` fitted by a plain Trainer and `rotor` by `strategy` on the same `batches`, every rotor step measured:
+    no step above its budget (the callback warns of one), and the weights after the fit plain training's."""
+    import warnings
+
+    from lightning_rotor.lightning import RotorCallback
+
+    if seed is not None:
+        torch.manual_seed(seed)
+    quiet_trainer(root / "plain", max_steps=len(batches)).fit(plain, DataLoader(batches, batch_size=None))
+    sample = RotorCallback(measure_every_n_steps=1, log_curves=False, print_summary=False)
+    trainer = quiet_trainer(root / "rotor", strategy, max_steps=len(batches), callbacks=[sample])
+    if seed is not None:
+        torch.manual_seed(seed)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        trainer.fit(rotor, DataLoader(batches, batch_size=None))
+    assert not [str(w.message) for w in record if "above the budget" in str(w.message)]
+    for (key, a), b in zip(rotor.state_dict().items(), plain.state_dict().values(), strict=True):
+        assert torch.equal(a, b), key
+
+
+def fit_both(root, make, loader, steps: int, strategy, callbacks=(), seed: int = 7) -> dict[str, pl.LightningModule]:
+    """`make()` fitted for `steps` steps by a plain Trainer ("plain") and by `strategy` with `callbacks`
+    ("rotor"), each from `seed`."""
+    runs = {}
+    for name, chosen in (("plain", "auto"), ("rotor", strategy)):
+        model = make()
+        torch.manual_seed(seed)
+        trainer = quiet_trainer(root / name, chosen, max_steps=steps)
+        if name == "rotor":
+            trainer.callbacks.extend(callbacks)
+        trainer.fit(model, loader)
+        runs[name] = model
+    return runs

@@ -8,20 +8,18 @@ sizes recorded, trained silently wrong; the masked fill trained silently wrong o
 from __future__ import annotations
 
 import copy
-import warnings
 
 import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from fitting import quiet_trainer
+from fitting import fit_like_plain
 from torch import nn
-from torch.utils.data import DataLoader
 from training import assert_same_state
 
 from lightning_rotor import Checkpointable
 from lightning_rotor.discovery import DiscoveryError
-from lightning_rotor.lightning import RotorCallback, RotorStrategy
+from lightning_rotor.lightning import RotorStrategy
 
 W = 16
 
@@ -135,13 +133,4 @@ class Task(pl.LightningModule):
 def test_the_trainer_trains_such_a_forward_over_new_lengths_bitwise_within_budget(tmp_path):
     batches = [batch(step) for step in range(len(SHAPES))]
     plain, rotor = Task(), Task()
-    quiet_trainer(tmp_path / "plain", max_steps=len(batches)).fit(plain, DataLoader(batches, batch_size=None))
-    sample = RotorCallback(measure_every_n_steps=1, log_curves=False, print_summary=False)
-    trainer = quiet_trainer(tmp_path / "rotor", RotorStrategy(mem_limit="80%"), max_steps=len(batches))
-    trainer.callbacks.append(sample)
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        trainer.fit(rotor, DataLoader(batches, batch_size=None))
-    assert not [str(w.message) for w in record if "above the budget" in str(w.message)]
-    for (key, a), b in zip(rotor.state_dict().items(), plain.state_dict().values(), strict=True):
-        assert torch.equal(a, b), key
+    fit_like_plain(tmp_path, plain, rotor, RotorStrategy(mem_limit="80%"), batches)

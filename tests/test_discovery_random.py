@@ -7,19 +7,17 @@ training's.)"""
 from __future__ import annotations
 
 import copy
-import warnings
 
 import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from fitting import quiet_trainer
+from fitting import fit_like_plain
 from torch import nn
-from torch.utils.data import DataLoader
 from training import assert_same_state
 
 from lightning_rotor import Checkpointable
-from lightning_rotor.lightning import RotorCallback, RotorStrategy
+from lightning_rotor.lightning import RotorStrategy
 
 W = 16
 
@@ -89,15 +87,4 @@ def test_the_trainer_draws_the_noise_anew_at_every_step_bitwise(tmp_path):
     batches = [batch(seed) for seed in range(4)]
     plain, rotor = Task(), Task()
     rotor.load_state_dict(copy.deepcopy(plain.state_dict()))
-    torch.manual_seed(3)
-    quiet_trainer(tmp_path / "plain", max_steps=4).fit(plain, DataLoader(batches, batch_size=None))
-    sample = RotorCallback(measure_every_n_steps=1, log_curves=False, print_summary=False)
-    trainer = quiet_trainer(tmp_path / "rotor", RotorStrategy(mem_limit="60%", discover="graph"), max_steps=4)
-    trainer.callbacks.append(sample)
-    torch.manual_seed(3)
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        trainer.fit(rotor, DataLoader(batches, batch_size=None))
-    assert not [str(w.message) for w in record if "above the budget" in str(w.message)]
-    for (key, a), b in zip(rotor.state_dict().items(), plain.state_dict().values(), strict=True):
-        assert torch.equal(a, b), key
+    fit_like_plain(tmp_path, plain, rotor, RotorStrategy(mem_limit="60%", discover="graph"), batches, seed=3)

@@ -8,21 +8,19 @@ trace at all.)"""
 from __future__ import annotations
 
 import copy
-import warnings
 
 import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from fitting import quiet_trainer
+from fitting import fit_like_plain
 from test_discovery_models import litgpt_case
 from torch import nn, ones
-from torch.utils.data import DataLoader
 from training import assert_same_state, check_measured_peak, tokens_loss
 
 from lightning_rotor import Checkpointable
 from lightning_rotor.discovery import discover_chain
-from lightning_rotor.lightning import RotorCallback, RotorStrategy
+from lightning_rotor.lightning import RotorStrategy
 
 W = 16
 
@@ -132,16 +130,7 @@ def test_the_trainer_trains_over_partial_batches_and_new_lengths_bitwise_and_wit
     batches = [batch(shape, seed) for seed, shape in enumerate(SHAPES)]
     plain, rotor = Tokens(), Tokens()
     rotor.load_state_dict(copy.deepcopy(plain.state_dict()))
-    quiet_trainer(tmp_path / "plain", max_steps=len(batches)).fit(plain, DataLoader(batches, batch_size=None))
-    sample = RotorCallback(measure_every_n_steps=1, log_curves=False, print_summary=False)
-    strategy = RotorStrategy(mem_limit="60%", discover="graph")
-    trainer = quiet_trainer(tmp_path / "rotor", strategy, max_steps=len(batches), callbacks=[sample])
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        trainer.fit(rotor, DataLoader(batches, batch_size=None))
-    assert not [str(w.message) for w in record if "above the budget" in str(w.message)]
-    for (key, a), b in zip(rotor.state_dict().items(), plain.state_dict().values(), strict=True):
-        assert torch.equal(a, b), key
+    fit_like_plain(tmp_path, plain, rotor, RotorStrategy(mem_limit="60%", discover="graph"), batches)
 
 
 # -- litgpt's GPT (a tiny Llama config): its rotary tables are plain attributes, sliced as `self.cos[:T]` -------------
@@ -190,13 +179,4 @@ def test_litgpt_in_a_trainer_over_changing_lengths_bitwise_within_budget(tmp_pat
     sampled step measured above its budget."""
     batches = token_batches()
     plain, rotor = LitTask(), LitTask()
-    quiet_trainer(tmp_path / "plain", max_steps=len(batches)).fit(plain, DataLoader(batches, batch_size=None))
-    sample = RotorCallback(measure_every_n_steps=1, log_curves=False, print_summary=False)
-    trainer = quiet_trainer(tmp_path / "rotor", RotorStrategy(mem_limit="50%"), max_steps=len(batches))
-    trainer.callbacks.append(sample)
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        trainer.fit(rotor, DataLoader(batches, batch_size=None))
-    assert not [str(w.message) for w in record if "above the budget" in str(w.message)]
-    for (key, a), b in zip(rotor.state_dict().items(), plain.state_dict().values(), strict=True):
-        assert torch.equal(a, b), key
+    fit_like_plain(tmp_path, plain, rotor, RotorStrategy(mem_limit="50%"), batches)

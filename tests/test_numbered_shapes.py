@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from fitting import KeepRotorModules, quiet_trainer
+from fitting import KeepRotorModules, fit_both
 from test_shapes import LM, batch, small_gpt
 from test_symbolic_sizes import StepPeaks, gpt_stages, sizes, tiny_gpt2, tokens
 from torch.utils.data import DataLoader, Dataset
@@ -169,16 +169,8 @@ def test_the_trainer_numbers_near_lengths_and_trains_bitwise_within_budget(tmp_p
     numbered; every step bitwise equal to plain training's and measured within its budget, at most its plan's
     predicted peak."""
     keep, loader, peaks = KeepRotorModules(), DataLoader(NearLengths(), batch_size=None), StepPeaks()
-    runs = {}
-    for name, strategy in (("plain", "auto"), ("rotor", RotorStrategy(mem_limit="60%"))):
-        model = LM()
-        torch.manual_seed(7)
-        trainer = quiet_trainer(tmp_path / name, strategy, max_steps=len(NearLengths()))
-        if name == "rotor":
-            measure = RotorCallback(measure_every_n_steps=1, log_curves=False, print_summary=False)
-            trainer.callbacks.extend([keep, measure, peaks])
-        trainer.fit(model, loader)
-        runs[name] = model
+    measure = RotorCallback(measure_every_n_steps=1, log_curves=False, print_summary=False)
+    runs = fit_both(tmp_path, LM, loader, len(NearLengths()), RotorStrategy(mem_limit="60%"), [keep, measure, peaks])
     rotor = keep.modules["net"]
     laws = rotor.chain_state._laws
     assert peaks.checked == len(NearLengths()) - 1 and len(rotor.entries) == len(NearLengths())

@@ -15,7 +15,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from fitting import KeepRotorModules, quiet_trainer
+from fitting import KeepRotorModules, fit_both, quiet_trainer
 from hf_models import tiny_llama
 from test_shapes import LM, batch, small_gpt  # the small GPT, its batches and its LightningModule
 from torch import nn
@@ -498,16 +498,10 @@ def test_the_trainer_on_changing_lengths_derives_between_two_measured_ones_bitwi
     shapes. Every step bitwise equal to plain training's and measured within its budget, at most its plan's
     predicted peak."""
     keep, loader, peaks = KeepRotorModules(), DataLoader(ChangingLengths(), batch_size=None), StepPeaks()
-    runs = {}
-    for name, strategy in (("plain", "auto"), ("rotor", RotorStrategy(mem_limit="60%"))):
-        model = LM()
-        torch.manual_seed(7)
-        trainer = quiet_trainer(tmp_path / name, strategy, max_steps=len(ChangingLengths()))
-        if name == "rotor":
-            measure = RotorCallback(measure_every_n_steps=1, log_curves=False, print_summary=False)
-            trainer.callbacks.extend([keep, measure, peaks])
-        trainer.fit(model, loader)
-        runs[name] = model
+    measure = RotorCallback(measure_every_n_steps=1, log_curves=False, print_summary=False)
+    runs = fit_both(
+        tmp_path, LM, loader, len(ChangingLengths()), RotorStrategy(mem_limit="60%"), [keep, measure, peaks]
+    )
     rotor = keep.modules["net"]
     assert peaks.checked == len(ChangingLengths()) - 1
     assert len(rotor.entries) == 7 and sorted(rotor.chain_state._shapes[k] for k in rotor.fitted) == [
