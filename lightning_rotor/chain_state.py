@@ -40,7 +40,15 @@ from lightning_rotor.calls import Call, StepBudget, StepCalls, describe, step_mi
 from lightning_rotor.chain import Chain
 from lightning_rotor.compile import compile_stages
 from lightning_rotor.ddp_checks import DdpWatch, refuse_tied, shared_parameters
-from lightning_rotor.loss_watch import LossBytes, LossOverBudget, LossWatch, raised_chain, settle_watches, watched
+from lightning_rotor.loss_watch import (
+    LossBytes,
+    LossOverBudget,
+    LossPerByte,
+    LossWatch,
+    raised_chain,
+    settle_watches,
+    watched,
+)
 from lightning_rotor.measure import StepMeasurement
 from lightning_rotor.ops import is_no_recompute
 from lightning_rotor.own_checkpointing import OwnCheckpointing, checkpoint_calls
@@ -102,6 +110,7 @@ class ChainState:
         self.repeats, self.warmup = 5, 0
         self.loss_fn: LossFn | None = None
         self.loss_tmp: int | None = None
+        self._loss_per_byte: LossPerByte | None = None  # a real loss's excess, carried to later shapes
         self._loss_watched: set[str] = set()  # plan keys whose first step measured the caller's real loss
         self.options = False
         self.offload: bool | int | float | str = False  # as given; `bandwidth` is what it resolves to
@@ -401,6 +410,7 @@ class ChainState:
         chain = None if entry is None or self._first is None else raised_chain(entry.chain, real)
         if chain is None or entry is None or self._first is None:
             return
+        self._loss_per_byte = LossPerByte.of(real, entry.chain.out_size[-1]).max(self._loss_per_byte)
         before, entry.profile.chain = entry.profile.chain, chain
         try:
             if key == next(iter(self.entries)):  # the first shape: the others' bytes follow its own
@@ -504,7 +514,15 @@ class ChainState:
             self._times.timed.append((measured.chain, flops))
         if self._offload_setting is not None:
             measured.chain = measured.chain.with_transfer(self._bandwidth_for(measured.chain, value), self.host_limit)
+        measured.chain = self._loss_carried(measured.chain)
         return measured
+
+    def _loss_carried(self, chain: Chain) -> Chain:
+        """A new shape's chain charged, at its own `a_L`, what an earlier shape's real loss held beyond the stand-in
+        (`LossPerByte`): its first step measures it in turn (NOTE: [the real loss])."""
+        if self._loss_per_byte is None:
+            return chain
+        return raised_chain(chain, self._loss_per_byte.at(chain.out_size[-1])) or chain
 
     def _new_shape_bytes(self, call: CallInput, flops: list[int] | None, chain: Chain) -> int:
         """The bytes of a newly profiled shape: the budget as given for the first, `_shape_bytes` for the others."""
@@ -538,6 +556,7 @@ class ChainState:
         if predicted is None:
             return None
         chain, floor = predicted
+        chain = self._loss_carried(chain)
         nbytes = self.budget_rule().for_shape(chain, *self._first, fraction_of=floor)
         if nbytes < min_feasible_budget(chain):
             return None  # the bound is too loose here for this budget: measure the shape
@@ -558,6 +577,7 @@ class ChainState:
         chain = derived_times(*self._times.nearest(flops, self._timed), found[0], flops)
         if self._offload_setting is not None:
             chain = chain.with_transfer(self._bandwidth_for(chain, call.sample), self.host_limit)
+        chain = self._loss_carried(chain)
         nbytes = self._shape_bytes(call.key, chain, self.budget_rule(), *self._first)
         self.fitted[call.key] = found[1]
         chosen = pipeline.plan_chain(chain, nbytes, self.slots)

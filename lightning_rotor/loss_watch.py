@@ -19,9 +19,11 @@ plan). Elsewhere the stand-in stays charged and `loss_fn=` is the way out (one w
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import warnings
 from collections.abc import Callable, Sequence
+from fractions import Fraction
 from typing import Any, NamedTuple
 
 import torch
@@ -266,6 +268,30 @@ def loss_bytes(peak: int, current: int, alive: int, size: int, grad: int) -> Los
     # keeping `a_L` adds at most its bytes to any moment; dropping it takes nothing away
     plain, with_kept = (above, above) if kept else (above, above + size)
     return LossBytes(plain, max(plain, with_kept), max(0, current - grad - alive))
+
+
+class LossPerByte(NamedTuple):
+    """A measured real loss's figures per byte of the chain's output `a_L`, and beyond it: what a shape planned
+    later is charged at its own `a_L` until its own first step measures it (an elementwise loss, MSE or L1,
+    holds a multiple of `a_L` plus a constant: both forms kept, the larger charged)."""
+
+    ratios: tuple[Fraction, Fraction, Fraction]  # (tmp, tmp_kept, value) / a_L bytes
+    beyond: tuple[int, int, int]  # (tmp, tmp_kept, value) - a_L bytes
+
+    @classmethod
+    def of(cls, real: LossBytes, out: int) -> LossPerByte:
+        return cls(tuple(Fraction(f, max(1, out)) for f in real), tuple(f - out for f in real))  # type: ignore[arg-type]
+
+    def at(self, out: int) -> LossBytes:
+        """The figures charged where `a_L` has `out` bytes."""
+        return LossBytes(*(max(math.ceil(r * out), b + out) for r, b in zip(self.ratios, self.beyond, strict=True)))
+
+    def max(self, other: LossPerByte | None) -> LossPerByte:
+        if other is None:
+            return self
+        ratios = tuple(max(a, b) for a, b in zip(self.ratios, other.ratios, strict=True))
+        beyond = tuple(max(a, b) for a, b in zip(self.beyond, other.beyond, strict=True))
+        return LossPerByte(ratios, beyond)  # type: ignore[arg-type]
 
 
 def raised_chain(chain: Chain, real: LossBytes) -> Chain | None:
