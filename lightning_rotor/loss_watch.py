@@ -27,6 +27,7 @@ from fractions import Fraction
 from typing import Any, NamedTuple
 
 import torch
+from torch.autograd.graph import register_multi_grad_hook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
@@ -38,7 +39,6 @@ from lightning_rotor._torch_compat import (
     innermost_dispatch_mode,
     storage_id,
     tree_flatten,
-    tree_unflatten,
 )
 from lightning_rotor.chain import Chain
 from lightning_rotor.compile import in_compiled_caller
@@ -220,32 +220,23 @@ class LossWatch:
         self.done(figures)
 
 
-class _Window(torch.autograd.Function):
-    """An identity over a plain run's output: its forward hands `a_L` over, its backward receives `δ_L`, as
-    the plan's `HandOver` does, so the same window opens where plain autograd runs the chain."""
-
-    @staticmethod
-    def forward(ctx: Any, watch: LossWatch, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.watch = watch
-        outputs = tuple(t.view_as(t) for t in tensors)
-        watch.start(outputs)
-        return outputs
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        ctx.watch.finish(grads)
-        return (None, *grads)
-
-
 def watched(output: Any, watch: LossWatch) -> Any:
-    """A plain run's `output` through a window of `watch` (its tensors that require grad)."""
-    flat, spec = tree_flatten(output)
-    at = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-    if not at:
+    """A plain run's `output` (nothing recomputed) watched as the plan's `HandOver` is: the window opens now and
+    ends when the gradients of its tensors that require grad come (a hook on them; the output stays as it is:
+    an identity node would make it a view that no in-place op may change)."""
+    tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not tensors:
         return output
-    for i, t in zip(at, _Window.apply(watch, *(flat[i] for i in at)), strict=True):
-        flat[i] = t
-    return tree_unflatten(flat, spec)
+    watch.start(tensors)
+    if watch.probe is None:
+        return output
+
+    def arrived(grads: Sequence[torch.Tensor | None]) -> None:
+        handle.remove()
+        watch.finish(grads)
+
+    handle = register_multi_grad_hook(tensors, arrived, mode="all")
+    return output
 
 
 def _warn_once(why: str) -> None:

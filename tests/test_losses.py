@@ -248,3 +248,21 @@ def test_a_new_shape_after_a_raise_is_charged_the_real_loss_from_its_first_step(
         with rotor.measure_step() as measured:
             loss_fn(rotor(x), y).backward()
         assert not step or measured.peak <= rotor.last_entry.plan.budget, (batch, measured.peak)
+
+
+def test_a_plain_run_s_output_stays_writable_in_place_while_its_loss_is_measured():
+    """Nothing recomputed: plain autograd runs the chain, and a hook on its output ends the window (an identity
+    node would make the output a view, which `out.mul_` may not change); gradients as plain training's."""
+
+    def scaled_mse(out, y):
+        return F.mse_loss(out.mul_(2), y)
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(TanhMLP(), nn.Linear(32, 32))  # a linear output: no backward reads it
+    rotor = Checkpointable(copy.deepcopy(plain), 1.0, discover="graph", repeats=1)
+    for batch in (16, 8):  # the profiling step, then a new shape's first step, whose loss is measured
+        x, y = data(batch=batch)
+        assert torch.equal(train(plain, x, y, scaled_mse, steps=1), train(rotor, x, y, scaled_mse, steps=1))
+        assert rotor.plan.recomputed_stages == 0
+    assert_same_state(plain, rotor)
+    assert rotor.chain.loss_value > rotor.chain.out_size[-1]  # the real MSE measured: its value holds a_L's size
