@@ -397,6 +397,8 @@ class SizeTrace(StorageNumbers):
     def higher(self, peak: int, current: int) -> int:
         """`max(peak, current)` as a `Peak` that remembers `current` among its levels; a peak not passed is the same
         peak (its value, top and levels, which it shares), not a copy of it per op."""
+        if type(peak) is Peak and peak.levels[-1] is current and not int.__gt__(current, peak):
+            return peak  # an op that allocated nothing: the level as it was (a sum is its own level, `_level`)
         level = _level(current)
         if type(peak) is Peak:
             levels = peak.levels
