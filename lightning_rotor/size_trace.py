@@ -19,6 +19,7 @@ a trace would number them.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 from collections.abc import Iterator
@@ -76,20 +77,37 @@ def _sym(value: int, terms: Terms) -> int:
 # `current` is, op after op), else it begins a run from its own terms. Its terms, when asked (a comparison, a
 # product, a peak's guards), are its run's start with the changes up to its position applied in order: the very
 # dict, in the very order, that `_combined` step by step would have made. As `_sym`, a sum without a storage term
-# is a plain int.
+# is a plain int. A copy of the head is kept every `SNAPSHOT` changes: terms asked in any order (a chain's sizes, a
+# peak's levels) are made from the copy before them, not from the run's start.
+SNAPSHOT = 64
+
+
 class _Run:
     """Terms changed in place, each change logged: every position's terms can be made again (NOTE: [running
     sums]). `storages`: the head's storage terms (not the constant)."""
 
-    __slots__ = ("_cursor", "_cursor_at", "head", "log", "start", "storages")
+    __slots__ = ("_cursor", "_cursor_at", "head", "log", "snapshot_at", "snapshots", "start", "storages")
 
     def __init__(self, start: Terms):
         self.start = start  # never changed
         self.head = dict(start)
         self.log: list[tuple[int, int]] = []  # (key, coefficient added), in order
         self.storages = sum(k != CONST for k in start)
+        self.snapshot_at = [0]  # positions of the copies of the head kept (`SNAPSHOT`), in order
+        self.snapshots = [start]
         self._cursor: Terms = {}  # the terms at position `_cursor_at` (-1: none yet), moved on as asked
         self._cursor_at = -1
+
+    def keep(self) -> None:
+        """Keep a copy of the head where `SNAPSHOT` changes came since the last."""
+        if len(self.log) - self.snapshot_at[-1] >= SNAPSHOT:
+            self.snapshot_at.append(len(self.log))
+            self.snapshots.append(dict(self.head))
+
+    def before(self, at: int) -> tuple[int, Terms]:
+        """The latest copy kept at or before position `at`: (its position, its terms, not to be changed)."""
+        i = bisect.bisect_right(self.snapshot_at, at) - 1
+        return self.snapshot_at[i], self.snapshots[i]
 
     def extend(self, terms: Terms, sign: int) -> None:
         """Add `sign * terms` to the head, as `_combined` would."""
@@ -105,13 +123,15 @@ class _Run:
             if k != CONST:
                 self.storages += (k in head) - had
             log.append((k, c))
+        self.keep()
 
     def terms_at(self, at: int) -> Terms:
         """The terms at position `at` (a new dict)."""
         if at == len(self.log):
             return dict(self.head)
-        if not 0 <= self._cursor_at <= at:
-            self._cursor, self._cursor_at = dict(self.start), 0
+        kept_at, kept = self.before(at)
+        if not kept_at <= self._cursor_at <= at:
+            self._cursor, self._cursor_at = dict(kept), kept_at
         _replay(self._cursor, self.log, self._cursor_at, at)
         self._cursor_at = at
         return dict(self._cursor)
@@ -160,6 +180,8 @@ def _stepped(value: int, run: _Run, terms: Terms | None, sign: int) -> int:
         if k != CONST:
             run.storages += (k in head) - had
         log.append((k, c))
+    if len(log) - run.snapshot_at[-1] >= SNAPSHOT:
+        run.keep()
     if not run.storages:
         return value
     obj = int.__new__(Sym, value)
@@ -489,12 +511,13 @@ class _Walk:
         return self.differ | self.lacking
 
     def _restart(self, level: Sym, run: _Run) -> None:
-        """Walk `run` (`level`'s) from its start, or from `level` where its terms are made already."""
+        """Walk `run` (`level`'s) from `level` where its terms are made already, else from the copy kept before it."""
         self.run = run
         if level._terms is not None:
             self.level, self.at = dict(level._terms), level._at
         else:
-            self.level, self.at = dict(run.start), 0
+            kept_at, kept = run.before(level._at)
+            self.level, self.at = dict(kept), kept_at
         top, terms = self.top, self.level
         self.differ, self.lacking, self.ordered = {}, None, False
         keys = {k for k in (*terms, *top) if k != CONST}

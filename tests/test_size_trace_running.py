@@ -4,6 +4,7 @@ order, that copying the terms at each step gives; a peak's guards are those of e
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from lightning_rotor import size_trace
 from lightning_rotor.size_trace import CONST, SizeTrace, Sym, holds_everywhere, terms_of, traced
 
 
@@ -35,12 +36,23 @@ steps = st.lists(
 )
 
 
+snapshots = st.sampled_from([1, 2, 5, size_trace.SNAPSHOT])  # changes between copies of a run's terms kept
+
+
 @settings(max_examples=300, deadline=None)
-@given(steps)
-def test_running_sums_have_the_terms_stepwise_arithmetic_gives(script):
+@given(steps, snapshots)
+def test_running_sums_have_the_terms_stepwise_arithmetic_gives(script, every):
     """Any sums of storage sizes and constants, each from any earlier one (the latest of a run extends it in place,
-    an earlier one begins a run), their terms asked at any time: values, which are `Sym`s, and terms in order as
-    step by step."""
+    an earlier one begins a run), their terms asked at any time, made from any kept copy: values, which are `Sym`s,
+    and terms in order as step by step."""
+    kept, size_trace.SNAPSHOT = size_trace.SNAPSHOT, every
+    try:
+        stepwise_sums(script)
+    finally:
+        size_trace.SNAPSHOT = kept
+
+
+def stepwise_sums(script):
     sizes = [Sym(8 * (i + 1), {i: 1}) for i in range(8)]
     values: list[tuple[int, dict[int, int] | None]] = [(0, None)]
     for pick, sign, operand, ask in script:
@@ -96,11 +108,19 @@ ops = st.lists(
 
 
 @settings(max_examples=300, deadline=None)
-@given(ops)
-@example([("new", 1), ("new", 50), ("free", 1), ("new", 1), ("again", 0)])  # a term equal to the top's moves off it
-def test_a_peaks_guards_are_every_level_against_its_top_as_stepwise_arithmetic_gives(script):
+@given(ops, snapshots)
+@example([("new", 1), ("new", 50), ("free", 1), ("new", 1), ("again", 0)], 64)  # a term equal to the top's moves off
+def test_a_peaks_guards_are_every_level_against_its_top_as_stepwise_arithmetic_gives(script, every):
     """A probe's count, op after op, through the trace's `higher`: once the peak's terms are used, its guards
     (terms in order) are those that comparing every level with the top step by step gives."""
+    kept, size_trace.SNAPSHOT = size_trace.SNAPSHOT, every
+    try:
+        probe_guards(script)
+    finally:
+        size_trace.SNAPSHOT = kept
+
+
+def probe_guards(script):
     trace = SizeTrace()
     with traced(trace):
         live: list[Sym] = []
