@@ -92,7 +92,7 @@ class _Run:
         self.start = start  # never changed
         self.head = dict(start)
         self.log: list[tuple[int, int]] = []  # (key, coefficient added), in order
-        self.storages = sum(k != CONST for k in start)
+        self.storages = len(start) - (CONST in start)
         self.snapshot_at = [0]  # positions of the copies of the head kept (`SNAPSHOT`), in order
         self.snapshots = [start]
         self._cursor: Terms = {}  # the terms at position `_cursor_at` (-1: none yet), moved on as asked
