@@ -80,6 +80,7 @@ def _sym(value: int, terms: Terms) -> int:
 # is a plain int. A copy of the head is kept every `SNAPSHOT` changes: terms asked in any order (a chain's sizes, a
 # peak's levels) are made from the copy before them, not from the run's start.
 SNAPSHOT = 64
+WALKED = 16  # a peak's levels compared with its top along their run (`_Walk`) from this many on
 
 
 class _Run:
@@ -439,12 +440,18 @@ class SizeTrace(StorageNumbers):
         key = (id(levels), id(top))
         done = self._dominated.get(key, 0)
         if done < len(levels) and not self.abandoned:
-            walk = _Walk(_level_terms(top))
-            for level in levels[done:]:
-                if level is not top:
-                    excess = walk.excess(level)
-                    if excess is not None:
-                        self.guard(excess, "<=", True)
+            top_terms = _level_terms(top)
+            if len(levels) - done < WALKED:  # a few levels: each compared as it is (its terms made)
+                for level in levels[done:]:
+                    if level is not top:
+                        self.guard(_combined(_level_terms(level), top_terms, -1), "<=", True)
+            else:
+                walk = _Walk(top_terms)
+                for level in levels[done:]:
+                    if level is not top:
+                        excess = walk.excess(level)
+                        if excess is not None:
+                            self.guard(excess, "<=", True)
         self._dominated[key] = len(levels)
         self._kept.append((levels, top))  # alive while recorded: ids are not reused
 
@@ -520,9 +527,15 @@ class _Walk:
             self.level, self.at = dict(kept), kept_at
         top, terms = self.top, self.level
         self.differ, self.lacking, self.ordered = {}, None, False
-        keys = {k for k in (*terms, *top) if k != CONST}
-        self.unequal = sum(terms.get(k, 0) != top.get(k, 0) for k in keys)
-        self.above = sum(terms.get(k, 0) > top.get(k, 0) for k in keys)
+        unequal = above = 0
+        for k, c in terms.items():
+            t = top.get(k, 0)
+            if k != CONST and c != t:
+                unequal, above = unequal + 1, above + (c > t)
+        for k, t in top.items():
+            if k != CONST and k not in terms:
+                unequal, above = unequal + 1, above + (t < 0)
+        self.unequal, self.above = unequal, above
 
     def _advance(self, at: int) -> None:
         assert self.run is not None
