@@ -73,8 +73,9 @@ def _sym(value: int, terms: Terms) -> int:
 # NOTE: [running sums] a probe adds and subtracts a storage's size at every op (its `current`), and the sums a
 # profile derives are sums of a few such. Copying the terms at each step (`_combined`) cost the trace O(live
 # storages) an op. A sum is instead a position in a `_Run` (`running`), whose terms now (`head`) are changed in
-# place and whose changes are logged; a sum extends its run in place where it is the run's latest (the probe's
-# `current` is, op after op), else it begins a run from its own terms. Its terms, when asked (a comparison, a
+# place and whose changes are logged; a sum plus or minus a storage's size extends its run in place where it is
+# the run's latest (the probe's `current` is, op after op), else (or plus any other figure) it begins a run from
+# its own terms: a profile's figures taken from a probe's count leave the probe its run. Its terms, when asked (a
 # product, a peak's guards), are its run's start with the changes up to its position applied in order: the very
 # dict, in the very order, that `_combined` step by step would have made. As `_sym`, a sum without a storage term
 # is a plain int. A copy of the head is kept every `SNAPSHOT` changes: terms asked in any order (a chain's sizes, a
@@ -149,11 +150,9 @@ def _replay(terms: Terms, log: list[tuple[int, int]], begin: int, end: int) -> N
 
 
 def _sum(value: int, first: Sym, terms: Terms, sign: int) -> int:
-    """`first + sign * terms` (its bytes `value`): `first`'s run extended in place where `first` is its latest sum,
-    else a new run from `first`'s terms (NOTE: [running sums])."""
-    run = first._run
-    if run is not None and first._at == len(run.log):
-        return _extended(value, run, terms, sign)
+    """`first + sign * terms` (its bytes `value`) where `terms` are not a storage's own (a figure's, a constant): a
+    new run from `first`'s terms. Only a storage's size extends a run in place (`_stepped`): a probe's count keeps
+    its run while a profile derives figures from it (NOTE: [running sums])."""
     return _extended(value, _Run(first.terms), terms, sign)
 
 
