@@ -72,14 +72,15 @@ def _sym(value: int, terms: Terms) -> int:
 
 # NOTE: [running sums] a probe adds and subtracts a storage's size at every op (its `current`), and the sums a
 # profile derives are sums of a few such. Copying the terms at each step (`_combined`) cost the trace O(live
-# storages) an op. A sum is instead a position in a `_Run` (`running`), whose terms now (`head`) are changed in
-# place and whose changes are logged; a sum plus or minus a storage's size extends its run in place where it is
-# the run's latest (the probe's `current` is, op after op), else (or plus any other figure) it begins a run from
-# its own terms: a profile's figures taken from a probe's count leave the probe its run. Its terms, when asked (a
-# product, a peak's guards), are its run's start with the changes up to its position applied in order: the very
-# dict, in the very order, that `_combined` step by step would have made. As `_sym`, a sum without a storage term
-# is a plain int. A copy of the head is kept every `SNAPSHOT` changes: terms asked in any order (a chain's sizes, a
-# peak's levels) are made from the copy before them, not from the run's start.
+# storages) an op. A sum is instead a position in a `_Run` (`_running`), whose terms now (`head`) are changed in
+# place and whose changes are logged; a sum plus or minus a `Sym` that is no running sum itself (a storage's size,
+# as in the probe's steps) extends its run in place where it is the run's latest (the probe's `current` is, op
+# after op), else (or plus any other figure) it begins a run from its own terms: a profile's figures taken from a
+# probe's count leave the probe its run. Its terms, when asked (a comparison, a product, a peak's guards), are its
+# run's start with the changes up to its position applied in order: the very dict, in the very order, that
+# `_combined` step by step would have made. As `_sym`, a sum without a storage term is a plain int. A copy of the
+# head is kept every `SNAPSHOT` changes: terms asked in any order (a chain's sizes, a peak's levels) are made from
+# the copy before them, not from the run's start.
 SNAPSHOT = 64
 WALKED = 16  # a peak's levels compared with its top along their run (`_Walk`) from this many on
 
@@ -150,9 +151,9 @@ def _replay(terms: Terms, log: list[tuple[int, int]], begin: int, end: int) -> N
 
 
 def _sum(value: int, first: Sym, terms: Terms, sign: int) -> int:
-    """`first + sign * terms` (its bytes `value`) where `terms` are not a storage's own (a figure's, a constant): a
-    new run from `first`'s terms. Only a storage's size extends a run in place (`_stepped`): a probe's count keeps
-    its run while a profile derives figures from it (NOTE: [running sums])."""
+    """`first + sign * terms` (its bytes `value`) where `terms` are another figure's or a constant's: a new run from
+    `first`'s terms. Only a `Sym` that is no running sum (a storage's size) extends a run in place (`_stepped`): a
+    probe's count keeps its run while a profile derives figures from it (NOTE: [running sums])."""
     return _extended(value, _Run(first.terms), terms, sign)
 
 
@@ -161,7 +162,7 @@ def _extended(value: int, run: _Run, terms: Terms, sign: int) -> int:
     run.extend(terms, sign)
     if not run.storages:
         return value
-    return running(value, run, len(run.log))
+    return _running(value, run, len(run.log))
 
 
 def _stepped(value: int, run: _Run, terms: Terms | None, sign: int) -> int:
@@ -190,7 +191,7 @@ def _stepped(value: int, run: _Run, terms: Terms | None, sign: int) -> int:
     return obj
 
 
-def running(value: int, run: _Run, at: int) -> Sym:
+def _running(value: int, run: _Run, at: int) -> Sym:
     """The sum `value` at position `at` of `run`: a `Sym` whose terms are made when first asked. (A `Sym`, not a
     subclass: a comparison of two `Sym`s is the left one's, as Python tries a right operand's reflected comparison
     first where its type is a subclass of the left one's.)"""
