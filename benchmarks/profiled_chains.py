@@ -31,6 +31,7 @@ from profile_cost import CASES, plain_steps, timed_step  # noqa: E402
 
 import lightning_rotor.chain_state as chain_state  # noqa: E402
 from lightning_rotor import Checkpointable  # noqa: E402
+from lightning_rotor.size_trace import SizeTrace  # noqa: E402
 from lightning_rotor.symbolic_sizes import ShapeLaws  # noqa: E402
 
 TIMES = ("fwd_time", "bwd_time")
@@ -60,10 +61,11 @@ class Recorder:
         def law_add(laws: ShapeLaws, family: str, dims: Any, trace: Any, chain: Any, flops: Any) -> Any:
             if trace is not None:
                 storages = [[s.itemsize, list(s.factors)] for s in trace.storages]
-                # in order; a shape numbered only (`size_trace.StorageNumbers`, near a traced one) has no guards
-                guards = [[list(t.items()), c, op, r] for t, c, op, r in getattr(trace, "guards", [])]
-                abandoned = getattr(trace, "abandoned", None)
-                self.traces.append({"storages": storages, "guards": guards, "abandoned": abandoned})
+                if isinstance(trace, SizeTrace):
+                    guards = [[list(t.items()), c, op, r] for t, c, op, r in trace.guards]  # in order
+                    self.traces.append({"storages": storages, "guards": guards, "abandoned": trace.abandoned})
+                else:  # a numbered shape (`StorageNumbers`): its storages only
+                    self.traces.append({"storages": storages})
             return add(laws, family, dims, trace, chain, flops)
 
         chain_state.stage_flops = stage_flops  # type: ignore[assignment]

@@ -19,6 +19,7 @@ a trace would number them.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 from collections.abc import Iterator
@@ -27,7 +28,7 @@ from typing import Any
 
 import torch
 
-from lightning_rotor._torch_compat import StorageWeakRef, storage_id
+from lightning_rotor._torch_compat import free_weak_storage, storage_id, weak_storage, weak_storage_expired
 from lightning_rotor.memory import storages_sized_by
 
 __all__ = ["CONST", "Peak", "SizeTrace", "StorageNumbers", "Sym", "Terms", "terms_of", "traced"]
@@ -69,32 +70,179 @@ def _sym(value: int, terms: Terms) -> int:
     return Sym(value, terms)
 
 
+# NOTE: [running sums] a probe adds and subtracts a storage's size at every op (its `current`), and the sums a
+# profile derives are sums of a few such. Copying the terms at each step (`_combined`) cost the trace O(live
+# storages) an op. A sum is instead a position in a `_Run` (`_running`), whose terms now (`head`) are changed in
+# place and whose changes are logged; a sum plus or minus a `Sym` that is no running sum itself (a storage's size,
+# as in the probe's steps) extends its run in place where it is the run's latest (the probe's `current` is, op
+# after op), else (or plus any other figure) it begins a run from its own terms: a profile's figures taken from a
+# probe's count leave the probe its run. Its terms, when asked (a comparison, a product, a peak's guards), are its
+# run's start with the changes up to its position applied in order: the very dict, in the very order, that
+# `_combined` step by step would have made. As `_sym`, a sum without a storage term is a plain int. A copy of the
+# head is kept every `SNAPSHOT` changes: terms asked in any order (a chain's sizes, a peak's levels) are made from
+# the copy before them, not from the run's start.
+SNAPSHOT = 64
+WALKED = 16  # a peak's levels compared with its top along their run (`_Walk`) from this many on
+
+
+class _Run:
+    """Terms changed in place, each change logged: every position's terms can be made again (NOTE: [running
+    sums]). `storages`: the head's storage terms (not the constant)."""
+
+    __slots__ = ("_cursor", "_cursor_at", "head", "log", "snapshot_at", "snapshots", "start", "storages")
+
+    def __init__(self, start: Terms):
+        self.start = start  # never changed
+        self.head = dict(start)
+        self.log: list[tuple[int, int]] = []  # (key, coefficient added), in order
+        self.storages = len(start) - (CONST in start)
+        self.snapshot_at = [0]  # positions of the copies of the head kept (`SNAPSHOT`), in order
+        self.snapshots = [start]
+        self._cursor: Terms = {}  # the terms at position `_cursor_at` (-1: none yet), moved on as asked
+        self._cursor_at = -1
+
+    def keep(self) -> None:
+        """Keep a copy of the head where `SNAPSHOT` changes came since the last."""
+        if len(self.log) - self.snapshot_at[-1] >= SNAPSHOT:
+            self.snapshot_at.append(len(self.log))
+            self.snapshots.append(dict(self.head))
+
+    def before(self, at: int) -> tuple[int, Terms]:
+        """The latest copy kept at or before position `at`: (its position, its terms, not to be changed)."""
+        i = bisect.bisect_right(self.snapshot_at, at) - 1
+        return self.snapshot_at[i], self.snapshots[i]
+
+    def extend(self, terms: Terms, sign: int) -> None:
+        """Add `sign * terms` to the head, as `_combined` would."""
+        head, log = self.head, self.log
+        for k, c in terms.items():
+            c = sign * c
+            had = k in head
+            v = head.get(k, 0) + c
+            if v:
+                head[k] = v
+            elif had:
+                del head[k]
+            if k != CONST:
+                self.storages += (k in head) - had
+            log.append((k, c))
+        self.keep()
+
+    def terms_at(self, at: int) -> Terms:
+        """The terms at position `at` (a new dict)."""
+        if at == len(self.log):
+            return dict(self.head)
+        kept_at, kept = self.before(at)
+        if not kept_at <= self._cursor_at <= at:
+            self._cursor, self._cursor_at = dict(kept), kept_at
+        _replay(self._cursor, self.log, self._cursor_at, at)
+        self._cursor_at = at
+        return dict(self._cursor)
+
+
+def _replay(terms: Terms, log: list[tuple[int, int]], begin: int, end: int) -> None:
+    """Apply the changes `log[begin:end]` to `terms` in place."""
+    for k, c in log[begin:end]:
+        v = terms.get(k, 0) + c
+        if v:
+            terms[k] = v
+        else:
+            terms.pop(k, None)
+
+
+def _sum(value: int, first: Sym, terms: Terms, sign: int) -> int:
+    """`first + sign * terms` (its bytes `value`) where `terms` are another figure's or a constant's: a new run from
+    `first`'s terms. Only a `Sym` that is no running sum (a storage's size) extends a run in place (`_stepped`): a
+    probe's count keeps its run while a profile derives figures from it (NOTE: [running sums])."""
+    return _extended(value, _Run(first.terms), terms, sign)
+
+
+def _extended(value: int, run: _Run, terms: Terms, sign: int) -> int:
+    """The sum `value` at the end of `run` extended by `sign * terms`; a plain int without a storage term."""
+    run.extend(terms, sign)
+    if not run.storages:
+        return value
+    return _running(value, run, len(run.log))
+
+
+def _stepped(value: int, run: _Run, terms: Terms | None, sign: int) -> int:
+    """`_extended`, for a probe's step: a running sum plus or minus a storage's size (`terms` never None), the
+    run's `extend` inlined."""
+    assert terms is not None
+    head, log = run.head, run.log
+    for k, c in terms.items():
+        c = sign * c
+        had = k in head
+        v = head.get(k, 0) + c
+        if v:
+            head[k] = v
+        elif had:
+            del head[k]
+        if k != CONST:
+            run.storages += (k in head) - had
+        log.append((k, c))
+    if len(log) - run.snapshot_at[-1] >= SNAPSHOT:
+        run.keep()
+    if not run.storages:
+        return value
+    obj = int.__new__(Sym, value)
+    obj._run = run
+    obj._at = len(run.log)
+    return obj
+
+
+def _running(value: int, run: _Run, at: int) -> Sym:
+    """The sum `value` at position `at` of `run`: a `Sym` whose terms are made when first asked. (A `Sym`, not a
+    subclass: a comparison of two `Sym`s is the left one's, as Python tries a right operand's reflected comparison
+    first where its type is a subclass of the left one's.)"""
+    obj = int.__new__(Sym, value)
+    obj._run = run
+    obj._at = at
+    return obj
+
+
 class Sym(int):
     """An int that is a sum of storage sizes (`terms`): arithmetic keeps the terms, comparisons are recorded."""
 
-    terms: Terms
+    _terms: Terms | None = None  # made when first asked of a running sum
+    _run: _Run | None = None  # a running sum's run and position (NOTE: [running sums])
+    _at: int
 
     def __new__(cls, value: int, terms: Terms) -> Sym:
         obj = int.__new__(cls, value)
-        obj.terms = terms
+        obj._terms = terms
         return obj
 
+    @property
+    def terms(self) -> Terms:
+        terms = self._terms
+        if terms is None:
+            assert self._run is not None
+            terms = self._terms = self._run.terms_at(self._at)
+        return terms
+
     def __add__(self, other: Any) -> Any:
+        run = self._run
+        if run is not None and type(other) is Sym and other._run is None and self._at == len(run.log):
+            return _stepped(int.__add__(self, other), run, other._terms, 1)  # a probe's step (NOTE: [running sums])
         t = terms_of(other)
         value = int.__add__(self, other)
-        return value if t is None or value is NotImplemented else _sym(value, _combined(self.terms, t, 1))
+        return value if t is None or value is NotImplemented else _sum(value, self, t, 1)
 
     __radd__ = __add__
 
     def __sub__(self, other: Any) -> Any:
+        run = self._run
+        if run is not None and type(other) is Sym and other._run is None and self._at == len(run.log):
+            return _stepped(int.__sub__(self, other), run, other._terms, -1)
         t = terms_of(other)
         value = int.__sub__(self, other)
-        return value if t is None or value is NotImplemented else _sym(value, _combined(self.terms, t, -1))
+        return value if t is None or value is NotImplemented else _sum(value, self, t, -1)
 
     def __rsub__(self, other: Any) -> Any:
         t = terms_of(other)
         value = int.__rsub__(self, other)
-        return value if t is None or value is NotImplemented else _sym(value, _combined(t, self.terms, -1))
+        return value if t is None or value is NotImplemented else _extended(value, _Run(t), self.terms, -1)
 
     def __neg__(self) -> Any:
         return _sym(-int(self), {k: -c for k, c in self.terms.items()})
@@ -141,33 +289,46 @@ class Sym(int):
         return (int, (int(self),))
 
 
+# a level of a probe's peak: the sum the probe counted (its terms made when a guard needs them), or a plain int's
+# terms (a new dict each time, as each op's level of a plain count is its own)
+Level = Sym | Terms
+
+
 class Peak(Sym):
     """A probe's peak: the largest of the levels it rose through since it started (`levels`, shared by the peaks
     of one run). Its terms are the largest level's; once they are used, the guards recorded are that every level
     is at most it (not the order in which the levels came: which of two lower levels was higher does not change
     the peak)."""
 
-    levels: list[Terms]
-    _top: Terms
+    levels: list[Level]
+    _top: Level
 
-    def __new__(cls, value: int, top: Terms, levels: list[Terms]) -> Peak:
+    def __new__(cls, value: int, top: Level, levels: list[Level]) -> Peak:
         obj = int.__new__(cls, value)
         obj._top = top
         obj.levels = levels
         return obj
 
     @property
-    def terms(self) -> Terms:  # type: ignore[override]
+    def terms(self) -> Terms:
         if _TRACES:
             _TRACES[-1].dominated(self.levels, self._top)
-        return self._top
+        return _level_terms(self._top)
 
 
-def _raw(value: int) -> Terms:
-    """The terms of a probe's level or peak without settling a peak's guards."""
+def _level(value: int) -> Level:
+    """A probe's level or peak as a level of a peak, without settling a peak's guards."""
+    if type(value) is Sym and value._run is not None:  # a running sum: never without a storage term
+        return value
     if isinstance(value, Peak):
         return value._top
+    if isinstance(value, Sym) and value.terms:
+        return value
     return terms_of(value) or {}
+
+
+def _level_terms(level: Level) -> Terms:
+    return level if isinstance(level, dict) else level.terms
 
 
 def holds_everywhere(terms: Terms, constant: int, op: str, result: bool) -> bool:
@@ -203,20 +364,24 @@ class StorageNumbers:
 
     def __init__(self) -> None:
         self.storages: list[Storage] = []
-        self._seen: dict[int, tuple[StorageWeakRef, int]] = {}
+        # per storage counted: a weak reference to it as a bare handle (`weak_storage`, freed here once: when the
+        # storage at its address is another, or at `close`) and its size
+        self._seen: dict[int, tuple[int, int]] = {}
 
     def size(self, storage: torch.UntypedStorage, tensor: torch.Tensor) -> int:
         """The bytes of `storage` (numbered when first counted, while it lives)."""
         key = storage_id(storage)
         seen = self._seen.get(key)
-        if seen is not None and not seen[0].expired():
-            return seen[1]
+        if seen is not None:
+            if not weak_storage_expired(seen[0]):
+                return seen[1]
+            free_weak_storage(seen[0])
         nbytes = storage.nbytes()
         itemsize = tensor.element_size()
         whole = tensor.storage_offset() == 0 and nbytes == math.prod(tensor.shape) * itemsize and nbytes > 0
         self.storages.append(Storage(itemsize, tuple(tensor.shape)) if whole else Storage(1, (nbytes,)))
         size = self._sized(nbytes, len(self.storages) - 1)
-        self._seen[key] = (StorageWeakRef(storage), size)
+        self._seen[key] = (weak_storage(storage), size)
         return size
 
     def _sized(self, nbytes: int, index: int) -> int:
@@ -226,7 +391,10 @@ class StorageNumbers:
         return current if current > peak else peak
 
     def close(self) -> None:
-        self._seen = {}  # storage handles must not outlive the block (MemoryProbe.close)
+        """Free the storage handles: they must not outlive the block (MemoryProbe.close)."""
+        seen, self._seen = self._seen, {}
+        for handle, _ in seen.values():
+            free_weak_storage(handle)
 
 
 class SizeTrace(StorageNumbers):
@@ -239,32 +407,51 @@ class SizeTrace(StorageNumbers):
         self.terms = 0  # in all guards
         self.abandoned = False  # too many guards to keep: no sizes are derived from this trace
         self._dominated: dict[tuple[int, int], int] = {}
-        self._kept: list[tuple[list[Terms], Terms]] = []
-        self._recorded: set[tuple[frozenset[tuple[int, int]], int, str, bool]] = set()  # the guards, once each
+        self._kept: list[tuple[list[Level], Level]] = []
+        # the guards recorded, by a key that is cheap to make (most guards differ in it), each its guards' terms
+        self._recorded: dict[tuple[int, int, int, int, str, bool], list[Terms]] = {}
 
     def _sized(self, nbytes: int, index: int) -> int:
         """The bytes of a storage as a `Sym` of its own index."""
-        return Sym(nbytes, {index: 1})
+        size = int.__new__(Sym, nbytes)
+        size._terms = {index: 1}
+        return size
 
     def higher(self, peak: int, current: int) -> int:
-        """`max(peak, current)` as a `Peak` that remembers `current` among its levels."""
-        levels = peak.levels if isinstance(peak, Peak) else [_raw(peak)]
-        level = _raw(current)
-        if levels[-1] is not level:  # an op that allocated nothing leaves the level as it was
+        """`max(peak, current)` as a `Peak` that remembers `current` among its levels; a peak not passed is the same
+        peak (its value, top and levels, which it shares), not a copy of it per op."""
+        if type(peak) is Peak and peak.levels[-1] is current and not int.__gt__(current, peak):
+            return peak  # an op that allocated nothing: the level as it was (a sum is its own level, `_level`)
+        level = _level(current)
+        if type(peak) is Peak:
+            levels = peak.levels
+            if levels[-1] is not level:  # an op that allocated nothing leaves the level as it was
+                levels.append(level)
+            return Peak(current, level, levels) if int.__gt__(current, peak) else peak
+        levels = [_level(peak)]
+        if levels[-1] is not level:
             levels.append(level)
-        elif isinstance(peak, Peak) and not int.__gt__(current, peak):
-            return peak  # nothing new: the same peak (its value, top and levels), not a copy of it per op
         if int.__gt__(current, peak):
-            return Peak(int(current), level, levels)
-        return Peak(int(peak), _raw(peak), levels)
+            return Peak(current, level, levels)
+        return Peak(peak, _level(peak), levels)
 
-    def dominated(self, levels: list[Terms], top: Terms) -> None:
+    def dominated(self, levels: list[Level], top: Level) -> None:
         """Guards that every level in `levels` is at most `top` (each recorded once per peak)."""
         key = (id(levels), id(top))
         done = self._dominated.get(key, 0)
-        for level in levels[done:]:
-            if level is not top:
-                self.guard(_combined(level, top, -1), "<=", True)
+        if done < len(levels) and not self.abandoned:
+            top_terms = _level_terms(top)
+            if len(levels) - done < WALKED:  # a few levels: each compared as it is (its terms made)
+                for level in levels[done:]:
+                    if level is not top:
+                        self.guard(_combined(_level_terms(level), top_terms, -1), "<=", True)
+            else:
+                walk = _Walk(top_terms)
+                for level in levels[done:]:
+                    if level is not top:
+                        excess = walk.excess(level)
+                        if excess is not None:
+                            self.guard(excess, "<=", True)
         self._dominated[key] = len(levels)
         self._kept.append((levels, top))  # alive while recorded: ids are not reused
 
@@ -274,18 +461,107 @@ class SizeTrace(StorageNumbers):
         constant = terms.pop(CONST, 0)
         if not terms or self.abandoned or holds_everywhere(terms, constant, op, result):
             return
-        key = (frozenset(terms.items()), constant, op, result)
-        if key in self._recorded:
+        key = (len(terms), sum(terms), sum(terms.values()), constant, op, result)
+        alike = self._recorded.setdefault(key, [])
+        if terms in alike:  # equal terms, in any order
             return
-        self._recorded.add(key)
+        alike.append(terms)
         self.guards.append((terms, constant, op, result))
         self.terms += len(terms)
         if self.terms > MAX_TERMS:
-            self.abandoned, self.guards, self._recorded = True, [], set()
+            self.abandoned, self.guards, self._recorded = True, [], {}
 
     def close(self) -> None:
         super().close()
-        self._dominated, self._kept, self._recorded = {}, [], set()
+        self._dominated, self._kept, self._recorded = {}, [], {}
+
+
+class _Walk:
+    """A peak's levels compared with its top, one after another: each level's excess over the top (`level - top`,
+    as `_combined` makes it), made only where its guard `excess <= 0` may fail at some shape.
+
+    Levels of one run are walked along it (NOTE: [running sums]), the excess kept as it changes rather than made
+    again per level: `_combined(level, top, -1)` is the level's terms that differ from the top's, in the level's
+    order (`differ`), then the top's terms the level lacks, in the top's order, negated (`lacking`, made again
+    when one of them came or went). How many storages' coefficients differ from the top's, and how many are above
+    it, tell a level whose guard holds everywhere (`holds_everywhere`: equal to the top, or nowhere above it)."""
+
+    def __init__(self, top: Terms):
+        self.top = top
+        self.run: _Run | None = None
+        self.at = 0
+        self.level: Terms = {}  # the level's terms, in its order
+        self.differ: Terms = {}  # its terms that differ from the top's (coefficient minus the top's), in its order
+        self.lacking: Terms | None = None  # the top's terms it lacks, negated (None: to make again)
+        self.ordered = True  # False where a term of `differ` would have to go between others: made again
+        self.unequal = 0  # storages whose coefficient differs from the top's
+        self.above = 0  # storages whose coefficient is above the top's
+
+    def excess(self, level: Level) -> Terms | None:
+        if isinstance(level, dict) or level._run is None:
+            return _combined(_level_terms(level), self.top, -1)
+        run = level._run
+        if run is not self.run or level._at < self.at:
+            self._restart(level, run)
+        self._advance(level._at)
+        if not self.unequal:
+            return None
+        if not self.above and self.level.get(CONST, 0) <= self.top.get(CONST, 0):
+            return None
+        if not self.ordered:
+            top = self.top
+            self.differ = {k: c - top.get(k, 0) for k, c in self.level.items() if c != top.get(k, 0)}
+            self.ordered = True
+        if self.lacking is None:
+            level_terms = self.level
+            self.lacking = {k: -c for k, c in self.top.items() if k not in level_terms}
+        return self.differ | self.lacking
+
+    def _restart(self, level: Sym, run: _Run) -> None:
+        """Walk `run` (`level`'s) from `level` where its terms are made already, else from the copy kept before it."""
+        self.run = run
+        if level._terms is not None:
+            self.level, self.at = dict(level._terms), level._at
+        else:
+            kept_at, kept = run.before(level._at)
+            self.level, self.at = dict(kept), kept_at
+        top, terms = self.top, self.level
+        self.differ, self.lacking, self.ordered = {}, None, False
+        unequal = above = 0
+        for k, c in terms.items():
+            t = top.get(k, 0)
+            if k != CONST and c != t:
+                unequal, above = unequal + 1, above + (c > t)
+        for k, t in top.items():
+            if k != CONST and k not in terms:
+                unequal, above = unequal + 1, above + (t < 0)
+        self.unequal, self.above = unequal, above
+
+    def _advance(self, at: int) -> None:
+        assert self.run is not None
+        terms, top, differ = self.level, self.top, self.differ
+        for k, c in self.run.log[self.at : at]:
+            old = terms.get(k, 0)
+            v = old + c
+            t = top.get(k, 0)
+            if v:
+                terms[k] = v
+                if v != t:
+                    if k in differ or not old:  # in place, or a new term: last in the level's order
+                        differ[k] = v - t
+                    else:
+                        self.ordered = False
+                else:
+                    differ.pop(k, None)
+            else:
+                terms.pop(k, None)
+                differ.pop(k, None)
+            if t and (not old) != (not v):
+                self.lacking = None  # a term of the top came or went
+            if k != CONST:
+                self.unequal += (v != t) - (old != t)
+                self.above += (v > t) - (old > t)
+        self.at = at
 
 
 @contextmanager

@@ -1,0 +1,148 @@
+"""Running sums (NOTE: [running sums] in lightning_rotor/size_trace.py) give every sum the very terms, in the very
+order, that copying the terms at each step gives; a peak's guards are those of every level against its top."""
+
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from lightning_rotor import size_trace
+from lightning_rotor.size_trace import CONST, SizeTrace, Sym, holds_everywhere, terms_of, traced
+
+
+def stepwise(a: dict[int, int], b: dict[int, int], sign: int) -> dict[int, int]:
+    """`a + sign * b` as a copy of `a`, zero terms dropped: the arithmetic before running sums."""
+    out = dict(a)
+    for k, c in b.items():
+        v = out.get(k, 0) + sign * c
+        if v:
+            out[k] = v
+        else:
+            out.pop(k, None)
+    return out
+
+
+def reference_terms(value: int) -> dict[int, int]:
+    return {CONST: int(value)} if value else {}
+
+
+# a step: (which earlier value, add or subtract, a storage's index or a constant, ask its terms now)
+steps = st.lists(
+    st.tuples(
+        st.integers(0, 1_000),
+        st.sampled_from([1, -1]),
+        st.one_of(st.integers(0, 7), st.integers(-3, 3).map(lambda c: ("c", c))),
+        st.booleans(),
+    ),
+    max_size=40,
+)
+
+
+snapshots = st.sampled_from([1, 2, 5, size_trace.SNAPSHOT])  # changes between copies of a run's terms kept
+
+
+@settings(max_examples=300, deadline=None)
+@given(steps, snapshots)
+def test_running_sums_have_the_terms_stepwise_arithmetic_gives(script, every):
+    """Any sums of storage sizes and constants, each from any earlier one (the latest of a run extends it in place,
+    an earlier one begins a run), their terms asked at any time, made from any kept copy: values, which are `Sym`s,
+    and terms in order as step by step."""
+    kept, size_trace.SNAPSHOT = size_trace.SNAPSHOT, every
+    try:
+        stepwise_sums(script)
+    finally:
+        size_trace.SNAPSHOT = kept
+
+
+def stepwise_sums(script):
+    sizes = [Sym(8 * (i + 1), {i: 1}) for i in range(8)]
+    values: list[tuple[int, dict[int, int] | None]] = [(0, None)]
+    for pick, sign, operand, ask in script:
+        base, base_ref = values[pick % len(values)]
+        other = sizes[operand] if isinstance(operand, int) else operand[1]
+        other_ref = {operand: 1} if isinstance(operand, int) else reference_terms(other)
+        got = base + other if sign == 1 else base - other
+        base_terms = base_ref if base_ref is not None else reference_terms(base)
+        if base_ref is None and sign == 1 and isinstance(other, Sym):
+            ref = stepwise(other_ref, base_terms, 1)  # `int + Sym` is the Sym's `__radd__`: its terms first
+        else:
+            ref = stepwise(base_terms, other_ref, sign)
+        has_storage = any(k != CONST for k in ref)
+        assert int(got) == int(base) + sign * int(other)
+        assert isinstance(got, Sym) == has_storage
+        values.append((got, ref if has_storage else None))
+        if ask and isinstance(got, Sym):
+            assert list(got.terms.items()) == list(ref.items())
+    for value, ref in values:
+        if ref is not None:
+            assert list(terms_of(value).items()) == list(ref.items())
+
+
+def reference_guards(levels: list, top) -> list[tuple[dict[int, int], int, str, bool]]:
+    """Main's rule: `level - top <= 0` for every level but the top, unless it holds everywhere; each once."""
+    found, seen = [], set()
+    top_terms = top if isinstance(top, dict) else top.terms
+    for level in levels:
+        if level is top:
+            continue
+        terms = stepwise(level if isinstance(level, dict) else level.terms, top_terms, -1)
+        constant = terms.pop(CONST, 0)
+        key = (frozenset(terms.items()), constant)
+        if terms and not holds_everywhere(terms, constant, "<=", True) and key not in seen:
+            seen.add(key)
+            found.append((terms, constant, "<=", True))
+    return found
+
+
+# a probe's op: a new storage of some size counted, or the i-th live one freed; a sum of the current and a
+# storage made outside the probe (as a profile's figure), which takes the run's end from the probe's count; a reset
+# of the peak; a live storage counted again
+ops = st.lists(
+    st.one_of(
+        st.integers(1, 50).map(lambda n: ("new", n)),
+        st.integers(0, 20).map(lambda i: ("free", i)),
+        st.just(("outside", 0)),
+        st.just(("reset", 0)),
+        st.integers(0, 20).map(lambda i: ("again", i)),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops, snapshots)
+@example([("new", 1), ("new", 50), ("free", 1), ("new", 1), ("again", 0)], 64)  # a term equal to the top's moves off
+def test_a_peaks_guards_are_every_level_against_its_top_as_stepwise_arithmetic_gives(script, every):
+    """A probe's count, op after op, through the trace's `higher`: once the peak's terms are used, its guards
+    (terms in order) are those that comparing every level with the top step by step gives."""
+    kept, size_trace.SNAPSHOT = size_trace.SNAPSHOT, every
+    try:
+        probe_guards(script)
+    finally:
+        size_trace.SNAPSHOT = kept
+
+
+def probe_guards(script):
+    trace = SizeTrace()
+    with traced(trace):
+        live: list[Sym] = []
+        current: int = 0
+        peak: int = 0
+        for made, (kind, n) in enumerate(script):
+            if kind == "new":
+                live.append(Sym(8 * n, {made: 1}))
+                current = current + live[-1]
+            elif kind == "free" and live:
+                current = current - live.pop(n % len(live))
+            elif kind == "outside" and live:
+                _ = current + live[0]
+            elif kind == "again" and live:
+                current = current + live[n % len(live)]  # a coefficient of 2: not a probe's, any sum's
+            elif kind == "reset":
+                peak = current  # a new peak from what is alive now (`MemoryProbe.reset_peak`)
+            peak = trace.higher(peak, current)
+        if not hasattr(peak, "levels"):
+            return
+        _ = peak + 0  # its terms used: its guards recorded
+        expected = reference_guards(peak.levels, peak._top)
+    assert [(list(t.items()), c, op, r) for t, c, op, r in trace.guards] == [
+        (list(t.items()), c, op, r) for t, c, op, r in expected
+    ]
