@@ -166,29 +166,9 @@ def _extended(value: int, run: _Run, terms: Terms, sign: int) -> int:
 
 
 def _stepped(value: int, run: _Run, terms: Terms | None, sign: int) -> int:
-    """`_extended`, for a probe's step: a running sum plus or minus a storage's size (`terms` never None), the
-    run's `extend` inlined."""
+    """`_extended`, for a probe's step: a running sum plus or minus a storage's size (`terms` never None)."""
     assert terms is not None
-    head, log = run.head, run.log
-    for k, c in terms.items():
-        c = sign * c
-        had = k in head
-        v = head.get(k, 0) + c
-        if v:
-            head[k] = v
-        elif had:
-            del head[k]
-        if k != CONST:
-            run.storages += (k in head) - had
-        log.append((k, c))
-    if len(log) - run.snapshot_at[-1] >= SNAPSHOT:
-        run.keep()
-    if not run.storages:
-        return value
-    obj = int.__new__(Sym, value)
-    obj._run = run
-    obj._at = len(run.log)
-    return obj
+    return _extended(value, run, terms, sign)
 
 
 def _running(value: int, run: _Run, at: int) -> Sym:
