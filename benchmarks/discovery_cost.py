@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import os
 import statistics
 import sys
 import time
@@ -28,7 +27,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from profile_cost import CASES, plain_steps, timed_step  # noqa: E402 (the models and steps profile_cost times)
+from profile_cost import CASES, add_test_models, plain_steps, timed_step  # noqa: E402 (the models and steps profile_cost times)
 
 from lightning_rotor.discovery import discover_chain  # noqa: E402
 from lightning_rotor.own_checkpointing import checkpoint_calls  # noqa: E402
@@ -96,7 +95,7 @@ def first_step_parts(name: str, steps: int = 3) -> None:
 
 def main() -> None:
     torch.set_num_threads(1)
-    sys.path.append(os.environ.get("LIGHTNING_ROTOR_TEST_MODELS", str(Path(__file__).resolve().parents[1] / ".models")))
+    add_test_models()
     if sys.argv[1:2] == ["--parts"]:
         warnings.filterwarnings("ignore")
         for name in sys.argv[2:] or list(CASES):

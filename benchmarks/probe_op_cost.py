@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import sys
 import time
 import warnings
@@ -27,7 +26,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from profile_cost import CASES, timed_step  # noqa: E402
+from profile_cost import CASES, add_test_models, timed_step  # noqa: E402
 
 import lightning_rotor.pipeline as pipeline  # noqa: E402
 from lightning_rotor import Checkpointable  # noqa: E402
@@ -99,8 +98,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    models = os.environ.get("LIGHTNING_ROTOR_TEST_MODELS", str(Path(__file__).resolve().parents[1] / ".models"))
-    sys.path.append(models)
+    add_test_models()
     warnings.filterwarnings("ignore")
     for name in args.models:
         stages, value = profiled_stages(name)

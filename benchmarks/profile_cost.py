@@ -229,6 +229,11 @@ def summary(values: list[float]) -> str:
     return f"+{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
 
 
+def add_test_models() -> None:
+    """The folder of the models installed apart (litgpt, diffusers), where the tests find them, on the path."""
+    sys.path.append(os.environ.get("LIGHTNING_ROTOR_TEST_MODELS", str(Path(__file__).resolve().parents[1] / ".models")))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(CASES), choices=list(CASES))
@@ -243,8 +248,7 @@ def main() -> None:
     global clock
     clock = CLOCK[args.clock]
     torch.set_num_threads(args.threads)
-    models = os.environ.get("LIGHTNING_ROTOR_TEST_MODELS", str(Path(__file__).resolve().parents[1] / ".models"))
-    sys.path.append(models)  # litgpt, where the tests find it
+    add_test_models()
     warnings.filterwarnings("ignore")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.clock} clock")
     parts = Parts() if args.parts else None

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import sys
 import warnings
 from pathlib import Path
@@ -27,7 +26,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from profile_cost import CASES, plain_steps, timed_step  # noqa: E402
+from profile_cost import CASES, add_test_models, plain_steps, timed_step  # noqa: E402
 
 import lightning_rotor.chain_state as chain_state  # noqa: E402
 from lightning_rotor import Checkpointable  # noqa: E402
@@ -99,8 +98,7 @@ def main() -> None:
     parser.add_argument("--budget", default="50%")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    models = os.environ.get("LIGHTNING_ROTOR_TEST_MODELS", str(Path(__file__).resolve().parents[1] / ".models"))
-    sys.path.append(models)
+    add_test_models()
     warnings.filterwarnings("ignore")
     recorder = Recorder()
     out = {name: model_chains(name, args.budget, recorder) for name in args.models}

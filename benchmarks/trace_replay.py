@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import sys
 import time
 import warnings
@@ -27,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from probe_op_cost import profiled_stages, variants  # noqa: E402
+from profile_cost import add_test_models  # noqa: E402
 
 from lightning_rotor import size_trace  # noqa: E402
 from lightning_rotor.memory import MemoryProbe  # noqa: E402
@@ -87,8 +87,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=300)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    models = os.environ.get("LIGHTNING_ROTOR_TEST_MODELS", str(Path(__file__).resolve().parents[1] / ".models"))
-    sys.path.append(models)
+    add_test_models()
     warnings.filterwarnings("ignore")
     for name in args.models:
         ops = recorded_ops(name, args.stage)
