@@ -1,23 +1,24 @@
 """Running sums (NOTE: [running sums] in lightning_rotor/size_trace.py) give every sum the very terms, in the very
-order, that copying the terms at each step gives; a peak's guards are those of every level against its top."""
+order, that copying the terms at each step (`_combined`, the arithmetic before running sums) gives; a peak's
+guards are those of every level against its top."""
+
+from contextlib import contextmanager
 
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from lightning_rotor import size_trace
-from lightning_rotor.size_trace import CONST, SizeTrace, Sym, holds_everywhere, terms_of, traced
+from lightning_rotor.size_trace import CONST, SizeTrace, Sym, _combined, holds_everywhere, terms_of, traced
 
 
-def stepwise(a: dict[int, int], b: dict[int, int], sign: int) -> dict[int, int]:
-    """`a + sign * b` as a copy of `a`, zero terms dropped: the arithmetic before running sums."""
-    out = dict(a)
-    for k, c in b.items():
-        v = out.get(k, 0) + sign * c
-        if v:
-            out[k] = v
-        else:
-            out.pop(k, None)
-    return out
+@contextmanager
+def copies_every(changes: int):
+    """Runs keep a copy of their terms every `changes` changes inside the block (`size_trace.SNAPSHOT`)."""
+    kept, size_trace.SNAPSHOT = size_trace.SNAPSHOT, changes
+    try:
+        yield
+    finally:
+        size_trace.SNAPSHOT = kept
 
 
 def reference_terms(value: int) -> dict[int, int]:
@@ -45,11 +46,8 @@ def test_running_sums_have_the_terms_stepwise_arithmetic_gives(script, every):
     """Any sums of storage sizes and constants, each from any earlier one (the latest of a run extends it in place,
     an earlier one begins a run), their terms asked at any time, made from any kept copy: values, which are `Sym`s,
     and terms in order as step by step."""
-    kept, size_trace.SNAPSHOT = size_trace.SNAPSHOT, every
-    try:
+    with copies_every(every):
         stepwise_sums(script)
-    finally:
-        size_trace.SNAPSHOT = kept
 
 
 def stepwise_sums(script):
@@ -62,9 +60,9 @@ def stepwise_sums(script):
         got = base + other if sign == 1 else base - other
         base_terms = base_ref if base_ref is not None else reference_terms(base)
         if base_ref is None and sign == 1 and isinstance(other, Sym):
-            ref = stepwise(other_ref, base_terms, 1)  # `int + Sym` is the Sym's `__radd__`: its terms first
+            ref = _combined(other_ref, base_terms, 1)  # `int + Sym` is the Sym's `__radd__`: its terms first
         else:
-            ref = stepwise(base_terms, other_ref, sign)
+            ref = _combined(base_terms, other_ref, sign)
         has_storage = any(k != CONST for k in ref)
         assert int(got) == int(base) + sign * int(other)
         assert isinstance(got, Sym) == has_storage
@@ -83,7 +81,7 @@ def reference_guards(levels: list, top) -> list[tuple[dict[int, int], int, str, 
     for level in levels:
         if level is top:
             continue
-        terms = stepwise(level if isinstance(level, dict) else level.terms, top_terms, -1)
+        terms = _combined(level if isinstance(level, dict) else level.terms, top_terms, -1)
         constant = terms.pop(CONST, 0)
         key = (frozenset(terms.items()), constant)
         if terms and not holds_everywhere(terms, constant, "<=", True) and key not in seen:
@@ -113,11 +111,8 @@ ops = st.lists(
 def test_a_peaks_guards_are_every_level_against_its_top_as_stepwise_arithmetic_gives(script, every):
     """A probe's count, op after op, through the trace's `higher`: once the peak's terms are used, its guards
     (terms in order) are those that comparing every level with the top step by step gives."""
-    kept, size_trace.SNAPSHOT = size_trace.SNAPSHOT, every
-    try:
+    with copies_every(every):
         probe_guards(script)
-    finally:
-        size_trace.SNAPSHOT = kept
 
 
 def probe_guards(script):
