@@ -5,8 +5,9 @@ profiler charges a cross-entropy stand-in (`profile.proxy_loss`). A loss that ho
 keeps `a_L` and its loss value shares a buffer of `a_L`'s size; a contrastive loss saves a B x B
 similarity) put the step over its budget with nothing said. So the first step each plan key runs
 measures the real loss between the hand-over of `a_L` and the arrival of `δ_L`, in the stand-in's
-terms (`profile.measure_loss_tmp`), and where it holds more the chain is raised and every shape
-planned again, before the backward goes on (docs/memory-model.md, section 2, "The real loss").
+terms (`profile.measure_loss_tmp`), and where it holds more the chain is raised and planned again
+(`LossPerByte` carries it to shapes planned later), before the backward goes on (docs/memory-model.md,
+section 2, "The real loss").
 
 NOTE: [the real loss] the window is one `MemoryProbe` entered in `HandOver`'s forward and left in its
 backward, which the engine runs under the modes of the thread that called `backward()`; after that node the
@@ -37,12 +38,11 @@ from lightning_rotor._torch_compat import (
     drop_dispatch_mode,
     in_backward,
     innermost_dispatch_mode,
-    storage_id,
     tree_flatten,
 )
 from lightning_rotor.chain import Chain
 from lightning_rotor.compile import in_compiled_caller
-from lightning_rotor.memory import MemoryProbe, storage_bytes
+from lightning_rotor.memory import MemoryProbe, storage_bytes, storage_key
 from lightning_rotor.planner import InfeasibleBudget
 
 
@@ -152,7 +152,7 @@ class _WindowProbe(MemoryProbe):
         """The peak and the bytes alive now, less the storages the backward made that are still alive, bar
         `δ_L`'s (`grads`): from the op that made each on."""
         self.mark("δ_L")  # sweeps what died
-        skip = {storage_id(g.untyped_storage()) for g in grads}
+        skip = {storage_key(g) for g in grads}
         leaves = [(op, self._live[k]) for k, op in self.made_in_backward.items() if k in self._live and k not in skip]
         peak = self.start
         for i, nbytes in enumerate(self.curve):
@@ -181,7 +181,7 @@ class LossWatch:
         if refused is not None:
             _warn_once(refused)
             return
-        storages = {storage_id(t.untyped_storage()): t for t in tensors}
+        storages = {storage_key(t): t for t in tensors}
         self.refs = [(StorageWeakRef(t.untyped_storage()), storage_bytes(t)) for t in storages.values()]
         self.size = storage_bytes(list(tensors))
         self.probe = _WindowProbe()
