@@ -375,6 +375,7 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
         self.current = 0
         self.peak = 0
         self.ops = 0
+        self.data_dependent = False  # an op ran whose output's shape or value follows its input's values
         self.record_curve = record_curve
         self.curve: list[int] = []
         self.marks: list[tuple[str, int, int]] = []  # (label, op index, bytes alive)
@@ -570,9 +571,23 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
         # an output on an input's storage (a view, an in-place op) is no new allocation
         self._add(_op_tensors(out), _InputStorages(args, kwargs))
         self.ops += 1
+        if func not in _VALUE_FREE:
+            self.data_dependent |= _follows_values(func)
         if self.record_curve:
             self.curve.append(self.current)
         return out
+
+
+_VALUE_FREE: set[Any] = set()  # ops seen whose outputs' shapes follow their inputs' shapes only
+
+
+def _follows_values(func: Any) -> bool:
+    """Does `func`'s output shape or host value follow its inputs' values (`nonzero`, `.item()`, a boolean mask)?"""
+    tags = getattr(func, "tags", ())
+    if torch.Tag.dynamic_output_shape in tags or torch.Tag.data_dependent_output in tags:
+        return True
+    _VALUE_FREE.add(func)
+    return False
 
 
 class _InputStorages:

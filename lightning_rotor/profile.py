@@ -13,7 +13,7 @@ import functools
 import gc
 import statistics
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +50,7 @@ from lightning_rotor.engine import (
 from lightning_rotor.memory import Excluded, MemoryProbe, storage_bytes, storage_key, storage_nbytes
 from lightning_rotor.offload import SavedPart
 from lightning_rotor.selective import EXPENSIVE_OPS, run_selective
+from lightning_rotor.twins import structure, value_structure
 
 # NOTE: [what each field measures] profile_chain fills a `Chain` exactly as docs/memory-model.md
 # defines each field:
@@ -110,6 +111,7 @@ class Profile:
     # per tensor of a_0: how many edges of stage 0's graph take it (empty: not measured), so that the executor
     # hands its gradient back in as many parts (NOTE: [a run's input gradient in parts], engine.py)
     input_uses: list[int] = field(default_factory=list)
+    twins: dict[int, int] = field(default_factory=dict)  # a stage that took a twin's figures: that twin's index
 
     @property
     def spread(self) -> float:
@@ -602,6 +604,7 @@ class _Context:
     offload: bool = False  # measure each stage's offloadable bytes (chain version 6)
     warmup: int = 0  # untimed runs of each stage after its memory runs
     timed: bool = False  # the first timing sample of each stage taken in the walk (NOTE: [the first timing sample...])
+    twins: bool = True  # a stage of a measured one's structure may take its figures (NOTE: [twin stages])
 
 
 @dataclass(frozen=True, eq=False)
@@ -636,6 +639,7 @@ class _Recorded:
     offloadable: int  # bytes `OffloadSaved k` moves (0 unless measured)
     dense: bool  # every tensor of a_{k+1} is contiguous
     input_uses: list[int]  # per tensor of a_k, the edges of the stage's graph that take it (only with input_parts)
+    data_dependent: bool = False  # an op's output shape followed its input's values (`MemoryProbe.data_dependent`)
 
 
 def _measure_recorded(
@@ -678,7 +682,7 @@ def _measure_recorded(
         out_free, bwd_peak, out_kept, dense, uses = _backward_recorded(run, ctx, probe, held, dense_delta, a_k)
     ctx.untouched.clear_grads()
     ctx.untouched.restore_buffers()
-    return _Recorded(fwd_tmp, saved, out_free, bwd_peak, out_kept, offloadable, dense, uses)
+    return _Recorded(fwd_tmp, saved, out_free, bwd_peak, out_kept, offloadable, dense, uses, probe.data_dependent)
 
 
 def _record_forward(
@@ -919,6 +923,8 @@ class _Walk:
     fwd: list[float] = field(default_factory=list)
     bwd: list[float] = field(default_factory=list)
     options: dict[int, list[float]] = field(default_factory=dict)  # per stage with option "sac": its (Fs, B) sample
+    twins: dict[Hashable, list[_Twin]] = field(default_factory=dict)  # measured stages by structure (NOTE: [twin ...])
+    twin_of: dict[int, int] = field(default_factory=dict)  # a stage that took a twin's figures: that twin
 
     def timed(self, seconds: tuple[float, float]) -> None:
         self.fwd.append(seconds[0])
@@ -959,7 +965,13 @@ def _measure_stage(run: _StageRun, walk: _Walk, ctx: _Context) -> tuple[StagePro
     drew from the RNG stream one run later, so a stage with dropout hands on other values than before: the
     same sizes (`benchmarks/plan_dump.py` unchanged); a stage whose sizes follow its input's values (routing)
     is measured on another sample, as valid as the one before."""
-    recorded = _measure_recorded_runs(run, ctx)
+    key = _twin_key(run, walk, ctx)
+    first = _measure_recorded(run, ctx, False, offload=ctx.offload)
+    key = None if first.data_dependent else key  # routing by value: its twin's figures are no guide
+    twin = next((t for t in walk.twins.get(key, ()) if t.agrees(first)), None) if key is not None else None
+    if twin is not None:
+        return _twin_record(run, walk, ctx, twin)
+    recorded = _measure_recorded_runs(run, ctx, first)
     if run.k == 0:
         walk.input_uses = recorded[0].input_uses
     for _ in range(ctx.warmup):  # untimed, before the stage's first timing sample (the memory runs warm up too)
@@ -984,11 +996,72 @@ def _measure_stage(run: _StageRun, walk: _Walk, ctx: _Context) -> tuple[StagePro
         offloadable=recorded[0].offloadable,
         name=run.name,
     )
-    if ctx.timed and record.options:  # its option's first sample too, as a round times it after `Fe k`
+    _time_option(run, walk, ctx, record)
+    output_kept = [any(kept) for kept in zip(*(r.out_kept for r in recorded), strict=True)]
+    if key is not None:
+        walk.twins.setdefault(key, []).append(_Twin(run.k, first, record, output_kept))
+    return record, output_kept, out
+
+
+def _time_option(run: _StageRun, walk: _Walk, ctx: _Context, record: StageProfile) -> None:
+    """In a timed profile, a stage's option's first sample, as a round times it after `Fe k`."""
+    if ctx.timed and record.options:
         walk.options[run.k] = list(
             _timed_run(functools.partial(run.forward, selective=True), ctx.device, ctx.untouched)
         )
-    return record, [any(kept) for kept in zip(*(r.out_kept for r in recorded), strict=True)], out
+
+
+# NOTE: [twin stages] A stage whose structure (lightning_rotor/twins.py: module types, modes, hooks, parameters'
+# and buffers' metadata, a discovered stage's graph up to names) and input's structure (tensors' metadata, which
+# storages are its own, which the graph before keeps) are those of a stage measured before in this profile, and
+# whose first recorded run (`Fe k` then `B k`, fresh gradients, under the probe) gives that stage's figures
+# exactly (every transient, what it leaves alive, what the graph keeps of its output), takes that stage's other
+# figures: the run accumulating into stored gradients, the one with a contiguous δ, the no-grad run's transient
+# and output size, the option's. What rests on it: two stages of one structure whose recorded runs hold the
+# same bytes at every point run the same ops, so their other runs hold the same bytes too. Its own `in_free` is
+# measured (the stage before differs), and its output comes from a plain `Fn` run, unprobed. Not for stage 0
+# (its input is the caller's), the frozen prefix, nor a stage that ran an op whose output's shape follows values
+# (`nonzero`, `.item()`, a mask or index: routing, whose bytes differ from block to block). A stage with a hook of
+# its own (one that keeps an output) or a branch on its index that changes what it holds differs in its
+# structure or its first run, and is measured in full.
+@dataclass(frozen=True)
+class _Twin:
+    """A measured stage another may take figures from (NOTE: [twin stages])."""
+
+    k: int
+    first: _Recorded  # its first recorded run
+    record: StageProfile
+    output_kept: list[bool]
+
+    def agrees(self, first: _Recorded) -> bool:
+        """Another stage's first recorded run held what this one's did, figure by figure (compared as plain
+        ints: no guard of a traced profile, NOTE: [storage sizes traced])."""
+        return _plain(first) == _plain(self.first)
+
+
+def _plain(r: _Recorded) -> tuple[Any, ...]:
+    return (
+        int(r.fwd_tmp), int(r.saved), int(r.out_free), int(r.bwd_peak), tuple(r.out_kept), int(r.offloadable), r.dense
+    )  # fmt: skip
+
+
+def _twin_key(run: _StageRun, walk: _Walk, ctx: _Context) -> Hashable | None:
+    """The structure a twin of this stage shares (NOTE: [twin stages]); None where twins are not looked for."""
+    if not ctx.twins or run.k == 0 or run.k <= walk.frozen or not run.grad_in:
+        return None
+    return (structure(run.stage), value_structure(run.value, walk.own, walk.output_kept))
+
+
+def _twin_record(run: _StageRun, walk: _Walk, ctx: _Context, twin: _Twin) -> tuple[StageProfile, list[bool], Any]:
+    """Stage k's record from its twin's (NOTE: [twin stages]): its own `in_free` and name, its output from `Fn`."""
+    for _ in range(ctx.warmup):
+        _timed_run(run.forward, ctx.device, ctx.untouched)
+    record = dataclasses.replace(twin.record, in_free=_in_free(run, walk, ctx), name=run.name)
+    _time_option(run, walk, ctx, record)
+    out = run.forward(False)[1]
+    ctx.untouched.restore_buffers()
+    walk.twin_of[run.k] = twin.k
+    return record, twin.output_kept, out
 
 
 def _measure_nograd(run: _StageRun, ctx: _Context) -> tuple[int, int, Any]:
@@ -1035,15 +1108,13 @@ def _kept_timed(run: _StageRun, walk: _Walk, ctx: _Context, grad_in: bool) -> li
     return kept
 
 
-def _measure_recorded_runs(run: _StageRun, ctx: _Context) -> list[_Recorded]:
-    """`Fe k` then `B k`, measured once with no parameter gradient stored yet (autograd stores a fresh one as
-    `.grad`), once accumulating into stored ones (a real transient), and where the output is not contiguous once
+def _measure_recorded_runs(run: _StageRun, ctx: _Context, first: _Recorded) -> list[_Recorded]:
+    """`Fe k` then `B k`, measured once with no parameter gradient stored yet (`first`: autograd stores a fresh one
+    as `.grad`), once accumulating into stored ones (a real transient), and where the output is not contiguous once
     more with a contiguous δ_{k+1} (NOTE: [the layout of δ_{k+1}]); `_stage_figures` keeps the larger backward,
     as either may happen in training. The offloadable bytes are found in the first run."""
-    recorded = [
-        _measure_recorded(run, ctx, accumulate, offload=ctx.offload and not accumulate) for accumulate in (False, True)
-    ]
-    if not recorded[0].dense:  # a non-contiguous output: its δ may come back contiguous too, measured so
+    recorded = [first, _measure_recorded(run, ctx, True)]
+    if not first.dense:  # a non-contiguous output: its δ may come back contiguous too, measured so
         recorded.append(_measure_recorded(run, ctx, False, dense_delta=True))
     return recorded
 
@@ -1108,6 +1179,7 @@ def profile_chain(
     timed: bool = True,
     options: bool = False,
     offload: bool = False,
+    twins: bool = True,
 ) -> Profile:
     """Measure `stages` on `sample` (the chain input `a_0`); see NOTE: [what each field measures].
 
@@ -1119,6 +1191,7 @@ def profile_chain(
     `progress(stages_done, stages, seconds)` is called after each stage, for a progress line.
     `timed=False` measures sizes only: no timing rounds, every time 0 (a new input shape's times
     are derived from a timed shape's, lightning_rotor/shapes.py).
+    `twins=False` measures every stage in full, none taking a twin's figures (NOTE: [twin stages]).
     """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
@@ -1135,8 +1208,9 @@ def profile_chain(
         # NOTE: [gradients stored by autograd]: no measured run sets a `.grad`; the hooks only while they run
         with Excluded(stages, by_autograd=True) as exclude:
             ctx = _Context(
-                sample, exclude, _AllocatorWatch(device), untouched, device, needs_grad, options, offload, warmup, walks
-            )
+                sample, exclude, _AllocatorWatch(device), untouched, device, needs_grad, options, offload, warmup,
+                walks, twins,
+            )  # fmt: skip
             walk = _walk_chain(stages, names, ctx, progress, start)
         loss = _loss_figures(walk.value, loss_tmp, device)
         walk.value = None  # a_L: the timing rounds hold no more than B k does
@@ -1167,4 +1241,5 @@ def profile_chain(
         threads=torch.get_num_threads(),
         round_seconds=round_totals(fwd, bwd),
         input_uses=walk.input_uses,
+        twins=walk.twin_of,
     )
