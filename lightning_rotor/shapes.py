@@ -74,6 +74,7 @@ from lightning_rotor.budget import format_bytes
 from lightning_rotor.chain import TIME_FIELDS, Chain, StageOption
 from lightning_rotor.engine import no_cast_cache
 from lightning_rotor.planner import InfeasibleBudget
+from lightning_rotor.twins import structure, value_structure
 
 __all__ = [
     "Buckets",
@@ -129,7 +130,8 @@ def stage_flops(stages: Sequence[nn.Module], sample: Any) -> list[int] | None:
     On real tensors: torch's fake tensors would compute nothing, but their dispatch costs as
     much as the sizes-only profile itself on small models (measured: 0.24 s against 0.05 s).
     Counted as `FlopCounterMode` counts, without its per-module counts (`GlobalFlops`, a third of the cost).
-    None when the forward fails.
+    A stage of an earlier one's structure on an input of the same (lightning_rotor/twins.py: a repeated block)
+    runs uncounted and takes its count: FLOPs only scale times. None when the forward fails.
     """
     tensors = [t for t in tree_flatten(sample)[0] if isinstance(t, torch.Tensor)]
     devices = [t.device for t in tensors if t.device.type == "cuda"]
@@ -141,11 +143,16 @@ def stage_flops(stages: Sequence[nn.Module], sample: Any) -> list[int] | None:
         for m, _ in modes:
             m.training = False
         with torch.random.fork_rng(devices=devices), torch.no_grad(), no_cast_cache():
-            value = sample
+            value, seen = sample, {}
             for stage in stages:
-                with counter:
+                key = (structure(stage), value_structure(value))
+                if key in seen:
                     value = stage(value)
-                counts.append(int(counter.get_total_flops()))
+                else:
+                    with counter:
+                        value = stage(value)
+                    seen[key] = int(counter.get_total_flops())
+                counts.append(seen[key])
             del value
     except Exception:  # the shape is timed instead; the training step will raise what is wrong, if anything
         return None
