@@ -1011,19 +1011,18 @@ def _time_option(run: _StageRun, walk: _Walk, ctx: _Context, record: StageProfil
         )
 
 
-# NOTE: [twin stages] A stage whose structure (lightning_rotor/twins.py: module types, modes, hooks, parameters'
-# and buffers' metadata, a discovered stage's graph up to names) and input's structure (tensors' metadata, which
-# storages are its own, which the graph before keeps) are those of a stage measured before in this profile, and
-# whose first recorded run (`Fe k` then `B k`, fresh gradients, under the probe) gives that stage's figures
-# exactly (every transient, what it leaves alive, what the graph keeps of its output), takes that stage's other
-# figures: the run accumulating into stored gradients, the one with a contiguous δ, the no-grad run's transient
-# and output size, the option's. What rests on it: two stages of one structure whose recorded runs hold the
-# same bytes at every point run the same ops, so their other runs hold the same bytes too. Its own `in_free` is
-# measured (the stage before differs), and its output comes from a plain `Fn` run, unprobed. Not for stage 0
-# (its input is the caller's), the frozen prefix, nor a stage that ran an op whose output's shape follows values
-# (`nonzero`, `.item()`, a mask or index: routing, whose bytes differ from block to block). A stage with a hook of
-# its own (one that keeps an output) or a branch on its index that changes what it holds differs in its
-# structure or its first run, and is measured in full.
+# NOTE: [twin stages] A stage whose structure (lightning_rotor/twins.py: module types, modes, hooks, parameters' and
+# buffers' metadata, a discovered stage's graph up to names) and input's structure (its tensors' metadata) are those
+# of a stage measured before in this profile, and whose first recorded run (`Fe k` then `B k`, fresh gradients,
+# under the probe) gives that stage's figures exactly (every transient, what it leaves alive, what the graph keeps
+# of its output), takes that stage's other figures: the run accumulating into stored gradients, the one with a
+# contiguous δ, the no-grad run's transient and output size, the option's. What rests on it: two stages of one
+# structure whose recorded runs hold the same bytes at every point run the same ops, so their other runs hold the
+# same bytes too. Its own `in_free` is measured (the stage before differs), and its output comes from a plain `Fn`
+# run, unprobed. Not for stage 0 (its input is the caller's), the frozen prefix, nor a stage that ran an op whose
+# output's shape follows values (`nonzero`, `.item()`, a mask or index: routing, whose bytes differ from block to
+# block). A stage with a hook of its own (one that keeps an output) or a branch on its index that changes what it
+# holds differs in its structure or its first run, and is measured in full.
 @dataclass(frozen=True)
 class _Twin:
     """A measured stage another may take figures from (NOTE: [twin stages])."""
@@ -1049,7 +1048,7 @@ def _twin_key(run: _StageRun, walk: _Walk, ctx: _Context) -> Hashable | None:
     """The structure a twin of this stage shares (NOTE: [twin stages]); None where twins are not looked for."""
     if not ctx.twins or run.k == 0 or run.k <= walk.frozen or not run.grad_in:
         return None
-    return (structure(run.stage), value_structure(run.value, walk.own, walk.output_kept))
+    return (structure(run.stage), value_structure(run.value))  # its own `in_free` follows the stage before
 
 
 def _twin_record(run: _StageRun, walk: _Walk, ctx: _Context, twin: _Twin) -> tuple[StageProfile, list[bool], Any]:

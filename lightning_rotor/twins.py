@@ -10,7 +10,7 @@ stage's other figures instead of running for them (NOTE: [twin stages], lightnin
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable
 from typing import Any
 
 import torch
@@ -113,8 +113,7 @@ def structure(stage: nn.Module) -> Hashable:
     return (type(stage), _hooks(stage), None, _module_structure(stage))
 
 
-def value_structure(value: Any, own: Sequence[bool] = (), kept: Sequence[bool] = ()) -> Hashable:
-    """A stage input's structure: its tensors' metadata, which are its own storages, which the graph before keeps."""
+def value_structure(value: Any) -> Hashable:
+    """A stage input's structure: its nesting, and its tensors' metadata (other leaves as they are)."""
     leaves, spec = tree_flatten(value)
-    metas = tuple(_argument(t, {}) for t in leaves)
-    return (str(spec), metas, tuple(own), tuple(kept))
+    return (str(spec), tuple(_argument(t, {}) for t in leaves))
