@@ -925,6 +925,7 @@ class _Walk:
     options: dict[int, list[float]] = field(default_factory=dict)  # per stage with option "sac": its (Fs, B) sample
     twins: dict[Hashable, list[_Twin]] = field(default_factory=dict)  # measured stages by structure (NOTE: [twin ...])
     twin_of: dict[int, int] = field(default_factory=dict)  # a stage that took a twin's figures: that twin
+    kept: dict[int, list[bool]] = field(default_factory=dict)  # per stage run entered: what its graph kept of a_k
 
     def timed(self, seconds: tuple[float, float]) -> None:
         self.fwd.append(seconds[0])
@@ -999,7 +1000,7 @@ def _measure_stage(run: _StageRun, walk: _Walk, ctx: _Context) -> tuple[StagePro
     _time_option(run, walk, ctx, record)
     output_kept = [any(kept) for kept in zip(*(r.out_kept for r in recorded), strict=True)]
     if key is not None:
-        walk.twins.setdefault(key, []).append(_Twin(run.k, first, record, output_kept))
+        walk.twins.setdefault(key, []).append(_Twin(run.k, first, record, output_kept, walk.kept.get(run.k)))
     return record, output_kept, out
 
 
@@ -1018,11 +1019,12 @@ def _time_option(run: _StageRun, walk: _Walk, ctx: _Context, record: StageProfil
 # of its output), takes that stage's other figures: the run accumulating into stored gradients, the one with a
 # contiguous δ, the no-grad run's transient and output size, the option's. What rests on it: two stages of one
 # structure whose recorded runs hold the same bytes at every point run the same ops, so their other runs hold the
-# same bytes too. Its own `in_free` is measured (the stage before differs), and its output comes from a plain `Fn`
-# run, unprobed. Not for stage 0 (its input is the caller's), the frozen prefix, nor a stage that ran an op whose
-# output's shape follows values (`nonzero`, `.item()`, a mask or index: routing, whose bytes differ from block to
-# block). A stage with a hook of its own (one that keeps an output) or a branch on its index that changes what it
-# holds differs in its structure or its first run, and is measured in full.
+# same bytes too. Its own `in_free` is its own (the stage before differs), of what its twin's graph kept of its
+# input, and its output comes from a plain `Fn` run, unprobed. Not for stage 0 (its input is the caller's), the
+# frozen prefix, nor a stage that ran an op whose output's shape follows values (`nonzero`, `.item()`, a mask or
+# index: routing, whose bytes differ from block to block). A stage with a hook of its own (one that keeps an output)
+# or a branch on its index that changes what it holds differs in its structure or its first run, and is measured in
+# full.
 @dataclass(frozen=True)
 class _Twin:
     """A measured stage another may take figures from (NOTE: [twin stages])."""
@@ -1031,6 +1033,7 @@ class _Twin:
     first: _Recorded  # its first recorded run
     record: StageProfile
     output_kept: list[bool]
+    kept: list[bool] | None  # what its graph kept of its input (`_entered_run`)
 
     def agrees(self, first: _Recorded) -> bool:
         """Another stage's first recorded run held what this one's did, figure by figure (compared as plain
@@ -1055,7 +1058,7 @@ def _twin_record(run: _StageRun, walk: _Walk, ctx: _Context, twin: _Twin) -> tup
     """Stage k's record from its twin's (NOTE: [twin stages]): its own `in_free` and name, its output from `Fn`."""
     for _ in range(ctx.warmup):
         _timed_run(run.forward, ctx.device, ctx.untouched)
-    record = dataclasses.replace(twin.record, in_free=_in_free(run, walk, ctx), name=run.name)
+    record = dataclasses.replace(twin.record, in_free=_in_free(run, walk, ctx, twin), name=run.name)
     _time_option(run, walk, ctx, record)
     out = run.forward(False)[1]
     ctx.untouched.restore_buffers()
@@ -1076,13 +1079,15 @@ def _measure_nograd(run: _StageRun, ctx: _Context) -> tuple[int, int, Any]:
     return storage_bytes(out), max(probe.peak - probe.current, peak - end), out
 
 
-def _in_free(run: _StageRun, walk: _Walk, ctx: _Context) -> int:
-    """What letting go of a_k after its stage's last forward frees (a_0 is the caller's: never)."""
+def _in_free(run: _StageRun, walk: _Walk, ctx: _Context, twin: _Twin | None = None) -> int:
+    """What letting go of a_k after its stage's last forward frees (a_0 is the caller's: never); a twin's graph keeps
+    of a_k what its twin's kept (NOTE: [twin stages]), unless the run is timed anyway."""
     k, value = run.k, run.value
     if k > walk.frozen:
         # at most what every way of recording stage k-1 lets go of (options' out_free too)
         before = walk.records[k - 1]
-        kept = _kept_timed(run, walk, ctx, grad_in=True)
+        kept = twin.kept if twin is not None and not ctx.timed else None
+        kept = kept if kept is not None else _kept_timed(run, walk, ctx, grad_in=True)
         in_free = min(
             before.out_free,
             *(o.out_free for o in before.options),
@@ -1102,6 +1107,7 @@ def _kept_timed(run: _StageRun, walk: _Walk, ctx: _Context, grad_in: bool) -> li
     """What the graph of `Fe k` keeps of `a_k` (`_entered_run`); in a timed profile, the run timed too, the stage's
     first sample (NOTE: [the first timing sample in the walk])."""
     kept, fwd, bwd = _entered_run(run.stage, run.value, grad_in, (ctx.device, ctx.untouched) if ctx.timed else None)
+    walk.kept[run.k] = kept
     if ctx.timed:
         walk.timed((fwd, bwd))
     return kept
