@@ -366,6 +366,7 @@ class ChainState:
         if distributed and self._ddp.untied is not self.stages:  # before any profile or optimizer step
             refuse_tied(self.shared_parameters())
             self._ddp.untied = self.stages
+        settle_watches()  # a window left by the last backward: off the stack before a new shape's profile runs
         called = self.call_input(value, trainable)
         entry, call, peak, alone = self.call_entry(called, value)
         measurement = self._measurement
@@ -392,8 +393,8 @@ class ChainState:
         """A watch of the caller's real loss for the first step of `key`, where the stand-in was charged
         (lightning_rotor/loss_watch.py); a window still open sees a chain call, which is no loss. A module-level
         chain charges what its code around the run measured (`pipeline.charge_outside`), or what a derived call's
-        chain follows from measured calls' (symbolic_sizes.py), the stand-in never: no window there."""
-        settle_watches()
+        chain follows from measured calls' (symbolic_sizes.py), the stand-in never: no window there. Any window
+        before was settled as the call began (`run`)."""
         module_level = self.discovery is not None and self.discovery.run is not None
         given = self.loss_fn is not None or self.loss_tmp is not None or module_level
         if key in self._loss_watched or given or self.sharded:  # FSDP2: one plan on every rank, as profiled
@@ -457,6 +458,7 @@ class ChainState:
         """
         if self.stages is None:
             raise RuntimeError("the chain is not discovered yet: run one training forward (or discover_on) first")
+        settle_watches()  # as at a training call: no window of the last backward over the profile
         return self.entry_for(self.call_input(value))
 
     def entry_for(self, call: CallInput) -> Entry:

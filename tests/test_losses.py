@@ -266,3 +266,17 @@ def test_a_plain_run_s_output_stays_writable_in_place_while_its_loss_is_measured
         assert rotor.plan.recomputed_stages == 0
     assert_same_state(plain, rotor)
     assert rotor.chain.loss_value > rotor.chain.out_size[-1]  # the real MSE measured: its value holds a_L's size
+
+
+def test_a_new_shape_is_profiled_with_no_window_left_on_the_stack():
+    """A loop that calls backward twice before its optimizer step (gradient accumulation) meets the next shape with
+    the last window's probe back on the stack: the chain call takes it off before profiling, not after (every op of
+    the profile went through it, its dispatch paid twice)."""
+    torch.manual_seed(0)
+    rotor = Checkpointable(TanhMLP(), "70%", discover="graph", repeats=1)
+    stacks: list[list] = []
+    rotor.chain_state.on_profile_progress = lambda *_: stacks.append(list(dispatch_mode_stack()))
+    for batch in (16, 8, 12):  # three plan keys, no optimizer step between them
+        x, y = data(batch=batch)
+        F.mse_loss(rotor(x), y).backward()
+    assert len(stacks) >= 3 * len(rotor.chain.out_size) and all(stack == [] for stack in stacks)
