@@ -19,8 +19,9 @@ time, which other processes' load on a shared machine does not inflate (with one
 every op there); `--clock wall` the wall time.
 
 `--parts` also times the parts of both steps (timers wrapped around the profiler's functions, the same clock) and
-prints their medians in plain steps: the walk (the memory runs: the two recorded runs per stage, the `in_free` run,
-which in a timed profile is also each stage's first timing sample, and the no-grad run), the timing rounds, the FLOP
+prints their medians in plain steps: the walk (the memory runs: the two recorded runs per stage, one for a twin
+stage, the `in_free` run, which in a timed profile is also each stage's first timing sample, the no-grad run, and a
+twin's own plain `Fn`, docs/memory-model.md "Twin stages"), the timing rounds, the FLOP
 count, the code around a module-level chain's run (`measure_outside`), discovery, the loss's measurement, the traced
 sizes recorded (`ShapeLaws.add`: the trace's arrays, or a numbered shape's check against a traced one's), the
 planner, the whole profile (`pipeline.profile`: the walk, the rounds, the loss), the whole new shape
@@ -130,7 +131,8 @@ clock = time.thread_time  # `--clock`
 # (module, attribute of it, function, label) of the parts `--parts` times; nested parts are timed each on its own
 PARTS = [
     ("lightning_rotor.profile", None, "_walk_chain", "walk"),
-    ("lightning_rotor.profile", None, "_measure_recorded_runs", "recorded"),
+    ("lightning_rotor.profile", None, "_measure_recorded", "recorded"),
+    ("lightning_rotor.profile", None, "_twin_record", "twins"),
     ("lightning_rotor.profile", None, "_in_free", "in_free"),
     ("lightning_rotor.profile", None, "_measure_nograd", "no-grad"),
     ("lightning_rotor.profile", None, "_timed_rounds", "rounds"),
