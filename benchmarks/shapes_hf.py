@@ -1,9 +1,10 @@
-"""Changing shapes on a Hugging Face model built from a config (GPT-2 or Llama: 4 layers, 64 wide, vocabulary
-256, batch 4): `--lengths` distinct lengths in 16..128 over `--steps` steps in a seeded random order (each
-length as often), budget "50%", SGD.
+"""Changing shapes on a Hugging Face model built from a config (GPT-2 or Llama: `--layers` 4, `--width` 64, 4 heads,
+vocabulary 256, `--batch` 4): `--lengths` distinct lengths in 16..128 over `--steps` steps in a seeded random order
+(each length as often), budget "50%", SGD.
 
     PYTHONPATH=. python benchmarks/shapes_hf.py rotor rotor-measure --model gpt2 --runs 2
     PYTHONPATH=. python benchmarks/shapes_hf.py rotor --model llama --runs 2
+    PYTHONPATH=. python benchmarks/shapes_hf.py rotor --model gpt2 --layers 8 --width 256 --batch 8 --runs 2
 
 Variants: `rotor` (the default: a later shape along one size of three measured ones gets its sizes exactly
 from their traced profiles, no run; others are profiled for sizes only); `rotor-measure` (`fit_shapes=False`:
@@ -28,25 +29,25 @@ import transformers
 from lightning_rotor import Checkpointable
 
 
-def batches(lengths: int, steps: int, seed: int = 0) -> list[torch.Tensor]:
+def batches(lengths: int, steps: int, batch: int = 4, seed: int = 0) -> list[torch.Tensor]:
     rng = random.Random(seed)
     chosen = sorted(rng.sample(range(16, 129), lengths))
     order = [chosen[i % lengths] for i in range(steps)]
     rng.shuffle(order)
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (4, n), generator=g) for n in order]
+    return [torch.randint(0, 256, (batch, n), generator=g) for n in order]
 
 
-def make(variant: str, model: str) -> torch.nn.Module:
+def make(variant: str, model: str, layers: int = 4, width: int = 64) -> torch.nn.Module:
     torch.manual_seed(0)
     if model == "gpt2":
         config = transformers.GPT2Config(
-            n_layer=4, n_embd=64, n_head=4, vocab_size=256, n_positions=128, use_cache=False
+            n_layer=layers, n_embd=width, n_head=4, vocab_size=256, n_positions=128, use_cache=False
         )
         module: torch.nn.Module = transformers.GPT2LMHeadModel(config)
     else:
         config = transformers.LlamaConfig(
-            num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+            num_hidden_layers=layers, hidden_size=width, intermediate_size=2 * width, num_attention_heads=4,
             num_key_value_heads=4, vocab_size=256, max_position_embeddings=128, use_cache=False,
         )  # fmt: skip
         module = transformers.LlamaForCausalLM(config)
@@ -81,16 +82,19 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, default=20)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--width", type=int, default=64, help="the hidden size (4 heads)")
+    parser.add_argument("--batch", type=int, default=4)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    data = batches(args.lengths, args.steps)
+    data = batches(args.lengths, args.steps, args.batch)
     runs: dict[str, list[list[float]]] = {v: [] for v in ["plain", *args.variants]}
     kinds: dict[str, list[str]] = {}
     derivations: dict[str, list[float]] = {v: [] for v in runs}
     for _ in range(args.runs):
         for variant in runs:
-            model = make(variant, args.model)
+            model = make(variant, args.model, args.layers, args.width)
             seconds, kinds[variant] = train(model, data)
             runs[variant].append(seconds)
             entries = getattr(model, "entries", {})  # shapes derived without a run: their chain and plan's seconds
