@@ -626,6 +626,12 @@ class _StageRun:
         """(input leaf, output) of the stage, recording its graph when `record` (`_stage_forward`)."""
         return _stage_forward(self.stage, self.value, self.grad_in, self.k, self.name, record, selective)
 
+    @functools.cached_property
+    def key(self) -> Hashable:
+        """The structure of the stage and of its input: what a twin shares (NOTE: [twin stages]), what a FLOP count
+        stands for (NOTE: [FLOPs counted in the walk])."""
+        return (structure(self.stage), value_structure(self.value))
+
     @property
     def input_parts(self) -> bool:
         """Stage 0 with an input that requires grad: its input gradient's parts are measured (`_measure_recorded`)."""
@@ -1065,7 +1071,7 @@ def _twin_key(run: _StageRun, walk: _Walk, ctx: _Context) -> Hashable | None:
     """The structure a twin of this stage shares (NOTE: [twin stages]); None where twins are not looked for."""
     if not ctx.twins or run.k == 0 or run.k <= walk.frozen or not run.grad_in:
         return None
-    return (structure(run.stage), value_structure(run.value))  # its own `in_free` follows the stage before
+    return run.key  # its own `in_free` follows the stage before
 
 
 def _twin_record(run: _StageRun, walk: _Walk, ctx: _Context, twin: _Twin) -> tuple[StageProfile, list[bool], Any]:
@@ -1120,7 +1126,7 @@ def _counted(
     counter = ctx.counter
     if counter is None or walk.flops is None:
         return measure()
-    key = (structure(run.stage), value_structure(run.value))
+    key = run.key
     if key in walk.counted:
         walk.stage_flops = walk.counted[key]
         return measure()

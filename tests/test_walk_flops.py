@@ -12,6 +12,7 @@ import pytest
 import torch
 from fitting import fit_like_plain
 from torch import nn
+from torch.utils.flop_counter import register_flop_formula
 from training import assert_same_state, tokens_loss
 
 import lightning_rotor.chain_state as chain_state
@@ -46,6 +47,11 @@ def chain_of(name: str) -> tuple[list[nn.Module], torch.Tensor]:
     """A discovered chain's stages and their sample input (a module-level chain's: the blocks' hidden states)."""
     if name == "gpt":
         return list(small_gpt()), tokens(2, 16)
+    if name == "frozen":  # the embedding and first block frozen: a frozen prefix, counted in its runs with grad enabled
+        stages = list(small_gpt())
+        stages[0].requires_grad_(False)
+        stages[1].requires_grad_(False)
+        return stages, tokens(2, 16)
     if name == "convnext":
         torch.manual_seed(0)
         rotor = Checkpointable(convnext_atto(num_classes=10), "50%")
@@ -78,7 +84,7 @@ def untimed(chain) -> dict:
     return {k: v for k, v in chain.to_dict().items() if k not in TIMES}
 
 
-@pytest.mark.parametrize("name", ["gpt", "convnext", "gpt2"])
+@pytest.mark.parametrize("name", ["gpt", "frozen", "convnext", "gpt2"])
 def test_the_walk_counts_each_stage_as_a_separate_count_and_changes_no_figure(name: str) -> None:
     stages, sample = chain_of(name)
     counted = profile_chain(stages, sample, repeats=1, timed=False, flops=True)
@@ -88,7 +94,7 @@ def test_the_walk_counts_each_stage_as_a_separate_count_and_changes_no_figure(na
     if name != "gpt2":  # no counted op follows `training`: the eval-mode pass's numbers
         assert counted.flops == separate_counts(stages, sample, training=False)
     plain = profile_chain(stages, sample, repeats=1, timed=False)
-    assert plain.flops is None
+    assert plain.flops is None and counted.chain.frozen == (2 if name == "frozen" else 0)
     assert untimed(counted.chain) == untimed(plain.chain)  # the probe saw what it sees uncounted
 
 
@@ -154,3 +160,55 @@ def test_a_trainer_through_changing_lengths_trains_as_plain(tmp_path) -> None:
     plain, rotor = TinyLM(), TinyLM()
     rotor.load_state_dict(copy.deepcopy(plain.state_dict()))
     fit_like_plain(tmp_path, plain, rotor, RotorStrategy(mem_limit="60%", fit_shapes=False), batches, seed=3)
+
+
+# -- a counter that fails where the stage does not -----------------------------------------------------------------
+@torch.library.custom_op("walk_flops_test::doubled", mutates_args=())
+def doubled(x: torch.Tensor) -> torch.Tensor:
+    """An op of the user's with a FLOP formula of theirs that refuses its argument (the stage itself runs)."""
+    return x * 2
+
+
+doubled.register_autograd(lambda ctx, grad: grad * 2)
+
+
+REFUSED_ROWS = 10
+
+
+@register_flop_formula(torch.ops.walk_flops_test.doubled)
+def _refusing_formula(x_shape, out_shape=None) -> int:
+    if x_shape[0] == REFUSED_ROWS:
+        raise ValueError("no formula for this argument")
+    return 0
+
+
+class Doubled(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return doubled(x)
+
+
+def doubling_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.GELU(), Doubled(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 4))
+
+
+def test_a_counter_that_fails_leaves_the_figures_and_times_derive_by_output_sizes() -> None:
+    stages, x = list(doubling_net()), torch.randn(REFUSED_ROWS, 8)
+    counted = profile_chain(stages, x, repeats=1, timed=False, flops=True)
+    assert counted.flops is None  # the walk's counter gave up, the stage measured again uncounted
+    assert untimed(counted.chain) == untimed(profile_chain(stages, x, repeats=1, timed=False).chain)
+    assert stage_flops(stages, x) is None  # nor can a pass of its own count
+
+    plain = doubling_net()
+    rotor = Checkpointable(copy.deepcopy(plain), None, repeats=1, fit_shapes=False)
+    for step, rows in enumerate((6, REFUSED_ROWS, 6, REFUSED_ROWS)):
+        x, y = torch.randn(rows, 8, generator=torch.Generator().manual_seed(step)), torch.zeros(rows, dtype=torch.long)
+        for model in (plain, rotor):
+            model.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+        assert_same_state(plain, rotor)
+    timed, derived = (e.profile for e in rotor.entries.values())
+    assert timed.flops is not None and timed.repeats == 1
+    assert derived.repeats == 0 and derived.flops is None  # derived, by the ratio of output sizes alone
+    ratio = [b / a for a, b in zip(timed.chain.out_size, derived.chain.out_size, strict=True)]
+    assert derived.chain.fwd_time == pytest.approx([t * r for t, r in zip(timed.chain.fwd_time, ratio, strict=True)])
