@@ -483,8 +483,8 @@ class ChainState:
                 return predicted
         stages, value = self.stages, call.sample
         assert stages is not None
-        # compiled stages are timed at every shape: a count would compile graphs of its own. FLOPs are counted in the
-        # profile's walk (NOTE: [FLOPs counted in the walk], lightning_rotor/profile.py): no pass of their own
+        # compiled stages are timed at every shape. FLOPs are counted in the profile's walk (NOTE: [FLOPs counted in the
+        # walk], lightning_rotor/profile.py), no pass of their own: whether to derive is known before it
         counted = self.derive_shapes and self.compiler is None
         derive = counted and self._timed is not None and not retime
         traced = self.fit_shapes and not self.sharded  # sizes as sums of storages' (lightning_rotor/size_trace.py)

@@ -1105,10 +1105,14 @@ def _measure_nograd(run: _StageRun, ctx: _Context) -> tuple[int, int, Any]:
 # entered before the memory probe, so that it sits below it: the probe sees each op first, exactly as it does alone,
 # and its call of the op reaches the counter, which counts it, or runs its decomposition within itself, unseen by
 # the probe (the probe sees the op and its output, as before). Entered after the probe, it would hand the probe the
-# decomposed ops instead. As `shapes.stage_flops` counts: a stage of the structure of one counted before, on an input
-# of the same structure, runs uncounted and takes its count. The stages run in their own mode (training) where
-# `stage_flops` runs them in eval mode: the same count where no counted op (a matmul, a convolution, attention)
-# follows `training` (dropout and batch norm run none; attention dropout picks another kernel of the same count).
+# decomposed ops instead. A stage of the structure of one counted before, on an input of the same structure, runs
+# uncounted and takes its count. The stages run in their own mode, as training runs them, and `shapes.stage_flops`
+# (a shape no profile measured) counts them the same way, so that the counts of a chain compare. The separate pass
+# before this one ran them in eval mode: the same counts where no counted op (a matmul, a convolution, attention)
+# follows `training`, not where attention dropout picks another kernel (on CPU, with dropout the math path, whose
+# matmuls torch counts; without, the CPU flash kernel, which it counts nothing for: a GPT-2 block at batch 4,
+# length 124 and width 64 counts 64.5 MFLOP, 48.8 in eval mode). FLOPs only scale times; a module that draws
+# its path at random in training (LayerDrop) gets a count of the path drawn, as its step does.
 # A counter that fails where the stage does not (a formula refusing an argument) leaves the profile without counts
 # (`Profile.flops` None) and the run is measured again, uncounted.
 _Found = TypeVar("_Found")

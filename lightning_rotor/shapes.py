@@ -153,7 +153,7 @@ def stage_flops(stages: Sequence[nn.Module], sample: Any) -> list[int] | None:
                     seen[key] = int(counter.get_total_flops())
                 counts.append(seen[key])
             del value
-    except Exception:  # the shape is timed instead; the training step will raise what is wrong, if anything
+    except Exception:  # the caller does without (chain_state.py); the training step raises what is wrong, if anything
         return None
     return counts
 
