@@ -8,9 +8,10 @@ The models of `benchmarks/profile_cost.py` (small GPT, Hugging Face GPT-2 and Ll
 fresh `Checkpointable` (default settings, `"50%"`) taking its first step on shape A (discovery, a timed and traced
 profile), then on shape B (a measured shape, or one derived from A's trace). Written per model and shape: every
 field of the chain planned on except the measured times (`fwd_time`, `bwd_time`, an option's), the FLOP counts
-(`shapes.stage_flops`) taken, and each traced profile's storages and guards (`size_trace.SizeTrace`, as
-`symbolic_sizes.ShapeLaws.add` gets it). A change that must leave every figure as it was gives a byte-identical
-file; times are measured, so they are compared by `benchmarks/profile_cost.py`, not here.
+taken, in order (by a profile's walk, `Profile.flops`, or by `shapes.stage_flops`: a checkout that counts by the
+other gives the same file where both count the same), and each traced profile's storages and guards
+(`size_trace.SizeTrace`, as `symbolic_sizes.ShapeLaws.add` gets it). A change that must leave every figure as it
+was gives a byte-identical file; times are measured, so they are compared by `benchmarks/profile_cost.py`, not here.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from profile_cost import CASES, add_test_models, plain_steps, timed_step  # noqa: E402
 
 import lightning_rotor.chain_state as chain_state  # noqa: E402
+import lightning_rotor.pipeline as pipeline  # noqa: E402
 from lightning_rotor import Checkpointable  # noqa: E402
 from lightning_rotor.size_trace import SizeTrace  # noqa: E402
 from lightning_rotor.symbolic_sizes import ShapeLaws  # noqa: E402
@@ -45,16 +47,23 @@ def _untimed(chain: dict[str, Any]) -> dict[str, Any]:
 
 
 class Recorder:
-    """What the profiles of one step counted: FLOPs per call of `stage_flops`, and each trace `ShapeLaws.add` got."""
+    """What the profiles of one step counted: FLOPs per profile that counted them in its walk and per call of
+    `stage_flops`, and each trace `ShapeLaws.add` got."""
 
     def __init__(self) -> None:
         self.flops: list[Any] = []
         self.traces: list[Any] = []
-        counted, add = chain_state.stage_flops, ShapeLaws.add
+        counted, add, profiled = chain_state.stage_flops, ShapeLaws.add, pipeline.profile_chain
 
         def stage_flops(*args: Any) -> Any:
             found = counted(*args)
             self.flops.append(found)
+            return found
+
+        def profile_chain(*args: Any, **kwargs: Any) -> Any:
+            found = profiled(*args, **kwargs)
+            if getattr(found, "flops", None) is not None:  # counted in the walk (a checkout that does)
+                self.flops.append(found.flops)
             return found
 
         def law_add(laws: ShapeLaws, family: str, dims: Any, trace: Any, chain: Any, flops: Any) -> Any:
@@ -68,6 +77,7 @@ class Recorder:
             return add(laws, family, dims, trace, chain, flops)
 
         chain_state.stage_flops = stage_flops  # type: ignore[assignment]
+        pipeline.profile_chain = profile_chain  # type: ignore[assignment]
         ShapeLaws.add = law_add  # type: ignore[method-assign]
 
     def take(self) -> dict[str, Any]:

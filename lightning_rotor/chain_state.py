@@ -483,33 +483,39 @@ class ChainState:
                 return predicted
         stages, value = self.stages, call.sample
         assert stages is not None
-        # compiled stages are timed at every shape: an eval-mode count would compile graphs of its own
-        flops = stage_flops(_seq(stages), value) if self.derive_shapes and self.compiler is None else None
-        derive = flops is not None and self._timed is not None and not retime
+        # compiled stages are timed at every shape. FLOPs are counted in the profile's walk (NOTE: [FLOPs counted in the
+        # walk], lightning_rotor/profile.py), no pass of their own: whether to derive is known before it
+        counted = self.derive_shapes and self.compiler is None
+        derive = counted and self._timed is not None and not retime
         traced = self.fit_shapes and not self.sharded  # sizes as sums of storages' (lightning_rotor/size_trace.py)
         with self._laws.tracing(traced, value, self._outside(), (call.family(), input_dims(value))) as trace:
             return pipeline.prepare(
-                _seq(stages), value, partial(self._new_shape_bytes, call, flops), names=self.stage_names,
-                slots=self.slots, adjust=partial(self._adjusted, call, trace, flops, derive), build=self.plans.build,
+                _seq(stages), value, partial(self._new_shape_bytes, call), names=self.stage_names,
+                slots=self.slots, adjust=partial(self._adjusted, call, trace, counted, derive), build=self.plans.build,
                 repeats=self.repeats, warmup=self.warmup, loss_fn=self.loss_fn, loss_tmp=self.loss_tmp,
                 outside=self._outside(), progress=self.on_profile_progress, timed=not derive, options=self.options,
-                offload=self._offload_setting is not None,
+                offload=self._offload_setting is not None, flops=counted,
             )  # fmt: skip
 
     def _adjusted(
-        self, call: CallInput, trace: StorageNumbers | None, flops: list[int] | None, derive: bool, measured: Profile
+        self, call: CallInput, trace: StorageNumbers | None, counted: bool, derive: bool, measured: Profile
     ) -> Profile:
         """A new shape's profile as planned: its traced sizes recorded (`ShapeLaws.add`, the trace ended: the rest
         is planning), under FSDP2 the same figures on every rank, times derived from the timed shape's by FLOPs
-        (lightning_rotor/shapes.py), the transfer bandwidth in its chain (version 6: the planner reads it)."""
+        (lightning_rotor/shapes.py), the transfer bandwidth in its chain (version 6: the planner reads it).
+
+        `counted`: the profile counted FLOPs in its walk; where its counter failed, `stage_flops` counts them; where
+        that fails too, a derived shape's times scale by output sizes alone (its steps check them, `ShapeTimes`)."""
         value = call.sample
+        flops = self._profile_flops(measured, counted, value)
         measured.chain = self._laws.add(call.family(), input_dims(value), trace, measured.chain, flops)
         if self.sharded:  # FSDP2: the same figures on every rank, with what FSDP2 gathers (lightning_rotor/sharded.py)
             assert self.stages is not None
             measured.chain = sharded.rank_chain(measured.chain, list(self.stages), self.stage_names, self.module)
         if derive:
-            assert self._timed is not None and flops is not None
-            measured.chain = derived_times(*self._times.nearest(flops, self._timed), measured.chain, flops)
+            assert self._timed is not None
+            by = flops if flops is not None else [0] * measured.chain.length  # 0: scaled by output sizes
+            measured.chain = derived_times(*self._times.nearest(by, self._timed), measured.chain, by)
             measured.repeats, measured.round_seconds = 0, []  # derived: `PlanCache.add` records it
         elif flops is not None:
             self._timed = self._timed or (measured.chain, flops)
@@ -519,6 +525,13 @@ class ChainState:
         measured.chain = self._loss_carried(measured.chain)
         return measured
 
+    def _profile_flops(self, measured: Profile, counted: bool, value: Any) -> list[int] | None:
+        """The stages' forward FLOPs at a profiled shape: counted in its walk, or by `stage_flops` where the walk's
+        counter failed (NOTE: [FLOPs counted in the walk]); None where not counted."""
+        if measured.flops is not None or not counted or self.stages is None:
+            return measured.flops
+        return stage_flops(_seq(self.stages), value)
+
     def _loss_carried(self, chain: Chain) -> Chain:
         """A new shape's chain charged, at its own `a_L`, what an earlier shape's real loss held beyond the stand-in
         (`LossPerByte`): its first step measures it in turn (NOTE: [the real loss])."""
@@ -526,7 +539,7 @@ class ChainState:
             return chain
         return raised_chain(chain, self._loss_per_byte.at(chain.out_size[-1])) or chain
 
-    def _new_shape_bytes(self, call: CallInput, flops: list[int] | None, chain: Chain) -> int:
+    def _new_shape_bytes(self, call: CallInput, chain: Chain) -> int:
         """The bytes of a newly profiled shape: the budget as given for the first, `_shape_bytes` for the others."""
         if self._first is None:  # the first shape: the budget as given becomes bytes
             device = next(t.device for t in tree_flatten(call.sample)[0] if isinstance(t, torch.Tensor))

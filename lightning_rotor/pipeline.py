@@ -96,6 +96,7 @@ def profile(
     timed: bool = True,
     options: bool = False,
     offload: bool = False,
+    flops: bool = False,
 ) -> Profile:
     """Measure `stages` on `sample` (the chain input `a_0`): times, sizes, transients.
 
@@ -105,7 +106,7 @@ def profile(
     charged as the chain's loss instead of measuring one on the chain output (`charge_outside`).
     `timed=False`: sizes only, times 0 (a new shape's times are derived, lightning_rotor/shapes.py).
     `options`: measure each stage's option "sac" too (`profile_chain`); `offload`: each stage's
-    `offloadable` bytes too.
+    `offloadable` bytes too; `flops`: each stage's forward FLOPs too (`Profile.flops`).
     """
     loss: int | LossFn | None = loss_tmp if loss_tmp is not None else loss_fn
     if outside is not None:
@@ -123,6 +124,7 @@ def profile(
             timed=timed,
             options=options and not leaves,  # an option reruns its stage in a backward, without the side values
             offload=offload,
+            flops=flops,
         )
     if outside is not None:
         measured.chain = charge_outside(measured.chain, outside, loss_tmp)

@@ -15,7 +15,7 @@ import statistics
 import time
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,7 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from lightning_rotor._torch_compat import (
+    GlobalFlops,
     StorageWeakRef,
     TorchDispatchMode,
     accumulated_leaf,
@@ -112,6 +113,9 @@ class Profile:
     # hands its gradient back in as many parts (NOTE: [a run's input gradient in parts], engine.py)
     input_uses: list[int] = field(default_factory=list)
     twins: dict[int, int] = field(default_factory=dict)  # a stage that took a twin's figures: that twin's index
+    # per stage, its forward's FLOPs, counted in the walk (`flops=True`, NOTE: [FLOPs counted in the walk]); None:
+    # not asked, or the counter failed where the stage did not
+    flops: list[int] | None = None
 
     @property
     def spread(self) -> float:
@@ -605,6 +609,7 @@ class _Context:
     warmup: int = 0  # untimed runs of each stage after its memory runs
     timed: bool = False  # the first timing sample of each stage taken in the walk (NOTE: [the first timing sample...])
     twins: bool = True  # a stage of a measured one's structure may take its figures (NOTE: [twin stages])
+    counter: GlobalFlops | None = None  # counts FLOPs in each no-grad run (NOTE: [FLOPs counted in the walk])
 
 
 @dataclass(frozen=True, eq=False)
@@ -620,6 +625,12 @@ class _StageRun:
     def forward(self, record: bool, selective: bool = False) -> tuple[Any, Any]:
         """(input leaf, output) of the stage, recording its graph when `record` (`_stage_forward`)."""
         return _stage_forward(self.stage, self.value, self.grad_in, self.k, self.name, record, selective)
+
+    @functools.cached_property
+    def key(self) -> Hashable:
+        """The structure of the stage and of its input: what a twin shares (NOTE: [twin stages]), what a FLOP count
+        stands for (NOTE: [FLOPs counted in the walk])."""
+        return (structure(self.stage), value_structure(self.value))
 
     @property
     def input_parts(self) -> bool:
@@ -926,6 +937,9 @@ class _Walk:
     twins: dict[Hashable, list[_Twin]] = field(default_factory=dict)  # measured stages by structure (NOTE: [twin ...])
     twin_of: dict[int, int] = field(default_factory=dict)  # a stage that took a twin's figures: that twin
     kept: dict[int, list[bool]] = field(default_factory=dict)  # per stage run entered: what its graph kept of a_k
+    flops: list[int] | None = None  # per stage measured, its forward's FLOPs (NOTE: [FLOPs counted in the walk])
+    counted: dict[Hashable, int] = field(default_factory=dict)  # FLOPs by structure of stage and input
+    stage_flops: int = 0  # the stage being measured's, appended by `advance`
 
     def timed(self, seconds: tuple[float, float]) -> None:
         self.fwd.append(seconds[0])
@@ -934,6 +948,8 @@ class _Walk:
     def advance(self, record: StageProfile, out: Any, output_kept: list[bool] | None) -> None:
         """Stage k measured (`record`): its output `out` is the next stage's input (`output_kept` None: none kept)."""
         self.records.append(record)
+        if self.flops is not None:
+            self.flops.append(self.stage_flops)
         keys = {storage_key(t) for t in tensors_of(self.value) if t.layout == torch.strided}
         self.own = [t.layout == torch.strided and storage_key(t) not in keys for t in tensors_of(out)]
         self.output_kept = [False] * len(self.own) if output_kept is None else output_kept
@@ -944,7 +960,7 @@ def _profile_stage(stage: nn.Module, k: int, name: str, walk: _Walk, ctx: _Conte
     """Measure stage `k` on `walk.value` and walk on to its output (NOTE: [what each field measures])."""
     if walk.frozen == k and not ctx.needs_grad and not any(p.requires_grad for p in stage.parameters()):
         frozen_run = _StageRun(stage, k, name, walk.value, False)
-        found = _measure_frozen(frozen_run, ctx)
+        found = _counted(frozen_run, walk, ctx, functools.partial(_measure_frozen, frozen_run, ctx), _is_found)
         if found is not None:  # nothing of it requires grad: a frozen stage, its output the next input
             if ctx.timed:
                 walk.timed((_timed_run_frozen(frozen_run.forward, ctx.device, ctx.untouched), 0.0))
@@ -955,6 +971,10 @@ def _profile_stage(stage: nn.Module, k: int, name: str, walk: _Walk, ctx: _Conte
     run = _StageRun(stage, k, name, walk.value, ctx.needs_grad if k <= walk.frozen else True)
     record, output_kept, out = _measure_stage(run, walk, ctx)
     walk.advance(record, out, output_kept)
+
+
+def _is_found(found: tuple[StageProfile, Any] | None) -> bool:
+    return found is not None
 
 
 def _measure_stage(run: _StageRun, walk: _Walk, ctx: _Context) -> tuple[StageProfile, list[bool], Any]:
@@ -979,7 +999,7 @@ def _measure_stage(run: _StageRun, walk: _Walk, ctx: _Context) -> tuple[StagePro
         _timed_run(run.forward, ctx.device, ctx.untouched)
     in_free = _in_free(run, walk, ctx)  # measured after the in-place check of the runs above; timed, a first sample
     option_runs = _option_runs(run, ctx) if ctx.options else None
-    out_size, fwd_tmp_nograd, out = _measure_nograd(run, ctx)
+    out_size, fwd_tmp_nograd, out = _counted(run, walk, ctx, functools.partial(_measure_nograd, run, ctx))
     s_k = walk.records[run.k - 1].out_size if 0 < run.k <= walk.frozen else storage_bytes(run.value)  # a_F: beside a_0
     fwd_tmp, saved_size, out_free, bwd_tmp = _stage_figures(recorded, out_size, s_k)
     option = _option(option_runs, s_k, out_size)
@@ -1051,7 +1071,7 @@ def _twin_key(run: _StageRun, walk: _Walk, ctx: _Context) -> Hashable | None:
     """The structure a twin of this stage shares (NOTE: [twin stages]); None where twins are not looked for."""
     if not ctx.twins or run.k == 0 or run.k <= walk.frozen or not run.grad_in:
         return None
-    return (structure(run.stage), value_structure(run.value))  # its own `in_free` follows the stage before
+    return run.key  # its own `in_free` follows the stage before
 
 
 def _twin_record(run: _StageRun, walk: _Walk, ctx: _Context, twin: _Twin) -> tuple[StageProfile, list[bool], Any]:
@@ -1060,7 +1080,7 @@ def _twin_record(run: _StageRun, walk: _Walk, ctx: _Context, twin: _Twin) -> tup
         _timed_run(run.forward, ctx.device, ctx.untouched)
     record = dataclasses.replace(twin.record, in_free=_in_free(run, walk, ctx, twin), name=run.name)
     _time_option(run, walk, ctx, record)
-    out = run.forward(False)[1]
+    out = _counted(run, walk, ctx, lambda: run.forward(False)[1])
     ctx.untouched.restore_buffers()
     walk.twin_of[run.k] = twin.k
     return record, twin.output_kept, out
@@ -1077,6 +1097,55 @@ def _measure_nograd(run: _StageRun, ctx: _Context) -> tuple[int, int, Any]:
         probe.mark("after")
     ctx.untouched.restore_buffers()
     return storage_bytes(out), max(probe.peak - probe.current, peak - end), out
+
+
+# NOTE: [FLOPs counted in the walk] Each stage's forward FLOPs (`shapes.derived_times` scales a timed shape's times
+# by their ratio between shapes) are counted in the walk's run of the stage without grad, which runs anyway (`Fn k`,
+# a frozen stage's run, a twin's plain `Fn`): no forward of their own. The counter (`GlobalFlops`, a dispatch mode) is
+# entered before the memory probe, so that it sits below it: the probe sees each op first, exactly as it does alone,
+# and its call of the op reaches the counter, which counts it, or runs its decomposition within itself, unseen by
+# the probe (the probe sees the op and its output, as before). Entered after the probe, it would hand the probe the
+# decomposed ops instead. A stage of the structure of one counted before, on an input of the same structure, runs
+# uncounted and takes its count. The stages run in their own mode, as training runs them, and `shapes.stage_flops`
+# (a shape no profile measured) counts them the same way, so that the counts of a chain compare. The separate pass
+# before this one ran them in eval mode: the same counts where no counted op (a matmul, a convolution, attention)
+# follows `training`, not where attention dropout picks another kernel (on CPU, with dropout the math path, whose
+# matmuls torch counts; without, the CPU flash kernel, which it counts nothing for: a GPT-2 block at batch 4,
+# length 124 and width 64 counts 64.5 MFLOP, 48.8 in eval mode). FLOPs only scale times; a module that draws
+# its path at random in training (LayerDrop) gets a count of the path drawn, as its step does.
+# A counter that fails where the stage does not (a formula refusing an argument) leaves the profile without counts
+# (`Profile.flops` None) and the run is measured again, uncounted.
+_Found = TypeVar("_Found")
+
+
+def _counted(
+    run: _StageRun,
+    walk: _Walk,
+    ctx: _Context,
+    measure: Callable[[], _Found],
+    keep: Callable[[_Found], bool] = lambda _: True,
+) -> _Found:
+    """`measure()`, a run of the stage without grad (under the probe), its FLOPs counted outside the probe (NOTE:
+    [FLOPs counted in the walk]); `keep(found)` False: the count stands for no stage (a frozen run that needs grad)."""
+    counter = ctx.counter
+    if counter is None or walk.flops is None:
+        return measure()
+    key = run.key
+    if key in walk.counted:
+        walk.stage_flops = walk.counted[key]
+        return measure()
+    try:
+        with counter:
+            found = measure()
+    except Exception:  # the stage's own error, raised again below, or the counter's: counts given up
+        ctx.untouched.restore_buffers()
+        walk.flops = None
+    else:
+        walk.stage_flops = int(counter.get_total_flops())
+        if keep(found):
+            walk.counted[key] = walk.stage_flops
+        return found
+    return measure()
 
 
 def _in_free(run: _StageRun, walk: _Walk, ctx: _Context, twin: _Twin | None = None) -> int:
@@ -1159,7 +1228,7 @@ def _walk_chain(
     start: float,
 ) -> _Walk:
     """Every stage measured in chain order, each on the output of the one before (made without grad)."""
-    walk = _Walk(ctx.sample)
+    walk = _Walk(ctx.sample, flops=[] if ctx.counter is not None else None)
     for k, stage in enumerate(stages):
         _profile_stage(stage, k, names[k], walk, ctx)
         if progress is not None:
@@ -1185,6 +1254,7 @@ def profile_chain(
     options: bool = False,
     offload: bool = False,
     twins: bool = True,
+    flops: bool = False,
 ) -> Profile:
     """Measure `stages` on `sample` (the chain input `a_0`); see NOTE: [what each field measures].
 
@@ -1197,6 +1267,7 @@ def profile_chain(
     `timed=False` measures sizes only: no timing rounds, every time 0 (a new input shape's times
     are derived from a timed shape's, lightning_rotor/shapes.py).
     `twins=False` measures every stage in full, none taking a twin's figures (NOTE: [twin stages]).
+    `flops=True` counts each stage's forward FLOPs in the walk, `Profile.flops` (NOTE: [FLOPs counted in the walk]).
     """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
@@ -1214,7 +1285,7 @@ def profile_chain(
         with Excluded(stages, by_autograd=True) as exclude:
             ctx = _Context(
                 sample, exclude, _AllocatorWatch(device), untouched, device, needs_grad, options, offload, warmup,
-                walks, twins,
+                walks, twins, GlobalFlops() if flops else None,
             )  # fmt: skip
             walk = _walk_chain(stages, names, ctx, progress, start)
         loss = _loss_figures(walk.value, loss_tmp, device)
@@ -1247,4 +1318,5 @@ def profile_chain(
         round_seconds=round_totals(fwd, bwd),
         input_uses=walk.input_uses,
         twins=walk.twin_of,
+        flops=walk.flops,
     )

@@ -69,11 +69,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_rotor._torch_compat import GlobalFlops, tensor_version, tree_flatten, tree_unflatten
+from lightning_rotor._torch_compat import GlobalFlops, tree_flatten, tree_unflatten
 from lightning_rotor.budget import format_bytes
 from lightning_rotor.chain import TIME_FIELDS, Chain, StageOption
 from lightning_rotor.engine import no_cast_cache
 from lightning_rotor.planner import InfeasibleBudget
+from lightning_rotor.profile import Untouched
 from lightning_rotor.twins import structure, value_structure
 
 __all__ = [
@@ -124,8 +125,11 @@ def feasible_for_shape(nbytes: int, smallest: int, shape: str, holds: bool) -> i
 
 
 def stage_flops(stages: Sequence[nn.Module], sample: Any) -> list[int] | None:
-    """Per stage, the FLOPs of its forward on `sample`: one forward without grad in eval mode (no
-    statistics updated; matmuls and convolutions count the same), the RNG left as it was.
+    """Per stage, the FLOPs of its forward on `sample`, for a shape no profile counted them at: counted as a
+    profile's walk counts them (NOTE: [FLOPs counted in the walk], lightning_rotor/profile.py), so that every count
+    of a chain compares with every other: one forward without grad, each module in its own mode, as training runs
+    it (eval mode may take another kernel: CPU attention without dropout, which torch counts no FLOPs of), the
+    buffers (running statistics), `.grad` and the RNG left as they were (`Untouched`).
 
     On real tensors: torch's fake tensors would compute nothing, but their dispatch costs as
     much as the sizes-only profile itself on small models (measured: 0.24 s against 0.05 s).
@@ -135,14 +139,9 @@ def stage_flops(stages: Sequence[nn.Module], sample: Any) -> list[int] | None:
     """
     tensors = [t for t in tree_flatten(sample)[0] if isinstance(t, torch.Tensor)]
     devices = [t.device for t in tensors if t.device.type == "cuda"]
-    modes = [(m, m.training) for stage in stages for m in stage.modules()]
-    buffers = [b for stage in stages for b in stage.buffers()]
-    versions = [tensor_version(b) for b in buffers]
     counts, counter = [], GlobalFlops()
     try:
-        for m, _ in modes:
-            m.training = False
-        with torch.random.fork_rng(devices=devices), torch.no_grad(), no_cast_cache():
+        with Untouched(stages, devices), torch.no_grad(), no_cast_cache():
             value, seen = sample, {}
             for stage in stages:
                 key = (structure(stage), value_structure(value))
@@ -154,13 +153,8 @@ def stage_flops(stages: Sequence[nn.Module], sample: Any) -> list[int] | None:
                     seen[key] = int(counter.get_total_flops())
                 counts.append(seen[key])
             del value
-    except Exception:  # the shape is timed instead; the training step will raise what is wrong, if anything
+    except Exception:  # the caller does without (chain_state.py); the training step raises what is wrong, if anything
         return None
-    finally:
-        for m, training in modes:
-            m.training = training
-    if [tensor_version(b) for b in buffers] != versions:  # a stage wrote a buffer: cannot count without effects
-        raise RuntimeError("rotor: counting a stage's FLOPs wrote one of its buffers; use derive_shapes=False")
     return counts
 
 

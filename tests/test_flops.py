@@ -14,17 +14,13 @@ from lightning_rotor.shapes import stage_flops
 
 
 def torch_counts(stages: list[nn.Module], sample: torch.Tensor) -> list[int]:
-    """Per stage, `FlopCounterMode`'s total, as `stage_flops` runs the stages (eval mode, no grad)."""
+    """Per stage, `FlopCounterMode`'s total, as `stage_flops` runs the stages (their own mode, training, no grad)."""
     counts, value = [], sample
-    for stage in stages:
-        stage.eval()
-    with torch.no_grad():
+    with torch.no_grad(), torch.random.fork_rng():
         for stage in stages:
             with FlopCounterMode(display=False) as counter:
                 value = stage(value)
             counts.append(counter.get_total_flops())
-    for stage in stages:
-        stage.train()
     return counts
 
 
