@@ -21,11 +21,11 @@ every op there); `--clock wall` the wall time.
 `--parts` also times the parts of both steps (timers wrapped around the profiler's functions, the same clock) and
 prints their medians in plain steps: the walk (the memory runs: the two recorded runs per stage, one for a twin
 stage, the `in_free` run, which in a timed profile is also each stage's first timing sample, the no-grad run, and a
-twin's own plain `Fn`, docs/memory-model.md "Twin stages"), the timing rounds, the FLOP
-count, the code around a module-level chain's run (`measure_outside`), discovery, the loss's measurement, the traced
+twin's own plain `Fn`, docs/memory-model.md "Twin stages"; the FLOP count is taken in the no-grad runs), the
+timing rounds, a separate FLOP count (`stage_flops`: only where the walk could not count), the code around a module-level chain's run (`measure_outside`), discovery, the loss's measurement, the traced
 sizes recorded (`ShapeLaws.add`: the trace's arrays, or a numbered shape's check against a traced one's), the
 planner, the whole profile (`pipeline.profile`: the walk, the rounds, the loss), the whole new shape
-(`ChainState._prepare`: the profile, the FLOPs, the laws, the plan; the rest of the step is its own forward and
+(`ChainState._prepare`: the profile, the laws, the plan; the rest of the step is its own forward and
 backward), and Python's cyclic collector.
 
     PYTHONPATH=. python benchmarks/profile_cost.py --models gpt gpt2 --runs 5 --parts
