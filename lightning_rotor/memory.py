@@ -342,8 +342,9 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
     """Exact live activation bytes: `with MemoryProbe(exclude=model) as probe: ...`.
 
     `probe.current` and `probe.peak` are bytes; `probe.curve` (when
-    `record_curve=True`) is the bytes alive after each op, and `mark(label)`
-    records where in that curve a labelled moment is (e.g. the end of a plan op).
+    `record_curve=True`) is the bytes alive after each op, `probe.op_log` (when `record_ops=True`)
+    each op run, and `mark(label)` records where in that curve a labelled moment is (e.g. the end
+    of a plan op).
     `bookkeeping`: functions whose allocations are not activations (never counted).
     `host_current` and `host_peak`: bytes of host copies of offloaded values (module docstring).
     """
@@ -353,6 +354,7 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
         exclude: nn.Module | Iterable[nn.Module | torch.Tensor] | Excluded = (),
         *,
         record_curve: bool = False,
+        record_ops: bool = False,
         bookkeeping: Iterable[Callable] = (),
     ):
         super().__init__()
@@ -378,6 +380,7 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
         self.data_dependent = False  # an op ran whose output's shape or value follows its input's values
         self.record_curve = record_curve
         self.curve: list[int] = []
+        self.op_log: list[Any] | None = [] if record_ops else None  # `record_ops`: each op run, in order
         self.marks: list[tuple[str, int, int]] = []  # (label, op index, bytes alive)
         self._closed = False
         self._sizer: Sizer = PLAIN_BYTES
@@ -575,6 +578,8 @@ class MemoryProbe(TorchDispatchMode, _HostAccount):
             self.data_dependent |= _follows_values(func)
         if self.record_curve:
             self.curve.append(self.current)
+        if self.op_log is not None:
+            self.op_log.append(func)
         return out
 
 

@@ -51,7 +51,7 @@ from lightning_rotor.engine import (
 from lightning_rotor.memory import Excluded, MemoryProbe, storage_bytes, storage_key, storage_nbytes
 from lightning_rotor.offload import SavedPart
 from lightning_rotor.selective import EXPENSIVE_OPS, run_selective
-from lightning_rotor.twins import structure, value_structure
+from lightning_rotor.twins import python_backward, structure, value_structure
 
 # NOTE: [what each field measures] profile_chain fills a `Chain` exactly as docs/memory-model.md
 # defines each field:
@@ -650,7 +650,7 @@ class _Recorded:
     offloadable: int  # bytes `OffloadSaved k` moves (0 unless measured)
     dense: bool  # every tensor of a_{k+1} is contiguous
     input_uses: list[int]  # per tensor of a_k, the edges of the stage's graph that take it (only with input_parts)
-    data_dependent: bool = False  # an op's output shape followed its input's values (`MemoryProbe.data_dependent`)
+    forward: _Forward | None = None  # what its `Fe` did, op by op (with `fingerprint`: NOTE: [twin stages])
 
 
 def _measure_recorded(
@@ -661,6 +661,7 @@ def _measure_recorded(
     selective: bool = False,
     offload: bool = False,
     dense_delta: bool = False,
+    fingerprint: bool = False,
 ) -> _Recorded:
     """One stage run `Fe` (`selective`: `Fs k:1`) then `B`, measured. `offload`: record the forward behind
     handles, as the executor records an `Fe k` whose saved part moves, to find the offloadable bytes.
@@ -679,7 +680,8 @@ def _measure_recorded(
     (only the graph's own saved tensors keep their storage), then backpropagation from
     the output edges, δ_{k+1} freed once consumed, as the executor does below the last stage.
     `accumulate`: parameter gradients already stored (zeros), so new ones are added into them,
-    as from the second step without `zero_grad(set_to_none=True)`.
+    as from the second step without `zero_grad(set_to_none=True)`. `fingerprint`: what the forward did, op by op,
+    is kept too (`_Forward`, NOTE: [twin stages]).
     """
     ctx.untouched.clear_grads()
     if accumulate:
@@ -687,13 +689,34 @@ def _measure_recorded(
             if p.requires_grad:
                 p.grad = torch.zeros_like(p)
     a_k = storage_bytes(run.value)
-    with MemoryProbe(ctx.exclude) as probe:
+    with MemoryProbe(ctx.exclude, record_curve=fingerprint, record_ops=fingerprint) as probe:
         probe.track(run.value)
+        base = probe.current
         held, fwd_tmp, saved, offloadable = _record_forward(run, ctx, probe, selective, offload)
+        forward = _Forward.of(probe, held, fwd_tmp, saved, offloadable) if fingerprint else None
         out_free, bwd_peak, out_kept, dense, uses = _backward_recorded(run, ctx, probe, held, dense_delta, a_k)
+        forward = forward.left(probe.current - base) if forward is not None else None  # after its backward
     ctx.untouched.clear_grads()
     ctx.untouched.restore_buffers()
-    return _Recorded(fwd_tmp, saved, out_free, bwd_peak, out_kept, offloadable, dense, uses, probe.data_dependent)
+    return _Recorded(fwd_tmp, saved, out_free, bwd_peak, out_kept, offloadable, dense, uses, forward)
+
+
+def _forward_only(run: _StageRun, ctx: _Context) -> _Forward:
+    """`Fe k` alone, measured as the first recorded run measures it, op by op (NOTE: [twin stages]); its graph
+    dropped, no backward."""
+    ctx.untouched.clear_grads()
+    with MemoryProbe(ctx.exclude, record_curve=True, record_ops=True) as probe:
+        probe.track(run.value)
+        base = probe.current
+        held, fwd_tmp, saved, offloadable = _record_forward(run, ctx, probe, False, ctx.offload)
+        forward = _Forward.of(probe, held, fwd_tmp, saved, offloadable)
+        held.clear()
+        collect_young()
+        probe.mark("dropped")
+        forward = forward.left(probe.current - base)  # what outlives its graph: held by the stage itself
+    ctx.untouched.clear_grads()
+    ctx.untouched.restore_buffers()
+    return forward
 
 
 def _record_forward(
@@ -987,11 +1010,10 @@ def _measure_stage(run: _StageRun, walk: _Walk, ctx: _Context) -> tuple[StagePro
     same sizes (`benchmarks/plan_dump.py` unchanged); a stage whose sizes follow its input's values (routing)
     is measured on another sample, as valid as the one before."""
     key = _twin_key(run, walk, ctx)
-    first = _measure_recorded(run, ctx, False, offload=ctx.offload)
-    key = None if first.data_dependent else key  # routing by value: its twin's figures are no guide
-    twin = next((t for t in walk.twins.get(key, ()) if t.agrees(first)), None) if key is not None else None
+    twin = _twin_of(run, walk, ctx, key)
     if twin is not None:
         return _twin_record(run, walk, ctx, twin)
+    first = _measure_recorded(run, ctx, False, offload=ctx.offload, fingerprint=key is not None)
     recorded = _measure_recorded_runs(run, ctx, first)
     if run.k == 0:
         walk.input_uses = recorded[0].input_uses
@@ -1019,8 +1041,8 @@ def _measure_stage(run: _StageRun, walk: _Walk, ctx: _Context) -> tuple[StagePro
     )
     _time_option(run, walk, ctx, record)
     output_kept = [any(kept) for kept in zip(*(r.out_kept for r in recorded), strict=True)]
-    if key is not None:
-        walk.twins.setdefault(key, []).append(_Twin(run.k, first, record, output_kept, walk.kept.get(run.k)))
+    if key is not None and first.forward is not None and first.forward.stands_for_backward:
+        walk.twins.setdefault(key, []).append(_Twin(run.k, first.forward, record, output_kept, walk.kept.get(run.k)))
     return record, output_kept, out
 
 
@@ -1034,37 +1056,77 @@ def _time_option(run: _StageRun, walk: _Walk, ctx: _Context, record: StageProfil
 
 # NOTE: [twin stages] A stage whose structure (lightning_rotor/twins.py: module types, modes, hooks, parameters' and
 # buffers' metadata, a discovered stage's graph up to names) and input's structure (its tensors' metadata) are those
-# of a stage measured before in this profile, and whose first recorded run (`Fe k` then `B k`, fresh gradients,
-# under the probe) gives that stage's figures exactly (every transient, what it leaves alive, what the graph keeps
-# of its output), takes that stage's other figures: the run accumulating into stored gradients, the one with a
-# contiguous δ, the no-grad run's transient and output size, the option's. What rests on it: two stages of one
-# structure whose recorded runs hold the same bytes at every point run the same ops, so their other runs hold the
-# same bytes too. Its own `in_free` is its own (the stage before differs), of what its twin's graph kept of its
-# input, and its output comes from a plain `Fn` run, unprobed. Not for stage 0 (its input is the caller's), the
-# frozen prefix, nor a stage that ran an op whose output's shape follows values (`nonzero`, `.item()`, a mask or
-# index: routing, whose bytes differ from block to block). A stage with a hook of its own (one that keeps an output)
-# or a branch on its index that changes what it holds differs in its structure or its first run, and is measured in
-# full.
+# of a stage measured before in this profile, and whose recorded forward (`Fe k` alone, under the probe) runs the
+# same ops as that stage's first recorded run did, with the same bytes alive after each and the same figures
+# (`_Forward`), takes that stage's figures instead of running for them: its backward, the run accumulating into
+# stored gradients, the one with a contiguous δ, the no-grad run's transient and output size, the option's. What
+# rests on it: a graph recorded by the same ops on tensors of the same sizes runs the same backward, so the other
+# runs hold the same bytes too. Not where the graph holds a custom autograd Function (its backward is Python code,
+# which may branch on what the forward does not show): that stage's first recorded run, its backward included, is
+# measured and compared in full, as any stage's, and is never a twin's. Its own `in_free` is its own (the stage
+# before differs), of what its twin's graph kept of its input, and its output comes from a plain `Fn` run, unprobed.
+# Not for stage 0 (its input is the caller's), the frozen prefix, nor a stage that ran an op whose output's shape
+# follows values (`nonzero`, `.item()`, a mask or index: routing, whose bytes differ from block to block). A stage
+# with a hook of its own (one that keeps an output) or a branch on its index that changes what it holds differs in
+# its structure or its forward, and is measured in full.
+@dataclass(frozen=True)
+class _Forward:
+    """What a stage's `Fe` did under the probe (NOTE: [twin stages]): each op and the bytes alive after it, its
+    figures, plain ints (compared without recording a guard of a traced profile, NOTE: [storage sizes traced])."""
+
+    ops: tuple[Any, ...]
+    curve: tuple[int, ...]
+    figures: tuple[int, int, int]  # fwd_tmp, bytes left alive beside a_k, offloadable bytes
+    dense: bool  # every tensor of its output contiguous
+    python_nodes: bool  # a custom autograd Function in its graph: a Python backward, which the forward does not show
+    data_dependent: bool  # an op's output shape followed its inputs' values (`MemoryProbe.data_dependent`)
+    leftover: int = 0  # bytes alive once its graph is gone (after its backward, or dropped): kept by the stage itself
+
+    @staticmethod
+    def of(probe: MemoryProbe, held: list[Any], fwd_tmp: int, saved: int, offloadable: int) -> _Forward:
+        end = next(ops for label, ops, _ in reversed(probe.marks) if label == "after")
+        outputs = tensors_of(held[1])
+        return _Forward(
+            ops=tuple((probe.op_log or [])[:end]),
+            curve=tuple(int(c) for c in probe.curve[:end]),
+            figures=(int(fwd_tmp), int(saved), int(offloadable)),
+            dense=all(t.is_contiguous() for t in outputs),
+            python_nodes=python_backward(outputs),
+            data_dependent=probe.data_dependent,
+        )
+
+    def left(self, nbytes: int) -> _Forward:
+        return dataclasses.replace(self, leftover=int(nbytes))
+
+    @property
+    def stands_for_backward(self) -> bool:
+        """Whether a twin's forward equal to this one also runs this one's backward: not through Python code, nor
+        with sizes that followed values (routing: its twin's are no guide)."""
+        return not self.python_nodes and not self.data_dependent
+
+
 @dataclass(frozen=True)
 class _Twin:
     """A measured stage another may take figures from (NOTE: [twin stages])."""
 
     k: int
-    first: _Recorded  # its first recorded run
+    forward: _Forward  # what its first recorded run's forward did
     record: StageProfile
     output_kept: list[bool]
     kept: list[bool] | None  # what its graph kept of its input (`_entered_run`)
 
-    def agrees(self, first: _Recorded) -> bool:
-        """Another stage's first recorded run held what this one's did, figure by figure (compared as plain
-        ints: no guard of a traced profile, NOTE: [storage sizes traced])."""
-        return _plain(first) == _plain(self.first)
 
-
-def _plain(r: _Recorded) -> tuple[Any, ...]:
-    return (
-        int(r.fwd_tmp), int(r.saved), int(r.out_free), int(r.bwd_peak), tuple(r.out_kept), int(r.offloadable), r.dense
-    )  # fmt: skip
+def _twin_of(run: _StageRun, walk: _Walk, ctx: _Context, key: Hashable | None) -> _Twin | None:
+    """The stage measured before whose figures this one takes: its forward, run alone under the probe, did what
+    that stage's did, op by op (NOTE: [twin stages]); None where no stage of its structure was measured, or none
+    agrees (the forward run here is then spent)."""
+    twins = walk.twins.get(key, []) if key is not None else []
+    if not twins:
+        return None
+    forward = _forward_only(run, ctx)
+    if not forward.stands_for_backward:
+        return None
+    return next((t for t in twins if t.forward == forward), None)
 
 
 def _twin_key(run: _StageRun, walk: _Walk, ctx: _Context) -> Hashable | None:

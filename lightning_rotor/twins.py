@@ -10,15 +10,16 @@ stage's other figures instead of running for them (NOTE: [twin stages], lightnin
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.autograd.function import BackwardCFunction
 
 from lightning_rotor._torch_compat import tree_flatten
 
-__all__ = ["structure", "value_structure"]
+__all__ = ["python_backward", "structure", "value_structure"]
 
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
 
@@ -117,3 +118,19 @@ def value_structure(value: Any) -> Hashable:
     """A stage input's structure: its nesting, and its tensors' metadata (other leaves as they are)."""
     leaves, spec = tree_flatten(value)
     return (str(spec), tuple(_argument(t, {}) for t in leaves))
+
+
+def python_backward(outputs: Sequence[torch.Tensor]) -> bool:
+    """Whether the graph that made `outputs` holds a custom autograd Function's node: its backward is Python code,
+    which may hold what its forward does not show (a branch on an attribute of the stage)."""
+    seen: set[Any] = set()
+    todo = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if isinstance(node, BackwardCFunction):
+            return True
+        todo.extend(n for n, _ in node.next_functions if n is not None)
+    return False

@@ -116,6 +116,37 @@ def test_a_block_that_holds_more_at_one_index_is_measured_in_full(holds):
     assert sizes(fast.chain) == sizes(full.chain)
 
 
+class Scaled(torch.autograd.Function):
+    """`x * 2`, whose backward holds a scratch tensor at one index only: nothing its forward shows."""
+
+    @staticmethod
+    def forward(ctx, x, index):
+        ctx.index = index
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.index == 2:
+            scratch = torch.ones(64, 1024)  # 256 KiB more in this block's backward
+            grad = grad + scratch.sum() * 0
+        return grad * 2, None
+
+
+class FunctionBlock(Block):
+    def forward(self, x):
+        return Scaled.apply(super().forward(x), self.index)
+
+
+def test_a_block_whose_backward_is_python_code_is_measured_in_full():
+    """A custom autograd Function's backward may hold what its forward does not show: such a stage's backward is
+    measured, never taken from a twin whose forward agrees."""
+    torch.manual_seed(0)
+    stages, x = [nn.Linear(8, 16), *(FunctionBlock(i) for i in range(1, 5))], torch.randn(6, 8, requires_grad=True)
+    fast, full = both(stages, x)
+    assert fast.twins == {}
+    assert sizes(fast.chain) == sizes(full.chain) and full.chain.bwd_tmp[2] > full.chain.bwd_tmp[1]
+
+
 def test_a_block_with_a_hook_of_its_own_is_no_twin():
     stages, x = blocks(), torch.randn(6, 8, requires_grad=True)
     outputs = []
