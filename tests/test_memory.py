@@ -136,6 +136,7 @@ def _steps(model: nn.Module, x: torch.Tensor, probe_exclude: list[nn.Module]) ->
 def test_ddp_gradient_buckets_are_not_counted(tmp_path, bucket_view):
     dist = torch.distributed
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    ddp = None
     try:
         torch.manual_seed(0)
         net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
@@ -144,6 +145,7 @@ def test_ddp_gradient_buckets_are_not_counted(tmp_path, bucket_view):
         ddp = nn.parallel.DistributedDataParallel(net, gradient_as_bucket_view=bucket_view)
         assert _steps(ddp, x, [net, ddp]) == plain  # the buckets (as many bytes as the parameters) are left out
     finally:
+        del ddp  # DDP's reducer holds the group: gone before the group is (a gloo group dropped after can hang)
         dist.destroy_process_group()
 
 
