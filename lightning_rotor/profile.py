@@ -701,22 +701,30 @@ def _measure_recorded(
     return _Recorded(fwd_tmp, saved, out_free, bwd_peak, out_kept, offloadable, dense, uses, forward)
 
 
-def _forward_only(run: _StageRun, ctx: _Context) -> _Forward:
-    """`Fe k` alone, measured as the first recorded run measures it, op by op (NOTE: [twin stages]); its graph
-    dropped, no backward."""
+def _forward_only(run: _StageRun, ctx: _Context) -> tuple[_Forward, Any]:
+    """`Fe k` alone, measured as the first recorded run measures it, op by op (NOTE: [twin stages]), and its
+    output's values, cut from its graph, which is dropped: no backward."""
     ctx.untouched.clear_grads()
     with MemoryProbe(ctx.exclude, record_curve=True, record_ops=True) as probe:
         probe.track(run.value)
         base = probe.current
         held, fwd_tmp, saved, offloadable = _record_forward(run, ctx, probe, False, ctx.offload)
         forward = _Forward.of(probe, held, fwd_tmp, saved, offloadable)
+        out = detach_value(held[1], False)
         held.clear()
         collect_young()
         probe.mark("dropped")
-        forward = forward.left(probe.current - base)  # what outlives its graph: held by the stage itself
+        # what outlives its graph beside its output's own storages: held by the stage itself
+        forward = forward.left(probe.current - base - _own_bytes(out, run.value))
     ctx.untouched.clear_grads()
     ctx.untouched.restore_buffers()
-    return forward
+    return forward, out
+
+
+def _own_bytes(out: Any, value: Any) -> int:
+    """Bytes of the storages of `out` that are not `value`'s."""
+    keys = {storage_key(t) for t in tensors_of(value) if t.layout == torch.strided}
+    return storage_bytes([t for t in tensors_of(out) if t.layout == torch.strided and storage_key(t) not in keys])
 
 
 def _record_forward(
@@ -1010,9 +1018,9 @@ def _measure_stage(run: _StageRun, walk: _Walk, ctx: _Context) -> tuple[StagePro
     same sizes (`benchmarks/plan_dump.py` unchanged); a stage whose sizes follow its input's values (routing)
     is measured on another sample, as valid as the one before."""
     key = _twin_key(run, walk, ctx)
-    twin = _twin_of(run, walk, ctx, key)
-    if twin is not None:
-        return _twin_record(run, walk, ctx, twin)
+    found = _twin_of(run, walk, ctx, key)
+    if found is not None:
+        return _twin_record(run, walk, ctx, *found)
     first = _measure_recorded(run, ctx, False, offload=ctx.offload, fingerprint=key is not None)
     recorded = _measure_recorded_runs(run, ctx, first)
     if run.k == 0:
@@ -1042,7 +1050,8 @@ def _measure_stage(run: _StageRun, walk: _Walk, ctx: _Context) -> tuple[StagePro
     _time_option(run, walk, ctx, record)
     output_kept = [any(kept) for kept in zip(*(r.out_kept for r in recorded), strict=True)]
     if key is not None and first.forward is not None and first.forward.stands_for_backward:
-        walk.twins.setdefault(key, []).append(_Twin(run.k, first.forward, record, output_kept, walk.kept.get(run.k)))
+        twin = _Twin(run.k, first.forward, record, output_kept, walk.kept.get(run.k), value_structure(out))
+        walk.twins.setdefault(key, []).append(twin)
     return record, output_kept, out
 
 
@@ -1064,11 +1073,12 @@ def _time_option(run: _StageRun, walk: _Walk, ctx: _Context, record: StageProfil
 # runs hold the same bytes too. Not where the graph holds a custom autograd Function (its backward is Python code,
 # which may branch on what the forward does not show): that stage's first recorded run, its backward included, is
 # measured and compared in full, as any stage's, and is never a twin's. Its own `in_free` is its own (the stage
-# before differs), of what its twin's graph kept of its input, and its output comes from a plain `Fn` run, unprobed.
-# Not for stage 0 (its input is the caller's), the frozen prefix, nor a stage that ran an op whose output's shape
-# follows values (`nonzero`, `.item()`, a mask or index: routing, whose bytes differ from block to block). A stage
-# with a hook of its own (one that keeps an output) or a branch on its index that changes what it holds differs in
-# its structure or its forward, and is measured in full.
+# before differs), of what its twin's graph kept of its input, and its output (the next stage's input) is its
+# forward's, cut from its graph, where it has the structure its twin's `Fn` output had (else a plain `Fn` run makes
+# it). Not for stage 0 (its input is the caller's), the frozen prefix, nor a stage that ran an op whose output's
+# shape follows values (`nonzero`, `.item()`, a mask or index: routing, whose bytes differ from block to block). A
+# stage with a hook of its own (one that keeps an output) or a branch on its index that changes what it holds
+# differs in its structure or its forward, and is measured in full.
 @dataclass(frozen=True)
 class _Forward:
     """What a stage's `Fe` did under the probe (NOTE: [twin stages]): each op and the bytes alive after it, its
@@ -1114,19 +1124,19 @@ class _Twin:
     record: StageProfile
     output_kept: list[bool]
     kept: list[bool] | None  # what its graph kept of its input (`_entered_run`)
+    out_structure: Hashable  # its output's, as `Fn` made it (`twins.value_structure`)
 
 
-def _twin_of(run: _StageRun, walk: _Walk, ctx: _Context, key: Hashable | None) -> _Twin | None:
-    """The stage measured before whose figures this one takes: its forward, run alone under the probe, did what
-    that stage's did, op by op (NOTE: [twin stages]); None where no stage of its structure was measured, or none
-    agrees (the forward run here is then spent)."""
+def _twin_of(run: _StageRun, walk: _Walk, ctx: _Context, key: Hashable | None) -> tuple[_Twin, Any] | None:
+    """The stage measured before whose figures this one takes, and this one's output: its forward, run alone under
+    the probe, did what that stage's did, op by op (NOTE: [twin stages]); None where no stage of its structure was
+    measured, or none agrees (the forward run here is then spent)."""
     twins = walk.twins.get(key, []) if key is not None else []
     if not twins:
         return None
-    forward = _forward_only(run, ctx)
-    if not forward.stands_for_backward:
-        return None
-    return next((t for t in twins if t.forward == forward), None)
+    forward, out = _forward_only(run, ctx)
+    twin = next((t for t in twins if t.forward == forward), None) if forward.stands_for_backward else None
+    return (twin, out) if twin is not None else None
 
 
 def _twin_key(run: _StageRun, walk: _Walk, ctx: _Context) -> Hashable | None:
@@ -1136,14 +1146,21 @@ def _twin_key(run: _StageRun, walk: _Walk, ctx: _Context) -> Hashable | None:
     return run.key  # its own `in_free` follows the stage before
 
 
-def _twin_record(run: _StageRun, walk: _Walk, ctx: _Context, twin: _Twin) -> tuple[StageProfile, list[bool], Any]:
-    """Stage k's record from its twin's (NOTE: [twin stages]): its own `in_free` and name, its output from `Fn`."""
+def _twin_record(
+    run: _StageRun, walk: _Walk, ctx: _Context, twin: _Twin, out: Any
+) -> tuple[StageProfile, list[bool], Any]:
+    """Stage k's record from its twin's (NOTE: [twin stages]): its own `in_free` and name; its output `out`, from
+    its forward, where it is as `Fn k` would hand it, else from `Fn k`."""
     for _ in range(ctx.warmup):
         _timed_run(run.forward, ctx.device, ctx.untouched)
     record = dataclasses.replace(twin.record, in_free=_in_free(run, walk, ctx, twin), name=run.name)
     _time_option(run, walk, ctx, record)
-    out = _counted(run, walk, ctx, lambda: run.forward(False)[1])
-    ctx.untouched.restore_buffers()
+    has_count = ctx.counter is None or walk.flops is None or run.key in walk.counted
+    if has_count and value_structure(out) == twin.out_structure:
+        _counted(run, walk, ctx, lambda: None)  # its twin's count
+    else:
+        out = _counted(run, walk, ctx, lambda: run.forward(False)[1])
+        ctx.untouched.restore_buffers()
     walk.twin_of[run.k] = twin.k
     return record, twin.output_kept, out
 
