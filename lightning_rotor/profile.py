@@ -703,7 +703,8 @@ def _measure_recorded(
 
 def _forward_only(run: _StageRun, ctx: _Context) -> tuple[_Forward, Any]:
     """`Fe k` alone, measured as the first recorded run measures it, op by op (NOTE: [twin stages]), and its
-    output's values, cut from its graph, which is dropped: no backward."""
+    output's values, cut from its graph, which is dropped: no backward. No run on `a_k` comes after it (a twin
+    takes its twin's first timing samples): profiling holds no more than `B k` does."""
     ctx.untouched.clear_grads()
     with MemoryProbe(ctx.exclude, record_curve=True, record_ops=True) as probe:
         probe.track(run.value)
@@ -1075,10 +1076,12 @@ def _time_option(run: _StageRun, walk: _Walk, ctx: _Context, record: StageProfil
 # measured and compared in full, as any stage's, and is never a twin's. Its own `in_free` is its own (the stage
 # before differs), of what its twin's graph kept of its input, and its output (the next stage's input) is its
 # forward's, cut from its graph, where it has the structure its twin's `Fn` output had (else a plain `Fn` run makes
-# it). Not for stage 0 (its input is the caller's), the frozen prefix, nor a stage that ran an op whose output's
-# shape follows values (`nonzero`, `.item()`, a mask or index: routing, whose bytes differ from block to block). A
-# stage with a hook of its own (one that keeps an output) or a branch on its index that changes what it holds
-# differs in its structure or its forward, and is measured in full.
+# it). In a timed profile its first timing samples are its twin's (the timing rounds take its own): no run on `a_k`
+# beside `a_{k+1}`, so profiling holds no more than `B k` does. Not for stage 0 (its input is the caller's), the
+# frozen prefix, nor a stage that ran an op whose output's shape follows values (`nonzero`, `.item()`, a mask or
+# index: routing, whose bytes differ from block to block). A stage with a hook of its own (one that keeps an output)
+# or a branch on its index that changes what it holds differs in its structure or its forward, and is measured in
+# full.
 @dataclass(frozen=True)
 class _Forward:
     """What a stage's `Fe` did under the probe (NOTE: [twin stages]): each op and the bytes alive after it, its
@@ -1149,14 +1152,16 @@ def _twin_key(run: _StageRun, walk: _Walk, ctx: _Context) -> Hashable | None:
 def _twin_record(
     run: _StageRun, walk: _Walk, ctx: _Context, twin: _Twin, out: Any
 ) -> tuple[StageProfile, list[bool], Any]:
-    """Stage k's record from its twin's (NOTE: [twin stages]): its own `in_free` and name; its output `out`, from
-    its forward, where it is as `Fn k` would hand it, else from `Fn k`."""
-    for _ in range(ctx.warmup):
-        _timed_run(run.forward, ctx.device, ctx.untouched)
+    """Stage k's record from its twin's (NOTE: [twin stages]): its own `in_free` and name, its twin's first timing
+    samples (no run on `a_k` beside `a_{k+1}`); its output `out`, from its forward, where it is as `Fn k` would hand
+    it, else from `Fn k`."""
     record = dataclasses.replace(twin.record, in_free=_in_free(run, walk, ctx, twin), name=run.name)
-    _time_option(run, walk, ctx, record)
+    if ctx.timed:
+        walk.timed((walk.fwd[twin.k], walk.bwd[twin.k]))
+        if twin.k in walk.options:
+            walk.options[run.k] = list(walk.options[twin.k])
     has_count = ctx.counter is None or walk.flops is None or run.key in walk.counted
-    if has_count and value_structure(out) == twin.out_structure:
+    if has_count and out is not None and value_structure(out) == twin.out_structure:
         _counted(run, walk, ctx, lambda: None)  # its twin's count
     else:
         out = _counted(run, walk, ctx, lambda: run.forward(False)[1])
@@ -1229,12 +1234,12 @@ def _counted(
 
 def _in_free(run: _StageRun, walk: _Walk, ctx: _Context, twin: _Twin | None = None) -> int:
     """What letting go of a_k after its stage's last forward frees (a_0 is the caller's: never); a twin's graph keeps
-    of a_k what its twin's kept (NOTE: [twin stages]), unless the run is timed anyway."""
+    of a_k what its twin's kept (NOTE: [twin stages])."""
     k, value = run.k, run.value
     if k > walk.frozen:
         # at most what every way of recording stage k-1 lets go of (options' out_free too)
         before = walk.records[k - 1]
-        kept = twin.kept if twin is not None and not ctx.timed else None
+        kept = twin.kept if twin is not None else None
         kept = kept if kept is not None else _kept_timed(run, walk, ctx, grad_in=True)
         in_free = min(
             before.out_free,
