@@ -1164,6 +1164,7 @@ def _twin_record(
     if has_count and out is not None and value_structure(out) == twin.out_structure:
         _counted(run, walk, ctx, lambda: None)  # its twin's count
     else:
+        out = None  # gone before `Fn k` runs: profiling holds no more than `B k` does
         out = _counted(run, walk, ctx, lambda: run.forward(False)[1])
         ctx.untouched.restore_buffers()
     walk.twin_of[run.k] = twin.k
