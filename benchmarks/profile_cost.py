@@ -19,14 +19,14 @@ time, which other processes' load on a shared machine does not inflate (with one
 every op there); `--clock wall` the wall time.
 
 `--parts` also times the parts of both steps (timers wrapped around the profiler's functions, the same clock) and
-prints their medians in plain steps: the walk (the memory runs: the two recorded runs per stage, one for a twin
-stage, the `in_free` run, which in a timed profile is also each stage's first timing sample, the no-grad run, and a
-twin's own plain `Fn`, docs/memory-model.md "Twin stages"; the FLOP count is taken in the no-grad runs), the
-timing rounds, a separate FLOP count (`stage_flops`: only where the walk could not count), the code around a module-level chain's run (`measure_outside`), discovery, the loss's measurement, the traced
-sizes recorded (`ShapeLaws.add`: the trace's arrays, or a numbered shape's check against a traced one's), the
-planner, the whole profile (`pipeline.profile`: the walk, the rounds, the loss), the whole new shape
-(`ChainState._prepare`: the profile, the laws, the plan; the rest of the step is its own forward and
-backward), and Python's cyclic collector.
+prints their medians in plain steps: the walk (the memory runs: the two recorded runs per stage measured in full,
+a twin stage's recorded forward alone and what it takes from its twin, docs/memory-model.md "Twin stages", the
+`in_free` run, which in a timed profile is also each stage's first timing sample, and the no-grad run, in which the
+FLOPs are counted), the timing rounds, a separate FLOP count (`stage_flops`: only where the walk could not count),
+the code around a module-level chain's run (`measure_outside`), discovery, the loss's measurement, the traced sizes
+recorded (`ShapeLaws.add`: the trace's arrays, or a numbered shape's check against a traced one's), the planner, the
+whole profile (`pipeline.profile`: the walk, the rounds, the loss), the whole new shape (`ChainState._prepare`: the
+profile, the laws, the plan; the rest of the step is its own forward and backward), and Python's cyclic collector.
 
     PYTHONPATH=. python benchmarks/profile_cost.py --models gpt gpt2 --runs 5 --parts
 """
@@ -132,6 +132,7 @@ clock = time.thread_time  # `--clock`
 PARTS = [
     ("lightning_rotor.profile", None, "_walk_chain", "walk"),
     ("lightning_rotor.profile", None, "_measure_recorded", "recorded"),
+    ("lightning_rotor.profile", None, "_forward_only", "twin forwards"),
     ("lightning_rotor.profile", None, "_twin_record", "twins"),
     ("lightning_rotor.profile", None, "_in_free", "in_free"),
     ("lightning_rotor.profile", None, "_measure_nograd", "no-grad"),
