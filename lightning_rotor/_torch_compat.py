@@ -60,6 +60,8 @@ __all__ = [
     "fsdp_unit_gathered",
     "fsdp_unit_unsharded",
     "forward_hooks",
+    "is_python_backward",
+    "own_hooks",
     "GlobalFlops",
     "free_weak_storage",
     "has_post_accumulate_grad_hooks",
@@ -196,6 +198,21 @@ def is_norm(module: nn.Module) -> bool:
     A recomputation must not update them a second time; no public base class covers both families.
     """
     return isinstance(module, nn.modules.batchnorm._NormBase)
+
+
+def own_hooks(module: nn.Module) -> list[Callable[..., Any]]:
+    """`module`'s own forward (pre-)hooks and backward (pre-)hooks, not the global ones: no registry has a public
+    accessor (`_forward_pre_hooks`, `_forward_hooks`, `_backward_pre_hooks`, `_backward_hooks`)."""
+    found: list[Callable[..., Any]] = []
+    for name in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks"):
+        found.extend(getattr(module, name, {}).values())
+    return found
+
+
+def is_python_backward(node: Any) -> bool:
+    """Is autograd graph node `node` a custom autograd Function's, whose backward is Python code? Its class
+    (`torch.autograd.function.BackwardCFunction`) is not in torch's documented API."""
+    return isinstance(node, torch.autograd.function.BackwardCFunction)
 
 
 def forward_hooks(module: nn.Module) -> list[Callable[..., Any]]:

@@ -722,9 +722,14 @@ def _forward_only(run: _StageRun, ctx: _Context) -> tuple[_Forward, Any]:
     return forward, out
 
 
+def _storage_keys(value: Any) -> set[int]:
+    """The storages of `value`'s strided tensors."""
+    return {storage_key(t) for t in tensors_of(value) if t.layout == torch.strided}
+
+
 def _own_bytes(out: Any, value: Any) -> int:
     """Bytes of the storages of `out` that are not `value`'s."""
-    keys = {storage_key(t) for t in tensors_of(value) if t.layout == torch.strided}
+    keys = _storage_keys(value)
     return storage_bytes([t for t in tensors_of(out) if t.layout == torch.strided and storage_key(t) not in keys])
 
 
@@ -947,8 +952,7 @@ def _measure_frozen(run: _StageRun, ctx: _Context) -> tuple[StageProfile, Any] |
         return None
     tmp = max(probe.peak - probe.current, peak - end)
     ctx.untouched.restore_buffers()
-    held = {storage_key(t) for t in tensors_of(ctx.sample) if t.layout == torch.strided}
-    size = storage_bytes([t for t in tensors_of(out) if t.layout != torch.strided or storage_key(t) not in held])
+    size = _own_bytes(out, ctx.sample)
     return StageProfile(size, size, 0.0, 0.0, tmp, 0, fwd_tmp_nograd=tmp, name=run.name), out
 
 
@@ -982,7 +986,7 @@ class _Walk:
         self.records.append(record)
         if self.flops is not None:
             self.flops.append(self.stage_flops)
-        keys = {storage_key(t) for t in tensors_of(self.value) if t.layout == torch.strided}
+        keys = _storage_keys(self.value)
         self.own = [t.layout == torch.strided and storage_key(t) not in keys for t in tensors_of(out)]
         self.output_kept = [False] * len(self.own) if output_kept is None else output_kept
         self.value = out

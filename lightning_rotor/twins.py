@@ -15,9 +15,8 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.autograd.function import BackwardCFunction
 
-from lightning_rotor._torch_compat import tree_flatten
+from lightning_rotor._torch_compat import is_python_backward, own_hooks, tree_flatten
 
 __all__ = ["python_backward", "structure", "value_structure"]
 
@@ -40,10 +39,7 @@ def tensor_meta(t: torch.Tensor) -> Hashable:
 
 def _hooks(m: nn.Module) -> Hashable:
     """The module's own hooks, by identity: a hook on one block only (one that keeps an output) breaks twinship."""
-    found: list[int] = []
-    for name in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks"):
-        found.extend(id(hook) for hook in getattr(m, name, {}).values())
-    return tuple(found)
+    return tuple(id(hook) for hook in own_hooks(m))
 
 
 def _module_structure(module: nn.Module, named: bool = True) -> tuple[Hashable, ...]:
@@ -130,7 +126,7 @@ def python_backward(outputs: Sequence[torch.Tensor]) -> bool:
         if node in seen:
             continue
         seen.add(node)
-        if isinstance(node, BackwardCFunction):
+        if is_python_backward(node):
             return True
         todo.extend(n for n, _ in node.next_functions if n is not None)
     return False
