@@ -11,8 +11,8 @@ import pytest
 import torch
 from fitting import KeepRotorModules, fit_both
 from test_shapes import LM, batch, small_gpt
-from test_symbolic_sizes import StepPeaks, gpt_stages, sizes, tiny_gpt2, tokens
-from torch.utils.data import DataLoader, Dataset
+from test_symbolic_sizes import LengthBatches, StepPeaks, gpt_stages, sizes, tiny_gpt2, tokens
+from torch.utils.data import DataLoader
 
 from lightning_rotor.checkpointable import Checkpointable
 from lightning_rotor.lightning import RotorCallback, RotorStrategy
@@ -151,29 +151,21 @@ def test_hugging_face_gpt2_numbers_a_later_length_with_the_code_around_its_run_a
     assert_derives_right(got[2], want[2], [m[2] for m in numbered.measured if m[2] is not None])
 
 
-class NearLengths(Dataset):
-    """Dynamic padding's lengths: 22, 18 and 21 (odd: off the even sizes measured) in 20's regime, numbered; 8 and
-    30 traced (another op a stage's largest); 12 and 26 derived."""
-
-    LENGTHS = (20, 22, 18, 21, 8, 30, 12, 26)
-
-    def __len__(self):
-        return len(self.LENGTHS)
-
-    def __getitem__(self, i):
-        return batch(self.LENGTHS[i])
+# dynamic padding's lengths: 22, 18 and 21 (odd: off the even sizes measured) in 20's regime, numbered; 8 and 30
+# traced (another op a stage's largest); 12 and 26 derived
+NEAR = (20, 22, 18, 21, 8, 30, 12, 26)
 
 
 def test_the_trainer_numbers_near_lengths_and_trains_bitwise_within_budget(tmp_path):
     """A real Trainer and `RotorStrategy` (the defaults): the later lengths near the first's regime are measured
     numbered; every step bitwise equal to plain training's and measured within its budget, at most its plan's
     predicted peak."""
-    keep, loader, peaks = KeepRotorModules(), DataLoader(NearLengths(), batch_size=None), StepPeaks()
+    keep, loader, peaks = KeepRotorModules(), DataLoader(LengthBatches(NEAR), batch_size=None), StepPeaks()
     measure = RotorCallback(measure_every_n_steps=1, log_curves=False, print_summary=False)
-    runs = fit_both(tmp_path, LM, loader, len(NearLengths()), RotorStrategy(mem_limit="60%"), [keep, measure, peaks])
+    runs = fit_both(tmp_path, LM, loader, len(NEAR), RotorStrategy(mem_limit="60%"), [keep, measure, peaks])
     rotor = keep.modules["net"]
     laws = rotor.chain_state._laws
-    assert peaks.checked == len(NearLengths()) - 1 and len(rotor.entries) == len(NearLengths())
+    assert peaks.checked == len(NEAR) - 1 and len(rotor.entries) == len(NEAR)
     assert [d[0][1] for _, d in laws.numbered] == [22, 18, 21] and not laws.missed
     assert [d[0][1] for _, d, shape, _, _ in laws.measured if shape is not None] == [20, 22, 18, 21, 8, 30]
     assert sorted(rotor.chain_state._shapes[k] for k in rotor.fitted) == ["(2, 12)", "(2, 26)"]

@@ -438,44 +438,37 @@ def test_a_fitted_shape_measured_above_its_budget_turns_fitting_off_and_is_measu
     assert rotor.entries[key].chain.out_size != small.out_size
 
 
-class Lengths(Dataset):
-    """Lengths in random order: the ones between measured lengths whose sizes follow them get fitted."""
+class LengthBatches(Dataset):
+    """One batch per length, in the order given (dynamic padding's lengths)."""
 
-    LENGTHS = (4, 14, 8, 12, 10, 6, 9, 11)
+    def __init__(self, lengths: tuple[int, ...]):
+        self.lengths = lengths
 
     def __len__(self):
-        return len(self.LENGTHS)
+        return len(self.lengths)
 
     def __getitem__(self, i):
-        return batch(self.LENGTHS[i])
+        return batch(self.lengths[i])
+
+
+FITTED = (4, 14, 8, 12, 10, 6, 9, 11)  # random order: the ones between measured lengths whose sizes follow them fit
+CHANGING = (20, 32, 28, 24, 8, 12, 16, 24, 32)  # dynamic padding's lengths in random order, some seen twice
 
 
 def test_the_trainer_with_fit_shapes_fits_lengths_between_measured_ones_bitwise(tmp_path):
-    keep, loader = KeepRotorModules(), DataLoader(Lengths(), batch_size=None)
+    keep, loader = KeepRotorModules(), DataLoader(LengthBatches(FITTED), batch_size=None)
     runs = {}
     for name, strategy in (("plain", "auto"), ("rotor", RotorStrategy(mem_limit="60%", fit_shapes=True))):
         model = LM()
         torch.manual_seed(7)
         callbacks = [keep] if name == "rotor" else []
-        quiet_trainer(tmp_path / name, strategy, max_steps=len(Lengths()), callbacks=callbacks).fit(model, loader)
+        quiet_trainer(tmp_path / name, strategy, max_steps=len(FITTED), callbacks=callbacks).fit(model, loader)
         runs[name] = model
     rotor = keep.modules["net"]
-    assert rotor.fit_shapes and len(rotor.entries) == len(Lengths.LENGTHS)
+    assert rotor.fit_shapes and len(rotor.entries) == len(FITTED)
     assert len(rotor.fitted) == 5  # 12, 10, 6, 9, 11: after the measured 4, 14, 8
     for a_step, b_step in zip(runs["rotor"].grads, runs["plain"].grads, strict=True):
         assert all(torch.equal(a, b) for a, b in zip(a_step, b_step, strict=True))
-
-
-class ChangingLengths(Dataset):
-    """Dynamic padding's lengths in random order, some seen twice."""
-
-    LENGTHS = (20, 32, 28, 24, 8, 12, 16, 24, 32)
-
-    def __len__(self):
-        return len(self.LENGTHS)
-
-    def __getitem__(self, i):
-        return batch(self.LENGTHS[i])
 
 
 class StepPeaks(pl.Callback):
@@ -497,13 +490,11 @@ def test_the_trainer_on_changing_lengths_derives_between_two_measured_ones_bitwi
     24 derived between them; 8 (beyond them) measured, after which 12 and 16 are derived too: 3 profiles for 7
     shapes. Every step bitwise equal to plain training's and measured within its budget, at most its plan's
     predicted peak."""
-    keep, loader, peaks = KeepRotorModules(), DataLoader(ChangingLengths(), batch_size=None), StepPeaks()
+    keep, loader, peaks = KeepRotorModules(), DataLoader(LengthBatches(CHANGING), batch_size=None), StepPeaks()
     measure = RotorCallback(measure_every_n_steps=1, log_curves=False, print_summary=False)
-    runs = fit_both(
-        tmp_path, LM, loader, len(ChangingLengths()), RotorStrategy(mem_limit="60%"), [keep, measure, peaks]
-    )
+    runs = fit_both(tmp_path, LM, loader, len(CHANGING), RotorStrategy(mem_limit="60%"), [keep, measure, peaks])
     rotor = keep.modules["net"]
-    assert peaks.checked == len(ChangingLengths()) - 1
+    assert peaks.checked == len(CHANGING) - 1
     assert len(rotor.entries) == 7 and sorted(rotor.chain_state._shapes[k] for k in rotor.fitted) == [
         f"(2, {n})" for n in (12, 16, 24, 28)
     ]
