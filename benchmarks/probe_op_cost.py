@@ -91,15 +91,22 @@ def variants(stage: nn.Module, value: Any) -> dict[str, Callable[[], None]]:
     return {"bare": run, "pass-through": passing, "probe": probed, "probe traced": probed_traced}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def stage_arguments(description: str, repeats: int) -> argparse.Namespace:
+    """`--models`, `--stage` and `--repeats` of a benchmark of one stage's ops, the process set up for it (one
+    thread, the models installed apart on the path, warnings off)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--models", nargs="+", default=["litgpt", "gpt"], choices=list(CASES))
     parser.add_argument("--stage", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=repeats)
     args = parser.parse_args()
     torch.set_num_threads(1)
     add_test_models()
     warnings.filterwarnings("ignore")
+    return args
+
+
+def main() -> None:
+    args = stage_arguments(__doc__.splitlines()[0], repeats=30)
     for name in args.models:
         stages, value = profiled_stages(name)
         with torch.no_grad():

@@ -14,19 +14,16 @@ guards recorded (the same on any checkout whose traces are the same).
 
 from __future__ import annotations
 
-import argparse
 import gc
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from probe_op_cost import profiled_stages, variants  # noqa: E402
-from profile_cost import add_test_models  # noqa: E402
+from probe_op_cost import profiled_stages, stage_arguments, variants  # noqa: E402
 
 from lightning_rotor import size_trace  # noqa: E402
 from lightning_rotor.memory import MemoryProbe  # noqa: E402
@@ -81,14 +78,7 @@ def replayed(ops: list[Op]) -> tuple[float, float, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=["litgpt", "gpt"])
-    parser.add_argument("--stage", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=300)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    add_test_models()
-    warnings.filterwarnings("ignore")
+    args = stage_arguments(__doc__.splitlines()[0], repeats=300)
     for name in args.models:
         ops = recorded_ops(name, args.stage)
         gc.disable()
