@@ -11,26 +11,24 @@ import pytest
 import torch
 from fitting import KeepRotorModules, fit_both
 from test_shapes import LM, batch, small_gpt
-from test_symbolic_sizes import LengthBatches, StepPeaks, gpt_stages, sizes, tiny_gpt2, tokens
+from test_symbolic_sizes import (
+    LengthBatches,
+    StepPeaks,
+    convnext_stages,
+    gpt_stages,
+    image,
+    sizes,
+    tiny_gpt2,
+    tokens,
+)
 from torch.utils.data import DataLoader
 
 from lightning_rotor.checkpointable import Checkpointable
 from lightning_rotor.lightning import RotorCallback, RotorStrategy
-from lightning_rotor.models.convnext import ConvNeXt
 from lightning_rotor.models.gpt import lm_loss
 from lightning_rotor.profile import profile_chain
 from lightning_rotor.size_trace import SizeTrace, StorageNumbers, traced
 from lightning_rotor.symbolic_sizes import ShapeLaws, TracedShape, chain_sizes, numbered_shape, traced_shape
-
-
-def convnext_stages():
-    torch.manual_seed(0)
-    model = ConvNeXt(depths=(1, 1, 1, 1), dims=(8, 16, 32, 64), num_classes=10)
-    return [model.stem, *model.stages]
-
-
-def images(batch_size, side):
-    return torch.randn(batch_size, 3, side, side, generator=torch.Generator().manual_seed(side))
 
 
 def traced_at(stages, x, names=None):
@@ -72,8 +70,8 @@ def assert_derives_right(got: TracedShape, want: TracedShape, others: list[Trace
     "make, shapes",
     [
         (gpt_stages, [tokens(2, n) for n in (24, 28, 20, 26, 32)]),
-        (convnext_stages, [images(2, n) for n in (64, 72, 56, 80)]),
-        (convnext_stages, [images(n, 64) for n in (4, 3, 2, 5)]),  # a partial last batch
+        (convnext_stages, [image(2, n) for n in (64, 72, 56, 80)]),
+        (convnext_stages, [image(n, 64) for n in (4, 3, 2, 5)]),  # a partial last batch
     ],
     ids=["gpt-length", "convnext-side", "convnext-batch"],
 )

@@ -10,9 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 from hf_models import tiny_llama
-from test_numbered_shapes import images
 from test_shapes import batch, small_gpt
-from test_symbolic_sizes import sizes, tokens
+from test_symbolic_sizes import image, sizes, tokens
 from torch import nn
 from training import check_measured_peak, measured_step
 
@@ -64,7 +63,7 @@ def test_a_gpt_s_repeated_blocks_take_the_second_block_s_figures_every_figure_as
 def test_a_convnext_s_repeated_blocks_take_their_twins_figures_at_several_sides_and_batches():
     stages = deep_convnext_stages()
     for n, side in ((2, 64), (3, 96), (1, 32)):
-        fast, full = both(stages, images(n, side))
+        fast, full = both(stages, image(n, side))
         assert fast.twins and sizes(fast.chain) == sizes(full.chain)
 
 
