@@ -2,6 +2,7 @@
 order (dynamic padding), plain training against rotor.
 
     python benchmarks/shapes.py --n-layer 4 --n-embd 64 --batch 4 --lengths 20 --steps 40 --runs 3 --threads 1
+    python benchmarks/shapes.py --device cuda --n-layer 12 --n-embd 768 --batch 8 --max-len 1024 --runs 2
 
 Variants: `plain`; `rotor` (the default: a later shape along one size of three measured ones gets its sizes
 exactly from their traced profiles, `fit_shapes`, and no run; others are profiled for sizes only, their times
@@ -42,8 +43,8 @@ def batches(args: argparse.Namespace) -> Batches:
     g = torch.Generator().manual_seed(0)
     return [
         (
-            torch.randint(0, args.vocab, (args.batch, n), generator=g),
-            torch.randint(0, args.vocab, (args.batch, n), generator=g),
+            torch.randint(0, args.vocab, (args.batch, n), generator=g).to(args.device),
+            torch.randint(0, args.vocab, (args.batch, n), generator=g).to(args.device),
         )
         for n in order
     ]
@@ -53,7 +54,7 @@ def make(args: argparse.Namespace, variant: str) -> nn.Module:
     torch.manual_seed(0)
     model = gpt(
         vocab_size=args.vocab, block_size=args.max_len, n_layer=args.n_layer, n_head=4, n_embd=args.n_embd, dropout=0.1
-    )
+    ).to(args.device)
     if variant == "plain":
         return model
     options: dict = {"repeats": args.repeats}
@@ -80,6 +81,8 @@ def train(model: nn.Module, data: Batches, on_step: Callable[[int], None] | None
         if on_step is not None:
             on_step(i)
         opt.step()
+        if x.is_cuda:
+            torch.cuda.synchronize(x.device)
         seconds.append(time.perf_counter() - start)
     return seconds
 
@@ -179,12 +182,12 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=["rotor", "rotor-predict", "rotor-buckets", "rotor-full"])
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on a shared machine)")
     parser.add_argument("--no-check", action="store_true")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (steps end with a synchronisation on cuda)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     data = batches(args)
-    print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads; lengths {sorted({x.shape[1] for x, _ in data})}"
-    )
+    lengths = sorted({x.shape[1] for x, _ in data})
+    print(f"torch {torch.__version__}, {args.device}, {torch.get_num_threads()} threads; lengths {lengths}")
     totals: dict[str, list[float]] = {v: [] for v in ["plain", *args.variants]}
     ratios: dict[str, list[float]] = {v: [] for v in args.variants}
     steps: dict[str, list[list[float]]] = {v: [] for v in totals}
