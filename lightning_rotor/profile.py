@@ -473,7 +473,7 @@ def _timed_rounds(
     return fwd, bwd
 
 
-CUDA_WARMUP_ROUNDS = 1  # untimed rounds before the timing rounds, on CUDA only (NOTE: [warm timing rounds on CUDA])
+CUDA_WARMUP_ROUNDS = 0  # untimed rounds before timing rounds, on CUDA only: off (NOTE: [warm timing rounds on CUDA])
 
 
 def _warm_up_rounds(
@@ -488,15 +488,16 @@ def _warm_up_rounds(
     frozen: int,
     selective: dict[int, list[float]],
 ) -> None:
-    """On CUDA, `CUDA_WARMUP_ROUNDS` rounds run as the timing rounds run them, their times dropped.
+    """On CUDA, up to `CUDA_WARMUP_ROUNDS` rounds run as the timing rounds run them (they stop as those do, once
+    two are settled), their times dropped.
 
     NOTE: [warm timing rounds on CUDA] on a GPU the memory runs take longer than `PROFILE_STEPS` rounds, so
-    profiling stops after `MIN_ROUNDS` (two) timing rounds, and each stage's fastest run is scaled to their
-    median: their mean. The memory runs before them run each stage alone, under tensor accounting, the device
-    mostly idle; whatever is still cold in the first full round (cuDNN's first calls, the caching allocator's
-    blocks for a round, clocks ramped down) is charged to every stage. ResNet conv stages profiled about 1.5x
-    their steady time on an H200 (docs/gpu_check_h200.md): `benchmarks/cuda_stage_times.py` measures them with
-    and without these rounds, beside the other suspects. Elsewhere nothing runs: CPU figures are as they were."""
+    profiling stops after `MIN_ROUNDS` (two) timing rounds. Whatever is still cold in the first of them (cuDNN's
+    first calls, the caching allocator's blocks, clocks) was suspected of ResNet conv stages profiling about 1.5x
+    their steady time on an H200. `benchmarks/cuda_stage_times.py` measured it (docs/gpu_check_h200.md, "Conv stage
+    times"): in a fresh process's first profile, a training's case, one warm-up round made the ratio worse (1.50x
+    to 1.61x, 1.52x to 1.63x), and the gap is mostly each stage timed alone, without its neighbours' overlap. So
+    `CUDA_WARMUP_ROUNDS` is 0: the rounds are kept for that script's comparison. Off CUDA nothing runs."""
     if device.type != "cuda" or rounds == 0 or CUDA_WARMUP_ROUNDS == 0:
         return
     spare: dict[int, list[float]] = {k: [] for k in selective}  # the options' kernels warmed too
