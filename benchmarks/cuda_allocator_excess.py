@@ -4,7 +4,7 @@
     PYTHONPATH=. python benchmarks/cuda_allocator_excess.py --device cpu    # the same code; every excess is 0
 
 A CUDA profile keeps the allocator's figure where it is larger than the tensor-accounted one (kernel workspaces,
-its rounding), so its sizes are no sums of storage sizes and every new shape is measured there (no `fit_shapes`).
+its rounding), so its sizes are no sums of storage sizes (NOTE: [sizes on CUDA], lightning_rotor/allocator.py).
 This measures what a law for those excesses would have to give: each model is profiled, sizes only, at several
 shapes with the allocator's figures (as now) and without them (tensor accounting alone), and every field that
 differs is printed with both figures. Models: the project's GPT (four blocks, 256 wide) at four lengths and
@@ -17,28 +17,15 @@ import argparse
 
 import torch
 
-from lightning_rotor import profile
 from lightning_rotor.models.convnext import convnext_atto
 from lightning_rotor.models.gpt import gpt
 from lightning_rotor.profile import profile_chain
 
 
-class _TensorsOnly(profile._AllocatorWatch):
-    """The allocator's view switched off: the profile's figures are tensor accounting's alone."""
-
-    def __init__(self, device: torch.device):
-        super().__init__(device)
-        self.on = False
-
-
 def chains(stages: list[torch.nn.Module], x: torch.Tensor) -> tuple[dict, dict]:
-    """(the chain as profiled now, the chain by tensor accounting alone), as dicts."""
+    """(the chain as profiled with the allocator's figures, the chain by tensor accounting alone), as dicts."""
     now = profile_chain(stages, x, repeats=1, timed=False).chain.to_dict()
-    kept, profile._AllocatorWatch = profile._AllocatorWatch, _TensorsOnly
-    try:
-        alone = profile_chain(stages, x, repeats=1, timed=False).chain.to_dict()
-    finally:
-        profile._AllocatorWatch = kept
+    alone = profile_chain(stages, x, repeats=1, timed=False, allocator=False).chain.to_dict()
     return now, alone
 
 

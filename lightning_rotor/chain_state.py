@@ -34,6 +34,7 @@ from torch import nn
 
 from lightning_rotor import pipeline, sharded
 from lightning_rotor._torch_compat import tree_flatten
+from lightning_rotor.allocator import AllocatorExcess, reads_allocator
 from lightning_rotor.budget import MemLimit, format_bytes, resolve_budget
 from lightning_rotor.cache import PlanCache, plan_key, signature
 from lightning_rotor.calls import Call, StepBudget, StepCalls, describe, step_minimum
@@ -68,7 +69,7 @@ from lightning_rotor.shapes import (
 )
 from lightning_rotor.shared_budget import AUTO_MARGIN, Budget
 from lightning_rotor.simulate import no_recompute_peak
-from lightning_rotor.size_trace import StorageNumbers
+from lightning_rotor.size_trace import StorageNumbers, untraced
 from lightning_rotor.stages import Stages
 from lightning_rotor.symbolic_sizes import ShapeLaws
 from lightning_rotor.tables import stage_text
@@ -151,6 +152,7 @@ class ChainState:
         self._peak_floors: dict[str, int] = {}  # plan key of a predicted shape -> a lower bound of its own peak
         self.fitted: dict[str, tuple[int, ...]] = {}  # plan key -> the measured sizes its chain's sizes came from
         self._laws = ShapeLaws()  # measured shapes' traced sizes (lightning_rotor/symbolic_sizes.py)
+        self._excesses: dict[str, list[AllocatorExcess]] = {}  # per family, on CUDA: NOTE: [sizes on CUDA]
         self.step = StepBudget()  # this step's calls and the steps seen (lightning_rotor/calls.py)
         self.last_entry: Entry | None = None  # the entry the latest call ran
         self.last_measurement: StepMeasurement | None = None
@@ -301,7 +303,7 @@ class ChainState:
         family = plan_key(call_args, [p.requires_grad for p in self.stage_parameters()], False, self.side_outputs())
         derived = self._laws.call(family, input_dims(call_args), derive)
         if key not in self.outside and not derived:
-            with self._laws.tracing_outside(traced, call_args) as note:
+            with self._laws.tracing_outside(traced) as note:
                 with sharded.outside_fsdp(self.module, bool(self.sharded)):  # FSDP2: none of its hooks fire
                     measured = pipeline.measure_outside(self.module, run, self.stages, args, kwargs, self.loss_fn)
                 self.outside[key] = note(measured)
@@ -488,13 +490,13 @@ class ChainState:
         counted = self.derive_shapes and self.compiler is None
         derive = counted and self._timed is not None and not retime
         traced = self.fit_shapes and not self.sharded  # sizes as sums of storages' (lightning_rotor/size_trace.py)
-        with self._laws.tracing(traced, value, self._outside(), (call.family(), input_dims(value))) as trace:
+        with self._laws.tracing(traced, self._outside(), (call.family(), input_dims(value))) as trace:
             return pipeline.prepare(
                 _seq(stages), value, partial(self._new_shape_bytes, call), names=self.stage_names,
                 slots=self.slots, adjust=partial(self._adjusted, call, trace, counted, derive), build=self.plans.build,
                 repeats=self.repeats, warmup=self.warmup, loss_fn=self.loss_fn, loss_tmp=self.loss_tmp,
                 outside=self._outside(), progress=self.on_profile_progress, timed=not derive, options=self.options,
-                offload=self._offload_setting is not None, flops=counted,
+                offload=self._offload_setting is not None, flops=counted, allocator=trace is None,
             )  # fmt: skip
 
     def _adjusted(
@@ -509,6 +511,8 @@ class ChainState:
         value = call.sample
         flops = self._profile_flops(measured, counted, value)
         measured.chain = self._laws.add(call.family(), input_dims(value), trace, measured.chain, flops)
+        if trace is not None and reads_allocator(value):
+            measured.chain = self._allocator_charged(call, measured.chain)
         if self.sharded:  # FSDP2: the same figures on every rank, with what FSDP2 gathers (lightning_rotor/sharded.py)
             assert self.stages is not None
             measured.chain = sharded.rank_chain(measured.chain, list(self.stages), self.stage_names, self.module)
@@ -524,6 +528,18 @@ class ChainState:
             measured.chain = measured.chain.with_transfer(self._bandwidth_for(measured.chain, value), self.host_limit)
         measured.chain = self._loss_carried(measured.chain)
         return measured
+
+    def _allocator_charged(self, call: CallInput, chain: Chain) -> Chain:
+        """A traced CUDA shape's chain (tensor accounting's figures: its law's) charged what the caching allocator
+        holds above them, measured by a sizes-only profile with the allocator's figures (NOTE: [sizes on CUDA])."""
+        assert self.stages is not None
+        stages, value = _seq(self.stages), call.sample
+        with untraced():  # the traced profile's trace is still open: its planning comes next
+            allocator = pipeline.profile(stages, value, names=self.stage_names, timed=False, loss_tmp=0,
+                                         options=self.options, offload=self._offload_setting is not None)  # fmt: skip
+        excess = AllocatorExcess.between(allocator.chain, chain)
+        self._excesses.setdefault(call.family(), []).append(excess)
+        return excess.charged(chain)
 
     def _profile_flops(self, measured: Profile, counted: bool, value: Any) -> list[int] | None:
         """The stages' forward FLOPs at a profiled shape: counted in its walk, or by `stage_flops` where the walk's
@@ -587,9 +603,15 @@ class ChainState:
         found = self._laws.chain_for(call.family(), input_dims(call.sample))
         if isinstance(found, str) or self._timed is None or self._first is None or self.stages is None:
             return None
+        sizes = found[0]
+        if reads_allocator(call.sample):  # the allocator's excess of the nearest measured shape
+            excesses = self._excesses.get(call.family(), [])
+            if not excesses:
+                return None
+            sizes = min(excesses, key=lambda e: e.distance(sizes)).charged(sizes)
         # FLOPs only scale times: counted where the law has none, else the timed shape's (times as its)
         flops = found[2] or stage_flops(_seq(self.stages), call.sample) or list(self._timed[1])
-        chain = derived_times(*self._times.nearest(flops, self._timed), found[0], flops)
+        chain = derived_times(*self._times.nearest(flops, self._timed), sizes, flops)
         if self._offload_setting is not None:
             chain = chain.with_transfer(self._bandwidth_for(chain, call.sample), self.host_limit)
         chain = self._loss_carried(chain)

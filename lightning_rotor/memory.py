@@ -170,6 +170,17 @@ def storages_sized_by(sizer: Sizer) -> Iterator[None]:
         _SIZERS.remove(sizer)
 
 
+@contextmanager
+def storages_sized_plainly() -> Iterator[None]:
+    """Inside, storage sizes are plain ints, whatever sizer was entered around (a profile beside a traced one)."""
+    sizers = _SIZERS[:]
+    _SIZERS.clear()
+    try:
+        yield
+    finally:
+        _SIZERS[:] = sizers
+
+
 def storage_bytes(tensors: Any) -> int:
     """Bytes of the distinct storages behind the tensors in a (nested) structure."""
     seen: dict[int, int] = {}

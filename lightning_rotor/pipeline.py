@@ -97,6 +97,7 @@ def profile(
     options: bool = False,
     offload: bool = False,
     flops: bool = False,
+    allocator: bool = True,
 ) -> Profile:
     """Measure `stages` on `sample` (the chain input `a_0`): times, sizes, transients.
 
@@ -106,7 +107,8 @@ def profile(
     charged as the chain's loss instead of measuring one on the chain output (`charge_outside`).
     `timed=False`: sizes only, times 0 (a new shape's times are derived, lightning_rotor/shapes.py).
     `options`: measure each stage's option "sac" too (`profile_chain`); `offload`: each stage's
-    `offloadable` bytes too; `flops`: each stage's forward FLOPs too (`Profile.flops`).
+    `offloadable` bytes too; `flops`: each stage's forward FLOPs too (`Profile.flops`); `allocator=False`: on CUDA,
+    tensor accounting's figures alone (NOTE: [sizes on CUDA], lightning_rotor/allocator.py).
     """
     loss: int | LossFn | None = loss_tmp if loss_tmp is not None else loss_fn
     if outside is not None:
@@ -125,6 +127,7 @@ def profile(
             options=options and not leaves,  # an option reruns its stage in a backward, without the side values
             offload=offload,
             flops=flops,
+            allocator=allocator,
         )
     if outside is not None:
         measured.chain = charge_outside(measured.chain, outside, loss_tmp)

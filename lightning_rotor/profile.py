@@ -307,9 +307,9 @@ class _AllocatorWatch:
     the larger of the two figures. Elsewhere it reports nothing.
     """
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, on: bool = True):
         self.device = device
-        self.on = device.type == "cuda"
+        self.on = on and device.type == "cuda"
         self.base = 0
 
     def start(self) -> None:
@@ -1345,6 +1345,7 @@ def profile_chain(
     offload: bool = False,
     twins: bool = True,
     flops: bool = False,
+    allocator: bool = True,
 ) -> Profile:
     """Measure `stages` on `sample` (the chain input `a_0`); see NOTE: [what each field measures].
 
@@ -1358,6 +1359,8 @@ def profile_chain(
     are derived from a timed shape's, lightning_rotor/shapes.py).
     `twins=False` measures every stage in full, none taking a twin's figures (NOTE: [twin stages]).
     `flops=True` counts each stage's forward FLOPs in the walk, `Profile.flops` (NOTE: [FLOPs counted in the walk]).
+    `allocator=False`: on CUDA, tensor accounting's figures alone, not the caching allocator's where larger (a traced
+    profile: NOTE: [sizes on CUDA], lightning_rotor/allocator.py).
     """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
@@ -1374,8 +1377,8 @@ def profile_chain(
         # NOTE: [gradients stored by autograd]: no measured run sets a `.grad`; the hooks only while they run
         with Excluded(stages, by_autograd=True) as exclude:
             ctx = _Context(
-                sample, exclude, _AllocatorWatch(device), untouched, device, needs_grad, options, offload, warmup,
-                walks, twins, GlobalFlops() if flops else None,
+                sample, exclude, _AllocatorWatch(device, allocator), untouched, device, needs_grad, options, offload,
+                warmup, walks, twins, GlobalFlops() if flops else None,
             )  # fmt: skip
             walk = _walk_chain(stages, names, ctx, progress, start)
         loss = _loss_figures(walk.value, loss_tmp, device)

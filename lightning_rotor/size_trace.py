@@ -29,9 +29,9 @@ from typing import Any
 import torch
 
 from lightning_rotor._torch_compat import free_weak_storage, storage_id, weak_storage, weak_storage_expired
-from lightning_rotor.memory import storages_sized_by
+from lightning_rotor.memory import storages_sized_by, storages_sized_plainly
 
-__all__ = ["CONST", "Peak", "SizeTrace", "StorageNumbers", "Sym", "Terms", "terms_of", "traced"]
+__all__ = ["CONST", "Peak", "SizeTrace", "StorageNumbers", "Sym", "Terms", "terms_of", "traced", "untraced"]
 
 CONST = -1  # the key of a figure's constant term
 Terms = dict[int, int]  # storage index (CONST: the constant) -> coefficient
@@ -560,3 +560,16 @@ def traced(trace: StorageNumbers | None = None, close: bool = True) -> Iterator[
             _TRACES.remove(trace)
         if close:
             trace.close()
+
+
+@contextmanager
+def untraced() -> Iterator[None]:
+    """Inside, nothing is traced or numbered, whatever trace was entered around: a profile run between a traced
+    profile and its planning (NOTE: [sizes on CUDA], lightning_rotor/allocator.py)."""
+    traces = _TRACES[:]
+    _TRACES.clear()
+    try:
+        with storages_sized_plainly():
+            yield
+    finally:
+        _TRACES[:] = traces

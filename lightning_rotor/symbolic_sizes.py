@@ -70,9 +70,7 @@ from fractions import Fraction
 from typing import Any
 
 import numpy as np
-import torch
 
-from lightning_rotor._torch_compat import tree_flatten
 from lightning_rotor.chain import TIME_FIELDS, Chain, ChainError, StageOption
 from lightning_rotor.size_trace import CONST, SizeTrace, Storage, StorageNumbers, Terms, terms_of, traced
 
@@ -724,9 +722,7 @@ class ShapeLaws:
         return StorageNumbers() if holds else None
 
     @contextlib.contextmanager
-    def tracing(
-        self, on: bool, value: Any, outside: Any = None, key: Call | None = None
-    ) -> Iterator[StorageNumbers | None]:
+    def tracing(self, on: bool, outside: Any = None, key: Call | None = None) -> Iterator[StorageNumbers | None]:
         """A trace of the profile run inside (None: not traced), or its storages numbered only where `key` (the new
         shape's family and input shapes) is near a traced shape (`_numbers`). With `outside` (what the code around a
         run of blocks costs), the profile goes on with the trace that measured it (`tracing_outside`), or is not
@@ -735,7 +731,7 @@ class ShapeLaws:
         if outside is not None and (pending is None or pending[0] is not outside):
             yield None
             return
-        if not _traceable(on, value):
+        if not on:
             yield None
             return
         self._keyed = pending[2] if pending is not None else None
@@ -743,13 +739,13 @@ class ShapeLaws:
             yield trace
 
     @contextlib.contextmanager
-    def tracing_outside(self, on: bool, value: Any) -> Iterator[Callable[[Any], Any]]:
+    def tracing_outside(self, on: bool) -> Iterator[Callable[[Any], Any]]:
         """Measure the code around a run of blocks in a trace that the profile of its shape goes on with: the
         block yields `note`, to be called with what was measured (returned as it is)."""
         if self._outside is not None:
             self._outside[1].close()
             self._outside = None
-        if not _traceable(on, value):
+        if not on:
             yield lambda outside: outside
             return
         with traced(self._numbers(self._call), close=False) as trace:
@@ -943,10 +939,3 @@ def _alike(a: Dims, b: Dims) -> bool:
 def _ops_of(shape: TracedShape) -> tuple[Any, ...]:
     """What two traced shapes share when their stages ran the same ops: the chain's structure, the storages made."""
     return _structure(shape.chain), shape.ranks, shape.itemsizes.tobytes()
-
-
-def _traceable(on: bool, value: Any) -> bool:
-    """Trace when asked and the input is off CUDA. On CUDA a profile also keeps the caching allocator's figures
-    where they are larger (kernel workspaces, its rounding), which are no sums of storage sizes: every shape there
-    is measured."""
-    return on and not any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in tree_flatten(value)[0])

@@ -92,13 +92,13 @@ def test_a_numbered_shape_in_another_regime_has_no_trace_and_its_family_is_trace
     storage sizes; numbered anyway, it keeps its measured chain, untraced, and the next shape is traced."""
     stages, laws = list(small_gpt()), ShapeLaws()
     key = ("family", ((2, 20),))
-    with laws.tracing(True, tokens(2, 20), key=key) as trace:
+    with laws.tracing(True, key=key) as trace:
         assert isinstance(trace, SizeTrace)  # the first shape: traced
         laws.add(*key, trace, profile_chain(stages, tokens(2, 20), repeats=1, timed=False).chain, None)
     chain, numbers = numbered_at(stages, tokens(2, 8))
     assert laws.add("family", ((2, 8),), numbers, chain, None).to_dict() == chain.to_dict()
     assert laws.missed == [("family", ((2, 8),))] and laws.measured[-1][2] is None
-    with laws.tracing(True, tokens(2, 21), key=("family", ((2, 21),))) as trace:
+    with laws.tracing(True, key=("family", ((2, 21),))) as trace:
         assert isinstance(trace, SizeTrace)  # near 20, but its family missed once: traced
 
 
