@@ -259,7 +259,7 @@ class ChainState:
         self._new_plans()
         self.last_entry, self.outside, self._timed, self._measured_shapes = None, {}, None, []
         self._times = ShapeTimes()
-        self._laws = ShapeLaws()
+        self._laws, self._excesses = ShapeLaws(), {}
 
     def converted(self) -> None:
         """The module's tensors were converted (`.to()`, `.double()`): a graph chain is found again on the next

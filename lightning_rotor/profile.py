@@ -1349,14 +1349,12 @@ def profile_chain(
 ) -> Profile:
     """Measure `stages` on `sample` (the chain input `a_0`); see NOTE: [what each field measures].
 
-    `options`: also measure each stage's option "sac" (chain version 5, `_option_runs`) and keep
-    it where it saves fewer bytes than recording all; its times come from the same timing rounds.
+    `options`: also measure each stage's option "sac" (chain version 5, `_option_runs`) and keep it where it saves
+    fewer bytes than recording all; its times come from the same timing rounds. `offload`: also measure each
+    stage's `offloadable` bytes (chain version 6), what `OffloadSaved k` moves.
 
-    `offload`: also measure each stage's `offloadable` bytes (chain version 6), what `OffloadSaved k` moves.
-
-    `progress(stages_done, stages, seconds)` is called after each stage, for a progress line.
-    `timed=False` measures sizes only: no timing rounds, every time 0 (a new input shape's times
-    are derived from a timed shape's, lightning_rotor/shapes.py).
+    `progress(stages_done, stages, seconds)` is called after each stage, for a progress line. `timed=False` measures
+    sizes only: no timing rounds, every time 0 (a new shape's times are derived, lightning_rotor/shapes.py).
     `twins=False` measures every stage in full, none taking a twin's figures (NOTE: [twin stages]).
     `flops=True` counts each stage's forward FLOPs in the walk, `Profile.flops` (NOTE: [FLOPs counted in the walk]).
     `allocator=False`: on CUDA, tensor accounting's figures alone, not the caching allocator's where larger (a traced
