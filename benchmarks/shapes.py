@@ -13,7 +13,8 @@ its budget); `rotor-full` (`derive_shapes=False`, `fit_shapes=False`: every shap
 profiles the first shape, excluded) and its ratio to plain's in the same round; printed as medians and
 spread ((max - min) / median) over `--runs` rounds. Then one untimed check per rotor variant: every step's
 activation peak measured by independent tensor accounting (`MemoryProbe` over the model and the step's
-input) against the budget of the plan that step ran, and every step's gradients `torch.equal` to plain's.
+input) against the budget of the plan that step ran, and every step's gradients `torch.equal` to plain's; on CUDA
+also each step's caching-allocator peak (`measure_step`, a target) against that budget.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def check(args: argparse.Namespace, variant: str, data: Batches) -> str:
     plain, rotor = make(args, "plain"), make(args, variant)
     plain_grads: list[list[torch.Tensor]] = []
     train(plain, data, lambda i: plain_grads.append([p.grad.clone() for p in plain.parameters()]))
-    over, unequal, worst = 0, 0, 0.0
+    over, unequal, worst, allocator = 0, 0, 0.0, []
     opt = torch.optim.SGD(rotor.parameters(), lr=0.01, momentum=0.9)
     for i, (x, y) in enumerate(data):
         opt.zero_grad(set_to_none=True)
@@ -105,13 +106,29 @@ def check(args: argparse.Namespace, variant: str, data: Batches) -> str:
         over += probe.peak > budget
         worst = max(worst, probe.peak / budget)
         unequal += not all(torch.equal(p.grad, g) for p, g in zip(rotor.parameters(), plain_grads[i], strict=True))
+        if x.is_cuda:
+            allocator.append(allocator_peak(rotor, x, y, i) / budget)
         opt.step()
     plans = len(rotor.entries)
     measured = plans - len(rotor.predicted) - len(rotor.fitted)
+    told = f"; the allocator's peak above budget {sum(r > 1 for r in allocator)} (max {max(allocator):.3f})"
     return (
         f"{variant}: {plans} plans ({measured} measured); steps above budget {over}/{len(data)} "
-        f"(max peak/budget {worst:.3f}); grads unequal {unequal}"
+        f"(max peak/budget {worst:.3f}){told if allocator else ''}; grads unequal {unequal}"
     )
+
+
+def allocator_peak(rotor: nn.Module, x: torch.Tensor, y: torch.Tensor, step: int) -> int:
+    """On CUDA, the step run again under `measure_step` (the caching allocator's peak, a target), its gradients
+    kept allocated so that it sees activations only, and put back as they were."""
+    grads = [p.grad.clone() for p in rotor.parameters()]
+    rotor.zero_grad(set_to_none=False)
+    torch.manual_seed(step)
+    with rotor.measure_step() as measured:
+        lm_loss(rotor(x), y).backward()
+    for p, g in zip(rotor.parameters(), grads, strict=True):
+        p.grad.copy_(g)
+    return measured.peak
 
 
 def on_new_shape(model: nn.Module, kinds: list[str]) -> Callable[[int], None]:
