@@ -111,10 +111,14 @@ def check(args: argparse.Namespace, variant: str, data: Batches) -> str:
         opt.step()
     plans = len(rotor.entries)
     measured = plans - len(rotor.predicted) - len(rotor.fitted)
-    told = f"; the allocator's peak above budget {sum(r > 1 for r in allocator)} (max {max(allocator):.3f})"
+    told = (
+        f"; the allocator's peak above budget {sum(r > 1 for r in allocator)} (max {max(allocator):.3f})"
+        if allocator
+        else ""
+    )
     return (
         f"{variant}: {plans} plans ({measured} measured); steps above budget {over}/{len(data)} "
-        f"(max peak/budget {worst:.3f}){told if allocator else ''}; grads unequal {unequal}"
+        f"(max peak/budget {worst:.3f}){told}; grads unequal {unequal}"
     )
 
 
