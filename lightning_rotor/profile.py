@@ -51,7 +51,7 @@ from lightning_rotor.engine import (
 from lightning_rotor.memory import Excluded, MemoryProbe, storage_bytes, storage_key, storage_nbytes
 from lightning_rotor.offload import SavedPart
 from lightning_rotor.selective import EXPENSIVE_OPS, run_selective
-from lightning_rotor.twins import python_backward, structure, value_structure
+from lightning_rotor.twins import python_backward, stage_key, value_structure
 
 # NOTE: [what each field measures] profile_chain fills a `Chain` exactly as docs/memory-model.md
 # defines each field:
@@ -631,7 +631,7 @@ class _StageRun:
     def key(self) -> Hashable:
         """The structure of the stage and of its input: what a twin shares (NOTE: [twin stages]), what a FLOP count
         stands for (NOTE: [FLOPs counted in the walk])."""
-        return (structure(self.stage), value_structure(self.value))
+        return stage_key(self.stage, self.value)
 
     @property
     def input_parts(self) -> bool:

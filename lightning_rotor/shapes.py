@@ -75,7 +75,7 @@ from lightning_rotor.chain import TIME_FIELDS, Chain, StageOption
 from lightning_rotor.engine import no_cast_cache
 from lightning_rotor.planner import InfeasibleBudget
 from lightning_rotor.profile import Untouched
-from lightning_rotor.twins import structure, value_structure
+from lightning_rotor.twins import stage_key
 
 __all__ = [
     "Buckets",
@@ -144,7 +144,7 @@ def stage_flops(stages: Sequence[nn.Module], sample: Any) -> list[int] | None:
         with Untouched(stages, devices), torch.no_grad(), no_cast_cache():
             value, seen = sample, {}
             for stage in stages:
-                key = (structure(stage), value_structure(value))
+                key = stage_key(stage, value)
                 if key in seen:
                     value = stage(value)
                 else:

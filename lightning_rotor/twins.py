@@ -18,7 +18,7 @@ from torch import fx, nn
 
 from lightning_rotor._torch_compat import is_python_backward, own_hooks, tree_flatten
 
-__all__ = ["python_backward", "structure", "value_structure"]
+__all__ = ["python_backward", "stage_key", "structure", "value_structure"]
 
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
 
@@ -114,6 +114,11 @@ def value_structure(value: Any) -> Hashable:
     """A stage input's structure: its nesting, and its tensors' metadata (other leaves as they are)."""
     leaves, spec = tree_flatten(value)
     return (str(spec), tuple(_argument(t, {}) for t in leaves))
+
+
+def stage_key(stage: nn.Module, value: Any) -> Hashable:
+    """The structure of a stage and of its input: what a twin shares, what a FLOP count stands for."""
+    return (structure(stage), value_structure(value))
 
 
 def python_backward(outputs: Sequence[torch.Tensor]) -> bool:
