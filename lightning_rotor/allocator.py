@@ -44,11 +44,12 @@ class AllocatorExcess:
         stages at the same shape; a figure the allocator's profile has lower counts 0. An option's is the larger of
         its stage's and its own (the two profiles may keep different options)."""
         excess = {f: _above(getattr(allocator, f), getattr(tensors, f)) for f in FIELDS}
-        options: list[dict[str, int]] = []
+        options = []
         for k, (mine, theirs) in enumerate(zip(allocator.options, tensors.options, strict=True)):
             pairs = list(zip(mine, theirs, strict=False))
-            options.append({f: max([excess[f][k]] + [_above([getattr(a, f)], [getattr(t, f)])[0] for a, t in pairs])
-                            for f in OPTION_FIELDS})  # fmt: skip
+            options.append(
+                {f: max([excess[f][k], *(getattr(a, f) - getattr(t, f) for a, t in pairs)]) for f in OPTION_FIELDS}
+            )
         return cls(tensors, excess, options)
 
     def distance(self, chain: Chain) -> float:
