@@ -12,21 +12,16 @@ import pytest
 import torch
 from test_shapes import batch, small_gpt
 from test_symbolic_sizes import sizes
+from test_twin_stages import gpt_stages
 
 import lightning_rotor.chain_state as chain_state
 from lightning_rotor.allocator import AllocatorExcess
 from lightning_rotor.checkpointable import Checkpointable
 from lightning_rotor.memory import MemoryProbe
-from lightning_rotor.models.gpt import gpt, lm_loss
+from lightning_rotor.models.gpt import lm_loss
 from lightning_rotor.profile import profile_chain
 
 LENGTHS = (12, 20, 6, 16, 9, 24, 14, 20)  # three measured along the length, then derived ones
-
-
-def gpt_stages(device="cpu"):
-    torch.manual_seed(0)
-    embed, blocks, norm, head = gpt(vocab_size=64, block_size=32, n_layer=3, n_head=2, n_embd=32, dropout=0.1)
-    return [stage.to(device) for stage in (embed, *blocks, norm, head)]
 
 
 def tensors_chain(length):
