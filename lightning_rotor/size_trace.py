@@ -339,7 +339,7 @@ class StorageNumbers:
     """The storages a profile counts, numbered in the order it first counts them, with their dimensions; the bytes
     as they are (plain ints, `higher` a plain `max`). A profile run so (`traced(StorageNumbers())`) computes every
     figure as an untraced one does, and numbers its storages as a traced one (`SizeTrace`) of the same ops does:
-    the sizer is asked at the same points. A later shape numbered so gets its trace from a traced shape's
+    the sizer is asked at the same points. A shape numbered so gets its trace from a traced shape's
     (symbolic_sizes.py `numbered_shape`), at a fifth to a third less than tracing it."""
 
     def __init__(self) -> None:

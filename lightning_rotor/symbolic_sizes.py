@@ -48,6 +48,15 @@ has: `likely_sizes`) is measured with its storages numbered only, untraced (`Sha
 the untraced profile's, and its trace the traced shape's, checked to hold there and give its chain to the byte
 (`numbered_shape`); where none holds it stays untraced, and its family's later shapes are traced.
 
+NOTE: [the first shape numbered] A family's first shape is numbered only, not traced: a model that never changes
+shape (most training) never pays for a trace (litgpt's first profile 12.7-13.2 plain steps before, 9.6-10.8 after:
+docs/benchmarks.md). Its next measured shape is traced, and the first takes that trace where its guards hold there
+and its rows give its chain (`numbered_shape`), else borrows it all the same: a trace is exact wherever its guards
+hold, whichever shape it was taken at, and the first shape's storage dimensions are a point of the law. What it
+costs: where the first two shapes are in different regimes (another op a stage's largest), shapes in the first's
+regime that the second's guards miss are measured, not derived (a small GPT at 20 then 32 measures 16, which 20's
+own trace derived).
+
 The memory probe's samples (`RotorCallback`, `measure_step`) check the rest, as for any plan; on CUDA, where a
 profile also keeps the caching allocator's figures (workspaces, rounding), every shape is measured.
 
@@ -237,25 +246,35 @@ def traced_shape(size: int, trace: SizeTrace, chain: Chain, flops: list[int] | N
 
 
 def numbered_shape(
-    numbers: StorageNumbers, chain: Chain, flops: list[int] | None, traced: Sequence[TracedShape]
+    numbers: StorageNumbers,
+    chain: Chain,
+    flops: list[int] | None,
+    traced: Sequence[TracedShape],
+    borrow: bool = False,
 ) -> TracedShape | None:
     """The measured shape of `chain`, profiled with its storages numbered only (`size_trace.StorageNumbers`): the
     trace of the first of `traced` (nearest first) that ran the same ops and holds here (its guards hold at the
     numbered storages' sizes, its rows give `chain` to the byte), with these storages' dimensions. That trace is
     exact wherever its guards hold, here as at its own shape; a trace taken here is the same but where two levels
     of a peak have equal bytes here (it keeps the first as the peak: same bytes, other terms). None where no trace
-    holds (another op is a stage's largest here): the shape is untraced."""
+    holds (another op is a stage's largest here): the shape is untraced; with `borrow`, the first trace that ran the
+    same ops, its guards not holding here: a trace holds wherever its guards do, and this shape's dimensions are a
+    point of the law (NOTE: [the first shape numbered])."""
     dims, itemsizes, ranks = _storage_dims(numbers.storages)
     sizes = itemsizes * np.prod(dims, axis=1)
     measured = chain_sizes(chain)
-    for base in traced:
-        if base.ranks != ranks or not np.array_equal(base.itemsizes, itemsizes):
-            continue
-        if _structure(base.chain) != _structure(chain) or not base.guards_hold(sizes):
-            continue
-        if [int(v) for v in base.sizes.at(sizes)] == measured:
-            return dataclasses.replace(base, size=0, chain=chain, flops=flops, dims=dims, itemsizes=itemsizes)
-    return None
+    alike = [
+        base
+        for base in traced
+        if base.ranks == ranks
+        and np.array_equal(base.itemsizes, itemsizes)
+        and _structure(base.chain) == _structure(chain)
+    ]
+    held = (b for b in alike if b.guards_hold(sizes) and [int(v) for v in b.sizes.at(sizes)] == measured)
+    base = next(held, None) or (alike[0] if borrow and alike else None)
+    if base is None:
+        return None
+    return dataclasses.replace(base, size=0, chain=chain, flops=flops, dims=dims, itemsizes=itemsizes)
 
 
 @dataclasses.dataclass
@@ -667,6 +686,9 @@ class ShapeLaws:
         # those no traced shape's trace held at (untraced; their family's later shapes are traced: `_numbers`)
         self.numbered: list[Call] = []
         self.missed: list[Call] = []
+        # a family's first shape, numbered only until a later shape of it is traced (NOTE: [the first shape
+        # numbered]): its storages, matched then against that trace
+        self._first: dict[Call, StorageNumbers] = {}
 
     def add(
         self, family: str, dims: Dims, trace: StorageNumbers | None, chain: Chain, flops: list[int] | None
@@ -676,9 +698,12 @@ class ShapeLaws:
         earlier measurement."""
         family, dims = self._keyed or (family, dims)
         self._keyed = None
+        self._first.pop((family, dims), None)  # measured again: this measurement stands
         traced = self._traced_shape(family, dims, trace, chain, flops)
         self.measured = [m for m in self.measured if (m[0], m[1]) != (family, dims)]
         self.measured.append((family, dims, traced, chain, flops))
+        if isinstance(trace, SizeTrace) and traced is not None:
+            self._match_first(family)
         self._laws.clear()
         self._found_at.clear()
         return traced.chain if traced is not None else plain_sizes(chain)
@@ -691,9 +716,28 @@ class ShapeLaws:
             return traced_shape(0, trace, chain, flops) if not trace.abandoned else None
         if trace is None:
             return None
-        found = numbered_shape(trace, plain_sizes(chain), flops, [t for _, t in self._traced_near(family, dims)])
+        near = [t for _, t in self._traced_near(family, dims)]
+        if not near and not any(m[0] == family for m in self.measured):
+            self._first[(family, dims)] = trace  # no trace of its family yet: matched against the first one
+            return None
+        found = numbered_shape(trace, plain_sizes(chain), flops, near)
         (self.numbered if found is not None else self.missed).append((family, dims))
         return found
+
+    def _match_first(self, family: str) -> None:
+        """The first shape of `family`, numbered only, given its trace from the traced shapes now measured
+        (`numbered_shape`, borrowing one whose guards do not hold there); untraced where none ran the same ops."""
+        for (their_family, dims), numbers in list(self._first.items()):
+            if their_family != family:
+                continue
+            del self._first[(family, dims)]
+            i = next(i for i, m in enumerate(self.measured) if (m[0], m[1]) == (family, dims))
+            _, _, _, chain, flops = self.measured[i]
+            near = [t for _, t in self._traced_near(family, dims)]
+            found = numbered_shape(numbers, plain_sizes(chain), flops, near, borrow=True)
+            if found is not None:
+                self.numbered.append((family, dims))
+            self.measured[i] = (family, dims, found, chain, flops)
 
     def _traced_near(self, family: str, dims: Dims) -> list[tuple[Dims, TracedShape]]:
         """The traced shapes of `family` alike `dims` (input shapes, trace), nearest first."""
@@ -701,8 +745,9 @@ class ShapeLaws:
         return sorted(near, key=lambda m: _ratio(m[0], dims))
 
     def _numbers(self, key: Call | None) -> StorageNumbers | None:
-        """Numbering only (no trace) for a later shape of `key` where the guards of the nearest traced shape of its
-        family hold at the sizes its storages likely have there (`likely_sizes`): its trace is then that shape's
+        """Numbering only (no trace) for a family's first shape (NOTE: [the first shape numbered]), and for a later
+        shape of `key` where the guards of the nearest traced shape of its family hold at the sizes its storages
+        likely have there (`likely_sizes`): its trace is then that shape's
         (`numbered_shape`), and tracing costs a fifth to a third of a sizes-only profile. Else None: trace it. A
         wrong guess costs, never a wrong size: a shape no trace holds at keeps its measured chain, untraced, and
         its family is traced from then on (`missed`)."""
@@ -710,8 +755,8 @@ class ShapeLaws:
             return None
         family, dims = key
         near = self._traced_near(family, dims)
-        if not near:
-            return None
+        if not near:  # the family's first shape is numbered only (NOTE: [the first shape numbered]); else trace
+            return StorageNumbers() if not any(m[0] == family for m in self.measured) else None
         (at, base), others = near[0], near[1:]
         fixed = np.zeros(base.dims.shape, dtype=bool)  # dimensions another traced shape had along the same sizes
         for d, other in others:

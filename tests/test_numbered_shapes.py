@@ -88,18 +88,42 @@ def test_a_numbered_shape_has_the_chain_a_traced_profile_measures_and_a_trace_th
 
 
 def test_a_numbered_shape_in_another_regime_has_no_trace_and_its_family_is_traced_from_then_on():
-    """The small GPT at length 8 after 20: another op is the largest of some stages, so 20's guards fail at 8's
-    storage sizes; numbered anyway, it keeps its measured chain, untraced, and the next shape is traced."""
+    """The small GPT: 24 first (numbered only, a family's first shape), 20 traced (24 takes its trace), then 8:
+    another op is the largest of some stages, so their guards fail at 8's storage sizes; numbered anyway, it keeps
+    its measured chain, untraced, and the next shape is traced."""
     stages, laws = list(small_gpt()), ShapeLaws()
-    key = ("family", ((2, 20),))
-    with laws.tracing(True, key=key) as trace:
-        assert isinstance(trace, SizeTrace)  # the first shape: traced
-        laws.add(*key, trace, profile_chain(stages, tokens(2, 20), repeats=1, timed=False).chain, None)
+    for n, kind in ((24, StorageNumbers), (20, SizeTrace)):
+        key = ("family", ((2, n),))
+        with laws.tracing(True, key=key) as trace:
+            assert type(trace) is kind  # the first shape numbered only, the next traced
+            laws.add(*key, trace, profile_chain(stages, tokens(2, n), repeats=1, timed=False).chain, None)
+    assert laws.numbered == [("family", ((2, 24),))] and laws.measured[0][2] is not None
     chain, numbers = numbered_at(stages, tokens(2, 8))
     assert laws.add("family", ((2, 8),), numbers, chain, None).to_dict() == chain.to_dict()
     assert laws.missed == [("family", ((2, 8),))] and laws.measured[-1][2] is None
     with laws.tracing(True, key=("family", ((2, 21),))) as trace:
         assert isinstance(trace, SizeTrace)  # near 20, but its family missed once: traced
+
+
+def test_a_family_s_first_shape_is_numbered_and_takes_the_trace_of_its_next_shape_in_another_regime():
+    """NOTE: [the first shape numbered] The small GPT at 20, then 32: another op is the largest of some stages at
+    32, so its trace's guards fail at 20; 20 keeps the trace (exact wherever its guards hold) with its own storages'
+    dimensions, a point of the law. Its chain is the one a traced profile measures there, and the trace derives the
+    chains of other traced shapes right where its guards hold."""
+    stages, laws = list(small_gpt()), ShapeLaws()
+    for n in (20, 32):
+        key = ("family", ((2, n),))
+        with laws.tracing(True, key=key) as trace:
+            laws.add(*key, trace, profile_chain(stages, tokens(2, n), repeats=1, timed=False).chain, None)
+    (_, _, got, chain, _), (_, _, second, _, _) = laws.measured
+    want, _ = traced_at(stages, tokens(2, 20))
+    assert got is not None and second is not None and sizes(chain) == sizes(want.chain)
+    assert np.array_equal(got.dims, want.dims) and not got.guards_hold(storage_sizes(want))
+    others = [traced_at(stages, tokens(2, n))[0] for n in (28, 30, 32)]
+    for other in others:
+        if got.guards_hold(storage_sizes(other)):
+            assert [int(v) for v in got.sizes.at(storage_sizes(other))] == chain_sizes(other.chain)
+    assert any(got.guards_hold(storage_sizes(o)) for o in others)
 
 
 def steps(rotor, lengths):
@@ -111,19 +135,17 @@ def steps(rotor, lengths):
 
 
 def test_a_later_shape_is_numbered_where_its_regime_is_a_traced_one_s_and_traced_where_not():
-    """The small GPT: 24 is in 20's regime (numbered); 8 is not (traced, though its storages' sizes would follow
-    the first two exactly: a width equal to a measured length is not taken for one); every measured shape's chain
-    and trace are those of the small GPT traced at that length first."""
+    """The small GPT: 18 first (numbered only), 20 traced; 24 is in 20's regime (numbered); 8 is not (traced,
+    though its storages' sizes would follow the others exactly: a width equal to a measured length is not taken for
+    one); every measured shape's chain and trace are those of the small GPT traced at that length."""
     rotor = Checkpointable(small_gpt(), "60%", repeats=1)
-    steps(rotor, (20, 24, 8))
+    steps(rotor, (18, 20, 24, 8))
     laws = rotor.chain_state._laws
-    assert [d for _, d in laws.numbered] == [((2, 24),)] and not laws.missed
+    assert [d for _, d in laws.numbered] == [((2, 18),), ((2, 24),)] and not laws.missed
     for _, dims, shape, chain, _ in laws.measured:
-        first = Checkpointable(small_gpt(), "60%", repeats=1)
-        steps(first, (dims[0][1],))
-        (want,) = first.chain_state._laws.measured
-        assert shape is not None and want[2] is not None and sizes(chain) == sizes(want[3])
-        assert_derives_right(shape, want[2], [m[2] for m in laws.measured if m[2] is not None])
+        want, _ = traced_at(list(rotor.stages), tokens(2, dims[0][1]), rotor.stage_names)
+        assert shape is not None and sizes(chain) == sizes(want.chain)
+        assert_derives_right(shape, want, [m[2] for m in laws.measured if m[2] is not None])
 
 
 def test_hugging_face_gpt2_numbers_a_later_length_with_the_code_around_its_run_and_keeps_its_sizes():
@@ -141,16 +163,17 @@ def test_hugging_face_gpt2_numbers_a_later_length_with_the_code_around_its_run_a
             rotor(input_ids=x, labels=x).loss.backward()
         return rotor.chain_state._laws
 
-    numbered, first = measured((32, 36)), measured((36,))
+    numbered, traced = measured((36, 32)), measured((32, 36))  # a family's first shape is numbered only
     assert [d for _, d in numbered.numbered] == [((2, 36), (2, 36))]
-    got, want = numbered.measured[-1], first.measured[-1]
+    assert [d for _, d in traced.numbered] == [((2, 32), (2, 32))]
+    got, want = numbered.measured[0], traced.measured[-1]
     assert got[:2] == want[:2] and sizes(got[3]) == sizes(want[3])
     assert got[2] is not None and want[2] is not None
     assert_derives_right(got[2], want[2], [m[2] for m in numbered.measured if m[2] is not None])
 
 
-# dynamic padding's lengths: 22, 18 and 21 (odd: off the even sizes measured) in 20's regime, numbered; 8 and 30
-# traced (another op a stage's largest); 12 and 26 derived
+# dynamic padding's lengths: 20 numbered (the first), 22 traced; 18 and 21 (odd: off the even sizes measured) in
+# their regime, numbered; 8 and 30 traced (another op a stage's largest); 12 and 26 derived
 NEAR = (20, 22, 18, 21, 8, 30, 12, 26)
 
 
@@ -164,7 +187,7 @@ def test_the_trainer_numbers_near_lengths_and_trains_bitwise_within_budget(tmp_p
     rotor = keep.modules["net"]
     laws = rotor.chain_state._laws
     assert peaks.checked == len(NEAR) - 1 and len(rotor.entries) == len(NEAR)
-    assert [d[0][1] for _, d in laws.numbered] == [22, 18, 21] and not laws.missed
+    assert [d[0][1] for _, d in laws.numbered] == [20, 18, 21] and not laws.missed
     assert [d[0][1] for _, d, shape, _, _ in laws.measured if shape is not None] == [20, 22, 18, 21, 8, 30]
     assert sorted(rotor.chain_state._shapes[k] for k in rotor.fitted) == ["(2, 12)", "(2, 26)"]
     for a_step, b_step in zip(runs["rotor"].grads, runs["plain"].grads, strict=True):
@@ -175,13 +198,13 @@ def test_a_partial_batch_of_a_small_batch_is_numbered_and_keeps_its_sizes():
     """Batch 2, then a last batch of 3: a guess that scaled every even dimension by 3/2 (a width of 32 is a multiple
     of a batch of 2) took the shape for another regime and traced it; the batch scales only what it multiplies."""
     rotor = Checkpointable(small_gpt(), "60%", repeats=1)
-    for step, rows in enumerate((2, 3)):
+    for step, rows in enumerate((6, 2, 3)):  # 6 numbered (the first), 2 traced, 3 guessed from 2's trace
         x = torch.randint(0, 64, (rows, 24), generator=torch.Generator().manual_seed(rows))
         rotor.zero_grad()
         torch.manual_seed(step)
         lm_loss(rotor(x), x).backward()
     laws = rotor.chain_state._laws
-    assert [d for _, d in laws.numbered] == [((3, 24),)] and not laws.missed
+    assert [d for _, d in laws.numbered] == [((6, 24),), ((3, 24),)] and not laws.missed
     want, _ = traced_at(list(rotor.stages), x, rotor.stage_names)
     assert sizes(laws.measured[-1][3]) == sizes(want.chain)
 

@@ -486,17 +486,18 @@ class StepPeaks(pl.Callback):
 
 
 def test_the_trainer_on_changing_lengths_derives_between_two_measured_ones_bitwise_within_budget(tmp_path):
-    """A real Trainer and `RotorStrategy` (the defaults), 7 lengths over 9 steps: 20 and 32 measured, then 28 and
-    24 derived between them; 8 (beyond them) measured, after which 12 and 16 are derived too: 3 profiles for 7
-    shapes. Every step bitwise equal to plain training's and measured within its budget, at most its plan's
-    predicted peak."""
+    """A real Trainer and `RotorStrategy` (the defaults), 7 lengths over 9 steps: 20 (numbered only, the first)
+    and 32 measured, then 28 and 24 derived between them; 8 (beyond them) measured, after which 12 is derived too,
+    and 16 measured: 20's storages have 32's trace, whose guards fail at 16 (another op a stage's largest there;
+    NOTE: [the first shape numbered]): 4 profiles for 7 shapes. Every step bitwise equal to plain training's and
+    measured within its budget, at most its plan's predicted peak."""
     keep, loader, peaks = KeepRotorModules(), DataLoader(LengthBatches(CHANGING), batch_size=None), StepPeaks()
     measure = RotorCallback(measure_every_n_steps=1, log_curves=False, print_summary=False)
     runs = fit_both(tmp_path, LM, loader, len(CHANGING), RotorStrategy(mem_limit="60%"), [keep, measure, peaks])
     rotor = keep.modules["net"]
     assert peaks.checked == len(CHANGING) - 1
     assert len(rotor.entries) == 7 and sorted(rotor.chain_state._shapes[k] for k in rotor.fitted) == [
-        f"(2, {n})" for n in (12, 16, 24, 28)
+        f"(2, {n})" for n in (12, 24, 28)
     ]
     for a_step, b_step in zip(runs["rotor"].grads, runs["plain"].grads, strict=True):
         assert all(torch.equal(a, b) for a, b in zip(a_step, b_step, strict=True))
