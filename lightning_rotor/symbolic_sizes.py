@@ -49,8 +49,8 @@ the untraced profile's, and its trace the traced shape's, checked to hold there 
 (`numbered_shape`); where none holds it stays untraced, and its family's later shapes are traced.
 
 NOTE: [the first shape numbered] A family's first shape is numbered only, not traced: a model that never changes
-shape (most training) never pays for a trace (litgpt's first profile 12.7-13.2 plain steps before, 9.6-10.8 after:
-docs/benchmarks.md). Its next measured shape is traced, and the first takes that trace where its guards hold there
+shape (most training) never pays for a trace (litgpt's first profile 12.0-12.6 plain steps before, 10.6-10.9 after:
+docs/benchmarks.md, "The first shape numbered only"). Its next measured shape is traced, and the first takes that trace where its guards hold there
 and its rows give its chain (`numbered_shape`), else borrows it all the same: a trace is exact wherever its guards
 hold, whichever shape it was taken at, and the first shape's storage dimensions are a point of the law. What it
 costs: where the first two shapes are in different regimes (another op a stage's largest), shapes in the first's
