@@ -49,13 +49,13 @@ the untraced profile's, and its trace the traced shape's, checked to hold there 
 (`numbered_shape`); where none holds it stays untraced, and its family's later shapes are traced.
 
 NOTE: [the first shape numbered] A family's first shape is numbered only, not traced: a model that never changes
-shape (most training) never pays for a trace (litgpt's first profile 12.0-12.6 plain steps before, 10.6-10.9 after:
-docs/benchmarks.md, "The first shape numbered only"). Its next measured shape is traced, and the first takes that trace where its guards hold there
-and its rows give its chain (`numbered_shape`), else borrows it all the same: a trace is exact wherever its guards
-hold, whichever shape it was taken at, and the first shape's storage dimensions are a point of the law. What it
-costs: where the first two shapes are in different regimes (another op a stage's largest), shapes in the first's
-regime that the second's guards miss are measured, not derived (a small GPT at 20 then 32 measures 16, which 20's
-own trace derived).
+shape (most training) never pays for a trace (litgpt's first profile 12.0-12.6 plain steps before, 10.6-10.9
+after: docs/benchmarks.md, "The first shape numbered only"). Its next measured shape is traced, and the first takes
+that trace where its guards hold there and its rows give its chain (`numbered_shape`), else borrows it all the
+same: a trace is exact wherever its guards hold, whichever shape it was taken at, and the first shape's storage
+dimensions are a point of the law. What it costs: where the first two shapes are in different regimes (another op
+a stage's largest), shapes in the first's regime that the second's guards miss are measured, not derived (a small
+GPT at 20 then 32 measures 16, which 20's own trace derived).
 
 The memory probe's samples (`RotorCallback`, `measure_step`) check the rest, as for any plan; on CUDA, where a
 profile also keeps the caching allocator's figures (workspaces, rounding), every shape is measured.
