@@ -31,9 +31,10 @@ import torch
 from lightning_rotor._torch_compat import free_weak_storage, storage_id, weak_storage, weak_storage_expired
 from lightning_rotor.memory import storages_sized_by, storages_sized_plainly
 
-__all__ = ["CONST", "Peak", "SizeTrace", "StorageNumbers", "Sym", "Terms", "terms_of", "traced", "untraced"]
+__all__ = ["CONST", "PEAKS", "Peak", "SizeTrace", "StorageNumbers", "Sym", "Terms", "terms_of", "traced", "untraced"]
 
 CONST = -1  # the key of a figure's constant term
+PEAKS = 1 << 40  # the key of the trace's j-th peak variable is `PEAKS + j` (NOTE: [peak variables])
 Terms = dict[int, int]  # storage index (CONST: the constant) -> coefficient
 
 OPS = ("<", "<=", ">", ">=", "==", "!=")
@@ -274,11 +275,17 @@ class Sym(int):
 Level = Sym | Terms
 
 
+# NOTE: [peak variables] A probe's peak is the largest of the levels it rose through. Its terms, once used, are
+# not the largest level's with a guard that every other level stays below it (a guard fails wherever another op
+# becomes a stage's largest: a short sequence, where attention's `L*L` no longer dominates) but a variable of its
+# own, `PEAKS + j`, which lightning_rotor/symbolic_sizes.py evaluates at a new shape as the largest of the same
+# levels there: the top's sum plus the largest excess of a level over it, 0 at least (`SizeTrace.peaks`, the levels
+# that can exceed the top somewhere). That is what the probe computes there, running the same ops; only the other
+# comparisons (the profile's own `max`, `min` and branches) stay guards. A level may hold another peak's variable
+# (a peak folded into a count): variables are evaluated in the order they were made.
 class Peak(Sym):
     """A probe's peak: the largest of the levels it rose through since it started (`levels`, shared by the peaks
-    of one run). Its terms are the largest level's; once they are used, the guards recorded are that every level
-    is at most it (not the order in which the levels came: which of two lower levels was higher does not change
-    the peak)."""
+    of one run). Its terms, once used in a trace, are a peak variable (NOTE: [peak variables])."""
 
     levels: list[Level]
     _top: Level
@@ -292,16 +299,16 @@ class Peak(Sym):
     @property
     def terms(self) -> Terms:
         if _TRACES:
-            _TRACES[-1].dominated(self.levels, self._top)
+            return _TRACES[-1].variable(self.levels, self._top)
         return _level_terms(self._top)
 
 
 def _level(value: int) -> Level:
-    """A probe's level or peak as a level of a peak, without settling a peak's guards."""
+    """A probe's level or peak as a level of a peak (a peak: its variable, in a trace)."""
     if type(value) is Sym and value._run is not None:  # a running sum: never without a storage term
         return value
     if isinstance(value, Peak):
-        return value._top
+        return value.terms if _TRACES else value._top
     if isinstance(value, Sym) and value.terms:
         return value
     return terms_of(value) or {}
@@ -384,9 +391,11 @@ class SizeTrace(StorageNumbers):
     def __init__(self) -> None:
         super().__init__()
         self.guards: list[tuple[Terms, int, str, bool]] = []
-        self.terms = 0  # in all guards
+        # per peak variable (NOTE: [peak variables]): its top's terms, and the levels' excesses over it
+        self.peaks: list[tuple[Terms, list[Terms]]] = []
+        self.terms = 0  # in all guards and peaks
         self.abandoned = False  # too many guards to keep: no sizes are derived from this trace
-        self._dominated: dict[tuple[int, int], int] = {}
+        self._variables: dict[tuple[int, int, int], int] = {}
         self._kept: list[tuple[list[Level], Level]] = []
         # the guards recorded, by a key that is cheap to make (most guards differ in it), each its guards' terms
         self._recorded: dict[tuple[int, int, int, int, str, bool], list[Terms]] = {}
@@ -415,25 +424,23 @@ class SizeTrace(StorageNumbers):
             return Peak(current, level, levels)
         return Peak(peak, _level(peak), levels)
 
-    def dominated(self, levels: list[Level], top: Level) -> None:
-        """Guards that every level in `levels` is at most `top` (each recorded once per peak)."""
-        key = (id(levels), id(top))
-        done = self._dominated.get(key, 0)
-        if done < len(levels) and not self.abandoned:
+    def variable(self, levels: list[Level], top: Level) -> Terms:
+        """The terms of a peak of `levels` whose largest is `top` here: its variable (NOTE: [peak variables]), made
+        once per peak and number of levels; the top's terms where the trace is abandoned."""
+        if self.abandoned:
+            return dict(_level_terms(top))
+        key = (id(levels), id(top), len(levels))
+        found = self._variables.get(key)
+        if found is None:
             top_terms = _level_terms(top)
-            if len(levels) - done < WALKED:  # a few levels: each compared as it is (its terms made)
-                for level in levels[done:]:
-                    if level is not top:
-                        self.guard(_combined(_level_terms(level), top_terms, -1), "<=", True)
-            else:
-                walk = _Walk(top_terms)
-                for level in levels[done:]:
-                    if level is not top:
-                        excess = walk.excess(level)
-                        if excess is not None:
-                            self.guard(excess, "<=", True)
-        self._dominated[key] = len(levels)
-        self._kept.append((levels, top))  # alive while recorded: ids are not reused
+            rises = _rises(levels, top, top_terms)
+            self.peaks.append((dict(top_terms), rises))
+            self.terms += len(top_terms) + sum(len(r) for r in rises)
+            found = self._variables[key] = PEAKS + len(self.peaks) - 1
+            self._kept.append((levels, top))  # alive while recorded: ids are not reused
+            if self.terms > MAX_TERMS:
+                self._abandon()
+        return {found: 1}
 
     def guard(self, terms: Terms, op: str, result: bool) -> None:
         """Record that `sum(terms) op 0` came out `result`, unless it comes out so at every shape (a comparison of
@@ -449,11 +456,36 @@ class SizeTrace(StorageNumbers):
         self.guards.append((terms, constant, op, result))
         self.terms += len(terms)
         if self.terms > MAX_TERMS:
-            self.abandoned, self.guards, self._recorded = True, [], {}
+            self._abandon()
+
+    def _abandon(self) -> None:
+        self.abandoned, self.guards, self._recorded, self.peaks = True, [], {}, []
 
     def close(self) -> None:
         super().close()
-        self._dominated, self._kept, self._recorded = {}, [], {}
+        self._variables, self._kept, self._recorded = {}, [], {}
+
+
+def _rises(levels: list[Level], top: Level, top_terms: Terms) -> list[Terms]:
+    """Each level's excess over the top (`level - top`, its constant in it), where it may be positive at some shape;
+    each once, in the levels' order."""
+    rises: list[Terms] = []
+    seen: set[tuple[tuple[int, int], ...]] = set()
+    walk = _Walk(top_terms) if len(levels) >= WALKED else None
+    for level in levels:
+        if level is top:
+            continue
+        excess = walk.excess(level) if walk is not None else _combined(_level_terms(level), top_terms, -1)
+        if excess is None:
+            continue
+        rest = {k: c for k, c in excess.items() if k != CONST}
+        if not rest or holds_everywhere(rest, excess.get(CONST, 0), "<=", True):
+            continue
+        key = tuple(sorted(excess.items()))
+        if key not in seen:
+            seen.add(key)
+            rises.append(dict(excess))
+    return rises
 
 
 class _Walk:

@@ -81,7 +81,7 @@ from typing import Any
 import numpy as np
 
 from lightning_rotor.chain import TIME_FIELDS, Chain, ChainError, StageOption
-from lightning_rotor.size_trace import CONST, SizeTrace, Storage, StorageNumbers, Terms, terms_of, traced
+from lightning_rotor.size_trace import CONST, PEAKS, SizeTrace, Storage, StorageNumbers, Terms, terms_of, traced
 
 __all__ = [
     "ShapeLaw",
@@ -189,9 +189,38 @@ class Rows:
 
 
 @dataclasses.dataclass
+class Peaks:
+    """A trace's peak variables (NOTE: [peak variables] in lightning_rotor/size_trace.py) as rows: each peak's top,
+    and its levels' excesses over it, the excesses of one peak contiguous (`counts` per peak). `depth`: how many
+    rounds of evaluation a level holding another peak's variable needs (1: none does)."""
+
+    tops: Rows
+    rises: Rows
+    counts: np.ndarray
+    depth: int
+
+    def extended(self, sizes: np.ndarray) -> np.ndarray:
+        """`sizes` (the storages', the sentinel last) followed by each peak's value there: its top plus its largest
+        excess, 0 at least."""
+        n = len(self.counts)
+        values = np.concatenate([sizes, np.zeros(n, dtype=np.int64)])
+        if not n:
+            return values
+        starts = np.concatenate([[0], np.cumsum(self.counts)[:-1]])
+        some = self.counts > 0
+        for _ in range(self.depth):  # a later peak's levels may hold an earlier one's value
+            rise = np.zeros(n, dtype=np.int64)
+            if some.any():
+                rise[some] = np.maximum.reduceat(self.rises.at(values), starts[some])
+            values[len(sizes) :] = self.tops.at(values) + np.maximum(rise, 0)
+        return values
+
+
+@dataclasses.dataclass
 class TracedShape:
     """A measured shape along an axis: its size there, its chain (plain ints), its stages' FLOPs, and its trace
-    (its storages' dimensions, its guards and each size of its chain as rows of its storages' sizes)."""
+    (its storages' dimensions, its guards and each size of its chain as rows of its storages' sizes and its peak
+    variables)."""
 
     size: int
     chain: Chain
@@ -203,10 +232,15 @@ class TracedShape:
     allowed: np.ndarray  # per guard, whether its outcome holds where `a - b` is below, at or above zero
     sizes: Rows
     constant: np.ndarray  # per size of the chain: a constant to the trace (no storage's size in it)
+    peaks: Peaks
 
     def guards_hold(self, sizes: np.ndarray) -> bool:
-        signs = np.sign(self.guards.at(sizes)) + 1
+        signs = np.sign(self.guards.at(self.peaks.extended(sizes))) + 1
         return bool(self.allowed[np.arange(len(signs)), signs].all())
+
+    def sizes_at(self, sizes: np.ndarray) -> np.ndarray:
+        """Each size of the chain at the storage sizes `sizes` (exact where the guards hold there)."""
+        return self.sizes.at(self.peaks.extended(sizes))
 
 
 def _allowed(op: str, outcome: bool) -> tuple[bool, bool, bool]:
@@ -231,6 +265,10 @@ def traced_shape(size: int, trace: SizeTrace, chain: Chain, flops: list[int] | N
     n = len(trace.storages)
     dims, itemsizes, ranks = _storage_dims(trace.storages)
     sizes = [terms_of(v) for v in chain_sizes(chain)]
+
+    def rows(terms: Sequence[Terms]) -> Rows:  # peak variable j's column after the storages' and the sentinel's
+        return Rows([{k if k < PEAKS else n + 1 + k - PEAKS: c for k, c in t.items()} for t in terms], n)
+
     return TracedShape(
         size=size,
         chain=plain_sizes(chain),
@@ -238,11 +276,26 @@ def traced_shape(size: int, trace: SizeTrace, chain: Chain, flops: list[int] | N
         dims=dims,
         itemsizes=itemsizes,
         ranks=ranks,
-        guards=Rows([g[0] | {CONST: g[1]} for g in trace.guards], n),
+        guards=rows([g[0] | {CONST: g[1]} for g in trace.guards]),
         allowed=np.asarray([_allowed(g[2], g[3]) for g in trace.guards], dtype=bool).reshape(-1, 3),
-        sizes=Rows([t if t is not None else {} for t in sizes], n),
+        sizes=rows([t if t is not None else {} for t in sizes]),
         constant=np.asarray([t is None or not any(k != CONST for k in t) for t in sizes], dtype=bool),
+        peaks=Peaks(
+            rows([top for top, _ in trace.peaks]),
+            rows([r for _, rises in trace.peaks for r in rises]),
+            np.asarray([len(rises) for _, rises in trace.peaks], dtype=np.int64),
+            _depth(trace.peaks),
+        ),
     )
+
+
+def _depth(peaks: Sequence[tuple[Terms, list[Terms]]]) -> int:
+    """Rounds of evaluation the peak variables need: 1 where no level holds another peak's variable."""
+    depth: list[int] = []
+    for top, rises in peaks:
+        held = [k - PEAKS for terms in (top, *rises) for k in terms if k >= PEAKS]
+        depth.append(1 + max((depth[j] for j in held), default=0))
+    return max(depth, default=1)
 
 
 def numbered_shape(
@@ -270,7 +323,7 @@ def numbered_shape(
         and np.array_equal(base.itemsizes, itemsizes)
         and _structure(base.chain) == _structure(chain)
     ]
-    held = (b for b in alike if b.guards_hold(sizes) and [int(v) for v in b.sizes.at(sizes)] == measured)
+    held = (b for b in alike if b.guards_hold(sizes) and [int(v) for v in b.sizes_at(sizes)] == measured)
     base = next(held, None) or (alike[0] if borrow and alike else None)
     if base is None:
         return None
@@ -307,7 +360,7 @@ class ShapeLaw:
         for shape in sorted(self.shapes, key=lambda s: abs(s.size - x)):
             if shape.guards_hold(sizes):
                 try:
-                    return shape, with_sizes(shape.chain, [int(v) for v in shape.sizes.at(sizes)])
+                    return shape, with_sizes(shape.chain, [int(v) for v in shape.sizes_at(sizes)])
                 except ChainError:
                     return None
         return None
@@ -415,7 +468,7 @@ def _disagreement(shapes: Sequence[TracedShape], sizes: Sequence[np.ndarray | No
         measured = chain_sizes(shape.chain)
         for j, other in enumerate(shapes):
             if other.guards_hold(at):
-                derived = [int(v) for v in other.sizes.at(at)]
+                derived = [int(v) for v in other.sizes_at(at)]
                 if derived != measured:
                     name = next(n for (n, m), v in zip(_slots(shape.chain), derived, strict=True) if m != v)
                     return name, i, j
@@ -523,7 +576,7 @@ class MonomialLaw:
         for i in order:
             if self.shapes[i].guards_hold(sizes):
                 try:
-                    return i, with_sizes(self.shapes[i].chain, [int(v) for v in self.shapes[i].sizes.at(sizes)])
+                    return i, with_sizes(self.shapes[i].chain, [int(v) for v in self.shapes[i].sizes_at(sizes)])
                 except ChainError:
                     break
         return f"no traced shape's branches hold at {point}"

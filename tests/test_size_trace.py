@@ -3,7 +3,7 @@
 import torch
 
 from lightning_rotor.memory import MemoryProbe
-from lightning_rotor.size_trace import Sym, holds_everywhere, traced
+from lightning_rotor.size_trace import CONST, PEAKS, Sym, holds_everywhere, traced
 
 
 def test_a_comparison_whose_sign_no_size_changes_is_no_guard():
@@ -21,8 +21,10 @@ def test_a_comparison_whose_sign_no_size_changes_is_no_guard():
     assert [(g[0], g[1], g[2], g[3]) for g in trace.guards] == [({0: 1}, 0, ">", True), ({0: 1, 1: -1}, 0, ">", True)]
 
 
-def test_a_probe_peak_records_each_of_its_guards_once():
-    """A peak settles as `every level <= the top`: levels below it by storages alone hold everywhere."""
+def test_a_probe_peak_is_a_variable_of_the_levels_that_can_exceed_its_top():
+    """A peak's terms, once used, are its variable (NOTE: [peak variables]): no guard; its top is the largest level
+    here, and of the other levels it keeps those that can exceed the top at some shape, each once (levels below it
+    by storages alone cannot)."""
     with traced() as trace:
         with MemoryProbe() as probe:
             x = torch.zeros(100)
@@ -30,10 +32,15 @@ def test_a_probe_peak_records_each_of_its_guards_once():
             del y
             z = x + 1
             del x, z
-        _ = probe.peak + 0  # its terms used: its guards recorded
-    keys = [(frozenset(t.items()), c, op, r) for t, c, op, r in trace.guards]
+        used = probe.peak + 0  # its terms used: its variable
+    ((top, rises),) = trace.peaks
+    assert used == 800 and used.terms == {PEAKS: 1} and not trace.guards
+    assert sorted(top.values()) == [1, 1]  # x and y
+    keys = [frozenset(r.items()) for r in rises]
     assert len(keys) == len(set(keys))
-    assert all(not holds_everywhere(t, c, op, r) for t, c, op, r in trace.guards)
+    assert all(
+        not holds_everywhere({k: c for k, c in r.items() if k != CONST}, r.get(CONST, 0), "<=", True) for r in rises
+    )
 
 
 def test_an_op_that_changes_nothing_leaves_the_peak_as_it_was():

@@ -1,6 +1,6 @@
 """Running sums (NOTE: [running sums] in lightning_rotor/size_trace.py) give every sum the very terms, in the very
 order, that copying the terms at each step (`_combined`, the arithmetic before running sums) gives; a peak's
-guards are those of every level against its top."""
+variable holds every level's excess over its top (NOTE: [peak variables])."""
 
 from contextlib import contextmanager
 
@@ -74,8 +74,8 @@ def stepwise_sums(script):
             assert list(terms_of(value).items()) == list(ref.items())
 
 
-def reference_guards(levels: list, top) -> list[tuple[dict[int, int], int, str, bool]]:
-    """Main's rule: `level - top <= 0` for every level but the top, unless it holds everywhere; each once."""
+def reference_rises(levels: list, top) -> list[tuple[dict[int, int], int]]:
+    """`level - top` (terms, constant) for every level but the top, unless it is at most 0 everywhere; each once."""
     found, seen = [], set()
     top_terms = top if isinstance(top, dict) else top.terms
     for level in levels:
@@ -86,7 +86,7 @@ def reference_guards(levels: list, top) -> list[tuple[dict[int, int], int, str, 
         key = (frozenset(terms.items()), constant)
         if terms and not holds_everywhere(terms, constant, "<=", True) and key not in seen:
             seen.add(key)
-            found.append((terms, constant, "<=", True))
+            found.append((terms, constant))
     return found
 
 
@@ -108,14 +108,15 @@ ops = st.lists(
 @settings(max_examples=300, deadline=None)
 @given(ops, snapshots)
 @example([("new", 1), ("new", 50), ("free", 1), ("new", 1), ("again", 0)], 64)  # a term equal to the top's moves off
-def test_a_peaks_guards_are_every_level_against_its_top_as_stepwise_arithmetic_gives(script, every):
-    """A probe's count, op after op, through the trace's `higher`: once the peak's terms are used, its guards
-    (terms in order) are those that comparing every level with the top step by step gives."""
+def test_a_peaks_variable_holds_every_level_against_its_top_as_stepwise_arithmetic_gives(script, every):
+    """A probe's count, op after op, through the trace's `higher`: once the peak's terms are used, they are its
+    variable alone, no guard is recorded, and the variable's top and excesses (terms in order) are those that
+    comparing every level with the top step by step gives."""
     with copies_every(every):
-        probe_guards(script)
+        probe_rises(script)
 
 
-def probe_guards(script):
+def probe_rises(script):
     trace = SizeTrace()
     with traced(trace):
         live: list[Sym] = []
@@ -136,8 +137,10 @@ def probe_guards(script):
             peak = trace.higher(peak, current)
         if not hasattr(peak, "levels"):
             return
-        _ = peak + 0  # its terms used: its guards recorded
-        expected = reference_guards(peak.levels, peak._top)
-    assert [(list(t.items()), c, op, r) for t, c, op, r in trace.guards] == [
-        (list(t.items()), c, op, r) for t, c, op, r in expected
+        assert terms_of(peak + 0) == {size_trace.PEAKS + len(trace.peaks) - 1: 1}  # its terms used: its variable
+        top = peak._top if isinstance(peak._top, dict) else peak._top.terms
+        expected = reference_rises(peak.levels, peak._top)
+    assert not trace.guards and trace.peaks[-1][0] == top
+    assert [([(k, c) for k, c in r.items() if k != CONST], r.get(CONST, 0)) for r in trace.peaks[-1][1]] == [
+        (list(t.items()), c) for t, c in expected
     ]
