@@ -282,7 +282,12 @@ Level = Sym | Terms
 # levels there: the top's sum plus the largest excess of a level over it, 0 at least (`SizeTrace.peaks`, the levels
 # that can exceed the top somewhere). That is what the probe computes there, running the same ops; only the other
 # comparisons (the profile's own `max`, `min` and branches) stay guards. A level may hold another peak's variable
-# (a peak folded into a count): variables are evaluated in the order they were made.
+# (a peak folded into a count): variables are evaluated in the order they were made. Beyond the measured sizes
+# along an axis, a derivation also asks every peak's top to stay its largest, as the guards it replaces did: there
+# a wrong law of the dimensions (three sizes in one step of a padding, docs/checkpointable.md) was sometimes refused
+# by that alone (`benchmarks/shapes_monomial.py`: 13 wrong chains of 456 with it, 61 without). Between measured
+# sizes the dimensions' laws hold (`MonomialLaw.spans`), and a regime no measured shape had is derived: the small
+# GPT measured at lengths 8 and 81 derives 25 to 42, where neither trace's tops are the largest.
 class Peak(Sym):
     """A probe's peak: the largest of the levels it rose through since it started (`levels`, shared by the peaks
     of one run). Its terms, once used in a trace, are a peak variable (NOTE: [peak variables])."""

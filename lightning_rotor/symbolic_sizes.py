@@ -199,21 +199,19 @@ class Peaks:
     counts: np.ndarray
     depth: int
 
-    def extended(self, sizes: np.ndarray) -> np.ndarray:
+    def extended(self, sizes: np.ndarray) -> tuple[np.ndarray, bool]:
         """`sizes` (the storages', the sentinel last) followed by each peak's value there: its top plus its largest
-        excess, 0 at least."""
+        excess, 0 at least; and whether a level rose above a top."""
         n = len(self.counts)
         values = np.concatenate([sizes, np.zeros(n, dtype=np.int64)])
-        if not n:
-            return values
-        starts = np.concatenate([[0], np.cumsum(self.counts)[:-1]])
+        rise = np.zeros(n, dtype=np.int64)
+        starts = np.concatenate([[0], np.cumsum(self.counts)[:-1]]) if n else rise
         some = self.counts > 0
-        for _ in range(self.depth):  # a later peak's levels may hold an earlier one's value
-            rise = np.zeros(n, dtype=np.int64)
+        for _ in range(self.depth if n else 0):  # a later peak's levels may hold an earlier one's value
             if some.any():
                 rise[some] = np.maximum.reduceat(self.rises.at(values), starts[some])
             values[len(sizes) :] = self.tops.at(values) + np.maximum(rise, 0)
-        return values
+        return values, bool((rise > 0).any())
 
 
 @dataclasses.dataclass
@@ -234,13 +232,16 @@ class TracedShape:
     constant: np.ndarray  # per size of the chain: a constant to the trace (no storage's size in it)
     peaks: Peaks
 
-    def guards_hold(self, sizes: np.ndarray) -> bool:
-        signs = np.sign(self.guards.at(self.peaks.extended(sizes))) + 1
-        return bool(self.allowed[np.arange(len(signs)), signs].all())
+    def guards_hold(self, sizes: np.ndarray, tops: bool = False) -> bool:
+        """Whether every comparison the profile made has its outcome at the storage sizes `sizes`; with `tops`,
+        every peak's largest level too (beyond the measured sizes: NOTE: [peak variables] in size_trace.py)."""
+        values, risen = self.peaks.extended(sizes)
+        signs = np.sign(self.guards.at(values)) + 1
+        return bool(self.allowed[np.arange(len(signs)), signs].all()) and not (tops and risen)
 
     def sizes_at(self, sizes: np.ndarray) -> np.ndarray:
         """Each size of the chain at the storage sizes `sizes` (exact where the guards hold there)."""
-        return self.sizes.at(self.peaks.extended(sizes))
+        return self.sizes.at(self.peaks.extended(sizes)[0])
 
 
 def _allowed(op: str, outcome: bool) -> tuple[bool, bool, bool]:
@@ -357,8 +358,9 @@ class ShapeLaw:
         sizes = self.storage_sizes(x)
         if sizes is None:
             return None
+        beyond = not min(s.size for s in self.shapes) <= x <= max(s.size for s in self.shapes)
         for shape in sorted(self.shapes, key=lambda s: abs(s.size - x)):
-            if shape.guards_hold(sizes):
+            if shape.guards_hold(sizes, tops=beyond):
                 try:
                     return shape, with_sizes(shape.chain, [int(v) for v in shape.sizes_at(sizes)])
                 except ChainError:
@@ -573,8 +575,12 @@ class MonomialLaw:
         if dims is None:
             return unseen or f"no exponents for an axis that {point} differs in, or a size there no whole number"
         sizes = self.shapes[0].itemsizes * np.prod(dims, axis=1)
+        beyond = any(
+            not min(self.points[j][a] for j in self.bases) <= point[a] <= max(self.points[j][a] for j in self.bases)
+            for a in range(len(point))
+        )
         for i in order:
-            if self.shapes[i].guards_hold(sizes):
+            if self.shapes[i].guards_hold(sizes, tops=beyond):
                 try:
                     return i, with_sizes(self.shapes[i].chain, [int(v) for v in self.shapes[i].sizes_at(sizes)])
                 except ChainError:
