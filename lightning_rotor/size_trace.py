@@ -1,14 +1,15 @@
 """Sizes traced through a profile: every size of a measured chain as a sum of the storages' own sizes.
 
-The memory probe's figures (lightning_rotor/memory.py) are sums and differences of storage sizes, and the
-profile's (lightning_rotor/profile.py) are sums, differences, maxima and minima of the probe's. While a profile
-is traced (`traced`), each storage's bytes are a `Sym`: an int (the profile computes with it as with any) that
-also carries its terms, storage index -> coefficient. Sums and differences keep their terms; each comparison
-(the probe's `max(peak, current)` after every op, the profile's `max` and `min` of its figures) is recorded as
-a guard, the comparison and its outcome. So a chain measured at one shape is, exactly, a linear function of its
-storages' sizes wherever every guard has the same outcome (the same op is the largest, the same run the
-smaller): run at another shape where they do, the same Python code takes the same branches and adds the same
-storages. lightning_rotor/symbolic_sizes.py finds each storage's size at another shape and checks the guards.
+The memory probe's figures (lightning_rotor/memory.py) are sums and differences of storage sizes, and the profile's
+(lightning_rotor/profile.py) are sums, differences, maxima and minima of the probe's. While a profile is traced
+(`traced`), each storage's bytes are a `Sym`: an int (the profile computes with it as with any) that also carries
+its terms, storage index -> coefficient. Sums and differences keep their terms; a probe's peak (its `max(peak,
+current)` after every op) is a variable of its own, the largest of its levels (NOTE: [peak variables]); each other
+comparison (the profile's `max` and `min` of its figures) is recorded as a guard, the comparison and its outcome. So
+a chain measured at one shape is, exactly, a linear function of its storages' sizes and its peaks wherever every
+guard has the same outcome (the same run the smaller): run at another shape where they do, the same Python code
+takes the same branches and adds the same storages. lightning_rotor/symbolic_sizes.py finds each storage's size at
+another shape and checks the guards.
 
 Storages are numbered in the order the profile first counts them: two runs of the same ops at two shapes number
 them alike. Where a figure leaves the sums (a product of two sizes, a division), it becomes a plain int, a

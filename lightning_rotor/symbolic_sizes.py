@@ -1,8 +1,9 @@
 """Exact sizes of a new input shape without running it, from traced profiles of measured shapes.
 
 A traced profile (lightning_rotor/size_trace.py) gives every size of a measured chain as a sum of its storages'
-sizes, valid wherever its guards hold (each comparison the probe and the profile made has the same outcome: the
-same op is a stage's largest, the same run the smaller). What is left is each storage's size at the new shape.
+sizes and its probes' peaks (each the largest of its levels, sums of storage sizes: NOTE: [peak variables]),
+valid wherever its guards hold (each other comparison the profile made has the same outcome: the same run the
+smaller). What is left is each storage's size at the new shape.
 
 A storage's bytes are its element size times the dimensions of the tensor that made it. A family of input
 shapes has axes: groups of input coordinates that share one size in every shape seen (the batch in the images
@@ -18,12 +19,12 @@ storage's dimensions at a new shape, tried in this order:
   one as transformers' causal-LM loss does): along one axis each dimension is `a x + b`, through two measured
   shapes and checked on a third.
 
-Then the traced shapes are tried nearest first: the first whose every guard holds at the evaluated storage
-sizes gives every size of the chain, exactly, as the profile run there would have computed it; none (the
-largest op of a stage changes), or a dimension no whole number there (`H/32` at a side not a multiple of 32):
-the shape is measured, and its trace covers the sizes around it from then on. Checked on the measured shapes
-themselves: a trace whose guards hold at another measured shape must give its measured chain to the byte (a
-size that left the sums, a constant to the trace, fails here). Shapes that ran other ops (another number of
+Then the traced shapes are tried nearest first: the first whose every guard holds at the evaluated storage sizes
+gives every size of the chain, exactly, as the profile run there would have computed it (beyond the measured sizes,
+every peak's top must stay its largest too); none, or a dimension no whole number there (`H/32` at a side not a
+multiple of 32): the shape is measured, and its trace covers the sizes around it from then on. Checked on the
+measured shapes themselves: a trace whose guards hold at another measured shape must give its measured chain to the
+byte (a size that left the sums, a constant to the trace, fails here). Shapes that ran other ops (another number of
 storages: a 1x1 last stage, MoE routing) are kept apart, each group its own law.
 
 What this rests on: the stages run the same ops at the new shape as at the measured ones (no size-dependent
