@@ -71,7 +71,12 @@ class Recorder:
                 storages = [[s.itemsize, list(s.factors)] for s in trace.storages]
                 if isinstance(trace, SizeTrace):
                     guards = [[list(t.items()), c, op, r] for t, c, op, r in trace.guards]  # in order
-                    self.traces.append({"storages": storages, "guards": guards, "abandoned": trace.abandoned})
+                    entry = {"storages": storages, "guards": guards, "abandoned": trace.abandoned}
+                    if hasattr(trace, "peaks"):  # its peak variables (a checkout that has them)
+                        entry["peaks"] = [
+                            [list(top.items()), [list(r.items()) for r in rises]] for top, rises in trace.peaks
+                        ]
+                    self.traces.append(entry)
                 else:  # a numbered shape (`StorageNumbers`): its storages only
                     self.traces.append({"storages": storages})
             return add(laws, family, dims, trace, chain, flops)

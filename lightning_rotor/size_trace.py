@@ -288,7 +288,9 @@ Level = Sym | Terms
 # a wrong law of the dimensions (three sizes in one step of a padding, docs/checkpointable.md) was sometimes refused
 # by that alone (`benchmarks/shapes_monomial.py`: 13 wrong chains of 456 with it, 61 without). Between measured
 # sizes the dimensions' laws hold (`MonomialLaw.spans`), and a regime no measured shape had is derived: the small
-# GPT measured at lengths 8 and 81 derives 25 to 42, where neither trace's tops are the largest.
+# GPT measured at lengths 8 and 81 derives 25 to 42, where neither trace's tops are the largest. So that a regime
+# beyond them gets a trace of its own, a later shape is measured numbered only where the nearest trace's tops likely
+# stay its largest too (`ShapeLaws._numbers`), as before.
 class Peak(Sym):
     """A probe's peak: the largest of the levels it rose through since it started (`levels`, shared by the peaks
     of one run). Its terms, once used in a trace, are a peak variable (NOTE: [peak variables])."""
