@@ -54,9 +54,9 @@ shape (most training) never pays for a trace (litgpt's first profile 12.0-12.6 p
 after: docs/benchmarks.md, "The first shape numbered only"). Its next measured shape is traced, and the first takes
 that trace where its guards hold there and its rows give its chain (`numbered_shape`), else borrows it all the
 same: a trace is exact wherever its guards hold, whichever shape it was taken at, and the first shape's storage
-dimensions are a point of the law. What it costs: where the first two shapes are in different regimes (another op
-a stage's largest), shapes in the first's regime that the second's guards miss are measured, not derived (a small
-GPT at 20 then 32 measures 16, which 20's own trace derived).
+dimensions are a point of the law. What it costs: beyond the measured sizes a derivation asks the trace's peaks to
+keep their tops (NOTE: [peak variables] in size_trace.py), and the first shape has the second's tops: a shape beyond
+them in the first's regime is measured where the first's own trace would have derived it.
 
 The memory probe's samples (`RotorCallback`, `measure_step`) check the rest, as for any plan; on CUDA, where a
 profile also keeps the caching allocator's figures (workspaces, rounding), every shape is measured.
@@ -312,9 +312,9 @@ def numbered_shape(
     numbered storages' sizes, its rows give `chain` to the byte), with these storages' dimensions. That trace is
     exact wherever its guards hold, here as at its own shape; a trace taken here is the same but where two levels
     of a peak have equal bytes here (it keeps the first as the peak: same bytes, other terms). None where no trace
-    holds (another op is a stage's largest here): the shape is untraced; with `borrow`, the first trace that ran the
-    same ops, its guards not holding here: a trace holds wherever its guards do, and this shape's dimensions are a
-    point of the law (NOTE: [the first shape numbered])."""
+    holds (other ops here, or another outcome of a comparison of the profile's): the shape is untraced; with
+    `borrow`, the first trace that ran the same ops, its guards not holding here: a trace holds wherever its guards
+    do, and this shape's dimensions are a point of the law (NOTE: [the first shape numbered])."""
     dims, itemsizes, ranks = _storage_dims(numbers.storages)
     sizes = itemsizes * np.prod(dims, axis=1)
     measured = chain_sizes(chain)
