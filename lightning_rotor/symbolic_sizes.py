@@ -58,8 +58,8 @@ dimensions are a point of the law. What it costs: beyond the measured sizes a de
 keep their tops (NOTE: [peak variables] in size_trace.py), and the first shape has the second's tops: a shape beyond
 them in the first's regime is measured where the first's own trace would have derived it.
 
-The memory probe's samples (`RotorCallback`, `measure_step`) check the rest, as for any plan; on CUDA, where a
-profile also keeps the caching allocator's figures (workspaces, rounding), every shape is measured.
+The memory probe's samples (`RotorCallback`, `measure_step`) check the rest, as for any plan; on CUDA a derived
+shape is also charged the caching allocator's excess of the nearest measured shape (lightning_rotor/allocator.py).
 
 A module-level chain (a run of blocks, the code around it measured apart and charged to the chain) is traced
 with the code around it, and its shapes are keyed by the call's arguments (the tokens, the labels) rather than
@@ -233,16 +233,18 @@ class TracedShape:
     constant: np.ndarray  # per size of the chain: a constant to the trace (no storage's size in it)
     peaks: Peaks
 
-    def guards_hold(self, sizes: np.ndarray, tops: bool = False) -> bool:
-        """Whether every comparison the profile made has its outcome at the storage sizes `sizes`; with `tops`,
-        every peak's largest level too (beyond the measured sizes: NOTE: [peak variables] in size_trace.py)."""
+    def held_sizes(self, sizes: np.ndarray, tops: bool = False) -> list[int] | None:
+        """Each size of the chain at the storage sizes `sizes`, exact there; None where a comparison the profile made
+        has another outcome there, or with `tops` where a peak's largest level is another (beyond the measured
+        sizes: NOTE: [peak variables] in size_trace.py). The peaks are evaluated once for both."""
         values, risen = self.peaks.extended(sizes)
         signs = np.sign(self.guards.at(values)) + 1
-        return bool(self.allowed[np.arange(len(signs)), signs].all()) and not (tops and risen)
+        if (tops and risen) or not self.allowed[np.arange(len(signs)), signs].all():
+            return None
+        return [int(v) for v in self.sizes.at(values)]
 
-    def sizes_at(self, sizes: np.ndarray) -> np.ndarray:
-        """Each size of the chain at the storage sizes `sizes` (exact where the guards hold there)."""
-        return self.sizes.at(self.peaks.extended(sizes)[0])
+    def guards_hold(self, sizes: np.ndarray, tops: bool = False) -> bool:
+        return self.held_sizes(sizes, tops) is not None
 
 
 def _allowed(op: str, outcome: bool) -> tuple[bool, bool, bool]:
@@ -325,7 +327,7 @@ def numbered_shape(
         and np.array_equal(base.itemsizes, itemsizes)
         and _structure(base.chain) == _structure(chain)
     ]
-    held = (b for b in alike if b.guards_hold(sizes) and [int(v) for v in b.sizes_at(sizes)] == measured)
+    held = (b for b in alike if b.held_sizes(sizes) == measured)
     base = next(held, None) or (alike[0] if borrow and alike else None)
     if base is None:
         return None
@@ -361,9 +363,10 @@ class ShapeLaw:
             return None
         beyond = not min(s.size for s in self.shapes) <= x <= max(s.size for s in self.shapes)
         for shape in sorted(self.shapes, key=lambda s: abs(s.size - x)):
-            if shape.guards_hold(sizes, tops=beyond):
+            found = shape.held_sizes(sizes, tops=beyond)
+            if found is not None:
                 try:
-                    return shape, with_sizes(shape.chain, [int(v) for v in shape.sizes_at(sizes)])
+                    return shape, with_sizes(shape.chain, found)
                 except ChainError:
                     return None
         return None
@@ -470,11 +473,10 @@ def _disagreement(shapes: Sequence[TracedShape], sizes: Sequence[np.ndarray | No
             continue
         measured = chain_sizes(shape.chain)
         for j, other in enumerate(shapes):
-            if other.guards_hold(at):
-                derived = [int(v) for v in other.sizes_at(at)]
-                if derived != measured:
-                    name = next(n for (n, m), v in zip(_slots(shape.chain), derived, strict=True) if m != v)
-                    return name, i, j
+            derived = other.held_sizes(at)
+            if derived is not None and derived != measured:
+                name = next(n for (n, m), v in zip(_slots(shape.chain), derived, strict=True) if m != v)
+                return name, i, j
     return None
 
 
@@ -581,9 +583,10 @@ class MonomialLaw:
             for a in range(len(point))
         )
         for i in order:
-            if self.shapes[i].guards_hold(sizes, tops=beyond):
+            found = self.shapes[i].held_sizes(sizes, tops=beyond)
+            if found is not None:
                 try:
-                    return i, with_sizes(self.shapes[i].chain, [int(v) for v in self.shapes[i].sizes_at(sizes)])
+                    return i, with_sizes(self.shapes[i].chain, found)
                 except ChainError:
                     break
         return f"no traced shape's branches hold at {point}"
